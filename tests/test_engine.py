@@ -1,0 +1,491 @@
+"""The engine and the GPU actor, driven through the public channel API on tiny CPU models."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+
+import pytest
+import trio
+
+import trio_mlx
+from trio_mlx import Finished, TextDelta
+
+
+async def collect(stream: trio_mlx.RequestStream) -> tuple[list[int], str, Finished]:
+    ids: list[int] = []
+    text: list[str] = []
+    async for ev in stream:
+        if isinstance(ev, TextDelta):
+            ids.extend(ev.token_ids)
+            text.append(ev.text)
+        else:
+            return ids, "".join(text), ev
+    raise AssertionError("stream ended without a Finished event")
+
+
+async def run(engine: trio_mlx.Engine, prompt, **opts) -> tuple[list[int], str, Finished]:
+    async with engine.generate(prompt, **opts) as events:
+        return await collect(events)
+
+
+async def until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(0.001)
+
+
+PROMPTS = [
+    "The quick brown fox",
+    "Hello world, what is the capital of France?",
+    "0123456789",
+    "a b c d e f g h i j k l m n o p",
+]
+
+
+def reference_greedy(model_path, prompt_ids: list[int], n: int) -> list[int]:
+    """mlx_lm's own single-sequence generation, the ground truth."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_path)
+    out = []
+    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n):
+        out.append(int(tok))
+    return out
+
+
+async def test_solo_greedy_matches_mlx_lm_generate(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8) as engine:
+        for prompt in PROMPTS:
+            ids = engine.encode_prompt("text", prompt)
+            expected = reference_greedy(tiny_model_fp32, ids, 24)
+            got, _, fin = await run(engine, prompt, max_tokens=24, temperature=0, ignore_eos=True)
+            assert got == expected, prompt
+            assert fin.finish_reason == "length"
+            assert fin.usage.prompt_tokens == len(ids)
+            assert fin.usage.completion_tokens == 24
+
+
+async def test_greedy_tokens_identical_alone_and_in_a_batch_of_16(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=16) as engine:
+        prompts = [f"{PROMPTS[i % 4]} {i}" * (1 + i % 3) for i in range(16)]
+        alone = [(await run(engine, p, max_tokens=20, temperature=0, ignore_eos=True))[0] for p in prompts]
+        together: dict[int, list[int]] = {}
+
+        async def one(i: int) -> None:
+            together[i] = (await run(engine, prompts[i], max_tokens=20, temperature=0, ignore_eos=True))[0]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(one, i)
+        assert [together[i] for i in range(16)] == alone
+        assert engine.statistics().mean_step_seconds > 0
+
+
+async def test_64_concurrent_streams_finish_with_right_lengths_and_usage(tiny_model_bf16):
+    async with trio_mlx.open_engine(tiny_model_bf16, max_batch=64) as engine:
+        results: dict[int, tuple[list[int], str, Finished]] = {}
+
+        async def one(i: int) -> None:
+            results[i] = await run(engine, f"request {i}: " + "x" * i, max_tokens=8 + i % 9, ignore_eos=True, temperature=0.8)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(64):
+                    nursery.start_soon(one, i)
+        for i in range(64):
+            ids, _, fin = results[i]
+            assert fin.finish_reason == "length"
+            assert len(ids) == fin.usage.completion_tokens == 8 + i % 9
+            assert fin.usage.prompt_tokens == len(engine.encode_prompt("text", f"request {i}: " + "x" * i))
+        stats = engine.statistics()
+        assert stats.requests_finished == stats.requests_submitted == 64
+        assert stats.generated_tokens == sum(8 + i % 9 for i in range(64))
+        assert (stats.active, stats.queued, stats.prefilling, stats.decoding) == (0, 0, 0, 0)
+
+
+async def test_eos_ends_a_sequence_unless_ignored(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        ids, _, _ = await run(engine, "Hello", max_tokens=6, temperature=0, ignore_eos=True)
+        eos = ids[2]  # pretend the third greedy token is an end-of-sequence token
+        got, text, fin = await run(engine, "Hello", max_tokens=6, temperature=0, stop_token_ids=[eos])
+        assert got == ids[: ids.index(eos) + 1]
+        assert fin.finish_reason == "stop" and fin.stop == eos
+        assert fin.usage.completion_tokens == len(got)
+
+
+async def test_abort_while_decoding_frees_the_slot_and_admits_a_waiter(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=1, prefill_batch=1) as engine:
+        waiter_tokens: list[int] = []
+
+        async def waiter() -> None:
+            ids, _, fin = await run(engine, "second", max_tokens=5, ignore_eos=True, temperature=0)
+            waiter_tokens.extend(ids)
+            assert fin.finish_reason == "length"
+
+        async with trio.open_nursery() as nursery:
+            async with engine.generate("first", max_tokens=1000, ignore_eos=True, temperature=0) as events:
+                async for ev in events:
+                    assert isinstance(ev, TextDelta)
+                    break  # decoding now
+                nursery.start_soon(waiter)
+                await until(lambda: engine.statistics().active == 2)  # one decoding, one queued
+            # left the block: the abort reaches the actor at the next exchange
+            steps = engine.statistics().decode_steps
+            await until(lambda: engine.statistics().decode_steps >= steps + 1)
+            stats = engine.statistics()
+            assert stats.aborts_by_stage == {"decode": 1}
+            assert stats.decoding + stats.prefilling + stats.queued <= 1
+        assert len(waiter_tokens) == 5
+
+
+async def test_abort_while_queued_never_runs_the_sequence(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=1, prefill_batch=1) as engine:
+        async with engine.generate("busy", max_tokens=400, ignore_eos=True, temperature=0) as busy:
+            async for _ in busy:
+                break
+            queued = engine.generate("queued", max_tokens=10, ignore_eos=True)
+            async with queued:
+                await until(lambda: engine.statistics().active == 2)
+                assert queued.stage == "queued"
+            steps = engine.statistics().decode_steps
+            await until(lambda: engine.statistics().decode_steps >= steps + 2)
+            stats = engine.statistics()
+            assert stats.aborts_by_stage == {"queued": 1}
+            assert stats.active == 1 and stats.queued == 0
+            assert queued.completion_tokens == 0
+
+
+async def test_abort_while_prefilling_frees_the_slot(tiny_model_fp32):
+    # A small prefill step makes a long prompt take many steps to prefill.
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=2, prefill_batch=1, prefill_step=4) as engine:
+        long_prompt = [5 + i % 200 for i in range(400)]
+        stream = engine.generate(long_prompt, max_tokens=4, ignore_eos=True)
+        async with stream:
+            await until(lambda: stream.stage == "prefill")
+        await until(lambda: engine.statistics().active == 0, timeout=5)
+        stats = engine.statistics()
+        assert stats.aborts_by_stage == {"prefill": 1}
+        # the engine keeps serving
+        ids, _, fin = await run(engine, "after", max_tokens=3, ignore_eos=True)
+        assert len(ids) == 3 and fin.finish_reason == "length"
+
+
+async def test_cancel_scope_and_consumer_exception_abort(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        with trio.move_on_after(0.05):
+            await run(engine, "never ends", max_tokens=900, ignore_eos=True)
+        with pytest.raises(ZeroDivisionError):
+            async with engine.generate("boom", max_tokens=900, ignore_eos=True) as events:
+                async for _ in events:
+                    1 / 0  # noqa: B018
+        await until(lambda: engine.statistics().active == 0)
+        assert engine.statistics().aborts == 2
+
+
+async def test_seeded_sampling_is_reproducible_under_concurrency(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=16) as engine:
+        opts = dict(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+        alone, _, _ = await run(engine, "The quick brown fox", **opts)
+        crowd: dict[int, list[int]] = {}
+
+        async def other(i: int) -> None:
+            crowd[i] = (await run(engine, f"noise {i}", max_tokens=30, temperature=1.0, seed=i if i % 2 else None, ignore_eos=True))[0]
+
+        async def mine() -> None:
+            crowd[-1] = (await run(engine, "The quick brown fox", **opts))[0]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(other, i)
+            await trio.sleep(0.01)  # join a batch that is already running
+            nursery.start_soon(mine)
+        assert crowd[-1] == alone
+        other_seed, _, _ = await run(engine, "The quick brown fox", **{**opts, "seed": 99})
+        assert other_seed != alone
+
+
+async def test_stop_strings_match_across_token_boundaries(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        ids, full, _ = await run(engine, "Hello world", max_tokens=30, temperature=0, ignore_eos=True)
+        # the text each token adds; a stop string made of the last character of
+        # one token and the first of the next spans a token boundary
+        texts = [engine.tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+        adds = [texts[0]] + [texts[i][len(texts[i - 1]) :] for i in range(1, len(texts))]
+        i = next(i for i in range(2, len(adds) - 1) if adds[i].strip() and adds[i + 1].strip())
+        stop = adds[i][-1] + adds[i + 1][0]
+        got_ids, text, fin = await run(engine, "Hello world", max_tokens=30, temperature=0, ignore_eos=True, stop=["zzz-never", stop])
+        assert fin.finish_reason == "stop" and fin.stop == stop
+        assert text == full[: full.index(stop)]
+        assert stop not in text
+        assert got_ids == ids[: len(got_ids)] and len(got_ids) < len(ids)
+        await until(lambda: engine.statistics().active == 0)
+
+
+async def test_logprobs_and_top_logprobs(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        async with engine.generate("Hello", max_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3) as events:
+            lps = []
+            async for ev in events:
+                if isinstance(ev, TextDelta):
+                    assert ev.logprobs is not None and len(ev.logprobs) == len(ev.token_ids)
+                    lps.extend(zip(ev.token_ids, ev.logprobs, strict=True))
+        assert len(lps) == 6
+        for tid, lp in lps:
+            assert lp.token_id == tid and lp.logprob <= 0.0
+            assert len(lp.top) == 3
+            values = [v for _, _, v in lp.top]
+            assert values == sorted(values, reverse=True)
+            assert lp.top[0][0] == tid  # greedy picks the most likely token
+            assert lp.top[0][2] == pytest.approx(lp.logprob, abs=1e-5)
+        plain, _, _ = await run(engine, "Hello", max_tokens=6, temperature=0, ignore_eos=True)
+        assert plain == [t for t, _ in lps]
+
+
+async def test_logit_bias_and_penalties_steer_inside_the_batch(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        forced = 42
+        ids, _, _ = await run(engine, "Hello", max_tokens=5, temperature=0, ignore_eos=True, logit_bias={forced: 100})
+        assert ids == [forced] * 5
+        # a frequency penalty forbids repeating the forced token once it is generated
+        ids, _, _ = await run(
+            engine, "Hello", max_tokens=4, temperature=0, ignore_eos=True, logit_bias={forced: 5.0}, frequency_penalty=2.0, presence_penalty=2.0
+        )
+        base, _, _ = await run(engine, "Hello", max_tokens=4, temperature=0, ignore_eos=True, logit_bias={forced: 5.0})
+        assert ids != base or base.count(forced) <= 1
+
+
+async def test_invalid_arguments_raise_before_reaching_the_actor(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        ctx = engine.context_length
+        bad = [
+            dict(prompt=""),
+            dict(prompt=[]),
+            dict(prompt="hi", max_tokens=0),
+            dict(prompt="hi", max_tokens=ctx),
+            dict(prompt="hi", temperature=-1),
+            dict(prompt="hi", top_p=0),
+            dict(prompt="hi", top_logprobs=50),
+            dict(prompt="hi", logit_bias={"x": 1}),
+            dict(prompt="hi", logit_bias={10**9: 1}),
+            dict(prompt=[1, 2, 10**9]),
+            dict(prompt="hi", stop=[1, 2]),
+            dict(prompt="hi", presence_penalty=5),
+        ]
+        for case in bad:
+            prompt = case.pop("prompt")
+            with pytest.raises(trio_mlx.InvalidRequestError):
+                async with engine.generate(prompt, **case):
+                    pass
+        with pytest.raises(trio_mlx.ContextLengthExceededError) as info:
+            async with engine.generate("hi " * ctx, max_tokens=1):
+                pass
+        assert info.value.code == "context_length_exceeded"
+        with pytest.raises(trio_mlx.InvalidRequestError):
+            async with engine.chat([]):
+                pass
+        assert engine.statistics().requests_submitted == 0
+
+
+async def test_queue_full_is_rejected_without_reaching_the_actor(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=1, prefill_batch=1, max_queue=1) as engine:
+        async with engine.generate("a", max_tokens=500, ignore_eos=True) as first:
+            async for _ in first:
+                break
+            async with engine.generate("b", max_tokens=5, ignore_eos=True):
+                with pytest.raises(trio_mlx.QueueFullError) as info:
+                    async with engine.generate("c", max_tokens=5):
+                        pass
+                assert info.value.retry_after > 0
+        stats = engine.statistics()
+        assert stats.requests_submitted == 2 and stats.requests_rejected == 1
+
+
+async def test_chat_uses_the_template_and_list_parts(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]}]
+        expected = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello world"}], tokenize=False, add_generation_prompt=True
+        )
+        async with engine.chat(messages, max_tokens=3, ignore_eos=True) as events:
+            assert engine.tokenizer.decode(events.prompt_tokens) == expected
+            _, _, fin = await collect(events)
+        assert fin.usage.completion_tokens == 3
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_fp32, monkeypatch):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        threads: list[int] = []
+        original = engine.encode_prompt
+
+        def spy(*args, **kwargs):
+            threads.append(threading.get_ident())
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "encode_prompt", spy)
+        monkeypatch.setattr(trio_mlx._engine, "_THREAD_TOKENIZE_CHARS", 100)
+        await run(engine, "word " * 40 + "end", max_tokens=2, ignore_eos=True)
+        await run(engine, "short", max_tokens=2, ignore_eos=True)
+        main = threading.get_ident()
+        assert threads[0] != main and threads[1] == main
+
+
+async def test_every_mlx_call_happens_on_the_actor_thread(tiny_model_fp32, monkeypatch):
+    from mlx_lm.generate import BatchGenerator
+
+    from trio_mlx import _models
+
+    seen: dict[str, set[int]] = {}
+
+    def spy(owner, name):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            seen.setdefault(name, set()).add(threading.get_ident())
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for name in ("__init__", "insert", "next", "remove", "close"):
+        spy(BatchGenerator, name)
+    spy(_models, "load_model")
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(functools.partial(run, engine, f"p{i}", max_tokens=6))
+        async with engine.generate("aborted", max_tokens=500, ignore_eos=True) as events:
+            async for _ in events:
+                break
+        await until(lambda: engine.statistics().active == 0)
+        actor_thread = engine.info.thread_id
+    assert set(seen) == {"__init__", "insert", "next", "remove", "close", "load_model"}, sorted(seen)
+    threads = set().union(*seen.values())
+    assert threads == {actor_thread}
+    assert actor_thread != threading.get_ident()
+
+
+async def test_load_failure_raises_promptly(tmp_path, tiny_model_fp32):
+    with trio.fail_after(10):
+        with pytest.raises(trio_mlx.ModelLoadError):
+            async with trio_mlx.open_engine(tmp_path / "does-not-exist"):
+                pass
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        for f in tiny_model_fp32.iterdir():
+            if f.suffix != ".safetensors":
+                (broken / f.name).write_bytes(f.read_bytes())
+        with pytest.raises(trio_mlx.ModelLoadError, match="could not load"):
+            async with trio_mlx.open_engine(broken):
+                pass
+
+
+async def test_a_failing_step_ends_every_waiter_and_the_engine_recovers(tiny_model_fp32):
+    armed = threading.Event()
+
+    def hook(stage: str) -> None:
+        if stage == "step" and armed.is_set():
+            armed.clear()
+            raise RuntimeError("injected step fault")
+
+    async with trio_mlx.open_engine(tiny_model_fp32, fault_hook=hook) as engine:
+        finishes: list[Finished] = []
+
+        async def one(i: int) -> None:
+            finishes.append((await run(engine, f"victim {i}", max_tokens=800, ignore_eos=True))[2])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(one, i)
+            await until(lambda: engine.statistics().decoding == 6)
+            armed.set()
+            with trio.fail_after(1):
+                await until(lambda: len(finishes) == 6, timeout=1)
+        assert all(f.finish_reason == "error" and "injected step fault" in (f.error or "") for f in finishes)
+        assert engine.statistics().step_failures == 6
+        ids, _, fin = await run(engine, "still alive", max_tokens=4, ignore_eos=True)
+        assert len(ids) == 4 and fin.finish_reason == "length"
+
+
+async def test_actor_death_breaks_the_engine_and_wakes_everyone(tiny_model_fp32):
+    armed = threading.Event()
+
+    def hook(stage: str) -> None:
+        if stage == "loop" and armed.is_set():
+            raise SystemError("injected actor crash")
+
+    async with trio_mlx.open_engine(tiny_model_fp32, fault_hook=hook) as engine:
+        finishes: list[Finished] = []
+
+        async def one(i: int) -> None:
+            finishes.append((await run(engine, f"victim {i}", max_tokens=800, ignore_eos=True))[2])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                nursery.start_soon(one, i)
+            await until(lambda: engine.statistics().decoding == 5)
+            armed.set()
+            with trio.fail_after(1):
+                await until(lambda: len(finishes) == 5, timeout=1)
+        assert [f.finish_reason for f in finishes] == ["error"] * 5
+        assert engine.statistics().state == "broken"
+        with pytest.raises(trio_mlx.EngineBrokenError):
+            async with engine.generate("x"):
+                pass
+
+
+async def test_close_wakes_every_waiter_and_refuses_new_work(tiny_model_fp32):
+    finishes: list[Finished] = []
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+
+        async def one(i: int) -> None:
+            finishes.append((await run(engine, f"long {i}", max_tokens=900, ignore_eos=True))[2])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+            await until(lambda: engine.statistics().decoding == 4)
+            with trio.fail_after(5):
+                await engine.aclose(drain_timeout=0.05)
+    assert [f.finish_reason for f in finishes] == ["abort"] * 4
+    assert engine.statistics().state == "closed"
+    with pytest.raises(trio_mlx.EngineClosedError):
+        async with engine.generate("x"):
+            pass
+
+
+async def test_drain_lets_in_flight_requests_finish(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        result: list[Finished] = []
+
+        async def one() -> None:
+            result.append((await run(engine, "short job", max_tokens=20, ignore_eos=True))[2])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            await until(lambda: engine.statistics().decoding == 1)
+            await engine.aclose(drain_timeout=30)
+        assert result[0].finish_reason == "length" and result[0].usage.completion_tokens == 20
+
+
+async def test_idle_actor_blocks_instead_of_spinning(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        await run(engine, "warm", max_tokens=2)
+        steps = engine.statistics().decode_steps
+        import time
+
+        cpu0 = time.process_time()
+        await trio.sleep(0.5)
+        cpu = time.process_time() - cpu0
+        assert engine.statistics().decode_steps == steps
+        assert cpu < 0.1, f"idle engine used {cpu:.3f}s CPU in 0.5s"
+
+
+async def test_the_embedded_default_answers(embedded_model):
+    async with trio_mlx.open_engine(embedded_model) as engine:
+        async with engine.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=20, temperature=0) as events:
+            _, text, fin = await collect(events)
+    assert "Paris" in text
+    assert fin.finish_reason in ("stop", "length")

@@ -1,0 +1,388 @@
+"""The GPU actor: the one thread that owns the model, the BatchGenerator and every mx.array.
+
+Its whole life is ONE `trio.to_thread.run_sync(actor.run, ...)` call made by
+the engine (DESIGN.md rule 1): MLX streams are thread-local, so loading,
+warm-up, every insert/next/remove and the final cleanup happen here. Once per
+decode step it crosses into trio exactly once (`port.exchange(report)`),
+handing over every token of the step and taking back new commands; when the
+batch is empty it blocks in `port.wait_commands()` and burns no CPU.
+
+This module and `_models` are the only ones that import MLX. Token ids and
+floats leave it; arrays never do.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import mlx.core as mx
+import trio
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_repetition_penalty
+
+from . import _models
+from ._messages import (
+    Abort,
+    ActorInfo,
+    Command,
+    SamplingParams,
+    Shutdown,
+    StepReport,
+    Submit,
+    TokenOut,
+)
+
+# Sampler objects are shared between requests with equal parameters so that a
+# batch whose rows sample alike makes ONE batched sampler call per step (the
+# BatchGenerator compares samplers by identity). The bound is arbitrary: it
+# only stops a stream of distinct temperatures from growing the dict forever.
+_SAMPLER_CACHE_SIZE = 256
+
+
+class ActorPort(Protocol):
+    """What the actor needs from the engine; every method runs on the trio thread."""
+
+    def ready(self, info: ActorInfo) -> None: ...
+    def exchange(self, report: StepReport) -> list[Command]: ...
+    def wait_commands(self) -> Awaitable[list[Command]]: ...
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    model_path: Path
+    max_batch: int = 64
+    prefill_batch: int = 8
+    prefill_step: int = 2048
+    warmup: bool = True
+    # Test-only: called on the actor thread with a stage name ("load", "loop",
+    # "step") before that stage runs; raising from it injects a fault there. A
+    # fault in "step" fails the batch and the actor recovers; anywhere else it
+    # kills the actor.
+    fault_hook: Callable[[str], None] | None = None
+
+
+@dataclass
+class _Seq:
+    rid: int
+    uid: int
+    prompt_len: int
+    sampling: SamplingParams
+    stage: str = "queued"
+
+
+def _mix64(seed: int, counter: int) -> int:
+    """splitmix64 of (seed, counter): independent, reproducible per-step PRNG keys."""
+    z = (seed * 0x9E3779B97F4A7C15 + (counter + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def _make_sampler(sp: SamplingParams) -> Callable[[mx.array], mx.array]:
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0.0 < sp.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, sp.top_p))
+    if sp.min_p > 0.0:
+        filters.append(lambda x: apply_min_p(x, sp.min_p))
+    if sp.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, sp.top_k))
+    inv_temp = 1.0 / sp.temperature
+
+    if sp.seed is None:
+
+        def sampler(logprobs: mx.array) -> mx.array:
+            for f in filters:
+                logprobs = f(logprobs)
+            return mx.random.categorical(logprobs * inv_temp)
+
+        return sampler
+
+    # A seeded request owns its PRNG: one key per step derived from (seed,
+    # step), so its tokens do not depend on what else shares the batch. The
+    # keys are made from host integers, never chained through lazy arrays.
+    seed, steps = sp.seed, itertools.count()
+
+    def seeded_sampler(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        key = mx.random.key(_mix64(seed, next(steps)))
+        return mx.random.categorical(logprobs * inv_temp, key=key)
+
+    return seeded_sampler
+
+
+def _make_processors(sp: SamplingParams, prompt_len: int, context: int) -> list[Any]:
+    """Logits processors for one row; each sees that row's tokens (prompt + generated)."""
+    procs: list[Any] = []
+    if sp.logit_bias:
+        ids = mx.array([i for i, _ in sp.logit_bias])
+        vals = mx.array([v for _, v in sp.logit_bias], dtype=mx.float32)
+        procs.append(lambda _tokens, logits: logits.at[:, ids].add(vals.astype(logits.dtype)))
+    if sp.repetition_penalty != 1.0:
+        # HF semantics: prompt and generated tokens alike.
+        procs.append(make_repetition_penalty(sp.repetition_penalty, context_size=context))
+    if sp.presence_penalty or sp.frequency_penalty:
+        # OpenAI semantics: only generated tokens count; frequency accumulates
+        # per occurrence (scatter-add), presence applies once (scatter-set).
+        presence, frequency = sp.presence_penalty, sp.frequency_penalty
+
+        def penalties(tokens: mx.array, logits: mx.array) -> mx.array:
+            generated = tokens[prompt_len:]
+            if generated.size == 0:
+                return logits
+            if frequency:
+                logits = logits.at[:, generated].subtract(frequency)
+            if presence:
+                logits[:, generated] = logits[:, generated] - presence
+            return logits
+
+        procs.append(penalties)
+    return procs
+
+
+class Actor:
+    """Runs on the GPU thread. Construct on any thread; call `run()` on the GPU thread."""
+
+    def __init__(self, config: ActorConfig, port: ActorPort):
+        self.config = config
+        self._port = port
+        self.thread_id: int | None = None
+        self._model: Any = None
+        self._bg: BatchGenerator | None = None
+        self._context = 0
+        self._seqs: dict[int, _Seq] = {}  # rid -> seq
+        self._by_uid: dict[int, _Seq] = {}
+        self._samplers: dict[tuple[float, float, int, float], Any] = {}
+        self._stops: dict[frozenset[int], StopSequences] = {}
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def run(self) -> None:
+        """The actor's whole life. Raises if the model cannot be loaded."""
+        self.thread_id = threading.get_ident()
+        t0 = time.perf_counter()
+        try:
+            self._hook("load")
+            self._model, config = _models.load_model(self.config.model_path)
+            self._context = _models.context_length(config)
+            self._bg = self._new_generator()
+            if self.config.warmup:
+                self._warmup()
+            info = ActorInfo(
+                model_type=str(config.get("model_type", "unknown")),
+                context_length=self._context,
+                vocab_size=int(config.get("vocab_size", 0)),
+                thread_id=self.thread_id,
+                device=str(mx.default_device()),
+                load_seconds=time.perf_counter() - t0,
+            )
+            trio.from_thread.run_sync(self._port.ready, info)
+            self._loop()
+        finally:
+            self._free()
+
+    def _hook(self, stage: str) -> None:
+        if self.config.fault_hook is not None:
+            self.config.fault_hook(stage)
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self._model,
+            max_tokens=1,
+            completion_batch_size=self.config.max_batch,
+            prefill_batch_size=self.config.prefill_batch,
+            prefill_step_size=self.config.prefill_step,
+        )
+
+    def _warmup(self) -> None:
+        """Run one tiny sequence so the first real request pays no compile/allocation cost."""
+        assert self._bg is not None
+        self._bg.insert([[1, 2, 3, 4]], max_tokens=[2])
+        for _ in range(16):  # prefill + 2 decode steps; the bound only guards a bug
+            _, generated = self._bg.next()
+            if any(r.finish_reason for r in generated):
+                break
+        self._bg.close()
+        self._bg = self._new_generator()
+
+    def _free(self) -> None:
+        """Drop every array on this thread and synchronize, so the process exits cleanly."""
+        self._seqs.clear()
+        self._by_uid.clear()
+        self._samplers.clear()
+        self._stops.clear()
+        try:
+            if self._bg is not None:
+                self._bg.close()
+        finally:
+            self._bg = None
+            self._model = None
+            gc.collect()
+            mx.synchronize()
+            mx.clear_cache()
+
+    # -- the loop --------------------------------------------------------------
+
+    def _loop(self) -> None:
+        report = StepReport()
+        while True:
+            trio.from_thread.check_cancelled()
+            self._hook("loop")  # outside the step's recovery: a fault here kills the actor
+            commands = trio.from_thread.run_sync(self._port.exchange, report)
+            if not commands and not self._seqs:
+                commands = trio.from_thread.run(self._port.wait_commands)
+            failed = self._apply(commands)
+            if failed is None:
+                return  # Shutdown
+            report = self._step(failed)
+
+    def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None:
+        """Apply this step's commands; returns inserts that failed, or None on Shutdown."""
+        inserts: dict[int, Submit] = {}
+        removes: list[int] = []
+        for cmd in commands:
+            match cmd:
+                case Submit():
+                    inserts[cmd.rid] = cmd
+                case Abort(rid=rid):
+                    if inserts.pop(rid, None) is None and (seq := self._seqs.pop(rid, None)):
+                        del self._by_uid[seq.uid]
+                        removes.append(seq.uid)
+                case Shutdown():
+                    return None
+        assert self._bg is not None
+        if removes:
+            self._bg.remove(removes)
+        if not inserts:
+            return []
+        subs = list(inserts.values())
+        try:
+            uids = self._bg.insert(
+                [list(s.prompt) for s in subs],
+                max_tokens=[s.max_tokens for s in subs],
+                samplers=[self._sampler(s.sampling) for s in subs],
+                logits_processors=[
+                    _make_processors(s.sampling, len(s.prompt), self._context) for s in subs
+                ],
+                stop_sequences=[self._stop_sequences(s.stop_token_ids) for s in subs],
+            )
+        except Exception as exc:  # bad input that slipped past validation
+            return [(s.rid, f"insert failed: {exc}") for s in subs]
+        for s, uid in zip(subs, uids, strict=True):
+            seq = _Seq(s.rid, uid, len(s.prompt), s.sampling)
+            self._seqs[s.rid] = seq
+            self._by_uid[uid] = seq
+        return []
+
+    def _sampler(self, sp: SamplingParams) -> Any:
+        if sp.greedy:
+            return None  # the generator's batched argmax
+        if sp.seed is not None:
+            return _make_sampler(sp)
+        key = (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
+        sampler = self._samplers.get(key)
+        if sampler is None:
+            if len(self._samplers) >= _SAMPLER_CACHE_SIZE:
+                self._samplers.clear()
+            sampler = self._samplers[key] = _make_sampler(sp)
+        return sampler
+
+    def _stop_sequences(self, ids: frozenset[int]) -> StopSequences:
+        stops = self._stops.get(ids)
+        if stops is None:
+            stops = self._stops[ids] = StopSequences([[i] for i in sorted(ids)] or None)
+        return stops
+
+    def _step(self, failed: list[tuple[int, str]]) -> StepReport:
+        if not self._seqs:
+            return StepReport(failed=tuple(failed), live=0)
+        assert self._bg is not None
+        t0 = time.perf_counter()
+        try:
+            self._hook("step")
+            prompt_responses, generation_responses = self._bg.next()
+            tokens = self._tokens(generation_responses)
+        except Exception as exc:
+            return self._recover(exc, failed)
+        prefilling, decoding, prompt_tokens = [], [], 0
+        for pr in prompt_responses:
+            seq = self._by_uid.get(pr.uid)
+            if seq is None:
+                continue
+            if seq.stage == "queued":
+                seq.stage = "prefill"
+                prefilling.append(seq.rid)
+            if pr.end_of_prompt and seq.stage != "decode":
+                seq.stage = "decode"
+                decoding.append(seq.rid)
+        stats = self._bg._counters
+        prompt_tokens = stats.prompt_tokens
+        stats.prompt_tokens = 0
+        return StepReport(
+            tokens=tokens,
+            prefilling=tuple(prefilling),
+            decoding=tuple(decoding),
+            failed=tuple(failed),
+            prompt_tokens=prompt_tokens,
+            step_seconds=time.perf_counter() - t0,
+            live=len(self._seqs),
+        )
+
+    def _tokens(self, responses: Sequence[Any]) -> tuple[TokenOut, ...]:
+        out: list[TokenOut] = []
+        want_logprobs: list[tuple[int, Any, _Seq]] = []
+        for r in responses:
+            seq = self._by_uid.get(r.uid)
+            if seq is None:
+                continue
+            if r.finish_reason is not None:
+                del self._by_uid[r.uid]
+                del self._seqs[seq.rid]
+            if seq.sampling.logprobs:
+                want_logprobs.append((len(out), r, seq))
+            out.append(TokenOut(seq.rid, r.token, r.finish_reason))
+        if want_logprobs:
+            self._add_logprobs(out, want_logprobs)
+        return tuple(out)
+
+    def _add_logprobs(self, out: list[TokenOut], rows: list[tuple[int, Any, _Seq]]) -> None:
+        """Chosen-token logprob and top-k alternatives for the rows that asked, in one eval."""
+        stacked = mx.stack([r.logprobs for _, r, _ in rows])
+        chosen = mx.take_along_axis(stacked, mx.array([[r.token] for _, r, _ in rows]), axis=-1)
+        k = max(seq.sampling.top_logprobs for _, _, seq in rows)
+        if k > 0:
+            idx = mx.argpartition(-stacked, kth=k - 1, axis=-1)[:, :k]
+            vals = mx.take_along_axis(stacked, idx, axis=-1)
+            mx.eval(chosen, idx, vals)
+            idx_l, vals_l = idx.tolist(), vals.astype(mx.float32).tolist()
+        else:
+            mx.eval(chosen)
+        chosen_l = chosen.astype(mx.float32).tolist()
+        for row, (i, _, seq) in enumerate(rows):
+            top = None
+            if seq.sampling.top_logprobs:
+                pairs = sorted(zip(idx_l[row], vals_l[row], strict=True), key=lambda p: -p[1])
+                top = tuple(pairs[: seq.sampling.top_logprobs])
+            t = out[i]
+            out[i] = TokenOut(t.rid, t.token, t.finish_reason, chosen_l[row][0], top)
+
+    def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
+        """A step raised: fail every live sequence, start a fresh generator, keep serving."""
+        reason = f"generation step failed: {type(exc).__name__}: {exc}"
+        failed = failed + [(rid, reason) for rid in self._seqs]
+        self._seqs.clear()
+        self._by_uid.clear()
+        assert self._bg is not None
+        try:
+            self._bg.close()
+        except Exception:
+            pass
+        self._bg = self._new_generator()  # if even this raises, the actor dies: engine broken
+        return StepReport(failed=tuple(failed), live=0)

@@ -1,0 +1,49 @@
+"""The one error hierarchy of trio_mlx.
+
+Every error the library raises derives from TrioMLXError. MLX and tokenizer
+exceptions are mapped onto these at the actor / model-loading boundary; the
+HTTP layer maps these onto OpenAI-shaped responses in one place.
+"""
+
+from __future__ import annotations
+
+
+class TrioMLXError(Exception):
+    """Base class of every error trio_mlx raises."""
+
+
+class ModelLoadError(TrioMLXError):
+    """The model could not be found, converted or loaded."""
+
+
+class InvalidRequestError(TrioMLXError, ValueError):
+    """A request's arguments are invalid; it never reached the actor."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """The prompt plus max_tokens does not fit in the model's context."""
+
+    def __init__(self, message: str, *, param: str | None = "messages"):
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class QueueFullError(TrioMLXError):
+    """Too many requests are waiting; this one was shed before reaching the actor."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineClosedError(TrioMLXError):
+    """The engine is closed or draining and takes no new requests."""
+
+
+class EngineBrokenError(TrioMLXError):
+    """The GPU actor died; the engine serves nothing more."""
