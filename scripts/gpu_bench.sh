@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# The GPU benchmark in one command: for each model, the raw BatchGenerator
+# ceiling (`trio-mlx bench --limit`), trio_mlx's server and mlx_lm.server,
+# driven with the same prompts by `trio-mlx bench`; JSON, PNG and a markdown
+# table with the ratio to the ceiling land in OUTDIR.
+#
+#   scripts/gpu_bench.sh OUTDIR [MODEL ...]
+#
+# MODEL is any of smollm2-135m, llama-3.2-1b, llama-3.2-1b-4bit (default: all
+# three, built here with random weights; bf16, the last one 4-bit), or tiny
+# (a smoke test of this script that runs anywhere in seconds). Run one
+# model per call to split the work. Needs the repo on PYTHONPATH (done here)
+# and mlx / mlx-lm for the GPU (`pip install -e .[cuda13]`). Knobs (env):
+#   PYTHON=python  CONCURRENCY=1,8,32,64,128,256  PROMPT_TOKENS=128
+#   MAX_TOKENS=128  PORT=8811  PREFILL_BATCH=8  PREFILL_STEP=2048
+#   BENCH_LIMIT=300            (seconds one target's whole sweep may take)
+#   SKIP=ceiling,trio,mlx_lm   (targets to leave out)
+#   MLX_LM_BIG_BACKLOG=1       (also run mlx_lm.server with a listen backlog
+#                               of 1024 instead of socketserver's 5, which is
+#                               what resets its connections under bursts)
+set -euo pipefail
+out="${1:?usage: scripts/gpu_bench.sh OUTDIR [smollm2-135m|llama-3.2-1b|llama-3.2-1b-4bit|tiny ...]}"
+shift
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"  # OUTDIR is relative to where this was called from
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+models=("$@")
+[ ${#models[@]} -gt 0 ] || models=(smollm2-135m llama-3.2-1b llama-3.2-1b-4bit)
+
+py="${PYTHON:-python}"
+conc="${CONCURRENCY:-1,8,32,64,128,256}"
+prompt="${PROMPT_TOKENS:-128}"
+maxtok="${MAX_TOKENS:-128}"
+port="${PORT:-8811}"
+pbatch="${PREFILL_BATCH:-8}"
+pstep="${PREFILL_STEP:-2048}"
+limit="${BENCH_LIMIT:-300}"
+skip=",${SKIP:-},"
+maxbatch=$(tr ',' '\n' <<<"$conc" | sort -n | tail -1)
+device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
+device="${device:-$(uname -srm)}; mlx $("$py" -c 'import mlx.core as m; print(m.__version__)' 2>/dev/null || echo '?')"
+
+mkdir -p "$out/models" "$out/logs"
+server_pid=""
+cleanup() { [ -n "$server_pid" ] && kill -KILL "$server_pid" 2>/dev/null || true; }
+trap cleanup EXIT
+
+log() { printf '\n=== %s  %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+wait_ready() {  # URL PID: until URL answers 200, the process dies (fail) or 10 min pass (fail)
+  local url=$1 pid=$2 i
+  for ((i = 0; i < 1200; i++)); do
+    kill -0 "$pid" 2>/dev/null || { echo "server exited before it was ready" >&2; return 1; }
+    if command -v curl >/dev/null; then
+      curl -sf -o /dev/null --max-time 2 "$url" && return 0
+    else
+      "$py" -c 'import sys,urllib.request as u; sys.exit(u.urlopen(sys.argv[1],timeout=2).status!=200)' \
+        "$url" 2>/dev/null && return 0
+    fi
+    sleep 0.5
+  done
+  echo "server not ready after 10 min" >&2
+  return 1
+}
+
+stop_server() {  # SIGTERM, 30 s grace, then SIGKILL
+  local i
+  [ -n "$server_pid" ] || return 0
+  kill -TERM "$server_pid" 2>/dev/null || true
+  for ((i = 0; i < 60; i++)); do kill -0 "$server_pid" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL "$server_pid" 2>/dev/null || true
+  wait "$server_pid" 2>/dev/null || true
+  server_pid=""
+}
+
+bench() {  # NAME-OF-RUN JSON ARGS...: one sweep; errors are results, not failures
+  local label=$1 json=$2
+  shift 2
+  timeout "$limit" "$py" -m trio_mlx.cli bench --model "$dir" --prompt-tokens "$prompt" \
+    --max-tokens "$maxtok" --concurrency "$conc" --label "$label" --device "$device" \
+    --timeout 120 --out "$json" "$@" || echo "($label: exit status $?; errors are in $json)" >&2
+}
+
+serve_and_bench() {  # LABEL JSON-NAME HEALTH-PATH BENCH-ARGS... -- SERVER-COMMAND...
+  local label=$1 json=$2 health=$3
+  shift 3
+  local bargs=()
+  while [ "$1" != "--" ]; do bargs+=("$1"); shift; done
+  shift
+  log "$name: $label"
+  "$@" >"$out/logs/$name-$json.log" 2>&1 &
+  server_pid=$!
+  if wait_ready "http://127.0.0.1:$port$health" "$server_pid"; then
+    bench "$label" "$out/$name-$json.json" --url "http://127.0.0.1:$port" \
+      --server-pid "$server_pid" "${bargs[@]}"
+    runs+=("$out/$name-$json.json")
+  else
+    tail -20 "$out/logs/$name-$json.log" >&2
+  fi
+  stop_server
+}
+
+summary=()
+for name in "${models[@]}"; do
+  case "$name" in
+    smollm2-135m) build=(--shape smollm2-135m --dtype bfloat16) ;;
+    llama-3.2-1b) build=(--shape llama-3.2-1b --dtype bfloat16) ;;
+    llama-3.2-1b-4bit) build=(--shape llama-3.2-1b --dtype bfloat16 --bits 4) ;;
+    tiny) build=(--shape tiny --dtype float32) ;;  # a smoke test of this script, on any CPU
+    *) echo "unknown model $name" >&2; exit 2 ;;
+  esac
+  dir="$out/models/$name"
+  if [ ! -f "$dir/config.json" ]; then
+    log "$name: building random-weight model"
+    "$py" -m trio_mlx.cli model build "$dir" "${build[@]}" --seed 0
+  fi
+  dir="$(cd "$dir" && pwd)"
+  runs=()
+
+  if [[ $skip != *,ceiling,* ]]; then
+    log "$name: raw BatchGenerator ceiling"
+    bench ceiling "$out/$name-ceiling.json" --limit --max-batch "$maxbatch" \
+      --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
+    runs+=("$out/$name-ceiling.json")
+  fi
+  if [[ $skip != *,trio,* ]]; then
+    serve_and_bench trio_mlx trio /health -- \
+      "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
+      --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
+      --no-access-log --log-level warning
+  fi
+  mlx_args=(--model "$dir" --host 127.0.0.1 --port "$port" --decode-concurrency "$maxbatch"
+    --prompt-concurrency "$pbatch" --prefill-step-size "$pstep" --log-level WARNING)
+  if [[ $skip != *,mlx_lm,* ]]; then
+    # mlx_lm.server has no ignore_eos: a sequence that samples EOS ends short
+    # and counts as an error (short_output). "default_model" is its name for
+    # the --model it was started with (any other name makes it load a model).
+    serve_and_bench mlx_lm.server mlx_lm /health --served-model-name default_model -- \
+      "$py" -m mlx_lm server "${mlx_args[@]}"
+  fi
+  if [ "${MLX_LM_BIG_BACKLOG:-0}" = 1 ]; then
+    serve_and_bench "mlx_lm.server backlog 1024" mlx_lm_backlog /health \
+      --served-model-name default_model -- \
+      "$py" -c 'import socketserver, sys; socketserver.TCPServer.request_queue_size = 1024
+sys.argv[0] = "mlx_lm.server"; from mlx_lm.server import main; main()' "${mlx_args[@]}"
+  fi
+
+  if [ ${#runs[@]} -gt 0 ]; then
+    "$py" -m trio_mlx.cli bench plot "${runs[@]}" -o "$out/$name.png" >/dev/null
+    "$py" -m trio_mlx.cli bench table "${runs[@]}" -o "$out/$name.md" >/dev/null
+    summary+=("$name")
+  fi
+done
+
+{
+  echo "# trio-mlx bench: $device"
+  echo
+  echo "prompt $prompt / output $maxtok tokens, concurrency $conc, prefill batch $pbatch, step $pstep"
+  for name in "${summary[@]}"; do
+    printf '\n## %s\n\n![%s](%s.png)\n\n' "$name" "$name" "$name"
+    cat "$out/$name.md"
+  done
+} >"$out/summary.md"
+cat "$out/summary.md"

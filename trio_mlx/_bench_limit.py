@@ -1,0 +1,169 @@
+"""The raw ceiling for `trio-mlx bench --limit`: mlx_lm's BatchGenerator, no server.
+
+The same model, prompts and BatchGenerator settings a server would use
+(completion batch size, prefill batch size, prefill step size), driven in a
+closed loop from this thread: each level keeps `concurrency` sequences in
+flight, inserting the next prompt as soon as one finishes, and stops a
+sequence only at `max_tokens` (no stop tokens, so EOS is ignored). TTFT runs
+from `insert()`; a token's time is when the `next()` that produced it returns,
+which is the earliest a server could hand it on. This is the only bench
+module that imports MLX.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trio_mlx._bench_stats import RequestRecord, check_length, level_stats
+
+# Warm-up: one short batch so that kernels are compiled and buffers allocated
+# before anything is timed. Arbitrary, just small.
+_WARMUP_TOKENS = 4
+
+
+def _load_model(model: str) -> Any:
+    from trio_mlx._models import load_model, resolve_model
+
+    loaded, _config = load_model(resolve_model(model))
+    return loaded
+
+
+def device_info() -> dict[str, Any]:
+    import mlx.core as mx
+    import mlx_lm
+
+    info: dict[str, Any] = {
+        "mlx": getattr(mx, "__version__", None),
+        "mlx_lm": getattr(mlx_lm, "__version__", None),
+        "default_device": str(mx.default_device()),
+    }
+    try:
+        info.update({k: v for k, v in mx.device_info().items() if isinstance(v, str | int | float)})
+    except Exception as exc:  # device_info is best-effort description, never fatal
+        info["device_info_error"] = repr(exc)
+    return info
+
+
+def drive(
+    bg: Any,
+    prompts: Sequence[Sequence[int]],
+    concurrency: int,
+    max_tokens: int,
+) -> tuple[list[RequestRecord], float]:
+    """Run every prompt through `bg`, `concurrency` at a time; (records, seconds)."""
+    clock = time.perf_counter
+    queue = deque(enumerate(prompts))
+    records = [RequestRecord() for _ in prompts]
+    live: dict[int, list[Any]] = {}  # uid -> [t_insert, t_last_token, record]
+
+    def admit(k: int) -> None:
+        batch = [queue.popleft() for _ in range(min(k, len(queue)))]
+        if not batch:
+            return
+        now = clock()
+        uids = bg.insert([list(p) for _, p in batch], max_tokens=[max_tokens] * len(batch))
+        for uid, (i, _) in zip(uids, batch, strict=True):
+            live[uid] = [now, now, records[i]]
+
+    t0 = clock()
+    admit(concurrency)
+    idle = 0
+    while live:
+        _, responses = bg.next()
+        now = clock()
+        if not responses:
+            idle += 1
+            if idle > 100_000:  # arbitrary: far more prefill steps than any sane prompt needs
+                raise RuntimeError("BatchGenerator made no tokens in 100000 steps")
+            continue
+        idle = 0
+        finished = 0
+        for r in responses:
+            st = live[r.uid]
+            rec = st[2]
+            if rec.ttft is None:
+                rec.ttft = now - st[0]
+            else:
+                rec.itl.append(now - st[1])
+            st[1] = now
+            rec.output_tokens += 1
+            rec.events += 1
+            if r.finish_reason is not None:
+                rec.finish_reason = r.finish_reason
+                rec.e2e = now - st[0]
+                if r.finish_reason != "length":
+                    rec.error = f"finish_{r.finish_reason}"
+                    rec.message = f"finished with {r.finish_reason!r}"
+                check_length(rec, max_tokens)
+                del live[r.uid]
+                finished += 1
+        if finished:
+            admit(finished)
+    return records, clock() - t0
+
+
+def run_limit(
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    warmup: Sequence[Sequence[int]],
+    plan: Sequence[tuple[int, int]],
+    max_tokens: int,
+    completion_batch_size: int,
+    prefill_batch_size: int,
+    prefill_step_size: int,
+    seed: int = 0,
+    on_level: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Measure each (concurrency, requests) level of `plan`, consuming `prompts` in order.
+
+    The `warmup` prompts run first as one short, unmeasured batch.
+
+    Returns (device description, per-level stats as `_bench.level_stats` makes them).
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    need = sum(n for _, n in plan)
+    if len(prompts) < need:
+        raise ValueError(f"{len(prompts)} prompts for {need} requests")
+    mx.random.seed(seed)
+    net = _load_model(model)
+    bg = BatchGenerator(
+        net,
+        max_tokens=max_tokens,
+        stop_tokens=None,  # EOS does not stop a sequence: the output length is fixed
+        completion_batch_size=completion_batch_size,
+        prefill_batch_size=prefill_batch_size,
+        prefill_step_size=prefill_step_size,
+    )
+    levels: list[dict[str, Any]] = []
+    try:
+        if warmup:
+            drive(bg, warmup, len(warmup), _WARMUP_TOKENS)
+        pos = 0
+        for concurrency, n in plan:
+            batch = prompts[pos : pos + n]
+            pos += n
+            cpu0 = time.process_time()
+            records, duration = drive(bg, batch, concurrency, max_tokens)
+            cpu = time.process_time() - cpu0
+            tokens = sum(r.output_tokens for r in records) or 1
+            lv = level_stats(
+                records,
+                duration=duration,
+                concurrency=concurrency,
+                rate=None,
+                extra={"client_cpu_s": cpu, "client_cpu_us_per_token": cpu / tokens * 1e6},
+            )
+            levels.append(lv)
+            if on_level is not None:
+                on_level(lv)
+            mx.clear_cache()
+    finally:
+        bg.close()
+        mx.synchronize()
+    return device_info(), levels
