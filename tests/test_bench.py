@@ -329,6 +329,21 @@ def test_limit_mode_on_the_tiny_model(tiny_model: Path, tmp_path: Path) -> None:
         assert lv["output_throughput"] > 0 and lv["request_throughput"] > 0
 
 
+def test_engine_mode_runs_the_same_prompts_through_the_channel_api(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    argv = ["--model", str(tiny_model), "--concurrency", "1,4", "--requests-per-level", "6",
+            "--prompt-tokens", "24", "--max-tokens", "8", "--out", str(out), "--quiet"]  # fmt: skip
+    assert _bench.main(["--engine", *argv]) == 0
+    res = json.loads(out.read_text())
+    assert res["target"] == "engine" and res["settings"]["max_batch"] == 4
+    assert [lv["concurrency"] for lv in res["levels"]] == [1, 4]
+    for lv in res["levels"]:
+        assert lv["requests"] == lv["completed"] == 6 and lv["errors"]["total"] == 0
+        assert lv["output_tokens"] == 6 * 8
+        assert 0 < lv["ttft_ms"]["p50"] < lv["e2e_ms"]["p50"]
+        assert lv["event_loop_cpu_us_per_token"] > 0
+
+
 # ---------------------------------------------------------------- plot, table
 
 

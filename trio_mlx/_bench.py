@@ -371,6 +371,8 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--url", help="base URL of the server, e.g. http://127.0.0.1:8080")
     target.add_argument("--limit", action="store_true",
                         help="drive mlx_lm's BatchGenerator in-process: the ceiling")  # fmt: skip
+    target.add_argument("--engine", action="store_true",
+                        help="drive trio_mlx's engine in-process through the channel API (no HTTP)")  # fmt: skip
     p.add_argument("--model", required=True,
                    help="model path or reference: its tokenizer makes the prompts (and --limit runs it)")  # fmt: skip
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -443,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("plot", "table"):
         return _sub_main(argv[0], argv[1:])
     args = _parser().parse_args(argv)
-    if args.limit and args.rate:
-        raise SystemExit("trio-mlx bench: --limit runs the closed loop only (use --concurrency)")
+    if (args.limit or args.engine) and args.rate:
+        raise SystemExit("trio-mlx bench: --limit/--engine run the closed loop only (use --concurrency)")
     if args.limit and args.endpoint == "chat":
         print("note: --limit feeds the chat-templated token ids", file=sys.stderr)
 
@@ -471,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": ["trio-mlx", "bench", *argv],
         "label": args.label,
         "device_description": args.device,
-        "target": "limit" if args.limit else args.url,
+        "target": "limit" if args.limit else "engine" if args.engine else args.url,
         "mode": "rate" if args.rate else "concurrency",
         "endpoint": args.endpoint,
         "model": args.model,
@@ -486,7 +488,28 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
         },
     }
-    if args.limit:
+    in_process = [(c, n) for c, _, n in plan if c is not None]
+    if args.engine:
+        from trio_mlx._bench_engine import run_engine
+
+        max_batch = args.max_batch or max(c for c, _ in in_process)
+        result["settings"] = {
+            "max_batch": max_batch,
+            "prefill_batch": args.prefill_batch_size,
+            "prefill_step": args.prefill_step_size,
+        }
+        result["levels"] = run_engine(
+            args.model,
+            [p.ids for p in prompts],
+            warmup=[p.ids for p in warm],
+            plan=in_process,
+            max_tokens=args.max_tokens,
+            max_batch=max_batch,
+            prefill_batch=args.prefill_batch_size,
+            prefill_step=args.prefill_step_size,
+            on_level=lambda lv: _print_level(lv, args),
+        )
+    elif args.limit:
         from trio_mlx._bench_limit import run_limit
 
         max_batch = args.max_batch or max(c for c, _, _ in plan if c is not None)
