@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark in one command: for each model, the raw BatchGenerator
-# ceiling (`trio-mlx bench --limit`), trio_mlx's server and mlx_lm.server,
+# ceiling (`trio-mlx bench --limit`), trio_mlx's engine in-process
+# (`--engine`), trio_mlx's server and mlx_lm.server,
 # driven with the same prompts by `trio-mlx bench`; JSON, PNG and a markdown
 # table with the ratio to the ceiling land in OUTDIR.
 #
@@ -14,7 +15,7 @@
 #   PYTHON=python  CONCURRENCY=1,8,32,64,128,256  PROMPT_TOKENS=128
 #   MAX_TOKENS=128  PORT=8811  PREFILL_BATCH=8  PREFILL_STEP=2048
 #   BENCH_LIMIT=300            (seconds one target's whole sweep may take)
-#   SKIP=ceiling,trio,mlx_lm   (targets to leave out)
+#   SKIP=ceiling,engine,trio,mlx_lm   (targets to leave out)
 #   MLX_LM_BIG_BACKLOG=1       (also run mlx_lm.server with a listen backlog
 #                               of 1024 instead of socketserver's 5, which is
 #                               what resets its connections under bursts)
@@ -123,6 +124,12 @@ for name in "${models[@]}"; do
     bench ceiling "$out/$name-ceiling.json" --limit --max-batch "$maxbatch" \
       --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
     runs+=("$out/$name-ceiling.json")
+  fi
+  if [[ $skip != *,engine,* ]]; then
+    log "$name: trio_mlx engine in-process (channel API, no HTTP)"
+    bench engine "$out/$name-engine.json" --engine --max-batch "$maxbatch" \
+      --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
+    runs+=("$out/$name-engine.json")
   fi
   if [[ $skip != *,trio,* ]]; then
     serve_and_bench trio_mlx trio /health -- \
