@@ -1,0 +1,147 @@
+"""The HTTP API's successful paths: probes, models, OpenAPI, chat and text completions (not streamed)."""
+
+from __future__ import annotations
+
+import trio
+from app_server import CHAT, COMPLETIONS, HELLO, chat_body, serve
+
+
+async def test_probes_models_and_openapi(tiny_model_fp32):
+    async with serve(tiny_model_fp32, model_name="tiny-test") as server, server.client() as client:
+        r = await client.get("/health")
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        for path in ("/ready", "/health/ready"):
+            r = await client.get(path)
+            assert r.status_code == 200 and r.json() == {"status": "ready"}
+        r = await client.get("/v1/models")
+        assert r.status_code == 200
+        body = r.json()
+        assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["tiny-test"]
+        assert body["data"][0]["context_length"] == server.engine.context_length
+        r = await client.get("/v1/models/tiny-test")
+        assert r.status_code == 200 and r.json()["id"] == "tiny-test"
+        doc = (await client.get("/openapi.json")).json()
+        assert doc["openapi"].startswith("3.")
+        assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready"} <= set(doc["paths"])
+        schemas = doc["components"]["schemas"]
+        assert "messages" in schemas["ChatCompletionRequest"]["properties"]
+        assert "prompt" in schemas["CompletionRequest"]["properties"]
+        # every $ref resolves
+        text = r.text + str(doc)
+        for name in {part.split("'")[0] for part in text.split("#/components/schemas/")[1:]}:
+            assert name in schemas, name
+
+
+async def test_chat_completion_shape_and_usage(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        r = await client.post(CHAT, json=chat_body(max_tokens=6, ignore_eos=True, temperature=0))
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "application/json"
+        body = r.json()
+        assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+        assert body["model"] == "model"  # derived from the model directory's name
+        (choice,) = body["choices"]
+        assert choice["index"] == 0 and choice["finish_reason"] == "length"
+        assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+        assert choice["logprobs"] is None
+        usage = body["usage"]
+        assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] > 0
+        assert usage["total_tokens"] == usage["prompt_tokens"] + 6
+        # greedy is deterministic; max_completion_tokens is an alias; "model" may name the served id
+        again = await client.post(CHAT, json={"messages": HELLO, "max_completion_tokens": 6, "ignore_eos": True,
+                                              "temperature": 0, "model": "model"})
+        assert again.json()["choices"][0]["message"] == choice["message"]
+
+
+async def test_chat_accepts_text_parts_developer_role_and_the_noop_forms_of_options(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        parts = [{"role": "developer", "content": "Be brief."},
+                 {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
+        r = await client.post(CHAT, json={
+            "messages": parts, "max_tokens": 3, "response_format": {"type": "text"}, "tool_choice": "none",
+            "user": "u-1", "stream_options": None, "parallel_tool_calls": False, "metadata": {"x": "y"},
+        })
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 3
+
+
+async def test_text_completion_prompt_forms(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        ids = server.engine.tokenizer.encode("The quick brown fox")
+        texts = []
+        for prompt in ("The quick brown fox", ["The quick brown fox"], ids, [ids]):
+            r = await client.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                     "ignore_eos": True})
+            assert r.status_code == 200, (prompt, r.text)
+            body = r.json()
+            assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+            assert body["usage"]["completion_tokens"] == 5
+            texts.append(body["choices"][0]["text"])
+        assert len(set(texts)) == 1  # the same prompt however it is spelled
+        # the default max_tokens of the completions API is 16
+        r = await client.post(COMPLETIONS, json={"prompt": "x", "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == 16
+
+
+async def test_n_choices_run_in_the_batch_and_seeds_are_per_choice(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        body = {"prompt": "Once upon a time", "max_tokens": 12, "n": 3, "seed": 7, "temperature": 1.0,
+                "ignore_eos": True}
+        submitted = server.engine.statistics().requests_submitted
+        r = await client.post(COMPLETIONS, json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert server.engine.statistics().requests_submitted == submitted + 3
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+        texts = [c["text"] for c in out["choices"]]
+        assert len(set(texts)) == 3  # seed, seed+1, seed+2
+        assert out["usage"]["completion_tokens"] == 36
+        # choice i alone with seed + i gives the same text
+        for i in range(3):
+            one = await client.post(COMPLETIONS, json={**body, "n": 1, "seed": 7 + i})
+            assert one.json()["choices"][0]["text"] == texts[i]
+        # and the whole request is reproducible
+        assert [c["text"] for c in (await client.post(COMPLETIONS, json=body)).json()["choices"]] == texts
+
+
+async def test_logprobs_in_both_formats(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        r = await client.post(CHAT, json=chat_body(max_tokens=4, logprobs=True, top_logprobs=3, ignore_eos=True))
+        lp = r.json()["choices"][0]["logprobs"]
+        assert len(lp["content"]) == 4
+        for entry in lp["content"]:
+            assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+            assert entry["logprob"] <= 0 and entry["bytes"] == list(entry["token"].encode())
+            assert len(entry["top_logprobs"]) == 3
+            assert all(set(t) == {"token", "logprob", "bytes"} for t in entry["top_logprobs"])
+        r = await client.post(COMPLETIONS, json={"prompt": "abc", "max_tokens": 4, "logprobs": 2, "ignore_eos": True})
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"])
+
+
+async def test_stop_strings_and_concurrent_requests(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        base = (await client.post(COMPLETIONS, json={"prompt": "ab", "max_tokens": 20, "temperature": 0,
+                                                     "ignore_eos": True})).json()["choices"][0]["text"]
+        stop = base[3:5]
+        assert stop
+        r = await client.post(COMPLETIONS, json={"prompt": "ab", "max_tokens": 20, "temperature": 0,
+                                                 "stop": [stop], "ignore_eos": True})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        assert choice["text"] == base[: base.index(stop)]
+
+        results = []
+
+        async def one(i: int) -> None:
+            resp = await client.post(COMPLETIONS, json={"prompt": f"n{i}", "max_tokens": 7, "ignore_eos": True})
+            results.append(resp.json()["usage"]["completion_tokens"])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(one, i)
+        assert results == [7] * 16

@@ -1,0 +1,260 @@
+"""Every error status the HTTP API sends, each in OpenAI's shape {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import trio
+from app_server import (
+    CHAT,
+    COMPLETIONS,
+    HELLO,
+    assert_error,
+    chat_body,
+    engine_factory,
+    serve,
+    slow_steps,
+    until,
+)
+
+from trio_mlx import Engine
+
+
+async def test_400_bad_bodies(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        json_ct = {"content-type": "application/json"}
+        assert_error(await client.post(CHAT, content=b'{"messages": [', headers=json_ct), 400, code="invalid_json")
+        assert_error(await client.post(CHAT, content=b'{"x": "\xff\xfe"}', headers=json_ct), 400, code="invalid_json")
+        assert_error(await client.post(CHAT, content=b"[1, 2]", headers=json_ct), 400, code="invalid_json")
+        assert_error(await client.post(CHAT, content=b"", headers=json_ct), 400, code="invalid_json")
+        deep = b"[" * 100_000 + b"]" * 100_000
+        assert_error(await client.post(CHAT, content=deep, headers=json_ct), 400, code="invalid_json")
+        assert_error(await client.post(CHAT, content=b"messages=hi",
+                                       headers={"content-type": "application/x-www-form-urlencoded"}),
+                     400, code="invalid_content_type")
+
+
+async def test_400_schema_violations_name_their_parameter(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        cases = [
+            ({"messages": []}, "messages"),
+            ({"messages": "hi"}, "messages"),
+            ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+             "messages.0.content.0.type"),
+            (chat_body(max_tokens=0), "max_tokens"),
+            (chat_body(max_tokens="12"), "max_tokens"),
+            (chat_body(temperature=-1), "temperature"),
+            (chat_body(top_p=0), "top_p"),
+            (chat_body(n=0), "n"),
+            (chat_body(n=17), "n"),
+            (chat_body(stop=[1]), "stop.0"),
+            (chat_body(top_logprobs=21, logprobs=True), "top_logprobs"),
+            (chat_body(top_logprobs=2), "top_logprobs"),
+            (chat_body(logit_bias={"not-a-token": 1}), "logit_bias"),
+            (chat_body(logit_bias={"1": 1000}), "logit_bias"),
+            (chat_body(stream="yes"), "stream"),
+        ]
+        for body, param in cases:
+            err = assert_error(await client.post(CHAT, json=body), 400, param=param)
+            assert err["type"] == "invalid_request_error"
+        for body, param in [({"prompt": []}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+                            ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [-5]}, "prompt"),
+                            ({}, "prompt")]:
+            assert_error(await client.post(COMPLETIONS, json=body), 400, param=param)
+
+
+async def test_400_unsupported_options_are_refused_not_ignored(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+        for extra, param in [
+            ({"tools": [tool]}, "tools"),
+            ({"tool_choice": "auto"}, "tool_choice"),
+            ({"functions": [{"name": "f"}]}, "functions"),
+            ({"function_call": "auto"}, "function_call"),
+            ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+             "response_format"),
+            ({"modalities": ["text", "audio"]}, "modalities"),
+        ]:
+            assert_error(await client.post(CHAT, json=chat_body(**extra)), 400, param=param,
+                         code="unsupported_parameter")
+        for extra, param in [({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")]:
+            assert_error(await client.post(COMPLETIONS, json={"prompt": "a", **extra}), 400, param=param,
+                         code="unsupported_parameter")
+
+
+async def test_400_context_length_exceeded(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        n = server.engine.context_length
+        assert_error(await client.post(CHAT, json=chat_body(max_tokens=n)), 400,
+                     code="context_length_exceeded", param="messages")
+        assert_error(await client.post(COMPLETIONS, json={"prompt": [5] * (n + 1), "max_tokens": 1}), 400,
+                     code="context_length_exceeded", param="prompt")
+
+
+async def test_401_with_an_api_key(tiny_model_fp32):
+    async with serve(tiny_model_fp32, api_key="s3cret") as server, server.client() as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = await client.post(CHAT, json=chat_body(), headers=headers)
+            assert_error(r, 401, code="invalid_api_key")
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert_error(await client.get("/v1/models", headers=headers), 401, code="invalid_api_key")
+        ok = {"Authorization": "Bearer s3cret"}
+        assert (await client.post(CHAT, json=chat_body(max_tokens=2), headers=ok)).status_code == 200
+        assert (await client.get("/v1/models", headers=ok)).status_code == 200
+        # probes stay open for orchestrators
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/ready")).status_code == 200
+        doc = (await client.get("/openapi.json")).json()
+        assert doc["paths"]["/v1/chat/completions"]["post"]["security"] == [{"bearer": []}]
+
+
+async def test_404_405_413(tiny_model_fp32):
+    async with serve(tiny_model_fp32, max_body_bytes=4096) as server, server.client() as client:
+        assert_error(await client.post(CHAT, json=chat_body(model="gpt-4")), 404, code="model_not_found",
+                     param="model")
+        assert_error(await client.post(COMPLETIONS, json={"prompt": "a", "model": "x"}), 404, code="model_not_found")
+        assert_error(await client.get("/v1/models/gpt-4"), 404, code="model_not_found")
+        assert_error(await client.get("/v1/nothing"), 404, code="not_found")
+        assert_error(await client.post("/v1/embeddings", json={}), 404, code="not_found")
+        r = await client.get(CHAT)
+        assert_error(r, 405, code="method_not_allowed")
+        assert "POST" in r.headers["allow"]
+        r = await client.post("/v1/models", json={})
+        assert_error(r, 405, code="method_not_allowed")
+        assert "GET" in r.headers["allow"]
+        big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        assert_error(await client.post(CHAT, json=big), 413, code="request_too_large")
+        # the server still answers on a fresh connection
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_429_sheds_requests_before_they_reach_the_actor(tiny_model_fp32):
+    factory = engine_factory(fault_hook=slow_steps(0.01))
+    async with serve(tiny_model_fp32, max_batch=1, prefill_batch=1, max_queue=1, factory=factory) as server:
+        engine = server.engine
+        async with server.client() as client, trio.open_nursery() as nursery:
+            for i, stage in enumerate(("decoding", "queued")):  # one decoding, one queued behind it
+                nursery.start_soon(partial(client.post, COMPLETIONS,
+                                           json={"prompt": f"p{i}", "max_tokens": 300, "ignore_eos": True}))
+                await until(lambda stage=stage: getattr(engine.statistics(), stage) == 1)
+            before = engine.statistics()
+            for _ in range(5):
+                r = await client.post(COMPLETIONS, json={"prompt": "shed", "max_tokens": 5})
+                err = assert_error(r, 429, code="queue_full", type="rate_limit_error")
+                assert int(r.headers["retry-after"]) >= 1, err
+            # n > 1 is shed whole: none of its choices stays submitted
+            assert_error(await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 5, "n": 2}), 429)
+            after = engine.statistics()
+            assert after.requests_submitted == before.requests_submitted
+            assert after.requests_rejected == before.requests_rejected + 6
+            nursery.cancel_scope.cancel()
+
+
+async def test_503_while_draining_then_in_flight_requests_end(tiny_model_fp32):
+    factory = engine_factory(fault_hook=slow_steps(0.01))
+    async with serve(tiny_model_fp32, factory=factory, drain_timeout=0.5) as server, server.client() as client:
+        result = {}
+
+        async def in_flight() -> None:
+            result["r"] = await client.post(COMPLETIONS, json={"prompt": "long", "max_tokens": 900, "ignore_eos": True})
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(in_flight)
+            await until(lambda: server.engine.statistics().decoding == 1)
+            nursery.start_soon(server.app.drain)
+            await until(lambda: server.engine.state != "ready")
+            r = await client.get("/ready")
+            assert r.status_code == 503 and r.json() == {"status": "draining"}
+            r = await client.post(CHAT, json=chat_body())
+            assert_error(r, 503, code="service_unavailable", type="server_error")
+            assert int(r.headers["retry-after"]) >= 1
+        # the drain timeout ended the in-flight request with a terminal error
+        assert_error(result["r"], 503, code="aborted")
+        assert (await client.get("/ready")).status_code == 503
+
+
+async def test_500_never_leaks_internals(tiny_model_fp32, caplog):
+    class Faulty(Engine):
+        def chat(self, *args, **kwargs):
+            raise RuntimeError("secret internal detail")
+
+    def factory(settings):
+        return Faulty(settings.model, warmup=False)
+
+    async with serve(tiny_model_fp32, factory=factory) as server, server.client() as client:
+        with caplog.at_level(logging.ERROR, logger="trio_mlx.http"):
+            r = await client.post(CHAT, json=chat_body())
+        err = assert_error(r, 500, code="internal_error", type="server_error")
+        assert "secret" not in r.text and err["message"] == "internal server error"
+        assert any("secret internal detail" in (rec.exc_text or "") for rec in caplog.records)
+        # the server keeps serving
+        assert (await client.post(COMPLETIONS, json={"prompt": "a", "max_tokens": 2})).status_code == 200
+
+
+async def test_500_when_the_step_fails_and_health_when_the_actor_dies(tiny_model_fp32):
+    mode = {"fail": None}
+
+    def hook(stage: str) -> None:
+        if stage == mode["fail"]:
+            raise RuntimeError(f"injected {stage} fault")
+
+    async with serve(tiny_model_fp32, factory=engine_factory(fault_hook=hook)) as server, server.client() as client:
+        mode["fail"] = "step"
+        r = await client.post(CHAT, json=chat_body())
+        assert_error(r, 500, code="generation_failed", type="server_error")
+        assert "injected" not in r.text
+        mode["fail"] = None
+        assert (await client.post(CHAT, json=chat_body(max_tokens=2))).status_code == 200  # recovered
+        assert (await client.get("/health")).status_code == 200
+        mode["fail"] = "loop"  # outside the step's recovery: the actor dies
+        r = await client.post(CHAT, json=chat_body())
+        assert r.status_code in (500, 503), r.text
+        await until(lambda: server.engine.state == "broken")
+        r = await client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "broken"
+        assert_error(await client.post(CHAT, json=chat_body()), 503, code="engine_broken")
+        assert (await client.get("/ready")).status_code == 503
+
+
+async def test_health_turns_503_when_a_step_stalls_past_the_watchdog(tiny_model_fp32):
+    stall = {"on": False}
+
+    def hook(stage: str) -> None:
+        import time
+
+        while stage == "step" and stall["on"]:
+            time.sleep(0.01)
+
+    factory = engine_factory(fault_hook=hook)
+    async with serve(tiny_model_fp32, factory=factory, watchdog_seconds=0.3) as server, server.client() as client:
+        stall["on"] = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(client.post, CHAT, json=chat_body(max_tokens=2)))
+            await until(lambda: server.engine.statistics().active == 1 or server.engine.statistics().queued == 1)
+            await trio.sleep(0.5)
+            r = await client.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "stalled", r.text
+            stall["on"] = False
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_idle_server_is_healthy_and_cors(tiny_model_fp32):
+    async with serve(tiny_model_fp32, cors_origins=("https://app.example",), watchdog_seconds=0.1) as server, \
+            server.client() as client:
+        await trio.sleep(0.3)  # idle for longer than the watchdog: still healthy
+        assert (await client.get("/health")).status_code == 200
+        origin = {"Origin": "https://app.example"}
+        r = await client.post(CHAT, json=chat_body(max_tokens=2), headers=origin)
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        r = await client.get("/v1/models", headers=origin)
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        pre = {**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        r = await client.options(CHAT, headers=pre)
+        assert r.status_code == 204 and "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"]
+        r = await client.post(CHAT, json=chat_body(max_tokens=2), headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+        assert_error(await client.post(CHAT, json={"messages": HELLO, "model": "nope"}, headers=origin), 404)

@@ -1,0 +1,129 @@
+"""Small raw-ASGI helpers for the endpoints served outside Quart's request machinery.
+
+The completion endpoints talk ASGI directly (see `_completions.py`): reading
+the body under a size limit, API-key and CORS checks, and sending a whole
+JSON response. The same checks serve Quart's routes (`_app.py`), so both
+paths answer alike.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import trio
+
+from ._openai import HTTPError
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+RawHeaders = list[tuple[bytes, bytes]]
+
+# How long a client may take to send its request body. Arbitrary, as Quart's BODY_TIMEOUT.
+BODY_TIMEOUT = 60.0
+JSON_HEADERS: RawHeaders = [(b"content-type", b"application/json")]
+CORS_ALLOW_HEADERS = b"authorization, content-type, x-request-id, openai-organization, openai-project"
+CORS_MAX_AGE = b"600"
+
+
+class Disconnected(Exception):
+    """The client went away before its request was answered."""
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def check_api_key(authorization: str | bytes | None, api_key: str | None) -> None:
+    """Raise 401 unless `Authorization: Bearer <api_key>` (when a key is configured)."""
+    if not api_key:
+        return
+    if isinstance(authorization, bytes):
+        authorization = authorization.decode("latin-1")
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise HTTPError(
+            401,
+            "a valid API key is required: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers=[("WWW-Authenticate", "Bearer")],
+        )
+
+
+def cors_headers(origin: str | bytes | None, allowed: Sequence[str], *, preflight: bool = False) -> RawHeaders:
+    """CORS response headers for `origin`, or none when it is not allowed."""
+    if not origin or not allowed:
+        return []
+    if isinstance(origin, bytes):
+        origin = origin.decode("latin-1")
+    if "*" in allowed:
+        out = [(b"access-control-allow-origin", b"*")]
+    elif origin in allowed:
+        out = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+    else:
+        return []
+    if preflight:
+        out += [
+            (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+            (b"access-control-allow-headers", CORS_ALLOW_HEADERS),
+            (b"access-control-max-age", CORS_MAX_AGE),
+        ]
+    return out
+
+
+def encode_headers(headers: Iterable[tuple[str, str]]) -> RawHeaders:
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body; 413 past `limit` bytes, 408 if it takes too long."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    with trio.move_on_after(BODY_TIMEOUT) as timer:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise Disconnected
+            data = message.get("body", b"")
+            size += len(data)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(data)
+            if not message.get("more_body", False):
+                break
+    if timer.cancelled_caught:
+        raise HTTPError(408, "the request body took too long to arrive", code="request_timeout",
+                        headers=[("Connection", "close")])
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> HTTPError:
+    return HTTPError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
+                     headers=[("Connection", "close")])
+
+
+async def send_response(send: Send, status: int, body: bytes, headers: RawHeaders) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, error: HTTPError, extra: RawHeaders) -> None:
+    await send_response(send, error.status, error.body(), [*JSON_HEADERS, *encode_headers(error.headers), *extra])
+
+
+async def wait_disconnect(receive: Receive, on_disconnect: Callable[[], object]) -> None:
+    """Call `on_disconnect` when the client goes away (the request body is already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return

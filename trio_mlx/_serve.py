@@ -1,0 +1,157 @@
+"""`trio-mlx serve`: run the OpenAI-compatible server in this process (hypercorn, trio worker).
+
+Every setting is a flag here and a TRIO_MLX_* variable (`_settings.py`);
+flags win. Unlike plain `hypercorn -k trio trio_mlx.app:app`, this drains
+on SIGTERM/SIGINT: readiness and new requests get 503 at once, in-flight
+requests run for up to --drain-timeout seconds and are then ended with a
+terminal event, and the process exits 0 (a second signal stops at once,
+exit 1). A model that cannot load exits 1 with the reason on stderr; bad
+settings exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+from typing import Any
+
+from ._settings import Settings, env_name, field_kind, parse_value
+
+log = logging.getLogger("trio_mlx.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trio-mlx serve",
+        description="Serve an MLX model over an OpenAI-compatible HTTP API (hypercorn, trio worker). "
+        "With no model named, serves the embedded default (SmolLM2-135M-Instruct).",
+    )
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL",
+                        help="the model (same as --model): a local MLX directory or a Hugging Face id")
+    defaults = Settings()
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        shown = "***" if f.metadata.get("secret") and default else default
+        help_ = f"{f.metadata['doc']} [env {env_name(f.name)}; default: {shown}]"
+        if field_kind(f) == "bool":
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(), help=help_)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {}
+    for f in dataclasses.fields(Settings):
+        value = getattr(args, f.name)
+        if value is None:
+            continue
+        try:
+            overrides[f.name] = value if isinstance(value, bool) else parse_value(f, value)
+        except ValueError as exc:
+            raise ValueError(f"--{f.name.replace('_', '-')}: {exc}") from None
+    if args.model_arg:
+        overrides["model"] = args.model_arg
+    return Settings.from_env(**overrides)
+
+
+def hypercorn_config(settings: Settings) -> Any:
+    from hypercorn.config import Config
+
+    from ._app import SHUTDOWN_MARGIN
+
+    config = Config()
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    config.bind = [f"{host}:{settings.port}"]
+    config.worker_class = "trio"
+    # Our drain ends every stream before hypercorn's graceful period starts; the margin
+    # covers writing the terminal events. Hypercorn's 3 s default would cut streams.
+    config.graceful_timeout = settings.drain_timeout + SHUTDOWN_MARGIN
+    config.shutdown_timeout = settings.drain_timeout + 2 * SHUTDOWN_MARGIN
+    config.startup_timeout = settings.startup_timeout
+    config.accesslog = logging.getLogger("hypercorn.access") if settings.access_log else None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    return config
+
+
+async def serve(app: Any, config: Any) -> bool:
+    """Serve until SIGTERM/SIGINT, then drain. Returns False if a second signal cut the drain."""
+    import hypercorn.trio
+    import trio
+
+    stop = trio.Event()
+    forced = False
+
+    async def on_signals(signals: Any, cancel: trio.CancelScope) -> None:
+        nonlocal forced
+        async for signum in signals:
+            if not stop.is_set():
+                log.info("%s: draining, then stopping (signal again to stop now)", signal.Signals(signum).name)
+                stop.set()
+            else:
+                log.warning("%s again: stopping now", signal.Signals(signum).name)
+                forced = True
+                cancel.cancel()
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        await app.drain()
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_signals, signals, nursery.cancel_scope)
+            # hypercorn logs "Running on http://HOST:PORT" once the model is ready.
+            await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger)
+            nursery.cancel_scope.cancel()
+    return not forced
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"trio-mlx serve: {exc}", file=sys.stderr)
+        return 2
+
+    import trio
+    from hypercorn.utils import LifespanFailureError, LifespanTimeoutError
+
+    from ._app import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("settings: %s", settings.public())
+    app = create_app(settings)
+    try:
+        clean = trio.run(serve, app, hypercorn_config(settings))
+    except BaseException as exc:  # noqa: BLE001 - sorted below; the process ends here
+        failure = _startup_failure(exc, (LifespanFailureError, LifespanTimeoutError))
+        if failure is not None:
+            print(f"trio-mlx serve: could not start: {failure}", file=sys.stderr)
+            return 1
+        if _only(exc, KeyboardInterrupt):
+            return 130
+        raise
+    return 0 if clean else 1
+
+
+def _startup_failure(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    if isinstance(exc, kinds):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            if (found := _startup_failure(sub, kinds)) is not None:
+                return found
+    return None
+
+
+def _only(exc: BaseException, kind: type[BaseException]) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only(e, kind) for e in exc.exceptions)
+    return isinstance(exc, kind)

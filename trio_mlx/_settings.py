@@ -1,0 +1,158 @@
+"""Server settings: one frozen record, read from TRIO_MLX_* environment variables or flags.
+
+Every field of `Settings` is settable three ways, in this order of precedence:
+a `trio-mlx serve` flag (`--max-batch 32`), an environment variable
+(`TRIO_MLX_MAX_BATCH=32`), the default below. `hypercorn -k trio
+trio_mlx.app:app` reads only the environment. Parsing is strict: a bad value
+names its variable and stops the server before it loads anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Any
+
+ENV_PREFIX = "TRIO_MLX_"
+
+# The id /v1/models serves for the embedded default (DESIGN.md); as _models.EMBEDDED_DEFAULT,
+# which this module does not import (that would import MLX).
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    return {"doc": text, **extra}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the HTTP server and its engine are configured with."""
+
+    model: str | None = field(default=None, metadata=_doc(
+        "model to serve: a local MLX directory or a Hugging Face id; unset: the embedded default"))
+    model_name: str | None = field(default=None, metadata=_doc(
+        "the model id served in /v1/models and accepted in requests; default: derived from the model"))
+    host: str = field(default="127.0.0.1", metadata=_doc("address to bind (trio-mlx serve)"))
+    port: int = field(default=8000, metadata=_doc("port to bind (trio-mlx serve); 0 picks a free one"))
+    max_batch: int = field(default=64, metadata=_doc("most sequences decoded together"))
+    prefill_batch: int = field(default=8, metadata=_doc("most prompts prefilled together"))
+    prefill_step: int = field(default=2048, metadata=_doc("prompt tokens processed per prefill step"))
+    max_queue: int = field(default=1024, metadata=_doc("waiting requests before new ones get 429"))
+    cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
+    warmup: bool = field(default=True, metadata=_doc("run one tiny generation before reporting ready"))
+    drain_timeout: float = field(default=20.0, metadata=_doc(
+        "seconds in-flight requests may run on after SIGTERM before they are ended"))
+    stall_timeout: float = field(default=30.0, metadata=_doc(
+        "seconds a streaming client may stop reading before its request is aborted"))
+    watchdog_seconds: float = field(default=30.0, metadata=_doc(
+        "/health turns 503 when work is pending and no decode step completed for this long"))
+    ping_interval: float = field(default=10.0, metadata=_doc(
+        "seconds between ': ping' SSE comments while a streamed request is queued or prefilling"))
+    stream_interval: float = field(default=0.0, metadata=_doc(
+        "least seconds between two SSE events of one stream; 0: one event per engine wake-up. "
+        "Larger values send fewer, bigger events (less event-loop CPU, coarser streaming)"))
+    api_key: str | None = field(default=None, metadata=_doc(
+        "require 'Authorization: Bearer <key>' on /v1/* when set", secret=True))
+    cors_origins: tuple[str, ...] = field(default=(), metadata=_doc(
+        "comma-separated origins allowed by CORS ('*' for any); empty: no CORS headers"))
+    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc(
+        "largest request body accepted; larger ones get 413"))
+    max_n: int = field(default=16, metadata=_doc("largest n (choices per request) accepted"))
+    startup_timeout: float = field(default=600.0, metadata=_doc(
+        "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve)"))
+    access_log: bool = field(default=True, metadata=_doc("log one line per request (trio-mlx serve)"))
+    log_level: str = field(default="info", metadata=_doc("debug, info, warning or error"))
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "prefill_batch", "prefill_step", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queue", "max_body_bytes", "port"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",
+                     "stream_interval"):
+            value = getattr(self, name)
+            zero_ok = name in ("drain_timeout", "stream_interval")  # drain 0: end in-flight at once
+            if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+                raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+
+    @property
+    def served_model_name(self) -> str:
+        """The id clients see: MODEL_NAME, else the hub id, else the local directory's name."""
+        if self.model_name:
+            return self.model_name
+        if not self.model or self.model in ("default", DEFAULT_MODEL_NAME):
+            return DEFAULT_MODEL_NAME
+        ref = self.model.rstrip("/\\")
+        if os.path.exists(ref) or ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+            return PurePath(ref).name or ref
+        return ref  # "org/name": a Hugging Face id, served as is (as mlx_lm.server does)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from TRIO_MLX_* variables; `overrides` (already typed) win over them."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            var = env_name(f.name)
+            if var in environ and f.name not in overrides:
+                try:
+                    values[f.name] = parse_value(f, environ[var])
+                except ValueError as exc:
+                    raise ValueError(f"{var}: {exc}") from None
+        values.update(overrides)
+        return cls(**values)
+
+    def public(self) -> dict[str, Any]:
+        """The settings with secrets masked, for logs."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = "***" if f.metadata.get("secret") and value else value
+        return out
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def field_kind(f: dataclasses.Field[Any]) -> str:
+    """"str", "int", "float", "bool" or "tuple" (the annotation, as text: `from __future__`)."""
+    ann = str(f.type).replace(" | None", "")
+    return {"tuple[str, ...]": "tuple"}.get(ann, ann)
+
+
+def parse_value(f: dataclasses.Field[Any], raw: str) -> Any:
+    """One setting from its text form (an environment variable or a flag)."""
+    kind = field_kind(f)
+    text = raw.strip()
+    optional = "None" in str(f.type)
+    if optional and text == "":
+        return None
+    if kind == "bool":
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")
+    if kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+    if kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {raw!r}") from None
+    if kind == "tuple":
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    return raw
