@@ -30,9 +30,10 @@ async def run(engine: trio_mlx.Engine, prompt, **opts) -> tuple[list[int], str, 
         return await collect(events)
 
 
-async def until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not pred():
+async def until(pred: Callable[[], bool], seconds: float = 10.0) -> None:
+    """Poll `pred` (engine statistics are snapshots, not events) for up to `seconds`."""
+    with trio.fail_after(seconds):
+        while not pred():  # noqa: ASYNC110
             await trio.sleep(0.001)
 
 
@@ -166,7 +167,7 @@ async def test_abort_while_prefilling_frees_the_slot(tiny_model_fp32):
         stream = engine.generate(long_prompt, max_tokens=4, ignore_eos=True)
         async with stream:
             await until(lambda: stream.stage == "prefill")
-        await until(lambda: engine.statistics().active == 0, timeout=5)
+        await until(lambda: engine.statistics().active == 0, seconds=5)
         stats = engine.statistics()
         assert stats.aborts_by_stage == {"prefill": 1}
         # the engine keeps serving
@@ -402,7 +403,7 @@ async def test_a_failing_step_ends_every_waiter_and_the_engine_recovers(tiny_mod
             await until(lambda: engine.statistics().decoding == 6)
             armed.set()
             with trio.fail_after(1):
-                await until(lambda: len(finishes) == 6, timeout=1)
+                await until(lambda: len(finishes) == 6, seconds=1)
         assert all(f.finish_reason == "error" and "injected step fault" in (f.error or "") for f in finishes)
         assert engine.statistics().step_failures == 6
         ids, _, fin = await run(engine, "still alive", max_tokens=4, ignore_eos=True)
@@ -428,7 +429,7 @@ async def test_actor_death_breaks_the_engine_and_wakes_everyone(tiny_model_fp32)
             await until(lambda: engine.statistics().decoding == 5)
             armed.set()
             with trio.fail_after(1):
-                await until(lambda: len(finishes) == 5, timeout=1)
+                await until(lambda: len(finishes) == 5, seconds=1)
         assert [f.finish_reason for f in finishes] == ["error"] * 5
         assert engine.statistics().state == "broken"
         with pytest.raises(trio_mlx.EngineBrokenError):
@@ -489,3 +490,51 @@ async def test_the_embedded_default_answers(embedded_model):
             _, text, fin = await collect(events)
     assert "Paris" in text
     assert fin.finish_reason in ("stop", "length")
+
+
+async def test_the_queue_limit_counts_only_requests_beyond_free_slots(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4, max_queue=1) as engine:
+        streams = [engine.generate(f"s{i}", max_tokens=50, ignore_eos=True) for i in range(5)]
+        for s in streams[:4]:  # four free slots: none of these is waiting for one
+            await s.__aenter__()
+        await streams[4].__aenter__()  # the one waiting request the queue allows
+        with pytest.raises(trio_mlx.QueueFullError):
+            async with engine.generate("over", max_tokens=5):
+                pass
+        for s in streams:
+            s.close()
+        assert engine.statistics().requests_rejected == 1
+
+
+async def test_aborts_are_counted_by_cause(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        async with engine.generate("a", max_tokens=500, ignore_eos=True) as events:
+            async for _ in events:
+                break
+        async with engine.generate("b", max_tokens=500, ignore_eos=True) as events:
+            async for _ in events:
+                events.close("disconnect")
+        ids, full, _ = await run(engine, "Hello", max_tokens=12, temperature=0, ignore_eos=True)
+        stop = full[len(full) // 2 :][:2]
+        if stop.strip():
+            await run(engine, "Hello", max_tokens=12, temperature=0, ignore_eos=True, stop=stop)
+        by_cause = engine.statistics().aborts_by_cause
+        assert by_cause["cancelled"] == 1 and by_cause["disconnect"] == 1
+        assert by_cause.get("stop_string", 0) == (1 if stop.strip() else 0)
+
+
+async def test_cancelling_the_engine_task_closes_it_without_calling_it_a_death(tiny_model_fp32, caplog):
+    engine = trio_mlx.Engine(tiny_model_fp32)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        await run(engine, "hi", max_tokens=2)
+        nursery.cancel_scope.cancel()
+    assert engine.statistics().state == "closed"
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
+async def test_statistics_report_mlx_memory(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        await run(engine, "memory", max_tokens=4, ignore_eos=True)
+        stats = engine.statistics()
+        assert stats.peak_memory_bytes >= stats.active_memory_bytes > 0

@@ -44,6 +44,9 @@ from ._messages import (
 # BatchGenerator compares samplers by identity). The bound is arbitrary: it
 # only stops a stream of distinct temperatures from growing the dict forever.
 _SAMPLER_CACHE_SIZE = 256
+# MLX memory figures ride along with one step report in this many; the
+# number is arbitrary, small enough for a metrics scrape to see it move.
+_MEMORY_EVERY = 64
 
 
 class ActorPort(Protocol):
@@ -157,6 +160,7 @@ class Actor:
         self._model: Any = None
         self._bg: BatchGenerator | None = None
         self._context = 0
+        self._steps = 0
         self._seqs: dict[int, _Seq] = {}  # rid -> seq
         self._by_uid: dict[int, _Seq] = {}
         self._samplers: dict[tuple[float, float, int, float], Any] = {}
@@ -325,7 +329,12 @@ class Actor:
         stats = self._bg._counters
         prompt_tokens = stats.prompt_tokens
         stats.prompt_tokens = 0
+        self._steps += 1
+        memory = None
+        if self._steps % _MEMORY_EVERY == 1:
+            memory = (mx.get_active_memory(), mx.get_peak_memory())
         return StepReport(
+            memory=memory,
             tokens=tokens,
             prefilling=tuple(prefilling),
             decoding=tuple(decoding),
@@ -357,14 +366,16 @@ class Actor:
         stacked = mx.stack([r.logprobs for _, r, _ in rows])
         chosen = mx.take_along_axis(stacked, mx.array([[r.token] for _, r, _ in rows]), axis=-1)
         k = max(seq.sampling.top_logprobs for _, _, seq in rows)
+        idx_l: list[list[int]] = []
+        vals_l: list[list[float]] = []
         if k > 0:
             idx = mx.argpartition(-stacked, kth=k - 1, axis=-1)[:, :k]
             vals = mx.take_along_axis(stacked, idx, axis=-1)
             mx.eval(chosen, idx, vals)
-            idx_l, vals_l = idx.tolist(), vals.astype(mx.float32).tolist()
+            idx_l, vals_l = idx.tolist(), vals.astype(mx.float32).tolist()  # type: ignore[assignment]
         else:
             mx.eval(chosen)
-        chosen_l = chosen.astype(mx.float32).tolist()
+        chosen_l: list[list[float]] = chosen.astype(mx.float32).tolist()  # type: ignore[assignment]
         for row, (i, _, seq) in enumerate(rows):
             top = None
             if seq.sampling.top_logprobs:

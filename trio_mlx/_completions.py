@@ -219,6 +219,8 @@ class Completions:
         def disconnected() -> None:
             nonlocal gone
             gone = True
+            for stream in streams:
+                stream.close("disconnect")
             nursery.cancel_scope.cancel()
 
         try:
@@ -342,7 +344,7 @@ class _Stream:
         self.rec.outcome = cause
         self.cancel_scope.cancel()  # first, so no reader is waiting when the channels close
         for stream in self.streams:
-            stream.close()
+            stream.close(cause)
         self.on_done()
 
     async def run(self) -> None:

@@ -110,6 +110,7 @@ class _Counters:
     last_step_seconds: float = 0.0
     aborts: int = 0
     aborts_by_stage: collections.Counter[str] = field(default_factory=collections.Counter)
+    aborts_by_cause: collections.Counter[str] = field(default_factory=collections.Counter)
     step_failures: int = 0
 
 
@@ -154,6 +155,7 @@ class Engine:
         self._live = 0
         self._c = _Counters()
         self._last_progress: float | None = None
+        self._memory: tuple[int, int] = (0, 0)  # MLX (active, peak) bytes, as the actor reads them
         self._actor_error: BaseException | None = None
         self._inbox_send: trio.MemorySendChannel[Command] | None = None
         self._inbox_recv: trio.MemoryReceiveChannel[Command] | None = None
@@ -219,6 +221,11 @@ class Engine:
     async def _run_actor(self, actor: Any) -> None:
         try:
             await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
+        except trio.Cancelled:
+            # The engine's own task was cancelled (the server is going down):
+            # the actor noticed, freed its state and returned. Not a death.
+            self.state = "closed"
+            raise
         except BaseException as exc:
             self._actor_error = exc
             if self.state == "ready" or self.state == "draining":
@@ -294,6 +301,8 @@ class Engine:
             c.last_step_seconds = report.step_seconds
         c.prompt_tokens += report.prompt_tokens
         self._live = report.live
+        if report.memory is not None:
+            self._memory = report.memory
         requests = self._requests
         for rid in report.prefilling:
             if (req := requests.get(rid)) is not None:
@@ -347,6 +356,7 @@ class Engine:
             return
         self._c.aborts += 1
         self._c.aborts_by_stage[req.stage] += 1
+        self._c.aborts_by_cause[cause] += 1
         self._finish(req)
         if self._inbox_send is not None:
             try:
@@ -359,6 +369,7 @@ class Engine:
             if term.finish_reason == "abort":
                 self._c.aborts += 1
                 self._c.aborts_by_stage[req.stage] += 1
+                self._c.aborts_by_cause["shutdown"] += 1
             if self._inbox_send is not None and term.finish_reason == "abort":
                 try:
                     self._inbox_send.send_nowait(Abort(req.rid))
@@ -377,7 +388,9 @@ class Engine:
 
     def _submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int]) -> _Request:
         self._check_open()
-        if self._stage_counts["queued"] >= self.max_queue:
+        sc = self._stage_counts
+        free_slots = max(0, self.max_batch - sc["prefill"] - sc["decode"])
+        if sc["queued"] - free_slots >= self.max_queue:  # waiting beyond the batch's free slots
             self._c.rejected += 1
             raise QueueFullError(
                 f"too many requests are waiting ({self.max_queue}); retry shortly",
@@ -425,6 +438,9 @@ class Engine:
             mean_step_seconds=self.mean_step_seconds,
             aborts=self._c.aborts,
             aborts_by_stage=dict(self._c.aborts_by_stage),
+            aborts_by_cause=dict(self._c.aborts_by_cause),
+            active_memory_bytes=self._memory[0],
+            peak_memory_bytes=self._memory[1],
             step_failures=self._c.step_failures,
             seconds_since_step=since,
         )
@@ -622,10 +638,12 @@ class RequestStream:
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Synchronous and non-blocking: safe in any `finally` (DESIGN.md rule 4)."""
+    def close(self, cause: str = "cancelled") -> None:
+        """End the request; if it is still running, abort it, counted under `cause`
+        (statistics().aborts_by_cause). Synchronous and non-blocking: safe in any
+        `finally` (DESIGN.md rule 4)."""
         if self._req is not None:
-            self._engine._abort(self._req, "cancelled")
+            self._engine._abort(self._req, cause)
         if self._recv is not None:
             self._recv.close()
         self._done = True
@@ -687,7 +705,7 @@ class RequestStream:
                     text.append(segment)
                     self._emit(text, ids, lps)
                     if self._req is not None:
-                        self._engine._abort(self._req, "stop")
+                        self._engine._abort(self._req, "stop_string")
                     self._end("stop", stop=matched)
                     return
             text.append(segment)

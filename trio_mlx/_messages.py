@@ -91,6 +91,7 @@ class StepReport:
     prompt_tokens: int = 0  # prompt tokens processed this step
     step_seconds: float = 0.0
     live: int = 0  # sequences in the BatchGenerator after this step
+    memory: tuple[int, int] | None = None  # MLX (active, peak) bytes, read now and then
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,5 +170,8 @@ class EngineStatistics:
     mean_step_seconds: float
     aborts: int
     aborts_by_stage: dict[str, int] = field(default_factory=dict)
+    aborts_by_cause: dict[str, int] = field(default_factory=dict)
     step_failures: int = 0
+    active_memory_bytes: int = 0
+    peak_memory_bytes: int = 0
     seconds_since_step: float | None = None
