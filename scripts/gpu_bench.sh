@@ -16,6 +16,8 @@
 #   MAX_TOKENS=128  PORT=8811  PREFILL_BATCH=8  PREFILL_STEP=2048
 #   BENCH_LIMIT=300            (seconds one target's whole sweep may take)
 #   SKIP=ceiling,engine,trio,mlx_lm   (targets to leave out)
+#   MLX_LM_CONCURRENCY=...     (mlx_lm.server's levels; default CONCURRENCY)
+#   TRIO_NO_PACING=1           (also run trio_mlx with --max-event-rate 0)
 #   MLX_LM_BIG_BACKLOG=1       (also run mlx_lm.server with a listen backlog
 #                               of 1024 instead of socketserver's 5, which is
 #                               what resets its connections under bursts)
@@ -80,7 +82,12 @@ bench() {  # NAME-OF-RUN JSON ARGS...: one sweep; errors are results, not failur
   shift 2
   timeout "$limit" "$py" -m trio_mlx.cli bench --model "$dir" --prompt-tokens "$prompt" \
     --max-tokens "$maxtok" --concurrency "$conc" --label "$label" --device "$device" \
-    --timeout 120 --out "$json" "$@" || echo "($label: exit status $?; errors are in $json)" >&2
+    --timeout 120 --warmup "$maxbatch" --out "$json" "$@" \
+    || echo "($label: exit status $?; errors, if any, are in $json)" >&2
+}
+
+add_run() {  # JSON: a target that produced no results (killed at its time cap) is left out
+  if [ -f "$1" ]; then runs+=("$1"); else echo "(no results in $1)" >&2; fi
 }
 
 serve_and_bench() {  # LABEL JSON-NAME HEALTH-PATH BENCH-ARGS... -- SERVER-COMMAND...
@@ -95,7 +102,7 @@ serve_and_bench() {  # LABEL JSON-NAME HEALTH-PATH BENCH-ARGS... -- SERVER-COMMA
   if wait_ready "http://127.0.0.1:$port$health" "$server_pid"; then
     bench "$label" "$out/$name-$json.json" --url "http://127.0.0.1:$port" \
       --server-pid "$server_pid" "${bargs[@]}"
-    runs+=("$out/$name-$json.json")
+    add_run "$out/$name-$json.json"
   else
     tail -20 "$out/logs/$name-$json.log" >&2
   fi
@@ -123,13 +130,13 @@ for name in "${models[@]}"; do
     log "$name: raw BatchGenerator ceiling"
     bench ceiling "$out/$name-ceiling.json" --limit --max-batch "$maxbatch" \
       --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
-    runs+=("$out/$name-ceiling.json")
+    add_run "$out/$name-ceiling.json"
   fi
   if [[ $skip != *,engine,* ]]; then
     log "$name: trio_mlx engine in-process (channel API, no HTTP)"
     bench engine "$out/$name-engine.json" --engine --max-batch "$maxbatch" \
       --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
-    runs+=("$out/$name-engine.json")
+    add_run "$out/$name-engine.json"
   fi
   if [[ $skip != *,trio,* ]]; then
     serve_and_bench trio_mlx trio /health -- \
@@ -137,13 +144,20 @@ for name in "${models[@]}"; do
       --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
       --no-access-log --log-level warning
   fi
+  if [ "${TRIO_NO_PACING:-0}" = 1 ]; then  # the same server with adaptive SSE pacing off
+    serve_and_bench "trio_mlx no pacing" trio_nopacing /health -- \
+      "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
+      --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
+      --max-event-rate 0 --no-access-log --log-level warning
+  fi
   mlx_args=(--model "$dir" --host 127.0.0.1 --port "$port" --decode-concurrency "$maxbatch"
     --prompt-concurrency "$pbatch" --prefill-step-size "$pstep" --log-level WARNING)
   if [[ $skip != *,mlx_lm,* ]]; then
     # mlx_lm.server has no ignore_eos: a sequence that samples EOS ends short
     # and counts as an error (short_output). "default_model" is its name for
     # the --model it was started with (any other name makes it load a model).
-    serve_and_bench mlx_lm.server mlx_lm /health --served-model-name default_model -- \
+    serve_and_bench mlx_lm.server mlx_lm /health --served-model-name default_model \
+      --concurrency "${MLX_LM_CONCURRENCY:-$conc}" -- \
       "$py" -m mlx_lm server "${mlx_args[@]}"
   fi
   if [ "${MLX_LM_BIG_BACKLOG:-0}" = 1 ]; then

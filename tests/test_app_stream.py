@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partial
 
@@ -202,3 +203,27 @@ async def test_stream_interval_sends_fewer_bigger_events(tiny_model_fp32):
         whole = await client.post(CHAT, json={**body, "stream": False})
         assert "".join(c["choices"][0]["delta"]["content"] for c in content) == \
             whole.json()["choices"][0]["message"]["content"]
+
+
+async def test_pacing_coalesces_tokens_as_streams_multiply(tiny_model_fp32):
+    # 4 open streams at 20 events/s in all: each stream waits 0.2 s between events.
+    factory = engine_factory(fault_hook=slow_steps(0.005))
+    async with serve(tiny_model_fp32, max_event_rate=20.0, factory=factory) as server, server.client() as client:
+        body = chat_body(max_tokens=60, stream=True, ignore_eos=True, temperature=0)
+        counts: list[tuple[int, int]] = []
+
+        async def one() -> None:
+            _, raw = await read_stream(client, CHAT, body)
+            content = [e for e in data_events(raw)[:-1] if e["choices"][0]["finish_reason"] is None]
+            tokens = server.engine.encode_prompt("text", "".join(c["choices"][0]["delta"]["content"] for c in content))
+            counts.append((len(content), len(tokens)))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(one)
+        for events, _ in counts:
+            assert 1 < events <= 6, counts  # ~0.35 s of tokens at one event per 0.2 s
+        # with pacing off, the same load streams (nearly) one event per step
+        server.app.settings = dataclasses.replace(server.app.settings, max_event_rate=0.0)
+        _, raw = await read_stream(client, CHAT, body)
+        assert len(data_events(raw)) > 20

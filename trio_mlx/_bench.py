@@ -394,7 +394,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="least requests per level (and the default count in --rate mode)")  # fmt: skip
     p.add_argument("--max-concurrency", type=int, help="--rate mode: cap on requests in flight")
     p.add_argument(
-        "--warmup", type=int, default=2, help="HTTP: short requests sent before measuring"
+        "--warmup", type=int, default=None,
+        help="short (8-token) requests run together before measuring, unmeasured: they compile "
+        "kernels for the batch shapes to come (default: 2 over HTTP, 4 in-process)"
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--extra-body", type=json.loads, default={},
@@ -458,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     # very same ones.
     prompts = make_prompts(
         tokenizer,
-        total + (args.warmup if args.url else LIMIT_WARMUP),
+        total + (args.warmup if args.warmup is not None else 2 if args.url else LIMIT_WARMUP),
         args.prompt_tokens,
         seed=args.seed,
         chat=args.endpoint == "chat",

@@ -62,6 +62,9 @@ if TYPE_CHECKING:
     from ._app import TrioMLXApp
 
 log = logging.getLogger("trio_mlx.http")
+# The longest pause between two events of one stream that adaptive pacing may
+# impose: coarser than this reads as a stall to a person watching. Judgement.
+_MAX_GAP = 0.25
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -325,6 +328,7 @@ class _Stream:
         self.headers = headers
         self.ping = owner.app.settings.ping_interval
         self.interval = owner.app.settings.stream_interval
+        self.event_rate = owner.app.settings.max_event_rate
         self.cancel_scope = trio.CancelScope()
         self.sending_since: float | None = None
         self.aborted: str | None = None
@@ -383,6 +387,21 @@ class _Stream:
             except Exception:
                 pass
 
+    async def _pace(self) -> None:
+        """Wait before this stream's next event, so tokens arriving meanwhile coalesce.
+
+        The event loop shares the GIL with the actor thread (DESIGN.md rule 7):
+        every SSE event costs it a wake-up, a chunk and a send, whatever the
+        number of tokens inside. Capping the total event rate at `max_event_rate`
+        bounds that cost; each stream's gap grows with the number of open
+        streams (up to _MAX_GAP). A lone stream keeps one event per step.
+        """
+        gap = self.interval
+        if self.event_rate:
+            gap = max(gap, min(len(self.owner.streams) / self.event_rate, _MAX_GAP))
+        if gap:
+            await trio.sleep(gap)
+
     async def _send_raw(self, message: dict[str, Any]) -> None:
         if self.aborted:
             raise _Gone
@@ -417,7 +436,7 @@ class _Stream:
     async def _one(self) -> None:
         """The hot path: one choice; one `send` per engine wake-up."""
         stream = self.streams[0]
-        tpl, send, logprobs, interval = self.tpl, self._send, self.logprobs, self.interval
+        tpl, send, logprobs, pace = self.tpl, self._send, self.logprobs, self._pace
         first = True
         ev = await self._first(stream)
         while True:
@@ -430,8 +449,7 @@ class _Stream:
                     else:
                         await send(tpl.delta(0, ev.text, first))
                     first = False
-                    if interval:  # tokens arriving meanwhile coalesce into the next event
-                        await trio.sleep(interval)
+                    await pace()
             else:
                 if ev.finish_reason in ("abort", "error"):
                     await self._end(_terminal_error(ev, self.rec).sse())
@@ -494,8 +512,7 @@ class _Stream:
                     await self._end(self._final(fins, parts))
                 elif parts:
                     await self._send(b"".join(parts))
-                    if self.interval:
-                        await trio.sleep(self.interval)
+                    await self._pace()
 
 
 async def _read(index: int, stream: RequestStream, out: trio.MemorySendChannel[tuple[int, Any]]) -> None:

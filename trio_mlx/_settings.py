@@ -55,6 +55,10 @@ class Settings:
     stream_interval: float = field(default=0.0, metadata=_doc(
         "least seconds between two SSE events of one stream; 0: one event per engine wake-up. "
         "Larger values send fewer, bigger events (less event-loop CPU, coarser streaming)"))
+    max_event_rate: float = field(default=500.0, metadata=_doc(
+        "SSE events per second across all streams that pacing aims at: each stream waits "
+        "(open streams / rate) seconds, at most 0.25, between events, so under load tokens "
+        "coalesce into fewer events and the event loop leaves the GIL to the GPU actor; 0: off"))
     api_key: str | None = field(default=None, metadata=_doc(
         "require 'Authorization: Bearer <key>' on /v1/* when set", secret=True))
     cors_origins: tuple[str, ...] = field(default=(), metadata=_doc(
@@ -75,9 +79,9 @@ class Settings:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",
-                     "stream_interval"):
+                     "stream_interval", "max_event_rate"):
             value = getattr(self, name)
-            zero_ok = name in ("drain_timeout", "stream_interval")  # drain 0: end in-flight at once
+            zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
