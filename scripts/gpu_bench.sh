@@ -156,8 +156,10 @@ for name in "${models[@]}"; do
     # mlx_lm.server has no ignore_eos: a sequence that samples EOS ends short
     # and counts as an error (short_output). "default_model" is its name for
     # the --model it was started with (any other name makes it load a model).
+    # Its warm-up stays small: a full-width burst meets socketserver's listen
+    # backlog of 5 (see MLX_LM_BIG_BACKLOG) and eats the whole time cap.
     serve_and_bench mlx_lm.server mlx_lm /health --served-model-name default_model \
-      --concurrency "${MLX_LM_CONCURRENCY:-$conc}" -- \
+      --concurrency "${MLX_LM_CONCURRENCY:-$conc}" --warmup 2 -- \
       "$py" -m mlx_lm server "${mlx_args[@]}"
   fi
   if [ "${MLX_LM_BIG_BACKLOG:-0}" = 1 ]; then

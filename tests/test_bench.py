@@ -336,6 +336,7 @@ def test_engine_mode_runs_the_same_prompts_through_the_channel_api(tiny_model: P
     assert _bench.main(["--engine", *argv]) == 0
     res = json.loads(out.read_text())
     assert res["target"] == "engine" and res["settings"]["max_batch"] == 4
+    assert "partial" not in res  # per-level checkpoints are marked partial; the final write is not
     assert [lv["concurrency"] for lv in res["levels"]] == [1, 4]
     for lv in res["levels"]:
         assert lv["requests"] == lv["completed"] == 6 and lv["errors"]["total"] == 0
@@ -484,10 +485,9 @@ async def _run_against(app: FakeOpenAI, tokenizer: Any, argv: list[str]) -> list
             binds = await nursery.start(serve, app, config)
             args = _bench._parser().parse_args(["--url", binds[0], "--model", "unused", *argv])
             plan = _bench.levels_and_counts(args)
-            prompts = make_prompts(tokenizer, args.warmup + sum(n for *_, n in plan), 16)
-            levels = await _bench.run_http(
-                args, plan, prompts[args.warmup :], prompts[: args.warmup]
-            )
+            warm = _bench.warmup_count(args)
+            prompts = make_prompts(tokenizer, warm + sum(n for *_, n in plan), 16)
+            levels = await _bench.run_http(args, plan, prompts[warm:], prompts[:warm])
             nursery.cancel_scope.cancel()
     return levels
 

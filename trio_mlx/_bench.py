@@ -149,6 +149,13 @@ def _ordinary_ids(tokenizer: Any) -> list[int]:
     return [i for i, e in zip(ids, again, strict=True) if list(e) == [i]]
 
 
+def warmup_count(args: argparse.Namespace) -> int:
+    """Warm-up requests: --warmup, else 2 over HTTP and LIMIT_WARMUP in-process."""
+    if args.warmup is not None:
+        return int(args.warmup)
+    return 2 if args.url else LIMIT_WARMUP
+
+
 def levels_and_counts(args: argparse.Namespace) -> list[tuple[int | None, float | None, int]]:
     """(concurrency, rate, requests) for every level of the sweep."""
     out: list[tuple[int | None, float | None, int]] = []
@@ -256,6 +263,8 @@ async def run_http(
                 )
             )
             _print_level(levels[-1], args)
+            if (checkpoint := getattr(args, "checkpoint", None)) is not None:
+                checkpoint(levels)
     finally:
         await client.aclose()
     return levels
@@ -460,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     # very same ones.
     prompts = make_prompts(
         tokenizer,
-        total + (args.warmup if args.warmup is not None else 2 if args.url else LIMIT_WARMUP),
+        total + warmup_count(args),
         args.prompt_tokens,
         seed=args.seed,
         chat=args.endpoint == "chat",
@@ -490,6 +499,19 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
         },
     }
+    done: list[dict[str, Any]] = []
+
+    def checkpoint(levels: list[dict[str, Any]]) -> None:
+        """Write what is measured so far: a run cut short by a time cap keeps its levels."""
+        if args.out:
+            Path(args.out).write_text(json.dumps({**result, "levels": levels, "partial": True}, indent=1) + "\n")
+
+    def level_done(lv: dict[str, Any]) -> None:
+        _print_level(lv, args)
+        done.append(lv)
+        checkpoint(done)
+
+    args.checkpoint = checkpoint
     in_process = [(c, n) for c, _, n in plan if c is not None]
     if args.engine:
         from trio_mlx._bench_engine import run_engine
@@ -509,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             max_batch=max_batch,
             prefill_batch=args.prefill_batch_size,
             prefill_step=args.prefill_step_size,
-            on_level=lambda lv: _print_level(lv, args),
+            on_level=level_done,
         )
     elif args.limit:
         from trio_mlx._bench_limit import run_limit
@@ -530,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,
             seed=args.seed,
-            on_level=lambda lv: _print_level(lv, args),
+            on_level=level_done,
         )
     else:
         import trio
