@@ -2,14 +2,10 @@
 
 Its whole life is ONE `trio.to_thread.run_sync(actor.run, ...)` call made by
 the engine (DESIGN.md rule 1): MLX streams are thread-local, so loading,
-warm-up, every insert/next/remove and the final cleanup happen here.
-
-Each step it drains the engine's command queue (a thread-safe SimpleQueue,
-so reading it costs no crossing), applies the commands, steps the batch and
-hands the step's report to the trio thread with `run_sync_soon`, without
-waiting for it to be processed: on a host-bound GPU every microsecond the
-actor waits for the event loop is added to every step. With an empty batch
-it blocks on the queue and burns no CPU.
+warm-up, every insert/next/remove and the final cleanup happen here. Once per
+decode step it crosses into trio exactly once (`port.exchange(report)`),
+handing over every token of the step and taking back new commands; when the
+batch is empty it blocks in `port.wait_commands()` and burns no CPU.
 
 This module and `_models` are the only ones that import MLX. Token ids and
 floats leave it; arrays never do.
@@ -19,10 +15,9 @@ from __future__ import annotations
 
 import gc
 import itertools
-import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,21 +49,12 @@ _SAMPLER_CACHE_SIZE = 256
 _MEMORY_EVERY = 64
 
 
-# How long an idle actor sleeps on the command queue before it checks whether
-# its host task was cancelled: the cancellation latency of an idle engine.
-_IDLE_POLL_SECONDS = 0.1
-
-
 class ActorPort(Protocol):
-    """What the actor needs from the engine. `ready` and `deliver` run on the trio
-    thread (deliver via run_sync_soon: it must never raise); `commands` is filled
-    by the trio thread and drained by the actor."""
-
-    commands: queue.SimpleQueue[Command]
-    trio_token: trio.lowlevel.TrioToken | None  # set before the actor starts
+    """What the actor needs from the engine; every method runs on the trio thread."""
 
     def ready(self, info: ActorInfo) -> None: ...
-    def deliver(self, report: StepReport) -> None: ...
+    def exchange(self, report: StepReport) -> list[Command]: ...
+    def wait_commands(self) -> Awaitable[list[Command]]: ...
 
 
 @dataclass(frozen=True)
@@ -250,30 +236,23 @@ class Actor:
     # -- the loop --------------------------------------------------------------
 
     def _loop(self) -> None:
-        deliver, token = self._port.deliver, self._port.trio_token
-        assert token is not None
+        # The exchange is synchronous on purpose: while the actor waits in it,
+        # it has released the GIL, so the event loop gets a window every step
+        # while the GPU computes the next step (async_eval). A fire-and-forget
+        # handover (run_sync_soon + a command queue) was measured on an H100
+        # and lost: faster at c=1, but 0.62x instead of 0.91x of the raw
+        # BatchGenerator at c=256 and 5x the TTFT at c=8 (BENCHMARKS.md).
+        report = StepReport()
         while True:
             trio.from_thread.check_cancelled()
             self._hook("loop")  # outside the step's recovery: a fault here kills the actor
-            failed = self._apply(self._take_commands(block=not self._seqs))
+            commands = trio.from_thread.run_sync(self._port.exchange, report)
+            if not commands and not self._seqs:
+                commands = trio.from_thread.run(self._port.wait_commands)
+            failed = self._apply(commands)
             if failed is None:
                 return  # Shutdown
-            token.run_sync_soon(deliver, self._step(failed))
-
-    def _take_commands(self, *, block: bool) -> list[Command]:
-        """Everything queued now; with `block`, wait for at least one command."""
-        inbox, commands = self._port.commands, []
-        while block:
-            try:
-                commands.append(inbox.get(timeout=_IDLE_POLL_SECONDS))
-                break
-            except queue.Empty:
-                trio.from_thread.check_cancelled()
-        while True:
-            try:
-                commands.append(inbox.get_nowait())
-            except queue.Empty:
-                return commands
+            report = self._step(failed)
 
     def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None:
         """Apply this step's commands; returns inserts that failed, or None on Shutdown."""

@@ -7,18 +7,16 @@ entry, then iterate `TextDelta` events and one terminal `Finished`. Leaving
 the `async with` early, for any reason, sends an abort the actor applies
 before its next decode step.
 
-All registry state lives on the trio thread. The actor hands each step's
-report over with `run_sync_soon(engine.deliver, report)` and reads commands
-from a thread-safe queue the engine fills; neither side waits for the other
-and there are no locks.
+All registry state lives on the trio thread and is touched by the actor only
+through `exchange()`, which the actor calls once per step; no locks.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
-import queue
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -159,8 +157,8 @@ class Engine:
         self._last_progress: float | None = None
         self._memory: tuple[int, int] = (0, 0)  # MLX (active, peak) bytes, as the actor reads them
         self._actor_error: BaseException | None = None
-        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()  # drained by the actor
-        self.trio_token: trio.lowlevel.TrioToken | None = None
+        self._inbox_send: trio.MemorySendChannel[Command] | None = None
+        self._inbox_recv: trio.MemoryReceiveChannel[Command] | None = None
         self._ready_or_dead = trio.Event()
         self._actor_done = trio.Event()
         self._idle = trio.Event()
@@ -189,7 +187,7 @@ class Engine:
         if self._switch_interval is not None:
             # The actor and the event loop share the GIL (DESIGN.md rule 7).
             sys.setswitchinterval(self._switch_interval)
-        self.trio_token = trio.lowlevel.current_trio_token()
+        self._inbox_send, self._inbox_recv = trio.open_memory_channel(math.inf)
 
         from ._actor import Actor, ActorConfig
 
@@ -242,6 +240,8 @@ class Engine:
                 self.state = "closed"
             reason = "the engine closed" if self.state == "closed" else "the GPU actor died"
             self._fail_all(_Terminal("error" if self.state == "broken" else "abort", reason))
+            if self._inbox_send is not None:
+                self._inbox_send.close()
             self._ready_or_dead.set()
             self._actor_done.set()
 
@@ -254,7 +254,11 @@ class Engine:
                 with trio.move_on_after(drain_timeout):
                     await self._idle.wait()
             self._fail_all(_Terminal("abort", "the server is shutting down"))
-            self.commands.put(Shutdown())
+            if self._inbox_send is not None:
+                try:
+                    self._inbox_send.send_nowait(Shutdown())
+                except trio.ClosedResourceError:
+                    pass
         await self._actor_done.wait()
 
     # -- called by the actor, on the trio thread -------------------------------
@@ -265,14 +269,28 @@ class Engine:
         self._last_progress = trio.current_time()
         self._ready_or_dead.set()
 
-    def deliver(self, report: StepReport) -> None:
-        """One step's events, run on the trio thread by run_sync_soon: must never raise."""
+    async def wait_commands(self) -> list[Command]:
+        assert self._inbox_recv is not None
         try:
-            self._deliver(report)
-        except Exception:  # a raise here would be a TrioInternalError: log and carry on
-            log.exception("delivering a step report failed")
+            first = await self._inbox_recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            return [Shutdown()]
+        return [first, *self._drain_inbox()]
 
-    def _deliver(self, report: StepReport) -> None:
+    def _drain_inbox(self) -> list[Command]:
+        assert self._inbox_recv is not None
+        out: list[Command] = []
+        while True:
+            try:
+                out.append(self._inbox_recv.receive_nowait())
+            except trio.WouldBlock:
+                return out
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                out.append(Shutdown())
+                return out
+
+    def exchange(self, report: StepReport) -> list[Command]:
+        """Deliver one step's events and collect new commands: the one crossing per step."""
         now = trio.current_time()
         self._last_progress = now
         c = self._c
@@ -295,7 +313,7 @@ class Engine:
         for tok in report.tokens:
             req = requests.get(tok.rid)
             if req is None:
-                continue  # aborted; the Abort is already in the actor's queue
+                continue  # aborted; the actor learns at this exchange
             try:
                 req.send.send_nowait(tok)
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -307,6 +325,7 @@ class Engine:
             if (req := requests.get(rid)) is not None:
                 c.step_failures += 1
                 self._deliver_terminal(req, _Terminal("error", reason))
+        return self._drain_inbox()
 
     # -- registry --------------------------------------------------------------
 
@@ -339,7 +358,11 @@ class Engine:
         self._c.aborts_by_stage[req.stage] += 1
         self._c.aborts_by_cause[cause] += 1
         self._finish(req)
-        self.commands.put(Abort(req.rid))
+        if self._inbox_send is not None:
+            try:
+                self._inbox_send.send_nowait(Abort(req.rid))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
 
     def _fail_all(self, term: _Terminal) -> None:
         for req in list(self._requests.values()):
@@ -347,8 +370,11 @@ class Engine:
                 self._c.aborts += 1
                 self._c.aborts_by_stage[req.stage] += 1
                 self._c.aborts_by_cause["shutdown"] += 1
-            if term.finish_reason == "abort":
-                self.commands.put(Abort(req.rid))
+            if self._inbox_send is not None and term.finish_reason == "abort":
+                try:
+                    self._inbox_send.send_nowait(Abort(req.rid))
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    pass
             self._deliver_terminal(req, term)
 
     def _check_open(self) -> None:
@@ -377,7 +403,8 @@ class Engine:
         self._stage_counts["queued"] += 1
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._c.submitted += 1
-        self.commands.put(Submit(rid, tuple(prompt), max_tokens, sampling, stops))
+        assert self._inbox_send is not None
+        self._inbox_send.send_nowait(Submit(rid, tuple(prompt), max_tokens, sampling, stops))
         return req
 
     # -- public API ------------------------------------------------------------
@@ -645,8 +672,8 @@ class RequestStream:
             while True:  # tokens already waiting go out together (adaptive coalescing)
                 try:
                     batch.append(self._recv.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break  # Closed: close() ran (another task) after this task was handed `item`
             self._process(batch)
 
     def _process(self, batch: list[Any]) -> None:
