@@ -400,6 +400,23 @@ async def test_load_failure_raises_promptly(tmp_path, tiny_model_fp32):
                 pass
 
 
+async def fault_during_decode(engine: trio_mlx.Engine, victims: int, armed: threading.Event) -> list[Finished]:
+    """Start `victims` long requests, arm the fault once all are decoding, and
+    return their terminal events: every one must arrive within 1 s."""
+    finishes: list[Finished] = []
+
+    async def one(i: int) -> None:
+        finishes.append((await run(engine, f"victim {i}", max_tokens=800, ignore_eos=True))[2])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(victims):
+            nursery.start_soon(one, i)
+        await until(lambda: engine.statistics().decoding == victims)
+        armed.set()
+        await until(lambda: len(finishes) == victims, seconds=1)
+    return finishes
+
+
 async def test_a_failing_step_ends_every_waiter_and_the_engine_recovers(tiny_model_fp32):
     armed = threading.Event()
 
@@ -409,18 +426,7 @@ async def test_a_failing_step_ends_every_waiter_and_the_engine_recovers(tiny_mod
             raise RuntimeError("injected step fault")
 
     async with trio_mlx.open_engine(tiny_model_fp32, fault_hook=hook) as engine:
-        finishes: list[Finished] = []
-
-        async def one(i: int) -> None:
-            finishes.append((await run(engine, f"victim {i}", max_tokens=800, ignore_eos=True))[2])
-
-        async with trio.open_nursery() as nursery:
-            for i in range(6):
-                nursery.start_soon(one, i)
-            await until(lambda: engine.statistics().decoding == 6)
-            armed.set()
-            with trio.fail_after(1):
-                await until(lambda: len(finishes) == 6, seconds=1)
+        finishes = await fault_during_decode(engine, 6, armed)
         assert all(f.finish_reason == "error" and "injected step fault" in (f.error or "") for f in finishes)
         assert engine.statistics().step_failures == 6
         ids, _, fin = await run(engine, "still alive", max_tokens=4, ignore_eos=True)
@@ -435,18 +441,7 @@ async def test_actor_death_breaks_the_engine_and_wakes_everyone(tiny_model_fp32)
             raise SystemError("injected actor crash")
 
     async with trio_mlx.open_engine(tiny_model_fp32, fault_hook=hook) as engine:
-        finishes: list[Finished] = []
-
-        async def one(i: int) -> None:
-            finishes.append((await run(engine, f"victim {i}", max_tokens=800, ignore_eos=True))[2])
-
-        async with trio.open_nursery() as nursery:
-            for i in range(5):
-                nursery.start_soon(one, i)
-            await until(lambda: engine.statistics().decoding == 5)
-            armed.set()
-            with trio.fail_after(1):
-                await until(lambda: len(finishes) == 5, seconds=1)
+        finishes = await fault_during_decode(engine, 5, armed)
         assert [f.finish_reason for f in finishes] == ["error"] * 5
         assert engine.statistics().state == "broken"
         with pytest.raises(trio_mlx.EngineBrokenError):
@@ -555,3 +550,35 @@ async def test_statistics_report_mlx_memory(tiny_model_fp32):
         await run(engine, "memory", max_tokens=4, ignore_eos=True)
         stats = engine.statistics()
         assert stats.peak_memory_bytes >= stats.active_memory_bytes > 0
+
+
+async def test_close_from_another_task_while_a_token_is_being_handed_over(tiny_model_fp32):
+    """The reader was already woken with a token when another task closed the stream (an HTTP
+    disconnect): the reader must end quietly, not raise ClosedResourceError (found by the soak)."""
+    from trio_mlx._messages import TokenOut
+
+    gate = threading.Event()
+
+    def hold(stage: str) -> None:  # keeps the actor from delivering anything itself
+        if stage == "step":
+            gate.wait(10)
+
+    try:
+        async with trio_mlx.open_engine(tiny_model_fp32, warmup=False, fault_hook=hold) as engine:
+            async with engine.generate("x", max_tokens=50, ignore_eos=True) as stream:
+                seen: list[object] = []
+
+                async def reader() -> None:
+                    async for ev in stream:
+                        seen.append(ev)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(reader)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert stream._req is not None
+                    stream._req.send.send_nowait(TokenOut(stream._req.rid, 7))  # the reader is woken...
+                    stream.close("disconnect")  # ...and the stream closed before it runs
+                assert all(isinstance(ev, TextDelta) for ev in seen)
+            gate.set()
+    finally:
+        gate.set()

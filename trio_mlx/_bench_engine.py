@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 import trio_mlx
-from trio_mlx._bench_stats import RequestRecord, check_length, level_stats
+from trio_mlx._bench_stats import RequestRecord, check_length, in_process_level
 
 
 async def _one(engine: trio_mlx.Engine, prompt: Sequence[int], max_tokens: int, rec: RequestRecord) -> None:
@@ -80,15 +80,13 @@ def run_engine(
             for concurrency, n in plan:
                 cpu0 = time.thread_time()  # this thread runs the event loop
                 records, duration = await _level(engine, prompts[pos : pos + n], concurrency, max_tokens)
-                cpu = time.thread_time() - cpu0
                 pos += n
-                tokens = sum(r.output_tokens for r in records) or 1
-                lv = level_stats(
+                lv = in_process_level(
                     records,
                     duration=duration,
                     concurrency=concurrency,
-                    rate=None,
-                    extra={"event_loop_cpu_s": cpu, "event_loop_cpu_us_per_token": cpu / tokens * 1e6},
+                    cpu_s=time.thread_time() - cpu0,
+                    cpu_name="event_loop",
                 )
                 levels.append(lv)
                 if on_level is not None:

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trio_mlx._bench_stats import RequestRecord, check_length, level_stats
+from trio_mlx._bench_stats import RequestRecord, check_length, in_process_level
 
 # Warm-up: one short batch so that kernels are compiled and buffers allocated
 # before anything is timed. Arbitrary, just small.
@@ -150,14 +150,12 @@ def run_limit(
             pos += n
             cpu0 = time.process_time()
             records, duration = drive(bg, batch, concurrency, max_tokens)
-            cpu = time.process_time() - cpu0
-            tokens = sum(r.output_tokens for r in records) or 1
-            lv = level_stats(
+            lv = in_process_level(
                 records,
                 duration=duration,
                 concurrency=concurrency,
-                rate=None,
-                extra={"client_cpu_s": cpu, "client_cpu_us_per_token": cpu / tokens * 1e6},
+                cpu_s=time.process_time() - cpu0,
+                cpu_name="client",
             )
             levels.append(lv)
             if on_level is not None:

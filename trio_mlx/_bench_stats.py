@@ -109,6 +109,16 @@ def level_stats(
     return stats
 
 
+
+def in_process_level(
+    records: Sequence[RequestRecord], *, duration: float, concurrency: int, cpu_s: float, cpu_name: str
+) -> dict[str, Any]:
+    """A closed-loop in-process level (--limit, --engine), with the CPU time of the
+    measuring thread as `<cpu_name>_cpu_s` and per generated token."""
+    tokens = sum(r.output_tokens for r in records) or 1
+    extra = {f"{cpu_name}_cpu_s": cpu_s, f"{cpu_name}_cpu_us_per_token": cpu_s / tokens * 1e6}
+    return level_stats(records, duration=duration, concurrency=concurrency, rate=None, extra=extra)
+
 def level_key(level: dict[str, Any]) -> float:
     """The x of a level: its concurrency (closed loop) or its arrival rate (Poisson)."""
     return level["concurrency"] if level.get("concurrency") is not None else level["rate"]
