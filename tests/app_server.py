@@ -8,7 +8,9 @@ way a signal would: lifespan shutdown, engine drain, actor stopped.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +26,7 @@ from hypercorn.config import Config
 
 from trio_mlx import Engine
 from trio_mlx._app import TrioMLXApp, create_app
+from trio_mlx._serve import hypercorn_config
 from trio_mlx._settings import Settings
 
 CHAT = "/v1/chat/completions"
@@ -73,14 +76,16 @@ def slow_steps(seconds: float) -> Callable[[str], None]:
 
 @asynccontextmanager
 async def serve(model: Any, *, factory: Callable[[Settings], Engine] | None = None,
-                **settings: Any) -> AsyncIterator[Server]:
+                access_log: bool = False, **settings: Any) -> AsyncIterator[Server]:
+    """With `access_log`, hypercorn is configured as `trio-mlx serve` configures it."""
     settings.setdefault("warmup", False)
     settings.setdefault("drain_timeout", 2.0)
     app = create_app(Settings(model=str(model), **settings), engine_factory=factory)
-    config = Config()
+    config = hypercorn_config(app.settings) if access_log else Config()
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 5.0
-    config.accesslog = None
+    if not access_log:
+        config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -139,3 +144,77 @@ def sse_events(raw: bytes) -> list[bytes]:
     """The events of an SSE body (comments included), checking the framing on the way."""
     assert raw.endswith(b"\n\n"), raw[-80:]
     return raw[:-2].split(b"\n\n")
+
+
+class Scrape:
+    """One /metrics scrape: `scrape.value("trio_mlx_requests_total", endpoint=..., status=...)`."""
+
+    def __init__(self, text: str):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        self.text = text
+        self.samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                self.samples.setdefault(s.name, []).append((s.labels, s.value))
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sample with exactly these labels (0 when the series does not exist yet)."""
+        for have, value in self.samples.get(name, []):
+            if have == labels:
+                return value
+        return 0.0
+
+
+async def scrape(client: httpx.AsyncClient) -> Scrape:
+    r = await client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4"), r
+    return Scrape(r.text)
+
+
+async def open_raw(port: int, path: str, body: Any = None, *, method: str | None = None,
+                   headers: dict[str, str] | None = None, rcvbuf: int | None = None) -> trio.socket.SocketType:
+    """A trio socket with one HTTP/1.1 request sent; `body` is JSON-encoded unless it is bytes."""
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    await sock.connect(("127.0.0.1", port))
+    data = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
+    head = {"Host": "x", "Content-Length": str(len(data)), **({"Content-Type": "application/json"}
+                                                              if body is not None else {}), **(headers or {})}
+    lines = [f"{method or ('GET' if body is None else 'POST')} {path} HTTP/1.1",
+             *(f"{k}: {v}" for k, v in head.items()), "", ""]
+    await sock.send("\r\n".join(lines).encode() + data)
+    return sock
+
+
+def response_complete(raw: bytes) -> bool:
+    """A whole HTTP/1.1 response: its Content-Length, or the last chunk of a chunked body."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    if m := re.search(rb"content-length: *(\d+)", head, re.I):
+        return len(body) >= int(m.group(1))
+    return body.endswith(b"0\r\n\r\n")
+
+
+async def read_response(sock: trio.socket.SocketType, within: float = 10.0) -> bytes:
+    """Read one whole response (or up to EOF) within `within` seconds."""
+    out = b""
+    with trio.fail_after(within):
+        while not response_complete(out):
+            chunk = await sock.recv(1 << 16)
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+async def until_answer(ask: Callable[[], Any], pred: Callable[[Any], bool], within: float = 5.0) -> Any:
+    """Ask (an async call: a GET, a scrape) until `pred` holds of the answer; return that answer."""
+    with trio.fail_after(within):
+        while True:
+            answer = await ask()
+            if pred(answer):
+                return answer
+            await trio.sleep(0.02)

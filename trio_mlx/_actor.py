@@ -44,8 +44,9 @@ from ._messages import (
 # BatchGenerator compares samplers by identity). The bound is arbitrary: it
 # only stops a stream of distinct temperatures from growing the dict forever.
 _SAMPLER_CACHE_SIZE = 256
-# MLX memory figures ride along with one step report in this many; the
-# number is arbitrary, small enough for a metrics scrape to see it move.
+# MLX memory figures ride along with one step report in this many, and with
+# the report of a step that leaves the batch empty (so an idle server's figures
+# are current); the number is arbitrary, small enough for a scrape to see it move.
 _MEMORY_EVERY = 64
 
 
@@ -79,6 +80,11 @@ class _Seq:
     prompt_len: int
     sampling: SamplingParams
     stage: str = "queued"
+
+
+def _memory() -> tuple[int, int, int]:
+    """MLX's (active, peak, cache) bytes; the cache holds freed buffers kept for reuse."""
+    return mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()
 
 
 def _mix64(seed: int, counter: int) -> int:
@@ -314,7 +320,7 @@ class Actor:
 
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
         if not self._seqs:
-            return StepReport(failed=tuple(failed), live=0)
+            return StepReport(failed=tuple(failed), live=0, memory=_memory())
         assert self._bg is not None
         t0 = time.perf_counter()
         try:
@@ -338,9 +344,7 @@ class Actor:
         prompt_tokens = stats.prompt_tokens
         stats.prompt_tokens = 0
         self._steps += 1
-        memory = None
-        if self._steps % _MEMORY_EVERY == 1:
-            memory = (mx.get_active_memory(), mx.get_peak_memory())
+        memory = _memory() if self._steps % _MEMORY_EVERY == 1 or not self._seqs else None
         return StepReport(
             memory=memory,
             tokens=tokens,

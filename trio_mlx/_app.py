@@ -10,6 +10,7 @@ before Quart sees the request. Every error body has OpenAI's shape.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -24,16 +25,19 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from ._asgi import check_api_key, cors_headers
+from . import _workers
+from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id
 from ._completions import CHAT_PATH, COMPLETIONS_PATH, Completions, RequestRecord
 from ._engine import Engine
 from ._errors import ModelLoadError
-from ._openai import HTTPError, dumps, unavailable
+from ._logs import request_done
+from ._metrics import Metrics
+from ._openai import HTTPError, dumps, new_id, unavailable
 from ._settings import Settings
 
 log = logging.getLogger("trio_mlx.http")
 
-WRONG_WORKER_EXIT = 3  # as gunicorn's and uvicorn's "worker failed to boot"
+WRONG_WORKER_EXIT = 3  # as gunicorn's and uvicorn's "worker failed to boot"; also: a second worker
 WRONG_WORKER = (
     "trio_mlx needs hypercorn's trio worker: run `hypercorn -k trio trio_mlx.app:app` "
     "(or `trio-mlx serve`)"
@@ -93,16 +97,23 @@ class TrioMLXApp(QuartTrio):
     settings: Settings
     engine: Engine | None
     completions: Completions
+    metrics: Metrics
+    serving_lock: _workers.ServingLock | None
     # Called with every completion request's record when it ends (sync, must be quick).
     observers: list[Callable[[RequestRecord], None]]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "http":
-            if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
-                await self.completions(scope, receive, send)
-                return
-        elif kind == "lifespan" and sniffio.current_async_library() != "trio":
+            try:
+                if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
+                    await self.completions(scope, receive, send)
+                else:
+                    await self.asgi_app(scope, receive, send)
+            finally:
+                request_done(scope)  # the access log's held line, if any (_logs.py)
+            return
+        if kind == "lifespan" and sniffio.current_async_library() != "trio":
             # quart-trio under the asyncio worker fails its lifespan silently and then every
             # request errors. Hypercorn turns any lifespan exception into a traceback or a
             # warning; this is a configuration error, so: one line, and the worker exits.
@@ -151,6 +162,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.engine = None
     app.observers = []
     app.completions = Completions(app)
+    app.metrics = Metrics(app)
+    app.observers.append(app.metrics.observe)
+    app.serving_lock = None
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=settings.drain_timeout + SHUTDOWN_MARGIN,
@@ -162,11 +176,14 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
     @app.before_serving
     async def start_engine() -> None:
-        engine = app.engine = make_engine(settings)
         try:
+            if not settings.allow_multiple_workers:
+                app.serving_lock = _take_serving_lock(settings)
+            engine = app.engine = make_engine(settings)
             await app.nursery.start(engine.run)
         except BaseException as exc:
             log.error("trio_mlx could not start: %s", exc)
+            _release(app)
             raise
         app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls))
         info = engine.info
@@ -180,6 +197,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             await app.drain()
         finally:
             watchdog.cancel()
+            _release(app)
 
     @app.before_request
     async def authenticate() -> None:
@@ -191,6 +209,11 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         origin = request.headers.get("Origin")
         for key, value in cors_headers(origin, settings.cors_origins, preflight=request.method == "OPTIONS"):
             response.headers[key.decode()] = value.decode()
+        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
+        rid = scope[REQUEST_ID] = request_id(scope, new_id("req-"))
+        response.headers["X-Request-Id"] = rid
+        rule = request.url_rule
+        app.metrics.observe_route(rule.rule if rule is not None else "unmatched", response.status_code)
         return response
 
     def model_card() -> dict[str, Any]:
@@ -233,6 +256,12 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         state = app.engine.state if app.engine is not None else "starting"
         return json_response({"status": "ready" if state == "ready" else state}, 200 if state == "ready" else 503)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus metrics (text format): per-request histograms and counters, engine gauges."""
+        body, content_type = app.metrics.render(request.headers.get("Accept"))
+        return Response(body, status=200, content_type=content_type)
+
     @app.get("/openapi.json")
     async def openapi() -> Response:
         from ._openapi import openapi_document
@@ -243,7 +272,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     async def index() -> Response:
         return json_response({"name": "trio_mlx", "model": settings.served_model_name,
                               "endpoints": [CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health",
-                                            "/ready", "/openapi.json"]})
+                                            "/ready", "/metrics", "/openapi.json"]})
 
     @app.errorhandler(HTTPError)
     async def api_error(error: HTTPError) -> Response:
@@ -276,6 +305,25 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         return json_response(error.payload(), 500)
 
     return app
+
+
+def _take_serving_lock(settings: Settings) -> _workers.ServingLock:
+    try:
+        return _workers.acquire(settings)
+    except _workers.AlreadyServing as exc:
+        if multiprocessing.parent_process() is not None:
+            # A hypercorn worker process: one line and a non-zero exit, which makes the
+            # supervisor stop every worker (as for the asyncio worker above).
+            sys.stderr.write(f"error: {exc}\n")
+            sys.stderr.flush()
+            os._exit(WRONG_WORKER_EXIT)
+        raise
+
+
+def _release(app: TrioMLXApp) -> None:
+    if app.serving_lock is not None:
+        app.serving_lock.release()
+        app.serving_lock = None
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -28,6 +28,11 @@ CORS_ALLOW_HEADERS = b"authorization, content-type, x-request-id, openai-organiz
 CORS_MAX_AGE = b"600"
 
 
+# Where a request's id (the X-Request-Id response header) is kept in the ASGI scope, so that
+# an access-log line written without response headers still carries it (`_logs.py`).
+REQUEST_ID = "trio_mlx.request_id"
+
+
 class Disconnected(Exception):
     """The client went away before its request was answered."""
 
@@ -37,6 +42,14 @@ def header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+def request_id(scope: Scope, default: str) -> str:
+    """The client's X-Request-Id when it is short printable ASCII, else `default`."""
+    given = header(scope, b"x-request-id")
+    if given and len(given) <= 128 and given.isascii() and given.decode().isprintable():
+        return given.decode()
+    return default
 
 
 def check_api_key(authorization: str | bytes | None, api_key: str | None) -> None:

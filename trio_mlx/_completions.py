@@ -26,6 +26,7 @@ import trio
 
 from ._asgi import (
     JSON_HEADERS,
+    REQUEST_ID,
     Disconnected,
     RawHeaders,
     Receive,
@@ -35,6 +36,7 @@ from ._asgi import (
     cors_headers,
     header,
     read_body,
+    request_id,
     send_error,
     send_response,
     wait_disconnect,
@@ -118,7 +120,8 @@ class Completions:
             await send_response(send, 204, b"", [(b"allow", b"POST, OPTIONS"), *cors])
             return
         rid = new_id("chatcmpl-" if chat else "cmpl-")
-        rec = RequestRecord(_request_id(scope, rid), scope["path"], trio.current_time())
+        rec = RequestRecord(request_id(scope, rid), scope["path"], trio.current_time())
+        scope[REQUEST_ID] = rec.request_id
         extra = [(b"x-request-id", rec.request_id.encode()), *cors]
         try:
             req, streams = await self._admit(scope, receive, chat, rec)
@@ -286,13 +289,6 @@ class Completions:
                     log.warning("request %s: the client took no data for %.1f s; aborting it",
                                 pump.rec.request_id, t - since)
                     pump.abort("stall")
-
-
-def _request_id(scope: Scope, default: str) -> str:
-    given = header(scope, b"x-request-id")
-    if given and len(given) <= 128 and given.isascii() and given.decode().isprintable():
-        return given.decode()
-    return default
 
 
 def _record_finish(rec: RequestRecord, fins: list[Finished]) -> None:

@@ -155,7 +155,7 @@ class Engine:
         self._live = 0
         self._c = _Counters()
         self._last_progress: float | None = None
-        self._memory: tuple[int, int] = (0, 0)  # MLX (active, peak) bytes, as the actor reads them
+        self._memory: tuple[int, int, int] = (0, 0, 0)  # MLX (active, peak, cache) bytes, as the actor reads them
         self._actor_error: BaseException | None = None
         self._inbox_send: trio.MemorySendChannel[Command] | None = None
         self._inbox_recv: trio.MemoryReceiveChannel[Command] | None = None
@@ -441,6 +441,7 @@ class Engine:
             aborts_by_cause=dict(self._c.aborts_by_cause),
             active_memory_bytes=self._memory[0],
             peak_memory_bytes=self._memory[1],
+            cache_memory_bytes=self._memory[2],
             step_failures=self._c.step_failures,
             seconds_since_step=since,
         )

@@ -91,7 +91,7 @@ class StepReport:
     prompt_tokens: int = 0  # prompt tokens processed this step
     step_seconds: float = 0.0
     live: int = 0  # sequences in the BatchGenerator after this step
-    memory: tuple[int, int] | None = None  # MLX (active, peak) bytes, read now and then
+    memory: tuple[int, int, int] | None = None  # MLX (active, peak, cache) bytes, read now and then
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,4 +174,5 @@ class EngineStatistics:
     step_failures: int = 0
     active_memory_bytes: int = 0
     peak_memory_bytes: int = 0
+    cache_memory_bytes: int = 0  # freed MLX buffers kept for reuse: resident, but not a leak
     seconds_since_step: float | None = None

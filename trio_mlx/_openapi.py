@@ -138,6 +138,20 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(s): {"description": text[s], "content": _json(ErrorResponse)} for s in statuses}
 
 
+# One server-sent event (what `schema` of an event stream describes before OpenAPI 3.2's
+# `itemSchema`): its data is a JSON chunk, a JSON error ({"error": ...}) or the text [DONE].
+_SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "description": "a JSON chunk, a JSON error object, or [DONE] (the last event)"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
 def _completion_op(summary: str, request: type[BaseModel], whole: type[BaseModel],
                    chunk: type[BaseModel]) -> dict[str, Any]:
     return {"post": {
@@ -146,7 +160,7 @@ def _completion_op(summary: str, request: type[BaseModel], whole: type[BaseModel
         "responses": {
             "200": {"description": f"a {whole.__name__}, or with stream=true server-sent events: "
                                    f"`data: <{chunk.__name__}>` ... then `data: [DONE]`",
-                    "content": {**_json(whole), "text/event-stream": {"schema": {"type": "string"}}}},
+                    "content": {**_json(whole), "text/event-stream": {"schema": _SSE_EVENT}}},
             **_errors(400, 401, 404, 413, 429, 500, 503),
         },
     }}
@@ -182,6 +196,8 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
             "/ready": {"get": {"summary": "Readiness: the model is loaded and warm, not draining",
                                "responses": probe}},
             "/health/ready": {"get": {"summary": "Readiness (alias of /ready)", "responses": probe}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format)", "responses": {
+                "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         },
         "components": {"schemas": top.get("$defs", {})},
     }

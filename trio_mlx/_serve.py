@@ -63,6 +63,7 @@ def hypercorn_config(settings: Settings) -> Any:
     from hypercorn.config import Config
 
     from ._app import SHUTDOWN_MARGIN
+    from ._logs import ACCESS_LOG_FORMAT, AccessLogger
 
     config = Config()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
@@ -74,6 +75,9 @@ def hypercorn_config(settings: Settings) -> Any:
     config.shutdown_timeout = settings.drain_timeout + 2 * SHUTDOWN_MARGIN
     config.startup_timeout = settings.startup_timeout
     config.accesslog = logging.getLogger("hypercorn.access") if settings.access_log else None
+    # One line per request, ending with its X-Request-Id (see _logs.py for the duplicate it drops).
+    config.logger_class = AccessLogger
+    config.access_log_format = ACCESS_LOG_FORMAT
     config.errorlog = logging.getLogger("hypercorn.error")
     return config
 
@@ -110,7 +114,8 @@ async def serve(app: Any, config: Any) -> bool:
     return not forced
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
+    """`trio-mlx serve`; `engine_factory` (tests: fault injection) builds the Engine from the settings."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("settings: %s", settings.public())
-    app = create_app(settings)
+    app = create_app(settings, engine_factory=engine_factory)
     try:
         clean = trio.run(serve, app, hypercorn_config(settings))
     except BaseException as exc:  # noqa: BLE001 - sorted below; the process ends here

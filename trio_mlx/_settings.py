@@ -68,7 +68,11 @@ class Settings:
     max_n: int = field(default=16, metadata=_doc("largest n (choices per request) accepted"))
     startup_timeout: float = field(default=600.0, metadata=_doc(
         "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve)"))
-    access_log: bool = field(default=True, metadata=_doc("log one line per request (trio-mlx serve)"))
+    access_log: bool = field(default=True, metadata=_doc(
+        "log one line per request, ending with its X-Request-Id (trio-mlx serve)"))
+    allow_multiple_workers: bool = field(default=False, metadata=_doc(
+        "let several processes (hypercorn workers) serve this model on one device, each loading "
+        "its own copy; unset, a second one stops at startup"))
     log_level: str = field(default="info", metadata=_doc("debug, info, warning or error"))
 
     def __post_init__(self) -> None:

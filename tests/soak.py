@@ -1,0 +1,578 @@
+"""Soak: thousands of requests against a real server process, many from clients that misbehave.
+
+    python tests/soak.py --requests 2000 --concurrency 32 [--model DIR] [--seed 1] [--json OUT]
+
+Starts `trio-mlx serve` on 127.0.0.1 (port 0) with the tiny random-weight model
+(built in a temp dir unless --model names one), a small batch so requests
+queue, small prefill chunks so long prompts spend several steps in prefill,
+and a short stall timeout. A warm-up phase and then the soak phase run the
+same mix of clients:
+
+- well-behaved (~55%): chat or text, streamed or not, n 1 or 2; every answer is
+  checked whole: status, framing ([DONE] last), finish_reason, usage, and the
+  greedy answers to a few fixed prompts must be identical every time;
+- hang-ups (~30%) at a random moment: right after sending (queued behind a
+  full batch), a few ms into a long prompt (prefill), or after some streamed
+  events (decode);
+- stalled readers (~10%): big chunks, a tiny receive buffer, no reading for a
+  few seconds; the server's stall timeout must reap them: when the client
+  reads again, the stream is cut (no [DONE]) and the connection closed;
+- invalid bodies (~5%): each must get a 4xx in OpenAI's error shape.
+
+Afterwards, through /metrics: nothing queued, active or streaming; no 5xx; the
+4xx count equals the invalid bodies sent; one stall abort per stalled reader;
+aborts by stage and cause reported. The server's log must hold no ERROR, no
+traceback, and no WARNING but the expected stall notices; its resident memory
+(RSS) after the soak must be within --rss-tolerance of its level after the
+warm-up (it is also read after each part of the soak, --rss-samples: a leak climbs
+steadily, an allocator settling does not). `run()` returns the report (`report["failures"]` is empty when all
+held); `main()` prints it as JSON and exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h11
+import trio
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+HELLO = [{"role": "user", "content": "Hello there"}]
+GREEDY_PROMPTS = ("The quick brown fox", "Once upon a time", "In the beginning", "Soak test")
+GREEDY_TOKENS = 24
+VOCAB = range(5, 500)  # token ids the tiny model has (vocab 512), clear of its special ids
+# All the server may log at WARNING or above during a soak; anything else fails it.
+EXPECTED_WARNING = re.compile(r"the client took no data for .* aborting it")
+INVALID: list[tuple[str, bytes, str]] = [
+    (CHAT, b'{"messages": [', "application/json"),
+    (TEXT, b'{"prompt": "\xff\xfe"}', "application/json"),
+    (TEXT, b'{"prompt": "hi"}', "text/plain"),
+    (TEXT, b'{"prompt": 5}', "application/json"),
+    (TEXT, b'{"prompt": "hi", "max_tokens": 1000000000000}', "application/json"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": -1}', "application/json"),
+    (TEXT, b'{"prompt": "hi", "logit_bias": {"not-a-token": 1}}', "application/json"),
+    (CHAT, b'{"messages": []}', "application/json"),
+    (CHAT, b'{"messages": [{"role": "robot", "content": "x"}]}', "application/json"),
+    (TEXT, b"[" * 5000 + b"]" * 5000, "application/json"),
+]
+
+
+@dataclass
+class Options:
+    requests: int = 2000
+    concurrency: int = 32
+    warmup: int = 0  # 0: a tenth of the requests, at least 100
+    model: str | None = None
+    seed: int = 1
+    hangup: float = 0.30
+    stall: float = 0.10
+    invalid: float = 0.05
+    stall_timeout: float = 0.5
+    stall_hold: float = 0.0  # seconds a stalled reader stops reading; 0: max(3, 6 x stall_timeout)
+    max_batch: int = 8
+    rss_tolerance: float = 0.05
+    rss_samples: int = 4  # RSS is read after the warm-up and after each of this many parts of the soak
+    deadline: float = 900.0  # seconds the whole soak may take: it always stops by itself
+    access_log: bool = False
+    server_log: str | None = None  # also write the server's log to this file
+
+
+@dataclass
+class Tally:
+    """What the clients saw."""
+
+    planned: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    greedy: dict[str, set[str]] = field(default_factory=dict)
+    chat_prompt_tokens: set[int] = field(default_factory=set)
+
+    def fail(self, what: str) -> None:
+        self.outcomes["failed"] += 1
+        if len(self.failures) < 30:
+            self.failures.append(what[:500])
+
+
+# ---- a minimal HTTP/1.1 client on trio sockets (h11): it can misbehave on purpose ----------------
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+class Conn:
+    def __init__(self, sock: trio.socket.SocketType):
+        self.sock = sock
+        self.h11 = h11.Connection(h11.CLIENT)
+
+    @classmethod
+    async def open(cls, port: int, rcvbuf: int | None = None) -> Conn:
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        await sock.connect(("127.0.0.1", port))
+        return cls(sock)
+
+    async def send(self, method: str, path: str, body: bytes = b"", content_type: str = "application/json") -> None:
+        headers = [("Host", "127.0.0.1"), ("Content-Length", str(len(body))), ("Connection", "close")]
+        if body:
+            headers.append(("Content-Type", content_type))
+        data = self.h11.send(h11.Request(method=method, target=path, headers=headers)) or b""
+        data += (self.h11.send(h11.Data(data=body)) or b"") + (self.h11.send(h11.EndOfMessage()) or b"")
+        view = memoryview(data)
+        while view:
+            view = view[await self.sock.send(view):]
+
+    async def event(self) -> Any:
+        while (event := self.h11.next_event()) is h11.NEED_DATA:
+            self.h11.receive_data(await self.sock.recv(65536))
+        return event
+
+    async def response(self) -> Response:
+        head = await self.event()
+        assert isinstance(head, h11.Response), head
+        body = b""
+        while not isinstance(event := await self.event(), h11.EndOfMessage):
+            if isinstance(event, h11.ConnectionClosed):
+                raise ConnectionError("the connection closed mid-body")
+            body += event.data
+        return Response(head.status_code, {k.decode().lower(): v.decode() for k, v in head.headers}, body)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def fetch(port: int, method: str, path: str, body: bytes = b"", content_type: str = "application/json") -> Response:
+    conn = await Conn.open(port)
+    try:
+        await conn.send(method, path, body, content_type)
+        return await conn.response()
+    finally:
+        conn.close()
+
+
+def sse_data(body: bytes) -> list[Any]:
+    """The `data:` payloads of an SSE body, JSON-decoded ("[DONE]" as is); comments skipped."""
+    assert body.endswith(b"\n\n"), body[-200:]
+    out: list[Any] = []
+    for event in body[:-2].split(b"\n\n"):
+        if event.startswith(b":"):
+            continue
+        assert event.startswith(b"data: "), event[:200]
+        payload = event[6:]
+        out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+# ---- the clients ------------------------------------------------------------------------------
+
+
+def plan(opts: Options, count: int, rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
+    """`count` client behaviours, decided up front from the seed (so a run can be repeated)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for _ in range(count):
+        x = rng.random()
+        if x < opts.hangup:
+            moment = rng.choices(("queued", "prefill", "decode"), (1, 1, 2))[0]
+            out.append(("hangup", {"moment": moment, "stream": rng.random() < 0.6,
+                                   "delay": rng.uniform(0.0, 0.01) if moment == "queued" else rng.uniform(0.05, 1.5),
+                                   "events": rng.randint(1, 20), "prompt": [rng.choice(VOCAB) for _ in range(
+                                       rng.randint(500, 900) if moment == "prefill" else rng.randint(3, 30))]}))
+        elif x < opts.hangup + opts.stall:
+            out.append(("stall", {}))
+        elif x < opts.hangup + opts.stall + opts.invalid:
+            out.append(("invalid", {"case": rng.randrange(len(INVALID))}))
+        else:
+            greedy = rng.random() < 0.25
+            n = 2 if not greedy and rng.random() < 0.15 else 1
+            out.append(("ok", {
+                "chat": rng.random() < 0.5, "stream": rng.random() < 0.5, "n": n,
+                "greedy": rng.choice(GREEDY_PROMPTS) if greedy else None,
+                "max_tokens": GREEDY_TOKENS if greedy else rng.randint(1, 48),
+                "temperature": rng.choice((0.0, 0.7, 1.0)),
+                "seed": rng.randrange(2**32) if rng.random() < 0.3 else None,
+                "prompt": [rng.choice(VOCAB) for _ in range(rng.randint(3, 60))],
+            }))
+    return out
+
+
+def ok_body(p: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"max_tokens": p["max_tokens"], "ignore_eos": True, "n": p["n"]}
+    if p["greedy"]:
+        body["temperature"] = 0
+    else:
+        body["temperature"] = p["temperature"]
+        if p["seed"] is not None:
+            body["seed"] = p["seed"]
+    if p["stream"]:
+        body.update(stream=True, stream_options={"include_usage": True})
+    if p["chat"]:
+        content = p["greedy"] or HELLO[0]["content"]
+        return CHAT, {**body, "messages": [{"role": "user", "content": content}]}
+    return TEXT, {**body, "prompt": p["greedy"] or p["prompt"]}
+
+
+async def well_behaved(port: int, p: dict[str, Any], tally: Tally) -> None:
+    path, body = ok_body(p)
+    r = await fetch(port, "POST", path, dumps(body))
+    where = f"{path} {json.dumps(body)[:200]}"
+    if r.status != 200:
+        return tally.fail(f"{where}: HTTP {r.status} {r.body[:300]!r}")
+    n, want = p["n"], p["max_tokens"]
+    try:
+        if p["stream"]:
+            assert r.headers["content-type"].startswith("text/event-stream"), r.headers
+            events = sse_data(r.body)
+            assert events[-1] == "[DONE]", events[-2:]
+            usage = events[-2]["usage"]
+            chunks = [e for e in events[:-2] if "choices" in e]
+            assert len(chunks) == len(events) - 2, "an event that is not a chunk (an error?)"
+            finishes = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+            assert sorted(f["index"] for f in finishes) == list(range(n)), finishes
+            assert all(f["finish_reason"] == "length" for f in finishes), finishes
+            if p["chat"]:
+                text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+            else:
+                text = "".join(c["choices"][0]["text"] for c in chunks)
+        else:
+            obj = json.loads(r.body)
+            usage = obj["usage"]
+            assert len(obj["choices"]) == n and all(c["finish_reason"] == "length" for c in obj["choices"])
+            c0 = obj["choices"][0]
+            text = c0["message"]["content"] if p["chat"] else c0["text"]
+        assert usage["completion_tokens"] == n * want, (usage, n, want)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], usage
+        if not p["chat"] and not p["greedy"]:
+            assert usage["prompt_tokens"] == len(p["prompt"]), usage
+        if p["chat"] and not p["greedy"]:
+            tally.chat_prompt_tokens.add(usage["prompt_tokens"])
+    except (AssertionError, KeyError, IndexError, ValueError) as exc:
+        return tally.fail(f"{where}: {type(exc).__name__}: {exc}")
+    if p["greedy"]:
+        tally.greedy.setdefault(f"{'chat' if p['chat'] else 'text'}: {p['greedy']}", set()).add(text)
+    tally.completion_tokens += usage["completion_tokens"]
+    tally.outcomes["completed"] += 1
+
+
+async def hang_up(port: int, p: dict[str, Any], tally: Tally) -> None:
+    """Send, then close the connection at the planned moment (the answer is never read whole)."""
+    tokens = {"queued": 200, "prefill": 100, "decode": 400}[p["moment"]]  # prompt + tokens fit in 1024
+    body: dict[str, Any] = {"prompt": p["prompt"], "max_tokens": tokens, "ignore_eos": True, "stream": p["stream"]}
+    conn = await Conn.open(port)
+    try:
+        await conn.send("POST", TEXT, dumps(body))
+        if p["moment"] == "decode" and p["stream"]:
+            seen = 0
+            head = await conn.event()
+            if not isinstance(head, h11.Response) or head.status_code != 200:
+                return tally.fail(f"hang-up stream got {head}")
+            while seen < p["events"]:
+                event = await conn.event()
+                if not isinstance(event, h11.Data):
+                    break  # it ended first
+                seen += event.data.count(b"data: ")
+        else:
+            await trio.sleep(p["delay"])  # the client's own behaviour: it waits this long, then leaves
+    finally:
+        conn.close()
+    tally.outcomes["hung_up"] += 1
+
+
+async def stall(port: int, tally: Tally, hold: float) -> None:
+    """Ask for big chunks, stop reading for `hold` seconds, then read what is left: the server must
+    have cut the stream (no [DONE]) and closed the connection.
+
+    The hold is this client's behaviour, not a wait for the server: it must outlast the time the
+    server takes to fill the socket buffers plus its stall timeout. (The server's FIN is queued
+    behind the unread data, so a client cannot see the cut without reading.)"""
+    body = {"messages": HELLO, "max_tokens": 900, "ignore_eos": True, "stream": True, "logprobs": True,
+            "top_logprobs": 20}
+    conn = await Conn.open(port, rcvbuf=4096)
+    raw = b""
+    try:
+        await conn.send("POST", CHAT, dumps(body))
+        await trio.sleep(hold)
+        with trio.fail_after(30):
+            while chunk := await conn.sock.recv(1 << 16):
+                raw += chunk
+    finally:
+        conn.close()
+    if not raw.startswith(b"HTTP/1.1 200") or b"data: [DONE]" in raw:
+        return tally.fail(f"a stalled reader's stream was not cut by the server: {raw[:60]!r}...{raw[-100:]!r}")
+    tally.outcomes["stall_reaped"] += 1
+
+
+async def invalid(port: int, p: dict[str, Any], tally: Tally) -> None:
+    path, body, content_type = INVALID[p["case"]]
+    r = await fetch(port, "POST", path, body, content_type)
+    try:
+        assert 400 <= r.status < 500, r.status
+        err = json.loads(r.body)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    except (AssertionError, KeyError, ValueError) as exc:
+        return tally.fail(f"invalid body {body[:80]!r}: HTTP {r.status} {r.body[:200]!r} ({exc})")
+    tally.outcomes["rejected"] += 1
+
+
+async def run_mix(port: int, opts: Options, items: list[tuple[str, dict[str, Any]]], tally: Tally) -> None:
+    todo = iter(items)
+
+    async def worker() -> None:
+        for kind, p in todo:
+            tally.planned[kind if kind != "hangup" else f"hangup_{p['moment']}"] += 1
+            try:
+                with trio.fail_after(60):
+                    if kind == "ok":
+                        await well_behaved(port, p, tally)
+                    elif kind == "hangup":
+                        await hang_up(port, p, tally)
+                    elif kind == "stall":
+                        await stall(port, tally, opts.stall_hold or max(3.0, 6 * opts.stall_timeout))
+                    else:
+                        await invalid(port, p, tally)
+            except (OSError, trio.TooSlowError, h11.ProtocolError, AssertionError) as exc:
+                tally.fail(f"{kind} {p}: {type(exc).__name__}: {exc}"[:500])
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(opts.concurrency):
+            nursery.start_soon(worker)
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    def __init__(self, proc: trio.Process):
+        self.proc = proc
+        self.log = b""
+        self.port: int | None = None
+        self.up = trio.Event()
+        self.caches: list[int] = []  # MLX's buffer cache at each steady_rss()
+
+    async def pump(self) -> None:
+        assert self.proc.stderr is not None
+        async for chunk in self.proc.stderr:
+            self.log += chunk
+            if self.port is None and (m := re.search(rb"Running on http://127\.0\.0\.1:(\d+)", self.log)):
+                self.port = int(m.group(1))
+                self.up.set()
+
+    def rss(self) -> int:
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if os.environ.get("SOAK_RSS") == "anon":
+                return int(fields["RssAnon"].split()[0]) * 1024
+            return int(fields["VmRSS"].split()[0]) * 1024
+        except OSError:
+            import psutil  # not Linux: psutil, if present
+
+            return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+    async def metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        assert self.port is not None
+        r = await fetch(self.port, "GET", "/metrics")
+        out: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in text_string_to_metric_families(r.body.decode()):
+            for s in family.samples:
+                out.setdefault(s.name, []).append((s.labels, s.value))
+        return out
+
+    async def idle(self, within: float = 30.0) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """Poll /metrics until nothing is queued, active or streaming; return that scrape."""
+        with trio.fail_after(within):
+            while True:
+                m = await self.metrics()
+                if all(value(m, name) == 0 for name in ("trio_mlx_queue_depth", "trio_mlx_active_sequences",
+                                                        "trio_mlx_open_streams")) and \
+                        sum(v for _, v in m["trio_mlx_requests_in_engine"]) == 0:
+                    return m
+                await trio.sleep(0.05)
+
+    async def steady_rss(self) -> int:
+        """Resident memory once idle, less MLX's buffer cache (freed buffers it keeps for reuse,
+        6-13 MB after a soak step with the tiny model, depending on the shapes last used: noise
+        as large as the leaks looked for); the median of five reads over half a second."""
+        m = await self.idle()
+        cache = int(value(m, "trio_mlx_mlx_cache_memory_bytes"))
+        reads = []
+        for _ in range(5):
+            reads.append(self.rss() - cache)
+            await trio.sleep(0.1)
+        self.caches.append(cache)
+        return sorted(reads)[2]
+
+
+def value(m: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    return sum(v for have, v in m.get(name, []) if all(have.get(k) == x for k, x in labels.items()))
+
+
+def server_command(model: str, opts: Options) -> list[str]:
+    return [sys.executable, "-m", "trio_mlx.cli", "serve", model, "--port", "0",
+            "--stall-timeout", str(opts.stall_timeout), "--max-batch", str(opts.max_batch),
+            "--prefill-batch", "2", "--prefill-step", "16", "--ping-interval", "1", "--drain-timeout", "5",
+            "--access-log" if opts.access_log else "--no-access-log", "--log-level", "info"]
+
+
+# ---- the soak ---------------------------------------------------------------------------------
+
+
+async def run(opts: Options) -> dict[str, Any]:
+    rng = random.Random(opts.seed)
+    warm_n = opts.warmup or max(100, opts.requests // 10)
+    warm_items, soak_items = plan(opts, warm_n, rng), plan(opts, opts.requests, rng)
+    with tempfile.TemporaryDirectory(prefix="trio-mlx-soak-") as tmp:
+        model = opts.model
+        if model is None:
+            from trio_mlx import _models
+
+            model = str(_models.build_test_model(Path(tmp) / "tiny", dtype="float32"))
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        report: dict[str, Any] = {"options": asdict(opts), "warmup_requests": warm_n}
+        t_start = trio.current_time()
+        with trio.fail_after(opts.deadline):
+            async with trio.open_nursery() as nursery:
+                proc = await trio.lowlevel.open_process(server_command(model, opts), env=env, cwd=ROOT,
+                                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                server = ServerProcess(proc)
+                nursery.start_soon(server.pump)
+                try:
+                    with trio.fail_after(60):
+                        await server.up.wait()
+                    assert server.port is not None
+                    warm, soak = Tally(), Tally()
+                    await run_mix(server.port, opts, warm_items, warm)
+                    rss_warm = await server.steady_rss()
+                    t_soak = trio.current_time()
+                    rss_timeline, idle_seconds = [rss_warm], 0.0
+                    part = math.ceil(len(soak_items) / max(1, opts.rss_samples))
+                    for i in range(0, len(soak_items), part):  # RSS after each part: a leak climbs
+                        await run_mix(server.port, opts, soak_items[i:i + part], soak)
+                        t_idle = trio.current_time()
+                        rss_timeline.append(await server.steady_rss())
+                        idle_seconds += trio.current_time() - t_idle
+                    soak_seconds = trio.current_time() - t_soak - idle_seconds
+                    m = await server.idle()
+                    rss_after = rss_timeline[-1]
+                finally:
+                    proc.send_signal(signal.SIGTERM)
+                    with trio.move_on_after(30):
+                        await proc.wait()
+                    if proc.returncode is None:
+                        proc.kill()
+                    nursery.cancel_scope.cancel()
+        if opts.server_log:
+            await trio.Path(opts.server_log).write_bytes(server.log)
+        report.update(judge(opts, warm, soak, m, rss_warm, rss_after, server.log.decode("utf-8", "replace"),
+                            proc.returncode))
+        report["rss_timeline_bytes"] = rss_timeline  # less MLX's buffer cache (below)
+        report["mlx_cache_timeline_bytes"] = server.caches
+        report["soak_seconds"] = round(soak_seconds, 1)
+        report["wall_seconds"] = round(trio.current_time() - t_start, 1)
+        report["completion_tokens_per_second"] = round(soak.completion_tokens / soak_seconds, 1)
+        return report
+
+
+def judge(opts: Options, warm: Tally, soak: Tally, m: Any, rss_warm: int, rss_after: int, log: str,
+          rc: int | None) -> dict[str, Any]:
+    failures = [f"warm-up: {f}" for f in warm.failures] + soak.failures
+    both = Tally(planned=warm.planned + soak.planned, outcomes=warm.outcomes + soak.outcomes)
+    statuses = Counter[str]()
+    for labels, v in m.get("trio_mlx_requests_total", []):
+        if labels["endpoint"] in (CHAT, TEXT) and v:
+            statuses[labels["status"]] += int(v)
+    if any(s.startswith("5") for s in statuses):
+        failures.append(f"5xx answers: {dict(statuses)}")
+    fourxx = sum(v for s, v in statuses.items() if s.startswith("4"))
+    if fourxx != both.planned["invalid"]:
+        failures.append(f"{fourxx} 4xx answers for {both.planned['invalid']} invalid bodies")
+    stalls = value(m, "trio_mlx_aborts_by_cause_total", cause="stall")
+    if stalls != both.outcomes["stall_reaped"]:
+        failures.append(f"{stalls} stall aborts for {both.outcomes['stall_reaped']} reaped readers")
+    for t in (warm, soak):
+        for key, texts in t.greedy.items():
+            if len(texts) != 1:
+                failures.append(f"greedy {key!r} gave {len(texts)} different answers")
+    if len(warm.chat_prompt_tokens | soak.chat_prompt_tokens) > 1:
+        failures.append(f"one chat prompt, several prompt_tokens: {warm.chat_prompt_tokens | soak.chat_prompt_tokens}")
+    bad_lines = [line for line in log.splitlines()
+                 if re.search(r"\b(ERROR|CRITICAL|Traceback)\b", line)
+                 or (" WARNING " in line and not EXPECTED_WARNING.search(line))]
+    if bad_lines:
+        failures.append("unexpected log lines: " + " | ".join(bad_lines[:5]))
+    if rc != 0:
+        failures.append(f"the server exited {rc} after SIGTERM")
+    growth = (rss_after - rss_warm) / rss_warm
+    if growth > opts.rss_tolerance:
+        failures.append(f"RSS grew {growth:.1%} (> {opts.rss_tolerance:.0%}): {rss_warm} -> {rss_after} bytes")
+    stage = {s: int(value(m, "trio_mlx_aborts_by_stage_total", stage=s)) for s in ("queued", "prefill", "decode")}
+    cause = {labels["cause"]: int(v) for labels, v in m.get("trio_mlx_aborts_by_cause_total", []) if v}
+    return {
+        "failures": failures,
+        "planned": dict(both.planned),
+        "client_outcomes": dict(both.outcomes),
+        "http_statuses": dict(statuses),
+        "aborts_by_stage": stage,
+        "aborts_by_cause": cause,
+        "engine_requests_submitted": int(value(m, "trio_mlx_engine_requests_submitted_total")),
+        "engine_generated_tokens": int(value(m, "trio_mlx_engine_generated_tokens_total")),
+        "completed_tokens_checked": warm.completion_tokens + soak.completion_tokens,
+        "greedy_prompts_checked": {k: len(v) for k, v in soak.greedy.items()},
+        "rss_after_warmup_bytes": rss_warm,
+        "rss_after_soak_bytes": rss_after,
+        "rss_growth": round(growth, 4),
+        "mlx_peak_memory_bytes": int(value(m, "trio_mlx_mlx_peak_memory_bytes")),
+        "log_warnings_expected": sum(1 for line in log.splitlines() if EXPECTED_WARNING.search(line)),
+        "server_exit_code": rc,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    defaults = Options()
+    for name, default in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = float if isinstance(default, float) else int if isinstance(default, int) else str
+            parser.add_argument(flag, type=kind, default=default)
+    parser.add_argument("--json", help="also write the report to this file")
+    args = vars(parser.parse_args(argv))
+    out = args.pop("json")
+    report = trio.run(run, Options(**args))
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # run from a checkout: this repository's trio_mlx
+    sys.exit(main())

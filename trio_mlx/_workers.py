@@ -1,0 +1,115 @@
+"""One serving process per model and device: the guard against several hypercorn workers.
+
+Every hypercorn worker is a process that runs the whole app, lifespan
+included: with `hypercorn -w 2` each would load its own copy of the model onto
+the same device (twice the memory, two GPU actors contending for one GPU).
+So before the engine starts, the app takes an advisory lock (`flock`) named
+after the model and the device. A second process serving the same model on
+the same device finds it held and stops at startup with a message saying
+why, unless `allow_multiple_workers` (TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1) is
+set. The kernel drops the lock when its process dies, SIGKILL included, so a
+restarted server is never blocked by a dead one. Several apps in one process
+(tests) share the lock: they are one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._settings import DEFAULT_MODEL_NAME, Settings
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows, where MLX does not run anyway
+    fcntl = None  # type: ignore[assignment]
+
+
+class AlreadyServing(Exception):
+    """Another process already serves this model on this device."""
+
+
+@dataclass
+class _Held:
+    fd: int
+    users: int
+
+
+# Locks this process holds, by path: a second app in the same process shares the first's.
+_held: dict[str, _Held] = {}
+
+
+def model_key(settings: Settings) -> str:
+    """What identifies "the same model on the same device" across processes."""
+    model = settings.model
+    if not model or model in ("default", DEFAULT_MODEL_NAME):
+        cache = (settings.cache_dir or os.environ.get("TRIO_MLX_CACHE_DIR")
+                 or os.environ.get("XDG_CACHE_HOME") or "~/.cache")
+        what = "default:" + os.path.realpath(os.path.expanduser(cache))
+    elif os.path.exists(os.path.expanduser(model)):
+        what = "path:" + os.path.realpath(os.path.expanduser(model))
+    else:
+        what = "hub:" + model
+    # The device: MLX has one GPU per process; CUDA picks it from CUDA_VISIBLE_DEVICES.
+    return json.dumps([what, os.environ.get("CUDA_VISIBLE_DEVICES", "")])
+
+
+def lock_path(settings: Settings) -> Path:
+    digest = hashlib.sha256(model_key(settings).encode()).hexdigest()[:16]
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"trio_mlx-{uid}" / f"serving-{digest}.lock"
+
+
+class ServingLock:
+    """Held while this process serves the model; `release()` when it stops serving."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._released = False
+
+    def release(self) -> None:
+        if self._released or self.path is None:
+            return
+        self._released = True
+        key = str(self.path)
+        held = _held[key]
+        held.users -= 1
+        if held.users == 0:
+            del _held[key]
+            os.close(held.fd)  # drops the flock
+
+
+def acquire(settings: Settings) -> ServingLock:
+    """Take the model's serving lock, or raise AlreadyServing naming the process that holds it."""
+    if fcntl is None:
+        return ServingLock(None)
+    path = lock_path(settings)
+    key = str(path)
+    if (held := _held.get(key)) is not None:
+        held.users += 1
+        return ServingLock(path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        model = settings.model or DEFAULT_MODEL_NAME
+        raise AlreadyServing(
+            f"another trio_mlx server process (pid {holder}) already serves {model!r} on this "
+            "device; several hypercorn workers would each load the model onto it. Run one worker "
+            "(hypercorn -w 1; trio-mlx serve always does), or set TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1 "
+            "to let each process load its own copy"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _held[key] = _Held(fd, 1)
+    return ServingLock(path)
