@@ -94,7 +94,6 @@ class _Request:
     rid: int
     send: trio.MemorySendChannel[Any]
     recv: trio.MemoryReceiveChannel[Any]
-    prompt_len: int
     stage: str = "queued"
 
 
@@ -398,7 +397,7 @@ class Engine:
             )
         rid = self._next_rid = self._next_rid + 1
         send, recv = trio.open_memory_channel[Any](max_tokens + 2)
-        req = _Request(rid, send, recv, len(prompt))
+        req = _Request(rid, send, recv)
         self._requests[rid] = req
         self._stage_counts["queued"] += 1
         self._idle = trio.Event() if self._idle.is_set() else self._idle
