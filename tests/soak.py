@@ -22,11 +22,13 @@ same mix of clients:
 Afterwards, through /metrics: nothing queued, active or streaming; no 5xx; the
 4xx count equals the invalid bodies sent; one stall abort per stalled reader;
 aborts by stage and cause reported. The server's log must hold no ERROR, no
-traceback, and no WARNING but the expected stall notices; its resident memory
-(RSS) after the soak must be within --rss-tolerance of its level after the
-warm-up (it is also read after each part of the soak, --rss-samples: a leak climbs
-steadily, an allocator settling does not). `run()` returns the report (`report["failures"]` is empty when all
-held); `main()` prints it as JSON and exits 1 on any failure.
+traceback, and no WARNING but the expected stall notices. Its resident memory
+(RSS, less MLX's buffer cache: freed buffers kept for reuse, which swing by
+several MB with the shapes last used) after the soak must be within
+--rss-tolerance of its level after the warm-up; it is also read after each
+part of the soak (--rss-samples): a leak climbs steadily, an allocator
+settling does not. `run()` returns the report (`report["failures"]` is empty
+when all held); `main()` prints it as JSON and exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -381,12 +383,10 @@ class ServerProcess:
                 self.up.set()
 
     def rss(self) -> int:
+        """The server process's resident memory, from /proc on Linux, psutil elsewhere."""
         try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            if os.environ.get("SOAK_RSS") == "anon":
-                return int(fields["RssAnon"].split()[0]) * 1024
-            return int(fields["VmRSS"].split()[0]) * 1024
+            with open(f"/proc/{self.proc.pid}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except OSError:
             import psutil  # not Linux: psutil, if present
 
@@ -546,6 +546,7 @@ def judge(opts: Options, warm: Tally, soak: Tally, m: Any, rss_warm: int, rss_af
         "rss_after_warmup_bytes": rss_warm,
         "rss_after_soak_bytes": rss_after,
         "rss_growth": round(growth, 4),
+        "rss_is": "the server's resident memory less MLX's buffer cache, idle",
         "mlx_peak_memory_bytes": int(value(m, "trio_mlx_mlx_peak_memory_bytes")),
         "log_warnings_expected": sum(1 for line in log.splitlines() if EXPECTED_WARNING.search(line)),
         "server_exit_code": rc,

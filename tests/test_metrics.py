@@ -61,6 +61,7 @@ async def test_requests_tokens_latencies_and_engine_gauges(tiny_model_fp32):
     assert m.value("trio_mlx_decode_step_seconds_total") > 0
     assert m.value("trio_mlx_mlx_active_memory_bytes") > 0
     assert m.value("trio_mlx_mlx_peak_memory_bytes") >= m.value("trio_mlx_mlx_active_memory_bytes")
+    assert "trio_mlx_mlx_cache_memory_bytes" in m.samples  # read when the batch emptied: current when idle
     assert m.value("trio_mlx_aborts_by_cause_total", cause="stall") == 0  # exists before any abort
     assert m.value("process_resident_memory_bytes") > 0
 
