@@ -350,31 +350,29 @@ class Engine:
         self._finish(req)
 
     def _abort(self, req: _Request, cause: str) -> None:
-        """Forget a request and tell the actor to drop its sequence at the next step."""
+        """Forget a request whose reader left; the actor drops its sequence at the next step."""
         if req.rid not in self._requests:
             return
+        self._drop_sequence(req, cause)
+        self._finish(req)
+
+    def _fail_all(self, term: _Terminal) -> None:
+        """End every request with `term`; on shutdown ("abort") also drop their sequences."""
+        for req in list(self._requests.values()):
+            if term.finish_reason == "abort":
+                self._drop_sequence(req, "shutdown")
+            self._deliver_terminal(req, term)
+
+    def _drop_sequence(self, req: _Request, cause: str) -> None:
+        """Count an abort by stage and cause and tell the actor (sync, non-blocking)."""
         self._c.aborts += 1
         self._c.aborts_by_stage[req.stage] += 1
         self._c.aborts_by_cause[cause] += 1
-        self._finish(req)
         if self._inbox_send is not None:
             try:
                 self._inbox_send.send_nowait(Abort(req.rid))
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass
-
-    def _fail_all(self, term: _Terminal) -> None:
-        for req in list(self._requests.values()):
-            if term.finish_reason == "abort":
-                self._c.aborts += 1
-                self._c.aborts_by_stage[req.stage] += 1
-                self._c.aborts_by_cause["shutdown"] += 1
-            if self._inbox_send is not None and term.finish_reason == "abort":
-                try:
-                    self._inbox_send.send_nowait(Abort(req.rid))
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    pass
-            self._deliver_terminal(req, term)
 
     def _check_open(self) -> None:
         if self.state == "ready":
