@@ -27,7 +27,10 @@ traceback, and no WARNING but the expected stall notices. Its resident memory
 several MB with the shapes last used) after the soak must be within
 --rss-tolerance of its level after the warm-up; it is also read after each
 part of the soak (--rss-samples): a leak climbs steadily, an allocator
-settling does not. `run()` returns the report (`report["failures"]` is empty
+settling does not. MLX's own memory in use once idle (weights, and anything
+a finished or aborted request left behind: a KV cache, a sampler's state) is
+exact, so it must come back to its warm-up level within --mlx-tolerance
+(1 MiB: a tiny model's KV cache alone is 128 KB a sequence). `run()` returns the report (`report["failures"]` is empty
 when all held); `main()` prints it as JSON and exits 1 on any failure.
 """
 
@@ -88,6 +91,7 @@ class Options:
     stall_hold: float = 0.0  # seconds a stalled reader stops reading; 0: max(3, 6 x stall_timeout)
     max_batch: int = 8
     rss_tolerance: float = 0.05
+    mlx_tolerance: int = 1 << 20  # bytes MLX's memory in use, idle, may grow from the warm-up to the end
     rss_samples: int = 4  # RSS is read after the warm-up and after each of this many parts of the soak
     deadline: float = 900.0  # seconds the whole soak may take: it always stops by itself
     access_log: bool = False
@@ -373,6 +377,7 @@ class ServerProcess:
         self.port: int | None = None
         self.up = trio.Event()
         self.caches: list[int] = []  # MLX's buffer cache at each steady_rss()
+        self.active: list[int] = []  # MLX's memory in use at each steady_rss()
 
     async def pump(self) -> None:
         assert self.proc.stderr is not None
@@ -425,6 +430,7 @@ class ServerProcess:
             reads.append(self.rss() - cache)
             await trio.sleep(0.1)
         self.caches.append(cache)
+        self.active.append(int(value(m, "trio_mlx_mlx_active_memory_bytes")))
         return sorted(reads)[2]
 
 
@@ -488,18 +494,19 @@ async def run(opts: Options) -> dict[str, Any]:
                     nursery.cancel_scope.cancel()
         if opts.server_log:
             await trio.Path(opts.server_log).write_bytes(server.log)
-        report.update(judge(opts, warm, soak, m, rss_warm, rss_after, server.log.decode("utf-8", "replace"),
-                            proc.returncode))
+        log = server.log.decode("utf-8", "replace")
+        report.update(judge(opts, warm, soak, m, rss_warm, rss_after, server.active, log, proc.returncode))
         report["rss_timeline_bytes"] = rss_timeline  # less MLX's buffer cache (below)
         report["mlx_cache_timeline_bytes"] = server.caches
+        report["mlx_active_timeline_bytes"] = server.active  # idle: weights and whatever was left behind
         report["soak_seconds"] = round(soak_seconds, 1)
         report["wall_seconds"] = round(trio.current_time() - t_start, 1)
         report["completion_tokens_per_second"] = round(soak.completion_tokens / soak_seconds, 1)
         return report
 
 
-def judge(opts: Options, warm: Tally, soak: Tally, m: Any, rss_warm: int, rss_after: int, log: str,
-          rc: int | None) -> dict[str, Any]:
+def judge(opts: Options, warm: Tally, soak: Tally, m: Any, rss_warm: int, rss_after: int, active: list[int],
+          log: str, rc: int | None) -> dict[str, Any]:
     failures = [f"warm-up: {f}" for f in warm.failures] + soak.failures
     both = Tally(planned=warm.planned + soak.planned, outcomes=warm.outcomes + soak.outcomes)
     statuses = Counter[str]()
@@ -527,6 +534,9 @@ def judge(opts: Options, warm: Tally, soak: Tally, m: Any, rss_warm: int, rss_af
         failures.append("unexpected log lines: " + " | ".join(bad_lines[:5]))
     if rc != 0:
         failures.append(f"the server exited {rc} after SIGTERM")
+    mlx_growth = active[-1] - active[0]
+    if mlx_growth > opts.mlx_tolerance:
+        failures.append(f"MLX memory in use, idle, grew {mlx_growth} bytes (> {opts.mlx_tolerance}): {active}")
     growth = (rss_after - rss_warm) / rss_warm
     if growth > opts.rss_tolerance:
         failures.append(f"RSS grew {growth:.1%} (> {opts.rss_tolerance:.0%}): {rss_warm} -> {rss_after} bytes")

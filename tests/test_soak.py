@@ -11,8 +11,12 @@ import soak
 
 @pytest.mark.timeout(90)
 async def test_short_soak(tiny_model_fp32):
+    # Leaks are judged twice: MLX's memory in use, idle, is exact and must come back to its warm-up
+    # level (within 1 MiB); resident memory is coarse. After only 240 requests the allocators have not
+    # settled (runs of this size moved between -3.3% and +5.7%), so RSS is held to 15% here, which
+    # still catches ~80 KB kept per request; the long soak's timeline (RELIABILITY.md) holds it to 5%.
     opts = soak.Options(requests=240, warmup=100, concurrency=32, model=str(tiny_model_fp32), seed=7,
-                        rss_samples=1, deadline=80)
+                        rss_samples=1, rss_tolerance=0.15, deadline=80)
     report = await soak.run(opts)
     assert report["failures"] == [], json.dumps(report, indent=2, default=str)
     planned, outcomes = report["planned"], report["client_outcomes"]
@@ -28,5 +32,6 @@ async def test_short_soak(tiny_model_fp32):
     stages = report["aborts_by_stage"]
     assert stages["queued"] > 0 and stages["decode"] > 0  # prefill too, mostly: timing decides
     assert report["rss_growth"] <= opts.rss_tolerance
-    assert len(report["rss_timeline_bytes"]) == 2
+    assert len(report["rss_timeline_bytes"]) == len(report["mlx_active_timeline_bytes"]) == 2
+    assert report["mlx_active_timeline_bytes"][1] - report["mlx_active_timeline_bytes"][0] <= opts.mlx_tolerance
     assert report["server_exit_code"] == 0
