@@ -177,6 +177,29 @@ async def test_abort_while_queued_never_runs_the_sequence(tiny_model_fp32):
             assert queued.completion_tokens == 0
 
 
+async def test_max_batch_caps_the_decoding_batch_whatever_the_prefill_batch(tiny_model_fp32):
+    # BatchGenerator widens its batch to prefill_batch_size (8 by default); the engine clamps it.
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=2) as engine:
+        assert engine.prefill_batch == 2
+        widest = 0
+
+        async def watch() -> None:
+            nonlocal widest
+            while True:
+                widest = max(widest, engine.statistics().decoding)
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            for p in PROMPTS[:3]:
+                nursery.start_soon(functools.partial(run, engine, p, max_tokens=40, ignore_eos=True))
+            await until(lambda: engine.statistics().decoding == 2)
+            assert engine.statistics().queued == 1
+            await until(lambda: engine.statistics().requests_finished == 3, seconds=30)
+            nursery.cancel_scope.cancel()
+        assert widest == 2
+
+
 async def test_abort_while_prefilling_frees_the_slot(tiny_model_fp32):
     # A small prefill step makes a long prompt take many steps to prefill.
     async with trio_mlx.open_engine(tiny_model_fp32, max_batch=2, prefill_batch=1, prefill_step=4) as engine:

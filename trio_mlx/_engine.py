@@ -134,7 +134,9 @@ class Engine:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
         self.model_ref = model
         self.max_batch = max_batch
-        self.prefill_batch = prefill_batch
+        # mlx_lm's BatchGenerator widens its batch to the prefill batch when that is larger,
+        # which would let more than max_batch sequences decode together.
+        self.prefill_batch = min(prefill_batch, max_batch)
         self.prefill_step = prefill_step
         self.max_queue = max_queue
         self._cache_dir = cache_dir

@@ -39,7 +39,7 @@ class Settings:
     host: str = field(default="127.0.0.1", metadata=_doc("address to bind (trio-mlx serve)"))
     port: int = field(default=8000, metadata=_doc("port to bind (trio-mlx serve); 0 picks a free one"))
     max_batch: int = field(default=64, metadata=_doc("most sequences decoded together"))
-    prefill_batch: int = field(default=8, metadata=_doc("most prompts prefilled together"))
+    prefill_batch: int = field(default=8, metadata=_doc("most prompts prefilled together (at most max_batch)"))
     prefill_step: int = field(default=2048, metadata=_doc("prompt tokens processed per prefill step"))
     max_queue: int = field(default=1024, metadata=_doc("waiting requests before new ones get 429"))
     cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
