@@ -17,6 +17,8 @@
 #   BENCH_LIMIT=300            (seconds one target's whole sweep may take)
 #   SKIP=ceiling,engine,trio,mlx_lm   (targets to leave out)
 #   MLX_LM_CONCURRENCY=...     (mlx_lm.server's levels; default CONCURRENCY)
+#   ACTORS=thread              (where trio_mlx's GPU actor runs, engine and server
+#                               targets: thread, process, or both: thread,process)
 #   TRIO_NO_PACING=1           (also run trio_mlx with --max-event-rate 0)
 #   MLX_LM_BIG_BACKLOG=1       (also run mlx_lm.server with a listen backlog
 #                               of 1024 instead of socketserver's 5, which is
@@ -40,6 +42,7 @@ pbatch="${PREFILL_BATCH:-8}"
 pstep="${PREFILL_STEP:-2048}"
 limit="${BENCH_LIMIT:-300}"
 skip=",${SKIP:-},"
+IFS=, read -r -a actors <<<"${ACTORS:-thread}"
 maxbatch=$(tr ',' '\n' <<<"$conc" | sort -n | tail -1)
 device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
 device="${device:-$(uname -srm)}; mlx $("$py" -c 'import mlx.core as m; print(m.__version__)' 2>/dev/null || echo '?')"
@@ -132,23 +135,28 @@ for name in "${models[@]}"; do
       --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
     add_run "$out/$name-ceiling.json"
   fi
-  if [[ $skip != *,engine,* ]]; then
-    log "$name: trio_mlx engine in-process (channel API, no HTTP)"
-    bench engine "$out/$name-engine.json" --engine --max-batch "$maxbatch" \
-      --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
-    add_run "$out/$name-engine.json"
-  fi
-  if [[ $skip != *,trio,* ]]; then
-    serve_and_bench trio_mlx trio /health -- \
-      "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
-      --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
-      --no-access-log --log-level warning
-  fi
+  for actor in "${actors[@]}"; do
+    # one actor: the names of earlier runs; several: each named after its actor
+    sfx="" lsfx=""
+    [ ${#actors[@]} -gt 1 ] && sfx="-$actor" lsfx=" ($actor actor)"
+    if [[ $skip != *,engine,* ]]; then
+      log "$name: trio_mlx engine in-process (channel API, no HTTP), $actor actor"
+      bench "engine$lsfx" "$out/$name-engine$sfx.json" --engine --actor "$actor" --max-batch "$maxbatch" \
+        --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
+      add_run "$out/$name-engine$sfx.json"
+    fi
+    if [[ $skip != *,trio,* ]]; then
+      serve_and_bench "trio_mlx$lsfx" "trio$sfx" /health -- \
+        "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
+        --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
+        --actor "$actor" --no-access-log --log-level warning
+    fi
+  done
   if [ "${TRIO_NO_PACING:-0}" = 1 ]; then  # the same server with adaptive SSE pacing off
     serve_and_bench "trio_mlx no pacing" trio_nopacing /health -- \
       "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
       --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
-      --max-event-rate 0 --no-access-log --log-level warning
+      --actor "${actors[0]}" --max-event-rate 0 --no-access-log --log-level warning
   fi
   mlx_args=(--model "$dir" --host 127.0.0.1 --port "$port" --decode-concurrency "$maxbatch"
     --prompt-concurrency "$pbatch" --prefill-step-size "$pstep" --log-level WARNING)

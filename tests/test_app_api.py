@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import trio
 from app_server import CHAT, COMPLETIONS, HELLO, chat_body, serve
 
@@ -10,6 +12,7 @@ async def test_probes_models_and_openapi(tiny_model_fp32):
     async with serve(tiny_model_fp32, model_name="tiny-test") as server, server.client() as client:
         r = await client.get("/health")
         assert r.status_code == 200 and r.json()["status"] == "ok"
+        assert r.json()["actor"] == "thread" and r.json()["actor_pid"] == os.getpid()
         for path in ("/ready", "/health/ready"):
             r = await client.get(path)
             assert r.status_code == 200 and r.json() == {"status": "ready"}

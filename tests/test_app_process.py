@@ -19,6 +19,17 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 SERVE = [sys.executable, "-m", "trio_mlx.cli", "serve"]
 HYPERCORN = [sys.executable, "-m", "hypercorn"]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 WRONG_WORKER = "needs hypercorn's trio worker: run `hypercorn -k trio trio_mlx.app:app`"
 
 
@@ -64,14 +75,18 @@ async def stream_all(client: httpx.AsyncClient, body: dict, out: dict, key: str,
                 for e in raw.strip().split(b"\n\n") if e.startswith(b"data: ")]
 
 
-async def test_sigterm_drains_then_exits_zero(tiny_model_fp32):
+@pytest.mark.parametrize("actor", ["thread", "process"])
+async def test_sigterm_drains_then_exits_zero(tiny_model_fp32, actor):
     async with trio.open_nursery() as nursery:
         p = await start(nursery, [*SERVE, str(tiny_model_fp32), "--port", "0", "--no-warmup",
-                                  "--drain-timeout", "1.0", "--no-access-log"])
+                                  "--drain-timeout", "1.0", "--no-access-log", "--actor", actor])
         with trio.fail_after(30):
             await p.has_url.wait()
         out: dict = {}
         async with httpx.AsyncClient(base_url=p.url, timeout=20) as client:
+            health = (await client.get("/health")).json()
+            assert health["actor"] == actor
+            assert (health["actor_pid"] == p.proc.pid) == (actor == "thread")
             long_started, short_started = trio.Event(), trio.Event()
             msgs = [{"role": "user", "content": "hi"}]
             async with trio.open_nursery() as clients:
@@ -95,6 +110,7 @@ async def test_sigterm_drains_then_exits_zero(tiny_model_fp32):
         assert out["short"][-1] == "[DONE]" and out["short"][-2]["choices"][0]["finish_reason"] == "length"
         assert out["long"][-1] == "[DONE]" and out["long"][-2]["error"]["code"] == "aborted"
         assert "SIGTERM: draining" in p.text
+        assert not alive(health["actor_pid"])  # a process actor stopped with its server
         nursery.cancel_scope.cancel()
 
 

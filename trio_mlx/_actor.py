@@ -3,9 +3,11 @@
 Its whole life is ONE `trio.to_thread.run_sync(actor.run, ...)` call made by
 the engine (DESIGN.md rule 1): MLX streams are thread-local, so loading,
 warm-up, every insert/next/remove and the final cleanup happen here. Once per
-decode step it crosses into trio exactly once (`port.exchange(report)`),
+decode step it crosses into trio exactly once (`link.exchange(report)`),
 handing over every token of the step and taking back new commands; when the
-batch is empty it blocks in `port.wait_commands()` and burns no CPU.
+batch is empty it blocks in `link.wait_commands()` and burns no CPU. The same
+actor runs on the main thread of a child process with a pipe for its link
+(`_actor_process.py`, `Engine(actor="process")`).
 
 This module and `_models` are the only ones that import MLX. Token ids and
 floats leave it; arrays never do.
@@ -15,11 +17,11 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -30,6 +32,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_repe
 from . import _models
 from ._messages import (
     Abort,
+    ActorConfig,
     ActorInfo,
     Command,
     SamplingParams,
@@ -58,19 +61,33 @@ class ActorPort(Protocol):
     def wait_commands(self) -> Awaitable[list[Command]]: ...
 
 
-@dataclass(frozen=True)
-class ActorConfig:
-    model_path: Path
-    max_batch: int = 64
-    prefill_batch: int = 8
-    prefill_step: int = 2048
-    warmup: bool = True
-    # Test-only: called on the actor thread with a stage name ("load", "loop",
-    # "step") before that stage runs, and with "removed" right after aborted
-    # sequences left the batch; raising from it injects a fault there. A fault
-    # in "step" fails the batch and the actor recovers; anywhere else it kills
-    # the actor.
-    fault_hook: Callable[[str], None] | None = None
+class ActorLink(Protocol):
+    """How the actor reaches the engine, called on the actor's thread: across a
+    thread (ThreadLink) or a pipe (`_actor_process.PipeLink`)."""
+
+    def ready(self, info: ActorInfo) -> None: ...
+    def exchange(self, report: StepReport) -> list[Command]: ...
+    def wait_commands(self) -> list[Command]: ...
+    def check(self) -> None: ...
+
+
+class ThreadLink:
+    """The engine in this process: one synchronous `from_thread` call per step (rule 2)."""
+
+    def __init__(self, port: ActorPort):
+        self._port = port
+
+    def ready(self, info: ActorInfo) -> None:
+        trio.from_thread.run_sync(self._port.ready, info)
+
+    def exchange(self, report: StepReport) -> list[Command]:
+        return trio.from_thread.run_sync(self._port.exchange, report)
+
+    def wait_commands(self) -> list[Command]:
+        return trio.from_thread.run(self._port.wait_commands)
+
+    def check(self) -> None:
+        trio.from_thread.check_cancelled()
 
 
 @dataclass
@@ -160,9 +177,9 @@ def _make_processors(sp: SamplingParams, prompt_len: int, context: int) -> list[
 class Actor:
     """Runs on the GPU thread. Construct on any thread; call `run()` on the GPU thread."""
 
-    def __init__(self, config: ActorConfig, port: ActorPort):
+    def __init__(self, config: ActorConfig, link: ActorLink):
         self.config = config
-        self._port = port
+        self._link = link
         self.thread_id: int | None = None
         self._model: Any = None
         self._bg: BatchGenerator | None = None
@@ -193,8 +210,9 @@ class Actor:
                 thread_id=self.thread_id,
                 device=str(mx.default_device()),
                 load_seconds=time.perf_counter() - t0,
+                pid=os.getpid(),
             )
-            trio.from_thread.run_sync(self._port.ready, info)
+            self._link.ready(info)
             self._loop()
         finally:
             self._free()
@@ -248,13 +266,13 @@ class Actor:
         # handover (run_sync_soon + a command queue) was measured on an H100
         # and lost: faster at c=1, but 0.62x instead of 0.91x of the raw
         # BatchGenerator at c=256 and 5x the TTFT at c=8 (BENCHMARKS.md).
-        report = StepReport()
+        report, link = StepReport(), self._link
         while True:
-            trio.from_thread.check_cancelled()
+            link.check()
             self._hook("loop")  # outside the step's recovery: a fault here kills the actor
-            commands = trio.from_thread.run_sync(self._port.exchange, report)
+            commands = link.exchange(report)
             if not commands and not self._seqs:
-                commands = trio.from_thread.run(self._port.wait_commands)
+                commands = link.wait_commands()
             failed = self._apply(commands)
             if failed is None:
                 return  # Shutdown

@@ -58,6 +58,7 @@ def default_engine(settings: Settings) -> Engine:
         max_queue=settings.max_queue,
         cache_dir=settings.cache_dir,  # type: ignore[arg-type]
         warmup=settings.warmup,
+        actor=settings.actor,
     )
 
 
@@ -187,9 +188,10 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             raise
         app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls))
         info = engine.info
-        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s",
+        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s)",
                  settings.served_model_name, info.model_type if info else "?",
-                 engine.context_length, settings.max_batch, info.device if info else "?")
+                 engine.context_length, settings.max_batch, info.device if info else "?",
+                 engine.actor_mode, info.pid if info else "?")
 
     @app.after_serving
     async def stop_engine() -> None:
@@ -240,6 +242,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         stats = engine.statistics()
         body: dict[str, Any] = {"status": "ok", "state": stats.state, "queued": stats.queued,
                                 "prefilling": stats.prefilling, "decoding": stats.decoding}
+        if engine.info is not None:
+            body.update(actor=engine.actor_mode, actor_pid=engine.info.pid)
         if stats.state in ("broken", "closed"):
             body["status"] = stats.state
             return json_response(body, 503)

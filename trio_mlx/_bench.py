@@ -192,7 +192,8 @@ def _proc_cpu(pid: int | None) -> tuple[float, float] | None:
     """(whole process, main thread) CPU seconds of a local process, from /proc (Linux).
 
     The process figure comes from /proc/PID/stat (clock ticks, and it keeps
-    the time of threads that have exited); the main thread's (the event loop
+    the time of threads that have exited), plus that of its running children
+    (a process actor, `--actor process`); the main thread's (the event loop
     of a trio server) from its schedstat, in nanoseconds, where available.
     """
     if pid is None:
@@ -208,6 +209,14 @@ def _proc_cpu(pid: int | None) -> tuple[float, float] | None:
         total = ticks(f"/proc/{pid}/stat")
     except OSError:
         return None
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:  # its parent
+                        total += ticks(f"/proc/{entry}/stat")
+            except (OSError, ValueError, IndexError):
+                pass  # gone meanwhile
     try:
         with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
             main_thread = int(f.read().split()[0]) / 1e9
@@ -382,6 +391,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="drive mlx_lm's BatchGenerator in-process: the ceiling")  # fmt: skip
     target.add_argument("--engine", action="store_true",
                         help="drive trio_mlx's engine in-process through the channel API (no HTTP)")  # fmt: skip
+    p.add_argument("--actor", choices=("thread", "process"), default="thread",
+                   help="with --engine: run the engine's GPU actor on a thread or in a child process")  # fmt: skip
     p.add_argument("--model", required=True,
                    help="model path or reference: its tokenizer makes the prompts (and --limit runs it)")  # fmt: skip
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -521,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_batch": max_batch,
             "prefill_batch": args.prefill_batch_size,
             "prefill_step": args.prefill_step_size,
+            "actor": args.actor,
         }
         result["levels"] = run_engine(
             args.model,
@@ -531,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             max_batch=max_batch,
             prefill_batch=args.prefill_batch_size,
             prefill_step=args.prefill_step_size,
+            actor=args.actor,
             on_level=level_done,
         )
     elif args.limit:

@@ -67,12 +67,14 @@ def run_engine(
     max_batch: int,
     prefill_batch: int,
     prefill_step: int,
+    actor: str = "thread",
     on_level: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     async def main() -> list[dict[str, Any]]:
         levels = []
         async with trio_mlx.open_engine(
-            model, max_batch=max_batch, prefill_batch=prefill_batch, prefill_step=prefill_step, max_queue=1 << 20
+            model, max_batch=max_batch, prefill_batch=prefill_batch, prefill_step=prefill_step, max_queue=1 << 20,
+            actor=actor,
         ) as engine:
             if warmup:
                 await _level(engine, warmup, len(warmup), 4)

@@ -1,7 +1,7 @@
 """The trio-side engine: admission, the request registry and per-request event streams.
 
 `open_engine()` starts the GPU actor (one thread for the engine's whole life,
-see `_actor.py`) and yields an `Engine`. `engine.generate()` / `engine.chat()`
+see `_actor.py`, or a child process: `_actor_process.py`) and yields an `Engine`. `engine.generate()` / `engine.chat()`
 return `RequestStream`s: async context managers that tokenize and validate on
 entry, then iterate `TextDelta` events and one terminal `Finished`. Leaving
 the `async with` early, for any reason, sends an abort the actor applies
@@ -128,10 +128,16 @@ class Engine:
         cache_dir: os.PathLike[str] | None = None,
         warmup: bool = True,
         switch_interval: float | None = 0.0001,
+        actor: str = "thread",
         fault_hook: Any = None,
     ):
         if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
+        if actor not in ("thread", "process"):
+            raise ValueError(f"actor must be 'thread' or 'process', not {actor!r}")
+        if actor == "process" and fault_hook is not None:
+            raise ValueError("fault_hook needs actor='thread'")
+        self.actor_mode = actor
         self.model_ref = model
         self.max_batch = max_batch
         # mlx_lm's BatchGenerator widens its batch to the prefill batch when that is larger,
@@ -190,21 +196,18 @@ class Engine:
             sys.setswitchinterval(self._switch_interval)
         self._inbox_send, self._inbox_recv = trio.open_memory_channel(math.inf)
 
-        from ._actor import Actor, ActorConfig
+        from ._messages import ActorConfig
 
-        actor = Actor(
-            ActorConfig(
-                model_path=path,
-                max_batch=self.max_batch,
-                prefill_batch=self.prefill_batch,
-                prefill_step=self.prefill_step,
-                warmup=self._warmup,
-                fault_hook=self._fault_hook,
-            ),
-            port=self,
+        config = ActorConfig(
+            model_path=path,
+            max_batch=self.max_batch,
+            prefill_batch=self.prefill_batch,
+            prefill_step=self.prefill_step,
+            warmup=self._warmup,
+            fault_hook=self._fault_hook,
         )
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._run_actor, actor)
+            nursery.start_soon(self._run_actor, config)
             await self._ready_or_dead.wait()
             if self.state == "ready":
                 task_status.started(self)
@@ -219,9 +222,18 @@ class Engine:
                 f"{type(error).__name__}: {error}"
             ) from error
 
-    async def _run_actor(self, actor: Any) -> None:
+    async def _run_actor(self, config: Any) -> None:
         try:
-            await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
+            if self.actor_mode == "process":
+                from ._actor_process import run_actor_process
+
+                await run_actor_process(config, ready=self.ready, deliver=self.deliver,
+                                        wait_commands=self.wait_commands)
+            else:
+                from ._actor import Actor, ThreadLink
+
+                actor = Actor(config, ThreadLink(self))
+                await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
         except trio.Cancelled:
             # The engine's own task was cancelled (the server is going down):
             # the actor noticed, freed its state and returned. Not a death.
@@ -292,6 +304,11 @@ class Engine:
 
     def exchange(self, report: StepReport) -> list[Command]:
         """Deliver one step's events and collect new commands: the one crossing per step."""
+        self.deliver(report)
+        return self._drain_inbox()
+
+    def deliver(self, report: StepReport) -> None:
+        """Hand one step's tokens to their requests; update stages and counters."""
         now = trio.current_time()
         self._last_progress = now
         c = self._c
@@ -326,7 +343,6 @@ class Engine:
             if (req := requests.get(rid)) is not None:
                 c.step_failures += 1
                 self._deliver_terminal(req, _Terminal("error", reason))
-        return self._drain_inbox()
 
     # -- registry --------------------------------------------------------------
 
@@ -741,7 +757,7 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
     start its GPU actor and yield the ready `Engine`; close it on exit.
 
     Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
-    switch_interval (see `Engine`)."""
+    switch_interval, actor ("thread" or "process") (see `Engine`)."""
     engine = Engine(model, **options)
     try:
         async with trio.open_nursery() as nursery:

@@ -1,7 +1,7 @@
 """Messages between the trio-side engine and the GPU actor, and the public events.
 
-Everything that crosses the thread boundary is an immutable value defined
-here: commands go engine -> actor through the inbox, one `StepReport` comes
+Everything that crosses to the actor (a thread, or a process: `_actor_process`)
+is an immutable value defined here: commands go engine -> actor through the inbox, one `StepReport` comes
 back per decode step. Token ids and plain floats only: MLX arrays never leave
 the actor. The public events (`TextDelta`, `Finished`) are what
 `engine.generate()` / `engine.chat()` yield to users.
@@ -9,7 +9,9 @@ the actor. The public events (`TextDelta`, `Finished`) are what
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -38,6 +40,23 @@ class SamplingParams:
 
 
 # ---- engine -> actor ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """How the actor loads and batches; built by the engine, crosses to a process actor pickled."""
+
+    model_path: Path
+    max_batch: int = 64
+    prefill_batch: int = 8
+    prefill_step: int = 2048
+    warmup: bool = True
+    # Test-only: called on the actor thread with a stage name ("load", "loop",
+    # "step") before that stage runs, and with "removed" right after aborted
+    # sequences left the batch; raising from it injects a fault there. A fault
+    # in "step" fails the batch and the actor recovers; anywhere else it kills
+    # the actor.
+    fault_hook: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +123,7 @@ class ActorInfo:
     thread_id: int
     device: str
     load_seconds: float
+    pid: int = 0  # the process the actor runs in: the server's, or its own (actor="process")
 
 
 # ---- public events -----------------------------------------------------------

@@ -44,6 +44,9 @@ class Settings:
     max_queue: int = field(default=1024, metadata=_doc("waiting requests before new ones get 429"))
     cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
     warmup: bool = field(default=True, metadata=_doc("run one tiny generation before reporting ready"))
+    actor: str = field(default="thread", metadata=_doc(
+        "where the GPU actor runs: 'thread' (in the server's process) or 'process' (a child "
+        "process with its own GIL, so HTTP work does not slow decoding; ~1-2 s more to start)"))
     drain_timeout: float = field(default=20.0, metadata=_doc(
         "seconds in-flight requests may run on after SIGTERM before they are ended"))
     stall_timeout: float = field(default=30.0, metadata=_doc(
@@ -88,6 +91,8 @@ class Settings:
             zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
+        if self.actor not in ("thread", "process"):
+            raise ValueError(f"actor must be 'thread' or 'process', got {self.actor!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
