@@ -128,3 +128,18 @@ def test_the_actor_process_stops_when_its_server_dies_abruptly(tiny_model_fp32):
         assert not alive(child)
     finally:
         parent.kill()
+
+
+def test_the_pipe_link_keeps_commands_that_came_with_the_config_and_stops_at_end_of_file():
+    from trio_mlx._actor_process import PipeLink, _frame
+    from trio_mlx._messages import Abort, Shutdown, StepReport
+
+    to_child, from_engine = os.pipe()
+    link = PipeLink(to_child, os.open(os.devnull, os.O_WRONLY))
+    os.write(from_engine, _frame("config") + _frame([Abort(1)]) + _frame([Abort(2), Abort(3)]))
+    assert link.config() == "config"
+    assert link.wait_commands() == [Abort(1), Abort(2), Abort(3)]
+    assert link.exchange(StepReport()) == []  # nothing waiting: no block while decoding
+    os.write(from_engine, _frame([Abort(4)])[:3])  # half a frame, then the engine is gone
+    os.close(from_engine)
+    assert link.wait_commands() == [Shutdown()]

@@ -94,7 +94,17 @@ class PipeLink:
     def __init__(self, rfd: int, wfd: int):
         self._rfd, self._wfd = rfd, wfd
         self._frames = _Frames()
+        self._early: list[Any] = []  # frames that came in with the config
         self._eof = False
+
+    def config(self) -> Any:
+        """The first frame (the ActorConfig), waiting for it; None if the engine went away first."""
+        while not self._early:
+            data = os.read(self._rfd, 1 << 16)
+            if not data:
+                return None
+            self._early = self._frames.feed(data)
+        return self._early.pop(0)
 
     def _write(self, obj: Any) -> None:
         data = memoryview(_frame(obj))
@@ -103,7 +113,8 @@ class PipeLink:
 
     def _read(self, timeout: float | None) -> list[Command]:
         """Whatever commands have arrived; waits up to `timeout` (None: until one does)."""
-        out: list[Command] = []
+        out: list[Command] = [c for batch in self._early for c in batch]
+        self._early.clear()
         while not out and not self._eof:
             ready, _, _ = select.select([self._rfd], [], [], timeout)
             if not ready:
@@ -153,15 +164,9 @@ def child_main() -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     link = PipeLink(rfd, wfd)
-    config = None
-    while config is None:
-        ready, _, _ = select.select([rfd], [], [])
-        data = os.read(rfd, 1 << 16)
-        if not data:
-            return 0
-        got = link._frames.feed(data)
-        if got:
-            config = got[0]
+    config = link.config()
+    if config is None:
+        return 0
     from ._actor import Actor
 
     try:
@@ -186,8 +191,9 @@ async def run_actor_process(
     """Run the actor in a child process until it stops; raises ActorProcessError if it fails.
 
     `ready`, `deliver` and `wait_commands` are the engine's (`Engine.ready`,
-    `Engine.deliver`, `Engine.wait_commands`). Cancelled, it tells the child to
-    stop and waits up to `shutdown_timeout` seconds before killing it.
+    `Engine.deliver`, `Engine.wait_commands`). Cancelled, it closes the child's
+    pipe (which stops it) and waits up to `shutdown_timeout` seconds before
+    killing it.
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)}
     proc = await trio.lowlevel.open_process(
