@@ -125,7 +125,6 @@ class PipeLink:
                 break
             for batch in self._frames.feed(data):
                 out.extend(batch)
-            timeout = 0 if timeout is not None or out else None
         if self._eof:
             out.append(Shutdown())  # the engine is gone: stop, however it went
         return out
@@ -229,8 +228,6 @@ async def run_actor_process(
                     elif kind == "died":
                         error.append(f"{m[1]}: {m[2]}")
             nursery.cancel_scope.cancel()  # end of file: the child is stopping
-        with trio.move_on_after(shutdown_timeout):
-            await proc.wait()
     finally:
         with trio.CancelScope(shield=True):
             # Closing our end is the shutdown that always works: a cancelled
