@@ -51,6 +51,9 @@ _SAMPLER_CACHE_SIZE = 256
 # the report of a step that leaves the batch empty (so an idle server's figures
 # are current); the number is arbitrary, small enough for a scrape to see it move.
 _MEMORY_EVERY = 64
+# TRIO_MLX_STEP_TRACE=PATH: the actor appends one tab-separated line per step
+# (see `_StepTrace`) to PATH; a tool for finding where a step's time goes.
+_TRACE_ENV = "TRIO_MLX_STEP_TRACE"
 
 
 class ActorPort(Protocol):
@@ -97,6 +100,64 @@ class _Seq:
     prompt_len: int
     sampling: SamplingParams
     stage: str = "queued"
+
+
+class _Admission:
+    """When new sequences enter a decoding batch: together, within a bounded window.
+
+    Every change to the batch's membership costs the GPU host work well beyond
+    its size: measured on an H100 with a 1B model decoding 56 sequences
+    (`scripts/probe_steps.py`), admitting k prompts cost ~10-15 ms on each of
+    the next two steps whether k was 1 or 8, against ~5 ms for a plain decode
+    step. Requests that arrive one step apart (HTTP clients never arrive
+    together) would each pay that. So while sequences are decoding, a new one
+    waits until `prefill_batch` have gathered or the oldest has waited
+    `window` seconds, and then all enter at once (as TGI's router waits for
+    `max_waiting_tokens`). An idle batch, or one still prefilling, admits at
+    once: no decode step is disturbed, so waiting would only add latency.
+    """
+
+    def __init__(self, window: float, batch: int):
+        self.window, self.batch = window, batch
+        self.pending: dict[int, tuple[float, Submit]] = {}  # rid -> (arrival, submit), in order
+
+    def add(self, sub: Submit, now: float) -> None:
+        self.pending.setdefault(sub.rid, (now, sub))
+
+    def drop(self, rid: int) -> bool:
+        return self.pending.pop(rid, None) is not None
+
+    def due(self, now: float, decoding: bool) -> list[Submit]:
+        """The submits to insert now (all of them or none)."""
+        pending = self.pending
+        if not pending:
+            return []
+        if decoding and len(pending) < self.batch:
+            oldest = next(iter(pending.values()))[0]
+            if now - oldest < self.window:
+                return []
+        subs = [sub for _, sub in pending.values()]
+        pending.clear()
+        return subs
+
+
+class _StepTrace:
+    """One line per step: wall time, seconds waiting on the engine (the exchange),
+    seconds in `BatchGenerator.next()`, sequences inserted this step, tokens
+    generated, prompt tokens prefilled, live sequences."""
+
+    HEADER = "t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\n"
+
+    def __init__(self, path: str):
+        self._f = open(path, "a", buffering=1 << 16)  # closed in close()
+        self._f.write(self.HEADER)
+
+    def write(self, t: float, exchange: float, report: StepReport, inserted: int) -> None:
+        self._f.write(f"{t:.6f}\t{exchange:.6f}\t{report.step_seconds:.6f}\t{inserted}\t"
+                      f"{len(report.tokens)}\t{report.prompt_tokens}\t{report.live}\n")
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def _memory() -> tuple[int, int, int]:
@@ -189,6 +250,9 @@ class Actor:
         self._by_uid: dict[int, _Seq] = {}
         self._samplers: dict[tuple[float, float, int, float], Any] = {}
         self._stops: dict[frozenset[int], StopSequences] = {}
+        self._admission = _Admission(config.admit_window, config.prefill_batch)
+        self._decoding = 0  # sequences of self._seqs in the "decode" stage
+        self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -245,6 +309,7 @@ class Actor:
         """Drop every array on this thread and synchronize, so the process exits cleanly."""
         self._seqs.clear()
         self._by_uid.clear()
+        self._admission.pending.clear()
         self._samplers.clear()
         self._stops.clear()
         try:
@@ -267,28 +332,42 @@ class Actor:
         # and lost: faster at c=1, but 0.62x instead of 0.91x of the raw
         # BatchGenerator at c=256 and 5x the TTFT at c=8 (BENCHMARKS.md).
         report, link = StepReport(), self._link
-        while True:
-            link.check()
-            self._hook("loop")  # outside the step's recovery: a fault here kills the actor
-            commands = link.exchange(report)
-            if not commands and not self._seqs:
-                commands = link.wait_commands()
-            failed = self._apply(commands)
-            if failed is None:
-                return  # Shutdown
-            report = self._step(failed)
+        trace_path = os.environ.get(_TRACE_ENV)
+        trace = _StepTrace(trace_path) if trace_path else None
+        clock = time.perf_counter
+        try:
+            while True:
+                link.check()
+                self._hook("loop")  # outside the step's recovery: a fault here kills the actor
+                t0 = clock()
+                commands = link.exchange(report)
+                if not commands and not self._seqs and not self._admission.pending:
+                    commands = link.wait_commands()
+                t1 = clock()
+                failed = self._apply(commands)
+                if failed is None:
+                    return  # Shutdown
+                report = self._step(failed)
+                if trace is not None:
+                    trace.write(t1, t1 - t0, report, self._inserted)
+        finally:
+            if trace is not None:
+                trace.close()
 
     def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None:
         """Apply this step's commands; returns inserts that failed, or None on Shutdown."""
-        inserts: dict[int, Submit] = {}
+        admission = self._admission
+        now = time.perf_counter()
         removes: list[int] = []
         for cmd in commands:
             match cmd:
                 case Submit():
-                    inserts[cmd.rid] = cmd
+                    admission.add(cmd, now)
                 case Abort(rid=rid):
-                    if inserts.pop(rid, None) is None and (seq := self._seqs.pop(rid, None)):
+                    if not admission.drop(rid) and (seq := self._seqs.pop(rid, None)):
                         del self._by_uid[seq.uid]
+                        if seq.stage == "decode":
+                            self._decoding -= 1
                         removes.append(seq.uid)
                 case Shutdown():
                     return None
@@ -296,9 +375,10 @@ class Actor:
         if removes:
             self._bg.remove(removes)
             self._hook("removed")
-        if not inserts:
+        subs = admission.due(now, self._decoding > 0)
+        self._inserted = len(subs)
+        if not subs:
             return []
-        subs = list(inserts.values())
         try:
             uids = self._bg.insert(
                 [list(s.prompt) for s in subs],
@@ -338,7 +418,7 @@ class Actor:
 
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
         if not self._seqs:
-            return StepReport(failed=tuple(failed), live=0, memory=_memory())
+            return StepReport(failed=tuple(failed), live=len(self._admission.pending), memory=_memory())
         assert self._bg is not None
         t0 = time.perf_counter()
         try:
@@ -357,6 +437,7 @@ class Actor:
                 prefilling.append(seq.rid)
             if pr.end_of_prompt and seq.stage != "decode":
                 seq.stage = "decode"
+                self._decoding += 1
                 decoding.append(seq.rid)
         stats = self._bg._counters
         prompt_tokens = stats.prompt_tokens
@@ -371,7 +452,7 @@ class Actor:
             failed=tuple(failed),
             prompt_tokens=prompt_tokens,
             step_seconds=time.perf_counter() - t0,
-            live=len(self._seqs),
+            live=len(self._seqs) + len(self._admission.pending),
         )
 
     def _tokens(self, responses: Sequence[Any]) -> tuple[TokenOut, ...]:
@@ -384,6 +465,8 @@ class Actor:
             if r.finish_reason is not None:
                 del self._by_uid[r.uid]
                 del self._seqs[seq.rid]
+                if seq.stage == "decode":
+                    self._decoding -= 1
             if seq.sampling.logprobs:
                 want_logprobs.append((len(out), r, seq))
             out.append(TokenOut(seq.rid, r.token, r.finish_reason))
@@ -420,6 +503,7 @@ class Actor:
         failed = failed + [(rid, reason) for rid in self._seqs]
         self._seqs.clear()
         self._by_uid.clear()
+        self._decoding = 0
         assert self._bg is not None
         try:
             self._bg.close()

@@ -55,6 +55,7 @@ def default_engine(settings: Settings) -> Engine:
         max_batch=settings.max_batch,
         prefill_batch=settings.prefill_batch,
         prefill_step=settings.prefill_step,
+        admit_window=settings.admit_window,
         max_queue=settings.max_queue,
         cache_dir=settings.cache_dir,  # type: ignore[arg-type]
         warmup=settings.warmup,

@@ -61,6 +61,9 @@ _TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_tokenizer_li
 # the event loop keeps serving; shorter ones cost less than the thread hop.
 # The number is a judgement call, not a measurement.
 _THREAD_TOKENIZE_CHARS = 4096
+# Seconds a new request may wait to join a decoding batch together with others
+# (`_actor._Admission` says why); 20 ms is a few decode steps of a small model.
+ADMIT_WINDOW = 0.02
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
@@ -129,10 +132,13 @@ class Engine:
         warmup: bool = True,
         switch_interval: float | None = 0.0001,
         actor: str = "thread",
+        admit_window: float = ADMIT_WINDOW,
         fault_hook: Any = None,
     ):
         if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
+        if not (math.isfinite(admit_window) and admit_window >= 0):
+            raise ValueError(f"admit_window must be a finite number >= 0, not {admit_window!r}")
         if actor not in ("thread", "process"):
             raise ValueError(f"actor must be 'thread' or 'process', not {actor!r}")
         if actor == "process" and fault_hook is not None:
@@ -145,6 +151,7 @@ class Engine:
         self.prefill_batch = min(prefill_batch, max_batch)
         self.prefill_step = prefill_step
         self.max_queue = max_queue
+        self.admit_window = admit_window
         self._cache_dir = cache_dir
         self._warmup = warmup
         self._switch_interval = switch_interval
@@ -204,6 +211,7 @@ class Engine:
             prefill_batch=self.prefill_batch,
             prefill_step=self.prefill_step,
             warmup=self._warmup,
+            admit_window=self.admit_window,
             fault_hook=self._fault_hook,
         )
         async with trio.open_nursery() as nursery:
@@ -757,7 +765,7 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
     start its GPU actor and yield the ready `Engine`; close it on exit.
 
     Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
-    switch_interval, actor ("thread" or "process") (see `Engine`)."""
+    switch_interval, actor ("thread" or "process"), admit_window (see `Engine`)."""
     engine = Engine(model, **options)
     try:
         async with trio.open_nursery() as nursery:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
+from ._engine import ADMIT_WINDOW
+
 ENV_PREFIX = "TRIO_MLX_"
 
 # The id /v1/models serves for the embedded default (DESIGN.md); as _models.EMBEDDED_DEFAULT,
@@ -41,6 +43,9 @@ class Settings:
     max_batch: int = field(default=64, metadata=_doc("most sequences decoded together"))
     prefill_batch: int = field(default=8, metadata=_doc("most prompts prefilled together (at most max_batch)"))
     prefill_step: int = field(default=2048, metadata=_doc("prompt tokens processed per prefill step"))
+    admit_window: float = field(default=ADMIT_WINDOW, metadata=_doc(
+        "seconds a new request may wait to join a decoding batch together with others (fewer, "
+        "larger admissions: each one slows the next decode steps); 0: admit at the next step"))
     max_queue: int = field(default=1024, metadata=_doc("waiting requests before new ones get 429"))
     cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
     warmup: bool = field(default=True, metadata=_doc("run one tiny generation before reporting ready"))
@@ -86,9 +91,9 @@ class Settings:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",
-                     "stream_interval", "max_event_rate"):
+                     "stream_interval", "max_event_rate", "admit_window"):
             value = getattr(self, name)
-            zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate")  # drain 0: end in-flight at once
+            zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
         if self.actor not in ("thread", "process"):

@@ -1,0 +1,133 @@
+"""Admission into a decoding batch: new sequences enter together, within a bounded window.
+
+`_actor._Admission` holds sequences that arrive while others decode until
+`prefill_batch` have gathered or the oldest has waited `admit_window`; an idle
+batch admits at once. These tests drive it directly and through the engine on
+tiny CPU models, reading the actor's step trace (TRIO_MLX_STEP_TRACE) to see
+which step inserted what.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import trio
+
+import trio_mlx
+from trio_mlx._actor import _Admission
+from trio_mlx._messages import SamplingParams, Submit
+
+
+def _sub(rid: int) -> Submit:
+    return Submit(rid, (1, 2, 3), 4, SamplingParams(temperature=0.0), frozenset())
+
+
+def test_idle_batch_admits_at_once():
+    adm = _Admission(window=10.0, batch=8)
+    adm.add(_sub(1), now=0.0)
+    assert [s.rid for s in adm.due(now=0.0, decoding=False)] == [1]
+    assert not adm.pending
+
+
+def test_decoding_batch_holds_until_window_or_a_full_prefill_batch():
+    adm = _Admission(window=0.5, batch=3)
+    adm.add(_sub(1), now=0.0)
+    adm.add(_sub(2), now=0.1)
+    assert adm.due(now=0.2, decoding=True) == []
+    assert [s.rid for s in adm.due(now=0.5, decoding=True)] == [1, 2]  # the oldest waited 0.5 s
+    for rid in (3, 4):
+        adm.add(_sub(rid), now=1.0)
+    assert adm.due(now=1.0, decoding=True) == []
+    adm.add(_sub(5), now=1.0)  # three gathered: a full prefill batch
+    assert [s.rid for s in adm.due(now=1.0, decoding=True)] == [3, 4, 5]
+
+
+def test_window_zero_admits_every_step_and_drop_forgets():
+    adm = _Admission(window=0.0, batch=8)
+    adm.add(_sub(1), now=5.0)
+    adm.add(_sub(2), now=5.0)
+    assert adm.drop(1) and not adm.drop(1)
+    assert [s.rid for s in adm.due(now=5.0, decoding=True)] == [2]
+
+
+def _trace(path: Path) -> list[dict[str, float]]:
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f, delimiter="\t")]
+
+
+async def _first_token(stream: trio_mlx.RequestStream) -> None:
+    async for ev in stream:
+        assert isinstance(ev, trio_mlx.TextDelta), ev
+        return
+
+
+async def _drain(stream: trio_mlx.RequestStream) -> trio_mlx.Finished:
+    async for ev in stream:
+        if isinstance(ev, trio_mlx.Finished):
+            return ev
+    raise AssertionError("no Finished event")
+
+
+@pytest.mark.parametrize("actor", ["thread", "process"])
+async def test_arrivals_during_decode_are_inserted_together(tiny_model_fp32, tmp_path, monkeypatch, actor):
+    trace = tmp_path / "trace.tsv"
+    monkeypatch.setenv("TRIO_MLX_STEP_TRACE", str(trace))
+    opts = dict(temperature=0, ignore_eos=True)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, prefill_batch=2, admit_window=60.0,
+                                    actor=actor) as engine:
+        with trio.fail_after(60):
+            async with engine.generate("a long one", max_tokens=400, **opts) as first:
+                await _first_token(first)  # decoding now
+                async with engine.generate("second", max_tokens=4, **opts) as second:
+                    steps = engine.statistics().decode_steps
+                    while engine.statistics().decode_steps < steps + 5:  # noqa: ASYNC110
+                        await trio.sleep(0.001)
+                    assert second.stage == "queued"  # held: one arrival is not a prefill batch
+                    async with engine.generate("third", max_tokens=4, **opts) as third:
+                        # two gathered (prefill_batch=2): both enter at the next step
+                        assert (await _drain(second)).finish_reason == "length"
+                        assert (await _drain(third)).finish_reason == "length"
+                assert first.stage == "decode"
+    rows = _trace(trace)
+    inserted = [int(r["inserted"]) for r in rows if r["inserted"]]
+    assert inserted == [1, 2], inserted  # the long one alone, then second and third in one step
+
+
+async def test_a_held_request_enters_when_the_batch_drains(tiny_model_fp32):
+    """With nothing left decoding, waiting would gain nothing: the held request goes in."""
+    opts = dict(temperature=0, ignore_eos=True)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, admit_window=60.0) as engine:
+        with trio.fail_after(60):
+            async with engine.generate("short", max_tokens=30, **opts) as first:
+                await _first_token(first)
+                async with engine.generate("held", max_tokens=5, **opts) as held:
+                    assert (await _drain(first)).finish_reason == "length"
+                    fin = await _drain(held)
+                    assert fin.finish_reason == "length" and fin.usage.completion_tokens == 5
+
+
+async def test_a_held_request_can_be_aborted(tiny_model_fp32):
+    opts = dict(temperature=0, ignore_eos=True)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, admit_window=60.0) as engine:
+        with trio.fail_after(60):
+            async with engine.generate("long", max_tokens=400, **opts) as first:
+                await _first_token(first)
+                async with engine.generate("held", max_tokens=5, **opts) as held:
+                    assert held.stage == "queued"
+                stats = engine.statistics()
+                assert stats.aborts_by_stage.get("queued") == 1
+                # the actor forgot it: only the long one is held
+                while engine.statistics().active != 1:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+            # and the engine still serves
+            async with engine.generate("after", max_tokens=3, **opts) as after:
+                assert (await _drain(after)).usage.completion_tokens == 3
+
+
+def test_admit_window_is_validated():
+    with pytest.raises(ValueError, match="admit_window"):
+        trio_mlx.Engine(None, admit_window=-1.0)
+    with pytest.raises(ValueError, match="admit_window"):
+        trio_mlx.Engine(None, admit_window=float("inf"))
