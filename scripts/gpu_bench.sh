@@ -19,6 +19,8 @@
 #   MLX_LM_CONCURRENCY=...     (mlx_lm.server's levels; default CONCURRENCY)
 #   ACTORS=thread              (where trio_mlx's GPU actor runs, engine and server
 #                               targets: thread, process, or both: thread,process)
+#   ADMIT_WINDOWS=             (comma-separated admit windows in seconds for the engine
+#                               and server targets; default: the engine's own)
 #   TRIO_NO_PACING=1           (also run trio_mlx with --max-event-rate 0)
 #   MLX_LM_BIG_BACKLOG=1       (also run mlx_lm.server with a listen backlog
 #                               of 1024 instead of socketserver's 5, which is
@@ -43,6 +45,7 @@ pstep="${PREFILL_STEP:-2048}"
 limit="${BENCH_LIMIT:-300}"
 skip=",${SKIP:-},"
 IFS=, read -r -a actors <<<"${ACTORS:-thread}"
+IFS=, read -r -a windows <<<"${ADMIT_WINDOWS:-default}"
 maxbatch=$(tr ',' '\n' <<<"$conc" | sort -n | tail -1)
 device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
 device="${device:-$(uname -srm)}; mlx $("$py" -c 'import mlx.core as m; print(m.__version__)' 2>/dev/null || echo '?')"
@@ -136,21 +139,27 @@ for name in "${models[@]}"; do
     add_run "$out/$name-ceiling.json"
   fi
   for actor in "${actors[@]}"; do
-    # one actor: the names of earlier runs; several: each named after its actor
-    sfx="" lsfx=""
+   for window in "${windows[@]}"; do
+    # one actor and window: the names of earlier runs; several: each named after them
+    sfx="" lsfx="" wargs=()
     [ ${#actors[@]} -gt 1 ] && sfx="-$actor" lsfx=" ($actor actor)"
+    if [ "$window" != default ]; then
+      wargs=(--admit-window "$window")
+      [ ${#windows[@]} -gt 1 ] && sfx="$sfx-w$window" lsfx="$lsfx (window $window)"
+    fi
     if [[ $skip != *,engine,* ]]; then
-      log "$name: trio_mlx engine in-process (channel API, no HTTP), $actor actor"
+      log "$name: trio_mlx engine in-process (channel API, no HTTP)$lsfx"
       bench "engine$lsfx" "$out/$name-engine$sfx.json" --engine --actor "$actor" --max-batch "$maxbatch" \
-        --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
+        --prefill-batch-size "$pbatch" --prefill-step-size "$pstep" "${wargs[@]}"
       add_run "$out/$name-engine$sfx.json"
     fi
     if [[ $skip != *,trio,* ]]; then
       serve_and_bench "trio_mlx$lsfx" "trio$sfx" /health -- \
         "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
         --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
-        --actor "$actor" --no-access-log --log-level warning
+        --actor "$actor" --no-access-log --log-level warning "${wargs[@]}"
     fi
+   done
   done
   if [ "${TRIO_NO_PACING:-0}" = 1 ]; then  # the same server with adaptive SSE pacing off
     serve_and_bench "trio_mlx no pacing" trio_nopacing /health -- \

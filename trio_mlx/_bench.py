@@ -393,6 +393,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="drive trio_mlx's engine in-process through the channel API (no HTTP)")  # fmt: skip
     p.add_argument("--actor", choices=("thread", "process"), default="thread",
                    help="with --engine: run the engine's GPU actor on a thread or in a child process")  # fmt: skip
+    p.add_argument("--admit-window", type=float, default=None, metavar="SECONDS",
+                   help="with --engine: the engine's admit_window (default: the engine's own)")  # fmt: skip
     p.add_argument("--model", required=True,
                    help="model path or reference: its tokenizer makes the prompts (and --limit runs it)")  # fmt: skip
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -533,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_batch": args.prefill_batch_size,
             "prefill_step": args.prefill_step_size,
             "actor": args.actor,
+            "admit_window": args.admit_window,
         }
         result["levels"] = run_engine(
             args.model,
@@ -544,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_batch=args.prefill_batch_size,
             prefill_step=args.prefill_step_size,
             actor=args.actor,
+            admit_window=args.admit_window,
             on_level=level_done,
         )
     elif args.limit:
