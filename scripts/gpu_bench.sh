@@ -17,7 +17,7 @@
 #   BENCH_LIMIT=300            (seconds one target's whole sweep may take)
 #   SKIP=ceiling,engine,trio,mlx_lm   (targets to leave out)
 #   MLX_LM_CONCURRENCY=...     (mlx_lm.server's levels; default CONCURRENCY)
-#   ACTORS=thread              (where trio_mlx's GPU actor runs, engine and server
+#   ACTORS=process             (where trio_mlx's GPU actor runs, engine and server
 #                               targets: thread, process, or both: thread,process)
 #   ADMIT_WINDOWS=             (comma-separated admit windows in seconds for the engine
 #                               and server targets; default: the engine's own)
@@ -44,7 +44,7 @@ pbatch="${PREFILL_BATCH:-8}"
 pstep="${PREFILL_STEP:-2048}"
 limit="${BENCH_LIMIT:-300}"
 skip=",${SKIP:-},"
-IFS=, read -r -a actors <<<"${ACTORS:-thread}"
+IFS=, read -r -a actors <<<"${ACTORS:-process}"
 IFS=, read -r -a windows <<<"${ADMIT_WINDOWS:-default}"
 maxbatch=$(tr ',' '\n' <<<"$conc" | sort -n | tail -1)
 device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || true)

@@ -79,7 +79,7 @@ async def stream_all(client: httpx.AsyncClient, body: dict, out: dict, key: str,
 async def test_sigterm_drains_then_exits_zero(tiny_model_fp32, actor):
     async with trio.open_nursery() as nursery:
         p = await start(nursery, [*SERVE, str(tiny_model_fp32), "--port", "0", "--no-warmup",
-                                  "--drain-timeout", "1.0", "--no-access-log", "--actor", actor])
+                                  "--drain-timeout", "0.3", "--no-access-log", "--actor", actor])
         with trio.fail_after(30):
             await p.has_url.wait()
         out: dict = {}

@@ -54,6 +54,7 @@ _MEMORY_EVERY = 64
 # TRIO_MLX_STEP_TRACE=PATH: the actor appends one tab-separated line per step
 # (see `_StepTrace`) to PATH; a tool for finding where a step's time goes.
 _TRACE_ENV = "TRIO_MLX_STEP_TRACE"
+_WARMUP_PROMPT = 128  # tokens per warm-up prompt (see Actor._warmup)
 
 
 class ActorPort(Protocol):
@@ -245,6 +246,7 @@ class Actor:
         self._model: Any = None
         self._bg: BatchGenerator | None = None
         self._context = 0
+        self._vocab = 0
         self._steps = 0
         self._seqs: dict[int, _Seq] = {}  # rid -> seq
         self._by_uid: dict[int, _Seq] = {}
@@ -264,6 +266,7 @@ class Actor:
             self._hook("load")
             self._model, config = _models.load_model(self.config.model_path)
             self._context = _models.context_length(config)
+            self._vocab = int(config.get("vocab_size", 0))
             self._bg = self._new_generator()
             if self.config.warmup:
                 self._warmup()
@@ -295,13 +298,31 @@ class Actor:
         )
 
     def _warmup(self) -> None:
-        """Run one tiny sequence so the first real request pays no compile/allocation cost."""
+        """Prefill 1, 2, ... prefill_batch prompts at once, each group to its first tokens.
+
+        MLX compiles GPU kernels the first time it meets a shape, and on CUDA
+        that can stall a step for seconds: measured on an H100, the first
+        prefill of one 100-token prompt into a 4-bit 1B model took 59 s and the
+        first of eight 39 s; bf16 models paid 65-350 ms per first visit, 10-25
+        ms after (`scripts/probe_steps.py`). Live traffic admits groups of every
+        size up to prefill_batch, so each size is visited here, before the
+        server reports ready, rather than in the middle of someone's stream.
+        The prompt length (_WARMUP_PROMPT tokens, less for a small context) is
+        a judgement call: a typical chat turn. On the CPU, where MLX has no such
+        stalls to hide and prefill is slow, one short sequence is enough.
+        """
         assert self._bg is not None
-        self._bg.insert([[1, 2, 3, 4]], max_tokens=[2])
-        for _ in range(16):  # prefill + 2 decode steps; the bound only guards a bug
-            _, generated = self._bg.next()
-            if any(r.finish_reason for r in generated):
-                break
+        gpu = mx.default_device().type == mx.DeviceType.gpu
+        length = max(1, min(_WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
+        token = 1 if self._vocab > 1 else 0
+        for k in range(1, (self.config.prefill_batch if gpu else 1) + 1):
+            self._bg.insert([[token] * length for _ in range(k)], max_tokens=[2] * k)
+            finished = 0
+            for _ in range(64):  # prefill + 2 decode steps; the bound only guards a bug
+                _, generated = self._bg.next()
+                finished += sum(1 for r in generated if r.finish_reason)
+                if finished >= k:
+                    break
         self._bg.close()
         self._bg = self._new_generator()
 

@@ -144,6 +144,10 @@ def run_limit(
     try:
         if warmup:
             drive(bg, warmup, len(warmup), _WARMUP_TOKENS)
+            # every prefill group size once, as the server's actor warms up
+            # (MLX compiles kernels per shape on first use: `Actor._warmup`)
+            for k in range(1, prefill_batch_size + 1):
+                drive(bg, [warmup[i % len(warmup)] for i in range(k)], k, _WARMUP_TOKENS)
         pos = 0
         for concurrency, n in plan:
             batch = prompts[pos : pos + n]

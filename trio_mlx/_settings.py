@@ -49,9 +49,9 @@ class Settings:
     max_queue: int = field(default=1024, metadata=_doc("waiting requests before new ones get 429"))
     cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
     warmup: bool = field(default=True, metadata=_doc("run one tiny generation before reporting ready"))
-    actor: str = field(default="thread", metadata=_doc(
-        "where the GPU actor runs: 'thread' (in the server's process) or 'process' (a child "
-        "process with its own GIL, so HTTP work does not slow decoding; ~1-2 s more to start)"))
+    actor: str = field(default="process", metadata=_doc(
+        "where the GPU actor runs: 'process' (a child process with its own GIL, so HTTP work "
+        "does not slow decoding; ~1-2 s more to start) or 'thread' (in the server's process)"))
     drain_timeout: float = field(default=20.0, metadata=_doc(
         "seconds in-flight requests may run on after SIGTERM before they are ended"))
     stall_timeout: float = field(default=30.0, metadata=_doc(
