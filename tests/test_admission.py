@@ -10,7 +10,10 @@ which step inserted what.
 from __future__ import annotations
 
 import csv
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -95,35 +98,37 @@ async def test_arrivals_during_decode_are_inserted_together(tiny_model_fp32, tmp
     assert inserted == [1, 2], inserted  # the long one alone, then second and third in one step
 
 
-async def test_a_held_request_enters_when_the_batch_drains(tiny_model_fp32):
-    """With nothing left decoding, waiting would gain nothing: the held request goes in."""
+@asynccontextmanager
+async def _one_decoding_one_held(model: Path, first_tokens: int) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """An engine with a long window, one request decoding and one held behind it."""
     opts = dict(temperature=0, ignore_eos=True)
-    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, admit_window=60.0) as engine:
+    async with trio_mlx.open_engine(model, max_batch=8, admit_window=60.0) as engine:
         with trio.fail_after(60):
-            async with engine.generate("short", max_tokens=30, **opts) as first:
-                await _first_token(first)
-                async with engine.generate("held", max_tokens=5, **opts) as held:
-                    assert (await _drain(first)).finish_reason == "length"
-                    fin = await _drain(held)
-                    assert fin.finish_reason == "length" and fin.usage.completion_tokens == 5
-
-
-async def test_a_held_request_can_be_aborted(tiny_model_fp32):
-    opts = dict(temperature=0, ignore_eos=True)
-    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, admit_window=60.0) as engine:
-        with trio.fail_after(60):
-            async with engine.generate("long", max_tokens=400, **opts) as first:
+            async with engine.generate("first", max_tokens=first_tokens, **opts) as first:
                 await _first_token(first)
                 async with engine.generate("held", max_tokens=5, **opts) as held:
                     assert held.stage == "queued"
-                stats = engine.statistics()
-                assert stats.aborts_by_stage.get("queued") == 1
-                # the actor forgot it: only the long one is held
-                while engine.statistics().active != 1:  # noqa: ASYNC110
-                    await trio.sleep(0.001)
-            # and the engine still serves
-            async with engine.generate("after", max_tokens=3, **opts) as after:
-                assert (await _drain(after)).usage.completion_tokens == 3
+                    yield engine, first, held
+
+
+async def test_a_held_request_enters_when_the_batch_drains(tiny_model_fp32):
+    """With nothing left decoding, waiting would gain nothing: the held request goes in."""
+    async with _one_decoding_one_held(tiny_model_fp32, 30) as (_, first, held):
+        assert (await _drain(first)).finish_reason == "length"
+        fin = await _drain(held)
+        assert fin.finish_reason == "length" and fin.usage.completion_tokens == 5
+
+
+async def test_a_held_request_can_be_aborted(tiny_model_fp32):
+    async with _one_decoding_one_held(tiny_model_fp32, 400) as (engine, _, held):
+        held.close()
+        assert engine.statistics().aborts_by_stage.get("queued") == 1
+        # the actor forgot it: only the first one is held
+        while engine.statistics().active != 1:  # noqa: ASYNC110
+            await trio.sleep(0.001)
+        # and the engine still serves
+        async with engine.generate("after", max_tokens=3, temperature=0, ignore_eos=True) as after:
+            assert (await _drain(after)).usage.completion_tokens == 3
 
 
 def test_admit_window_is_validated():
