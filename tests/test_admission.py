@@ -47,6 +47,19 @@ def test_decoding_batch_holds_until_window_or_a_full_prefill_batch():
     assert [s.rid for s in adm.due(now=1.0, decoding=True)] == [3, 4, 5]
 
 
+def test_only_whole_prefill_groups_enter_before_the_window_runs_out():
+    adm = _Admission(window=0.5, batch=3)
+    for rid in range(1, 8):
+        adm.add(_sub(rid), now=0.0)
+    assert [s.rid for s in adm.due(now=0.1, decoding=True)] == [1, 2, 3, 4, 5, 6]  # two groups
+    assert list(adm.pending) == [7]
+    assert adm.due(now=0.2, decoding=True) == []  # one alone waits for company...
+    assert [s.rid for s in adm.due(now=0.5, decoding=True)] == [7]  # ...or the window
+    for rid in range(8, 13):
+        adm.add(_sub(rid), now=1.0)
+    assert [s.rid for s in adm.due(now=1.0, decoding=False)] == [8, 9, 10, 11, 12]  # idle: all
+
+
 def test_window_zero_admits_every_step_and_drop_forgets():
     adm = _Admission(window=0.0, batch=8)
     adm.add(_sub(1), now=5.0)

@@ -116,6 +116,12 @@ class _Admission:
     `window` seconds, and then all enter at once (as TGI's router waits for
     `max_waiting_tokens`). An idle batch, or one still prefilling, admits at
     once: no decode step is disturbed, so waiting would only add latency.
+
+    Before the window runs out, only whole prefill groups enter (16 of 21
+    waiting: two groups; the other 5 wait for more company or the window):
+    the BatchGenerator prefills `prefill_batch` prompts per step, and a step
+    that prefilled a partial group cost 4-5x one that prefilled a full group
+    (H100, step traces of 135M and 1B servers in BENCHMARKS.md).
     """
 
     def __init__(self, window: float, batch: int):
@@ -129,16 +135,16 @@ class _Admission:
         return self.pending.pop(rid, None) is not None
 
     def due(self, now: float, decoding: bool) -> list[Submit]:
-        """The submits to insert now (all of them or none)."""
+        """The submits to insert now, oldest first."""
         pending = self.pending
         if not pending:
             return []
-        if decoding and len(pending) < self.batch:
-            oldest = next(iter(pending.values()))[0]
-            if now - oldest < self.window:
-                return []
-        subs = [sub for _, sub in pending.values()]
-        pending.clear()
+        take = len(pending)
+        if decoding and now - next(iter(pending.values()))[0] < self.window:
+            take -= take % self.batch  # whole prefill groups only, maybe none
+        subs = []
+        for rid in list(itertools.islice(pending, take)):
+            subs.append(pending.pop(rid)[1])
         return subs
 
 
