@@ -10,6 +10,7 @@ which step inserted what.
 from __future__ import annotations
 
 import csv
+import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,45 +28,50 @@ def _sub(rid: int) -> Submit:
     return Submit(rid, (1, 2, 3), 4, SamplingParams(temperature=0.0), frozenset())
 
 
-def test_idle_batch_admits_at_once():
-    adm = _Admission(window=10.0, batch=8)
-    adm.add(_sub(1), now=0.0)
-    assert [s.rid for s in adm.due(now=0.0, decoding=False)] == [1]
-    assert not adm.pending
+def _rids(subs: list[Submit]) -> list[int]:
+    return [s.rid for s in subs]
 
 
-def test_decoding_batch_holds_until_window_or_a_full_prefill_batch():
+def test_idle_batch_admits_a_group_at_once():
+    adm = _Admission(window=10.0, batch=3)
+    for rid in range(1, 6):
+        adm.add(_sub(rid), now=0.0)
+    assert _rids(adm.due(now=0.0, decoding=False, prefilling=False)) == [1, 2, 3]
+    assert adm.due(now=0.0, decoding=False, prefilling=True) == []  # the group is prefilling
+    assert _rids(adm.due(now=0.0, decoding=False, prefilling=False)) == [4, 5]
+
+
+def test_decoding_batch_holds_until_window_or_a_full_prefill_group():
     adm = _Admission(window=0.5, batch=3)
     adm.add(_sub(1), now=0.0)
     adm.add(_sub(2), now=0.1)
-    assert adm.due(now=0.2, decoding=True) == []
-    assert [s.rid for s in adm.due(now=0.5, decoding=True)] == [1, 2]  # the oldest waited 0.5 s
+    assert adm.due(now=0.2, decoding=True, prefilling=False) == []
+    assert _rids(adm.due(now=0.5, decoding=True, prefilling=False)) == [1, 2]  # the oldest waited 0.5 s
     for rid in (3, 4):
         adm.add(_sub(rid), now=1.0)
-    assert adm.due(now=1.0, decoding=True) == []
-    adm.add(_sub(5), now=1.0)  # three gathered: a full prefill batch
-    assert [s.rid for s in adm.due(now=1.0, decoding=True)] == [3, 4, 5]
+    assert adm.due(now=1.0, decoding=True, prefilling=False) == []
+    adm.add(_sub(5), now=1.0)  # three gathered: a full prefill group
+    assert _rids(adm.due(now=1.0, decoding=True, prefilling=False)) == [3, 4, 5]
 
 
-def test_only_whole_prefill_groups_enter_before_the_window_runs_out():
+def test_one_group_at_a_time_and_none_while_one_prefills():
     adm = _Admission(window=0.5, batch=3)
     for rid in range(1, 8):
         adm.add(_sub(rid), now=0.0)
-    assert [s.rid for s in adm.due(now=0.1, decoding=True)] == [1, 2, 3, 4, 5, 6]  # two groups
-    assert list(adm.pending) == [7]
-    assert adm.due(now=0.2, decoding=True) == []  # one alone waits for company...
-    assert [s.rid for s in adm.due(now=0.5, decoding=True)] == [7]  # ...or the window
-    for rid in range(8, 13):
-        adm.add(_sub(rid), now=1.0)
-    assert [s.rid for s in adm.due(now=1.0, decoding=False)] == [8, 9, 10, 11, 12]  # idle: all
+    assert _rids(adm.due(now=0.1, decoding=True, prefilling=False)) == [1, 2, 3]
+    assert adm.due(now=0.1, decoding=True, prefilling=True) == []  # 1-3 still prefilling
+    assert _rids(adm.due(now=0.2, decoding=True, prefilling=False)) == [4, 5, 6]
+    assert adm.due(now=0.3, decoding=True, prefilling=False) == []  # one alone waits for company...
+    assert adm.due(now=0.6, decoding=True, prefilling=True) == []  # ...never beside a prefill...
+    assert _rids(adm.due(now=0.6, decoding=True, prefilling=False)) == [7]  # ...or the window
 
 
-def test_window_zero_admits_every_step_and_drop_forgets():
+def test_window_zero_admits_without_waiting_for_company_and_drop_forgets():
     adm = _Admission(window=0.0, batch=8)
     adm.add(_sub(1), now=5.0)
     adm.add(_sub(2), now=5.0)
     assert adm.drop(1) and not adm.drop(1)
-    assert [s.rid for s in adm.due(now=5.0, decoding=True)] == [2]
+    assert _rids(adm.due(now=5.0, decoding=True, prefilling=False)) == [2]
 
 
 def _trace(path: Path) -> list[dict[str, float]]:
@@ -109,6 +115,33 @@ async def test_arrivals_during_decode_are_inserted_together(tiny_model_fp32, tmp
     rows = _trace(trace)
     inserted = [int(r["inserted"]) for r in rows if r["inserted"]]
     assert inserted == [1, 2], inserted  # the long one alone, then second and third in one step
+
+
+async def test_a_group_enters_only_after_the_last_one_prefilled(tiny_model_fp32, tmp_path, monkeypatch):
+    """Arrivals one step apart never prefill in consecutive steps: the generator
+    would otherwise top up its prompt batch every step (groups of 7 and 1...)."""
+    trace = tmp_path / "trace.tsv"
+    monkeypatch.setenv("TRIO_MLX_STEP_TRACE", str(trace))
+    opts = dict(temperature=0, ignore_eos=True)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=16, prefill_batch=4, admit_window=0.0) as engine:
+        with trio.fail_after(60):
+            async with engine.generate("a long one", max_tokens=600, **opts) as first:
+                await _first_token(first)
+                async with trio.open_nursery() as nursery:
+                    for i in range(6):
+                        steps = engine.statistics().decode_steps
+                        while engine.statistics().decode_steps == steps:  # noqa: ASYNC110
+                            await trio.sleep(0.0005)
+                        nursery.start_soon(_run_one, engine, f"arrival {i}")
+    rows = _trace(trace)
+    prefilled = [r["prompt_tokens"] > 0 for r in rows]
+    assert sum(prefilled) >= 3  # the arrivals did come in several groups
+    assert not any(a and b for a, b in itertools.pairwise(prefilled)), [int(r["prompt_tokens"]) for r in rows]
+
+
+async def _run_one(engine: trio_mlx.Engine, prompt: str) -> None:
+    async with engine.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True) as stream:
+        assert (await _drain(stream)).usage.completion_tokens == 8
 
 
 @asynccontextmanager

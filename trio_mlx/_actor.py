@@ -117,11 +117,14 @@ class _Admission:
     `max_waiting_tokens`). An idle batch, or one still prefilling, admits at
     once: no decode step is disturbed, so waiting would only add latency.
 
-    Before the window runs out, only whole prefill groups enter (16 of 21
-    waiting: two groups; the other 5 wait for more company or the window):
-    the BatchGenerator prefills `prefill_batch` prompts per step, and a step
-    that prefilled a partial group cost 4-5x one that prefilled a full group
-    (H100, step traces of 135M and 1B servers in BENCHMARKS.md).
+    One group of at most `prefill_batch` enters at a time, and only once the
+    previous group has finished its prefill. The BatchGenerator tops its
+    prompt batch up to `prefill_batch` each step, so a group of 7 arriving
+    while 1 prompt is mid-prefill locks it into alternating steps of 7 and 1
+    prompts, each paying a prefill and a batch change at once: 130-230 ms a
+    step instead of ~36 ms on an H100 with the 135M model (the step trace in
+    BENCHMARKS.md, finding 3). Before the window runs out, only a full group
+    enters; the rest wait for more company or the window.
     """
 
     def __init__(self, window: float, batch: int):
@@ -134,18 +137,16 @@ class _Admission:
     def drop(self, rid: int) -> bool:
         return self.pending.pop(rid, None) is not None
 
-    def due(self, now: float, decoding: bool) -> list[Submit]:
-        """The submits to insert now, oldest first."""
+    def due(self, now: float, decoding: bool, prefilling: bool) -> list[Submit]:
+        """The group to insert now, oldest first: `decoding` if any sequence is
+        decoding, `prefilling` if any is still queued or prefilling."""
         pending = self.pending
-        if not pending:
+        if not pending or prefilling:
             return []
-        take = len(pending)
-        if decoding and now - next(iter(pending.values()))[0] < self.window:
-            take -= take % self.batch  # whole prefill groups only, maybe none
-        subs = []
-        for rid in list(itertools.islice(pending, take)):
-            subs.append(pending.pop(rid)[1])
-        return subs
+        take = min(len(pending), self.batch)
+        if decoding and take < self.batch and now - next(iter(pending.values()))[0] < self.window:
+            return []  # wait for a full group, or the window
+        return [pending.pop(rid)[1] for rid in list(itertools.islice(pending, take))]
 
 
 class _StepTrace:
@@ -402,7 +403,7 @@ class Actor:
         if removes:
             self._bg.remove(removes)
             self._hook("removed")
-        subs = admission.due(now, self._decoding > 0)
+        subs = admission.due(now, self._decoding > 0, len(self._seqs) > self._decoding)
         self._inserted = len(subs)
         if not subs:
             return []

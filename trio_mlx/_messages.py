@@ -52,7 +52,7 @@ class ActorConfig:
     prefill_step: int = 2048
     warmup: bool = True
     # Seconds a new sequence may wait to be admitted together with others while
-    # the batch is decoding (0: admit at the very next step). See `_actor._Admission`.
+    # the batch is decoding (0: no waiting for company). See `_actor._Admission`.
     admit_window: float = 0.0
     # Test-only: called on the actor thread with a stage name ("load", "loop",
     # "step") before that stage runs, and with "removed" right after aborted
