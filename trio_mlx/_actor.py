@@ -113,9 +113,9 @@ class _Admission:
     step. Requests that arrive one step apart (HTTP clients never arrive
     together) would each pay that. So while sequences are decoding, a new one
     waits until `prefill_batch` have gathered or the oldest has waited
-    `window` seconds, and then all enter at once (as TGI's router waits for
-    `max_waiting_tokens`). An idle batch, or one still prefilling, admits at
-    once: no decode step is disturbed, so waiting would only add latency.
+    `window` seconds, and then they enter together (as TGI's router waits for
+    `max_waiting_tokens`). An idle batch admits a group at once: no decode
+    step is disturbed, so waiting would only add latency.
 
     One group of at most `prefill_batch` enters at a time, and only once the
     previous group has finished its prefill. The BatchGenerator tops its
