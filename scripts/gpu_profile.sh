@@ -9,6 +9,7 @@
 # ACTOR is thread (default) or process; CONCURRENCY defaults to 64. Needs
 # py-spy (pip install py-spy) and the rights to ptrace (root on the GPU host).
 # Read the result with any flame-graph tool that takes collapsed stacks (speedscope, inferno).
+# On the Firecracker GPU host py-spy took almost no samples; TRIO_MLX_STEP_TRACE is what worked.
 # Set TRIO_MLX_STEP_TRACE=FILE to have the actor log each step too.
 # Knobs (env): PYTHON=python PORT=8812 SECONDS_TO_SAMPLE=12 RATE=250 PROMPT_TOKENS=128 MAX_TOKENS=128
 set -euo pipefail
