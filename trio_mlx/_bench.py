@@ -39,6 +39,7 @@ from trio_mlx._bench_stats import (
     load_results,
     write_plot,
 )
+from trio_mlx._engine import ADMIT_WINDOW
 
 if TYPE_CHECKING:
     from trio_mlx._bench_http import HttpxClient, RawClient
@@ -393,8 +394,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="drive trio_mlx's engine in-process through the channel API (no HTTP)")  # fmt: skip
     p.add_argument("--actor", choices=("thread", "process"), default="thread",
                    help="with --engine: run the engine's GPU actor on a thread or in a child process")  # fmt: skip
-    p.add_argument("--admit-window", type=float, default=None, metavar="SECONDS",
-                   help="with --engine: the engine's admit_window (default: the engine's own)")  # fmt: skip
+    p.add_argument("--admit-window", type=float, default=ADMIT_WINDOW, metavar="SECONDS",
+                   help="with --engine: the engine's admit_window (default: %(default)s, the engine's own)")  # fmt: skip
     p.add_argument("--model", required=True,
                    help="model path or reference: its tokenizer makes the prompts (and --limit runs it)")  # fmt: skip
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")

@@ -18,6 +18,7 @@ import trio
 
 import trio_mlx
 from trio_mlx._bench_stats import RequestRecord, check_length, in_process_level
+from trio_mlx._engine import ADMIT_WINDOW
 
 
 async def _one(engine: trio_mlx.Engine, prompt: Sequence[int], max_tokens: int, rec: RequestRecord) -> None:
@@ -68,14 +69,14 @@ def run_engine(
     prefill_batch: int,
     prefill_step: int,
     actor: str = "thread",
-    admit_window: float | None = None,
+    admit_window: float = ADMIT_WINDOW,
     on_level: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     async def main() -> list[dict[str, Any]]:
         levels = []
         async with trio_mlx.open_engine(
             model, max_batch=max_batch, prefill_batch=prefill_batch, prefill_step=prefill_step, max_queue=1 << 20,
-            actor=actor, **({} if admit_window is None else {"admit_window": admit_window}),
+            actor=actor, admit_window=admit_window,
         ) as engine:
             if warmup:
                 await _level(engine, warmup, len(warmup), 4)
