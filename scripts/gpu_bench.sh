@@ -21,6 +21,11 @@
 #                               targets: thread, process, or both: thread,process)
 #   ADMIT_WINDOWS=             (comma-separated admit windows in seconds for the engine
 #                               and server targets; default: the engine's own)
+#   RETIRE_STEPS=              (comma-separated TRIO_MLX_RETIRE_STEPS for the engine and
+#                               server targets; default: the actor's own)
+#   REQUESTS_MULTIPLE=4        (requests per level = this x concurrency, at least 8)
+#   TRACE=1                    (each engine/server target writes its actor's step trace
+#                               to OUTDIR/logs/MODEL-TARGET.trace.tsv)
 #   TRIO_NO_PACING=1           (also run trio_mlx with --max-event-rate 0)
 #   MLX_LM_BIG_BACKLOG=1       (also run mlx_lm.server with a listen backlog
 #                               of 1024 instead of socketserver's 5, which is
@@ -46,6 +51,8 @@ limit="${BENCH_LIMIT:-300}"
 skip=",${SKIP:-},"
 IFS=, read -r -a actors <<<"${ACTORS:-process}"
 IFS=, read -r -a windows <<<"${ADMIT_WINDOWS:-default}"
+IFS=, read -r -a retires <<<"${RETIRE_STEPS:-default}"
+multiple="${REQUESTS_MULTIPLE:-4}"
 maxbatch=$(tr ',' '\n' <<<"$conc" | sort -n | tail -1)
 device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
 device="${device:-$(uname -srm)}; mlx $("$py" -c 'import mlx.core as m; print(m.__version__)' 2>/dev/null || echo '?')"
@@ -88,7 +95,7 @@ bench() {  # NAME-OF-RUN JSON ARGS...: one sweep; errors are results, not failur
   shift 2
   timeout "$limit" "$py" -m trio_mlx.cli bench --model "$dir" --prompt-tokens "$prompt" \
     --max-tokens "$maxtok" --concurrency "$conc" --label "$label" --device "$device" \
-    --timeout 120 --warmup "$maxbatch" --out "$json" "$@" \
+    --timeout 120 --warmup "$maxbatch" --requests-multiple "$multiple" --out "$json" "$@" \
     || echo "($label: exit status $?; errors, if any, are in $json)" >&2
 }
 
@@ -140,25 +147,35 @@ for name in "${models[@]}"; do
   fi
   for actor in "${actors[@]}"; do
    for window in "${windows[@]}"; do
-    # one actor and window: the names of earlier runs; several: each named after them
+    for retire in "${retires[@]}"; do
+    # one actor, window and retire: the names of earlier runs; several: each named after them
     sfx="" lsfx="" wargs=()
     [ ${#actors[@]} -gt 1 ] && sfx="-$actor" lsfx=" ($actor actor)"
     if [ "$window" != default ]; then
       wargs=(--admit-window "$window")
       [ ${#windows[@]} -gt 1 ] && sfx="$sfx-w$window" lsfx="$lsfx (window $window)"
     fi
+    if [ "$retire" != default ]; then
+      export TRIO_MLX_RETIRE_STEPS="$retire"
+      [ ${#retires[@]} -gt 1 ] && sfx="$sfx-r$retire" lsfx="$lsfx (retire $retire)"
+    fi
+    trace() { [ "${TRACE:-0}" = 1 ] && export TRIO_MLX_STEP_TRACE="$out/logs/$name-$1$sfx.trace.tsv" || true; }
     if [[ $skip != *,engine,* ]]; then
       log "$name: trio_mlx engine in-process (channel API, no HTTP)$lsfx"
+      trace engine
       bench "engine$lsfx" "$out/$name-engine$sfx.json" --engine --actor "$actor" --max-batch "$maxbatch" \
         --prefill-batch-size "$pbatch" --prefill-step-size "$pstep" "${wargs[@]}"
       add_run "$out/$name-engine$sfx.json"
     fi
     if [[ $skip != *,trio,* ]]; then
+      trace trio
       serve_and_bench "trio_mlx$lsfx" "trio$sfx" /health -- \
         "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
         --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
         --actor "$actor" --no-access-log --log-level warning "${wargs[@]}"
     fi
+    unset TRIO_MLX_STEP_TRACE TRIO_MLX_RETIRE_STEPS
+    done
    done
   done
   if [ "${TRIO_NO_PACING:-0}" = 1 ]; then  # the same server with adaptive SSE pacing off

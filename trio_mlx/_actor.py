@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import trio
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_repetition_penalty
 
 from . import _models
@@ -35,6 +35,7 @@ from ._messages import (
     ActorConfig,
     ActorInfo,
     Command,
+    FinishReason,
     SamplingParams,
     Shutdown,
     StepReport,
@@ -55,6 +56,10 @@ _MEMORY_EVERY = 64
 # (see `_StepTrace`) to PATH; a tool for finding where a step's time goes.
 _TRACE_ENV = "TRIO_MLX_STEP_TRACE"
 _WARMUP_PROMPT = 128  # tokens per warm-up prompt (see Actor._warmup)
+# TRIO_MLX_RETIRE_STEPS=N: the most steps a finished sequence's row may stay in
+# the batch before it is removed (see `Actor._retire`); 0 removes at once.
+_RETIRE_ENV = "TRIO_MLX_RETIRE_STEPS"
+RETIRE_STEPS = 16
 
 
 class ActorPort(Protocol):
@@ -100,7 +105,10 @@ class _Seq:
     uid: int
     prompt_len: int
     sampling: SamplingParams
+    max_tokens: int
+    stops: frozenset[int]
     stage: str = "queued"
+    generated: int = 0
 
 
 class _Admission:
@@ -152,17 +160,19 @@ class _Admission:
 class _StepTrace:
     """One line per step: wall time, seconds waiting on the engine (the exchange),
     seconds in `BatchGenerator.next()`, sequences inserted this step, tokens
-    generated, prompt tokens prefilled, live sequences."""
+    generated, prompt tokens prefilled, live sequences, finished sequences
+    whose rows are still in the batch (retired), and the decoding batch's rows."""
 
-    HEADER = "t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\n"
+    HEADER = "t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\tretired\trows\n"
 
     def __init__(self, path: str):
         self._f = open(path, "a", buffering=1 << 16)  # closed in close()
         self._f.write(self.HEADER)
 
-    def write(self, t: float, exchange: float, report: StepReport, inserted: int) -> None:
+    def write(self, t: float, exchange: float, report: StepReport, inserted: int, retired: int,
+              rows: int) -> None:
         self._f.write(f"{t:.6f}\t{exchange:.6f}\t{report.step_seconds:.6f}\t{inserted}\t"
-                      f"{len(report.tokens)}\t{report.prompt_tokens}\t{report.live}\n")
+                      f"{len(report.tokens)}\t{report.prompt_tokens}\t{report.live}\t{retired}\t{rows}\n")
 
     def close(self) -> None:
         self._f.close()
@@ -258,7 +268,8 @@ class Actor:
         self._seqs: dict[int, _Seq] = {}  # rid -> seq
         self._by_uid: dict[int, _Seq] = {}
         self._samplers: dict[tuple[float, float, int, float], Any] = {}
-        self._stops: dict[frozenset[int], StopSequences] = {}
+        self._retired: dict[int, int] = {}  # uid -> step it finished in; rows still in the batch
+        self._retire_steps = max(0, int(os.environ.get(_RETIRE_ENV, RETIRE_STEPS)))
         self._admission = _Admission(config.admit_window, config.prefill_batch)
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
@@ -339,7 +350,7 @@ class Actor:
         self._by_uid.clear()
         self._admission.pending.clear()
         self._samplers.clear()
-        self._stops.clear()
+        self._retired.clear()
         try:
             if self._bg is not None:
                 self._bg.close()
@@ -377,7 +388,8 @@ class Actor:
                     return  # Shutdown
                 report = self._step(failed)
                 if trace is not None:
-                    trace.write(t1, t1 - t0, report, self._inserted)
+                    rows = len(getattr(self._bg, "_generation_batch", ()))  # the trace is a tool: best effort
+                    trace.write(t1, t1 - t0, report, self._inserted, len(self._retired), rows)
         finally:
             if trace is not None:
                 trace.close()
@@ -400,27 +412,31 @@ class Actor:
                 case Shutdown():
                     return None
         assert self._bg is not None
+        subs = admission.due(now, self._decoding > 0, len(self._seqs) > self._decoding)
+        aborted = bool(removes)
+        if self._retired and (removes or subs or self._retire_due()):
+            removes.extend(self._retired)
+            self._retired.clear()
         if removes:
             self._bg.remove(removes)
-            self._hook("removed")
-        subs = admission.due(now, self._decoding > 0, len(self._seqs) > self._decoding)
+            if aborted:
+                self._hook("removed")
         self._inserted = len(subs)
         if not subs:
             return []
         try:
             uids = self._bg.insert(
                 [list(s.prompt) for s in subs],
-                max_tokens=[s.max_tokens for s in subs],
+                max_tokens=[s.max_tokens + self._slack(s) for s in subs],
                 samplers=[self._sampler(s.sampling) for s in subs],
                 logits_processors=[
                     _make_processors(s.sampling, len(s.prompt), self._context) for s in subs
                 ],
-                stop_sequences=[self._stop_sequences(s.stop_token_ids) for s in subs],
             )
         except Exception as exc:  # bad input that slipped past validation
             return [(s.rid, f"insert failed: {exc}") for s in subs]
         for s, uid in zip(subs, uids, strict=True):
-            seq = _Seq(s.rid, uid, len(s.prompt), s.sampling)
+            seq = _Seq(s.rid, uid, len(s.prompt), s.sampling, s.max_tokens, s.stop_token_ids)
             self._seqs[s.rid] = seq
             self._by_uid[uid] = seq
         return []
@@ -438,11 +454,35 @@ class Actor:
             sampler = self._samplers[key] = _make_sampler(sp)
         return sampler
 
-    def _stop_sequences(self, ids: frozenset[int]) -> StopSequences:
-        stops = self._stops.get(ids)
-        if stops is None:
-            stops = self._stops[ids] = StopSequences([[i] for i in sorted(ids)] or None)
-        return stops
+    # -- retiring finished rows ---------------------------------------------------
+    #
+    # The actor, not the BatchGenerator, decides when a sequence has finished
+    # (its max_tokens, or one of its stop tokens), and its row may stay in the
+    # batch for up to `retire_steps` more steps, generating tokens nobody
+    # reads. Removing rows one finishing step at a time costs the host far
+    # more than the rows cost the GPU: each removal filters every layer's KV
+    # cache with a host synchronization per layer (mlx_lm's
+    # `BatchKVCache.filter`), so the next step cannot overlap the last, and
+    # the generator also copies out each finished row's cache, which a server
+    # never reads. Deferred, the rows leave together, in the step where new
+    # sequences enter (the batch changes then anyway), when the batch runs
+    # out of live sequences, or when the oldest has waited `retire_steps`.
+
+    def _slack(self, s: Submit) -> int:
+        """Steps past max_tokens the generator may run a row: a backstop, never reached
+        while retirement works, kept inside the context window."""
+        if not self._retire_steps:
+            return 0
+        return max(0, min(self._retire_steps + 2, self._context - len(s.prompt) - s.max_tokens))
+
+    def _retire_due(self) -> bool:
+        """Remove the retired rows now: nothing live is left, a sequence is waiting
+        to prefill (it needs the slots), or the oldest has waited long enough."""
+        return (
+            not self._seqs
+            or len(self._seqs) > self._decoding
+            or self._steps - next(iter(self._retired.values())) >= self._retire_steps
+        )
 
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
         if not self._seqs:
@@ -455,6 +495,9 @@ class Actor:
             tokens = self._tokens(generation_responses)
         except Exception as exc:
             return self._recover(exc, failed)
+        if self._retired and not self._seqs:  # the batch ran dry: nothing left to overlap
+            self._bg.remove(list(self._retired))
+            self._retired.clear()
         prefilling, decoding, prompt_tokens = [], [], 0
         for pr in prompt_responses:
             seq = self._by_uid.get(pr.uid)
@@ -488,16 +531,26 @@ class Actor:
         want_logprobs: list[tuple[int, Any, _Seq]] = []
         for r in responses:
             seq = self._by_uid.get(r.uid)
-            if seq is None:
+            if seq is None:  # a retired row: its tokens are nobody's
+                if r.finish_reason is not None:
+                    self._retired.pop(r.uid, None)  # the generator dropped it itself
                 continue
-            if r.finish_reason is not None:
+            seq.generated += 1
+            reason: FinishReason | None = (
+                "stop" if r.token in seq.stops
+                else "length" if seq.generated >= seq.max_tokens
+                else r.finish_reason
+            )
+            if reason is not None:
                 del self._by_uid[r.uid]
                 del self._seqs[seq.rid]
                 if seq.stage == "decode":
                     self._decoding -= 1
+                if r.finish_reason is None:  # still in the batch: retire it
+                    self._retired[r.uid] = self._steps
             if seq.sampling.logprobs:
                 want_logprobs.append((len(out), r, seq))
-            out.append(TokenOut(seq.rid, r.token, r.finish_reason))
+            out.append(TokenOut(seq.rid, r.token, reason))
         if want_logprobs:
             self._add_logprobs(out, want_logprobs)
         return tuple(out)
@@ -531,6 +584,7 @@ class Actor:
         failed = failed + [(rid, reason) for rid in self._seqs]
         self._seqs.clear()
         self._by_uid.clear()
+        self._retired.clear()
         self._decoding = 0
         assert self._bg is not None
         try:
