@@ -26,6 +26,10 @@
 #   REQUESTS_MULTIPLE=4        (requests per level = this x concurrency, at least 8)
 #   TRACE=1                    (each engine/server target writes its actor's step trace
 #                               to OUTDIR/logs/MODEL-TARGET.trace.tsv)
+#   CEILING_AFTER=1            (measure the ceiling again after the servers; each level's
+#                               bar in the table is the faster of the two; 0: once)
+#   RATES=                     (e.g. 2,8,32: also run trio_mlx's server with Poisson
+#                               arrivals at these requests/s, RATE_REQUESTS=48 per level)
 #   TRIO_NO_PACING=1           (also run trio_mlx with --max-event-rate 0)
 #   MLX_LM_BIG_BACKLOG=1       (also run mlx_lm.server with a listen backlog
 #                               of 1024 instead of socketserver's 5, which is
@@ -91,10 +95,11 @@ stop_server() {  # SIGTERM, 30 s grace, then SIGKILL
 }
 
 bench() {  # NAME-OF-RUN JSON ARGS...: one sweep; errors are results, not failures
-  local label=$1 json=$2
+  local label=$1 json=$2 levels=(--concurrency "$conc")
   shift 2
+  [[ " $* " == *" --rate "* ]] && levels=()  # a Poisson sweep: its rates are its levels
   timeout "$limit" "$py" -m trio_mlx.cli bench --model "$dir" --prompt-tokens "$prompt" \
-    --max-tokens "$maxtok" --concurrency "$conc" --label "$label" --device "$device" \
+    --max-tokens "$maxtok" "${levels[@]}" --label "$label" --device "$device" \
     --timeout 120 --warmup "$maxbatch" --requests-multiple "$multiple" --out "$json" "$@" \
     || echo "($label: exit status $?; errors, if any, are in $json)" >&2
 }
@@ -178,6 +183,15 @@ for name in "${models[@]}"; do
     done
    done
   done
+  if [ -n "${RATES:-}" ] && [[ $skip != *,trio,* ]]; then  # staggered arrivals: TTFT tails
+    [ "${TRACE:-0}" = 1 ] && export TRIO_MLX_STEP_TRACE="$out/logs/$name-trio_poisson.trace.tsv"
+    serve_and_bench "trio_mlx Poisson" trio_poisson /health --rate "$RATES" \
+      --requests-per-level "${RATE_REQUESTS:-48}" -- \
+      "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
+      --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
+      --actor "${actors[0]}" --no-access-log --log-level warning
+    unset TRIO_MLX_STEP_TRACE
+  fi
   if [ "${TRIO_NO_PACING:-0}" = 1 ]; then  # the same server with adaptive SSE pacing off
     serve_and_bench "trio_mlx no pacing" trio_nopacing /health -- \
       "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
@@ -201,6 +215,13 @@ for name in "${models[@]}"; do
       --served-model-name default_model -- \
       "$py" -c 'import socketserver, sys; socketserver.TCPServer.request_queue_size = 1024
 sys.argv[0] = "mlx_lm.server"; from mlx_lm.server import main; main()' "${mlx_args[@]}"
+  fi
+
+  if [[ $skip != *,ceiling,* ]] && [ "${CEILING_AFTER:-1}" = 1 ]; then
+    log "$name: raw BatchGenerator ceiling, again after the servers"
+    bench "ceiling (after)" "$out/$name-ceiling-after.json" --limit --max-batch "$maxbatch" \
+      --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
+    add_run "$out/$name-ceiling-after.json"
   fi
 
   if [ ${#runs[@]} -gt 0 ]; then

@@ -371,6 +371,11 @@ def test_table_ratios_and_plot_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert len(rows) == 2
     assert "| 0.90 |" in rows[0] and "| 0.75 |" in rows[1]
     assert "| ceiling | c=1 | 100 | 1.00 |" in table
+    # a second ceiling run: each level's bar is the faster of the two
+    after = _fake_result("ceiling after", "limit", [120.0, 200.0])
+    rows = format_table([ceiling, server, after]).splitlines()
+    assert [r.split(" | ")[3] for r in rows if r.startswith("| trio_mlx")] == ["0.75", "0.75"]
+    assert [r.split(" | ")[3] for r in rows if r.startswith("| ceiling")] == ["0.83", "1.00", "1.00", "0.50"]
 
     paths = []
     for name, res in (("a", ceiling), ("b", server)):
