@@ -28,6 +28,9 @@
 #                               to OUTDIR/logs/MODEL-TARGET.trace.tsv)
 #   CEILING_AFTER=1            (measure the ceiling again after the servers; each level's
 #                               bar in the table is the faster of the two; 0: once)
+#   PAIRED=1                   (the trio_mlx server's bench also runs the ceiling in its own
+#                               process, interleaved level by level: `bench --paired`; use
+#                               with SKIP=ceiling CEILING_AFTER=0 so the table's bar is that one)
 #   RATES=                     (e.g. 2,8,32: also run trio_mlx's server with Poisson
 #                               arrivals at these requests/s, RATE_REQUESTS=48 per level)
 #   TRIO_NO_PACING=1           (also run trio_mlx with --max-event-rate 0)
@@ -121,6 +124,7 @@ serve_and_bench() {  # LABEL JSON-NAME HEALTH-PATH BENCH-ARGS... -- SERVER-COMMA
     bench "$label" "$out/$name-$json.json" --url "http://127.0.0.1:$port" \
       --server-pid "$server_pid" "${bargs[@]}"
     add_run "$out/$name-$json.json"
+    [[ " ${bargs[*]} " == *" --paired "* ]] && add_run "$out/$name-$json-ceiling.json"
   else
     tail -20 "$out/logs/$name-$json.log" >&2
   fi
@@ -174,7 +178,10 @@ for name in "${models[@]}"; do
     fi
     if [[ $skip != *,trio,* ]]; then
       trace trio
-      serve_and_bench "trio_mlx$lsfx" "trio$sfx" /health -- \
+      pargs=()
+      [ "${PAIRED:-0}" = 1 ] && pargs=(--paired "$out/$name-trio$sfx-ceiling.json" --max-batch "$maxbatch"
+        --prefill-batch-size "$pbatch" --prefill-step-size "$pstep")
+      serve_and_bench "trio_mlx$lsfx" "trio$sfx" /health "${pargs[@]}" -- \
         "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
         --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
         --actor "$actor" --no-access-log --log-level warning "${wargs[@]}"

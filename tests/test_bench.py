@@ -29,6 +29,7 @@ from trio_mlx._bench_stats import (
     level_stats,
     percentile,
     summarize,
+    write_plot,
 )
 
 
@@ -390,6 +391,14 @@ def test_table_ratios_and_plot_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert md.read_text() == capsys.readouterr().out == table
 
 
+def test_plot_skips_a_run_that_died_before_its_first_level(tmp_path: Path) -> None:
+    died = {**_fake_result("ceiling", "limit", [100.0, 400.0]), "levels": []}
+    for results in ([died, _fake_result("trio_mlx", "http://h", [90.0, 300.0])], [died]):
+        png = write_plot(results, tmp_path / "p.png")
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        png.unlink()
+
+
 # ------------------------------------------------------- HTTP mode, real servers
 
 
@@ -706,3 +715,42 @@ def test_http_mode_against_mlx_lm_server(
         assert 0 < lv["ttft_ms"]["p50"] < lv["e2e_ms"]["p50"]
         assert lv["tpot_ms"]["n"] == 4
     assert rc == 0
+
+
+@pytest.mark.timeout(120)
+def test_paired_mode_interleaves_the_ceiling_with_the_server(
+    mlx_lm_server: str, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_mlx import _bench_limit
+
+    order: list[tuple[str, int]] = []
+    drive, run_level = _bench_limit.Ceiling.drive, _bench._run_level
+
+    def logged_drive(self: Any, prompts: Any, concurrency: int, max_tokens: int) -> Any:
+        order.append(("ceiling", len(prompts)))
+        return drive(self, prompts, concurrency, max_tokens)
+
+    async def logged_level(client: Any, path: str, bodies: list[bytes], *a: Any) -> Any:
+        order.append(("server", len(bodies)))
+        return await run_level(client, path, bodies, *a)
+
+    monkeypatch.setattr(_bench_limit.Ceiling, "drive", logged_drive)
+    monkeypatch.setattr(_bench, "_run_level", logged_level)
+    out, ceiling = tmp_path / "server.json", tmp_path / "ceiling.json"
+    rc = _bench.main(
+        ["--url", mlx_lm_server, "--paired", str(ceiling), "--model", str(tiny_model),
+         "--served-model-name", "default_model", "--concurrency", "1,4", "--requests-per-level", "6",
+         "--prompt-tokens", "24", "--max-tokens", "8", "--warmup", "2", "--label", "srv",
+         "--out", str(out), "--quiet", "--timeout", "30"]
+    )  # fmt: skip
+    assert rc == 0
+    # each level: ceiling, server, server, ceiling on the halves of its 6 requests
+    assert order == [("ceiling", 3), ("server", 3), ("server", 3), ("ceiling", 3)] * 2
+    srv, lim = json.loads(out.read_text()), json.loads(ceiling.read_text())
+    assert lim["target"] == "limit" and lim["label"] == "srv ceiling (paired)" and lim["paired_with"] == mlx_lm_server
+    for res in (srv, lim):
+        assert [lv["concurrency"] for lv in res["levels"]] == [1, 4]
+        for lv in res["levels"]:
+            assert lv["requests"] == lv["completed"] == 6 and lv["output_tokens"] == 6 * 8
+    table = format_table([srv], lim)
+    assert "| srv | c=4 |" in table and "| - |" not in table  # every level has its ceiling

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from trio_mlx._bench_stats import (
     RequestRecord,
     format_table,
+    in_process_level,
     level_stats,
     load_results,
     write_plot,
@@ -231,10 +232,16 @@ async def run_http(
     plan: list[tuple[int | None, float | None, int]],
     prompts: list[Prompt],
     warm: Sequence[Prompt] = (),
+    paired: Any = None,
+    paired_levels: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the plan's levels against `args.url`, each on the next prompts; one stats dict each.
 
     The `warm` prompts go first, all at once with 8 output tokens, unmeasured.
+    With `paired` (a `_bench_limit.Ceiling`), each closed-loop level runs on it
+    too, interleaved as ceiling, server, server, ceiling on the two halves of
+    the level's prompts (so a host that speeds up or slows down steadily
+    weighs on both alike); the ceiling's levels are appended to `paired_levels`.
     """
     import trio
 
@@ -260,12 +267,27 @@ async def run_http(
                 body = request_body(args, p, 8, model)
                 nursery.start_soon(stream_request, client, path, body, 8, args.timeout)
         for concurrency, rate, n in plan:
-            bodies = [request_body(args, p, args.max_tokens, model) for p in prompts[pos : pos + n]]
+            mine = prompts[pos : pos + n]
+            bodies = [request_body(args, p, args.max_tokens, model) for p in mine]
             pos += n
+            half = n // 2 if paired is not None and concurrency is not None else 0
+            if half:
+                first = paired.drive([p.ids for p in mine[:half]], concurrency, args.max_tokens)
             cpu0, srv0 = time.process_time(), _proc_cpu(args.server_pid)
             t0 = time.perf_counter()
-            records = await _run_level(client, path, bodies, concurrency, rate, args)
+            if half:
+                records = await _run_level(client, path, bodies[:half], concurrency, rate, args)
+                records += await _run_level(client, path, bodies[half:], concurrency, rate, args)
+            else:
+                records = await _run_level(client, path, bodies, concurrency, rate, args)
             duration = time.perf_counter() - t0
+            if half:
+                assert concurrency is not None and paired_levels is not None
+                second = paired.drive([p.ids for p in mine[half:]], concurrency, args.max_tokens)
+                paired_levels.append(in_process_level(
+                    first[0] + second[0], duration=first[1] + second[1], concurrency=concurrency,
+                    cpu_s=first[2] + second[2], cpu_name="client",
+                ))  # fmt: skip
             extra = _cpu_figures(records, time.process_time() - cpu0, srv0, args.server_pid)
             levels.append(
                 level_stats(
@@ -428,6 +450,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="add logit_bias -100 on the EOS ids, for servers that ignore ignore_eos "
                    "(mlx_lm.server); it adds a per-sequence logits processor there")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="per-request limit in seconds")
+    p.add_argument("--paired", metavar="CEILING_JSON",
+                   help="with --url: also run the raw ceiling (--limit) in this process, each level "
+                   "interleaved with the server's (ceiling, server, server, ceiling on halves of its "
+                   "requests), so both see the host at the same moments; its results go here")  # fmt: skip
     p.add_argument("--server-pid", type=int,
                    help="local server process: report its CPU (and main thread's) per output token")  # fmt: skip
     lim = p.add_argument_group("--limit settings (match the server's)")
@@ -470,8 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("plot", "table"):
         return _sub_main(argv[0], argv[1:])
     args = _parser().parse_args(argv)
-    if (args.limit or args.engine) and args.rate:
-        raise SystemExit("trio-mlx bench: --limit/--engine run the closed loop only (use --concurrency)")
+    if (args.limit or args.engine or args.paired) and args.rate:
+        raise SystemExit("trio-mlx bench: --limit/--engine/--paired run the closed loop only (use --concurrency)")
+    if args.paired and not args.url:
+        raise SystemExit("trio-mlx bench: --paired pairs a server (--url) with the ceiling")
     if args.limit and args.endpoint == "chat":
         print("note: --limit feeds the chat-templated token ids", file=sys.stderr)
 
@@ -575,7 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import trio
 
-        result["levels"] = trio.run(run_http, args, plan, prompts, warm)
+        if args.paired:
+            result["levels"] = _run_paired(args, plan, prompts, warm, result)
+        else:
+            result["levels"] = trio.run(run_http, args, plan, prompts, warm)
         result["served_model_name"] = args.served_model_name
         short_stop = sum(
             lv["errors"]["by_reason"].get("short_output", 0) for lv in result["levels"]
@@ -592,6 +623,35 @@ def main(argv: list[str] | None = None) -> int:
         write_plot([result], args.plot)
     errors = sum(lv["errors"]["total"] for lv in result["levels"])
     return 1 if errors else 0
+
+
+def _run_paired(
+    args: argparse.Namespace,
+    plan: list[tuple[int | None, float | None, int]],
+    prompts: list[Prompt],
+    warm: Sequence[Prompt],
+    result: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """`--paired`: the server's levels, with the ceiling's interleaved and written to args.paired."""
+    import trio
+
+    from trio_mlx._bench_limit import Ceiling, device_info
+
+    max_batch = args.max_batch or max(c for c, _, _ in plan if c is not None)
+    settings = {"completion_batch_size": max_batch, "prefill_batch_size": args.prefill_batch_size,
+                "prefill_step_size": args.prefill_step_size}  # fmt: skip
+    ceiling = Ceiling(args.model, warmup=[p.ids for p in warm], max_tokens=args.max_tokens, seed=args.seed,
+                      **settings)  # fmt: skip
+    levels: list[dict[str, Any]] = []
+    try:
+        served = trio.run(run_http, args, plan, prompts, warm, ceiling, levels)
+    finally:
+        ceiling.close()
+        label = f"{args.label} ceiling (paired)" if args.label else "ceiling (paired)"
+        paired = {**result, "label": label, "target": "limit", "paired_with": args.url,
+                  "settings": settings, "device": device_info(), "levels": levels}  # fmt: skip
+        Path(args.paired).write_text(json.dumps(paired, indent=1) + "\n")
+    return served
 
 
 if __name__ == "__main__":

@@ -105,6 +105,64 @@ def drive(
     return records, clock() - t0
 
 
+class Ceiling:
+    """The model loaded into a BatchGenerator with the server's settings, warmed, ready to
+    run closed-loop levels; `run_limit` runs a whole sweep, `trio-mlx bench --paired`
+    interleaves levels with a server's. Close it when done."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        warmup: Sequence[Sequence[int]],
+        max_tokens: int,
+        completion_batch_size: int,
+        prefill_batch_size: int,
+        prefill_step_size: int,
+        seed: int = 0,
+    ):
+        import mlx.core as mx
+        from mlx_lm.generate import BatchGenerator
+
+        mx.random.seed(seed)
+        self.bg = BatchGenerator(
+            _load_model(model),
+            max_tokens=max_tokens,
+            stop_tokens=None,  # EOS does not stop a sequence: the output length is fixed
+            completion_batch_size=completion_batch_size,
+            prefill_batch_size=prefill_batch_size,
+            prefill_step_size=prefill_step_size,
+        )
+        try:
+            if warmup:
+                drive(self.bg, warmup, len(warmup), _WARMUP_TOKENS)
+                # every prefill group size once, as the server's actor warms up
+                # (MLX compiles kernels per shape on first use: `Actor._warmup`)
+                for k in range(1, prefill_batch_size + 1):
+                    drive(self.bg, [warmup[i % len(warmup)] for i in range(k)], k, _WARMUP_TOKENS)
+        except BaseException:
+            self.close()
+            raise
+
+    def drive(
+        self, prompts: Sequence[Sequence[int]], concurrency: int, max_tokens: int
+    ) -> tuple[list[RequestRecord], float, float]:
+        """One closed-loop run: (records, seconds, CPU seconds of this process)."""
+        import mlx.core as mx
+
+        cpu0 = time.process_time()
+        records, seconds = drive(self.bg, prompts, concurrency, max_tokens)
+        cpu = time.process_time() - cpu0
+        mx.clear_cache()
+        return records, seconds, cpu
+
+    def close(self) -> None:
+        import mlx.core as mx
+
+        self.bg.close()
+        mx.synchronize()
+
+
 def run_limit(
     model: str,
     prompts: Sequence[Sequence[int]],
@@ -124,48 +182,31 @@ def run_limit(
 
     Returns (device description, per-level stats as `_bench.level_stats` makes them).
     """
-    import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
-
     need = sum(n for _, n in plan)
     if len(prompts) < need:
         raise ValueError(f"{len(prompts)} prompts for {need} requests")
-    mx.random.seed(seed)
-    net = _load_model(model)
-    bg = BatchGenerator(
-        net,
+    ceiling = Ceiling(
+        model,
+        warmup=warmup,
         max_tokens=max_tokens,
-        stop_tokens=None,  # EOS does not stop a sequence: the output length is fixed
         completion_batch_size=completion_batch_size,
         prefill_batch_size=prefill_batch_size,
         prefill_step_size=prefill_step_size,
+        seed=seed,
     )
     levels: list[dict[str, Any]] = []
     try:
-        if warmup:
-            drive(bg, warmup, len(warmup), _WARMUP_TOKENS)
-            # every prefill group size once, as the server's actor warms up
-            # (MLX compiles kernels per shape on first use: `Actor._warmup`)
-            for k in range(1, prefill_batch_size + 1):
-                drive(bg, [warmup[i % len(warmup)] for i in range(k)], k, _WARMUP_TOKENS)
         pos = 0
         for concurrency, n in plan:
             batch = prompts[pos : pos + n]
             pos += n
-            cpu0 = time.process_time()
-            records, duration = drive(bg, batch, concurrency, max_tokens)
+            records, duration, cpu = ceiling.drive(batch, concurrency, max_tokens)
             lv = in_process_level(
-                records,
-                duration=duration,
-                concurrency=concurrency,
-                cpu_s=time.process_time() - cpu0,
-                cpu_name="client",
+                records, duration=duration, concurrency=concurrency, cpu_s=cpu, cpu_name="client"
             )
             levels.append(lv)
             if on_level is not None:
                 on_level(lv)
-            mx.clear_cache()
     finally:
-        bg.close()
-        mx.synchronize()
+        ceiling.close()
     return device_info(), levels

@@ -142,6 +142,8 @@ def write_plot(results: Sequence[dict[str, Any]], out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    first = results[0] if results else {}
+    results = [r for r in results if r["levels"]]  # a run that died before its first level
     fig, (ax_tp, ax_ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
     rate_mode = any(lv.get("concurrency") is None for r in results for lv in r["levels"])
     for res in results:
@@ -155,7 +157,7 @@ def write_plot(results: Sequence[dict[str, Any]], out: str | Path) -> Path:
     ticks = sorted({level_key(lv) for r in results for lv in r["levels"]})
     for ax in (ax_tp, ax_ttft):
         ax.set_xlabel(xlabel)
-        if not rate_mode:
+        if not rate_mode and ticks:
             ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.grid(True, which="both", alpha=0.3)
@@ -163,9 +165,9 @@ def write_plot(results: Sequence[dict[str, Any]], out: str | Path) -> Path:
     ax_tp.set_ylabel("output tokens/s")
     ax_tp.set_title("throughput")
     ax_ttft.set_ylabel("TTFT p50 (ms)")
-    ax_ttft.set_yscale("log")
+    if any((lv["ttft_ms"]["p50"] or 0) > 0 for r in results for lv in r["levels"]):
+        ax_ttft.set_yscale("log")
     ax_ttft.set_title("time to first token")
-    first = results[0] if results else {}
     fig.suptitle(
         f"{Path(str(first.get('model', ''))).name}  prompt {first.get('prompt_tokens')} / output "
         f"{first.get('max_tokens')} tokens",
