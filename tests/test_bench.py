@@ -377,6 +377,10 @@ def test_table_ratios_and_plot_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     rows = format_table([ceiling, server, after]).splitlines()
     assert [r.split(" | ")[3] for r in rows if r.startswith("| trio_mlx")] == ["0.75", "0.75"]
     assert [r.split(" | ")[3] for r in rows if r.startswith("| ceiling")] == ["0.83", "1.00", "1.00", "0.50"]
+    # a Poisson level of 8 requests/s is not the closed loop's c=8: no ratio
+    rec = RequestRecord(ttft=0.01, e2e=1.0, output_tokens=10, events=10, itl=[0.1] * 9)
+    poisson = {"label": "p", "levels": [level_stats([rec], duration=1.0, concurrency=None, rate=8.0)]}
+    assert "| p | 8.0/s | 10 | - |" in format_table([ceiling, poisson])
 
     paths = []
     for name, res in (("a", ceiling), ("b", server)):

@@ -189,11 +189,10 @@ def format_table(results: Sequence[dict[str, Any]], ceiling: dict[str, Any] | No
     (scripts/gpu_bench.sh) and the faster of the two is the bar.
     """
     ceilings = [ceiling] if ceiling is not None else [r for r in results if r.get("target") == "limit"]
-    base: dict[float, float] = {}
+    base: dict[int, float] = {}  # concurrency -> throughput: the ceiling runs the closed loop only
     for c in ceilings:
         for lv in c.get("levels", []):
-            if lv["output_throughput"]:
-                k = level_key(lv)
+            if lv["output_throughput"] and (k := lv.get("concurrency")) is not None:
                 base[k] = max(base.get(k, 0.0), lv["output_throughput"])
     srv = any("server_cpu_us_per_token" in lv for r in results for lv in r["levels"])
     head = ["run", "level", "out tok/s", "x ceiling", "req/s", "TTFT p50 ms", "TTFT p99 ms",
@@ -209,7 +208,8 @@ def format_table(results: Sequence[dict[str, Any]], ceiling: dict[str, Any] | No
         for lv in sorted(res["levels"], key=level_key):
             k = level_key(lv)
             tp = lv["output_throughput"]
-            ratio = tp / base[k] if tp is not None and base.get(k) else None
+            c = lv.get("concurrency")
+            ratio = tp / base[c] if tp is not None and c is not None and base.get(c) else None
             where = f"c={k}" if lv.get("concurrency") is not None else f"{k}/s"
             errs = lv["errors"]
             err = str(errs["total"])
