@@ -192,10 +192,12 @@ for name in "${models[@]}"; do
   done
   if [ -n "${RATES:-}" ] && [[ $skip != *,trio,* ]]; then  # staggered arrivals: TTFT tails
     [ "${TRACE:-0}" = 1 ] && export TRIO_MLX_STEP_TRACE="$out/logs/$name-trio_poisson.trace.tsv"
+    # its batch is the server's default, not the closed loop's largest level: arrivals
+    # at a rate are not capped by a concurrency, and a cap would queue them
     serve_and_bench "trio_mlx Poisson" trio_poisson /health --rate "$RATES" \
       --requests-per-level "${RATE_REQUESTS:-48}" -- \
       "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
-      --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
+      --prefill-batch "$pbatch" --prefill-step "$pstep" \
       --actor "${actors[0]}" --no-access-log --log-level warning
     unset TRIO_MLX_STEP_TRACE
   fi

@@ -36,34 +36,44 @@ def test_idle_batch_admits_a_group_at_once():
     adm = _Admission(window=10.0, batch=3)
     for rid in range(1, 6):
         adm.add(_sub(rid), now=0.0)
-    assert _rids(adm.due(now=0.0, decoding=False, prefilling=False)) == [1, 2, 3]
-    assert adm.due(now=0.0, decoding=False, prefilling=True) == []  # the group is prefilling
-    assert _rids(adm.due(now=0.0, decoding=False, prefilling=False)) == [4, 5]
+    assert _rids(adm.due(now=0.0, decoding=0, prefilling=False)) == [1, 2, 3]
+    assert adm.due(now=0.0, decoding=0, prefilling=True) == []  # the group is prefilling
+    assert _rids(adm.due(now=0.0, decoding=0, prefilling=False)) == [4, 5]
 
 
 def test_decoding_batch_holds_until_window_or_a_full_prefill_group():
     adm = _Admission(window=0.5, batch=3)
     adm.add(_sub(1), now=0.0)
     adm.add(_sub(2), now=0.1)
-    assert adm.due(now=0.2, decoding=True, prefilling=False) == []
-    assert _rids(adm.due(now=0.5, decoding=True, prefilling=False)) == [1, 2]  # the oldest waited 0.5 s
+    assert adm.due(now=0.2, decoding=3, prefilling=False) == []
+    assert _rids(adm.due(now=0.5, decoding=3, prefilling=False)) == [1, 2]  # the oldest waited 0.5 s
     for rid in (3, 4):
         adm.add(_sub(rid), now=1.0)
-    assert adm.due(now=1.0, decoding=True, prefilling=False) == []
+    assert adm.due(now=1.0, decoding=3, prefilling=False) == []
     adm.add(_sub(5), now=1.0)  # three gathered: a full prefill group
-    assert _rids(adm.due(now=1.0, decoding=True, prefilling=False)) == [3, 4, 5]
+    assert _rids(adm.due(now=1.0, decoding=3, prefilling=False)) == [3, 4, 5]
+
+
+def test_the_window_shrinks_with_fewer_sequences_decoding():
+    adm = _Admission(window=0.8, batch=4)
+    adm.add(_sub(1), now=0.0)
+    assert adm.due(now=0.19, decoding=1, prefilling=False) == []  # 1 of 4 decoding: 0.2 s
+    assert _rids(adm.due(now=0.2, decoding=1, prefilling=False)) == [1]
+    adm.add(_sub(2), now=1.0)
+    assert adm.due(now=1.79, decoding=9, prefilling=False) == []  # a full batch or more: 0.8 s
+    assert _rids(adm.due(now=1.8, decoding=4, prefilling=False)) == [2]
 
 
 def test_one_group_at_a_time_and_none_while_one_prefills():
     adm = _Admission(window=0.5, batch=3)
     for rid in range(1, 8):
         adm.add(_sub(rid), now=0.0)
-    assert _rids(adm.due(now=0.1, decoding=True, prefilling=False)) == [1, 2, 3]
-    assert adm.due(now=0.1, decoding=True, prefilling=True) == []  # 1-3 still prefilling
-    assert _rids(adm.due(now=0.2, decoding=True, prefilling=False)) == [4, 5, 6]
-    assert adm.due(now=0.3, decoding=True, prefilling=False) == []  # one alone waits for company...
-    assert adm.due(now=0.6, decoding=True, prefilling=True) == []  # ...never beside a prefill...
-    assert _rids(adm.due(now=0.6, decoding=True, prefilling=False)) == [7]  # ...or the window
+    assert _rids(adm.due(now=0.1, decoding=3, prefilling=False)) == [1, 2, 3]
+    assert adm.due(now=0.1, decoding=3, prefilling=True) == []  # 1-3 still prefilling
+    assert _rids(adm.due(now=0.2, decoding=3, prefilling=False)) == [4, 5, 6]
+    assert adm.due(now=0.3, decoding=3, prefilling=False) == []  # one alone waits for company...
+    assert adm.due(now=0.6, decoding=3, prefilling=True) == []  # ...never beside a prefill...
+    assert _rids(adm.due(now=0.6, decoding=3, prefilling=False)) == [7]  # ...or the window
 
 
 def test_window_zero_admits_without_waiting_for_company_and_drop_forgets():
@@ -71,7 +81,7 @@ def test_window_zero_admits_without_waiting_for_company_and_drop_forgets():
     adm.add(_sub(1), now=5.0)
     adm.add(_sub(2), now=5.0)
     assert adm.drop(1) and not adm.drop(1)
-    assert _rids(adm.due(now=5.0, decoding=True, prefilling=False)) == [2]
+    assert _rids(adm.due(now=5.0, decoding=3, prefilling=False)) == [2]
 
 
 def _trace(path: Path) -> list[dict[str, float]]:

@@ -120,10 +120,18 @@ class _Admission:
     the next two steps whether k was 1 or 8, against ~5 ms for a plain decode
     step. Requests that arrive one step apart (HTTP clients never arrive
     together) would each pay that. So while sequences are decoding, a new one
-    waits until `prefill_batch` have gathered or the oldest has waited
-    `window` seconds, and then they enter together (as TGI's router waits for
+    waits until `prefill_batch` have gathered or the oldest has waited out
+    the window, and then they enter together (as TGI's router waits for
     `max_waiting_tokens`). An idle batch admits a group at once: no decode
     step is disturbed, so waiting would only add latency.
+
+    The wait is `window` once `prefill_batch` sequences decode and shrinks in
+    proportion below that: a change slows every decoding sequence by a step
+    or two, so with few of them it costs few tokens, while the wait costs
+    every waiting request its whole length in time to first token. Measured
+    on an H100 with the 1B model under Poisson arrivals at 2 requests/s (1-2
+    decoding), the full 20 ms window put the median TTFT at 62 ms against 20
+    ms for an arrival into an idle batch.
 
     One group of at most `prefill_batch` enters at a time, and only once the
     previous group has finished its prefill. The BatchGenerator tops its
@@ -145,14 +153,15 @@ class _Admission:
     def drop(self, rid: int) -> bool:
         return self.pending.pop(rid, None) is not None
 
-    def due(self, now: float, decoding: bool, prefilling: bool) -> list[Submit]:
-        """The group to insert now, oldest first: `decoding` if any sequence is
+    def due(self, now: float, decoding: int, prefilling: bool) -> list[Submit]:
+        """The group to insert now, oldest first: `decoding` sequences are
         decoding, `prefilling` if any is still queued or prefilling."""
         pending = self.pending
         if not pending or prefilling:
             return []
         take = min(len(pending), self.batch)
-        if decoding and take < self.batch and now - next(iter(pending.values()))[0] < self.window:
+        window = self.window * min(1.0, decoding / self.batch)
+        if decoding and take < self.batch and now - next(iter(pending.values()))[0] < window:
             return []  # wait for a full group, or the window
         return [pending.pop(rid)[1] for rid in list(itertools.islice(pending, take))]
 
@@ -412,7 +421,7 @@ class Actor:
                 case Shutdown():
                     return None
         assert self._bg is not None
-        subs = admission.due(now, self._decoding > 0, len(self._seqs) > self._decoding)
+        subs = admission.due(now, self._decoding, len(self._seqs) > self._decoding)
         aborted = bool(removes)
         if self._retired and (removes or subs or self._retire_due()):
             removes.extend(self._retired)
