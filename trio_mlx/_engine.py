@@ -62,7 +62,8 @@ _TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_tokenizer_li
 # The number is a judgement call, not a measurement.
 _THREAD_TOKENIZE_CHARS = 4096
 # Seconds a new request may wait to join a decoding batch together with others
-# (`_actor._Admission` says why); 20 ms is a few decode steps of a small model.
+# (`_actor._Admission` says why, and how the wait shrinks when few sequences
+# decode); 20 ms is a few decode steps of a small model.
 ADMIT_WINDOW = 0.02
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20

@@ -45,7 +45,8 @@ class Settings:
     prefill_step: int = field(default=2048, metadata=_doc("prompt tokens processed per prefill step"))
     admit_window: float = field(default=ADMIT_WINDOW, metadata=_doc(
         "seconds a new request may wait to join a decoding batch together with others (fewer, "
-        "larger admissions: each one slows the next decode steps); 0: no waiting for company"))
+        "larger admissions: each one slows the next decode steps), in full once prefill_batch "
+        "sequences decode, in proportion below; 0: no waiting for company"))
     max_queue: int = field(default=1024, metadata=_doc("waiting requests before new ones get 429"))
     cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
     warmup: bool = field(default=True, metadata=_doc("run one tiny generation before reporting ready"))
