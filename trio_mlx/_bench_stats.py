@@ -161,7 +161,8 @@ def write_plot(results: Sequence[dict[str, Any]], out: str | Path) -> Path:
             ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        if results:
+            ax.legend()
     ax_tp.set_ylabel("output tokens/s")
     ax_tp.set_title("throughput")
     ax_ttft.set_ylabel("TTFT p50 (ms)")
