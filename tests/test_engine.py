@@ -605,3 +605,19 @@ async def test_close_from_another_task_while_a_token_is_being_handed_over(tiny_m
             gate.set()
     finally:
         gate.set()
+
+
+@pytest.mark.parametrize("actor", ["thread", "process"])
+async def test_an_idle_actor_hands_mlx_buffer_cache_back(tiny_model_fp32, monkeypatch, actor):
+    monkeypatch.setenv("TRIO_MLX_IDLE_RELEASE", "0.3")
+    async with trio_mlx.open_engine(tiny_model_fp32, actor=actor) as engine:
+        await run(engine, "fill the cache " * 20, max_tokens=16, ignore_eos=True)
+        assert engine.statistics().cache_memory_bytes > 0  # freed buffers kept for reuse
+        with trio.fail_after(10):
+            while engine.statistics().cache_memory_bytes:  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        stats = engine.statistics()
+        assert stats.active_memory_bytes > 0  # the model stays loaded
+        # and it serves on
+        ids, _, fin = await run(engine, "after", max_tokens=3, ignore_eos=True)
+        assert len(ids) == 3 and fin.finish_reason == "length"

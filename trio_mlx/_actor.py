@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 import os
 import threading
 import time
@@ -60,6 +61,11 @@ _WARMUP_PROMPT = 128  # tokens per warm-up prompt (see Actor._warmup)
 # the batch before it is removed (see `Actor._retire`); 0 removes at once.
 _RETIRE_ENV = "TRIO_MLX_RETIRE_STEPS"
 RETIRE_STEPS = 16
+# TRIO_MLX_IDLE_RELEASE=SECONDS: after this long with nothing to do the actor
+# hands MLX's buffer cache back (`Actor._idle`); 0 never. Default: 1 s on a GPU,
+# never on the CPU, where the cache is this process's own heap.
+_IDLE_RELEASE_ENV = "TRIO_MLX_IDLE_RELEASE"
+IDLE_RELEASE = 1.0
 
 
 class ActorPort(Protocol):
@@ -76,7 +82,9 @@ class ActorLink(Protocol):
 
     def ready(self, info: ActorInfo) -> None: ...
     def exchange(self, report: StepReport) -> list[Command]: ...
-    def wait_commands(self) -> list[Command]: ...
+    def wait_commands(self, timeout: float | None = None) -> list[Command]:
+        """Block until commands come (none after `timeout` seconds, if given)."""
+        ...
     def check(self) -> None: ...
 
 
@@ -92,8 +100,13 @@ class ThreadLink:
     def exchange(self, report: StepReport) -> list[Command]:
         return trio.from_thread.run_sync(self._port.exchange, report)
 
-    def wait_commands(self) -> list[Command]:
-        return trio.from_thread.run(self._port.wait_commands)
+    def wait_commands(self, timeout: float | None = None) -> list[Command]:
+        async def wait() -> list[Command]:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                return await self._port.wait_commands()  # cancel-safe: a channel receive
+            return []
+
+        return trio.from_thread.run(wait)
 
     def check(self) -> None:
         trio.from_thread.check_cancelled()
@@ -279,6 +292,7 @@ class Actor:
         self._samplers: dict[tuple[float, float, int, float], Any] = {}
         self._retired: dict[int, int] = {}  # uid -> step it finished in; rows still in the batch
         self._retire_steps = max(0, int(os.environ.get(_RETIRE_ENV, RETIRE_STEPS)))
+        self._idle_release: float | None = None  # set in run(), once the device is known
         self._admission = _Admission(config.admit_window, config.prefill_batch)
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
@@ -295,6 +309,8 @@ class Actor:
             self._context = _models.context_length(config)
             self._vocab = int(config.get("vocab_size", 0))
             self._bg = self._new_generator()
+            gpu = mx.default_device().type == mx.DeviceType.gpu
+            self._idle_release = max(0.0, float(os.environ.get(_IDLE_RELEASE_ENV, IDLE_RELEASE if gpu else 0)))
             if self.config.warmup:
                 self._warmup()
             info = ActorInfo(
@@ -390,7 +406,7 @@ class Actor:
                 t0 = clock()
                 commands = link.exchange(report)
                 if not commands and not self._seqs and not self._admission.pending:
-                    commands = link.wait_commands()
+                    commands = self._idle()
                 t1 = clock()
                 failed = self._apply(commands)
                 if failed is None:
@@ -402,6 +418,26 @@ class Actor:
         finally:
             if trace is not None:
                 trace.close()
+
+    def _idle(self) -> list[Command]:
+        """Nothing to do: block for commands, handing MLX's buffer cache back if
+        they take longer than the idle release.
+
+        MLX keeps freed buffers for reuse and never gives them back by itself:
+        a bench process that loaded a 1B model beside a server that had just
+        served 256 streams ran out of H100 memory. Other processes share that
+        memory, and on Apple silicon the whole system does, so an idle server
+        gives it back; a busy one never waits this long between steps.
+        """
+        link, release = self._link, self._idle_release
+        if not release:
+            return link.wait_commands()
+        commands = link.wait_commands(release)
+        if commands:
+            return commands
+        mx.clear_cache()
+        commands = link.exchange(StepReport(memory=_memory()))  # the engine's figures, current
+        return commands or link.wait_commands()
 
     def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None:
         """Apply this step's commands; returns inserts that failed, or None on Shutdown."""

@@ -137,8 +137,8 @@ class PipeLink:
             self._write(_encode_report(report))
         return self._read(0)
 
-    def wait_commands(self) -> list[Command]:
-        return self._read(None)
+    def wait_commands(self, timeout: float | None = None) -> list[Command]:
+        return self._read(timeout)
 
     def check(self) -> None:
         pass  # cancellation reaches the child as Shutdown or end of file
