@@ -131,3 +131,10 @@ async def test_stop_tokens_and_a_full_context_beside_retired_rows(tiny_model_fp3
     assert len(ids) == room and fin.finish_reason == "length"
     assert len(results["mid"][0]) == 20
     assert max(r["retired"] for r in _trace(trace)) == 2  # "stop" and "mid" waited for "full"
+
+
+async def test_a_bad_retire_setting_fails_the_start_with_its_name(tiny_model_fp32, monkeypatch):
+    monkeypatch.setenv("TRIO_MLX_RETIRE_STEPS", "lots")
+    with pytest.raises(Exception, match="TRIO_MLX_RETIRE_STEPS must be a number >= 0, not 'lots'"):
+        async with trio_mlx.open_engine(tiny_model_fp32):
+            pass

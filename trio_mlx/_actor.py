@@ -58,7 +58,7 @@ _MEMORY_EVERY = 64
 _TRACE_ENV = "TRIO_MLX_STEP_TRACE"
 _WARMUP_PROMPT = 128  # tokens per warm-up prompt (see Actor._warmup)
 # TRIO_MLX_RETIRE_STEPS=N: the most steps a finished sequence's row may stay in
-# the batch before it is removed (see `Actor._retire`); 0 removes at once.
+# the batch before it is removed (see `Actor._retire_due`); 0 removes at once.
 _RETIRE_ENV = "TRIO_MLX_RETIRE_STEPS"
 RETIRE_STEPS = 16
 # TRIO_MLX_IDLE_RELEASE=SECONDS: after this long with nothing to do the actor
@@ -200,6 +200,20 @@ class _StepTrace:
         self._f.close()
 
 
+def _env_number(name: str, default: float) -> float:
+    """A tuning knob from the environment: a number >= 0, else a clear error at startup."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a number >= 0, not {raw!r}")
+    return value
+
+
 def _memory() -> tuple[int, int, int]:
     """MLX's (active, peak, cache) bytes; the cache holds freed buffers kept for reuse."""
     return mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()
@@ -291,7 +305,7 @@ class Actor:
         self._by_uid: dict[int, _Seq] = {}
         self._samplers: dict[tuple[float, float, int, float], Any] = {}
         self._retired: dict[int, int] = {}  # uid -> step it finished in; rows still in the batch
-        self._retire_steps = max(0, int(os.environ.get(_RETIRE_ENV, RETIRE_STEPS)))
+        self._retire_steps = int(_env_number(_RETIRE_ENV, RETIRE_STEPS))
         self._idle_release: float | None = None  # set in run(), once the device is known
         self._admission = _Admission(config.admit_window, config.prefill_batch)
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
@@ -310,7 +324,7 @@ class Actor:
             self._vocab = int(config.get("vocab_size", 0))
             self._bg = self._new_generator()
             gpu = mx.default_device().type == mx.DeviceType.gpu
-            self._idle_release = max(0.0, float(os.environ.get(_IDLE_RELEASE_ENV, IDLE_RELEASE if gpu else 0)))
+            self._idle_release = _env_number(_IDLE_RELEASE_ENV, IDLE_RELEASE if gpu else 0.0)
             if self.config.warmup:
                 self._warmup()
             info = ActorInfo(
