@@ -25,7 +25,8 @@
 #                               server targets; default: the actor's own)
 #   REQUESTS_MULTIPLE=4        (requests per level = this x concurrency, at least 8)
 #   TRACE=1                    (each engine/server target writes its actor's step trace
-#                               to OUTDIR/logs/MODEL-TARGET.trace.tsv)
+#                               to OUTDIR/logs/MODEL-TARGET.trace.tsv, each ceiling its
+#                               own, in the same columns, to MODEL-...-ceiling.trace.tsv)
 #   CEILING_AFTER=1            (measure the ceiling again after the servers; each level's
 #                               bar in the table is the faster of the two; 0: once)
 #   PAIRED=1                   (the trio_mlx server's bench also runs the ceiling in its own
@@ -150,9 +151,11 @@ for name in "${models[@]}"; do
 
   if [[ $skip != *,ceiling,* ]]; then
     log "$name: raw BatchGenerator ceiling"
+    [ "${TRACE:-0}" = 1 ] && export TRIO_MLX_CEILING_TRACE="$out/logs/$name-ceiling.trace.tsv"
     bench ceiling "$out/$name-ceiling.json" --limit --max-batch "$maxbatch" \
       --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
     add_run "$out/$name-ceiling.json"
+    unset TRIO_MLX_CEILING_TRACE
   fi
   for actor in "${actors[@]}"; do
    for window in "${windows[@]}"; do
@@ -168,7 +171,11 @@ for name in "${models[@]}"; do
       export TRIO_MLX_RETIRE_STEPS="$retire"
       [ ${#retires[@]} -gt 1 ] && sfx="$sfx-r$retire" lsfx="$lsfx (retire $retire)"
     fi
-    trace() { [ "${TRACE:-0}" = 1 ] && export TRIO_MLX_STEP_TRACE="$out/logs/$name-$1$sfx.trace.tsv" || true; }
+    trace() {  # the paired ceiling runs in the bench's process: its trace is its own
+      [ "${TRACE:-0}" = 1 ] || return 0
+      export TRIO_MLX_STEP_TRACE="$out/logs/$name-$1$sfx.trace.tsv"
+      export TRIO_MLX_CEILING_TRACE="$out/logs/$name-$1$sfx-ceiling.trace.tsv"
+    }
     if [[ $skip != *,engine,* ]]; then
       log "$name: trio_mlx engine in-process (channel API, no HTTP)$lsfx"
       trace engine
@@ -186,7 +193,7 @@ for name in "${models[@]}"; do
         --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \
         --actor "$actor" --no-access-log --log-level warning "${wargs[@]}"
     fi
-    unset TRIO_MLX_STEP_TRACE TRIO_MLX_RETIRE_STEPS
+    unset TRIO_MLX_STEP_TRACE TRIO_MLX_CEILING_TRACE TRIO_MLX_RETIRE_STEPS
     done
    done
   done
@@ -228,6 +235,7 @@ sys.argv[0] = "mlx_lm.server"; from mlx_lm.server import main; main()' "${mlx_ar
 
   if [[ $skip != *,ceiling,* ]] && [ "${CEILING_AFTER:-1}" = 1 ]; then
     log "$name: raw BatchGenerator ceiling, again after the servers"
+    [ "${TRACE:-0}" = 1 ] && export TRIO_MLX_CEILING_TRACE="$out/logs/$name-ceiling-after.trace.tsv"
     bench "ceiling (after)" "$out/$name-ceiling-after.json" --limit --max-batch "$maxbatch" \
       --prefill-batch-size "$pbatch" --prefill-step-size "$pstep"
     add_run "$out/$name-ceiling-after.json"

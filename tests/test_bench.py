@@ -291,8 +291,9 @@ def test_drive_keeps_the_closed_loop_full_and_times_every_token() -> None:
         assert r.ttft is not None and r.e2e is not None and 0 < r.ttft <= r.e2e
 
 
-def test_limit_mode_on_the_tiny_model(tiny_model: Path, tmp_path: Path) -> None:
-    out = tmp_path / "limit.json"
+def test_limit_mode_on_the_tiny_model(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, trace = tmp_path / "limit.json", tmp_path / "ceiling.tsv"
+    monkeypatch.setenv("TRIO_MLX_CEILING_TRACE", str(trace))
     rc = _bench.main(
         [
             "--limit",
@@ -328,6 +329,16 @@ def test_limit_mode_on_the_tiny_model(tiny_model: Path, tmp_path: Path) -> None:
             assert 0 < s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (key, s)
         assert lv["ttft_ms"]["p50"] < lv["e2e_ms"]["p50"]
         assert lv["output_throughput"] > 0 and lv["request_throughput"] > 0
+    # the step trace has the server actor's columns and adds up to the measured levels
+    from trio_mlx._actor import _StepTrace
+
+    lines = trace.read_text().splitlines()
+    assert lines[0] + "\n" == _StepTrace.HEADER
+    cols = lines[0].split("\t")
+    rows = [dict(zip(cols, map(float, line.split("\t")), strict=True)) for line in lines[1:]]
+    assert sum(r["generated"] for r in rows) == 2 * 6 * 8
+    assert sum(r["inserted"] for r in rows) == 2 * 6
+    assert sum(r["prompt_tokens"] for r in rows) > 0 and max(r["rows"] for r in rows) == 4
 
 
 def test_engine_mode_runs_the_same_prompts_through_the_channel_api(tiny_model: Path, tmp_path: Path) -> None:

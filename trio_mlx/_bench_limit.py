@@ -12,16 +12,21 @@ module that imports MLX.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from trio_mlx._bench_stats import RequestRecord, check_length, in_process_level
 
 # Warm-up: one short batch so that kernels are compiled and buffers allocated
 # before anything is timed. Arbitrary, just small.
 _WARMUP_TOKENS = 4
+# TRIO_MLX_CEILING_TRACE=PATH: the measured levels write one line per step to
+# PATH in the columns of the server actor's TRIO_MLX_STEP_TRACE (its exchange
+# and retired columns 0), so the two can be read side by side.
+_TRACE_ENV = "TRIO_MLX_CEILING_TRACE"
 
 
 def _load_model(model: str) -> Any:
@@ -52,8 +57,11 @@ def drive(
     prompts: Sequence[Sequence[int]],
     concurrency: int,
     max_tokens: int,
+    trace: TextIO | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Run every prompt through `bg`, `concurrency` at a time; (records, seconds)."""
+    """Run every prompt through `bg`, `concurrency` at a time; (records, seconds).
+
+    With `trace`, one line per step in the columns of `_actor._StepTrace`."""
     clock = time.perf_counter
     queue = deque(enumerate(prompts))
     records = [RequestRecord() for _ in prompts]
@@ -70,10 +78,17 @@ def drive(
 
     t0 = clock()
     admit(concurrency)
-    idle = 0
+    idle, inserted = 0, len(live)
     while live:
+        t_step = clock()
+        prompt0 = bg._counters.prompt_tokens if trace is not None else 0
         _, responses = bg.next()
         now = clock()
+        if trace is not None:
+            rows = len(getattr(bg, "_generation_batch", ()))
+            trace.write(f"{t_step:.6f}\t0\t{now - t_step:.6f}\t{inserted}\t{len(responses)}\t"
+                        f"{bg._counters.prompt_tokens - prompt0}\t{len(live)}\t0\t{rows}\n")
+            inserted = 0
         if not responses:
             idle += 1
             if idle > 100_000:  # arbitrary: far more prefill steps than any sane prompt needs
@@ -101,7 +116,9 @@ def drive(
                 del live[r.uid]
                 finished += 1
         if finished:
+            before = len(live)
             admit(finished)
+            inserted = len(live) - before
     return records, clock() - t0
 
 
@@ -125,6 +142,12 @@ class Ceiling:
         from mlx_lm.generate import BatchGenerator
 
         mx.random.seed(seed)
+        path = os.environ.get(_TRACE_ENV)
+        self._trace: TextIO | None = open(path, "a", buffering=1 << 16) if path else None  # closed in close()
+        if self._trace is not None:
+            from trio_mlx._actor import _StepTrace
+
+            self._trace.write(_StepTrace.HEADER)
         self.bg = BatchGenerator(
             _load_model(model),
             max_tokens=max_tokens,
@@ -151,7 +174,7 @@ class Ceiling:
         import mlx.core as mx
 
         cpu0 = time.process_time()
-        records, seconds = drive(self.bg, prompts, concurrency, max_tokens)
+        records, seconds = drive(self.bg, prompts, concurrency, max_tokens, self._trace)
         cpu = time.process_time() - cpu0
         mx.clear_cache()
         return records, seconds, cpu
@@ -161,6 +184,8 @@ class Ceiling:
 
         self.bg.close()
         mx.synchronize()
+        if self._trace is not None:
+            self._trace.close()
 
 
 def run_limit(
