@@ -288,6 +288,8 @@ async def run_http(
                     first[0] + second[0], duration=first[1] + second[1], concurrency=concurrency,
                     cpu_s=first[2] + second[2], cpu_name="client",
                 ))  # fmt: skip
+                if (save := getattr(args, "paired_checkpoint", None)) is not None:
+                    save()
             extra = _cpu_figures(records, time.process_time() - cpu0, srv0, args.server_pid)
             levels.append(
                 level_stats(
@@ -643,14 +645,19 @@ def _run_paired(
     ceiling = Ceiling(args.model, warmup=[p.ids for p in warm], max_tokens=args.max_tokens, seed=args.seed,
                       **settings)  # fmt: skip
     levels: list[dict[str, Any]] = []
+    label = f"{args.label} ceiling (paired)" if args.label else "ceiling (paired)"
+    paired = {**result, "label": label, "target": "limit", "paired_with": args.url,
+              "settings": settings, "device": device_info(), "levels": levels}  # fmt: skip
+
+    def save() -> None:  # after every level: a run cut short by a time cap keeps its levels
+        Path(args.paired).write_text(json.dumps(paired, indent=1) + "\n")
+
+    args.paired_checkpoint = save
     try:
         served = trio.run(run_http, args, plan, prompts, warm, ceiling, levels)
     finally:
         ceiling.close()
-        label = f"{args.label} ceiling (paired)" if args.label else "ceiling (paired)"
-        paired = {**result, "label": label, "target": "limit", "paired_with": args.url,
-                  "settings": settings, "device": device_info(), "levels": levels}  # fmt: skip
-        Path(args.paired).write_text(json.dumps(paired, indent=1) + "\n")
+        save()
     return served
 
 
