@@ -193,8 +193,14 @@ class _StepTrace:
 
     def write(self, t: float, exchange: float, report: StepReport, inserted: int, retired: int,
               rows: int) -> None:
-        self._f.write(f"{t:.6f}\t{exchange:.6f}\t{report.step_seconds:.6f}\t{inserted}\t"
-                      f"{len(report.tokens)}\t{report.prompt_tokens}\t{report.live}\t{retired}\t{rows}\n")
+        self.row(t, exchange, report.step_seconds, inserted, len(report.tokens), report.prompt_tokens,
+                 report.live, retired, rows)
+
+    def row(self, t: float, exchange: float, next_s: float, inserted: int, generated: int,
+            prompt_tokens: int, live: int, retired: int, rows: int) -> None:
+        """One line, whoever steps (the ceiling of `trio-mlx bench --limit` writes these too)."""
+        self._f.write(f"{t:.6f}\t{exchange:.6f}\t{next_s:.6f}\t{inserted}\t{generated}\t"
+                      f"{prompt_tokens}\t{live}\t{retired}\t{rows}\n")
 
     def close(self) -> None:
         self._f.close()
@@ -306,7 +312,8 @@ class Actor:
         self._samplers: dict[tuple[float, float, int, float], Any] = {}
         self._retired: dict[int, int] = {}  # uid -> step it finished in; rows still in the batch
         self._retire_steps = int(_env_number(_RETIRE_ENV, RETIRE_STEPS))
-        self._idle_release: float | None = None  # set in run(), once the device is known
+        self._gpu = False  # set in run(), once the device is known
+        self._idle_release: float | None = None  # likewise
         self._admission = _Admission(config.admit_window, config.prefill_batch)
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
@@ -323,7 +330,7 @@ class Actor:
             self._context = _models.context_length(config)
             self._vocab = int(config.get("vocab_size", 0))
             self._bg = self._new_generator()
-            gpu = mx.default_device().type == mx.DeviceType.gpu
+            self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
             self._idle_release = _env_number(_IDLE_RELEASE_ENV, IDLE_RELEASE if gpu else 0.0)
             if self.config.warmup:
                 self._warmup()
@@ -369,7 +376,7 @@ class Actor:
         stalls to hide and prefill is slow, one short sequence is enough.
         """
         assert self._bg is not None
-        gpu = mx.default_device().type == mx.DeviceType.gpu
+        gpu = self._gpu
         length = max(1, min(_WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
         token = 1 if self._vocab > 1 else 0
         for k in range(1, (self.config.prefill_batch if gpu else 1) + 1):
@@ -535,11 +542,12 @@ class Actor:
         return max(0, min(self._retire_steps + 2, self._context - len(s.prompt) - s.max_tokens))
 
     def _retire_due(self) -> bool:
-        """Remove the retired rows now: nothing live is left, a sequence is waiting
-        to prefill (it needs the slots), or the oldest has waited long enough."""
+        """Remove the retired rows now, though nothing enters or leaves: a sequence
+        is waiting to prefill (it needs the slots), or the oldest has waited long
+        enough. (A batch that ran dry is emptied in `_step`; one whose last live
+        sequence is aborted, with the abort.)"""
         return (
-            not self._seqs
-            or len(self._seqs) > self._decoding
+            len(self._seqs) > self._decoding
             or self._steps - next(iter(self._retired.values())) >= self._retire_steps
         )
 

@@ -16,9 +16,12 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 from trio_mlx._bench_stats import RequestRecord, check_length, in_process_level
+
+if TYPE_CHECKING:
+    from trio_mlx._actor import _StepTrace
 
 # Warm-up: one short batch so that kernels are compiled and buffers allocated
 # before anything is timed. Arbitrary, just small.
@@ -57,11 +60,11 @@ def drive(
     prompts: Sequence[Sequence[int]],
     concurrency: int,
     max_tokens: int,
-    trace: TextIO | None = None,
+    trace: _StepTrace | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Run every prompt through `bg`, `concurrency` at a time; (records, seconds).
 
-    With `trace`, one line per step in the columns of `_actor._StepTrace`."""
+    With `trace`, one line per step, in the columns the server's actor writes."""
     clock = time.perf_counter
     queue = deque(enumerate(prompts))
     records = [RequestRecord() for _ in prompts]
@@ -85,9 +88,8 @@ def drive(
         _, responses = bg.next()
         now = clock()
         if trace is not None:
-            rows = len(getattr(bg, "_generation_batch", ()))
-            trace.write(f"{t_step:.6f}\t0\t{now - t_step:.6f}\t{inserted}\t{len(responses)}\t"
-                        f"{bg._counters.prompt_tokens - prompt0}\t{len(live)}\t0\t{rows}\n")
+            trace.row(t_step, 0.0, now - t_step, inserted, len(responses),
+                      bg._counters.prompt_tokens - prompt0, len(live), 0, len(getattr(bg, "_generation_batch", ())))
             inserted = 0
         if not responses:
             idle += 1
@@ -142,12 +144,7 @@ class Ceiling:
         from mlx_lm.generate import BatchGenerator
 
         mx.random.seed(seed)
-        path = os.environ.get(_TRACE_ENV)
-        self._trace: TextIO | None = open(path, "a", buffering=1 << 16) if path else None  # closed in close()
-        if self._trace is not None:
-            from trio_mlx._actor import _StepTrace
-
-            self._trace.write(_StepTrace.HEADER)
+        self._trace: _StepTrace | None = None
         self.bg = BatchGenerator(
             _load_model(model),
             max_tokens=max_tokens,
@@ -157,6 +154,10 @@ class Ceiling:
             prefill_step_size=prefill_step_size,
         )
         try:
+            if path := os.environ.get(_TRACE_ENV):
+                from trio_mlx._actor import _StepTrace
+
+                self._trace = _StepTrace(path)  # closed in close()
             if warmup:
                 drive(self.bg, warmup, len(warmup), _WARMUP_TOKENS)
                 # every prefill group size once, as the server's actor warms up

@@ -211,7 +211,7 @@ def format_table(results: Sequence[dict[str, Any]], ceiling: dict[str, Any] | No
             tp = lv["output_throughput"]
             c = lv.get("concurrency")
             ratio = tp / base[c] if tp is not None and c is not None and base.get(c) else None
-            where = f"c={k}" if lv.get("concurrency") is not None else f"{k}/s"
+            where = f"c={k}" if c is not None else f"{k}/s"
             errs = lv["errors"]
             err = str(errs["total"])
             if errs["total"]:
