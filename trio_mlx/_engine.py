@@ -99,6 +99,7 @@ class _Request:
     send: trio.MemorySendChannel[Any]
     recv: trio.MemoryReceiveChannel[Any]
     stage: str = "queued"
+    ended: trio.Event = field(default_factory=trio.Event)  # set when the engine is done with it
 
 
 @dataclass
@@ -366,6 +367,7 @@ class Engine:
         self._stage_counts[req.stage] -= 1
         self._c.finished += 1
         req.send.close()
+        req.ended.set()
         if not self._requests:
             self._idle.set()
 
@@ -678,6 +680,18 @@ class RequestStream:
         """"queued", "prefill", "decode" or "done"."""
         req = self._req
         return req.stage if req is not None and req.rid in self._engine._requests else "done"
+
+    @property
+    def ended(self) -> bool:
+        """True once the request has ended: every event still to be read has arrived
+        (the last is the `Finished`), so a reader has no reason to wait before reading on."""
+        return self._done or (self._req is not None and self._req.ended.is_set())
+
+    async def wait_ended(self) -> None:
+        """Return once the request has ended (at once if it has): for a reader that
+        paces itself, so that a stream's last tokens and its end are never held back."""
+        if not self._done and self._req is not None:
+            await self._req.ended.wait()
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
