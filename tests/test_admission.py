@@ -2,7 +2,8 @@
 
 `_actor._Admission` holds sequences that arrive while others decode until
 `prefill_batch` have gathered or the oldest has waited `admit_window`; an idle
-batch admits at once. These tests drive it directly and through the engine on
+batch admits at once, unless sequences just finished whose clients may be on
+their way back. These tests drive it directly and through the engine on
 tiny CPU models, reading the actor's step trace (TRIO_MLX_STEP_TRACE) to see
 which step inserted what.
 """
@@ -74,6 +75,39 @@ def test_one_group_at_a_time_and_none_while_one_prefills():
     assert adm.due(now=0.3, decoding=3, prefilling=False) == []  # one alone waits for company...
     assert adm.due(now=0.6, decoding=3, prefilling=True) == []  # ...never beside a prefill...
     assert _rids(adm.due(now=0.6, decoding=3, prefilling=False)) == [7]  # ...or the window
+
+
+def test_arrivals_wait_for_the_clients_of_sequences_that_just_finished():
+    adm = _Admission(window=0.8, batch=8)
+    adm.finished(now=0.0, count=4)  # a wave of 4 ended; the batch is empty
+    adm.add(_sub(1), now=0.01)
+    assert adm.due(now=0.01, decoding=0, prefilling=False) == []  # 3 more on their way
+    for rid in (2, 3):
+        adm.add(_sub(rid), now=0.02)
+    assert adm.due(now=0.02, decoding=0, prefilling=False) == []
+    adm.add(_sub(4), now=0.03)
+    assert _rids(adm.due(now=0.03, decoding=0, prefilling=False)) == [1, 2, 3, 4]  # all back: together
+    # each admitted arrival matched one finish: the next lone arrival does not wait
+    adm.add(_sub(5), now=0.04)
+    assert _rids(adm.due(now=0.04, decoding=0, prefilling=False)) == [5]
+
+
+def test_a_lone_client_never_waits_and_the_wait_is_bounded():
+    adm = _Admission(window=0.8, batch=8)
+    adm.finished(now=0.0, count=1)  # one stream ended, its client is back: nobody else to wait for
+    adm.add(_sub(1), now=0.005)
+    assert _rids(adm.due(now=0.005, decoding=0, prefilling=False)) == [1]
+    adm.finished(now=1.0, count=2)  # two ended, one comes back: it waits 0.8 x 2/8 = 0.2 s at most
+    adm.add(_sub(2), now=1.0)
+    assert adm.due(now=1.19, decoding=0, prefilling=False) == []
+    assert _rids(adm.due(now=1.21, decoding=0, prefilling=False)) == [2]
+    adm.finished(now=2.0, count=8)  # finishes older than the window are forgotten
+    adm.add(_sub(3), now=2.9)
+    assert _rids(adm.due(now=2.9, decoding=0, prefilling=False)) == [3]
+    off = _Admission(window=0.0, batch=8)  # no window: no waiting, for anyone
+    off.finished(now=0.0, count=8)
+    off.add(_sub(4), now=0.0)
+    assert _rids(off.due(now=0.0, decoding=0, prefilling=False)) == [4]
 
 
 def test_window_zero_admits_without_waiting_for_company_and_drop_forgets():
@@ -185,6 +219,36 @@ async def test_a_held_request_can_be_aborted(tiny_model_fp32):
         # and the engine still serves
         async with engine.generate("after", max_tokens=3, temperature=0, ignore_eos=True) as after:
             assert (await _drain(after)).usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("actor", ["thread", "process"])
+async def test_after_a_wave_ends_an_arrival_waits_for_the_others_and_sleeps_meanwhile(
+        tiny_model_fp32, tmp_path, monkeypatch, actor):
+    trace = tmp_path / "trace.tsv"
+    monkeypatch.setenv("TRIO_MLX_STEP_TRACE", str(trace))
+    opts = dict(temperature=0, ignore_eos=True)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, prefill_batch=4, admit_window=0.8,
+                                    actor=actor) as engine:
+        with trio.fail_after(60):
+
+            async def one(i: int) -> None:
+                async with engine.generate(f"wave {i}", max_tokens=3, **opts) as stream:
+                    await _drain(stream)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(one, i)
+            # 4 just finished; 1 comes back: held for the other 3, up to 0.8 x 4/4 s
+            t0 = trio.current_time()
+            async with engine.generate("back", max_tokens=3, **opts) as back:
+                await _first_token(back)
+                waited = trio.current_time() - t0
+                assert (await _drain(back)).usage.completion_tokens == 3
+    assert waited > 0.5, waited
+    rows = _trace(trace)
+    # while it is held the actor sleeps: a handful of empty turns of its loop, not a spin
+    empty = [r for r in rows if r["live"] and not (r["inserted"] or r["generated"] or r["prompt_tokens"] or r["rows"])]
+    assert len(empty) < 10, len(empty)
 
 
 def test_admit_window_is_validated():

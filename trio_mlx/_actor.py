@@ -15,6 +15,7 @@ floats leave it; arrays never do.
 
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import math
@@ -154,11 +155,28 @@ class _Admission:
     step instead of ~36 ms on an H100 with the 135M model (the step trace in
     BENCHMARKS.md, finding 3). Before the window runs out, only a full group
     enters; the rest wait for more company or the window.
+
+    Sequences that have just finished count as company on its way: a client
+    in a loop sends its next request when its stream ends, so a wave that
+    finishes together comes back together, a round trip later. Admitted at
+    once into the emptied batch, the first to return would enter alone and
+    the rest, arriving during its prefill, as a second group: two prefills
+    and two batch changes a wave instead of one (the step trace of 8
+    concurrent streams on an H100, 1B). So while fewer have arrived than
+    finished within the last window, arrivals wait up to window x finished /
+    prefill_batch; each admitted arrival takes one finish off the count. A
+    lone client (one finished, one back) never waits.
     """
 
     def __init__(self, window: float, batch: int):
         self.window, self.batch = window, batch
         self.pending: dict[int, tuple[float, Submit]] = {}  # rid -> (arrival, submit), in order
+        self._finished: collections.deque[float] = collections.deque()  # when, unmatched by arrivals
+
+    def finished(self, now: float, count: int) -> None:
+        """`count` sequences finished (not aborted) at `now`: their clients may be back."""
+        if self.window:
+            self._finished.extend(itertools.repeat(now, count))
 
     def add(self, sub: Submit, now: float) -> None:
         self.pending.setdefault(sub.rid, (now, sub))
@@ -173,10 +191,27 @@ class _Admission:
         if not pending or prefilling:
             return []
         take = min(len(pending), self.batch)
-        window = self.window * min(1.0, decoding / self.batch)
-        if decoding and take < self.batch and now - next(iter(pending.values()))[0] < window:
-            return []  # wait for a full group, or the window
+        finished = self._finished
+        while finished and now - finished[0] > self.window:
+            finished.popleft()
+        if take < self.batch:
+            age = now - next(iter(pending.values()))[0]
+            if decoding and age < self.window * min(1.0, decoding / self.batch):
+                return []  # wait for a full group, or the window
+            if take < len(finished) and age < self.window * min(1.0, len(finished) / self.batch):
+                return []  # wait for the clients of sequences that just finished
+        for _ in range(min(take, len(finished))):
+            finished.popleft()
         return [pending.pop(rid)[1] for rid in list(itertools.islice(pending, take))]
+
+    def hold(self, now: float) -> float:
+        """With nothing in the batch and arrivals held (`due` gave none): seconds until
+        `due` may give some without new commands; the actor sleeps that long at most."""
+        if not self.pending or not self._finished:
+            return 0.0
+        oldest = next(iter(self.pending.values()))[0]
+        deadline = oldest + self.window * min(1.0, len(self._finished) / self.batch)
+        return max(0.0, min(deadline, self._finished[0] + self.window) - now)
 
 
 class _StepTrace:
@@ -426,8 +461,11 @@ class Actor:
                 self._hook("loop")  # outside the step's recovery: a fault here kills the actor
                 t0 = clock()
                 commands = link.exchange(report)
-                if not commands and not self._seqs and not self._admission.pending:
-                    commands = self._idle()
+                if not commands and not self._seqs:
+                    if not self._admission.pending:
+                        commands = self._idle()
+                    elif hold := self._admission.hold(clock()):  # held for company: sleep, not spin
+                        commands = link.wait_commands(hold)
                 t1 = clock()
                 failed = self._apply(commands)
                 if failed is None:
@@ -596,6 +634,7 @@ class Actor:
     def _tokens(self, responses: Sequence[Any]) -> tuple[TokenOut, ...]:
         out: list[TokenOut] = []
         want_logprobs: list[tuple[int, Any, _Seq]] = []
+        ended = 0
         for r in responses:
             seq = self._by_uid.get(r.uid)
             if seq is None:  # a retired row: its tokens are nobody's
@@ -609,6 +648,7 @@ class Actor:
                 else r.finish_reason
             )
             if reason is not None:
+                ended += 1
                 del self._by_uid[r.uid]
                 del self._seqs[seq.rid]
                 if seq.stage == "decode":
@@ -618,6 +658,8 @@ class Actor:
             if seq.sampling.logprobs:
                 want_logprobs.append((len(out), r, seq))
             out.append(TokenOut(seq.rid, r.token, reason))
+        if ended:
+            self._admission.finished(time.perf_counter(), ended)
         if want_logprobs:
             self._add_logprobs(out, want_logprobs)
         return tuple(out)
