@@ -32,6 +32,8 @@
 #   PAIRED=1                   (the trio_mlx server's bench also runs the ceiling in its own
 #                               process, interleaved level by level: `bench --paired`; use
 #                               with SKIP=ceiling CEILING_AFTER=0 so the table's bar is that one)
+#   PAIRED_ROUNDS=1            (with PAIRED=1: interleave each level in this many rounds of
+#                               ceiling, server, server, ceiling: `bench --paired-rounds`)
 #   RATES=                     (e.g. 2,8,32: also run trio_mlx's server with Poisson
 #                               arrivals at these requests/s, RATE_REQUESTS=48 per level)
 #   TRIO_NO_PACING=1           (also run trio_mlx with --max-event-rate 0)
@@ -187,7 +189,7 @@ for name in "${models[@]}"; do
       trace trio
       pargs=()
       [ "${PAIRED:-0}" = 1 ] && pargs=(--paired "$out/$name-trio$sfx-ceiling.json" --max-batch "$maxbatch"
-        --prefill-batch-size "$pbatch" --prefill-step-size "$pstep")
+        --prefill-batch-size "$pbatch" --prefill-step-size "$pstep" --paired-rounds "${PAIRED_ROUNDS:-1}")
       serve_and_bench "trio_mlx$lsfx" "trio$sfx" /health "${pargs[@]}" -- \
         "$py" -m trio_mlx.cli serve --model "$dir" --host 127.0.0.1 --port "$port" \
         --max-batch "$maxbatch" --prefill-batch "$pbatch" --prefill-step "$pstep" \

@@ -769,3 +769,17 @@ def test_paired_mode_interleaves_the_ceiling_with_the_server(
             assert lv["requests"] == lv["completed"] == 6 and lv["output_tokens"] == 6 * 8
     table = format_table([srv], lim)
     assert "| srv | c=4 |" in table and "| - |" not in table  # every level has its ceiling
+    # --paired-rounds 3: c=1 in three rounds of one request a side; c=4 has too few
+    # requests for chunks of 4, so it keeps one round
+    order.clear()
+    rc = _bench.main(
+        ["--url", mlx_lm_server, "--paired", str(ceiling), "--paired-rounds", "3", "--model", str(tiny_model),
+         "--served-model-name", "default_model", "--concurrency", "1,4", "--requests-per-level", "6",
+         "--prompt-tokens", "24", "--max-tokens", "8", "--warmup", "2", "--out", str(out), "--quiet",
+         "--timeout", "30"]
+    )  # fmt: skip
+    assert rc == 0
+    assert order == [("ceiling", 1), ("server", 1), ("server", 1), ("ceiling", 1)] * 3 + \
+        [("ceiling", 3), ("server", 3), ("server", 3), ("ceiling", 3)]
+    for res in (json.loads(out.read_text()), json.loads(ceiling.read_text())):
+        assert [(lv["requests"], lv["completed"]) for lv in res["levels"]] == [(6, 6), (6, 6)]

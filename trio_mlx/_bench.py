@@ -239,9 +239,8 @@ async def run_http(
 
     The `warm` prompts go first, all at once with 8 output tokens, unmeasured.
     With `paired` (a `_bench_limit.Ceiling`), each closed-loop level runs on it
-    too, interleaved as ceiling, server, server, ceiling on the two halves of
-    the level's prompts (so a host that speeds up or slows down steadily
-    weighs on both alike); the ceiling's levels are appended to `paired_levels`.
+    too, interleaved (`_run_paired_level`); the ceiling's levels are appended
+    to `paired_levels`.
     """
     import trio
 
@@ -270,27 +269,17 @@ async def run_http(
             mine = prompts[pos : pos + n]
             bodies = [request_body(args, p, args.max_tokens, model) for p in mine]
             pos += n
-            half = n // 2 if paired is not None and concurrency is not None else 0
-            if half:
-                first = paired.drive([p.ids for p in mine[:half]], concurrency, args.max_tokens)
-            cpu0, srv0 = time.process_time(), _proc_cpu(args.server_pid)
-            t0 = time.perf_counter()
-            if half:
-                records = await _run_level(client, path, bodies[:half], concurrency, rate, args)
-                records += await _run_level(client, path, bodies[half:], concurrency, rate, args)
+            if paired is not None and concurrency is not None and n >= 2:
+                assert paired_levels is not None
+                records, duration, client_cpu, srv0 = await _run_paired_level(
+                    client, path, bodies, [p.ids for p in mine], concurrency, args, paired, paired_levels)
             else:
+                cpu0, srv0 = time.process_time(), _proc_cpu(args.server_pid)
+                t0 = time.perf_counter()
                 records = await _run_level(client, path, bodies, concurrency, rate, args)
-            duration = time.perf_counter() - t0
-            if half:
-                assert concurrency is not None and paired_levels is not None
-                second = paired.drive([p.ids for p in mine[half:]], concurrency, args.max_tokens)
-                paired_levels.append(in_process_level(
-                    first[0] + second[0], duration=first[1] + second[1], concurrency=concurrency,
-                    cpu_s=first[2] + second[2], cpu_name="client",
-                ))  # fmt: skip
-                if (save := getattr(args, "paired_checkpoint", None)) is not None:
-                    save()
-            extra = _cpu_figures(records, time.process_time() - cpu0, srv0, args.server_pid)
+                duration = time.perf_counter() - t0
+                client_cpu = time.process_time() - cpu0
+            extra = _cpu_figures(records, client_cpu, srv0, args.server_pid)
             levels.append(
                 level_stats(
                     records, duration=duration, concurrency=concurrency, rate=rate, extra=extra
@@ -302,6 +291,58 @@ async def run_http(
     finally:
         await client.aclose()
     return levels
+
+
+async def _run_paired_level(
+    client: RawClient | HttpxClient,
+    path: str,
+    bodies: list[bytes],
+    ids: Sequence[Sequence[int]],
+    concurrency: int,
+    args: argparse.Namespace,
+    paired: Any,
+    paired_levels: list[dict[str, Any]],
+) -> tuple[list[RequestRecord], float, float, tuple[float, float] | None]:
+    """One level on the server and on the ceiling, interleaved so that both see the host
+    at the same moments: its requests split into 2 x R chunks (R = --paired-rounds, fewer
+    where a chunk would hold fewer than `concurrency` requests), each round running
+    ceiling, server, server, ceiling on its two chunks (a host that speeds up or slows
+    down steadily weighs on both alike). Returns the server's records, seconds and
+    client CPU seconds (its runs only) and its server CPU at the start."""
+    n = len(bodies)
+    rounds = max(1, min(getattr(args, "paired_rounds", 1), n // (2 * concurrency)))
+    cut = [n * i // (2 * rounds) for i in range(2 * rounds + 1)]
+    records: list[RequestRecord] = []
+    ceiling: list[RequestRecord] = []
+    duration = client_cpu = ceiling_s = ceiling_cpu = 0.0
+    srv0 = _proc_cpu(args.server_pid)
+    srv_idle = [0.0, 0.0]  # the server's CPU while the ceiling ran (an idle server's housekeeping)
+    for r in range(rounds):
+        a, b, c = cut[2 * r], cut[2 * r + 1], cut[2 * r + 2]
+        for lo, hi, server_first in ((a, b, False), (b, c, True)):
+            for on_server in ((True, False) if server_first else (False, True)):
+                if on_server:
+                    cpu0, t0 = time.process_time(), time.perf_counter()
+                    records += await _run_level(client, path, bodies[lo:hi], concurrency, None, args)
+                    duration += time.perf_counter() - t0
+                    client_cpu += time.process_time() - cpu0
+                else:
+                    before = _proc_cpu(args.server_pid)
+                    recs, seconds, cpu = paired.drive(ids[lo:hi], concurrency, args.max_tokens)
+                    after = _proc_cpu(args.server_pid)
+                    if before is not None and after is not None:
+                        srv_idle = [srv_idle[i] + after[i] - before[i] for i in (0, 1)]
+                    ceiling += recs
+                    ceiling_s += seconds
+                    ceiling_cpu += cpu
+    paired_levels.append(in_process_level(
+        ceiling, duration=ceiling_s, concurrency=concurrency, cpu_s=ceiling_cpu, cpu_name="client",
+    ))  # fmt: skip
+    if (save := getattr(args, "paired_checkpoint", None)) is not None:
+        save()
+    if srv0 is not None:
+        srv0 = (srv0[0] + srv_idle[0], srv0[1] + srv_idle[1])
+    return records, duration, client_cpu, srv0
 
 
 async def _run_level(
@@ -456,6 +497,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --url: also run the raw ceiling (--limit) in this process, each level "
                    "interleaved with the server's (ceiling, server, server, ceiling on halves of its "
                    "requests), so both see the host at the same moments; its results go here")  # fmt: skip
+    p.add_argument("--paired-rounds", type=int, default=1, metavar="R",
+                   help="with --paired: split each level into 2 x R chunks of at least its concurrency "
+                   "and interleave round by round (finer pairing on a host whose speed drifts)")  # fmt: skip
     p.add_argument("--server-pid", type=int,
                    help="local server process: report its CPU (and main thread's) per output token")  # fmt: skip
     lim = p.add_argument_group("--limit settings (match the server's)")
@@ -500,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if (args.limit or args.engine or args.paired) and args.rate:
         raise SystemExit("trio-mlx bench: --limit/--engine/--paired run the closed loop only (use --concurrency)")
+    if args.paired_rounds < 1:
+        raise SystemExit("trio-mlx bench: --paired-rounds must be at least 1")
     if args.paired and not args.url:
         raise SystemExit("trio-mlx bench: --paired pairs a server (--url) with the ceiling")
     if args.limit and args.endpoint == "chat":
