@@ -136,26 +136,34 @@ async def _drain(stream: trio_mlx.RequestStream) -> trio_mlx.Finished:
     raise AssertionError("no Finished event")
 
 
-@pytest.mark.parametrize("actor", ["thread", "process"])
-async def test_arrivals_during_decode_are_inserted_together(tiny_model_fp32, tmp_path, monkeypatch, actor):
+@asynccontextmanager
+async def _traced_engine(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                         **options: Any) -> AsyncIterator[tuple[trio_mlx.Engine, Path]]:
+    """An engine whose actor writes its step trace: (engine, the trace's path), within 60 s."""
     trace = tmp_path / "trace.tsv"
     monkeypatch.setenv("TRIO_MLX_STEP_TRACE", str(trace))
-    opts = dict(temperature=0, ignore_eos=True)
-    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, prefill_batch=2, admit_window=60.0,
-                                    actor=actor) as engine:
+    async with trio_mlx.open_engine(model, **options) as engine:
         with trio.fail_after(60):
-            async with engine.generate("a long one", max_tokens=400, **opts) as first:
-                await _first_token(first)  # decoding now
-                async with engine.generate("second", max_tokens=4, **opts) as second:
-                    steps = engine.statistics().decode_steps
-                    while engine.statistics().decode_steps < steps + 5:  # noqa: ASYNC110
-                        await trio.sleep(0.001)
-                    assert second.stage == "queued"  # held: one arrival is not a prefill batch
-                    async with engine.generate("third", max_tokens=4, **opts) as third:
-                        # two gathered (prefill_batch=2): both enter at the next step
-                        assert (await _drain(second)).finish_reason == "length"
-                        assert (await _drain(third)).finish_reason == "length"
-                assert first.stage == "decode"
+            yield engine, trace
+
+
+@pytest.mark.parametrize("actor", ["thread", "process"])
+async def test_arrivals_during_decode_are_inserted_together(tiny_model_fp32, tmp_path, monkeypatch, actor):
+    opts = dict(temperature=0, ignore_eos=True)
+    async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, max_batch=8, prefill_batch=2,
+                              admit_window=60.0, actor=actor) as (engine, trace):
+        async with engine.generate("a long one", max_tokens=400, **opts) as first:
+            await _first_token(first)  # decoding now
+            async with engine.generate("second", max_tokens=4, **opts) as second:
+                steps = engine.statistics().decode_steps
+                while engine.statistics().decode_steps < steps + 5:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+                assert second.stage == "queued"  # held: one arrival is not a prefill batch
+                async with engine.generate("third", max_tokens=4, **opts) as third:
+                    # two gathered (prefill_batch=2): both enter at the next step
+                    assert (await _drain(second)).finish_reason == "length"
+                    assert (await _drain(third)).finish_reason == "length"
+            assert first.stage == "decode"
     rows = _trace(trace)
     inserted = [int(r["inserted"]) for r in rows if r["inserted"]]
     assert inserted == [1, 2], inserted  # the long one alone, then second and third in one step
@@ -164,19 +172,17 @@ async def test_arrivals_during_decode_are_inserted_together(tiny_model_fp32, tmp
 async def test_a_group_enters_only_after_the_last_one_prefilled(tiny_model_fp32, tmp_path, monkeypatch):
     """Arrivals one step apart never prefill in consecutive steps: the generator
     would otherwise top up its prompt batch every step (groups of 7 and 1...)."""
-    trace = tmp_path / "trace.tsv"
-    monkeypatch.setenv("TRIO_MLX_STEP_TRACE", str(trace))
     opts = dict(temperature=0, ignore_eos=True)
-    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=16, prefill_batch=4, admit_window=0.0) as engine:
-        with trio.fail_after(60):
-            async with engine.generate("a long one", max_tokens=600, **opts) as first:
-                await _first_token(first)
-                async with trio.open_nursery() as nursery:
-                    for i in range(6):
-                        steps = engine.statistics().decode_steps
-                        while engine.statistics().decode_steps == steps:  # noqa: ASYNC110
-                            await trio.sleep(0.0005)
-                        nursery.start_soon(_run_one, engine, f"arrival {i}")
+    async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, max_batch=16, prefill_batch=4,
+                              admit_window=0.0) as (engine, trace):
+        async with engine.generate("a long one", max_tokens=600, **opts) as first:
+            await _first_token(first)
+            async with trio.open_nursery() as nursery:
+                for i in range(6):
+                    steps = engine.statistics().decode_steps
+                    while engine.statistics().decode_steps == steps:  # noqa: ASYNC110
+                        await trio.sleep(0.0005)
+                    nursery.start_soon(_run_one, engine, f"arrival {i}")
     rows = _trace(trace)
     prefilled = [r["prompt_tokens"] > 0 for r in rows]
     assert sum(prefilled) >= 3  # the arrivals did come in several groups
@@ -224,26 +230,23 @@ async def test_a_held_request_can_be_aborted(tiny_model_fp32):
 @pytest.mark.parametrize("actor", ["thread", "process"])
 async def test_after_a_wave_ends_an_arrival_waits_for_the_others_and_sleeps_meanwhile(
         tiny_model_fp32, tmp_path, monkeypatch, actor):
-    trace = tmp_path / "trace.tsv"
-    monkeypatch.setenv("TRIO_MLX_STEP_TRACE", str(trace))
     opts = dict(temperature=0, ignore_eos=True)
-    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, prefill_batch=4, admit_window=0.8,
-                                    actor=actor) as engine:
-        with trio.fail_after(60):
+    async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, max_batch=8, prefill_batch=4,
+                              admit_window=0.8, actor=actor) as (engine, trace):
 
-            async def one(i: int) -> None:
-                async with engine.generate(f"wave {i}", max_tokens=3, **opts) as stream:
-                    await _drain(stream)
+        async def one(i: int) -> None:
+            async with engine.generate(f"wave {i}", max_tokens=3, **opts) as stream:
+                await _drain(stream)
 
-            async with trio.open_nursery() as nursery:
-                for i in range(4):
-                    nursery.start_soon(one, i)
-            # 4 just finished; 1 comes back: held for the other 3, up to 0.8 x 4/4 s
-            t0 = trio.current_time()
-            async with engine.generate("back", max_tokens=3, **opts) as back:
-                await _first_token(back)
-                waited = trio.current_time() - t0
-                assert (await _drain(back)).usage.completion_tokens == 3
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+        # 4 just finished; 1 comes back: held for the other 3, up to 0.8 x 4/4 s
+        t0 = trio.current_time()
+        async with engine.generate("back", max_tokens=3, **opts) as back:
+            await _first_token(back)
+            waited = trio.current_time() - t0
+            assert (await _drain(back)).usage.completion_tokens == 3
     assert waited > 0.5, waited
     rows = _trace(trace)
     # while it is held the actor sleeps: a handful of empty turns of its loop, not a spin
