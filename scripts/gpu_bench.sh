@@ -34,6 +34,8 @@
 #                               with SKIP=ceiling CEILING_AFTER=0 so the table's bar is that one)
 #   PAIRED_ROUNDS=1            (with PAIRED=1: interleave each level in this many rounds of
 #                               ceiling, server, server, ceiling: `bench --paired-rounds`)
+#   PAIRED_CACHE_GB=16         (with PAIRED=1: TRIO_MLX_CACHE_LIMIT_GB for the bench's ceiling,
+#                               so that it and the server fit on one GPU at c=256)
 #   RATES=                     (e.g. 2,8,32: also run trio_mlx's server with Poisson
 #                               arrivals at these requests/s, RATE_REQUESTS=48 per level)
 #   TRIO_NO_PACING=1           (also run trio_mlx with --max-event-rate 0)
@@ -104,7 +106,9 @@ bench() {  # NAME-OF-RUN JSON ARGS...: one sweep; errors are results, not failur
   local label=$1 json=$2 levels=(--concurrency "$conc")
   shift 2
   [[ " $* " == *" --rate "* ]] && levels=()  # a Poisson sweep: its rates are its levels
-  timeout "$limit" "$py" -m trio_mlx.cli bench --model "$dir" --prompt-tokens "$prompt" \
+  local envs=()  # a paired ceiling shares the GPU with the server: bound its MLX cache
+  [[ " $* " == *" --paired "* ]] && envs=(env "TRIO_MLX_CACHE_LIMIT_GB=${PAIRED_CACHE_GB:-16}")
+  timeout "$limit" ${envs[@]+"${envs[@]}"} "$py" -m trio_mlx.cli bench --model "$dir" --prompt-tokens "$prompt" \
     --max-tokens "$maxtok" "${levels[@]}" --label "$label" --device "$device" \
     --timeout 120 --warmup "$maxbatch" --requests-multiple "$multiple" --out "$json" "$@" \
     || echo "($label: exit status $?; errors, if any, are in $json)" >&2

@@ -621,3 +621,17 @@ async def test_an_idle_actor_hands_mlx_buffer_cache_back(tiny_model_fp32, monkey
         # and it serves on
         ids, _, fin = await run(engine, "after", max_tokens=3, ignore_eos=True)
         assert len(ids) == 3 and fin.finish_reason == "length"
+
+
+@pytest.mark.parametrize("actor", ["thread", "process"])
+async def test_the_mlx_cache_limit_bounds_the_buffer_cache(tiny_model_fp32, monkeypatch, actor):
+    monkeypatch.setenv("TRIO_MLX_CACHE_LIMIT_GB", "0")  # keep no freed buffers at all
+    async with trio_mlx.open_engine(tiny_model_fp32, actor=actor) as engine:
+        ids, _, _ = await run(engine, "fill the cache " * 20, max_tokens=16, ignore_eos=True)
+        assert len(ids) == 16
+        stats = engine.statistics()
+        assert stats.cache_memory_bytes == 0 and stats.active_memory_bytes > 0
+    monkeypatch.setenv("TRIO_MLX_CACHE_LIMIT_GB", "lots")
+    with pytest.raises(Exception, match="TRIO_MLX_CACHE_LIMIT_GB must be a number"):
+        async with trio_mlx.open_engine(tiny_model_fp32, actor=actor):
+            pass

@@ -143,6 +143,9 @@ class Ceiling:
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
 
+        from trio_mlx._actor import apply_cache_limit
+
+        apply_cache_limit()  # as the server's actor does: two MLX processes may share one GPU
         mx.random.seed(seed)
         self._trace: _StepTrace | None = None
         self.bg = BatchGenerator(
