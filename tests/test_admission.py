@@ -104,6 +104,14 @@ def test_a_lone_client_never_waits_and_the_wait_is_bounded():
     adm.finished(now=2.0, count=8)  # finishes older than the window are forgotten
     adm.add(_sub(3), now=2.9)
     assert _rids(adm.due(now=2.9, decoding=0, prefilling=False)) == [3]
+    adm.finished(now=3.0, count=1)  # more already waiting than just finished: no wait
+    for rid in (4, 5):
+        adm.add(_sub(rid), now=3.0)
+    assert adm.hold(now=3.0) == 0.0
+    assert _rids(adm.due(now=3.0, decoding=0, prefilling=False)) == [4, 5]
+    adm.finished(now=4.0, count=4)  # 4 finished, 1 back: the actor may sleep until the wait ends
+    adm.add(_sub(6), now=4.0)
+    assert adm.hold(now=4.1) == pytest.approx(0.8 * 4 / 8 - 0.1)
     off = _Admission(window=0.0, batch=8)  # no window: no waiting, for anyone
     off.finished(now=0.0, count=8)
     off.add(_sub(4), now=0.0)

@@ -194,27 +194,32 @@ class _Admission:
         if not pending or prefilling:
             return []
         take = min(len(pending), self.batch)
-        finished = self._finished
-        while finished and now - finished[0] > self.window:
-            finished.popleft()
-        if take < self.batch:
+        if decoding and take < self.batch:
             age = now - next(iter(pending.values()))[0]
-            if decoding and age < self.window * min(1.0, decoding / self.batch):
+            if age < self.window * min(1.0, decoding / self.batch):
                 return []  # wait for a full group, or the window
-            if take < len(finished) and age < self.window * min(1.0, len(finished) / self.batch):
-                return []  # wait for the clients of sequences that just finished
-        for _ in range(min(take, len(finished))):
-            finished.popleft()
+        if self._awaiting(now):
+            return []  # wait for the clients of sequences that just finished
+        for _ in range(min(take, len(self._finished))):
+            self._finished.popleft()
         return [pending.pop(rid)[1] for rid in list(itertools.islice(pending, take))]
 
-    def hold(self, now: float) -> float:
-        """With nothing in the batch and arrivals held (`due` gave none): seconds until
-        `due` may give some without new commands; the actor sleeps that long at most."""
-        if not self.pending or not self._finished:
+    def _awaiting(self, now: float) -> float:
+        """Seconds the held arrivals may still wait for the clients of sequences that
+        finished within the window (0: no such wait)."""
+        finished, pending = self._finished, self.pending
+        while finished and now - finished[0] > self.window:
+            finished.popleft()
+        if not pending or min(len(pending), self.batch) >= min(len(finished), self.batch):
             return 0.0
-        oldest = next(iter(self.pending.values()))[0]
-        deadline = oldest + self.window * min(1.0, len(self._finished) / self.batch)
-        return max(0.0, min(deadline, self._finished[0] + self.window) - now)
+        oldest = next(iter(pending.values()))[0]
+        return max(0.0, oldest + self.window * min(1.0, len(finished) / self.batch) - now)
+
+    def hold(self, now: float) -> float:
+        """With nothing in the batch: seconds until `due` may admit without new commands
+        (0: now, or nothing held); the actor sleeps that long at most."""
+        wait = self._awaiting(now)
+        return min(wait, self._finished[0] + self.window - now) if wait else 0.0
 
 
 class _StepTrace:
