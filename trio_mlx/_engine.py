@@ -681,12 +681,6 @@ class RequestStream:
         req = self._req
         return req.stage if req is not None and req.rid in self._engine._requests else "done"
 
-    @property
-    def ended(self) -> bool:
-        """True once the request has ended: every event still to be read has arrived
-        (the last is the `Finished`), so a reader has no reason to wait before reading on."""
-        return self._done or (self._req is not None and self._req.ended.is_set())
-
     async def wait_ended(self) -> None:
         """Return once the request has ended (at once if it has): for a reader that
         paces itself, so that a stream's last tokens and its end are never held back."""
