@@ -102,6 +102,13 @@ stop_server() {  # SIGTERM, 30 s grace, then SIGKILL
   server_pid=""
 }
 
+trace() {  # TARGET: with TRACE=1, step traces of a target (the model's $name, the run's $sfx);
+  # a paired ceiling runs in the bench's process, so its trace is its own
+  [ "${TRACE:-0}" = 1 ] || return 0
+  export TRIO_MLX_STEP_TRACE="$out/logs/$name-$1$sfx.trace.tsv"
+  export TRIO_MLX_CEILING_TRACE="$out/logs/$name-$1$sfx-ceiling.trace.tsv"
+}
+
 bench() {  # NAME-OF-RUN JSON ARGS...: one sweep; errors are results, not failures
   local label=$1 json=$2 levels=(--concurrency "$conc")
   shift 2
@@ -177,11 +184,6 @@ for name in "${models[@]}"; do
       export TRIO_MLX_RETIRE_STEPS="$retire"
       [ ${#retires[@]} -gt 1 ] && sfx="$sfx-r$retire" lsfx="$lsfx (retire $retire)"
     fi
-    trace() {  # the paired ceiling runs in the bench's process: its trace is its own
-      [ "${TRACE:-0}" = 1 ] || return 0
-      export TRIO_MLX_STEP_TRACE="$out/logs/$name-$1$sfx.trace.tsv"
-      export TRIO_MLX_CEILING_TRACE="$out/logs/$name-$1$sfx-ceiling.trace.tsv"
-    }
     if [[ $skip != *,engine,* ]]; then
       log "$name: trio_mlx engine in-process (channel API, no HTTP)$lsfx"
       trace engine

@@ -245,6 +245,12 @@ class _StepTrace:
         self._f.write(f"{t:.6f}\t{exchange:.6f}\t{next_s:.6f}\t{inserted}\t{generated}\t"
                       f"{prompt_tokens}\t{live}\t{retired}\t{rows}\n")
 
+    @staticmethod
+    def batch_rows(bg: Any) -> int:
+        """The decoding batch's rows, read from the generator's internals: the trace is
+        a tool, so best effort."""
+        return len(getattr(bg, "_generation_batch", ()))
+
     def close(self) -> None:
         self._f.close()
 
@@ -496,8 +502,7 @@ class Actor:
                     return  # Shutdown
                 report = self._step(failed)
                 if trace is not None:
-                    rows = len(getattr(self._bg, "_generation_batch", ()))  # the trace is a tool: best effort
-                    trace.write(t1, t1 - t0, report, self._inserted, len(self._retired), rows)
+                    trace.write(t1, t1 - t0, report, self._inserted, len(self._retired), trace.batch_rows(self._bg))
         finally:
             if trace is not None:
                 trace.close()

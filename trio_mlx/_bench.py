@@ -319,22 +319,21 @@ async def _run_paired_level(
     srv_idle = [0.0, 0.0]  # the server's CPU while the ceiling ran (an idle server's housekeeping)
     for r in range(rounds):
         a, b, c = cut[2 * r], cut[2 * r + 1], cut[2 * r + 2]
-        for lo, hi, server_first in ((a, b, False), (b, c, True)):
-            for on_server in ((True, False) if server_first else (False, True)):
-                if on_server:
-                    cpu0, t0 = time.process_time(), time.perf_counter()
-                    records += await _run_level(client, path, bodies[lo:hi], concurrency, None, args)
-                    duration += time.perf_counter() - t0
-                    client_cpu += time.process_time() - cpu0
-                else:
-                    before = _proc_cpu(args.server_pid)
-                    recs, seconds, cpu = paired.drive(ids[lo:hi], concurrency, args.max_tokens)
-                    after = _proc_cpu(args.server_pid)
-                    if before is not None and after is not None:
-                        srv_idle = [srv_idle[i] + after[i] - before[i] for i in (0, 1)]
-                    ceiling += recs
-                    ceiling_s += seconds
-                    ceiling_cpu += cpu
+        for on_server, lo, hi in ((False, a, b), (True, a, b), (True, b, c), (False, b, c)):
+            if on_server:
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                records += await _run_level(client, path, bodies[lo:hi], concurrency, None, args)
+                duration += time.perf_counter() - t0
+                client_cpu += time.process_time() - cpu0
+            else:
+                before = _proc_cpu(args.server_pid)
+                recs, seconds, cpu = paired.drive(ids[lo:hi], concurrency, args.max_tokens)
+                after = _proc_cpu(args.server_pid)
+                if before is not None and after is not None:
+                    srv_idle = [srv_idle[i] + after[i] - before[i] for i in (0, 1)]
+                ceiling += recs
+                ceiling_s += seconds
+                ceiling_cpu += cpu
     paired_levels.append(in_process_level(
         ceiling, duration=ceiling_s, concurrency=concurrency, cpu_s=ceiling_cpu, cpu_name="client",
     ))  # fmt: skip

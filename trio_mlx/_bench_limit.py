@@ -89,7 +89,7 @@ def drive(
         now = clock()
         if trace is not None:
             trace.row(t_step, 0.0, now - t_step, inserted, len(responses),
-                      bg._counters.prompt_tokens - prompt0, len(live), 0, len(getattr(bg, "_generation_batch", ())))
+                      bg._counters.prompt_tokens - prompt0, len(live), 0, trace.batch_rows(bg))
             inserted = 0
         if not responses:
             idle += 1

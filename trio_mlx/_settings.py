@@ -49,7 +49,9 @@ class Settings:
         "sequences decode, in proportion below; 0: no waiting for company"))
     max_queue: int = field(default=1024, metadata=_doc("waiting requests before new ones get 429"))
     cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
-    warmup: bool = field(default=True, metadata=_doc("run one tiny generation before reporting ready"))
+    warmup: bool = field(default=True, metadata=_doc(
+        "generate before reporting ready, so first requests pay no kernel compiles: on a GPU "
+        "a prefill of every group size up to prefill_batch, on the CPU one short sequence"))
     actor: str = field(default="process", metadata=_doc(
         "where the GPU actor runs: 'process' (a child process with its own GIL, so HTTP work "
         "does not slow decoding; ~1-2 s more to start) or 'thread' (in the server's process)"))
