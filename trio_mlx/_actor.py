@@ -16,6 +16,7 @@ floats leave it; arrays never do.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import itertools
 import math
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import trio
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_repetition_penalty
 
 from . import _models
@@ -282,6 +284,69 @@ def apply_cache_limit() -> None:
     limit = _env_number(_CACHE_LIMIT_ENV, math.inf)
     if math.isfinite(limit):
         mx.set_cache_limit(int(limit * 1e9))
+
+
+def _remove_rows(bg: Any, uids: list[int]) -> None:
+    """`bg.remove(uids)`, with one read of the decoding batch's padding instead of one per layer.
+
+    mlx_lm's `BatchKVCache.filter` reads the kept rows' left padding back to
+    the host (`tolist()`) in every layer, to trim the padding all rows share:
+    a GPU round trip per layer. On an H100 the actor's removals of 8 retired
+    rows from 56-64 took 10-30 ms each outside `next()` with the 1B model (16
+    layers) and 17-45 ms with the 135M (30 layers): 5-7% of the server's time
+    at 64-256 streams (BENCHMARKS.md, finding 12). Every layer of a batch is
+    filtered, extended and padded alike, so all hold the same padding: here
+    the first layer's is read once and every layer filters with it, as the
+    stock `filter` would. `scripts/probe_remove.py` measured a removal at 15
+    -> 3 ms (1B) and 27 -> 3 ms (135M), with the same tokens. A batch whose
+    caches are not all plain `BatchKVCache`s at one position keeps the stock
+    path.
+    """
+    caches = _kv_caches(bg)
+    if caches is None:
+        bg.remove(uids)
+        return
+    keep = _KeepRows(caches[0].left_padding.tolist())
+    for c in caches:
+        c.filter = functools.partial(keep, c)  # shadows the class's filter for this call only
+    try:
+        bg.remove(uids)
+    finally:
+        for c in caches:
+            vars(c).pop("filter", None)
+
+
+def _kv_caches(bg: Any) -> list[Any] | None:
+    """The decoding batch's per-layer caches if all are plain `BatchKVCache`s at one
+    position (so they share their padding), else None."""
+    batch = getattr(bg, "_generation_batch", None)
+    caches = list(getattr(batch, "prompt_cache", None) or ())
+    if not caches or any(type(c) is not BatchKVCache or c._idx != caches[0]._idx for c in caches):
+        return None
+    return caches
+
+
+class _KeepRows:
+    """`BatchKVCache.filter` with the rows' left padding known on the host: the same
+    arrays as the stock method, without reading the padding back."""
+
+    __slots__ = ("padding",)
+
+    def __init__(self, padding: list[int]):
+        self.padding = padding
+
+    def __call__(self, c: Any, batch_indices: list[int]) -> None:
+        kept = [self.padding[i] for i in batch_indices]
+        shift = min(kept)
+        rows = mx.array(batch_indices)
+        if c.keys is not None:
+            c.keys, c.values = c.keys[rows], c.values[rows]
+        c.offset = c.offset[rows]
+        c.left_padding = mx.array([p - shift for p in kept])
+        if shift > 0:
+            if c.keys is not None:
+                c.keys, c.values = c.keys[..., shift:, :], c.values[..., shift:, :]
+            c._idx -= shift
 
 
 def _memory() -> tuple[int, int, int]:
@@ -551,7 +616,7 @@ class Actor:
             removes.extend(self._retired)
             self._retired.clear()
         if removes:
-            self._bg.remove(removes)
+            _remove_rows(self._bg, removes)
             if aborted:
                 self._hook("removed")
         self._inserted = len(subs)
@@ -630,7 +695,7 @@ class Actor:
         except Exception as exc:
             return self._recover(exc, failed)
         if self._retired and not self._seqs:  # the batch ran dry: nothing left to overlap
-            self._bg.remove(list(self._retired))
+            _remove_rows(self._bg, list(self._retired))
             self._retired.clear()
         prefilling, decoding, prompt_tokens = [], [], 0
         for pr in prompt_responses:
