@@ -28,6 +28,7 @@ from trio_mlx._bench_stats import (
     format_table,
     level_stats,
     percentile,
+    plot_lines,
     summarize,
     write_plot,
 )
@@ -412,6 +413,17 @@ def test_plot_skips_a_run_that_died_before_its_first_level(tmp_path: Path) -> No
         png = write_plot(results, tmp_path / "p.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         png.unlink()
+
+
+def test_plot_joins_runs_that_share_a_name_into_one_line() -> None:
+    sweep = _fake_result("trio_mlx", "http://h", [90.0, 300.0])
+    c1 = _fake_result("trio_mlx", "http://h", [95.0, 1.0])
+    c1["levels"] = c1["levels"][:1]  # c=1 alone, measured in a call of its own
+    ceiling = _fake_result("ceiling", "limit", [100.0, 400.0])
+    lines = plot_lines([sweep, ceiling, c1])
+    assert list(lines) == ["trio_mlx", "ceiling"]
+    assert [lv["concurrency"] for lv in lines["trio_mlx"]] == [1, 1, 8]
+    assert sorted(round(lv["output_throughput"]) for lv in lines["trio_mlx"]) == [90, 95, 300]
 
 
 # ------------------------------------------------------- HTTP mode, real servers

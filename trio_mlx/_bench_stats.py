@@ -135,38 +135,45 @@ def _run_name(res: dict[str, Any]) -> str:
     return str(res.get("label") or res.get("target") or "run")
 
 
+def plot_lines(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The plot's lines: run name -> its levels in order. Runs that share a name are one
+    line (a level measured in a call of its own, such as c=1 in rounds, joins its sweep);
+    a run that died before its first level draws none."""
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for res in results:
+        lines.setdefault(_run_name(res), []).extend(res["levels"])
+    return {name: sorted(lvs, key=level_key) for name, lvs in lines.items() if lvs}
+
+
 def write_plot(results: Sequence[dict[str, Any]], out: str | Path) -> Path:
-    """Output tok/s and TTFT p50 against concurrency (or rate), one line per run."""
+    """Output tok/s and TTFT p50 against concurrency (or rate), one line per run name."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     first = results[0] if results else {}
-    results = [r for r in results if r["levels"]]  # a run that died before its first level
+    lines = plot_lines(results)
     fig, (ax_tp, ax_ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
-    rate_mode = any(lv.get("concurrency") is None for r in results for lv in r["levels"])
-    for res in results:
-        lvs = sorted(res["levels"], key=level_key)
+    rate_mode = any(lv.get("concurrency") is None for lvs in lines.values() for lv in lvs)
+    for name, lvs in lines.items():
         xs = [level_key(lv) for lv in lvs]
-        ax_tp.plot(xs, [lv["output_throughput"] or 0 for lv in lvs], "o-", label=_run_name(res))
-        ax_ttft.plot(
-            xs, [lv["ttft_ms"]["p50"] or float("nan") for lv in lvs], "o-", label=_run_name(res)
-        )
+        ax_tp.plot(xs, [lv["output_throughput"] or 0 for lv in lvs], "o-", label=name)
+        ax_ttft.plot(xs, [lv["ttft_ms"]["p50"] or float("nan") for lv in lvs], "o-", label=name)
     xlabel = "arrival rate (requests/s)" if rate_mode else "concurrent requests"
-    ticks = sorted({level_key(lv) for r in results for lv in r["levels"]})
+    ticks = sorted({level_key(lv) for lvs in lines.values() for lv in lvs})
     for ax in (ax_tp, ax_ttft):
         ax.set_xlabel(xlabel)
         if not rate_mode and ticks:
             ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.grid(True, which="both", alpha=0.3)
-        if results:
+        if lines:
             ax.legend()
     ax_tp.set_ylabel("output tokens/s")
     ax_tp.set_title("throughput")
     ax_ttft.set_ylabel("TTFT p50 (ms)")
-    if any((lv["ttft_ms"]["p50"] or 0) > 0 for r in results for lv in r["levels"]):
+    if any((lv["ttft_ms"]["p50"] or 0) > 0 for lvs in lines.values() for lv in lvs):
         ax_ttft.set_yscale("log")
     ax_ttft.set_title("time to first token")
     fig.suptitle(
