@@ -40,6 +40,18 @@ def test_served_model_name():
     assert Settings(model="./my-llama", model_name="prod").served_model_name == "prod"
 
 
+def test_served_model_name_is_worked_out_once(tmp_path, monkeypatch):
+    """Every request compares its `model` with it; the file system is asked once."""
+    import os
+
+    settings = Settings(model=str(tmp_path / "org/name"))
+    calls = []
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: calls.append(p) or real_exists(p))
+    assert [settings.served_model_name for _ in range(3)] == ["name"] * 3
+    assert len(calls) <= 1
+
+
 def test_flags_win_over_the_environment(monkeypatch):
     monkeypatch.setenv("TRIO_MLX_MAX_BATCH", "not a number")  # overridden, so never parsed
     monkeypatch.setenv("TRIO_MLX_PORT", "9000")

@@ -10,6 +10,7 @@ names its variable and stops the server before it loads anything.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Mapping
@@ -104,9 +105,10 @@ class Settings:
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
-    @property
+    @functools.cached_property
     def served_model_name(self) -> str:
-        """The id clients see: MODEL_NAME, else the hub id, else the local directory's name."""
+        """The id clients see: MODEL_NAME, else the hub id, else the local directory's name.
+        Worked out once (it may look at the file system): every request compares against it."""
         if self.model_name:
             return self.model_name
         if not self.model or self.model in ("default", DEFAULT_MODEL_NAME):
