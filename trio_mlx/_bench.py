@@ -233,14 +233,14 @@ async def run_http(
     prompts: list[Prompt],
     warm: Sequence[Prompt] = (),
     paired: Any = None,
-    paired_levels: list[dict[str, Any]] | None = None,
+    on_paired_level: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the plan's levels against `args.url`, each on the next prompts; one stats dict each.
 
     The `warm` prompts go first, all at once with 8 output tokens, unmeasured.
     With `paired` (a `_bench_limit.Ceiling`), each closed-loop level runs on it
-    too, interleaved (`_run_paired_level`); the ceiling's levels are appended
-    to `paired_levels`.
+    too, interleaved (`_run_paired_level`), and each of the ceiling's levels
+    goes to `on_paired_level`.
     """
     import trio
 
@@ -270,9 +270,10 @@ async def run_http(
             bodies = [request_body(args, p, args.max_tokens, model) for p in mine]
             pos += n
             if paired is not None and concurrency is not None and n >= 2:
-                assert paired_levels is not None
-                records, duration, client_cpu, srv0 = await _run_paired_level(
-                    client, path, bodies, [p.ids for p in mine], concurrency, args, paired, paired_levels)
+                assert on_paired_level is not None
+                records, duration, client_cpu, srv0, ceiling_level = await _run_paired_level(
+                    client, path, bodies, [p.ids for p in mine], concurrency, args, paired)
+                on_paired_level(ceiling_level)
             else:
                 cpu0, srv0 = time.process_time(), _proc_cpu(args.server_pid)
                 t0 = time.perf_counter()
@@ -301,16 +302,16 @@ async def _run_paired_level(
     concurrency: int,
     args: argparse.Namespace,
     paired: Any,
-    paired_levels: list[dict[str, Any]],
-) -> tuple[list[RequestRecord], float, float, tuple[float, float] | None]:
+) -> tuple[list[RequestRecord], float, float, tuple[float, float] | None, dict[str, Any]]:
     """One level on the server and on the ceiling, interleaved so that both see the host
     at the same moments: its requests split into 2 x R chunks (R = --paired-rounds, fewer
     where a chunk would hold fewer than `concurrency` requests), each round running
     ceiling, server, server, ceiling on its two chunks (a host that speeds up or slows
     down steadily weighs on both alike). Returns the server's records, seconds and
-    client CPU seconds (its runs only) and its server CPU at the start."""
+    client CPU seconds (its runs only), its server CPU at the start, and the ceiling's
+    level."""
     n = len(bodies)
-    rounds = max(1, min(getattr(args, "paired_rounds", 1), n // (2 * concurrency)))
+    rounds = max(1, min(args.paired_rounds, n // (2 * concurrency)))
     cut = [n * i // (2 * rounds) for i in range(2 * rounds + 1)]
     records: list[RequestRecord] = []
     ceiling: list[RequestRecord] = []
@@ -334,14 +335,12 @@ async def _run_paired_level(
                 ceiling += recs
                 ceiling_s += seconds
                 ceiling_cpu += cpu
-    paired_levels.append(in_process_level(
-        ceiling, duration=ceiling_s, concurrency=concurrency, cpu_s=ceiling_cpu, cpu_name="client",
-    ))  # fmt: skip
-    if (save := getattr(args, "paired_checkpoint", None)) is not None:
-        save()
     if srv0 is not None:
         srv0 = (srv0[0] + srv_idle[0], srv0[1] + srv_idle[1])
-    return records, duration, client_cpu, srv0
+    ceiling_level = in_process_level(
+        ceiling, duration=ceiling_s, concurrency=concurrency, cpu_s=ceiling_cpu, cpu_name="client",
+    )  # fmt: skip
+    return records, duration, client_cpu, srv0, ceiling_level
 
 
 async def _run_level(
@@ -694,12 +693,15 @@ def _run_paired(
     paired = {**result, "label": label, "target": "limit", "paired_with": args.url,
               "settings": settings, "device": device_info(), "levels": levels}  # fmt: skip
 
-    def save() -> None:  # after every level: a run cut short by a time cap keeps its levels
+    def save() -> None:
         Path(args.paired).write_text(json.dumps(paired, indent=1) + "\n")
 
-    args.paired_checkpoint = save
+    def add(level: dict[str, Any]) -> None:  # saved at once: a run cut short by a time cap keeps it
+        levels.append(level)
+        save()
+
     try:
-        served = trio.run(run_http, args, plan, prompts, warm, ceiling, levels)
+        served = trio.run(run_http, args, plan, prompts, warm, ceiling, add)
     finally:
         ceiling.close()
         save()
