@@ -19,20 +19,26 @@ import statistics
 import sys
 
 LEVELS = (1, 8, 32, 64, 128, 256)
-T, EXCHANGE, NEXT, INSERTED, GENERATED, PROMPT, LIVE, RETIRED, ROWS = range(9)
+# the columns read here, by the names of the trace's own header line (`_StepTrace.HEADER`)
+T, EXCHANGE, NEXT, INSERTED, GENERATED, PROMPT, LIVE, RETIRED = (
+    "t", "exchange_s", "next_s", "inserted", "generated", "prompt_tokens", "live", "retired")
 
 
-def load(path: str) -> list[list[float]]:
+def load(path: str) -> list[dict[str, float]]:
+    """The steps of a trace, one dict per row keyed by its header; a trace appended to by
+    several runs repeats the header, which is skipped."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
-        return [[float(x) for x in line.split("\t")] for line in f if not line.startswith("t\t")]
+        header = next(f).rstrip("\n").split("\t")
+        return [dict(zip(header, map(float, line.split("\t")), strict=True))
+                for line in f if not line.startswith(header[0] + "\t")]
 
 
 def level(rows: float) -> int:
     return LEVELS[min(bisect.bisect_left(LEVELS, rows), len(LEVELS) - 1)]
 
 
-def decode_steps(trace: list[list[float]]) -> dict[int, list[float]]:
+def decode_steps(trace: list[dict[str, float]]) -> dict[int, list[float]]:
     """Plain decode steps with the batch near its level's width: ms by level."""
     out: dict[int, list[float]] = {}
     for r in trace:
@@ -44,7 +50,7 @@ def decode_steps(trace: list[list[float]]) -> dict[int, list[float]]:
     return out
 
 
-def own_work(trace: list[list[float]]) -> dict[int, dict[str, list[float]]]:
+def own_work(trace: list[dict[str, float]]) -> dict[int, dict[str, list[float]]]:
     """ms between one step's `next()` and the next step's, less the exchange, by level and
     by whether the actor removed rows before the step (retired rows were waiting)."""
     out: dict[int, dict[str, list[float]]] = {}
