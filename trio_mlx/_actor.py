@@ -59,7 +59,7 @@ _MEMORY_EVERY = 64
 # TRIO_MLX_STEP_TRACE=PATH: the actor appends one tab-separated line per step
 # (see `_StepTrace`) to PATH; a tool for finding where a step's time goes.
 _TRACE_ENV = "TRIO_MLX_STEP_TRACE"
-_WARMUP_PROMPT = 128  # tokens per warm-up prompt (see Actor._warmup)
+_WARMUP_PROMPT = 128  # tokens per warm-up prompt on a GPU (see warm_up)
 # TRIO_MLX_RETIRE_STEPS=N: the most steps a finished sequence's row may stay in
 # the batch before it is removed (see `Actor._retire_due`); 0 removes at once.
 _RETIRE_ENV = "TRIO_MLX_RETIRE_STEPS"
@@ -286,6 +286,40 @@ def apply_cache_limit() -> None:
         mx.set_cache_limit(int(limit * 1e9))
 
 
+def warm_up(bg: Any, token: int, length: int, groups: int) -> None:
+    """Prefill 1, 2, ... `groups` prompts of `length` tokens at once, each group to
+    its first tokens. Leaves `bg` empty.
+
+    MLX compiles GPU kernels the first time it meets a shape, and on CUDA
+    that can stall a step for seconds: measured on an H100, the first
+    prefill of one 100-token prompt into a 4-bit 1B model took 59 s and the
+    first of eight 39 s; bf16 models paid 65-350 ms per first visit, 10-25
+    ms after (`scripts/probe_steps.py`). Live traffic admits groups of every
+    size up to the prefill batch, so each size is visited here, before the
+    server reports ready, rather than in the middle of someone's stream.
+    The prompt length (128 tokens on a GPU, less for a small context) is a
+    judgement call: a typical chat turn. On the CPU, where MLX has no such
+    stalls to hide and prefill is slow, one short sequence is enough.
+    """
+    for k in range(1, groups + 1):
+        uids = bg.insert([[token] * length for _ in range(k)], max_tokens=[2] * k)
+        _step_until(bg, lambda gen: all(n >= 2 for n in gen.values()), uids)
+
+
+def _step_until(bg: Any, done: Callable[[dict[int, int]], bool], uids: list[int]) -> None:
+    """Call `bg.next()` until `done(tokens generated so far per uid)`; the bound of
+    64 steps only guards a bug."""
+    generated: dict[int, int] = dict.fromkeys(uids, 0)
+    for _ in range(64):
+        _, responses = bg.next()
+        for r in responses:
+            if r.uid in generated:
+                generated[r.uid] += 1
+        if done(generated):
+            return
+    raise RuntimeError(f"warm-up: no progress after 64 steps ({generated})")
+
+
 def _remove_rows(bg: Any, uids: list[int]) -> None:
     """`bg.remove(uids)`, with one read of the decoding batch's padding instead of one per layer.
 
@@ -455,13 +489,7 @@ class Actor:
         t0 = time.perf_counter()
         try:
             self._hook("load")
-            apply_cache_limit()
-            self._model, config = _models.load_model(self.config.model_path)
-            self._context = _models.context_length(config)
-            self._vocab = int(config.get("vocab_size", 0))
-            self._bg = self._new_generator()
-            self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
-            self._idle_release = _env_number(_IDLE_RELEASE_ENV, IDLE_RELEASE if gpu else 0.0)
+            config = self._load()
             if self.config.warmup:
                 self._warmup()
             info = ActorInfo(
@@ -478,6 +506,17 @@ class Actor:
         finally:
             self._free()
 
+    def _load(self) -> dict[str, Any]:
+        """Load the model and make the generator; returns the model's config."""
+        apply_cache_limit()
+        self._model, config = _models.load_model(self.config.model_path)
+        self._context = _models.context_length(config)
+        self._vocab = int(config.get("vocab_size", 0))
+        self._bg = self._new_generator()
+        self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
+        self._idle_release = _env_number(_IDLE_RELEASE_ENV, IDLE_RELEASE if gpu else 0.0)
+        return config
+
     def _hook(self, stage: str) -> None:
         if self.config.fault_hook is not None:
             self.config.fault_hook(stage)
@@ -492,33 +531,69 @@ class Actor:
         )
 
     def _warmup(self) -> None:
-        """Prefill 1, 2, ... prefill_batch prompts at once, each group to its first tokens.
-
-        MLX compiles GPU kernels the first time it meets a shape, and on CUDA
-        that can stall a step for seconds: measured on an H100, the first
-        prefill of one 100-token prompt into a 4-bit 1B model took 59 s and the
-        first of eight 39 s; bf16 models paid 65-350 ms per first visit, 10-25
-        ms after (`scripts/probe_steps.py`). Live traffic admits groups of every
-        size up to prefill_batch, so each size is visited here, before the
-        server reports ready, rather than in the middle of someone's stream.
-        The prompt length (_WARMUP_PROMPT tokens, less for a small context) is
-        a judgement call: a typical chat turn. On the CPU, where MLX has no such
-        stalls to hide and prefill is slow, one short sequence is enough.
-        """
+        """Visit, before the server reports ready, what live traffic will make MLX
+        compile: every prefill group size (`warm_up`), then, on a GPU, a
+        rehearsal of the actor's other paths (`_rehearse`)."""
         assert self._bg is not None
         gpu = self._gpu
         length = max(1, min(_WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
         token = 1 if self._vocab > 1 else 0
-        for k in range(1, (self.config.prefill_batch if gpu else 1) + 1):
-            self._bg.insert([[token] * length for _ in range(k)], max_tokens=[2] * k)
-            finished = 0
-            for _ in range(64):  # prefill + 2 decode steps; the bound only guards a bug
-                _, generated = self._bg.next()
-                finished += sum(1 for r in generated if r.finish_reason)
-                if finished >= k:
-                    break
+        warm_up(self._bg, token, length, self.config.prefill_batch if gpu else 1)
+        if gpu:
+            self._rehearse(token, length)
         self._bg.close()
         self._bg = self._new_generator()
+
+    def _rehearse(self, token: int, length: int) -> None:
+        """Serve a short script of requests through the actor's own `_apply` and
+        `_step`, as live traffic would, then forget them. Leaves the batch empty.
+
+        On CUDA, MLX compiles some kernels (with NVRTC, for seconds) the first
+        time an operation meets a dtype, not a shape. The prefill groups of
+        `warm_up` never remove a row that others outlive, and the first such
+        removal, gathering the kept rows' next tokens (`gather_uint32_int32`),
+        stalled a decode step for 3.3 s on an H100 (BENCHMARKS.md, finding 7;
+        `scripts/probe_first_visits.py` found the module in MLX's PTX cache).
+        Sampling, penalties, logit bias and logprobs have kernels of their own.
+        The script: A (greedy) decodes; B (every sampling option, logprobs)
+        and C (seeded) join it, padded; A finishes and retires; D enters, so
+        A's row leaves with B and C kept, trimming the padding they share; C
+        is aborted; the rest finish and the batch runs dry.
+        """
+        admission = self._admission
+        self._admission = _Admission(0.0, self.config.prefill_batch)  # no waiting for company
+        prompt = (token,) * length
+        every = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+                               presence_penalty=0.5, frequency_penalty=0.5, logit_bias=((token, 1.0),),
+                               logprobs=True, top_logprobs=5)
+        a, b, c, d = -1, -2, -3, -4  # rids no request has
+        script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]] = [
+            ([Submit(a, prompt, 8, SamplingParams(temperature=0.0), frozenset())], lambda n: n[a] >= 3),
+            ([Submit(b, prompt, 12, every, frozenset()),
+              Submit(c, prompt, 12, SamplingParams(temperature=0.7, seed=0), frozenset())], lambda n: n[a] >= 8),
+            ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
+            ([Abort(c)], lambda n: not self._seqs),
+        ]
+        counts: collections.Counter[int] = collections.Counter()
+        try:
+            for commands, done in script:
+                failed = self._apply(commands)
+                for _ in range(64):  # the bound only guards a bug
+                    report = self._step(failed or [])
+                    if report.failed:
+                        raise RuntimeError(f"warm-up rehearsal failed: {report.failed}")
+                    counts.update(t.rid for t in report.tokens)
+                    if done(counts):
+                        break
+                    failed = self._apply([])
+                else:
+                    raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
+        finally:
+            self._admission = admission
+            self._seqs.clear()
+            self._by_uid.clear()
+            self._retired.clear()
+            self._decoding = self._steps = 0
 
     def _free(self) -> None:
         """Drop every array on this thread and synchronize, so the process exits cleanly."""

@@ -52,7 +52,8 @@ class Settings:
     cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
     warmup: bool = field(default=True, metadata=_doc(
         "generate before reporting ready, so first requests pay no kernel compiles: on a GPU "
-        "a prefill of every group size up to prefill_batch, on the CPU one short sequence"))
+        "a prefill of every group size up to prefill_batch and a rehearsal of the actor's other "
+        "paths (removals, sampling options, logprobs, an abort), on the CPU one short sequence"))
     actor: str = field(default="process", metadata=_doc(
         "where the GPU actor runs: 'process' (a child process with its own GIL, so HTTP work "
         "does not slow decoding; ~1-2 s more to start) or 'thread' (in the server's process)"))

@@ -1,0 +1,109 @@
+"""The actor's warm-up: what it visits before the server reports ready (`_actor.Actor._warmup`).
+
+On CUDA, MLX compiles a kernel the first time an operation meets a dtype, for
+seconds, so the GPU warm-up rehearses every path of the actor that live
+traffic takes. These tests run the GPU's warm-up on the CPU (`_gpu = True`)
+and check what it visited and that it leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trio_mlx import _actor
+from trio_mlx._actor import Actor
+from trio_mlx._messages import ActorConfig, SamplingParams, Submit
+
+
+def _loaded(path: Path, gpu: bool) -> Actor:
+    actor = Actor(ActorConfig(model_path=path, prefill_batch=2, admit_window=0.02), link=None)  # type: ignore[arg-type]
+    actor._load()
+    actor._gpu = gpu
+    return actor
+
+
+def _greedy(actor: Actor, prompt: tuple[int, ...], n: int) -> list[int]:
+    """Serve one greedy request through the actor's own steps; its tokens."""
+    out: list[int] = []
+    failed = actor._apply([Submit(7, prompt, n, SamplingParams(temperature=0.0), frozenset())])
+    for _ in range(4 * n):
+        report = actor._step(failed or [])
+        assert not report.failed
+        out += [t.token for t in report.tokens if t.rid == 7]
+        if len(out) >= n:
+            return out
+        failed = actor._apply([])
+    raise AssertionError(f"no end after {4 * n} steps: {out}")
+
+
+@pytest.fixture
+def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """Records every removal (rows kept, whether the padding was trimmed), sampler,
+    processor list and logprobs call the actor makes."""
+    seen: dict[str, list[Any]] = {"removals": [], "samplers": [], "processors": [], "logprobs": []}
+    remove, sampler, processors = _actor._remove_rows, _actor._make_sampler, _actor._make_processors
+    add_logprobs = Actor._add_logprobs
+
+    def spy_remove(bg: Any, uids: list[int]) -> None:
+        caches = _actor._kv_caches(bg)
+        assert caches is not None
+        idx = caches[0]._idx
+        remove(bg, uids)
+        kept = len(bg._generation_batch.uids)
+        seen["removals"].append((kept, kept > 0 and caches[0]._idx < idx))
+
+    def spy_sampler(sp: SamplingParams) -> Any:
+        seen["samplers"].append(sp)
+        return sampler(sp)
+
+    def spy_processors(sp: SamplingParams, prompt_len: int, context: int) -> list[Any]:
+        procs = processors(sp, prompt_len, context)
+        seen["processors"].append(len(procs))
+        return procs
+
+    def spy_logprobs(self: Actor, out: Any, rows: Any) -> None:
+        seen["logprobs"].append(len(rows))
+        add_logprobs(self, out, rows)
+
+    monkeypatch.setattr(_actor, "_remove_rows", spy_remove)
+    monkeypatch.setattr(_actor, "_make_sampler", spy_sampler)
+    monkeypatch.setattr(_actor, "_make_processors", spy_processors)
+    monkeypatch.setattr(Actor, "_add_logprobs", spy_logprobs)
+    return seen
+
+
+def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort(tiny_model_fp32, visits):
+    actor = _loaded(tiny_model_fp32, gpu=True)
+    actor._warmup()
+    kept = [(rows, trimmed) for rows, trimmed in visits["removals"] if rows]
+    # the retired row leaves while two stay (the first removal that gathers the kept rows'
+    # tokens: 3.3 s of kernel compile on an H100), trimming the padding they share...
+    assert (2, True) in kept
+    # ...and the aborted row leaves while others stay
+    assert len(kept) >= 2
+    sampled = [sp for sp in visits["samplers"] if not sp.greedy]
+    assert any(sp.seed is not None for sp in sampled)
+    assert any(sp.top_p < 1 and sp.top_k and sp.min_p for sp in sampled)
+    assert max(visits["processors"]) == 3  # logit bias, repetition penalty, presence/frequency
+    assert visits["logprobs"]
+
+
+def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits):
+    warmed = _loaded(tiny_model_fp32, gpu=True)
+    warmed._warmup()
+    assert not (warmed._seqs or warmed._by_uid or warmed._retired or warmed._admission.pending)
+    assert warmed._decoding == warmed._steps == 0
+    assert warmed._admission.window == 0.02  # the rehearsal's own (0) is gone
+    assert warmed._bg is not None and not warmed._bg._generation_batch.uids
+    cold = _loaded(tiny_model_fp32, gpu=False)
+    prompt = tuple(range(5, 25))
+    assert _greedy(warmed, prompt, 12) == _greedy(cold, prompt, 12)
+
+
+def test_the_cpu_warm_up_is_one_short_sequence(tiny_model_fp32, visits):
+    actor = _loaded(tiny_model_fp32, gpu=False)
+    actor._warmup()
+    assert visits["removals"] == visits["samplers"] == visits["logprobs"] == []
