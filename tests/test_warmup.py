@@ -91,7 +91,9 @@ def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort
     assert visits["logprobs"]
 
 
-def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits):
+@pytest.mark.parametrize("retire_steps", ["16", "0"])  # rows retired by the actor, or ended by the generator
+def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits, monkeypatch, retire_steps):
+    monkeypatch.setenv("TRIO_MLX_RETIRE_STEPS", retire_steps)
     warmed = _loaded(tiny_model_fp32, gpu=True)
     warmed._warmup()
     assert not (warmed._seqs or warmed._by_uid or warmed._retired or warmed._admission.pending)

@@ -539,7 +539,7 @@ class Actor:
         length = max(1, min(_WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
         token = 1 if self._vocab > 1 else 0
         warm_up(self._bg, token, length, self.config.prefill_batch if gpu else 1)
-        if gpu:
+        if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens
             self._rehearse(token, length)
         self._bg.close()
         self._bg = self._new_generator()
