@@ -541,12 +541,12 @@ class Actor:
         warm_up(self._bg, token, length, self.config.prefill_batch if gpu else 1)
         if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens
             self._rehearse(token, length)
-        self._bg.close()
-        self._bg = self._new_generator()
+        self._reset_batch()
+        self._steps = 0
 
     def _rehearse(self, token: int, length: int) -> None:
         """Serve a short script of requests through the actor's own `_apply` and
-        `_step`, as live traffic would, then forget them. Leaves the batch empty.
+        `_step`, as live traffic would; the caller forgets them (`_reset_batch`).
 
         On CUDA, MLX compiles some kernels (with NVRTC, for seconds) the first
         time an operation meets a dtype, not a shape. The prefill groups of
@@ -590,10 +590,6 @@ class Actor:
                     raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
         finally:
             self._admission = admission
-            self._seqs.clear()
-            self._by_uid.clear()
-            self._retired.clear()
-            self._decoding = self._steps = 0
 
     def _free(self) -> None:
         """Drop every array on this thread and synchronize, so the process exits cleanly."""
@@ -860,6 +856,12 @@ class Actor:
         """A step raised: fail every live sequence, start a fresh generator, keep serving."""
         reason = f"generation step failed: {type(exc).__name__}: {exc}"
         failed = failed + [(rid, reason) for rid in self._seqs]
+        self._reset_batch()
+        return StepReport(failed=tuple(failed), live=0)
+
+    def _reset_batch(self) -> None:
+        """Forget every sequence and start a fresh generator: after a failed step, or the
+        warm-up's rehearsal. A generator that fails to close is dropped all the same."""
         self._seqs.clear()
         self._by_uid.clear()
         self._retired.clear()
@@ -870,4 +872,3 @@ class Actor:
         except Exception:
             pass
         self._bg = self._new_generator()  # if even this raises, the actor dies: engine broken
-        return StepReport(failed=tuple(failed), live=0)
