@@ -10,14 +10,10 @@ before Quart sees the request. Every error body has OpenAI's shape.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import sniffio
 import trio
 from quart import Response, request
 from quart.asgi import ASGIHTTPConnection
@@ -25,11 +21,12 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from . import _workers
+from . import _exit, _workers
 from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id
 from ._completions import CHAT_PATH, COMPLETIONS_PATH, Completions, RequestRecord
 from ._engine import Engine
 from ._errors import ModelLoadError
+from ._guest import GuestBridge, native_trio
 from ._logs import request_done
 from ._metrics import Metrics
 from ._openai import HTTPError, dumps, new_id, unavailable
@@ -37,11 +34,6 @@ from ._settings import Settings
 
 log = logging.getLogger("trio_mlx.http")
 
-WRONG_WORKER_EXIT = 3  # as gunicorn's and uvicorn's "worker failed to boot"; also: a second worker
-WRONG_WORKER = (
-    "trio_mlx needs hypercorn's trio worker: run `hypercorn -k trio trio_mlx.app:app` "
-    "(or `trio-mlx serve`)"
-)
 # Seconds hypercorn and quart-trio are given beyond the drain timeout to finish
 # writing terminal events and stop the actor. Arbitrary, generous.
 SHUTDOWN_MARGIN = 10.0
@@ -104,9 +96,23 @@ class TrioMLXApp(QuartTrio):
     # Called with every completion request's record when it ends (sync, must be quick).
     observers: list[Callable[[RequestRecord], None]]
 
+    # How the app is served, fixed by the first ASGI call (the lifespan): natively on trio
+    # (hypercorn -k trio, trio-mlx serve) or, under an asyncio server, through trio's guest mode.
+    _serve: Callable[[Any, Any, Any], Awaitable[None]] | None = None
+    # The ASGI server, read off the lifespan: a failed startup must stop it non-zero (_exit.py).
+    server: _exit.ServerInfo = _exit.ServerInfo()
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        kind = scope["type"]
-        if kind == "http":
+        serve = self._serve
+        if serve is None:
+            serve = self._serve = self.serve_trio if native_trio() else GuestBridge(self.serve_trio)
+        if scope["type"] == "lifespan":
+            self.server = _exit.ServerInfo.of(receive)
+        await serve(scope, receive, send)
+
+    async def serve_trio(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI app proper, on trio (the guest run's, under an asyncio server)."""
+        if scope["type"] == "http":
             try:
                 if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
                     await self.completions(scope, receive, send)
@@ -115,13 +121,6 @@ class TrioMLXApp(QuartTrio):
             finally:
                 request_done(scope)  # the access log's held line, if any (_logs.py)
             return
-        if kind == "lifespan" and sniffio.current_async_library() != "trio":
-            # quart-trio under the asyncio worker fails its lifespan silently and then every
-            # request errors. Hypercorn turns any lifespan exception into a traceback or a
-            # warning; this is a configuration error, so: one line, and the worker exits.
-            sys.stderr.write(f"error: {WRONG_WORKER}\n")
-            sys.stderr.flush()
-            os._exit(WRONG_WORKER_EXIT)
         await self.asgi_app(scope, receive, send)
 
     def log_exception(self, exc_info: Any) -> None:
@@ -180,12 +179,17 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     async def start_engine() -> None:
         try:
             if not settings.allow_multiple_workers:
-                app.serving_lock = _take_serving_lock(settings)
+                app.serving_lock = _workers.acquire(settings)
             engine = app.engine = make_engine(settings)
             await app.nursery.start(engine.run)
         except BaseException as exc:
-            log.error("trio_mlx could not start: %s", exc)
             _release(app)
+            if isinstance(exc, Exception):  # in a supervised worker: exits, non-zero (_exit.py)
+                holder = (exc.holder, exc.holder_parent) if isinstance(exc, _workers.AlreadyServing) else None
+                _exit.end_supervised_worker(
+                    app.server, str(exc) if holder else f"trio_mlx could not start: {exc}",
+                    lock_holder=holder, others_may_serve=settings.allow_multiple_workers)
+            log.error("trio_mlx could not start: %s", exc)
             raise
         app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls))
         info = engine.info
@@ -310,19 +314,6 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         return json_response(error.payload(), 500)
 
     return app
-
-
-def _take_serving_lock(settings: Settings) -> _workers.ServingLock:
-    try:
-        return _workers.acquire(settings)
-    except _workers.AlreadyServing as exc:
-        if multiprocessing.parent_process() is not None:
-            # A hypercorn worker process: one line and a non-zero exit, which makes the
-            # supervisor stop every worker (as for the asyncio worker above).
-            sys.stderr.write(f"error: {exc}\n")
-            sys.stderr.flush()
-            os._exit(WRONG_WORKER_EXIT)
-        raise
 
 
 def _release(app: TrioMLXApp) -> None:

@@ -1,7 +1,7 @@
-"""One serving process per model and device: the guard against several hypercorn workers.
+"""One serving process per model and device: the guard against several server workers.
 
-Every hypercorn worker is a process that runs the whole app, lifespan
-included: with `hypercorn -w 2` each would load its own copy of the model onto
+Every hypercorn, uvicorn or granian worker is a process that runs the whole app,
+lifespan included: with `hypercorn -w 2` each would load its own copy of the model onto
 the same device (twice the memory, two GPU actors contending for one GPU).
 So before the engine starts, the app takes an advisory lock (`flock`) named
 after the model and the device. A second process serving the same model on
@@ -31,6 +31,11 @@ except ImportError:  # pragma: no cover - Windows, where MLX does not run anyway
 
 class AlreadyServing(Exception):
     """Another process already serves this model on this device."""
+
+    def __init__(self, message: str, holder: int = 0, holder_parent: int = 0):
+        super().__init__(message)
+        self.holder = holder  # its pid, and its parent's (a sibling worker shares ours); 0: unknown
+        self.holder_parent = holder_parent
 
 
 @dataclass
@@ -97,19 +102,21 @@ def acquire(settings: Settings) -> ServingLock:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        pid, _, parent = os.pread(fd, 64, 0).decode(errors="replace").strip().partition(" ")
         os.close(fd)
         model = settings.model or DEFAULT_MODEL_NAME
         raise AlreadyServing(
-            f"another trio_mlx server process (pid {holder}) already serves {model!r} on this "
-            "device; several hypercorn workers would each load the model onto it. Run one worker "
-            "(hypercorn -w 1; trio-mlx serve always does), or set TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1 "
-            "to let each process load its own copy"
+            f"another trio_mlx server process (pid {pid or '?'}) already serves {model!r} on this "
+            "device; several server workers would each load the model onto it. Run one worker "
+            "(hypercorn, uvicorn and granian: -w 1 / --workers 1; trio-mlx serve always does), or "
+            "set TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1 to let each process load its own copy",
+            int(pid) if pid.isdigit() else 0, int(parent) if parent.isdigit() else 0,
         ) from None
     except BaseException:
         os.close(fd)
         raise
     os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    # "pid parent-pid": a refused sibling worker (same parent) stops this one (see _exit.py).
+    os.pwrite(fd, f"{os.getpid()} {os.getppid()}".encode(), 0)
     _held[key] = _Held(fd, 1)
     return ServingLock(path)

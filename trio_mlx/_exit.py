@@ -1,0 +1,82 @@
+"""A server that cannot start exits non-zero, whatever ASGI server runs it.
+
+Alone in its process (`trio-mlx serve`, uvicorn with one worker, a program that
+embeds the app) the app lets a startup failure propagate: the lifespan reports
+`startup.failed` and the server exits non-zero on its own (trio-mlx serve 1,
+uvicorn 3). A worker process under a supervisor is another matter:
+
+- hypercorn's supervisor (0.18) exits 0 whatever its workers did: `run()`
+  recomputes the exit code over the workers still running, and there are none
+  (hypercorn issue #269). It handles SIGINT and SIGTERM by stopping, also with 0;
+- uvicorn's (`--workers N`) stops every worker when one exits 3, then exits 0;
+- granian's exits 1 when a worker exits unexpectedly: nothing more is needed.
+
+So a supervised worker that cannot start writes its one line and ends the
+server itself. Under hypercorn or uvicorn: the sibling worker that holds the
+model's lock, if any, gets SIGTERM (what the supervisor would send it), the
+supervisor gets SIGKILL (the one signal it neither handles nor turns into a
+clean exit: the shell sees 137), and the worker leaves with `os._exit(3)`, the
+status uvicorn and gunicorn read as "worker failed to boot". `os._exit`, not an
+exception: the failure happened inside the lifespan, half-way through starting
+the trio run and the GPU actor, and an exception there only becomes a traceback
+and a status the supervisor drops. With TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1 other
+workers may be serving, so the supervisor is left alone and decides; under a
+reloader (development) too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+STARTUP_FAILURE = 3  # gunicorn's WORKER_BOOT_ERROR and uvicorn's STARTUP_FAILURE
+# Supervisors that exit 0 after a worker failed at startup (see above).
+_SWALLOWING = ("hypercorn", "uvicorn")
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """The ASGI server running the app, read off its lifespan `receive` (a method of its lifespan
+    object: `hypercorn.asyncio.lifespan.Lifespan`, `uvicorn.lifespan.on.LifespanOn`, ...)."""
+
+    name: str = ""  # "hypercorn", "uvicorn", "granian", ...; "" when not known
+    reload: bool = False
+
+    @classmethod
+    def of(cls, receive: Any) -> ServerInfo:
+        owner = getattr(receive, "__self__", None)
+        if owner is None:
+            return cls()
+        config = getattr(owner, "config", None)
+        reload = bool(getattr(config, "use_reloader", False) or getattr(config, "reload", False))
+        return cls(type(owner).__module__.partition(".")[0], reload)
+
+
+def end_supervised_worker(server: ServerInfo, message: str, *, lock_holder: tuple[int, int] | None = None,
+                          others_may_serve: bool = False) -> None:
+    """In a worker process of a supervisor: write `message`, stop the server, exit 3 (no return).
+    Anywhere else, return: the caller raises and the server reports the failed startup.
+
+    `lock_holder` is (pid, parent pid) of the process that serves the model, when that is why
+    this one cannot start."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid != os.getppid() or server.reload:
+        return
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    if server.name in _SWALLOWING and not others_may_serve:
+        if lock_holder is not None and lock_holder[1] == parent.pid and lock_holder[0] != os.getpid():
+            _signal(lock_holder[0], signal.SIGTERM)
+        _signal(parent.pid, signal.SIGKILL)
+    os._exit(STARTUP_FAILURE)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass  # gone already (another worker got there first)
