@@ -80,8 +80,8 @@ async def serve(model: Any, *, factory: Callable[[Settings], Engine] | None = No
     """With `access_log`, hypercorn is configured as `trio-mlx serve` configures it."""
     settings.setdefault("warmup", False)
     settings.setdefault("drain_timeout", 2.0)
-    # The server's default is a process actor; in-process tests use a thread actor
-    # (fault hooks need it, and it starts faster). The process actor has its own tests.
+    # A thread actor, the server's default, whatever TRIO_MLX_ACTOR says (fault hooks need it,
+    # and it starts faster). The process actor has its own tests.
     settings.setdefault("actor", "thread")
     app = create_app(Settings(model=str(model), **settings), engine_factory=factory)
     config = hypercorn_config(app.settings) if access_log else Config()

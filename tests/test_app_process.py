@@ -1,5 +1,6 @@
-"""The server as a process: `trio-mlx serve` draining on SIGTERM, exit codes at startup,
-the asyncio-worker refusal, and `hypercorn -k trio trio_mlx.app:app` serving the embedded default."""
+"""The server as a process: `trio-mlx serve` draining on SIGTERM, exit codes at startup, and
+`hypercorn -k trio trio_mlx.app:app` serving the embedded default. The other ASGI servers, and
+the same properties under each, are in test_asgi_servers.py."""
 
 from __future__ import annotations
 
@@ -28,9 +29,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-WRONG_WORKER = "needs hypercorn's trio worker: run `hypercorn -k trio trio_mlx.app:app`"
 
 
 class Proc:
@@ -128,20 +126,6 @@ def test_bad_settings_exit_2_naming_the_variable():
     assert proc.returncode == 2 and "TRIO_MLX_MAX_BATCH" in proc.stderr, proc.stderr
     proc = subprocess.run([*SERVE, "--stall-timeout", "-1"], capture_output=True, text=True, timeout=60, env=ENV)
     assert proc.returncode == 2 and "stall_timeout" in proc.stderr, proc.stderr
-
-
-def test_the_asyncio_worker_is_refused_in_one_line():
-    # In-process worker (-w 0): the exit status reaches the shell.
-    proc = subprocess.run([*HYPERCORN, "-w", "0", "-b", "127.0.0.1:0", "trio_mlx.app:app"],
-                          capture_output=True, text=True, timeout=60, env=ENV)
-    assert proc.returncode == 3, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and WRONG_WORKER in proc.stderr, proc.stderr
-    # Default (a supervised worker process): the same line, and it stops. Hypercorn 0.18's
-    # supervisor then exits 0 whatever its worker did (hypercorn issue #269), so only
-    # the message and the prompt stop are checked here.
-    proc = subprocess.run([*HYPERCORN, "-b", "127.0.0.1:0", "trio_mlx.app:app"],
-                          capture_output=True, text=True, timeout=60, env=ENV)
-    assert WRONG_WORKER in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
 
 
 @pytest.mark.slow

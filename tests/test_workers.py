@@ -1,5 +1,6 @@
 """Several hypercorn workers would each load the model onto the same device: refused at startup with a
-clear line, unless TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1. The guard is a per-model/device file lock."""
+clear line and a non-zero exit, unless TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1. The guard is a per-model/device
+file lock. (The same refusal under the other ASGI servers: test_asgi_servers.py.)"""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def worker_env(model, **extra: str) -> dict[str, str]:
 def test_two_hypercorn_workers_are_refused_in_one_line(tiny_model_fp32):
     proc = subprocess.run([*HYPERCORN, "-k", "trio", "-w", "2", "-b", "127.0.0.1:0", "trio_mlx.app:app"],
                           capture_output=True, text=True, timeout=60, env=worker_env(tiny_model_fp32))
-    # The refused worker exits 3 and the supervisor stops the other one; the supervisor itself then
-    # exits 0 whatever its workers did (hypercorn issue #269), so the line is what tells.
+    # The refused worker stops the other one and kills hypercorn's supervisor, which would exit 0
+    # whatever its workers did (hypercorn issue #269), then exits 3 itself (trio_mlx/_exit.py).
+    assert proc.returncode == -9, (proc.returncode, proc.stderr)
     lines = [line for line in proc.stderr.splitlines() if REFUSED in line]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and "TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1" in lines[0]

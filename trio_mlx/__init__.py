@@ -5,7 +5,7 @@
             async for event in events:
                 ...
 
-The HTTP server is `trio_mlx.app:app` (run it with `hypercorn -k trio`).
+The HTTP server is `trio_mlx.app:app` (any ASGI server: `hypercorn trio_mlx.app:app`).
 This module only re-exports; every feature lives in a private module.
 """
 

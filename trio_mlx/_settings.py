@@ -2,8 +2,8 @@
 
 Every field of `Settings` is settable three ways, in this order of precedence:
 a `trio-mlx serve` flag (`--max-batch 32`), an environment variable
-(`TRIO_MLX_MAX_BATCH=32`), the default below. `hypercorn -k trio
-trio_mlx.app:app` reads only the environment. Parsing is strict: a bad value
+(`TRIO_MLX_MAX_BATCH=32`), the default below. `trio_mlx.app:app` under any
+ASGI server reads only the environment. Parsing is strict: a bad value
 names its variable and stops the server before it loads anything.
 """
 
@@ -54,9 +54,10 @@ class Settings:
         "generate before reporting ready, so first requests pay no kernel compiles: on a GPU "
         "a prefill of every group size up to prefill_batch and a rehearsal of the actor's other "
         "paths (removals, sampling options, logprobs, an abort), on the CPU one short sequence"))
-    actor: str = field(default="process", metadata=_doc(
-        "where the GPU actor runs: 'process' (a child process with its own GIL, so HTTP work "
-        "does not slow decoding; ~1-2 s more to start) or 'thread' (in the server's process)"))
+    actor: str = field(default="thread", metadata=_doc(
+        "where the GPU actor runs: 'thread' (a dedicated thread of the server's process) or "
+        "'process' (a child process with its own GIL, so HTTP work does not slow decoding: "
+        "the highest throughput at the top of concurrency; ~1-2 s more to start)"))
     drain_timeout: float = field(default=20.0, metadata=_doc(
         "seconds in-flight requests may run on after SIGTERM before they are ended"))
     stall_timeout: float = field(default=30.0, metadata=_doc(
