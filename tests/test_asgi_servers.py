@@ -188,6 +188,12 @@ async def test_disconnect_mid_decode_frees_the_slot(server, stream):
         sock = await open_raw(int(server.url.rsplit(":", 1)[1]), CHAT, {
             "messages": HELLO, "max_tokens": 1000, "stream": stream, "ignore_eos": True})
         await until_health(client, lambda h: h["decoding"] == 1)
+        if stream:  # events arrive while the request still decodes: the stream is not buffered
+            with trio.fail_after(5):
+                head = b""
+                while b"data: " not in head:
+                    head += await sock.recv(1 << 16)
+            assert head.startswith(b"HTTP/1.1 200") and (await client.get("/health")).json()["decoding"] == 1
         sock.close()
         await until_health(client, lambda h: h["queued"] == h["prefilling"] == h["decoding"] == 0, within=5)
         after = await metrics(client)
@@ -267,6 +273,15 @@ def test_a_model_that_cannot_load_exits_nonzero(kind, tmp_path):
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "could not start" in proc.stderr and "no such model directory" in proc.stderr, proc.stderr[-3000:]
     print(f"{kind}: exit status {proc.returncode}")
+
+
+@pytest.mark.timeout(70)
+def test_hypercorn_asyncio_alone_in_its_process_exits_nonzero_too(tmp_path):
+    """`-w 0`: no supervisor; hypercorn would go on serving, the bridged failure reaching it late."""
+    proc = subprocess.run([*SERVERS["hypercorn-asyncio"][0], "-w", "0", APP], env=server_env(tmp_path / "none"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and "no such model directory" in proc.stderr, proc.stderr[-3000:]
+    assert "Running on" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

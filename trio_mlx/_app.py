@@ -100,14 +100,14 @@ class TrioMLXApp(QuartTrio):
     # (hypercorn -k trio, trio-mlx serve) or, under an asyncio server, through trio's guest mode.
     _serve: Callable[[Any, Any, Any], Awaitable[None]] | None = None
     # The ASGI server, read off the lifespan: a failed startup must stop it non-zero (_exit.py).
-    server: _exit.ServerInfo = _exit.ServerInfo()
+    asgi_server: _exit.ServerInfo = _exit.ServerInfo()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         serve = self._serve
         if serve is None:
             serve = self._serve = self.serve_trio if native_trio() else GuestBridge(self.serve_trio)
         if scope["type"] == "lifespan":
-            self.server = _exit.ServerInfo.of(receive)
+            self.asgi_server = _exit.ServerInfo.of(receive)
         await serve(scope, receive, send)
 
     async def serve_trio(self, scope: Any, receive: Any, send: Any) -> None:
@@ -184,10 +184,10 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             await app.nursery.start(engine.run)
         except BaseException as exc:
             _release(app)
-            if isinstance(exc, Exception):  # in a supervised worker: exits, non-zero (_exit.py)
+            if isinstance(exc, Exception):  # where the server would not exit non-zero, exit (_exit.py)
                 holder = (exc.holder, exc.holder_parent) if isinstance(exc, _workers.AlreadyServing) else None
-                _exit.end_supervised_worker(
-                    app.server, str(exc) if holder else f"trio_mlx could not start: {exc}",
+                _exit.exit_if_unseen(
+                    app.asgi_server, str(exc) if holder else f"trio_mlx could not start: {exc}",
                     lock_holder=holder, others_may_serve=settings.allow_multiple_workers)
             log.error("trio_mlx could not start: %s", exc)
             raise

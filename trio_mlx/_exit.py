@@ -11,17 +11,23 @@ uvicorn 3). A worker process under a supervisor is another matter:
 - uvicorn's (`--workers N`) stops every worker when one exits 3, then exits 0;
 - granian's exits 1 when a worker exits unexpectedly: nothing more is needed.
 
-So a supervised worker that cannot start writes its one line and ends the
-server itself. Under hypercorn or uvicorn: the sibling worker that holds the
-model's lock, if any, gets SIGTERM (what the supervisor would send it), the
-supervisor gets SIGKILL (the one signal it neither handles nor turns into a
-clean exit: the shell sees 137), and the worker leaves with `os._exit(3)`, the
-status uvicorn and gunicorn read as "worker failed to boot". `os._exit`, not an
+And hypercorn's asyncio worker checks whether the lifespan failed the moment
+startup is reported; through the guest-mode bridge the failure reaches it a few
+loop turns later, so alone in its process (`-w 0`, `hypercorn.asyncio.serve`)
+it would go on serving an app without a model.
+
+So a supervised worker that cannot start, or an unsupervised hypercorn
+asyncio worker, writes its one line and ends the server itself. Under a
+hypercorn or uvicorn supervisor: the sibling worker that holds the model's
+lock, if any, gets SIGTERM (what the supervisor would send it), the supervisor
+gets SIGKILL (the one signal it neither handles nor turns into a clean exit:
+the shell sees 137), and the worker leaves with `os._exit(3)`, the status
+uvicorn and gunicorn read as "worker failed to boot". `os._exit`, not an
 exception: the failure happened inside the lifespan, half-way through starting
-the trio run and the GPU actor, and an exception there only becomes a traceback
-and a status the supervisor drops. With TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1 other
-workers may be serving, so the supervisor is left alone and decides; under a
-reloader (development) too.
+the trio run and the GPU actor, and an exception there only becomes a
+traceback and a status the supervisor drops. With
+TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1 other workers may be serving, so the
+supervisor is left alone and decides; under a reloader (development) too.
 """
 
 from __future__ import annotations
@@ -43,8 +49,12 @@ class ServerInfo:
     """The ASGI server running the app, read off its lifespan `receive` (a method of its lifespan
     object: `hypercorn.asyncio.lifespan.Lifespan`, `uvicorn.lifespan.on.LifespanOn`, ...)."""
 
-    name: str = ""  # "hypercorn", "uvicorn", "granian", ...; "" when not known
+    module: str = ""  # "hypercorn.asyncio.lifespan", "uvicorn.lifespan.on", ...; "" when not known
     reload: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.module.partition(".")[0]
 
     @classmethod
     def of(cls, receive: Any) -> ServerInfo:
@@ -53,25 +63,28 @@ class ServerInfo:
             return cls()
         config = getattr(owner, "config", None)
         reload = bool(getattr(config, "use_reloader", False) or getattr(config, "reload", False))
-        return cls(type(owner).__module__.partition(".")[0], reload)
+        return cls(type(owner).__module__, reload)
 
 
-def end_supervised_worker(server: ServerInfo, message: str, *, lock_holder: tuple[int, int] | None = None,
-                          others_may_serve: bool = False) -> None:
-    """In a worker process of a supervisor: write `message`, stop the server, exit 3 (no return).
-    Anywhere else, return: the caller raises and the server reports the failed startup.
+def exit_if_unseen(server: ServerInfo, message: str, *, lock_holder: tuple[int, int] | None = None,
+                   others_may_serve: bool = False) -> None:
+    """Where the server would not exit non-zero on a failed startup (above): write `message`,
+    stop the server, exit 3 (no return). Anywhere else, return: the caller raises and the server
+    reports the failed lifespan.
 
     `lock_holder` is (pid, parent pid) of the process that serves the model, when that is why
     this one cannot start."""
     parent = multiprocessing.parent_process()
-    if parent is None or parent.pid != os.getppid() or server.reload:
+    supervised = parent is not None and parent.pid == os.getppid()
+    if server.reload or not (supervised or server.module.startswith("hypercorn.asyncio.")):
         return
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
-    if server.name in _SWALLOWING and not others_may_serve:
-        if lock_holder is not None and lock_holder[1] == parent.pid and lock_holder[0] != os.getpid():
+    if supervised and server.name in _SWALLOWING and not others_may_serve:
+        supervisor = os.getppid()
+        if lock_holder is not None and lock_holder[1] == supervisor and lock_holder[0] != os.getpid():
             _signal(lock_holder[0], signal.SIGTERM)
-        _signal(parent.pid, signal.SIGKILL)
+        _signal(supervisor, signal.SIGKILL)
     os._exit(STARTUP_FAILURE)
 
 

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,7 @@ class ServingLock:
         held.users -= 1
         if held.users == 0:
             del _held[key]
+            os.ftruncate(held.fd, 0)  # no pid left behind for the next refused process to read
             os.close(held.fd)  # drops the flock
 
 
@@ -102,7 +104,7 @@ def acquire(settings: Settings) -> ServingLock:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        pid, _, parent = os.pread(fd, 64, 0).decode(errors="replace").strip().partition(" ")
+        pid, parent = _holder(fd)
         os.close(fd)
         model = settings.model or DEFAULT_MODEL_NAME
         raise AlreadyServing(
@@ -110,7 +112,7 @@ def acquire(settings: Settings) -> ServingLock:
             "device; several server workers would each load the model onto it. Run one worker "
             "(hypercorn, uvicorn and granian: -w 1 / --workers 1; trio-mlx serve always does), or "
             "set TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1 to let each process load its own copy",
-            int(pid) if pid.isdigit() else 0, int(parent) if parent.isdigit() else 0,
+            pid, parent,
         ) from None
     except BaseException:
         os.close(fd)
@@ -120,3 +122,24 @@ def acquire(settings: Settings) -> ServingLock:
     os.pwrite(fd, f"{os.getpid()} {os.getppid()}".encode(), 0)
     _held[key] = _Held(fd, 1)
     return ServingLock(path)
+
+
+def _holder(fd: int) -> tuple[int, int]:
+    """The lock holder's pid and its parent's, as it wrote them just after taking the lock: read
+    until they name a live process (not yet written, or a killed holder's), for at most 1 s."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        pid, _, parent = os.pread(fd, 64, 0).decode(errors="replace").strip().partition(" ")
+        if (pid.isdigit() and _alive(int(pid))) or time.monotonic() > deadline:
+            return (int(pid) if pid.isdigit() else 0), (int(parent) if parent.isdigit() else 0)
+        time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's: alive
+    return True
