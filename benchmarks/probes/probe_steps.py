@@ -1,11 +1,11 @@
 """Probe (GPU investigation): what one BatchGenerator step costs, by batch composition.
 
-    python scripts/probe_steps.py MODEL_DIR
+    python benchmarks/probes/probe_steps.py MODEL_DIR
 
 A: prefilling k prompts into an empty batch, twice (the first visit of a
 shape may compile kernels); B: the first decode steps at each batch size;
 C: admitting k prompts into a batch of 56 that is decoding. Prints ms per
-`next()`. BENCHMARKS.md says what it found.
+`next()`. benchmarks/2026-11-22-h100/process-actor/README.md says what it found.
 """
 import random
 import sys
@@ -14,7 +14,7 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from trio_mlx._models import load_model
+from trio_mlx.models import load_model
 
 path = sys.argv[1]
 model, config = load_model(path)

@@ -4,7 +4,7 @@
 # `trio-mlx bench` holds CONCURRENCY streams open, and writes collapsed
 # stacks (one "frame;frame;... count" line per stack) per process.
 #
-#   scripts/gpu_profile.sh OUTDIR MODEL_DIR [ACTOR] [CONCURRENCY]
+#   benchmarks/probes/gpu_profile.sh OUTDIR MODEL_DIR [ACTOR] [CONCURRENCY]
 #
 # ACTOR is thread (default) or process; CONCURRENCY defaults to 64. Needs
 # py-spy (pip install py-spy) and the rights to ptrace (root on the GPU host).
@@ -13,7 +13,7 @@
 # Set TRIO_MLX_STEP_TRACE=FILE to have the actor log each step too.
 # Knobs (env): PYTHON=python PORT=8812 SECONDS_TO_SAMPLE=12 RATE=250 PROMPT_TOKENS=128 MAX_TOKENS=128
 set -euo pipefail
-out="${1:?usage: scripts/gpu_profile.sh OUTDIR MODEL_DIR [thread|process] [CONCURRENCY]}"
+out="${1:?usage: benchmarks/probes/gpu_profile.sh OUTDIR MODEL_DIR [thread|process] [CONCURRENCY]}"
 model="${2:?model directory}"
 actor="${3:-thread}"
 conc="${4:-64}"

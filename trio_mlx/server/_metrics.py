@@ -14,16 +14,13 @@ one, so several apps in one process (tests) do not collide.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from ._completions import CHAT_PATH, COMPLETIONS_PATH, RequestRecord
-
-if TYPE_CHECKING:
-    from ._app import TrioMLXApp
+from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord, ServerHost
 
 PREFIX = "trio_mlx_"
 STATES = ("starting", "ready", "draining", "closed", "broken")
@@ -43,7 +40,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.
 class Metrics:
     """The metrics of one app; `render()` is the body of `GET /metrics`."""
 
-    def __init__(self, app: TrioMLXApp):
+    def __init__(self, app: ServerHost):
         self.registry = reg = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "HTTP requests answered, by endpoint and status "
                                 "(status 'none': the client left before any response)",
@@ -101,7 +98,7 @@ class Metrics:
 class _EngineCollector:
     """Reads the engine's statistics at scrape time: free between scrapes."""
 
-    def __init__(self, app: TrioMLXApp):
+    def __init__(self, app: ServerHost):
         self.app = app
 
     def describe(self) -> list[Metric]:
@@ -127,7 +124,7 @@ class _EngineCollector:
         yield GaugeMetricFamily(PREFIX + "queue_depth", "requests waiting for a batch slot", value=num("queued"))
         yield GaugeMetricFamily(PREFIX + "active_sequences", "sequences the GPU actor holds", value=num("active"))
         yield GaugeMetricFamily(PREFIX + "open_streams", "streamed responses being written",
-                                value=float(len(self.app.completions.streams)))
+                                value=float(self.app.open_streams()))
         for name, attr, doc in (
             ("engine_requests_submitted", "requests_submitted", "requests handed to the GPU actor"),
             ("engine_requests_finished", "requests_finished", "requests the engine ended (any reason)"),

@@ -17,8 +17,10 @@ from typing import Any
 import trio
 
 import trio_mlx
-from trio_mlx._bench_stats import RequestRecord, check_length, in_process_level
-from trio_mlx._engine import ADMIT_WINDOW
+
+from ..engine import ADMIT_WINDOW
+from ._env import actor_knobs
+from ._stats import RequestRecord, check_length, in_process_level
 
 
 async def _one(engine: trio_mlx.Engine, prompt: Sequence[int], max_tokens: int, rec: RequestRecord) -> None:
@@ -76,7 +78,7 @@ def run_engine(
         levels = []
         async with trio_mlx.open_engine(
             model, max_batch=max_batch, prefill_batch=prefill_batch, prefill_step=prefill_step, max_queue=1 << 20,
-            actor=actor, admit_window=admit_window,
+            actor=actor, admit_window=admit_window, **actor_knobs(),
         ) as engine:
             if warmup:
                 await _level(engine, warmup, len(warmup), 4)

@@ -12,7 +12,7 @@ of file (the server went away, however abruptly) is a shutdown.
 Why: decode on a host-bound GPU (kernel launches dominate each step) is
 Python work on the actor thread, and with a thread actor every microsecond the
 event loop spends on HTTP, SSE and detokenizing is taken from it under the
-shared GIL (DESIGN.md rule 7; BENCHMARKS.md has the measurements).
+shared GIL (docs/design.md, rule 7; BENCHMARKS.md has the measurements).
 
 Frames are a 4-byte big-endian length and a pickle. Step reports travel as
 plain tuples: pickling the slotted dataclasses costs ~10x more per token.
@@ -36,12 +36,12 @@ from typing import Any
 
 import trio
 
-from ._errors import ModelLoadError
-from ._messages import ActorInfo, Command, Shutdown, StepReport, TokenOut
+from .._errors import ModelLoadError
+from ._protocol import ActorInfo, Command, Shutdown, StepReport, TokenOut
 
 _HEADER = struct.Struct(">I")
 # The child imports this trio_mlx, however the parent imported it (a checkout, a test's sys.path).
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class ActorProcessError(RuntimeError):
@@ -196,7 +196,7 @@ async def run_actor_process(
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)}
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_mlx._actor_process"],
+        [sys.executable, "-m", "trio_mlx.actor._process"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
     )
     assert proc.stdin is not None and proc.stdout is not None

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trio_mlx._bench_stats import RequestRecord, check_length
+from ._stats import RequestRecord, check_length
 
 try:
     import orjson

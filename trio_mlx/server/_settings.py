@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
-from ._engine import ADMIT_WINDOW
+from ..engine import ADMIT_WINDOW
 
 ENV_PREFIX = "TRIO_MLX_"
 
-# The id /v1/models serves for the embedded default (DESIGN.md); as _models.EMBEDDED_DEFAULT,
+# The id /v1/models serves for the embedded default (docs/design.md); as models.EMBEDDED_DEFAULT,
 # which this module does not import (that would import MLX).
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
@@ -86,13 +86,24 @@ class Settings:
     allow_multiple_workers: bool = field(default=False, metadata=_doc(
         "let several processes (hypercorn workers) serve this model on one device, each loading "
         "its own copy; unset, a second one stops at startup"))
+    retire_steps: int = field(default=16, metadata=_doc(
+        "the most decode steps a finished sequence's row may stay in the batch before it is "
+        "removed together with others (removals cost host time per change); 0: at once"))
+    idle_release: float | None = field(default=None, metadata=_doc(
+        "seconds idle before the actor hands MLX's buffer cache back; unset: 1 on a GPU, never "
+        "on the CPU; 0: never"))
+    cache_limit_gb: float | None = field(default=None, metadata=_doc(
+        "the most freed-buffer memory (GB) MLX keeps for reuse; unset: MLX's own limit (on CUDA "
+        "80 percent of the device per process), so set it where processes share a GPU"))
+    step_trace: str | None = field(default=None, metadata=_doc(
+        "append one tab-separated line per actor step (times, batch sizes) to this file"))
     log_level: str = field(default="info", metadata=_doc("debug, info, warning or error"))
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "prefill_batch", "prefill_step", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue", "max_body_bytes", "port"):
+        for name in ("max_queue", "max_body_bytes", "port", "retire_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",
@@ -101,6 +112,10 @@ class Settings:
             zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
+        for name in ("idle_release", "cache_limit_gb"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if self.actor not in ("thread", "process"):
             raise ValueError(f"actor must be 'thread' or 'process', got {self.actor!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

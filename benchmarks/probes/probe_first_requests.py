@@ -1,7 +1,7 @@
 """Probe (GPU investigation): what a running server's first requests of each kind make MLX compile.
 
     MLX_PTX_CACHE_DIR=$(mktemp -d) trio-mlx serve --model M --port 8811 &
-    MLX_PTX_CACHE_DIR=<the same> python scripts/probe_first_requests.py http://127.0.0.1:8811
+    MLX_PTX_CACHE_DIR=<the same> python benchmarks/probes/probe_first_requests.py http://127.0.0.1:8811
 
 Once the server is ready (its warm-up done), sends one kind of request after
 another, each twice (alone, then again), 16 tokens of a 128-token prompt:
@@ -11,7 +11,7 @@ each it prints the wall time of both tries and the kernel modules MLX
 compiled meanwhile: MLX writes every module it compiles to its PTX cache, so
 with the server started on an empty one, a module that appears here was
 compiled after the server reported ready, in someone's request (on CUDA
-that takes seconds: BENCHMARKS.md, finding 7). The server's warm-up should
+that takes seconds: benchmarks/2026-11-23-h100/warmup/README.md). The server's warm-up should
 leave nothing to compile.
 """
 import os

@@ -1,7 +1,7 @@
 """POST /v1/chat/completions and /v1/completions, served on raw ASGI.
 
 Why not a Quart route: (1) each SSE event should cost one `send` and nothing
-more on the event loop (DESIGN.md rule 7); (2) a client that stops reading
+more on the event loop (docs/design.md, rule 7); (2) a client that stops reading
 blocks hypercorn's send inside a *shielded* cancel scope
 (hypercorn/trio/tcp_server.py), so no deadline around a send can fire. So a
 streamed response is written by a pump task in `app.nursery` while the
@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
+from .._errors import TrioMLXError
+from ..engine import Finished, RequestStream, TextDelta
 from ._asgi import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -41,9 +42,6 @@ from ._asgi import (
     send_response,
     wait_disconnect,
 )
-from ._engine import RequestStream
-from ._errors import TrioMLXError
-from ._messages import Finished, TextDelta
 from ._openai import (
     DONE,
     PING,
@@ -59,44 +57,19 @@ from ._openai import (
     now,
     parse_json,
 )
-
-if TYPE_CHECKING:
-    from ._app import TrioMLXApp
+from ._records import CHAT_PATH, RequestRecord, ServerHost
 
 log = logging.getLogger("trio_mlx.http")
 # The longest pause between two events of one stream that adaptive pacing may
 # impose: coarser than this reads as a stall to a person watching. Judgement.
 _MAX_GAP = 0.25
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
 _SEED_MASK = 2**64 - 1
 _SSE_HEADERS: RawHeaders = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """One completion request, as observers see it when it ends (times: trio.current_time())."""
-
-    request_id: str
-    endpoint: str
-    arrived: float
-    stream: bool = False
-    n: int = 1
-    status: int = 0
-    admitted: float | None = None
-    first_token: float | None = None
-    ended: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reasons: tuple[str, ...] = ()
-    # "ok", "error" (4xx/5xx before streaming), "disconnect", "stall", "cancelled",
-    # "aborted" (ended by shutdown), "failed" (the engine or the server failed mid-way)
-    outcome: str = "ok"
 
 
 class _Gone(Exception):
@@ -106,7 +79,7 @@ class _Gone(Exception):
 class Completions:
     """The raw-ASGI handler of both completion endpoints, and its streams' stall watchdog."""
 
-    def __init__(self, app: TrioMLXApp):
+    def __init__(self, app: ServerHost):
         self.app = app
         self.streams: set[_Stream] = set()
 
@@ -386,7 +359,7 @@ class _Stream:
     async def _pace(self) -> None:
         """Wait before this stream's next event, so tokens arriving meanwhile coalesce.
 
-        The event loop shares the GIL with the actor thread (DESIGN.md rule 7):
+        The event loop shares the GIL with the actor thread (docs/design.md, rule 7):
         every SSE event costs it a wake-up, a chunk and a send, whatever the
         number of tokens inside. Capping the total event rate at `max_event_rate`
         bounds that cost; each stream's gap grows with the number of open

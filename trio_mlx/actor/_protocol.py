@@ -1,16 +1,16 @@
-"""Messages between the trio-side engine and the GPU actor, and the public events.
+"""The engine-actor protocol: every message between the trio-side engine and the GPU actor.
 
-Everything that crosses to the actor (a thread, or a process: `_actor_process`)
-is an immutable value defined here: commands go engine -> actor through the inbox, one `StepReport` comes
-back per decode step. Token ids and plain floats only: MLX arrays never leave
-the actor. The public events (`TextDelta`, `Finished`) are what
-`engine.generate()` / `engine.chat()` yield to users.
+Everything that crosses to the actor (a thread, or a process: `_process.py`)
+is an immutable value defined here: commands go engine -> actor through the
+inbox, one `StepReport` comes back per decode step. Token ids and plain floats
+only: MLX arrays never leave the actor. The public events users see are in
+`engine/_events.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -54,6 +54,16 @@ class ActorConfig:
     # Seconds a new sequence may wait to be admitted together with others while
     # the batch is decoding (0: no waiting for company). See `_actor._Admission`.
     admit_window: float = 0.0
+    # The most steps a finished sequence's row may stay in the batch before it
+    # is removed (see `Actor._retire_due`); 0 removes at once.
+    retire_steps: int = 16
+    # Seconds idle before the actor hands MLX's buffer cache back; None: 1 s on
+    # a GPU, never on the CPU (see `Actor._idle`); 0: never.
+    idle_release: float | None = None
+    # The most freed-buffer memory MLX keeps for reuse, in GB; None: MLX's own.
+    cache_limit_gb: float | None = None
+    # A file the actor appends one line per step to (`_trace.StepTrace`); None: no trace.
+    step_trace: str | None = None
     # Test-only: called on the actor thread with a stage name ("load", "loop",
     # "step") before that stage runs, and with "removed" right after aborted
     # sequences left the batch; raising from it injects a fault there. A fault
@@ -127,75 +137,3 @@ class ActorInfo:
     device: str
     load_seconds: float
     pid: int = 0  # the process the actor runs in: the server's, or its own (actor="process")
-
-
-# ---- public events -----------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """The log-probability of one emitted token, with the most likely alternatives."""
-
-    token_id: int
-    token: str
-    logprob: float
-    top: tuple[tuple[int, str, float], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    """New text, with the token ids that produced it (several when tokens were waiting)."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """The terminal event of every request; nothing follows it."""
-
-    finish_reason: FinishReason
-    usage: Usage
-    error: str | None = None
-    stop: str | int | None = None  # the stop string or token id that ended it
-
-
-Event = TextDelta | Finished
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStatistics:
-    """A snapshot of the engine, as `engine.statistics()` returns it."""
-
-    state: Literal["starting", "ready", "draining", "closed", "broken"]
-    queued: int
-    prefilling: int
-    decoding: int
-    active: int  # sequences the actor holds (queued in the generator, prefilling or decoding)
-    requests_submitted: int
-    requests_finished: int
-    requests_rejected: int
-    decode_steps: int
-    generated_tokens: int
-    prompt_tokens: int
-    last_step_seconds: float
-    mean_step_seconds: float
-    aborts: int
-    aborts_by_stage: dict[str, int] = field(default_factory=dict)
-    aborts_by_cause: dict[str, int] = field(default_factory=dict)
-    step_failures: int = 0
-    active_memory_bytes: int = 0
-    peak_memory_bytes: int = 0
-    cache_memory_bytes: int = 0  # freed MLX buffers kept for reuse: resident, but not a leak
-    seconds_since_step: float | None = None

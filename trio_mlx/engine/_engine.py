@@ -1,7 +1,8 @@
 """The trio-side engine: admission, the request registry and per-request event streams.
 
 `open_engine()` starts the GPU actor (one thread for the engine's whole life,
-see `_actor.py`, or a child process: `_actor_process.py`) and yields an `Engine`. `engine.generate()` / `engine.chat()`
+see `actor/_actor.py`, or a child process: `actor/_process.py`) and yields an
+`Engine`. `engine.generate()` / `engine.chat()`
 return `RequestStream`s: async context managers that tokenize and validate on
 entry, then iterate `TextDelta` events and one terminal `Finished`. Leaving
 the `async with` early, for any reason, sends an abort the actor applies
@@ -26,7 +27,7 @@ from typing import Any
 import trio
 from trio.lowlevel import RunVar
 
-from ._errors import (
+from .._errors import (
     ContextLengthExceededError,
     EngineBrokenError,
     EngineClosedError,
@@ -34,22 +35,18 @@ from ._errors import (
     ModelLoadError,
     QueueFullError,
 )
-from ._messages import (
+from ..actor import (
     Abort,
+    ActorConfig,
     ActorInfo,
     Command,
-    EngineStatistics,
-    Event,
-    Finished,
     SamplingParams,
     Shutdown,
     StepReport,
     Submit,
-    TextDelta,
-    TokenLogprob,
     TokenOut,
-    Usage,
 )
+from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, Usage
 from ._text import StopMatcher, normalize_messages
 
 log = logging.getLogger("trio_mlx.engine")
@@ -62,7 +59,7 @@ _TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_tokenizer_li
 # The number is a judgement call, not a measurement.
 _THREAD_TOKENIZE_CHARS = 4096
 # Seconds a new request may wait to join a decoding batch together with others
-# (`_actor._Admission` says why, and how the wait shrinks when few sequences
+# (`actor/_admission.py` says why, and how the wait shrinks when few sequences
 # decode); 20 ms is a few decode steps of a small model.
 ADMIT_WINDOW = 0.02
 MAX_STOP_STRINGS = 16
@@ -136,6 +133,10 @@ class Engine:
         actor: str = "thread",
         admit_window: float = ADMIT_WINDOW,
         fault_hook: Any = None,
+        retire_steps: int = 16,
+        idle_release: float | None = None,
+        cache_limit_gb: float | None = None,
+        step_trace: str | None = None,
     ):
         if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
@@ -158,6 +159,12 @@ class Engine:
         self._warmup = warmup
         self._switch_interval = switch_interval
         self._fault_hook = fault_hook
+        if retire_steps < 0 or (idle_release is not None and not idle_release >= 0) or (
+                cache_limit_gb is not None and not cache_limit_gb >= 0):
+            raise ValueError("retire_steps, idle_release and cache_limit_gb must be >= 0")
+        # Actor knobs passed through as they are (`ActorConfig` documents each).
+        self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, idle_release=idle_release,
+                                  cache_limit_gb=cache_limit_gb, step_trace=step_trace)
 
         self.state = "created"
         self.info: ActorInfo | None = None
@@ -183,17 +190,17 @@ class Engine:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, start the actor, report started when warm; return when closed."""
-        from . import _models  # imported here: loading MLX is the actor's business
+        from .. import models  # imported here: loading MLX is the actor's business
 
         if self.state != "created":
             raise RuntimeError("an Engine can be run only once")
         self.state = "starting"
         try:
             path = await trio.to_thread.run_sync(
-                lambda: _models.resolve_model(self.model_ref, cache_dir=self._cache_dir)
+                lambda: models.resolve_model(self.model_ref, cache_dir=self._cache_dir)
             )
             self.model_path = path
-            self.tokenizer = await trio.to_thread.run_sync(_models.load_tokenizer, path)
+            self.tokenizer = await trio.to_thread.run_sync(models.load_tokenizer, path)
         except BaseException:
             self.state = "closed"
             self._actor_done.set()
@@ -201,11 +208,9 @@ class Engine:
         self._special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()) or ())
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids or ())
         if self._switch_interval is not None:
-            # The actor and the event loop share the GIL (DESIGN.md rule 7).
+            # The actor and the event loop share the GIL (docs/design.md, rule 7).
             sys.setswitchinterval(self._switch_interval)
         self._inbox_send, self._inbox_recv = trio.open_memory_channel(math.inf)
-
-        from ._messages import ActorConfig
 
         config = ActorConfig(
             model_path=path,
@@ -215,6 +220,7 @@ class Engine:
             warmup=self._warmup,
             admit_window=self.admit_window,
             fault_hook=self._fault_hook,
+            **self._actor_tuning,
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._run_actor, config)
@@ -235,12 +241,12 @@ class Engine:
     async def _run_actor(self, config: Any) -> None:
         try:
             if self.actor_mode == "process":
-                from ._actor_process import run_actor_process
+                from ..actor import run_actor_process
 
                 await run_actor_process(config, ready=self.ready, deliver=self.deliver,
                                         wait_commands=self.wait_commands)
             else:
-                from ._actor import Actor, ThreadLink
+                from ..actor import Actor, ThreadLink
 
                 actor = Actor(config, ThreadLink(self))
                 await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
@@ -668,7 +674,7 @@ class RequestStream:
     def close(self, cause: str = "cancelled") -> None:
         """End the request; if it is still running, abort it, counted under `cause`
         (statistics().aborts_by_cause). Synchronous and non-blocking: safe in any
-        `finally` (DESIGN.md rule 4)."""
+        `finally` (docs/design.md, rule 4)."""
         if self._req is not None:
             self._engine._abort(self._req, cause)
         if self._recv is not None:
@@ -774,7 +780,8 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
     start its GPU actor and yield the ready `Engine`; close it on exit.
 
     Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
-    switch_interval, actor ("thread" or "process"), admit_window (see `Engine`)."""
+    switch_interval, actor ("thread" or "process"), admit_window, and the actor knobs
+    retire_steps, idle_release, cache_limit_gb, step_trace (see `Engine`, `ActorConfig`)."""
     engine = Engine(model, **options)
     try:
         async with trio.open_nursery() as nursery:

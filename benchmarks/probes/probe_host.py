@@ -1,6 +1,6 @@
 """Probe (GPU investigation): does what runs beside the actor slow a decode step?
 
-    python scripts/probe_host.py MODEL_DIR [ROUNDS]
+    python benchmarks/probes/probe_host.py MODEL_DIR [ROUNDS]
 
 Times `BatchGenerator.next()` at batch 1 and 8 (median ms of 200 decode steps)
 under host conditions, interleaved round by round so the host's drift weighs
@@ -11,7 +11,7 @@ and in a child process started the way the server starts its actor. Prints
 one JSON line per measurement and a summary; also the stepping process's CPU
 seconds per wall second (does waiting on the GPU spin?). The server's actor
 trace showed its `next()` ~1 ms slower at c=1 than the bench's ceiling
-(BENCHMARKS.md, finding 5); this asks whether the host is why.
+(benchmarks/2026-11-22-h100/stream-ends/README.md); this asks whether the host is why.
 """
 
 import json
@@ -28,7 +28,7 @@ CHILD = "--child"
 def load(path):
     from mlx_lm.generate import BatchGenerator
 
-    from trio_mlx._models import load_model
+    from trio_mlx.models import load_model
 
     model, config = load_model(path)
     vocab = int(config["vocab_size"])

@@ -25,14 +25,15 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
+from .._errors import ModelLoadError
+from ..engine import Engine
 from . import _workers
 from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id
-from ._completions import CHAT_PATH, COMPLETIONS_PATH, Completions, RequestRecord
-from ._engine import Engine
-from ._errors import ModelLoadError
+from ._completions import Completions
 from ._logs import request_done
 from ._metrics import Metrics
 from ._openai import HTTPError, dumps, new_id, unavailable
+from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord
 from ._settings import Settings
 
 log = logging.getLogger("trio_mlx.http")
@@ -60,6 +61,10 @@ def default_engine(settings: Settings) -> Engine:
         cache_dir=settings.cache_dir,  # type: ignore[arg-type]
         warmup=settings.warmup,
         actor=settings.actor,
+        retire_steps=settings.retire_steps,
+        idle_release=settings.idle_release,
+        cache_limit_gb=settings.cache_limit_gb,
+        step_trace=settings.step_trace,
     )
 
 
@@ -134,6 +139,10 @@ class TrioMLXApp(QuartTrio):
         if self.engine is None:
             raise unavailable("the model is still loading; retry shortly")
         return self.engine
+
+    def open_streams(self) -> int:
+        """Streamed responses being written now."""
+        return len(self.completions.streams)
 
     def observe(self, record: RequestRecord) -> None:
         for observer in self.observers:

@@ -1,6 +1,6 @@
 """Probe (GPU investigation): which decode steps pay a first visit (kernel compiles).
 
-    MLX_PTX_CACHE_DIR=$(mktemp -d) python scripts/probe_first_visits.py MODEL_DIR [BATCH_SIZES] [--warm]
+    MLX_PTX_CACHE_DIR=$(mktemp -d) python benchmarks/probes/probe_first_visits.py MODEL_DIR [BATCH_SIZES] [--warm]
 
 After a warm-up (with --warm the actor's own, `Actor._warmup` as on a GPU;
 without, its prefill groups of 1..8 prompts of 128 tokens alone,
@@ -12,7 +12,7 @@ without, its prefill groups of 1..8 prompts of 128 tokens alone,
   differs), all decode 140 steps, the oldest row leaves as the actor removes
   it (`_actor._remove_rows`, which trims the padding all rows share), and
   the B left decode 250 more, past the end of the trimmed buffer: the
-  Poisson run's stall of finding 7 came in the step after such a removal.
+  Poisson run's 3.3 s stall (benchmarks/2026-11-23-h100/warmup/) came in the step after such a removal.
 
 Prints every step over 0.2 s with the batch's cache position and buffer
 length, and every step in which MLX compiled a CUDA kernel module. MLX
@@ -20,7 +20,7 @@ writes each module it compiles to its PTX cache (MLX_PTX_CACHE_DIR, by
 default /tmp/mlx/VERSION/ptx, kept across processes), so start with an
 empty one to see them all. A step of seconds that compiles the first time
 a shape is met, and not the second, is a first visit: a warm-up can pay it
-before the server reports ready (BENCHMARKS.md, finding 7).
+before the server reports ready (benchmarks/2026-11-23-h100/warmup/README.md).
 """
 import os
 import random
@@ -30,8 +30,10 @@ from pathlib import Path
 
 from mlx_lm.generate import BatchGenerator
 
-from trio_mlx._actor import Actor, _remove_rows, warm_up
-from trio_mlx._messages import ActorConfig
+from trio_mlx.actor import ActorConfig
+from trio_mlx.actor._actor import Actor
+from trio_mlx.actor._batch import remove_rows as _remove_rows
+from trio_mlx.actor._warmup import warm_up
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 warm = "--warm" in sys.argv

@@ -1,4 +1,4 @@
-"""The raw ceiling for `trio-mlx bench --limit`: mlx_lm's BatchGenerator, no server.
+"""The raw ceiling of `trio-mlx bench --limit`: mlx_lm's BatchGenerator, no server.
 
 The same model, prompts and BatchGenerator settings a server would use
 (completion batch size, prefill batch size, prefill step size), driven in a
@@ -6,34 +6,28 @@ closed loop from this thread: each level keeps `concurrency` sequences in
 flight, inserting the next prompt as soon as one finishes, and stops a
 sequence only at `max_tokens` (no stop tokens, so EOS is ignored). TTFT runs
 from `insert()`; a token's time is when the `next()` that produced it returns,
-which is the earliest a server could hand it on. This is the only bench
-module that imports MLX.
+which is the earliest a server could hand it on. It lives in the actor
+package because it drives MLX; `trio_mlx.bench` makes the records it fills and
+reads the figures.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from trio_mlx._bench_stats import RequestRecord, check_length, in_process_level
-
-if TYPE_CHECKING:
-    from trio_mlx._actor import _StepTrace
+from ._batch import batch_rows, peek_prompt_tokens
+from ._trace import StepTrace
 
 # Warm-up: one short batch so that kernels are compiled and buffers allocated
 # before anything is timed. Arbitrary, just small.
 _WARMUP_TOKENS = 4
-# TRIO_MLX_CEILING_TRACE=PATH: the measured levels write one line per step to
-# PATH in the columns of the server actor's TRIO_MLX_STEP_TRACE (its exchange
-# and retired columns 0), so the two can be read side by side.
-_TRACE_ENV = "TRIO_MLX_CEILING_TRACE"
 
 
 def _load_model(model: str) -> Any:
-    from trio_mlx._models import load_model, resolve_model
+    from ..models import load_model, resolve_model
 
     loaded, _config = load_model(resolve_model(model))
     return loaded
@@ -60,14 +54,17 @@ def drive(
     prompts: Sequence[Sequence[int]],
     concurrency: int,
     max_tokens: int,
-    trace: _StepTrace | None = None,
-) -> tuple[list[RequestRecord], float]:
-    """Run every prompt through `bg`, `concurrency` at a time; (records, seconds).
+    records: Sequence[Any],
+    check: Callable[[Any, int], None],
+    trace: StepTrace | None = None,
+) -> float:
+    """Run every prompt through `bg`, `concurrency` at a time, filling `records` (one per
+    prompt: ttft, itl, output_tokens, events, finish_reason, e2e, error, message; `check`
+    judges each finished one against `max_tokens`); returns the seconds it took.
 
     With `trace`, one line per step, in the columns the server's actor writes."""
     clock = time.perf_counter
     queue = deque(enumerate(prompts))
-    records = [RequestRecord() for _ in prompts]
     live: dict[int, list[Any]] = {}  # uid -> [t_insert, t_last_token, record]
 
     def admit(k: int) -> None:
@@ -84,12 +81,12 @@ def drive(
     idle, inserted = 0, len(live)
     while live:
         t_step = clock()
-        prompt0 = bg._counters.prompt_tokens if trace is not None else 0
+        prompt0 = peek_prompt_tokens(bg) if trace is not None else 0
         _, responses = bg.next()
         now = clock()
         if trace is not None:
             trace.row(t_step, 0.0, now - t_step, inserted, len(responses),
-                      bg._counters.prompt_tokens - prompt0, len(live), 0, trace.batch_rows(bg))
+                      peek_prompt_tokens(bg) - prompt0, len(live), 0, batch_rows(bg))
             inserted = 0
         if not responses:
             idle += 1
@@ -114,14 +111,14 @@ def drive(
                 if r.finish_reason != "length":
                     rec.error = f"finish_{r.finish_reason}"
                     rec.message = f"finished with {r.finish_reason!r}"
-                check_length(rec, max_tokens)
+                check(rec, max_tokens)
                 del live[r.uid]
                 finished += 1
         if finished:
             before = len(live)
             admit(finished)
             inserted = len(live) - before
-    return records, clock() - t0
+    return clock() - t0
 
 
 class Ceiling:
@@ -139,15 +136,17 @@ class Ceiling:
         prefill_batch_size: int,
         prefill_step_size: int,
         seed: int = 0,
+        cache_limit_gb: float | None = None,
+        trace: str | None = None,
     ):
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
 
-        from trio_mlx._actor import apply_cache_limit
+        from ._actor import apply_cache_limit
 
-        apply_cache_limit()  # as the server's actor does: two MLX processes may share one GPU
+        apply_cache_limit(cache_limit_gb)  # as the server's actor does: two MLX processes may share one GPU
         mx.random.seed(seed)
-        self._trace: _StepTrace | None = None
+        self._trace: StepTrace | None = None
         self.bg = BatchGenerator(
             _load_model(model),
             max_tokens=max_tokens,
@@ -157,31 +156,34 @@ class Ceiling:
             prefill_step_size=prefill_step_size,
         )
         try:
-            if path := os.environ.get(_TRACE_ENV):
-                from trio_mlx._actor import _StepTrace
-
-                self._trace = _StepTrace(path)  # closed in close()
+            if trace:
+                self._trace = StepTrace(trace)  # closed in close()
             if warmup:
-                drive(self.bg, warmup, len(warmup), _WARMUP_TOKENS)
+                self._warm(warmup, len(warmup))
                 # every prefill group size once, as the server's actor warms up
                 # (MLX compiles kernels per shape on first use: `Actor._warmup`)
                 for k in range(1, prefill_batch_size + 1):
-                    drive(self.bg, [warmup[i % len(warmup)] for i in range(k)], k, _WARMUP_TOKENS)
+                    self._warm([warmup[i % len(warmup)] for i in range(k)], k)
         except BaseException:
             self.close()
             raise
 
+    def _warm(self, prompts: Sequence[Sequence[int]], concurrency: int) -> None:
+        records = [_Unread() for _ in prompts]
+        drive(self.bg, prompts, concurrency, _WARMUP_TOKENS, records, lambda _r, _n: None)
+
     def drive(
-        self, prompts: Sequence[Sequence[int]], concurrency: int, max_tokens: int
-    ) -> tuple[list[RequestRecord], float, float]:
-        """One closed-loop run: (records, seconds, CPU seconds of this process)."""
+        self, prompts: Sequence[Sequence[int]], concurrency: int, max_tokens: int,
+        records: Sequence[Any], check: Callable[[Any, int], None],
+    ) -> tuple[float, float]:
+        """One closed-loop run filling `records` (see `drive`): (seconds, CPU seconds of this process)."""
         import mlx.core as mx
 
         cpu0 = time.process_time()
-        records, seconds = drive(self.bg, prompts, concurrency, max_tokens, self._trace)
+        seconds = drive(self.bg, prompts, concurrency, max_tokens, records, check, self._trace)
         cpu = time.process_time() - cpu0
         mx.clear_cache()
-        return records, seconds, cpu
+        return seconds, cpu
 
     def close(self) -> None:
         import mlx.core as mx
@@ -192,50 +194,14 @@ class Ceiling:
             self._trace.close()
 
 
-def run_limit(
-    model: str,
-    prompts: Sequence[Sequence[int]],
-    *,
-    warmup: Sequence[Sequence[int]],
-    plan: Sequence[tuple[int, int]],
-    max_tokens: int,
-    completion_batch_size: int,
-    prefill_batch_size: int,
-    prefill_step_size: int,
-    seed: int = 0,
-    on_level: Callable[[dict[str, Any]], None] | None = None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Measure each (concurrency, requests) level of `plan`, consuming `prompts` in order.
+class _Unread:
+    """A record of a warm-up request, which nobody reads."""
 
-    The `warmup` prompts run first as one short, unmeasured batch.
-
-    Returns (device description, per-level stats as `_bench.level_stats` makes them).
-    """
-    need = sum(n for _, n in plan)
-    if len(prompts) < need:
-        raise ValueError(f"{len(prompts)} prompts for {need} requests")
-    ceiling = Ceiling(
-        model,
-        warmup=warmup,
-        max_tokens=max_tokens,
-        completion_batch_size=completion_batch_size,
-        prefill_batch_size=prefill_batch_size,
-        prefill_step_size=prefill_step_size,
-        seed=seed,
-    )
-    levels: list[dict[str, Any]] = []
-    try:
-        pos = 0
-        for concurrency, n in plan:
-            batch = prompts[pos : pos + n]
-            pos += n
-            records, duration, cpu = ceiling.drive(batch, concurrency, max_tokens)
-            lv = in_process_level(
-                records, duration=duration, concurrency=concurrency, cpu_s=cpu, cpu_name="client"
-            )
-            levels.append(lv)
-            if on_level is not None:
-                on_level(lv)
-    finally:
-        ceiling.close()
-    return device_info(), levels
+    def __init__(self) -> None:
+        self.ttft: float | None = None
+        self.e2e: float | None = None
+        self.itl: list[float] = []
+        self.output_tokens = self.events = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.message: str | None = None

@@ -1,6 +1,6 @@
 """Probe (GPU investigation): what removing rows from a decoding batch costs the host.
 
-    python scripts/probe_remove.py MODEL_DIR [ROUNDS]
+    python benchmarks/probes/probe_remove.py MODEL_DIR [ROUNDS]
 
 A BatchGenerator decodes ~64 rows; each round 8 new prompts of 128 tokens
 enter, 10 steps decode, then the 8 oldest rows leave and 4 more steps run.
@@ -8,8 +8,8 @@ The removal is done two ways in turn: mlx_lm's `BatchGenerator.remove`
 (its `BatchKVCache.filter` reads the padding back in every layer) and the
 actor's `_remove_rows` (one read for all layers). Prints, per way, the
 median ms of the removal call and of the window (removal + 4 steps), and
-whether both ways produced the same tokens. BENCHMARKS.md
-(finding 12) says what it found.
+whether both ways produced the same tokens. benchmarks/2026-11-23-h100/row-removal/README.md
+says what it found.
 """
 import random
 import statistics
@@ -19,8 +19,8 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from trio_mlx._actor import _remove_rows
-from trio_mlx._models import load_model
+from trio_mlx.actor._batch import remove_rows as _remove_rows
+from trio_mlx.models import load_model
 
 path = sys.argv[1]
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 12

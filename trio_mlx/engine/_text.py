@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ._errors import InvalidRequestError
+from .._errors import InvalidRequestError
 
 
 class StopMatcher:

@@ -1,10 +1,10 @@
 """`trio-mlx bench`: a load generator for OpenAI-compatible endpoints.
 
-Drives any server (`--url`) over streaming SSE with trio (`_bench_http.py`),
+Drives any server (`--url`) over streaming SSE with trio (`_http.py`),
 or, with `--limit`, mlx_lm's BatchGenerator in-process on the same model and
-prompts (the raw ceiling a server is judged against; `_bench_limit.py`, the
-only bench module that imports MLX). Figures, tables and plots are in
-`_bench_stats.py`. Two load shapes: a closed-loop concurrency
+prompts (the raw ceiling a server is judged against: `_limit.py`, over
+`trio_mlx.actor.ceiling`, which drives MLX). Figures, tables and plots are in
+`_stats.py`. Two load shapes: a closed-loop concurrency
 sweep (`--concurrency 1,8,32`) and Poisson arrivals (`--rate 2,4`). Prompts are
 random token ids of an exact token length under the model's tokenizer, each
 one distinct so that prefix caches don't flatter; outputs have a fixed length
@@ -32,7 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trio_mlx._bench_stats import (
+from ..engine import ADMIT_WINDOW
+from ._env import actor_knobs
+from ._limit import ceiling_level as run_ceiling_level
+from ._stats import (
     RequestRecord,
     format_table,
     in_process_level,
@@ -40,10 +43,9 @@ from trio_mlx._bench_stats import (
     load_results,
     write_plot,
 )
-from trio_mlx._engine import ADMIT_WINDOW
 
 if TYPE_CHECKING:
-    from trio_mlx._bench_http import HttpxClient, RawClient
+    from ._http import HttpxClient, RawClient
 
 SCHEMA = "trio-mlx-bench/1"
 LIMIT_WARMUP = 4  # sequences in --limit's warm-up batch: arbitrary, just small
@@ -59,9 +61,9 @@ class Prompt:
 
 
 def load_tokenizer(model: str) -> Any:
-    from trio_mlx import _models
+    from .. import models
 
-    return _models.load_tokenizer(_models.resolve_model(model))
+    return models.load_tokenizer(models.resolve_model(model))
 
 
 def make_prompts(
@@ -172,7 +174,7 @@ def levels_and_counts(args: argparse.Namespace) -> list[tuple[int | None, float 
 
 
 def request_body(args: argparse.Namespace, prompt: Prompt, max_tokens: int, model: str) -> bytes:
-    from trio_mlx._bench_http import dumps
+    from ._http import dumps
 
     body: dict[str, Any] = {
         "model": model,
@@ -244,7 +246,7 @@ async def run_http(
     """
     import trio
 
-    from trio_mlx._bench_http import HttpxClient, RawClient, stream_request
+    from ._http import HttpxClient, RawClient, stream_request
 
     base = args.url.rstrip("/")
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
@@ -328,7 +330,7 @@ async def _run_paired_level(
                 client_cpu += time.process_time() - cpu0
             else:
                 before = _proc_cpu(args.server_pid)
-                recs, seconds, cpu = paired.drive(ids[lo:hi], concurrency, args.max_tokens)
+                recs, seconds, cpu = run_ceiling_level(paired, ids[lo:hi], concurrency, args.max_tokens)
                 after = _proc_cpu(args.server_pid)
                 if before is not None and after is not None:
                     srv_idle = [srv_idle[i] + after[i] - before[i] for i in (0, 1)]
@@ -354,7 +356,7 @@ async def _run_level(
     """Send every body, closed loop (`concurrency` in flight) or Poisson arrivals at `rate`/s."""
     import trio
 
-    from trio_mlx._bench_http import stream_request
+    from ._http import stream_request
 
     records = [RequestRecord() for _ in bodies]
 
@@ -602,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     args.checkpoint = checkpoint
     in_process = [(c, n) for c, _, n in plan if c is not None]
     if args.engine:
-        from trio_mlx._bench_engine import run_engine
+        from ._engine import run_engine
 
         max_batch = args.max_batch or max(c for c, _ in in_process)
         result["settings"] = {
@@ -626,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
             on_level=level_done,
         )
     elif args.limit:
-        from trio_mlx._bench_limit import run_limit
+        from ._limit import run_limit
 
         max_batch = args.max_batch or max(c for c, _, _ in plan if c is not None)
         result["settings"] = {
@@ -644,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,
             seed=args.seed,
+            cache_limit_gb=actor_knobs()["cache_limit_gb"],
             on_level=level_done,
         )
     else:
@@ -681,17 +684,19 @@ def _run_paired(
     """`--paired`: the server's levels, with the ceiling's interleaved and written to args.paired."""
     import trio
 
-    from trio_mlx._bench_limit import Ceiling, device_info
+    from ._limit import CEILING_TRACE_ENV, ceiling_module
 
     max_batch = args.max_batch or max(c for c, _, _ in plan if c is not None)
     settings = {"completion_batch_size": max_batch, "prefill_batch_size": args.prefill_batch_size,
                 "prefill_step_size": args.prefill_step_size}  # fmt: skip
-    ceiling = Ceiling(args.model, warmup=[p.ids for p in warm], max_tokens=args.max_tokens, seed=args.seed,
-                      **settings)  # fmt: skip
+    ceiling_api = ceiling_module()
+    ceiling = ceiling_api.Ceiling(
+        args.model, warmup=[p.ids for p in warm], max_tokens=args.max_tokens, seed=args.seed,
+        cache_limit_gb=actor_knobs()["cache_limit_gb"], trace=os.environ.get(CEILING_TRACE_ENV), **settings)  # fmt: skip
     levels: list[dict[str, Any]] = []
     label = f"{args.label} ceiling (paired)" if args.label else "ceiling (paired)"
     paired = {**result, "label": label, "target": "limit", "paired_with": args.url,
-              "settings": settings, "device": device_info(), "levels": levels}  # fmt: skip
+              "settings": settings, "device": ceiling_api.device_info(), "levels": levels}  # fmt: skip
 
     def save() -> None:
         Path(args.paired).write_text(json.dumps(paired, indent=1) + "\n")

@@ -1,6 +1,6 @@
 """Read step traces (TRIO_MLX_STEP_TRACE / TRIO_MLX_CEILING_TRACE) level by level.
 
-    python scripts/trace_summary.py SERVER_TRACE [CEILING_TRACE]
+    python benchmarks/probes/trace_summary.py SERVER_TRACE [CEILING_TRACE]
 
 Each row of a trace is one step (see `_actor._StepTrace`). Per concurrency
 level (a steady decode step's row count, rounded up to 1/8/32/64/128/256),

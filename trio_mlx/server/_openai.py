@@ -4,7 +4,7 @@ The pydantic models validate requests and document them (/openapi.json);
 the builders turn engine events into bytes. Streamed chunks are cut from
 byte templates made once per request around one json-escaped string, never
 built through pydantic or nested dicts: that code runs once per SSE event on
-the event loop, which shares the GIL with the GPU actor (DESIGN.md rule 7).
+the event loop, which shares the GIL with the GPU actor (docs/design.md, rule 7).
 Every error body the server sends is made by `HTTPError` here, and library
 exceptions become HTTP errors in one place, `error_from_exception`.
 """
@@ -19,13 +19,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ._errors import (
+from .._errors import (
     EngineBrokenError,
     EngineClosedError,
     InvalidRequestError,
     QueueFullError,
 )
-from ._messages import Finished, TokenLogprob, Usage
+from ..engine import Finished, TokenLogprob, Usage
 
 try:
     import orjson
