@@ -25,11 +25,13 @@ from ._protocol import TokenOut as TokenOut
 
 if TYPE_CHECKING:
     from ._actor import Actor as Actor
+    from ._fake import FakeActor as FakeActor
     from ._link import ThreadLink as ThreadLink
     from ._process import run_actor_process as run_actor_process
 
 _LAZY = {
     "Actor": "._actor",
+    "FakeActor": "._fake",
     "ThreadLink": "._link",
     "run_actor_process": "._process",
     "ceiling": "._ceiling",

@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +39,7 @@ from ..actor import (
     Abort,
     ActorConfig,
     ActorInfo,
+    ActorLink,
     Command,
     SamplingParams,
     Shutdown,
@@ -130,7 +131,7 @@ class Engine:
         cache_dir: os.PathLike[str] | None = None,
         warmup: bool = True,
         switch_interval: float | None = 0.0001,
-        actor: str = "thread",
+        actor: str | Callable[[ActorConfig, ActorLink], Any] = "thread",
         admit_window: float = ADMIT_WINDOW,
         fault_hook: Any = None,
         retire_steps: int = 16,
@@ -142,8 +143,8 @@ class Engine:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
         if not (math.isfinite(admit_window) and admit_window >= 0):
             raise ValueError(f"admit_window must be a finite number >= 0, not {admit_window!r}")
-        if actor not in ("thread", "process"):
-            raise ValueError(f"actor must be 'thread' or 'process', not {actor!r}")
+        if actor not in ("thread", "process") and not callable(actor):
+            raise ValueError(f"actor must be 'thread', 'process' or an actor factory, not {actor!r}")
         if actor == "process" and fault_hook is not None:
             raise ValueError("fault_hook needs actor='thread'")
         self.actor_mode = actor
@@ -248,7 +249,8 @@ class Engine:
             else:
                 from ..actor import Actor, ThreadLink
 
-                actor = Actor(config, ThreadLink(self))
+                factory: Any = Actor if self.actor_mode == "thread" else self.actor_mode
+                actor = factory(config, ThreadLink(self))
                 await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
         except trio.Cancelled:
             # The engine's own task was cancelled (the server is going down):
