@@ -449,7 +449,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="trio-mlx bench",
         description="Load-test an OpenAI-compatible endpoint (--url) or the raw BatchGenerator "
         "ceiling (--limit). Also: `trio-mlx bench plot A.json [B.json ...] -o out.png` and "
-        "`trio-mlx bench table A.json [B.json ...] [--ceiling C.json]`.",
+        "`trio-mlx bench table A.json [B.json ...] [--ceiling C.json]`; multi-turn conversations "
+        "with a shared system prompt (the prompt cache's load): `trio-mlx bench chat --url URL`.",
     )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="base URL of the server, e.g. http://127.0.0.1:8080")
@@ -541,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("plot", "table"):
         return _sub_main(argv[0], argv[1:])
+    if argv and argv[0] == "chat":
+        from ._chat import main as chat_main
+
+        return chat_main(argv[1:])
     args = _parser().parse_args(argv)
     if (args.limit or args.engine or args.paired) and args.rate:
         raise SystemExit("trio-mlx bench: --limit/--engine/--paired run the closed loop only (use --concurrency)")
