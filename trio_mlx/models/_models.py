@@ -49,6 +49,36 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
+# ChatML with tools in the Hermes / Qwen2.5 format: tool signatures in the system
+# turn, calls as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+# mlx-lm recognizes it (its `json_tools` parser) by "<tool_call>" and "tool_call.name".
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\n\n' }}{%- endif %}"
+    "{{ '# Tools\n\nYou may call functions. Their signatures:\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\n</tools>\n\nReturn each call as a JSON object within <tool_call></tool_call> tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+    "<|im_end|>\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{ '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\n' + (message.content or '') }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{ tool_call.arguments }}"
+    "{%- else %}{{ tool_call.arguments | tojson }}{%- endif %}"
+    "{{ '}\n</tool_call>' }}{%- endfor %}{{ '<|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+_TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # added, not special: the text keeps them
 
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -395,9 +425,16 @@ def model_config_for_shape(shape: str, *, dtype: str = "float32") -> dict[str, A
     }
 
 
-def _write_test_tokenizer(out: pathlib.Path, *, vocab_size: int, model_max_length: int) -> None:
+def _write_test_tokenizer(
+    out: pathlib.Path, *, vocab_size: int, model_max_length: int, tools: bool = False
+) -> None:
+    from tokenizers import AddedToken
+
+    extra = _TOOL_TOKENS if tools else []
+    tokenizer = _train_tokenizer(min(vocab_size, 512) - len(extra))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra])
     _write_tokenizer(
-        out, tokenizer=_train_tokenizer(min(vocab_size, 512)), chat_template=CHATML_TEMPLATE,
+        out, tokenizer=tokenizer, chat_template=TOOLS_TEMPLATE if tools else CHATML_TEMPLATE,
         bos="<|im_start|>", eos="<|im_end|>", unk="<|endoftext|>", pad="<|endoftext|>",
         model_max_length=model_max_length, vocab_size=vocab_size,
     )
@@ -405,16 +442,18 @@ def _write_test_tokenizer(out: pathlib.Path, *, vocab_size: int, model_max_lengt
 
 def build_test_model(
     out_dir: os.PathLike[str], *, shape: str = "tiny", dtype: str = "float32", seed: int = 0,
-    quantize_bits: int | None = None,
+    quantize_bits: int | None = None, tools: bool = False,
 ) -> pathlib.Path:
-    """Write a deterministic random-weight llama (real BPE tokenizer, ChatML) to `out_dir`."""
+    """Write a deterministic random-weight llama (real BPE tokenizer, ChatML) to `out_dir`.
+    With `tools`, its chat template renders tools and tool calls (`TOOLS_TEMPLATE`)."""
     config = model_config_for_shape(shape, dtype=dtype)
     if quantize_bits not in (None, 4, 8):
         raise ValueError(f"quantize_bits must be None, 4 or 8, not {quantize_bits!r}")
     final = pathlib.Path(out_dir)
     with _atomic_dir(final, exist_ok=False) as tmp:
         positions = config["max_position_embeddings"]
-        _write_test_tokenizer(tmp, vocab_size=config["vocab_size"], model_max_length=positions)
+        _write_test_tokenizer(tmp, vocab_size=config["vocab_size"], model_max_length=positions,
+                              tools=tools)
         config = _write_random_weights(tmp, config, seed=seed, bits=quantize_bits)
         _write_json(tmp / "config.json", config)
     return final
@@ -504,13 +543,14 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     build.add_argument("--bits", type=int, choices=[4, 8], help="quantize (group size 64)")
     build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--tools", action="store_true", help="a chat template with tool calling")
     args = parser.parse_args(argv)
     try:
         if args.command == "default":
             path = ensure_embedded_model(args.cache_dir)
         else:
             path = build_test_model(args.out, shape=args.shape, dtype=args.dtype,
-                                    seed=args.seed, quantize_bits=args.bits)
+                                    seed=args.seed, quantize_bits=args.bits, tools=args.tools)
     except (ModelLoadError, OSError) as exc:
         print(f"trio-mlx model: {exc}", file=sys.stderr)
         return 1
