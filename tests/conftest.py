@@ -27,3 +27,8 @@ def tiny_model_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def embedded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _models.ensure_embedded_model(tmp_path_factory.mktemp("trio-mlx-cache"))
+
+
+@pytest.fixture(scope="session")
+def tool_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _models.build_test_model(tmp_path_factory.mktemp("tiny-tools") / "model", tools=True)

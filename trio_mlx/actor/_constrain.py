@@ -15,12 +15,13 @@ context waits for the previous step's sampling, which a free batch overlaps
 with building the next step: that wait is the price of a constrained row,
 paid once per step however many constrained rows there are.
 
-The processor also keeps its row inside `max_tokens`. Every so often (every
-step near the end) it measures the completion `_matcher.finish` would write
-from here and how much one token that opens something could lengthen it
-(`_matcher.jump`). When the tokens left come close to that, the row turns
-"calm": only tokens that open nothing, the completion's next token, and EOS
-where the grammar may end. When they come closer still, it forces the
+The processor also keeps its row inside `max_tokens`. Every so often it
+measures the completion `_matcher.finish` would write from here; in the
+endgame (every step once the tokens left come within reach of it) also how
+much one token that opens something could lengthen it (`_matcher.jump`).
+When one such token could leave too little room, the row turns "calm": only
+tokens that open nothing, the completion's next token, and EOS where the
+grammar may end. When the room is down to the completion, it forces the
 completion, then EOS. So the output always parses, even from a model that
 would never close its JSON; `forced_finish` tells the actor when text was cut
 short to get there (a string ended early, an array with fewer items).
@@ -37,7 +38,7 @@ import llguidance.numpy as llnp
 import mlx.core as mx
 import numpy as np
 
-from ._matcher import GrammarVocab, finish, jump
+from ._matcher import GrammarVocab, completes, finish, jump
 
 # Tokens of slack kept between the tokens left and the completion: a calm
 # token can still lengthen it a little (an escape, half a UTF-8 character,
@@ -46,6 +47,10 @@ BUDGET_MARGIN = 8
 # How much further than the single-byte openers `jump` measures a token
 # might push the completion (a `{"` token opens two things). Arbitrary.
 JUMP_FACTOR = 2
+# The jump assumed before one is measured: it decides when the endgame (a
+# measurement every step) begins. Arbitrary; a JSON item with a few required
+# keys, or another tool call, jumps 10-40 tokens.
+JUMP_GUESS = 32
 
 
 class GrammarProcessor:
@@ -62,7 +67,8 @@ class GrammarProcessor:
         self._calls = 0
         self._check_at = 0  # the call at which the completion is next measured
         self._tail: list[int] = []  # the completion, as last measured
-        self._jump = 0  # the most one token lengthened it, over every measurement
+        self._tail_checked = False  # whether it is known to complete the grammar from here
+        self._jump = 0  # the largest jump measured so far
         self._mode = "free"  # -> "calm" -> "forcing" -> "done" (only EOS)
         self.forced_finish = False
         self.error: str | None = None
@@ -83,10 +89,11 @@ class GrammarProcessor:
     def _advance(self, token: int | None) -> None:
         m = self._matcher
         if token is not None and self._mode != "done":
-            if self._mode == "forcing":
-                if self._tail and token == self._tail[0]:
-                    self._tail.pop(0)
-                else:  # cannot happen while the mask holds; measure again
+            if self._tail and token == self._tail[0]:
+                self._tail.pop(0)  # the rest still completes the grammar
+            else:  # the model went its own way (never while forcing: the mask holds)
+                self._tail_checked = False
+                if self._mode == "forcing":
                     self._mode, self._check_at = "calm", self._calls
             if not m.consume_token(token):
                 self.error = f"the grammar refused token {token}: {m.get_error()}"
@@ -116,24 +123,32 @@ class GrammarProcessor:
             self._end()
 
     def _measure(self, left: int) -> None:
-        """Where the row stands against its budget: force the completion now, go calm
-        (measure again next step), or stay free until a later measurement."""
-        tail = finish(self._matcher, self._vocab)
-        if tail is None:  # no completion found: generate freely, max_tokens may cut the row
+        """Where the row stands against its budget: force the completion now; in the
+        endgame, measure every step and go calm when one opening token could leave
+        too little room; far from the end, stay free until a later measurement."""
+        # The last completion, if it still completes the grammar from here, saves a
+        # walk (inside a string or a number it does); it is the longer one at worst.
+        if self._tail_checked or completes(self._matcher, self._tail):
+            tail = self._tail
+        elif (found := finish(self._matcher, self._vocab)) is not None:
+            tail = found
+        else:  # no completion found: generate freely, max_tokens may cut the row
             self._check_at = self._max_tokens
             return
-        self._tail = tail
+        self._tail, self._tail_checked = tail, True
         need = len(tail) + 1 + BUDGET_MARGIN  # + 1: the EOS
         if left <= need:
             self._mode = "forcing"
             return
-        self._jump = max(self._jump, jump(self._matcher, self._vocab, len(tail), self._words))
-        reach = JUMP_FACTOR * self._jump + BUDGET_MARGIN  # how far one token might move `need`
-        if left <= need + reach:
-            self._mode, self._check_at = "calm", self._calls + 1
-        else:  # one token moves the line by at most `reach`: no need to look before then
+        far = JUMP_FACTOR * max(JUMP_GUESS, self._jump) + BUDGET_MARGIN  # the most one token may add
+        if left <= need + far:
+            here = jump(self._matcher, self._vocab, tail, self._words)
+            self._jump = max(self._jump, here)
+            calm = left <= need + JUMP_FACTOR * here + BUDGET_MARGIN
+            self._mode, self._check_at = ("calm" if calm else "free"), self._calls + 1
+        else:
             self._mode = "free"
-            self._check_at = self._calls + max(1, (left - need - reach) // (reach + 1))
+            self._check_at = self._calls + max(1, (left - need - far) // (far + 1))
 
     def _end(self) -> None:
         self._mode = "done"

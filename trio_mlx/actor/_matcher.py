@@ -27,12 +27,12 @@ import llguidance.hf
 import numpy as np
 
 # The bytes `finish` tries, in order, when nothing is forced: the ones that
-# close a JSON string, object or array first, then separators (`@` and `.`
-# carry an email or a hostname to its end), what a value or a number can
-# start or end with, then UTF-8 continuation bytes (a token may stop in the
-# middle of a character), then every other byte.
-_CLOSERS = b'"}]'
-_FIRST = _CLOSERS + b',:@.0123456789-etrufalsnTZ '
+# close a JSON string, object or array or separate its members first, then
+# `@` and `.` (they carry an email or a hostname to its end), what a value or
+# a number can start or end with, then UTF-8 continuation bytes (a token may
+# stop in the middle of a character), then every other byte.
+_CLOSERS = b'"}],:'  # always tried first, in this order
+_FIRST = _CLOSERS + b'@.0123456789-etrufalsnTZ '
 _CLOSE_BRACKETS = b"}]"
 _OPENERS = b'{[,:"\n'  # bytes that may open something the completion must then close
 _PRIORITY = _FIRST + bytes([0x80, 0x90, 0xA0, 0xB0]) + bytes(
@@ -50,7 +50,7 @@ class GrammarVocab:
 
     tokenizer: llguidance.LLTokenizer
     eos: tuple[int, ...]  # the ids a finished grammar allows; every one is a stop token
-    closers: tuple[int, ...]  # the single-byte tokens of `_CLOSERS`
+    closers: tuple[int, ...]  # the single-byte tokens of `_CLOSERS`, in that order
     byte_tokens: tuple[int, ...]  # the other single-byte tokens, in `_PRIORITY` order
     brackets: tuple[int, ...]  # the tokens of "}" and "]"
     openers: tuple[int, ...]  # the single-byte tokens of `_OPENERS`
@@ -138,7 +138,8 @@ def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINI
         # A closer chosen over and over may be text, never closing anything (`}`
         # inside a string): after a few in a row it waits its turn. Other bytes
         # take turns, least recently chosen first, so that a pattern that wants a
-        # byte further down the list (the `Z` of a date-time) gets it.
+        # byte further down the list (the `Z` of a date-time) gets it; the closers
+        # keep their place, or a number would grow every digit before its `,`.
         first = closers if repeats < _REPEATS else ()
         for t in (*first, *rest):
             if m.validate_tokens([t]):
@@ -161,10 +162,16 @@ def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINI
     return out
 
 
-def jump(matcher: llguidance.LLMatcher, vocab: GrammarVocab, base: int, allowed: np.ndarray) -> int:
-    """How many tokens longer than `base` (the length of `finish` from here) the
-    completion may get after one more token: measured for the single-byte openers
-    and the special tokens that `allowed` (the current bitmask, uint32 words) lets
+def completes(matcher: llguidance.LLMatcher, tokens: list[int]) -> bool:
+    """Whether `tokens` take `matcher` (left as it is) to a state where its grammar may end."""
+    probe = matcher.deep_copy()
+    return probe.consume_tokens(tokens) and probe.is_accepting()
+
+
+def jump(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], allowed: np.ndarray) -> int:
+    """How many tokens longer than `tail` (the completion from here) the completion
+    may get after one more token: measured for the single-byte openers and the
+    special tokens that `allowed` (the current bitmask, uint32 words) lets
     through. A longer token that opens several things at once (`{"`) may jump
     further; callers leave room for that."""
     words = allowed.reshape(-1)
@@ -178,7 +185,9 @@ def jump(matcher: llguidance.LLMatcher, vocab: GrammarVocab, base: int, allowed:
         probe = matcher.deep_copy()
         if not probe.consume_token(t):
             continue
-        tail = finish(probe, vocab)
-        if tail is not None:
-            worst = max(worst, len(tail) + 1 - base)
+        if completes(probe, tail):  # e.g. a comma inside a string: it changed nothing
+            continue
+        after = finish(probe, vocab)
+        if after is not None:
+            worst = max(worst, len(after) + 1 - len(tail))
     return worst
