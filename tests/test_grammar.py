@@ -24,7 +24,7 @@ from batch_driver import Row, run_rows
 from trio_mlx import _models
 from trio_mlx._errors import InvalidRequestError
 from trio_mlx.actor._constrain import GrammarProcessor
-from trio_mlx.actor._matcher import grammar_vocab
+from trio_mlx.actor._matcher import cached_vocab, grammar_vocab
 from trio_mlx.engine import _grammar
 
 pytestmark = pytest.mark.timeout(120)
@@ -210,9 +210,17 @@ def test_a_grammar_pickles_for_the_process_actor(tiny: tuple[Any, Any]) -> None:
     assert pickle.loads(pickle.dumps(grammar)) == grammar
 
 
-def test_the_vocab_is_built_once_per_tokenizer(tiny: tuple[Any, Any]) -> None:
+def test_the_vocab_is_built_once_per_tokenizer(tiny: tuple[Any, Any], tiny_model_fp32: Path) -> None:
+    """Built once, and findable by the model's path: a thread actor reuses the engine's."""
     _, tok = tiny
-    assert grammar_vocab(tok) is grammar_vocab(tok)
+    vocab = grammar_vocab(tok)
+    assert grammar_vocab(tok) is vocab and cached_vocab(str(tiny_model_fp32)) is None
+    assert grammar_vocab(tok, key=str(tiny_model_fp32)) is vocab
+    assert cached_vocab(str(tiny_model_fp32)) is vocab
+    # Specials: <|endoftext|>, <|im_start|> (and the byte 0xFF, which llguidance reserves);
+    # EOS is not among them: a finished grammar allows it.
+    assert vocab.size == 512 and vocab.eos == (2,) and vocab.specials.tolist()[:2] == [0, 1]
+    assert 2 not in vocab.specials
 
 
 @pytest.mark.slow

@@ -4,8 +4,9 @@
 that the actor puts last in a constrained row's `logits_processors` when it
 inserts the row into the BatchGenerator. The generator calls each row's
 processors with that row's logits alone (shape (1, V)) and its token context
-(prompt + generated so far), so constrained and free rows share one batch and
-a free row pays nothing.
+(prompt + generated so far), so constrained and free rows share one batch;
+a free row pays only what any processor in the batch costs it (mlx-lm then
+slices the logits row by row and joins them again).
 
 Each call: feed the token sampled last step to the row's `llguidance.LLMatcher`,
 fill the next-token bitmask (numpy, one bit per tokenizer token) and set the

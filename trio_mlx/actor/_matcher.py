@@ -63,17 +63,31 @@ class GrammarVocab:
 
 
 _vocabs: weakref.WeakKeyDictionary[Any, GrammarVocab] = weakref.WeakKeyDictionary()
+_by_key: dict[str, GrammarVocab] = {}
 _lock = threading.Lock()
 
 
-def grammar_vocab(tokenizer: Any) -> GrammarVocab:
+def grammar_vocab(tokenizer: Any, *, key: str | None = None) -> GrammarVocab:
     """The GrammarVocab of an mlx-lm TokenizerWrapper (or a fast HF tokenizer), built
-    once per tokenizer object: building one reads the whole vocabulary (~0.3 s for
-    a 49k vocabulary). Raises ValueError for a tokenizer llguidance cannot use."""
+    once per tokenizer object: building one reads the whole vocabulary (~0.5 s for
+    a 49k vocabulary). With `key` (the model's path) it is also kept under that
+    name, so that an actor in the engine's process finds it (`cached_vocab`)
+    without a tokenizer of its own. Raises ValueError for a tokenizer llguidance
+    cannot use."""
     with _lock:  # held while building: two threads asking at once build it once
-        if (vocab := _vocabs.get(tokenizer)) is None:
-            vocab = _vocabs[tokenizer] = _build(tokenizer)
+        vocab = _vocabs.get(tokenizer) or (_by_key.get(key) if key is not None else None)
+        if vocab is None:
+            vocab = _build(tokenizer)
+        _vocabs[tokenizer] = vocab
+        if key is not None:
+            _by_key[key] = vocab
         return vocab
+
+
+def cached_vocab(key: str) -> GrammarVocab | None:
+    """The GrammarVocab kept under `key` by `grammar_vocab`, if any."""
+    with _lock:
+        return _by_key.get(key)
 
 
 def _build(tokenizer: Any) -> GrammarVocab:
