@@ -19,10 +19,10 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from trio_mlx._models import load_model, load_tokenizer
 from trio_mlx.actor._constrain import GrammarProcessor
 from trio_mlx.actor._matcher import grammar_vocab
 from trio_mlx.engine._grammar import compile_json_schema
+from trio_mlx.models import load_model, load_tokenizer
 
 path = sys.argv[1]
 batch = int(sys.argv[2]) if len(sys.argv) > 2 else 32

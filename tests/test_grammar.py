@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from batch_driver import Row, run_rows
 
-from trio_mlx import _models
+from trio_mlx import models
 from trio_mlx._errors import InvalidRequestError
 from trio_mlx.actor._constrain import GrammarProcessor
 from trio_mlx.actor._matcher import cached_vocab, grammar_vocab
@@ -66,8 +66,8 @@ PROMPTS = ["Give me JSON.", "Who are you?", "The quick brown fox", "1969"]
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_fp32: Path) -> tuple[Any, Any]:
-    model, _ = _models.load_model(tiny_model_fp32)
-    return model, _models.load_tokenizer(tiny_model_fp32)
+    model, _ = models.load_model(tiny_model_fp32)
+    return model, models.load_tokenizer(tiny_model_fp32)
 
 
 def check(text: str, schema: dict[str, Any]) -> None:
@@ -227,8 +227,8 @@ def test_the_vocab_is_built_once_per_tokenizer(tiny: tuple[Any, Any], tiny_model
 def test_embedded_model_answers_in_the_schema(embedded_model: Path) -> None:
     """The real model's tokenizer (49152 ids, GGUF-converted) works with llguidance,
     and the real model, constrained, answers in the schema."""
-    model, _ = _models.load_model(embedded_model)
-    tok = _models.load_tokenizer(embedded_model)
+    model, _ = models.load_model(embedded_model)
+    tok = models.load_tokenizer(embedded_model)
     schema = {
         "type": "object",
         "properties": {"city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40}},

@@ -19,7 +19,7 @@ import pytest
 from batch_driver import Row, run_rows
 from mlx_lm.tool_parsers import json_tools, qwen3_coder
 
-from trio_mlx import _models
+from trio_mlx import models
 from trio_mlx._errors import InvalidRequestError
 from trio_mlx.engine import _tools
 
@@ -60,8 +60,8 @@ MARKUP = ("<tool_call>", "</tool_call>")
 
 @pytest.fixture(scope="module")
 def tool_model(tool_model_fp32: Path) -> tuple[Any, Any]:
-    model, _ = _models.load_model(tool_model_fp32)
-    return model, _models.load_tokenizer(tool_model_fp32)
+    model, _ = models.load_model(tool_model_fp32)
+    return model, models.load_tokenizer(tool_model_fp32)
 
 
 def prompt(tok: Any, tools: list[dict[str, Any]], text: str = "What is the weather in Paris?") -> list[int]:
@@ -92,7 +92,7 @@ def test_mlx_lm_recognizes_the_tool_model(tool_model: tuple[Any, Any], tiny_mode
     assert tok.has_tool_calling and tok.tool_parser is json_tools.parse_tool_call
     assert (tok.tool_call_start, tok.tool_call_end) == MARKUP
     assert len(tok.tool_call_start_tokens) == len(tok.tool_call_end_tokens) == 1  # added tokens
-    assert not _models.load_tokenizer(tiny_model_fp32).has_tool_calling
+    assert not models.load_tokenizer(tiny_model_fp32).has_tool_calling
 
 
 def test_the_template_renders_tools_calls_and_results(tool_model: tuple[Any, Any]) -> None:
@@ -250,7 +250,7 @@ def test_tool_choice(tool_model: tuple[Any, Any]) -> None:
 
 
 def test_a_model_without_tool_calling_is_a_clear_400(tiny_model_fp32: Path) -> None:
-    tok = _models.load_tokenizer(tiny_model_fp32)
+    tok = models.load_tokenizer(tiny_model_fp32)
     with pytest.raises(InvalidRequestError, match="does not support tool calling") as info:
         _tools.require_tool_support(tok)
     assert info.value.param == "tools"

@@ -19,8 +19,9 @@ reads one (`tool_parser`). This module builds on that:
 - `template_messages`: OpenAI history (assistant `tool_calls` whose arguments
   are JSON text) in the shape chat templates expect (arguments as objects).
 
-No MLX here (mlx_lm.generate, which holds the state machine, is imported
-where it is used: it imports mlx.core, which the actor has loaded anyway).
+No MLX here: the state machine lives in mlx_lm.generate, which imports
+mlx.core; `models/_text_machine.py` reaches it, as the engine reaches its
+tokenizer through `models`.
 """
 
 from __future__ import annotations
@@ -240,13 +241,12 @@ class ToolCallStream:
     """
 
     def __init__(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None, *, initial: str = "normal"):
-        # mlx_lm.generate imports mlx.core: imported here, on first use, not at import.
-        from mlx_lm.generate import TextStateMachine, make_text_state_machine
+        from ..models._text_machine import text_state_machine  # imported where used, as models is
 
         require_tool_support(tokenizer)
-        self._split = TextStateMachine.split
-        self._flush = TextStateMachine.flush
-        self._state = make_text_state_machine(tokenizer).make_state(initial)
+        machine = text_state_machine(tokenizer)
+        self._split, self._flush = machine.split, machine.flush
+        self._state = machine.make_state(initial)
         self._parse = tokenizer.tool_parser
         self._tools = list(tools) if tools else None
         self._where = initial
