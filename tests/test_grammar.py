@@ -243,3 +243,17 @@ def test_embedded_model_answers_in_the_schema(embedded_model: Path) -> None:
     answer = json.loads(row.text(tok))
     jsonschema.validate(answer, schema)
     assert "Paris" in answer["city"] and row.processor is not None and not row.processor.forced_finish
+
+
+def test_bf16_logits(tiny_model_bf16: Path) -> None:
+    """The mask holds for bfloat16 logits, as a GPU model produces them."""
+    model, _ = models.load_model(tiny_model_bf16)
+    tok = models.load_tokenizer(tiny_model_bf16)
+    rows = []
+    for _, response_format, _ in FORMATS:
+        grammar = _grammar.compile_response_format(tok, response_format)
+        assert grammar is not None
+        rows += [Row(tok.encode(p), grammar.min_tokens + 30, grammar.source, t) for p in PROMPTS[:2] for t in (0.0, 1.0)]
+    run_rows(model, tok, rows)
+    for i, row in enumerate(rows):
+        check(row.text(tok), FORMATS[i // 4][2])
