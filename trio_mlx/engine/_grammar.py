@@ -52,7 +52,10 @@ class Grammar:
     """A validated grammar, ready to travel to the actor inside a Submit."""
 
     source: str  # llguidance's grammar text; `llguidance.LLMatcher(tokenizer, source)` takes it
-    min_tokens: int  # the fewest tokens a complete output takes, EOS included
+    # Tokens the engine's own completion (`actor/_matcher.finish`) takes from the
+    # start, EOS included: with max_tokens at least this, the output is always
+    # complete. A model may well finish in fewer (its tokens are longer).
+    min_tokens: int
     kind: GrammarKind
 
 
@@ -119,11 +122,11 @@ def compile_lark(tokenizer: Any, lark: str, *, kind: GrammarKind = "lark", param
 
 
 def check_max_tokens(grammar: Grammar, max_tokens: int, *, param: str = "max_tokens") -> None:
-    """Refuse a max_tokens in which no complete output fits."""
+    """Refuse a max_tokens too small for the engine to be sure of a complete output."""
     if max_tokens < grammar.min_tokens:
         raise InvalidRequestError(
-            f"max_tokens is {max_tokens}, but the shortest output this {grammar.kind} "
-            f"allows takes {grammar.min_tokens} tokens",
+            f"max_tokens is {max_tokens}, but a complete output of this {grammar.kind} "
+            f"can take {grammar.min_tokens} tokens; ask for at least that many",
             param=param,
         )
 
