@@ -1,6 +1,6 @@
 """Probe: what grammar masking costs a shared batch, by the share of constrained rows.
 
-    python scripts/probe_grammar.py MODEL_DIR [BATCH] [STEPS] [ROUNDS]
+    python benchmarks/probes/probe_grammar.py MODEL_DIR [BATCH] [STEPS] [ROUNDS]
 
 Decodes BATCH rows for STEPS steps with mlx-lm's BatchGenerator, with 0%,
 50% and 100% of the rows constrained by `actor/_constrain.GrammarProcessor`
