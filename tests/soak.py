@@ -455,7 +455,7 @@ async def run(opts: Options) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="trio-mlx-soak-") as tmp:
         model = opts.model
         if model is None:
-            from trio_mlx import _models
+            from trio_mlx.models import _models
 
             model = str(_models.build_test_model(Path(tmp) / "tiny", dtype="float32"))
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -131,8 +131,8 @@ def test_the_actor_process_stops_when_its_server_dies_abruptly(tiny_model_fp32):
 
 
 def test_the_pipe_link_keeps_commands_that_came_with_the_config_and_stops_at_end_of_file():
-    from trio_mlx._actor_process import PipeLink, _frame
-    from trio_mlx._messages import Abort, Shutdown, StepReport
+    from trio_mlx.actor import Abort, Shutdown, StepReport
+    from trio_mlx.actor._process import PipeLink, _frame
 
     to_child, from_engine = os.pipe()
     link = PipeLink(to_child, os.open(os.devnull, os.O_WRONLY))

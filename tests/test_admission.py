@@ -4,7 +4,7 @@
 `prefill_batch` have gathered or the oldest has waited `admit_window`; an idle
 batch admits at once, unless sequences just finished whose clients may be on
 their way back. These tests drive it directly and through the engine on
-tiny CPU models, reading the actor's step trace (TRIO_MLX_STEP_TRACE) to see
+tiny CPU models, reading the actor's step trace (the `step_trace` option) to see
 which step inserted what.
 """
 
@@ -21,8 +21,8 @@ import pytest
 import trio
 
 import trio_mlx
-from trio_mlx._actor import _Admission
-from trio_mlx._messages import SamplingParams, Submit
+from trio_mlx.actor import SamplingParams, Submit
+from trio_mlx.actor._admission import Admission as _Admission
 
 
 def _sub(rid: int) -> Submit:
@@ -149,8 +149,7 @@ async def _traced_engine(model: Path, tmp_path: Path, monkeypatch: pytest.Monkey
                          **options: Any) -> AsyncIterator[tuple[trio_mlx.Engine, Path]]:
     """An engine whose actor writes its step trace: (engine, the trace's path), within 60 s."""
     trace = tmp_path / "trace.tsv"
-    monkeypatch.setenv("TRIO_MLX_STEP_TRACE", str(trace))
-    async with trio_mlx.open_engine(model, **options) as engine:
+    async with trio_mlx.open_engine(model, step_trace=str(trace), **options) as engine:
         with trio.fail_after(60):
             yield engine, trace
 

@@ -1,4 +1,4 @@
-"""Event-loop CPU per streamed token: the figure DESIGN.md rule 7 asks for.
+"""Event-loop CPU per streamed token: the figure docs/design.md, rule 7 asks for.
 
 The server runs on this process's trio thread; the clients run in another
 process (raw sockets, so their parsing costs the server nothing). The trio
@@ -123,7 +123,7 @@ def main() -> None:
     if args.model:
         model = Path(args.model)
     else:
-        from trio_mlx import _models
+        from trio_mlx.models import _models
 
         model = _models.build_test_model(Path(tempfile.mkdtemp()) / args.shape, shape=args.shape, dtype=args.dtype)
     print(f"model {model}, {args.tokens} tokens per request, {args.requests_per_stream} requests per stream, "

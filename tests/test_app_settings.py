@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trio_mlx._serve import build_parser, hypercorn_config, settings_from_args
-from trio_mlx._settings import Settings
+from trio_mlx.server._serve import build_parser, hypercorn_config, settings_from_args
+from trio_mlx.server._settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 import trio
 
-from trio_mlx import _bench, _bench_http
-from trio_mlx._bench import make_prompts
-from trio_mlx._bench_http import SSEReader
-from trio_mlx._bench_stats import (
+from trio_mlx.bench import _cli as _bench
+from trio_mlx.bench import _http as _bench_http
+from trio_mlx.bench._cli import make_prompts
+from trio_mlx.bench._http import SSEReader
+from trio_mlx.bench._stats import (
     RequestRecord,
     check_length,
     format_table,
@@ -280,7 +281,7 @@ class FakeBatchGenerator:
 
 
 def test_drive_keeps_the_closed_loop_full_and_times_every_token() -> None:
-    from trio_mlx._bench_limit import drive
+    from trio_mlx.bench._limit import drive
 
     bg = FakeBatchGenerator()
     records, duration = drive(bg, [[1, 2]] * 10, concurrency=3, max_tokens=5)
@@ -331,7 +332,7 @@ def test_limit_mode_on_the_tiny_model(tiny_model: Path, tmp_path: Path, monkeypa
         assert lv["ttft_ms"]["p50"] < lv["e2e_ms"]["p50"]
         assert lv["output_throughput"] > 0 and lv["request_throughput"] > 0
     # the step trace has the server actor's columns and adds up to the measured levels
-    from trio_mlx._actor import _StepTrace
+    from trio_mlx.actor._trace import StepTrace as _StepTrace
 
     lines = trace.read_text().splitlines()
     assert lines[0] + "\n" == _StepTrace.HEADER
@@ -748,14 +749,14 @@ def test_http_mode_against_mlx_lm_server(
 def test_paired_mode_interleaves_the_ceiling_with_the_server(
     mlx_lm_server: str, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trio_mlx import _bench_limit
+    from trio_mlx.actor import _ceiling as _bench_limit
 
     order: list[tuple[str, int]] = []
     drive, run_level = _bench_limit.Ceiling.drive, _bench._run_level
 
-    def logged_drive(self: Any, prompts: Any, concurrency: int, max_tokens: int) -> Any:
+    def logged_drive(self: Any, prompts: Any, concurrency: int, max_tokens: int, *rest: Any) -> Any:
         order.append(("ceiling", len(prompts)))
-        return drive(self, prompts, concurrency, max_tokens)
+        return drive(self, prompts, concurrency, max_tokens, *rest)
 
     async def logged_level(client: Any, path: str, bodies: list[bytes], *a: Any) -> Any:
         order.append(("server", len(bodies)))

@@ -367,7 +367,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_fp32, mo
             return original(*args, **kwargs)
 
         monkeypatch.setattr(engine, "encode_prompt", spy)
-        monkeypatch.setattr(trio_mlx._engine, "_THREAD_TOKENIZE_CHARS", 100)
+        monkeypatch.setattr(trio_mlx.engine._engine, "_THREAD_TOKENIZE_CHARS", 100)
         await run(engine, "word " * 40 + "end", max_tokens=2, ignore_eos=True)
         await run(engine, "short", max_tokens=2, ignore_eos=True)
         main = threading.get_ident()
@@ -377,7 +377,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_fp32, mo
 async def test_every_mlx_call_happens_on_the_actor_thread(tiny_model_fp32, monkeypatch):
     from mlx_lm.generate import BatchGenerator
 
-    from trio_mlx import _models
+    from trio_mlx import models
 
     seen: dict[str, set[int]] = {}
 
@@ -392,7 +392,7 @@ async def test_every_mlx_call_happens_on_the_actor_thread(tiny_model_fp32, monke
 
     for name in ("__init__", "insert", "next", "remove", "close"):
         spy(BatchGenerator, name)
-    spy(_models, "load_model")
+    spy(models, "load_model")
     async with trio_mlx.open_engine(tiny_model_fp32) as engine:
         async with trio.open_nursery() as nursery:
             for i in range(4):
@@ -578,7 +578,7 @@ async def test_statistics_report_mlx_memory(tiny_model_fp32):
 async def test_close_from_another_task_while_a_token_is_being_handed_over(tiny_model_fp32):
     """The reader was already woken with a token when another task closed the stream (an HTTP
     disconnect): the reader must end quietly, not raise ClosedResourceError (found by the soak)."""
-    from trio_mlx._messages import TokenOut
+    from trio_mlx.actor import TokenOut
 
     gate = threading.Event()
 
@@ -609,8 +609,7 @@ async def test_close_from_another_task_while_a_token_is_being_handed_over(tiny_m
 
 @pytest.mark.parametrize("actor", ["thread", "process"])
 async def test_an_idle_actor_hands_mlx_buffer_cache_back(tiny_model_fp32, monkeypatch, actor):
-    monkeypatch.setenv("TRIO_MLX_IDLE_RELEASE", "0.3")
-    async with trio_mlx.open_engine(tiny_model_fp32, actor=actor) as engine:
+    async with trio_mlx.open_engine(tiny_model_fp32, actor=actor, idle_release=0.3) as engine:
         await run(engine, "fill the cache " * 20, max_tokens=16, ignore_eos=True)
         assert engine.statistics().cache_memory_bytes > 0  # freed buffers kept for reuse
         with trio.fail_after(10):
@@ -625,13 +624,12 @@ async def test_an_idle_actor_hands_mlx_buffer_cache_back(tiny_model_fp32, monkey
 
 @pytest.mark.parametrize("actor", ["thread", "process"])
 async def test_the_mlx_cache_limit_bounds_the_buffer_cache(tiny_model_fp32, monkeypatch, actor):
-    monkeypatch.setenv("TRIO_MLX_CACHE_LIMIT_GB", "0")  # keep no freed buffers at all
-    async with trio_mlx.open_engine(tiny_model_fp32, actor=actor) as engine:
+    # keep no freed buffers at all
+    async with trio_mlx.open_engine(tiny_model_fp32, actor=actor, cache_limit_gb=0) as engine:
         ids, _, _ = await run(engine, "fill the cache " * 20, max_tokens=16, ignore_eos=True)
         assert len(ids) == 16
         stats = engine.statistics()
         assert stats.cache_memory_bytes == 0 and stats.active_memory_bytes > 0
-    monkeypatch.setenv("TRIO_MLX_CACHE_LIMIT_GB", "lots")
-    with pytest.raises(Exception, match="TRIO_MLX_CACHE_LIMIT_GB must be a number"):
-        async with trio_mlx.open_engine(tiny_model_fp32, actor=actor):
+    with pytest.raises(ValueError, match="cache_limit_gb must be >= 0"):
+        async with trio_mlx.open_engine(tiny_model_fp32, actor=actor, cache_limit_gb=-1):
             pass

@@ -16,7 +16,8 @@ import trio
 from app_server import CHAT, COMPLETIONS, HELLO, Scrape, until_answer
 from test_app_process import ENV, start
 
-from trio_mlx import ModelLoadError, _models
+from trio_mlx import ModelLoadError
+from trio_mlx.models import _models
 
 SLOW_SERVER = [sys.executable, str(Path(__file__).with_name("slow_server.py"))]
 SHORT, LONG = 30, 600  # tokens; at 10 ms a step a long one outlasts any drain timeout used here
@@ -120,7 +121,7 @@ def visible_dirs(cache: Path) -> list[Path]:
 async def test_a_conversion_killed_midway_is_never_published_and_the_next_one_is_clean(tmp_path):
     cache = tmp_path / "cache"
     env = {**ENV, "TRIO_MLX_CACHE_DIR": str(cache)}
-    code = "from trio_mlx import _models; _models.ensure_embedded_model()"
+    code = "from trio_mlx.models import _models; _models.ensure_embedded_model()"
     proc = await trio.lowlevel.open_process([sys.executable, "-c", code], env=env)
     try:
         with trio.fail_after(60):

@@ -32,12 +32,12 @@ from pydantic import ValidationError
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from test_app_process import ENV, SERVE
 
-from trio_mlx._engine import _validate
 from trio_mlx._errors import InvalidRequestError
-from trio_mlx._messages import ActorInfo
-from trio_mlx._openai import ChatCompletionRequest, CompletionRequest, error_from_exception
-from trio_mlx._openapi import openapi_document
-from trio_mlx._settings import Settings
+from trio_mlx.actor import ActorInfo
+from trio_mlx.engine._engine import _validate
+from trio_mlx.server._openai import ChatCompletionRequest, CompletionRequest, error_from_exception
+from trio_mlx.server._openapi import openapi_document
+from trio_mlx.server._settings import Settings
 
 CONTEXT = 48
 MAX_N = 2

@@ -20,9 +20,9 @@ import pytest
 import trio
 from app_server import CHAT, chat_body, engine_factory, open_raw, slow_steps, until
 
-from trio_mlx._app import TrioMLXApp, create_app
-from trio_mlx._guest import GuestBridge, ServerGone
-from trio_mlx._settings import Settings
+from trio_mlx.server._app import TrioMLXApp, create_app
+from trio_mlx.server._guest import GuestBridge, ServerGone
+from trio_mlx.server._settings import Settings
 
 
 def run_bridged(app: Any, scope: dict, receive: Any, send: Any, host: Callable[..., Any] | None = None) -> Any:

@@ -128,8 +128,8 @@ async def test_metrics_cost_nothing_per_token(tiny_model_fp32, monkeypatch):
 
 async def test_metrics_answer_while_the_model_loads(tiny_model_fp32):
     """Before the engine exists the collector reports state "starting" and zeros."""
-    from trio_mlx._app import create_app
-    from trio_mlx._settings import Settings
+    from trio_mlx.server._app import create_app
+    from trio_mlx.server._settings import Settings
 
     app = create_app(Settings(model=str(tiny_model_fp32)))
     body, content_type = app.metrics.render()

@@ -1,4 +1,4 @@
-"""Tests for trio_mlx._models: resolving, converting, building and loading models."""
+"""Tests for trio_mlx.models: resolving, converting, building and loading models."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import mlx.nn as nn
 import mlx_lm
 import pytest
 
-from trio_mlx import _models
 from trio_mlx._errors import ModelLoadError
+from trio_mlx.models import _models
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -92,7 +92,7 @@ def test_conversion_failure_half_way_leaves_nothing(tmp_path: Path, monkeypatch:
 def test_a_crash_mid_conversion_never_leaves_a_loadable_dir(tmp_path: Path) -> None:
     crash = (
         "import os, sys\n"
-        "from trio_mlx import _models\n"
+        "from trio_mlx.models import _models\n"
         "_models._gguf_tokenizer = lambda md: os._exit(3)\n"
         "_models.ensure_embedded_model(sys.argv[1])\n"
     )
@@ -114,7 +114,7 @@ def test_concurrent_conversions_agree_on_one_directory(tmp_path: Path) -> None:
     # them always loses the rename race and must keep the winner's directory.
     code = (
         "import pathlib, sys, time\n"
-        "from trio_mlx import _models\n"
+        "from trio_mlx.models import _models\n"
         "cache, sync = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])\n"
         "convert = _models._convert_into\n"
         "def convert_then_wait(*args):\n"

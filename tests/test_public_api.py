@@ -44,3 +44,89 @@ def test_importing_the_package_does_not_import_mlx():
 
     code = "import sys, trio_mlx; sys.exit(1 if any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules) else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ---- the layout: which package may import which ---------------------------------------------
+
+import ast  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+PACKAGE = Path(trio_mlx.__file__).parent
+# Each layer may import the ones listed (and itself); `_errors` is the leaf every layer shares.
+# The top-level modules (`__init__`, `app`, `cli`) are the public face over all of them.
+ALLOWED = {
+    "server": {"engine", "_errors"},
+    "engine": {"actor", "models", "_errors"},
+    "actor": {"models", "_errors"},
+    "models": {"_errors"},
+    "bench": {"engine", "actor", "models", "server", "_errors"},
+}
+MLX_USERS = {"actor", "models"}
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """(absolute module name, line) of every import in a file: top level, in functions, and
+    under TYPE_CHECKING alike (a circle through a type hint is still a circle to a reader)."""
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    pkg = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{mod}.{a.name}" for a in node.names] if not node.module else [mod]
+                out += [(n, node.lineno) for n in names]
+            else:
+                out.append((node.module or "", node.lineno))
+    return out
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "trio_mlx" else None
+
+
+def test_imports_point_one_way_and_only_the_actor_and_models_import_mlx():
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        here = rel.parts[0] if len(rel.parts) > 1 else None  # None: the public face
+        for module, line in _imports(path):
+            where = f"{rel}:{line} imports {module}"
+            if module.split(".")[0] in ("mlx", "mlx_lm") and here not in MLX_USERS:
+                bad.append(where)
+            target = _layer(module)
+            if here in ALLOWED and target not in (None, here) and target not in ALLOWED[here]:
+                bad.append(where)
+    assert bad == []
+
+
+def test_no_module_imports_itself_back_through_a_circle():
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = {m for m, _ in _imports(path) if m.startswith("trio_mlx")}
+
+    def resolve(m: str) -> str:  # `from .x import Name` names a module or an attribute of one
+        while m not in graph:
+            m = m.rpartition(".")[0]
+        return m
+
+    edges = {a: {resolve(m) for m in bs} - {a} for a, bs in graph.items()}
+    circles, done = [], set()
+
+    def visit(node: str, trail: list[str]) -> None:
+        for nxt in sorted(edges[node]):
+            if nxt in trail:
+                circles.append(trail[trail.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt, trail + [nxt])
+        done.add(node)
+
+    for start in sorted(edges):
+        if start not in done:
+            visit(start, [start])
+    assert circles == []

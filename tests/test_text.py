@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_mlx import InvalidRequestError
-from trio_mlx._text import StopMatcher, normalize_messages
+from trio_mlx.engine._text import StopMatcher, normalize_messages
 
 
 def feed_all(matcher: StopMatcher, chunks: list[str]) -> tuple[str, str | None]:

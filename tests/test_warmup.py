@@ -1,4 +1,4 @@
-"""The actor's warm-up: what it visits before the server reports ready (`_actor.Actor._warmup`).
+"""The actor's warm-up: what it visits before the server reports ready (`actor._actor.Actor._warmup`).
 
 On CUDA, MLX compiles a kernel the first time an operation meets a dtype, for
 seconds, so the GPU warm-up rehearses every path of the actor that live
@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from trio_mlx import _actor
-from trio_mlx._actor import Actor
-from trio_mlx._messages import ActorConfig, SamplingParams, Submit
+from trio_mlx.actor import ActorConfig, SamplingParams, Submit, _actor, _batch, _sampling
+from trio_mlx.actor._actor import Actor
 
 
-def _loaded(path: Path, gpu: bool) -> Actor:
-    actor = Actor(ActorConfig(model_path=path, prefill_batch=2, admit_window=0.02), link=None)  # type: ignore[arg-type]
+def _loaded(path: Path, gpu: bool, retire_steps: int = 16) -> Actor:
+    config = ActorConfig(model_path=path, prefill_batch=2, admit_window=0.02, retire_steps=retire_steps)
+    actor = Actor(config, link=None)  # type: ignore[arg-type]
     actor._load()
     actor._gpu = gpu
     return actor
@@ -44,11 +44,11 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Records every removal (rows kept, whether the padding was trimmed), sampler,
     processor list and logprobs call the actor makes."""
     seen: dict[str, list[Any]] = {"removals": [], "samplers": [], "processors": [], "logprobs": []}
-    remove, sampler, processors = _actor._remove_rows, _actor._make_sampler, _actor._make_processors
+    remove, sampler, processors = _batch.remove_rows, _sampling.make_sampler, _actor.make_processors
     add_logprobs = Actor._add_logprobs
 
     def spy_remove(bg: Any, uids: list[int]) -> None:
-        caches = _actor._kv_caches(bg)
+        caches = _batch._kv_caches(bg)
         assert caches is not None
         idx = caches[0]._idx
         remove(bg, uids)
@@ -68,9 +68,9 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
         seen["logprobs"].append(len(rows))
         add_logprobs(self, out, rows)
 
-    monkeypatch.setattr(_actor, "_remove_rows", spy_remove)
-    monkeypatch.setattr(_actor, "_make_sampler", spy_sampler)
-    monkeypatch.setattr(_actor, "_make_processors", spy_processors)
+    monkeypatch.setattr(_actor, "remove_rows", spy_remove)
+    monkeypatch.setattr(_sampling, "make_sampler", spy_sampler)
+    monkeypatch.setattr(_actor, "make_processors", spy_processors)
     monkeypatch.setattr(Actor, "_add_logprobs", spy_logprobs)
     return seen
 
@@ -92,9 +92,8 @@ def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort
 
 
 @pytest.mark.parametrize("retire_steps", ["16", "0"])  # rows retired by the actor, or ended by the generator
-def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits, monkeypatch, retire_steps):
-    monkeypatch.setenv("TRIO_MLX_RETIRE_STEPS", retire_steps)
-    warmed = _loaded(tiny_model_fp32, gpu=True)
+def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits, retire_steps):
+    warmed = _loaded(tiny_model_fp32, gpu=True, retire_steps=int(retire_steps))
     warmed._warmup()
     assert not (warmed._seqs or warmed._by_uid or warmed._retired or warmed._admission.pending)
     assert warmed._decoding == warmed._steps == 0

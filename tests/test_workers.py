@@ -13,8 +13,8 @@ import httpx
 import trio
 from test_app_process import ENV, HYPERCORN, SERVE, start
 
-from trio_mlx import _workers
-from trio_mlx._settings import Settings
+from trio_mlx.server import _workers
+from trio_mlx.server._settings import Settings
 
 REFUSED = "another trio_mlx server process (pid "
 
@@ -90,7 +90,7 @@ def test_the_lock_is_per_model_and_device_and_shared_within_a_process(tmp_path, 
     assert _workers.lock_path(sa) != other_device
     # two apps in one process share the lock; another process is refused until both released it
     first, second = _workers.acquire(sa), _workers.acquire(sa)
-    code = ("import sys; from trio_mlx import _workers; from trio_mlx._settings import Settings\n"
+    code = ("import sys; from trio_mlx.server import _workers; from trio_mlx.server._settings import Settings\n"
             "try:\n    _workers.acquire(Settings(model=sys.argv[1]))\nexcept _workers.AlreadyServing as e:\n"
             "    print(e); sys.exit(7)\n")
     probe = [sys.executable, "-c", code, str(a)]

@@ -6,12 +6,11 @@
                 ...
 
 The HTTP server is `trio_mlx.app:app` (any ASGI server: `hypercorn trio_mlx.app:app`).
-This module only re-exports; every feature lives in a private module.
+This module only re-exports. The layers, each a subpackage whose imports point down:
+`server` (HTTP) -> `engine` (trio side) -> `actor` (MLX) -> `models`; `bench` beside.
+docs/design.md walks one request through them.
 """
 
-from ._engine import Engine as Engine
-from ._engine import RequestStream as RequestStream
-from ._engine import open_engine as open_engine
 from ._errors import ContextLengthExceededError as ContextLengthExceededError
 from ._errors import EngineBrokenError as EngineBrokenError
 from ._errors import EngineClosedError as EngineClosedError
@@ -19,11 +18,14 @@ from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import ModelLoadError as ModelLoadError
 from ._errors import QueueFullError as QueueFullError
 from ._errors import TrioMLXError as TrioMLXError
-from ._messages import EngineStatistics as EngineStatistics
-from ._messages import Finished as Finished
-from ._messages import SamplingParams as SamplingParams
-from ._messages import TextDelta as TextDelta
-from ._messages import TokenLogprob as TokenLogprob
-from ._messages import Usage as Usage
+from .actor import SamplingParams as SamplingParams
+from .engine import Engine as Engine
+from .engine import EngineStatistics as EngineStatistics
+from .engine import Finished as Finished
+from .engine import RequestStream as RequestStream
+from .engine import TextDelta as TextDelta
+from .engine import TokenLogprob as TokenLogprob
+from .engine import Usage as Usage
+from .engine import open_engine as open_engine
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """The ASGI application object: `hypercorn trio_mlx.app:app`, or any ASGI server.
 
-Built by `create_app()` from the TRIO_MLX_* environment (see `_settings.py`);
+Built by `create_app()` from the TRIO_MLX_* environment (see `server/_settings.py`);
 with none set it serves the embedded default model. Importing this module is
 cheap: the model loads when the server starts (the ASGI lifespan), not here.
 
@@ -16,9 +16,9 @@ event, so raise it past your longest request; uvicorn waits for them unless
 configures hypercorn for you and drains on SIGTERM (TRIO_MLX_DRAIN_TIMEOUT).
 """
 
-from ._app import TrioMLXApp as TrioMLXApp
-from ._app import create_app as create_app
-from ._completions import RequestRecord as RequestRecord
-from ._settings import Settings as Settings
+from .server._app import TrioMLXApp as TrioMLXApp
+from .server._app import create_app as create_app
+from .server._records import RequestRecord as RequestRecord
+from .server._settings import Settings as Settings
 
 app = create_app()

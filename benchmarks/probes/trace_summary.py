@@ -1,0 +1,84 @@
+"""Read step traces (TRIO_MLX_STEP_TRACE / TRIO_MLX_CEILING_TRACE) level by level.
+
+    python benchmarks/probes/trace_summary.py SERVER_TRACE [CEILING_TRACE]
+
+Each row of a trace is one step (see `_actor._StepTrace`). Per concurrency
+level (a steady decode step's row count, rounded up to 1/8/32/64/128/256),
+prints for the server: the median decode step, the time between steps spent
+outside `next()` and the exchange (the actor's own work: inserting, removing
+rows), split into steps that removed rows and the rest; and, given the
+ceiling's trace, its median decode step at the same level. A server whose
+decode steps run slower than the ceiling's at the same level lost to the
+host, not to its scheduling. Traces may be gzipped.
+"""
+from __future__ import annotations
+
+import bisect
+import gzip
+import statistics
+import sys
+
+LEVELS = (1, 8, 32, 64, 128, 256)
+# the columns read here, by the names of the trace's own header line (`_StepTrace.HEADER`)
+T, EXCHANGE, NEXT, INSERTED, GENERATED, PROMPT, LIVE, RETIRED = (
+    "t", "exchange_s", "next_s", "inserted", "generated", "prompt_tokens", "live", "retired")
+
+
+def load(path: str) -> list[dict[str, float]]:
+    """The steps of a trace, one dict per row keyed by its header; a trace appended to by
+    several runs repeats the header, which is skipped."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        header = next(f).rstrip("\n").split("\t")
+        return [dict(zip(header, map(float, line.split("\t")), strict=True))
+                for line in f if not line.startswith(header[0] + "\t")]
+
+
+def level(rows: float) -> int:
+    return LEVELS[min(bisect.bisect_left(LEVELS, rows), len(LEVELS) - 1)]
+
+
+def decode_steps(trace: list[dict[str, float]]) -> dict[int, list[float]]:
+    """Plain decode steps with the batch near its level's width: ms by level."""
+    out: dict[int, list[float]] = {}
+    for r in trace:
+        if r[PROMPT] or r[INSERTED] or not r[GENERATED]:
+            continue
+        lv = level(r[GENERATED])
+        if r[GENERATED] >= 0.9 * lv:
+            out.setdefault(lv, []).append(r[NEXT] * 1e3)
+    return out
+
+
+def own_work(trace: list[dict[str, float]]) -> dict[int, dict[str, list[float]]]:
+    """ms between one step's `next()` and the next step's, less the exchange, by level and
+    by whether the actor removed rows before the step (retired rows were waiting)."""
+    out: dict[int, dict[str, list[float]]] = {}
+    for prev, a, b in zip(trace, trace[1:], trace[2:], strict=False):
+        gap = b[T] - a[T] - a[NEXT] - b[EXCHANGE]
+        if gap > 1.0:  # an idle server between paired halves
+            continue
+        removed = prev[RETIRED] > 0 and (a[INSERTED] > 0 or a[RETIRED] == 0)
+        kind = "removal" if removed else "other"
+        out.setdefault(level(max(a[LIVE], 1)), {}).setdefault(kind, []).append(gap * 1e3)
+    return out
+
+
+def main() -> None:
+    server = load(sys.argv[1])
+    ceiling = decode_steps(load(sys.argv[2])) if len(sys.argv) > 2 else {}
+    steps, work = decode_steps(server), own_work(server)
+    for lv in LEVELS:
+        if lv not in steps:
+            continue
+        line = f"c={lv}: decode p50 {statistics.median(steps[lv]):.2f} ms"
+        if lv in ceiling:
+            ratio = statistics.median(steps[lv]) / statistics.median(ceiling[lv])
+            line += f" (ceiling {statistics.median(ceiling[lv]):.2f}, x{ratio:.2f})"
+        for kind, ms in sorted(work.get(lv, {}).items()):
+            line += f"; {kind}: {len(ms)} steps, p50 {statistics.median(ms):.2f} ms, {sum(ms) / 1e3:.2f} s"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""`trio-mlx bench chat`: multi-turn conversations against a real server, measured per turn."""
+
+from __future__ import annotations
+
+import json
+
+from app_server import serve
+
+from trio_mlx.bench import _chat
+
+
+def test_conversations_share_the_system_prompt_and_each_has_its_own_turns():
+    convs = _chat.make_conversations(3, 4, system_words=50, user_words=10, seed=1)
+    assert len({c.system for c in convs}) == 1 and len(convs[0].system.split()) == 50 + 5
+    users = [u for c in convs for u in c.users]
+    assert len(set(users)) == 12 and all(len(u.split()) == 10 for u in users)
+    again = _chat.make_conversations(3, 4, system_words=50, user_words=10, seed=1)
+    assert [c.users for c in again] == [c.users for c in convs]  # the same seed, the same load
+
+
+async def test_each_turn_resends_the_growing_conversation(tiny_model_fp32, tmp_path):
+    args = _chat._parser().parse_args(
+        ["--url", "http://unused", "--conversations", "1,3", "--turns", "3", "--system-words", "60",
+         "--user-words", "8", "--max-tokens", "4", "--timeout", "60", "--quiet"])
+    async with serve(tiny_model_fp32, max_batch=8) as server:
+        args.url = server.url
+        model, levels = await _chat.run_levels(args)
+    assert model and [lv["conversations"] for lv in levels] == [1, 3]
+    for lv in levels:
+        assert lv["errors"]["total"] == 0
+        assert lv["requests"] == lv["conversations"] * (3 + 1)  # the turns and one fresh request
+        turns = lv["turns"]
+        assert [t["turn"] for t in turns] == [1, 2, 3, "fresh"]
+        prompts = [t["prompt_tokens"] for t in turns]
+        # each turn carries the last one's prompt, its answer and a new user turn
+        assert prompts[0] < prompts[1] < prompts[2] and prompts[3] < prompts[0]
+        assert all(t["ttft_ms"]["p50"] > 0 and t["requests"] == lv["conversations"] for t in turns)
+        assert lv["output_tokens"] == lv["requests"] * 4
+    out = tmp_path / "chat.json"
+    out.write_text(json.dumps({"levels": levels}))
+    assert "| fresh |" in _chat.format_level(levels[0])

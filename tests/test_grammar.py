@@ -1,0 +1,259 @@
+"""Tests for structured output: engine/_grammar.py compiles, actor/_constrain.py enforces.
+
+The model is a random-weight tiny llama driven through mlx-lm's BatchGenerator
+exactly as the actor drives it (`batch_driver.run_rows`): left alone it writes
+garbage and never stops, so every valid answer below is the grammar's doing,
+including closing the JSON before max_tokens runs out.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import llguidance
+import llguidance.numpy as llnp
+import mlx.core as mx
+import numpy as np
+import pytest
+from batch_driver import Row, run_rows
+
+from trio_mlx import models
+from trio_mlx._errors import InvalidRequestError
+from trio_mlx.actor._constrain import GrammarProcessor
+from trio_mlx.actor._matcher import cached_vocab, grammar_vocab
+from trio_mlx.engine import _grammar
+
+pytestmark = pytest.mark.timeout(120)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 2},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "email": {"type": "string", "format": "email"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "pet": {"enum": ["cat", "dog", None]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "tags", "pet", "address"],
+    "additionalProperties": False,
+}
+ITEMS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "score": {"type": "number"}, "ok": {"type": "boolean"}},
+        "required": ["id", "score", "ok"],
+    },
+    "minItems": 1,
+}
+FORMATS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("json_object", {"type": "json_object"}, {"type": "object"}),
+    ("person", {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}, PERSON),
+    ("items", {"type": "json_schema", "json_schema": {"name": "i", "schema": ITEMS}}, ITEMS),
+]
+PROMPTS = ["Give me JSON.", "Who are you?", "The quick brown fox", "1969"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_fp32: Path) -> tuple[Any, Any]:
+    model, _ = models.load_model(tiny_model_fp32)
+    return model, models.load_tokenizer(tiny_model_fp32)
+
+
+def check(text: str, schema: dict[str, Any]) -> None:
+    jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name,response_format,schema", FORMATS, ids=[f[0] for f in FORMATS])
+def test_alone_output_always_validates(
+    tiny: tuple[Any, Any], name: str, response_format: dict[str, Any], schema: dict[str, Any],
+    temperature: float,
+) -> None:
+    model, tok = tiny
+    grammar = _grammar.compile_response_format(tok, response_format)
+    assert grammar is not None and grammar.kind == response_format["type"]
+    mx.random.seed(1)
+    for prompt in PROMPTS:
+        for max_tokens in (grammar.min_tokens, grammar.min_tokens + 5, grammar.min_tokens + 60):
+            (row,) = run_rows(model, tok, [Row(tok.encode(prompt), max_tokens, grammar.source, temperature)])
+            check(row.text(tok), schema)
+            assert row.finish_reason == "stop" and row.tokens[-1] in tok.eos_token_ids
+            assert len(row.tokens) <= max_tokens
+            assert row.processor is not None and row.processor.error is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_batch_of_16_mixed_with_free_rows(tiny: tuple[Any, Any], temperature: float) -> None:
+    """Half the rows constrained (three formats), half free, some joining a batch
+    already decoding: every constrained row validates, and a free row's greedy
+    tokens are the ones it gets alone."""
+    model, tok = tiny
+    grammars = [_grammar.compile_response_format(tok, f) for _, f, _ in FORMATS]
+    mx.random.seed(2)
+    rows, schemas = [], []
+    for i in range(16):
+        prompt = tok.encode(PROMPTS[i % len(PROMPTS)] + " " * (i % 3))
+        if i % 2:
+            rows.append(Row(prompt, 40 + i, temperature=temperature, late=i >= 12))
+            schemas.append(None)
+        else:
+            g = grammars[i // 2 % len(grammars)]
+            assert g is not None
+            rows.append(Row(prompt, g.min_tokens + 4 * i, g.source, temperature, late=i >= 12))
+            schemas.append(FORMATS[i // 2 % len(FORMATS)][2])
+    run_rows(model, tok, rows)
+    free_alone = run_rows(model, tok, [Row(rows[1].prompt, rows[1].max_tokens)])[0]
+    for row, schema in zip(rows, schemas, strict=True):
+        if schema is None and temperature == 0.0:
+            assert row.finish_reason == "length" and len(row.tokens) == row.max_tokens
+        elif schema is None:  # sampling, a free row may draw EOS (logit 0 against random ones)
+            assert len(row.tokens) == row.max_tokens or row.tokens[-1] in tok.eos_token_ids
+        else:
+            check(row.text(tok), schema)
+            assert row.finish_reason == "stop"
+    if temperature == 0.0:  # greedy: sharing the batch changed nothing for a free row
+        assert rows[1].tokens == free_alone.tokens
+
+
+def test_processor_masks_exactly_what_llguidance_allows(tiny: tuple[Any, Any]) -> None:
+    """The mask set on the logits is llguidance's bitmask bit for bit, and ids past
+    the tokenizer's vocabulary (a wider lm_head) are never allowed."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, FORMATS[1][1])
+    assert grammar is not None
+    proc = GrammarProcessor(vocab, grammar.source, 1000)
+    reference = llguidance.LLMatcher(vocab.tokenizer, grammar.source)
+    bitmask = llnp.allocate_token_bitmask(1, vocab.size)
+    prefix = tok.encode('{"name": "Bo", "age": 4')
+    context = list(tok.encode("hi"))
+    width = vocab.size + 40
+    for i in range(len(prefix) + 1):
+        if i:
+            context.append(prefix[i - 1])
+            assert reference.consume_token(prefix[i - 1])
+        out = proc(mx.array(context), mx.zeros((1, width)))
+        allowed = np.flatnonzero(np.isfinite(np.array(out[0])))
+        llnp.fill_next_token_bitmask(reference, bitmask)
+        expected = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+        assert allowed.tolist() == expected[expected < vocab.size].tolist()
+        assert allowed.max() < vocab.size
+    assert proc.error is None and not proc.forced_finish
+
+
+def test_processor_never_raises(tiny: tuple[Any, Any]) -> None:
+    """A token the grammar refuses (impossible while the mask holds) ends the row with
+    EOS and records why, rather than failing the batch's step."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    proc = GrammarProcessor(vocab, _grammar.compile_response_format(tok, FORMATS[0][1]).source, 50)  # type: ignore[union-attr]
+    proc(mx.array([5]), mx.zeros((1, vocab.size)))
+    out = proc(mx.array([5, tok.encode("]")[0]]), mx.zeros((1, vocab.size)))
+    assert np.flatnonzero(np.isfinite(np.array(out[0]))).tolist() == list(vocab.eos)
+    assert proc.error is not None and "refused" in proc.error
+
+
+@pytest.mark.parametrize(
+    "response_format,needle",
+    [
+        ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}}, "nowhere"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(("}}}, "regex"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "strange"}}}, "strange"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "format": "weird"}, "strict": True}}, "weird"),
+        ({"type": "json_schema", "json_schema": {"schema": ["not", "a", "schema"]}}, "must be an object"),
+        ({"type": "json_schema", "json_schema": "nope"}, "json_schema must be an object"),
+        ({"type": "json_schema", "json_schema": {"schema": {"const": float("nan")}}}, "not JSON"),
+        ({"type": "yaml"}, "'yaml'"),
+        ("json", "must be an object"),
+    ],
+)
+def test_a_schema_that_cannot_compile_is_a_clear_400(tiny: tuple[Any, Any], response_format: Any, needle: str) -> None:
+    _, tok = tiny
+    with pytest.raises(InvalidRequestError) as info:
+        _grammar.compile_response_format(tok, response_format)
+    assert needle in info.value.message and info.value.param == "response_format"
+
+
+def test_lenient_unless_strict(tiny: tuple[Any, Any]) -> None:
+    """OpenAI's default (strict absent or false) ignores keywords the engine lacks."""
+    _, tok = tiny
+    schema = {"type": "object", "properties": {"a": {"type": "string", "format": "weird"}}}
+    assert _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert _grammar.compile_response_format(tok, {"type": "text"}) is None
+    assert _grammar.compile_response_format(tok, None) is None
+
+
+def test_max_tokens_below_the_sure_completion_is_a_400(tiny: tuple[Any, Any]) -> None:
+    _, tok = tiny
+    grammar = _grammar.compile_response_format(tok, FORMATS[1][1])
+    assert grammar is not None and grammar.min_tokens > 10  # the required keys take tokens
+    _grammar.check_max_tokens(grammar, grammar.min_tokens)
+    with pytest.raises(InvalidRequestError, match="can take") as info:
+        _grammar.check_max_tokens(grammar, grammar.min_tokens - 1)
+    assert info.value.param == "max_tokens"
+
+
+def test_a_grammar_pickles_for_the_process_actor(tiny: tuple[Any, Any]) -> None:
+    _, tok = tiny
+    grammar = _grammar.compile_response_format(tok, FORMATS[1][1])
+    assert pickle.loads(pickle.dumps(grammar)) == grammar
+
+
+def test_the_vocab_is_built_once_per_tokenizer(tiny: tuple[Any, Any], tiny_model_fp32: Path) -> None:
+    """Built once, and findable by the model's path: a thread actor reuses the engine's."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    assert grammar_vocab(tok) is vocab and cached_vocab(str(tiny_model_fp32)) is None
+    assert grammar_vocab(tok, key=str(tiny_model_fp32)) is vocab
+    assert cached_vocab(str(tiny_model_fp32)) is vocab
+    # Specials: <|endoftext|>, <|im_start|> (and the byte 0xFF, which llguidance reserves);
+    # EOS is not among them: a finished grammar allows it.
+    assert vocab.size == 512 and vocab.eos == (2,) and vocab.specials.tolist()[:2] == [0, 1]
+    assert 2 not in vocab.specials
+
+
+@pytest.mark.slow
+def test_embedded_model_answers_in_the_schema(embedded_model: Path) -> None:
+    """The real model's tokenizer (49152 ids, GGUF-converted) works with llguidance,
+    and the real model, constrained, answers in the schema."""
+    model, _ = models.load_model(embedded_model)
+    tok = models.load_tokenizer(embedded_model)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    chat = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    prompt = tok.apply_chat_template(chat, add_generation_prompt=True)
+    (row,) = run_rows(model, tok, [Row(prompt, 48, grammar.source)])
+    answer = json.loads(row.text(tok))
+    jsonschema.validate(answer, schema)
+    assert "Paris" in answer["city"] and row.processor is not None and not row.processor.forced_finish
+
+
+def test_bf16_logits(tiny_model_bf16: Path) -> None:
+    """The mask holds for bfloat16 logits, as a GPU model produces them."""
+    model, _ = models.load_model(tiny_model_bf16)
+    tok = models.load_tokenizer(tiny_model_bf16)
+    rows = []
+    for _, response_format, _ in FORMATS:
+        grammar = _grammar.compile_response_format(tok, response_format)
+        assert grammar is not None
+        rows += [Row(tok.encode(p), grammar.min_tokens + 30, grammar.source, t) for p in PROMPTS[:2] for t in (0.0, 1.0)]
+    run_rows(model, tok, rows)
+    for i, row in enumerate(rows):
+        check(row.text(tok), FORMATS[i // 4][2])

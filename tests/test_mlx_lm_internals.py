@@ -1,0 +1,106 @@
+"""Pins for every behaviour of mlx-lm's BatchGenerator internals that `actor/_batch.py` relies on.
+
+mlx-lm 0.32 offers no public API for these, so an upgrade may change them
+silently; each test here names the private attribute it pins and fails first.
+"""
+
+from __future__ import annotations
+
+from mlx_lm.generate import BatchGenerator
+
+from trio_mlx.actor import _batch
+from trio_mlx.models import _models
+
+
+def _step_tokens(bg, out: dict[int, list[int]]) -> None:
+    _, generated = bg.next()
+    for r in generated:
+        out.setdefault(r.uid, []).append(r.token)
+
+
+def _caches_state(bg) -> list[tuple[list, list, list, list, int]]:
+    import mlx.core as mx
+
+    caches = bg._generation_batch.prompt_cache
+    mx.eval([c.state[:4] for c in caches])
+    return [(c.keys[..., : c._idx, :].tolist(), c.values[..., : c._idx, :].tolist(), c.offset.tolist(),
+             c.left_padding.tolist(), c._idx) for c in caches]
+
+
+def test_removal_with_one_padding_read_keeps_every_cache_and_token_as_the_stock_filter(tiny_model_fp32):
+    """`actor._batch.remove_rows` replaces mlx_lm's per-layer host reads of the padding with
+    one read: the caches after each removal, and every token after, must be the
+    stock `BatchGenerator.remove`'s, including removals that trim the shared padding."""
+    import random
+
+    model, config = _models.load_model(tiny_model_fp32)
+    vocab = int(config["vocab_size"])
+
+    def run(remove) -> tuple[dict[int, list[int]], list, int]:
+        rng = random.Random(7)
+        bg = BatchGenerator(model, max_tokens=10**6, completion_batch_size=64, prefill_batch_size=4)
+        out: dict[int, list[int]] = {}
+        live: list[int] = []
+        states, trimmed = [], 0
+        for _ in range(5):
+            live += bg.insert([[rng.randrange(3, vocab) for _ in range(rng.randrange(2, 24))] for _ in range(4)])
+            for _ in range(5):
+                _step_tokens(bg, out)
+            before = bg._generation_batch.prompt_cache[0]._idx
+            gone, live = live[:3], live[3:]  # the oldest rows: their removal trims the padding
+            remove(bg, gone)
+            trimmed += bg._generation_batch.prompt_cache[0]._idx < before
+            states.append(_caches_state(bg))
+        for _ in range(6):
+            _step_tokens(bg, out)
+        return out, states, trimmed
+
+    stock = run(lambda bg, uids: bg.remove(uids))
+    fast = run(_batch.remove_rows)
+    assert stock[2] >= 2  # the shared padding was trimmed, so that path is compared too
+    assert fast[1] == stock[1]
+    assert fast[0] == stock[0] and len(fast[0]) == 20  # every sequence made tokens
+
+
+def test_removal_leaves_no_filter_override_behind(tiny_model_fp32):
+    model, _ = _models.load_model(tiny_model_fp32)
+    bg = BatchGenerator(model, max_tokens=10**6, completion_batch_size=8, prefill_batch_size=4)
+    uids = bg.insert([[5, 6, 7], [8, 9], [10, 11, 12, 13]])
+    for _ in range(4):
+        bg.next()
+    caches = list(bg._generation_batch.prompt_cache)
+    _batch.remove_rows(bg, uids[:1])
+    assert all("filter" not in vars(c) for c in caches)
+    assert len(bg._generation_batch) == 2
+
+
+def test_the_prompt_token_counter_counts_every_prompt_token_once(tiny_model_fp32):
+    """`bg._counters.prompt_tokens`: read per step (peek) and reset (take) by the actor."""
+    model, _ = _models.load_model(tiny_model_fp32)
+    bg = BatchGenerator(model, max_tokens=4, completion_batch_size=8, prefill_batch_size=4)
+    assert _batch.peek_prompt_tokens(bg) == 0
+    bg.insert([[5, 6, 7, 8, 9], [10, 11, 12]])
+    counted = 0
+    for _ in range(6):
+        bg.next()
+        peeked = _batch.peek_prompt_tokens(bg)
+        taken = _batch.take_prompt_tokens(bg)
+        assert peeked == taken and _batch.peek_prompt_tokens(bg) == 0
+        counted += taken
+    # the last token of each prompt is fed by the first decode step, not the prefill
+    assert counted == (5 - 1) + (3 - 1)
+    bg.close()
+
+
+def test_batch_rows_is_the_decoding_batch_size(tiny_model_fp32):
+    """`bg._generation_batch`: its length is the rows decoding together (the step trace's `rows`)."""
+    model, _ = _models.load_model(tiny_model_fp32)
+    bg = BatchGenerator(model, max_tokens=100, completion_batch_size=8, prefill_batch_size=4)
+    assert _batch.batch_rows(bg) == 0
+    uids = bg.insert([[5, 6, 7], [8, 9], [10, 11, 12, 13]])
+    for _ in range(3):
+        bg.next()
+    assert _batch.batch_rows(bg) == 3
+    bg.remove(uids[:1])
+    assert _batch.batch_rows(bg) == 2
+    bg.close()

@@ -1,0 +1,275 @@
+"""Tests for tool calling: engine/_tools.py, with the tiny test model whose template has tools.
+
+The required-call guarantee is checked the way structured output is: a
+random-weight model, driven through mlx-lm's BatchGenerator as the actor
+drives it, can only write what the grammar allows.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import jsonschema
+import mlx.core as mx
+import pytest
+from batch_driver import Row, run_rows
+from mlx_lm.tool_parsers import json_tools, qwen3_coder
+
+from trio_mlx import models
+from trio_mlx._errors import InvalidRequestError
+from trio_mlx.engine import _tools
+
+pytestmark = pytest.mark.timeout(120)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+            "required": ["query"],
+        },
+    },
+}
+NOOP = {"type": "function", "function": {"name": "noop"}}
+TOOLS = [WEATHER, SEARCH, NOOP]
+MARKUP = ("<tool_call>", "</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def tool_model(tool_model_fp32: Path) -> tuple[Any, Any]:
+    model, _ = models.load_model(tool_model_fp32)
+    return model, models.load_tokenizer(tool_model_fp32)
+
+
+def prompt(tok: Any, tools: list[dict[str, Any]], text: str = "What is the weather in Paris?") -> list[int]:
+    return list(tok.apply_chat_template([{"role": "user", "content": text}], tools=tools, add_generation_prompt=True))
+
+
+def parse(tok: Any, tools: list[dict[str, Any]], tokens: list[int], rng: random.Random | None = None) -> list[_tools.ToolDelta]:
+    """Stream the row's text through a ToolCallStream in random-sized pieces."""
+    ids = [t for t in tokens if t not in tok.eos_token_ids]
+    text = tok.decode(ids)
+    stream = _tools.ToolCallStream(tok, tools)
+    deltas, i = [], 0
+    rng = rng or random.Random(0)
+    while i < len(text):
+        n = rng.randint(1, 12)
+        deltas.append(stream.feed(text[i : i + n]))
+        i += n
+    deltas.append(stream.finish())
+    return deltas
+
+
+def calls_of(deltas: list[_tools.ToolDelta]) -> list[_tools.ToolCall]:
+    return [c for d in deltas for c in d.tool_calls]
+
+
+def test_mlx_lm_recognizes_the_tool_model(tool_model: tuple[Any, Any], tiny_model_fp32: Path) -> None:
+    _, tok = tool_model
+    assert tok.has_tool_calling and tok.tool_parser is json_tools.parse_tool_call
+    assert (tok.tool_call_start, tok.tool_call_end) == MARKUP
+    assert len(tok.tool_call_start_tokens) == len(tok.tool_call_end_tokens) == 1  # added tokens
+    assert not models.load_tokenizer(tiny_model_fp32).has_tool_calling
+
+
+def test_the_template_renders_tools_calls_and_results(tool_model: tuple[Any, Any]) -> None:
+    _, tok = tool_model
+    history = _tools.template_messages([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ])
+    assert history[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 1}
+    history[2]["content"] = ""
+    text = tok.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert json.dumps(WEATHER) in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    plain = tok.apply_chat_template(history[:2], tokenize=False, add_generation_prompt=True)
+    assert "# Tools" not in plain and plain.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("choice", ["required", "get_weather", "search", "noop"])
+def test_an_enforced_choice_always_parses_into_valid_calls(
+    tool_model: tuple[Any, Any], choice: str, temperature: float
+) -> None:
+    """tool_choice "required" or a named function, in a batch with free rows: every
+    constrained row's text streams into at least one call, to an allowed function,
+    whose arguments validate against its parameters; no markup reaches content."""
+    model, tok = tool_model
+    tools = _tools.check_tools(TOOLS)
+    chosen = _tools.check_tool_choice(choice if choice == "required" else {"type": "function", "function": {"name": choice}}, tools)
+    grammar = _tools.tool_grammar(tok, tools, chosen)
+    assert grammar is not None and grammar.kind == "tools"
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    mx.random.seed(3)
+    rows = []
+    for i in range(8):
+        p = prompt(tok, tools, ["Weather?", "Find cats", "Do nothing", "Hello"][i % 4])
+        if i % 4 == 3:
+            rows.append(Row(p, 50, temperature=temperature))
+        else:
+            rows.append(Row(p, grammar.min_tokens + 10 * i, grammar.source, temperature, late=i >= 5))
+    run_rows(model, tok, rows)
+    for i, row in enumerate(rows):
+        if row.grammar is None:
+            continue
+        deltas = parse(tok, tools, row.tokens, random.Random(i))
+        calls = calls_of(deltas)
+        assert calls, row.text(tok)
+        assert [c.index for c in calls] == list(range(len(calls)))
+        assert len({c.id for c in calls}) == len(calls)
+        for call in calls:
+            assert call.name in schemas and (choice == "required" or call.name == choice)
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        assert all(not d.content and not d.failed for d in deltas), deltas
+        assert row.finish_reason == "stop"
+
+
+def test_parallel_false_allows_exactly_one_call(tool_model: tuple[Any, Any]) -> None:
+    model, tok = tool_model
+    tools = _tools.check_tools(TOOLS)
+    grammar = _tools.tool_grammar(tok, tools, "noop", parallel=False)
+    assert grammar is not None
+    (row,) = run_rows(model, tok, [Row(prompt(tok, tools), 200, grammar.source)])
+    assert [c.name for c in calls_of(parse(tok, tools, row.tokens))] == ["noop"]
+    assert row.processor is not None and not row.processor.forced_finish
+
+
+def test_the_stream_splits_content_from_calls_however_the_text_arrives(tool_model: tuple[Any, Any]) -> None:
+    _, tok = tool_model
+    text = (
+        "Let me check. <tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "search", "arguments": {"query": "<b>rain</b>"}}\n</tool_call>'
+    )
+    for seed in range(20):
+        rng = random.Random(seed)
+        stream = _tools.ToolCallStream(tok, TOOLS)
+        deltas, i = [], 0
+        while i < len(text):
+            n = rng.randint(1, 9)
+            deltas.append(stream.feed(text[i : i + n]))
+            i += n
+        deltas.append(stream.finish())
+        content = "".join(d.content for d in deltas)
+        assert content == "Let me check."  # the space before the call goes with it
+        calls = calls_of(deltas)
+        assert [(c.index, c.name, json.loads(c.arguments)) for c in calls] == [
+            (0, "get_weather", {"city": "Paris", "days": 2}),
+            (1, "search", {"query": "<b>rain</b>"}),
+        ]
+        assert stream.called
+
+
+def test_text_without_calls_is_all_content(tool_model: tuple[Any, Any]) -> None:
+    _, tok = tool_model
+    stream = _tools.ToolCallStream(tok, TOOLS)
+    parts = [stream.feed(t) for t in ("Hello", " <tool", "box> and ", "\n", " ")] + [stream.finish()]
+    assert "".join(d.content for d in parts) == "Hello <toolbox> and \n "
+    assert not stream.called
+
+
+def test_a_call_left_open_or_broken_is_reported_not_leaked(tool_model: tuple[Any, Any]) -> None:
+    _, tok = tool_model
+    stream = _tools.ToolCallStream(tok, TOOLS)
+    first = stream.feed('<tool_call>\n{"name": "noop", "arguments": {}}')
+    end = stream.finish()  # max_tokens cut the markup: the call still counts
+    assert not first.tool_calls and [c.name for c in end.tool_calls] == ["noop"]
+    stream = _tools.ToolCallStream(tok, TOOLS)
+    deltas = [stream.feed('<tool_call>\n{"name": "noop", "argu'), stream.finish()]
+    assert not calls_of(deltas) and not any(d.content for d in deltas)
+    assert deltas[-1].failed == ('\n{"name": "noop", "argu',)
+
+
+@pytest.mark.parametrize(
+    "tools,needle",
+    [
+        ([], "non-empty list"),
+        ("get_weather", "non-empty list"),
+        ([{"type": "retrieval"}], "tools[0].type"),
+        ([{"type": "function"}], "tools[0].function must be"),
+        ([{"type": "function", "function": {"name": "has space"}}], "tools[0].function.name"),
+        ([NOOP, NOOP], "two tools are named 'noop'"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "type 'object'"),
+    ],
+)
+def test_a_tool_list_that_is_not_valid_is_a_400(tools: Any, needle: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        _tools.check_tools(tools)
+    assert needle in info.value.message and (info.value.param or "").startswith("tools")
+
+
+def test_tool_choice(tool_model: tuple[Any, Any]) -> None:
+    tools = _tools.check_tools(TOOLS)
+    assert _tools.check_tool_choice(None, tools) == "auto"
+    assert _tools.check_tool_choice(None, None) == "none"
+    assert _tools.check_tool_choice("none", tools) == "none"
+    assert _tools.check_tool_choice({"type": "function", "function": {"name": "search"}}, tools) == "search"
+    for bad, needle in [
+        ({"type": "function", "function": {"name": "launch"}}, "'launch', which is not among the tools"),
+        ("sometimes", "tool_choice must be"),
+        ({"type": "function"}, "tool_choice must be"),
+    ]:
+        with pytest.raises(InvalidRequestError) as info:
+            _tools.check_tool_choice(bad, tools)
+        assert needle in info.value.message and info.value.param == "tool_choice"
+    with pytest.raises(InvalidRequestError, match="no tools"):
+        _tools.check_tool_choice("required", None)
+    _, tok = tool_model
+    assert _tools.tool_grammar(tok, tools, "auto") is None and _tools.tool_grammar(tok, tools, "none") is None
+
+
+def test_a_model_without_tool_calling_is_a_clear_400(tiny_model_fp32: Path) -> None:
+    tok = models.load_tokenizer(tiny_model_fp32)
+    with pytest.raises(InvalidRequestError, match="does not support tool calling") as info:
+        _tools.require_tool_support(tok)
+    assert info.value.param == "tools"
+    with pytest.raises(InvalidRequestError, match="does not support tool calling"):
+        _tools.tool_grammar(tok, _tools.check_tools(TOOLS), "required")
+
+
+def test_a_family_without_a_grammar_refuses_an_enforced_choice(tool_model: tuple[Any, Any]) -> None:
+    """tool_choice "required" for a call format with no grammar here: a 400 that says
+    so, never a silent unconstrained answer."""
+    _, tok = tool_model
+    xml = SimpleNamespace(has_tool_calling=True, tool_parser=qwen3_coder.parse_tool_call,
+                          tool_call_start="<tool_call>", tool_call_end="</tool_call>")
+    with pytest.raises(InvalidRequestError, match=r"cannot be enforced .*\(qwen3_coder\)") as info:
+        _tools.tool_grammar(xml, _tools.check_tools(TOOLS), "required")
+    assert info.value.param == "tool_choice"
+
+
+def test_history_with_arguments_that_are_not_json_is_a_400() -> None:
+    bad = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
+    with pytest.raises(InvalidRequestError, match="not JSON"):
+        _tools.template_messages(bad)

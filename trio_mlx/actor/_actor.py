@@ -1,0 +1,492 @@
+"""The GPU actor: the one thread that owns the model, the BatchGenerator and every mx.array.
+
+Its whole life is ONE `trio.to_thread.run_sync(actor.run, ...)` call made by
+the engine (docs/design.md, rule 1): MLX streams are thread-local, so loading,
+warm-up, every insert/next/remove and the final cleanup happen here. Once per
+decode step it crosses into trio exactly once (`link.exchange(report)`),
+handing over every token of the step and taking back new commands; when the
+batch is empty it blocks in `link.wait_commands()` and burns no CPU. The same
+actor runs on the main thread of a child process with a pipe for its link
+(`_process.py`, `Engine(actor="process")`).
+
+Only `actor/` and `models/` import MLX. Token ids and floats leave the actor;
+arrays never do.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from .. import models
+from ._admission import Admission
+from ._batch import batch_rows, remove_rows, take_prompt_tokens
+from ._link import ActorLink
+from ._protocol import (
+    Abort,
+    ActorConfig,
+    ActorInfo,
+    Command,
+    FinishReason,
+    SamplingParams,
+    Shutdown,
+    StepReport,
+    Submit,
+    TokenOut,
+)
+from ._sampling import SamplerCache, make_processors
+from ._trace import StepTrace
+from ._warmup import WARMUP_PROMPT, warm_up
+
+# MLX memory figures ride along with one step report in this many, and with
+# the report of a step that leaves the batch empty (so an idle server's figures
+# are current); the number is arbitrary, small enough for a scrape to see it move.
+_MEMORY_EVERY = 64
+# Without `ActorConfig.idle_release`: seconds idle before MLX's buffer cache is
+# handed back on a GPU (never on the CPU, where the cache is this process's own heap).
+IDLE_RELEASE = 1.0
+
+
+@dataclass
+class _Seq:
+    rid: int
+    uid: int
+    prompt_len: int
+    sampling: SamplingParams
+    max_tokens: int
+    stops: frozenset[int]
+    stage: str = "queued"
+    generated: int = 0
+
+
+
+def apply_cache_limit(gb: float | None) -> None:
+    """Bound MLX's buffer cache at `gb` gigabytes (None: MLX's own limit).
+
+    MLX keeps freed buffers for reuse up to a limit of its own, on CUDA 80% of
+    the GPU's memory in every process: measured on an H100, a 1B model's
+    server process grew to 27 GB under 256 streams (MLX's own peak: 10 GB),
+    and a second MLX process on the same GPU ran out of memory. A limit lets
+    processes share a GPU, at the price of allocations the cache would have
+    saved.
+    """
+    if gb is not None and math.isfinite(gb):
+        mx.set_cache_limit(int(gb * 1e9))
+
+
+def _memory() -> tuple[int, int, int]:
+    """MLX's (active, peak, cache) bytes; the cache holds freed buffers kept for reuse."""
+    return mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()
+
+
+
+class Actor:
+    """Runs on the GPU thread. Construct on any thread; call `run()` on the GPU thread."""
+
+    def __init__(self, config: ActorConfig, link: ActorLink):
+        self.config = config
+        self._link = link
+        self.thread_id: int | None = None
+        self._model: Any = None
+        self._bg: BatchGenerator | None = None
+        self._context = 0
+        self._vocab = 0
+        self._steps = 0
+        self._seqs: dict[int, _Seq] = {}  # rid -> seq
+        self._by_uid: dict[int, _Seq] = {}
+        self._samplers = SamplerCache()
+        self._retired: dict[int, int] = {}  # uid -> step it finished in; rows still in the batch
+        self._retire_steps = config.retire_steps
+        self._gpu = False  # set in run(), once the device is known
+        self._idle_release: float | None = None  # likewise
+        self._admission = Admission(config.admit_window, config.prefill_batch)
+        self._decoding = 0  # sequences of self._seqs in the "decode" stage
+        self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def run(self) -> None:
+        """The actor's whole life. Raises if the model cannot be loaded."""
+        self.thread_id = threading.get_ident()
+        t0 = time.perf_counter()
+        try:
+            self._hook("load")
+            config = self._load()
+            if self.config.warmup:
+                self._warmup()
+            info = ActorInfo(
+                model_type=str(config.get("model_type", "unknown")),
+                context_length=self._context,
+                vocab_size=int(config.get("vocab_size", 0)),
+                thread_id=self.thread_id,
+                device=str(mx.default_device()),
+                load_seconds=time.perf_counter() - t0,
+                pid=os.getpid(),
+            )
+            self._link.ready(info)
+            self._loop()
+        finally:
+            self._free()
+
+    def _load(self) -> dict[str, Any]:
+        """Load the model and make the generator; returns the model's config."""
+        apply_cache_limit(self.config.cache_limit_gb)
+        self._model, config = models.load_model(self.config.model_path)
+        self._context = models.context_length(config)
+        self._vocab = int(config.get("vocab_size", 0))
+        self._bg = self._new_generator()
+        self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
+        release = self.config.idle_release
+        self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
+        return config
+
+    def _hook(self, stage: str) -> None:
+        if self.config.fault_hook is not None:
+            self.config.fault_hook(stage)
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self._model,
+            max_tokens=1,
+            completion_batch_size=self.config.max_batch,
+            prefill_batch_size=self.config.prefill_batch,
+            prefill_step_size=self.config.prefill_step,
+        )
+
+    def _warmup(self) -> None:
+        """Visit, before the server reports ready, what live traffic will make MLX
+        compile: every prefill group size (`warm_up`), then, on a GPU, a
+        rehearsal of the actor's other paths (`_rehearse`)."""
+        assert self._bg is not None
+        gpu = self._gpu
+        length = max(1, min(WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
+        token = 1 if self._vocab > 1 else 0
+        warm_up(self._bg, token, length, self.config.prefill_batch if gpu else 1)
+        if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens
+            self._rehearse(token, length)
+        self._reset_batch()
+        self._steps = 0
+
+    def _rehearse(self, token: int, length: int) -> None:
+        """Serve a short script of requests through the actor's own `_apply` and
+        `_step`, as live traffic would; the caller forgets them (`_reset_batch`).
+
+        On CUDA, MLX compiles some kernels (with NVRTC, for seconds) the first
+        time an operation meets a dtype, not a shape. The prefill groups of
+        `warm_up` never remove a row that others outlive, and the first such
+        removal, gathering the kept rows' next tokens (`gather_uint32_int32`),
+        stalled a decode step for 3.3 s on an H100 (benchmarks/2026-11-23-h100/warmup/README.md;
+        `benchmarks/probes/probe_first_visits.py` found the module in MLX's PTX cache).
+        Sampling, penalties, logit bias and logprobs have kernels of their own.
+        The script: A (greedy) decodes; B (every sampling option, logprobs)
+        and C (seeded) join it, padded; A finishes and retires; D enters, so
+        A's row leaves with B and C kept, trimming the padding they share; C
+        is aborted; the rest finish and the batch runs dry.
+        """
+        admission = self._admission
+        self._admission = Admission(0.0, self.config.prefill_batch)  # no waiting for company
+        prompt = (token,) * length
+        every = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+                               presence_penalty=0.5, frequency_penalty=0.5, logit_bias=((token, 1.0),),
+                               logprobs=True, top_logprobs=5)
+        a, b, c, d = -1, -2, -3, -4  # rids no request has
+        script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]] = [
+            ([Submit(a, prompt, 8, SamplingParams(temperature=0.0), frozenset())], lambda n: n[a] >= 3),
+            ([Submit(b, prompt, 12, every, frozenset()),
+              Submit(c, prompt, 12, SamplingParams(temperature=0.7, seed=0), frozenset())], lambda n: n[a] >= 8),
+            ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
+            ([Abort(c)], lambda n: not self._seqs),
+        ]
+        counts: collections.Counter[int] = collections.Counter()
+        try:
+            for commands, done in script:
+                failed = self._apply(commands)
+                for _ in range(64):  # the bound only guards a bug
+                    report = self._step(failed or [])
+                    if report.failed:
+                        raise RuntimeError(f"warm-up rehearsal failed: {report.failed}")
+                    counts.update(t.rid for t in report.tokens)
+                    if done(counts):
+                        break
+                    failed = self._apply([])
+                else:
+                    raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
+        finally:
+            self._admission = admission
+
+    def _free(self) -> None:
+        """Drop every array on this thread and synchronize, so the process exits cleanly."""
+        self._seqs.clear()
+        self._by_uid.clear()
+        self._admission.pending.clear()
+        self._samplers.clear()
+        self._retired.clear()
+        try:
+            if self._bg is not None:
+                self._bg.close()
+        finally:
+            self._bg = None
+            self._model = None
+            gc.collect()
+            mx.synchronize()
+            mx.clear_cache()
+
+    # -- the loop --------------------------------------------------------------
+
+    def _loop(self) -> None:
+        # The exchange is synchronous on purpose: while the actor waits in it,
+        # it has released the GIL, so the event loop gets a window every step
+        # while the GPU computes the next step (async_eval). A fire-and-forget
+        # handover (run_sync_soon + a command queue) was measured on an H100
+        # and lost: faster at c=1, but 0.62x instead of 0.91x of the raw
+        # BatchGenerator at c=256 and 5x the TTFT at c=8 (benchmarks/2026-11-22-h100/thread-actor/README.md).
+        report, link = StepReport(), self._link
+        trace_path = self.config.step_trace
+        trace = StepTrace(trace_path) if trace_path else None
+        clock = time.perf_counter
+        try:
+            while True:
+                link.check()
+                self._hook("loop")  # outside the step's recovery: a fault here kills the actor
+                t0 = clock()
+                commands = link.exchange(report)
+                if not commands and not self._seqs:
+                    if not self._admission.pending:
+                        commands = self._idle()
+                    elif hold := self._admission.hold(clock()):  # held for company: sleep, not spin
+                        commands = link.wait_commands(hold)
+                t1 = clock()
+                failed = self._apply(commands)
+                if failed is None:
+                    return  # Shutdown
+                report = self._step(failed)
+                if trace is not None:
+                    trace.write(t1, t1 - t0, report, self._inserted, len(self._retired), batch_rows(self._bg))
+        finally:
+            if trace is not None:
+                trace.close()
+
+    def _idle(self) -> list[Command]:
+        """Nothing to do: block for commands, handing MLX's buffer cache back if
+        they take longer than the idle release.
+
+        MLX keeps freed buffers for reuse and never gives them back by itself:
+        a bench process that loaded a 1B model beside a server that had just
+        served 256 streams ran out of H100 memory. Other processes share that
+        memory, and on Apple silicon the whole system does, so an idle server
+        gives it back; a busy one never waits this long between steps.
+        """
+        link, release = self._link, self._idle_release
+        if not release:
+            return link.wait_commands()
+        commands = link.wait_commands(release)
+        if commands:
+            return commands
+        mx.clear_cache()
+        commands = link.exchange(StepReport(memory=_memory()))  # the engine's figures, current
+        return commands or link.wait_commands()
+
+    def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None:
+        """Apply this step's commands; returns inserts that failed, or None on Shutdown."""
+        admission = self._admission
+        now = time.perf_counter()
+        removes: list[int] = []
+        for cmd in commands:
+            match cmd:
+                case Submit():
+                    admission.add(cmd, now)
+                case Abort(rid=rid):
+                    if not admission.drop(rid) and (seq := self._seqs.pop(rid, None)):
+                        del self._by_uid[seq.uid]
+                        if seq.stage == "decode":
+                            self._decoding -= 1
+                        removes.append(seq.uid)
+                case Shutdown():
+                    return None
+        assert self._bg is not None
+        subs = admission.due(now, self._decoding, len(self._seqs) > self._decoding)
+        aborted = bool(removes)
+        if self._retired and (removes or subs or self._retire_due()):
+            removes.extend(self._retired)
+            self._retired.clear()
+        if removes:
+            remove_rows(self._bg, removes)
+            if aborted:
+                self._hook("removed")
+        self._inserted = len(subs)
+        if not subs:
+            return []
+        try:
+            uids = self._bg.insert(
+                [list(s.prompt) for s in subs],
+                max_tokens=[s.max_tokens + self._slack(s) for s in subs],
+                samplers=[self._samplers.get(s.sampling) for s in subs],
+                logits_processors=[
+                    make_processors(s.sampling, len(s.prompt), self._context) for s in subs
+                ],
+            )
+        except Exception as exc:  # bad input that slipped past validation
+            return [(s.rid, f"insert failed: {exc}") for s in subs]
+        for s, uid in zip(subs, uids, strict=True):
+            seq = _Seq(s.rid, uid, len(s.prompt), s.sampling, s.max_tokens, s.stop_token_ids)
+            self._seqs[s.rid] = seq
+            self._by_uid[uid] = seq
+        return []
+
+    # -- retiring finished rows ---------------------------------------------------
+    #
+    # The actor, not the BatchGenerator, decides when a sequence has finished
+    # (its max_tokens, or one of its stop tokens), and its row may stay in the
+    # batch for up to `retire_steps` more steps, generating tokens nobody
+    # reads. Removing rows one finishing step at a time costs the host far
+    # more than the rows cost the GPU: each removal filters every layer's KV
+    # cache with a host synchronization per layer (mlx_lm's
+    # `BatchKVCache.filter`), so the next step cannot overlap the last, and
+    # the generator also copies out each finished row's cache, which a server
+    # never reads. Deferred, the rows leave together, in the step where new
+    # sequences enter (the batch changes then anyway), when the batch runs
+    # out of live sequences, or when the oldest has waited `retire_steps`.
+
+    def _slack(self, s: Submit) -> int:
+        """Steps past max_tokens the generator may run a row: a backstop, never reached
+        while retirement works, kept inside the context window."""
+        if not self._retire_steps:
+            return 0
+        return max(0, min(self._retire_steps + 2, self._context - len(s.prompt) - s.max_tokens))
+
+    def _retire_due(self) -> bool:
+        """Remove the retired rows now, though nothing enters or leaves: a sequence
+        is waiting to prefill (it needs the slots), or the oldest has waited long
+        enough. (A batch that ran dry is emptied in `_step`; one whose last live
+        sequence is aborted, with the abort.)"""
+        return (
+            len(self._seqs) > self._decoding
+            or self._steps - next(iter(self._retired.values())) >= self._retire_steps
+        )
+
+    def _step(self, failed: list[tuple[int, str]]) -> StepReport:
+        if not self._seqs:
+            return StepReport(failed=tuple(failed), live=len(self._admission.pending), memory=_memory())
+        assert self._bg is not None
+        t0 = time.perf_counter()
+        try:
+            self._hook("step")
+            prompt_responses, generation_responses = self._bg.next()
+            tokens = self._tokens(generation_responses)
+        except Exception as exc:
+            return self._recover(exc, failed)
+        if self._retired and not self._seqs:  # the batch ran dry: nothing left to overlap
+            remove_rows(self._bg, list(self._retired))
+            self._retired.clear()
+        prefilling, decoding, prompt_tokens = [], [], 0
+        for pr in prompt_responses:
+            seq = self._by_uid.get(pr.uid)
+            if seq is None:
+                continue
+            if seq.stage == "queued":
+                seq.stage = "prefill"
+                prefilling.append(seq.rid)
+            if pr.end_of_prompt and seq.stage != "decode":
+                seq.stage = "decode"
+                self._decoding += 1
+                decoding.append(seq.rid)
+        prompt_tokens = take_prompt_tokens(self._bg)
+        self._steps += 1
+        memory = _memory() if self._steps % _MEMORY_EVERY == 1 or not self._seqs else None
+        return StepReport(
+            memory=memory,
+            tokens=tokens,
+            prefilling=tuple(prefilling),
+            decoding=tuple(decoding),
+            failed=tuple(failed),
+            prompt_tokens=prompt_tokens,
+            step_seconds=time.perf_counter() - t0,
+            live=len(self._seqs) + len(self._admission.pending),
+        )
+
+    def _tokens(self, responses: Sequence[Any]) -> tuple[TokenOut, ...]:
+        out: list[TokenOut] = []
+        want_logprobs: list[tuple[int, Any, _Seq]] = []
+        ended = 0
+        for r in responses:
+            seq = self._by_uid.get(r.uid)
+            if seq is None:  # a retired row: its tokens are nobody's
+                if r.finish_reason is not None:
+                    self._retired.pop(r.uid, None)  # the generator dropped it itself
+                continue
+            seq.generated += 1
+            reason: FinishReason | None = (
+                "stop" if r.token in seq.stops
+                else "length" if seq.generated >= seq.max_tokens
+                else r.finish_reason
+            )
+            if reason is not None:
+                ended += 1
+                del self._by_uid[r.uid]
+                del self._seqs[seq.rid]
+                if seq.stage == "decode":
+                    self._decoding -= 1
+                if r.finish_reason is None:  # still in the batch: retire it
+                    self._retired[r.uid] = self._steps
+            if seq.sampling.logprobs:
+                want_logprobs.append((len(out), r, seq))
+            out.append(TokenOut(seq.rid, r.token, reason))
+        if ended:
+            self._admission.finished(time.perf_counter(), ended)
+        if want_logprobs:
+            self._add_logprobs(out, want_logprobs)
+        return tuple(out)
+
+    def _add_logprobs(self, out: list[TokenOut], rows: list[tuple[int, Any, _Seq]]) -> None:
+        """Chosen-token logprob and top-k alternatives for the rows that asked, in one eval."""
+        stacked = mx.stack([r.logprobs for _, r, _ in rows])
+        chosen = mx.take_along_axis(stacked, mx.array([[r.token] for _, r, _ in rows]), axis=-1)
+        k = max(seq.sampling.top_logprobs for _, _, seq in rows)
+        idx_l: list[list[int]] = []
+        vals_l: list[list[float]] = []
+        if k > 0:
+            idx = mx.argpartition(-stacked, kth=k - 1, axis=-1)[:, :k]
+            vals = mx.take_along_axis(stacked, idx, axis=-1)
+            mx.eval(chosen, idx, vals)
+            idx_l, vals_l = idx.tolist(), vals.astype(mx.float32).tolist()  # type: ignore[assignment]
+        else:
+            mx.eval(chosen)
+        chosen_l: list[list[float]] = chosen.astype(mx.float32).tolist()  # type: ignore[assignment]
+        for row, (i, _, seq) in enumerate(rows):
+            top = None
+            if seq.sampling.top_logprobs:
+                pairs = sorted(zip(idx_l[row], vals_l[row], strict=True), key=lambda p: -p[1])
+                top = tuple(pairs[: seq.sampling.top_logprobs])
+            t = out[i]
+            out[i] = TokenOut(t.rid, t.token, t.finish_reason, chosen_l[row][0], top)
+
+    def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
+        """A step raised: fail every live sequence, start a fresh generator, keep serving."""
+        reason = f"generation step failed: {type(exc).__name__}: {exc}"
+        failed = failed + [(rid, reason) for rid in self._seqs]
+        self._reset_batch()
+        return StepReport(failed=tuple(failed), live=0)
+
+    def _reset_batch(self) -> None:
+        """Forget every sequence and start a fresh generator: after a failed step, or the
+        warm-up's rehearsal. A generator that fails to close is dropped all the same."""
+        self._seqs.clear()
+        self._by_uid.clear()
+        self._retired.clear()
+        self._decoding = 0
+        assert self._bg is not None
+        try:
+            self._bg.close()
+        except Exception:
+            pass
+        self._bg = self._new_generator()  # if even this raises, the actor dies: engine broken

@@ -1,0 +1,103 @@
+"""Admission policy: when queued sequences enter the decoding batch. Pure Python, no MLX."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+from ._protocol import Submit
+
+
+class Admission:
+    """When new sequences enter a decoding batch: together, within a bounded window.
+
+    Every change to the batch's membership costs the GPU host work well beyond
+    its size: measured on an H100 with a 1B model decoding 56 sequences
+    (`benchmarks/probes/probe_steps.py`), admitting k prompts cost ~10-15 ms on each of
+    the next two steps whether k was 1 or 8, against ~5 ms for a plain decode
+    step. Requests that arrive one step apart (HTTP clients never arrive
+    together) would each pay that. So while sequences are decoding, a new one
+    waits until `prefill_batch` have gathered or the oldest has waited out
+    the window, and then they enter together (as TGI's router waits for
+    `max_waiting_tokens`). An idle batch admits a group at once: no decode
+    step is disturbed, so waiting would only add latency.
+
+    The wait is `window` once `prefill_batch` sequences decode and shrinks in
+    proportion below that: a change slows every decoding sequence by a step
+    or two, so with few of them it costs few tokens, while the wait costs
+    every waiting request its whole length in time to first token. Measured
+    on an H100 with the 1B model under Poisson arrivals at 2 requests/s (1-2
+    decoding), the full 20 ms window put the median TTFT at 62 ms against 20
+    ms for an arrival into an idle batch.
+
+    One group of at most `prefill_batch` enters at a time, and only once the
+    previous group has finished its prefill. The BatchGenerator tops its
+    prompt batch up to `prefill_batch` each step, so a group of 7 arriving
+    while 1 prompt is mid-prefill locks it into alternating steps of 7 and 1
+    prompts, each paying a prefill and a batch change at once: 130-230 ms a
+    step instead of ~36 ms on an H100 with the 135M model (the step trace in
+    benchmarks/2026-11-22-h100/process-actor/README.md). Before the window runs out, only a full group
+    enters; the rest wait for more company or the window.
+
+    Sequences that have just finished count as company on its way: a client
+    in a loop sends its next request when its stream ends, so a wave that
+    finishes together comes back together, a round trip later. Admitted at
+    once into the emptied batch, the first to return would enter alone and
+    the rest, arriving during its prefill, as a second group: two prefills
+    and two batch changes a wave instead of one (the step trace of 8
+    concurrent streams on an H100, 1B). So while fewer have arrived than
+    finished within the last window, arrivals wait up to window x finished /
+    prefill_batch; each admitted arrival takes one finish off the count. A
+    lone client (one finished, one back) never waits.
+    """
+
+    def __init__(self, window: float, batch: int):
+        self.window, self.batch = window, batch
+        self.pending: dict[int, tuple[float, Submit]] = {}  # rid -> (arrival, submit), in order
+        self._finished: collections.deque[float] = collections.deque()  # when, unmatched by arrivals
+
+    def finished(self, now: float, count: int) -> None:
+        """`count` sequences finished (not aborted) at `now`: their clients may be back."""
+        if self.window:
+            self._finished.extend(itertools.repeat(now, count))
+
+    def add(self, sub: Submit, now: float) -> None:
+        self.pending.setdefault(sub.rid, (now, sub))
+
+    def drop(self, rid: int) -> bool:
+        return self.pending.pop(rid, None) is not None
+
+    def due(self, now: float, decoding: int, prefilling: bool) -> list[Submit]:
+        """The group to insert now, oldest first: `decoding` sequences are
+        decoding, `prefilling` if any is still queued or prefilling."""
+        pending = self.pending
+        if not pending or prefilling:
+            return []
+        take = min(len(pending), self.batch)
+        if decoding and take < self.batch:
+            age = now - next(iter(pending.values()))[0]
+            if age < self.window * min(1.0, decoding / self.batch):
+                return []  # wait for a full group, or the window
+        if self._awaiting(now):
+            return []  # wait for the clients of sequences that just finished
+        for _ in range(min(take, len(self._finished))):
+            self._finished.popleft()
+        return [pending.pop(rid)[1] for rid in list(itertools.islice(pending, take))]
+
+    def _awaiting(self, now: float) -> float:
+        """Seconds the held arrivals may still wait for the clients of sequences that
+        finished within the window (0: no such wait)."""
+        finished, pending = self._finished, self.pending
+        while finished and now - finished[0] > self.window:
+            finished.popleft()
+        if not pending or min(len(pending), self.batch) >= min(len(finished), self.batch):
+            return 0.0
+        oldest = next(iter(pending.values()))[0]
+        return max(0.0, oldest + self.window * min(1.0, len(finished) / self.batch) - now)
+
+    def hold(self, now: float) -> float:
+        """With nothing in the batch: seconds until `due` may admit without new commands
+        (0: now, or nothing held); the actor sleeps that long at most."""
+        wait = self._awaiting(now)
+        return min(wait, self._finished[0] + self.window - now) if wait else 0.0
+

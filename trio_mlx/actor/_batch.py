@@ -1,0 +1,98 @@
+"""Every use of mlx-lm's BatchGenerator internals, in one place.
+
+mlx-lm 0.32 offers no public way to do what the actor needs here: remove rows
+without a host round trip per layer, read the decoding batch's row count for
+the step trace, or read and reset the prompt-token counter per step. Each
+helper names the private attribute it relies on; tests/test_mlx_lm_internals.py
+pins each behaviour, so an mlx-lm upgrade that changes one fails there first.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+
+def batch_rows(bg: Any) -> int:
+    """The decoding batch's rows (`bg._generation_batch`); 0 when nothing decodes."""
+    return len(getattr(bg, "_generation_batch", ()) or ())
+
+
+def take_prompt_tokens(bg: Any) -> int:
+    """Prompt tokens the generator processed since the last call (`bg._counters`), reset to 0."""
+    stats = bg._counters
+    n = stats.prompt_tokens
+    stats.prompt_tokens = 0
+    return int(n)
+
+
+def peek_prompt_tokens(bg: Any) -> int:
+    """Prompt tokens the generator has counted so far, without resetting them."""
+    return int(bg._counters.prompt_tokens)
+
+
+def remove_rows(bg: Any, uids: list[int]) -> None:
+    """`bg.remove(uids)`, with one read of the decoding batch's padding instead of one per layer.
+
+    mlx_lm's `BatchKVCache.filter` reads the kept rows' left padding back to
+    the host (`tolist()`) in every layer, to trim the padding all rows share:
+    a GPU round trip per layer. On an H100 the actor's removals of 8 retired
+    rows from 56-64 took 10-30 ms each outside `next()` with the 1B model (16
+    layers) and 17-45 ms with the 135M (30 layers): 5-7% of the server's time
+    at 64-256 streams (benchmarks/2026-11-23-h100/row-removal/README.md). Every layer of a batch is
+    filtered, extended and padded alike, so all hold the same padding: here
+    the first layer's is read once and every layer filters with it, as the
+    stock `filter` would. `benchmarks/probes/probe_remove.py` measured a removal at 15
+    -> 3 ms (1B) and 27 -> 3 ms (135M), with the same tokens. A batch whose
+    caches are not all plain `BatchKVCache`s at one position keeps the stock
+    path.
+    """
+    caches = _kv_caches(bg)
+    if caches is None:
+        bg.remove(uids)
+        return
+    keep = _KeepRows(caches[0].left_padding.tolist())
+    for c in caches:
+        c.filter = functools.partial(keep, c)  # shadows the class's filter for this call only
+    try:
+        bg.remove(uids)
+    finally:
+        for c in caches:
+            vars(c).pop("filter", None)
+
+
+def _kv_caches(bg: Any) -> list[Any] | None:
+    """The decoding batch's per-layer caches if all are plain `BatchKVCache`s at one
+    position (so they share their padding), else None."""
+    batch = getattr(bg, "_generation_batch", None)
+    caches = list(getattr(batch, "prompt_cache", None) or ())
+    if not caches or any(type(c) is not BatchKVCache or c._idx != caches[0]._idx for c in caches):
+        return None
+    return caches
+
+
+class _KeepRows:
+    """`BatchKVCache.filter` with the rows' left padding known on the host: the same
+    arrays as the stock method, without reading the padding back."""
+
+    __slots__ = ("padding",)
+
+    def __init__(self, padding: list[int]):
+        self.padding = padding
+
+    def __call__(self, c: Any, batch_indices: list[int]) -> None:
+        kept = [self.padding[i] for i in batch_indices]
+        shift = min(kept)
+        rows = mx.array(batch_indices)
+        if c.keys is not None:
+            c.keys, c.values = c.keys[rows], c.values[rows]
+        c.offset = c.offset[rows]
+        c.left_padding = mx.array([p - shift for p in kept])
+        if shift > 0:
+            if c.keys is not None:
+                c.keys, c.values = c.keys[..., shift:, :], c.values[..., shift:, :]
+            c._idx -= shift
+

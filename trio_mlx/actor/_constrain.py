@@ -1,0 +1,179 @@
+"""Constrained decoding inside the shared batch: one grammar-masking logits processor per row.
+
+`GrammarProcessor` is an mlx-lm logits processor, `(tokens, logits) -> logits`,
+that the actor puts last in a constrained row's `logits_processors` when it
+inserts the row into the BatchGenerator. The generator calls each row's
+processors with that row's logits alone (shape (1, V)) and its token context
+(prompt + generated so far), so constrained and free rows share one batch;
+a free row pays only what any processor in the batch costs it (mlx-lm then
+slices the logits row by row and joins them again).
+
+Each call: feed the token sampled last step to the row's `llguidance.LLMatcher`,
+fill the next-token bitmask (numpy, one bit per tokenizer token) and set the
+logits of every token it forbids to -inf; tokens past the tokenizer's vocabulary
+(logits are often wider) are forbidden too. Reading the sampled token from the
+context waits for the previous step's sampling, which a free batch overlaps
+with building the next step: that wait is the price of a constrained row,
+paid once per step however many constrained rows there are.
+
+The processor also keeps its row inside `max_tokens`. Every so often it
+measures the completion `_matcher.finish` would write from here; in the
+endgame (every step once the tokens left come within reach of it) also how
+much one token that opens something could lengthen it (`_matcher.jump`).
+When one such token could leave too little room, the row turns "calm": only
+tokens that open nothing, the completion's next token, and EOS where the
+grammar may end. When the room is down to the completion, it forces the
+completion, then EOS. So the output always parses, even from a model that
+would never close its JSON; `forced_finish` tells the actor when text was cut
+short to get there (a string ended early, an array with fewer items).
+A processor never raises: an internal failure forces EOS and is kept in `error`,
+because an exception here would fail the whole batch's step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.numpy as llnp
+import mlx.core as mx
+import numpy as np
+
+from ._matcher import GrammarVocab, completes, finish, jump
+
+# Tokens of slack kept between the tokens left and the completion: a calm
+# token can still lengthen it a little (an escape, half a UTF-8 character,
+# the `t` of `true`). Arbitrary; 8 is several times what we saw.
+BUDGET_MARGIN = 8
+# How much further than the single-byte openers `jump` measures a token
+# might push the completion (a `{"` token opens two things). Arbitrary.
+JUMP_FACTOR = 2
+# The jump assumed before one is measured: it decides when the endgame (a
+# measurement every step) begins. Arbitrary; a JSON item with a few required
+# keys, or another tool call, jumps 10-40 tokens.
+JUMP_GUESS = 32
+
+
+class GrammarProcessor:
+    """Masks one row's logits to what its grammar allows; construct it on the actor thread."""
+
+    def __init__(self, vocab: GrammarVocab, grammar: str, max_tokens: int):
+        self._vocab = vocab
+        self._matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
+        if self._matcher.is_error():
+            raise ValueError(f"the grammar does not compile: {self._matcher.get_error()}")
+        self._bitmask = llnp.allocate_token_bitmask(1, vocab.size)
+        self._words = self._bitmask.view(np.uint32)  # bit t%32 of word t//32 is token t
+        self._max_tokens = max_tokens
+        self._calls = 0
+        self._check_at = 0  # the call at which the completion is next measured
+        self._tail: list[int] = []  # the completion, as last measured
+        self._tail_checked = False  # whether it is known to complete the grammar from here
+        self._jump = 0  # the largest jump measured so far
+        self._mode = "free"  # -> "calm" -> "forcing" -> "done" (only EOS)
+        self.forced_finish = False
+        self.error: str | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        try:
+            # The first call sees the prompt alone; every later one, the token
+            # sampled from the mask this processor made at the call before.
+            self._advance(int(tokens[-1].item()) if self._calls else None)  # type: ignore[arg-type]
+        except Exception as exc:  # a bug: end the row rather than fail the batch
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._end()
+        self._calls += 1
+        return self._apply(logits)
+
+    # -- host side: the matcher and the bitmask -------------------------------------
+
+    def _advance(self, token: int | None) -> None:
+        m = self._matcher
+        if token is not None and self._mode != "done":
+            if self._tail and token == self._tail[0]:
+                self._tail.pop(0)  # the rest still completes the grammar
+            else:  # the model went its own way (never while forcing: the mask holds)
+                self._tail_checked = False
+                if self._mode == "forcing":
+                    self._mode, self._check_at = "calm", self._calls
+            if not m.consume_token(token):
+                self.error = f"the grammar refused token {token}: {m.get_error()}"
+                return self._end()
+        left = self._max_tokens - self._calls  # tokens this row may still emit, this one included
+        if self._mode == "done" or left <= 1 or m.is_stopped():
+            return self._end()
+        if self._mode == "forcing":
+            return self._allow(self._tail[:1]) if self._tail else self._end()
+        llnp.fill_next_token_bitmask(m, self._bitmask)
+        if self._calls >= self._check_at:
+            self._measure(left)
+            if self._mode == "forcing":
+                return self._advance_forced()
+        if self._mode == "calm":
+            accepting = m.is_accepting()
+            self._words &= self._vocab.calm
+            self._add(self._tail[:1])
+            if accepting:
+                self._add(self._vocab.eos)
+
+    def _advance_forced(self) -> None:
+        self.forced_finish = bool(self._tail)
+        if self._tail:
+            self._allow(self._tail[:1])
+        else:  # the grammar may end here, and there is no room to go on: it does
+            self._end()
+
+    def _measure(self, left: int) -> None:
+        """Where the row stands against its budget: force the completion now; in the
+        endgame, measure every step and go calm when one opening token could leave
+        too little room; far from the end, stay free until a later measurement."""
+        # The last completion, if it still completes the grammar from here, saves a
+        # walk (inside a string or a number it does); it is the longer one at worst.
+        if self._tail_checked or completes(self._matcher, self._tail):
+            tail = self._tail
+        elif (found := finish(self._matcher, self._vocab)) is not None:
+            tail = found
+        else:  # no completion found: generate freely, max_tokens may cut the row
+            self._check_at = self._max_tokens
+            return
+        self._tail, self._tail_checked = tail, True
+        need = len(tail) + 1 + BUDGET_MARGIN  # + 1: the EOS
+        if left <= need:
+            self._mode = "forcing"
+            return
+        far = JUMP_FACTOR * max(JUMP_GUESS, self._jump) + BUDGET_MARGIN  # the most one token may add
+        if left <= need + far:
+            here = jump(self._matcher, self._vocab, tail, self._words)
+            self._jump = max(self._jump, here)
+            calm = left <= need + JUMP_FACTOR * here + BUDGET_MARGIN
+            self._mode, self._check_at = ("calm" if calm else "free"), self._calls + 1
+        else:
+            self._mode = "free"
+            self._check_at = self._calls + max(1, (left - need - far) // (far + 1))
+
+    def _end(self) -> None:
+        self._mode = "done"
+        self._allow(self._vocab.eos)
+
+    def _allow(self, ids: Sequence[int]) -> None:
+        self._bitmask.fill(0)
+        self._add(ids)
+
+    def _add(self, ids: Sequence[int]) -> None:
+        for t in ids:
+            self._words[0, t >> 5] |= np.uint32(1 << (t & 31))
+
+    # -- device side: one masked copy of the row's logits ---------------------------
+
+    def _apply(self, logits: mx.array) -> mx.array:
+        width = logits.shape[-1]
+        words = mx.array(self._words)  # (1, ceil(V / 32)) uint32: V/8 bytes cross to the device
+        bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+        allowed = bits.reshape(1, -1) != 0
+        if allowed.shape[1] >= width:
+            allowed = allowed[:, :width]
+        else:  # logits wider than the tokenizer: the extra ids are no tokens at all
+            allowed = mx.concatenate(
+                [allowed, mx.zeros((1, width - allowed.shape[1]), dtype=mx.bool_)], axis=1
+            )
+        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -1,0 +1,207 @@
+"""llguidance pieces that both sides of the actor boundary use; no MLX here.
+
+The engine compiles and checks grammars (`engine/_grammar.py`) and the actor
+runs one `llguidance.LLMatcher` per constrained row (`actor/_constrain.py`);
+both need the model's tokenizer in llguidance's form, built once per
+tokenizer (`grammar_vocab`), and both need `finish`: a short token sequence
+that completes whatever the matcher has accepted so far. The engine uses it to
+refuse a `max_tokens` too small for any valid answer; the actor uses it to
+close a row's grammar before its `max_tokens` runs out, so that even a model
+that would ramble forever (a random-weight one does) ends with valid output.
+
+What makes a completion longer is a token that opens something: a string, an
+object, an array item, another tool call. `GrammarVocab.calm` marks the tokens
+that cannot (no `{ [ , : "` or newline in their bytes, not special), and
+`jump` measures how much the tokens that can would lengthen it from here.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import numpy as np
+
+# The bytes `finish` tries, in order, when nothing is forced: the ones that
+# close a JSON string, object or array or separate its members first, then
+# `@` and `.` (they carry an email or a hostname to its end), what a value or
+# a number can start or end with, then UTF-8 continuation bytes (a token may
+# stop in the middle of a character), then every other byte.
+_CLOSERS = b'"}],:'  # always tried first, in this order
+_FIRST = _CLOSERS + b'@.0123456789-etrufalsnTZ '
+_CLOSE_BRACKETS = b"}]"
+_OPENERS = b'{[,:"\n'  # bytes that may open something the completion must then close
+_PRIORITY = _FIRST + bytes([0x80, 0x90, 0xA0, 0xB0]) + bytes(
+    b for b in range(256) if b not in _FIRST and b not in (0x80, 0x90, 0xA0, 0xB0)
+)
+# The longest completion `finish` looks for. Arbitrary: a JSON value nested a
+# few levels deep with a few required keys closes in well under 100 tokens.
+FINISH_LIMIT = 512
+_REPEATS = 4  # arbitrary: numbers and padded strings need a few repeats, never many
+
+
+@dataclass(frozen=True, eq=False)
+class GrammarVocab:
+    """A tokenizer as llguidance sees it, with what `finish` needs."""
+
+    tokenizer: llguidance.LLTokenizer
+    eos: tuple[int, ...]  # the ids a finished grammar allows; every one is a stop token
+    closers: tuple[int, ...]  # the single-byte tokens of `_CLOSERS`, in that order
+    byte_tokens: tuple[int, ...]  # the other single-byte tokens, in `_PRIORITY` order
+    brackets: tuple[int, ...]  # the tokens of "}" and "]"
+    openers: tuple[int, ...]  # the single-byte tokens of `_OPENERS`
+    specials: np.ndarray  # ids of the special tokens, EOS aside
+    calm: np.ndarray  # token bitmask (uint32 words, llguidance's layout): the tokens that open nothing
+
+    @property
+    def size(self) -> int:
+        return self.tokenizer.vocab_size
+
+
+_vocabs: weakref.WeakKeyDictionary[Any, GrammarVocab] = weakref.WeakKeyDictionary()
+_by_key: dict[str, GrammarVocab] = {}
+_lock = threading.Lock()
+
+
+def grammar_vocab(tokenizer: Any, *, key: str | None = None) -> GrammarVocab:
+    """The GrammarVocab of an mlx-lm TokenizerWrapper (or a fast HF tokenizer), built
+    once per tokenizer object: building one reads the whole vocabulary (~0.5 s for
+    a 49k vocabulary). With `key` (the model's path) it is also kept under that
+    name, so that an actor in the engine's process finds it (`cached_vocab`)
+    without a tokenizer of its own. Raises ValueError for a tokenizer llguidance
+    cannot use."""
+    with _lock:  # held while building: two threads asking at once build it once
+        vocab = _vocabs.get(tokenizer) or (_by_key.get(key) if key is not None else None)
+        if vocab is None:
+            vocab = _build(tokenizer)
+        _vocabs[tokenizer] = vocab
+        if key is not None:
+            _by_key[key] = vocab
+        return vocab
+
+
+def cached_vocab(key: str) -> GrammarVocab | None:
+    """The GrammarVocab kept under `key` by `grammar_vocab`, if any."""
+    with _lock:
+        return _by_key.get(key)
+
+
+def _build(tokenizer: Any) -> GrammarVocab:
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper keeps the HF one here
+    eos_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+    try:
+        lltok = llguidance.hf.from_tokenizer(hf, eos_token=eos_ids)
+    except Exception as exc:  # llguidance reads only "fast" (Rust tokenizers) tokenizers
+        raise ValueError(f"llguidance cannot read this tokenizer: {exc}") from exc
+    singles: dict[int, int] = {}
+    for b in _PRIORITY:
+        ids = lltok.tokenize_bytes(bytes([b]))
+        if len(ids) == 1:
+            singles[b] = ids[0]
+    size = lltok.vocab_size
+    special = np.array([lltok.is_special_token(i) for i in range(size)], dtype=bool)
+    opens = np.array([any(c in _OPENERS for c in lltok.decode_bytes([i])) for i in range(size)])
+    calm = np.zeros(-(-size // 32) * 32, dtype=bool)
+    calm[:size] = ~(special | opens)
+    eos = tuple(lltok.eos_tokens)
+    special[list(eos)] = False
+    return GrammarVocab(
+        tokenizer=lltok,
+        eos=eos,
+        closers=tuple(singles[b] for b in _CLOSERS if b in singles),
+        byte_tokens=tuple(t for b, t in singles.items() if b not in _CLOSERS),
+        brackets=tuple(singles[b] for b in _CLOSE_BRACKETS if b in singles),
+        openers=tuple(singles[b] for b in _OPENERS if b in singles),
+        specials=np.flatnonzero(special),
+        calm=np.packbits(calm, bitorder="little").view(np.uint32).reshape(1, -1),
+    )
+
+
+def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINISH_LIMIT) -> list[int] | None:
+    """Tokens that take `matcher` (left as it is) to a state where its grammar may end,
+    or None if none were found within `limit` tokens.
+
+    A greedy walk, not a search for the shortest: forced tokens first, then a
+    closing bracket that ends the grammar outright, then the first single-byte
+    token the grammar allows in `_PRIORITY` order (with the turn-taking below). For JSON this closes the open
+    string, then each open container, adding the required keys the grammar forces.
+    Each step costs a few microseconds (llguidance's validate and copy).
+    """
+    m = matcher.deep_copy()
+    out: list[int] = []
+    closers, rest = vocab.closers, list(vocab.byte_tokens)
+    last, repeats = -1, 0
+    while not m.is_accepting():
+        if len(out) >= limit or m.is_stopped():  # stopped but not accepting: an error state
+            return None
+        forced = m.compute_ff_tokens()
+        if forced and (n := m.try_consume_tokens(forced)):
+            out.extend(forced[:n])
+            continue
+        for t in vocab.brackets:
+            if m.validate_tokens([t]):
+                probe = m.deep_copy()
+                probe.consume_token(t)
+                if probe.is_accepting():
+                    out.append(t)
+                    return out
+        # A closer chosen over and over may be text, never closing anything (`}`
+        # inside a string): after a few in a row it waits its turn. Other bytes
+        # take turns, least recently chosen first, so that a pattern that wants a
+        # byte further down the list (the `Z` of a date-time) gets it; the closers
+        # keep their place, or a number would grow every digit before its `,`.
+        first = closers if repeats < _REPEATS else ()
+        for t in (*first, *rest):
+            if m.validate_tokens([t]):
+                m.consume_token(t)
+                out.append(t)
+                last, repeats = t, repeats + 1 if t == last else 1
+                if t in rest:
+                    rest.remove(t)
+                    rest.append(t)
+                break
+        else:
+            for t in closers:  # the closer that waited may be all there is
+                if m.validate_tokens([t]):
+                    m.consume_token(t)
+                    out.append(t)
+                    last, repeats = t, repeats + 1
+                    break
+            else:
+                return None
+    return out
+
+
+def completes(matcher: llguidance.LLMatcher, tokens: list[int]) -> bool:
+    """Whether `tokens` take `matcher` (left as it is) to a state where its grammar may end."""
+    probe = matcher.deep_copy()
+    return probe.consume_tokens(tokens) and probe.is_accepting()
+
+
+def jump(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], allowed: np.ndarray) -> int:
+    """How many tokens longer than `tail` (the completion from here) the completion
+    may get after one more token: measured for the single-byte openers and the
+    special tokens that `allowed` (the current bitmask, uint32 words) lets
+    through. A longer token that opens several things at once (`{"`) may jump
+    further; callers leave room for that."""
+    words = allowed.reshape(-1)
+    specials = vocab.specials
+    if len(specials):
+        specials = specials[(words[specials >> 5] >> (specials & 31).astype(np.uint32)) & 1 == 1]
+    worst = 0
+    for t in (*vocab.openers, *specials.tolist()):
+        if not (words[t >> 5] >> (t & 31)) & 1:
+            continue
+        probe = matcher.deep_copy()
+        if not probe.consume_token(t):
+            continue
+        if completes(probe, tail):  # e.g. a comma inside a string: it changed nothing
+            continue
+        after = finish(probe, vocab)
+        if after is not None:
+            worst = max(worst, len(after) + 1 - len(tail))
+    return worst

@@ -1,0 +1,34 @@
+"""The step trace (TRIO_MLX_STEP_TRACE): one tab-separated line per actor step, a tool for
+finding where a step's time goes. The ceiling of `trio-mlx bench --limit` writes the same columns."""
+
+from __future__ import annotations
+
+from ._protocol import StepReport
+
+
+class StepTrace:
+    """One line per step: wall time, seconds waiting on the engine (the exchange),
+    seconds in `BatchGenerator.next()`, sequences inserted this step, tokens
+    generated, prompt tokens prefilled, live sequences, finished sequences
+    whose rows are still in the batch (retired), and the decoding batch's rows."""
+
+    HEADER = "t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\tretired\trows\n"
+
+    def __init__(self, path: str):
+        self._f = open(path, "a", buffering=1 << 16)  # closed in close()
+        self._f.write(self.HEADER)
+
+    def write(self, t: float, exchange: float, report: StepReport, inserted: int, retired: int,
+              rows: int) -> None:
+        self.row(t, exchange, report.step_seconds, inserted, len(report.tokens), report.prompt_tokens,
+                 report.live, retired, rows)
+
+    def row(self, t: float, exchange: float, next_s: float, inserted: int, generated: int,
+            prompt_tokens: int, live: int, retired: int, rows: int) -> None:
+        """One line, whoever steps (the ceiling of `trio-mlx bench --limit` writes these too)."""
+        self._f.write(f"{t:.6f}\t{exchange:.6f}\t{next_s:.6f}\t{inserted}\t{generated}\t"
+                      f"{prompt_tokens}\t{live}\t{retired}\t{rows}\n")
+
+    def close(self) -> None:
+        self._f.close()
+

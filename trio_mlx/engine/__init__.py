@@ -1,0 +1,18 @@
+"""The trio side of the runtime: the engine, its request streams and public events.
+
+It starts the GPU actor (`trio_mlx.actor`) and talks to it only through the
+actor's protocol messages; the HTTP layer (`trio_mlx.server`) and library users
+talk to it through `open_engine`, `Engine.generate` / `Engine.chat` and the
+events below. No MLX here.
+"""
+
+from ._engine import ADMIT_WINDOW as ADMIT_WINDOW
+from ._engine import Engine as Engine
+from ._engine import RequestStream as RequestStream
+from ._engine import open_engine as open_engine
+from ._events import EngineStatistics as EngineStatistics
+from ._events import Event as Event
+from ._events import Finished as Finished
+from ._events import TextDelta as TextDelta
+from ._events import TokenLogprob as TokenLogprob
+from ._events import Usage as Usage

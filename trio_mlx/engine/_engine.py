@@ -1,0 +1,802 @@
+"""The trio-side engine: admission, the request registry and per-request event streams.
+
+`open_engine()` starts the GPU actor (one thread for the engine's whole life,
+see `actor/_actor.py`, or a child process: `actor/_process.py`) and yields an
+`Engine`. `engine.generate()` / `engine.chat()`
+return `RequestStream`s: async context managers that tokenize and validate on
+entry, then iterate `TextDelta` events and one terminal `Finished`. Leaving
+the `async with` early, for any reason, sends an abort the actor applies
+before its next decode step.
+
+All registry state lives on the trio thread and is touched by the actor only
+through `exchange()`, which the actor calls once per step; no locks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from trio.lowlevel import RunVar
+
+from .._errors import (
+    ContextLengthExceededError,
+    EngineBrokenError,
+    EngineClosedError,
+    InvalidRequestError,
+    ModelLoadError,
+    QueueFullError,
+)
+from ..actor import (
+    Abort,
+    ActorConfig,
+    ActorInfo,
+    ActorLink,
+    Command,
+    SamplingParams,
+    Shutdown,
+    StepReport,
+    Submit,
+    TokenOut,
+)
+from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, Usage
+from ._text import StopMatcher, normalize_messages
+
+log = logging.getLogger("trio_mlx.engine")
+
+# One GPU, one actor: every engine in a process shares this limiter (rule 1).
+_GPU_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_gpu_limiter")
+_TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_tokenizer_limiter")
+# Prompts longer than this many characters are tokenized in a worker thread so
+# the event loop keeps serving; shorter ones cost less than the thread hop.
+# The number is a judgement call, not a measurement.
+_THREAD_TOKENIZE_CHARS = 4096
+# Seconds a new request may wait to join a decoding batch together with others
+# (`actor/_admission.py` says why, and how the wait shrinks when few sequences
+# decode); 20 ms is a few decode steps of a small model.
+ADMIT_WINDOW = 0.02
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+def gpu_limiter() -> trio.CapacityLimiter:
+    try:
+        return _GPU_LIMITER.get()
+    except LookupError:
+        _GPU_LIMITER.set(limiter := trio.CapacityLimiter(1))
+        return limiter
+
+
+def _tokenizer_limiter() -> trio.CapacityLimiter:
+    try:
+        return _TOKENIZER_LIMITER.get()
+    except LookupError:
+        _TOKENIZER_LIMITER.set(limiter := trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2)))
+        return limiter
+
+
+@dataclass(frozen=True, slots=True)
+class _Terminal:
+    """Put into a request's channel by the engine itself (failure, shutdown)."""
+
+    finish_reason: str
+    error: str | None
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: int
+    send: trio.MemorySendChannel[Any]
+    recv: trio.MemoryReceiveChannel[Any]
+    stage: str = "queued"
+    ended: trio.Event = field(default_factory=trio.Event)  # set when the engine is done with it
+
+
+@dataclass
+class _Counters:
+    submitted: int = 0
+    finished: int = 0
+    rejected: int = 0
+    steps: int = 0
+    generated: int = 0
+    prompt_tokens: int = 0
+    step_seconds_total: float = 0.0
+    last_step_seconds: float = 0.0
+    aborts: int = 0
+    aborts_by_stage: collections.Counter[str] = field(default_factory=collections.Counter)
+    aborts_by_cause: collections.Counter[str] = field(default_factory=collections.Counter)
+    step_failures: int = 0
+
+
+class Engine:
+    """One model, one GPU actor, many concurrent requests. Start with `open_engine()`
+    or `await nursery.start(engine.run)`."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        max_batch: int = 64,
+        prefill_batch: int = 8,
+        prefill_step: int = 2048,
+        max_queue: int = 1024,
+        cache_dir: os.PathLike[str] | None = None,
+        warmup: bool = True,
+        switch_interval: float | None = 0.0001,
+        actor: str | Callable[[ActorConfig, ActorLink], Any] = "thread",
+        admit_window: float = ADMIT_WINDOW,
+        fault_hook: Any = None,
+        retire_steps: int = 16,
+        idle_release: float | None = None,
+        cache_limit_gb: float | None = None,
+        step_trace: str | None = None,
+    ):
+        if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
+            raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
+        if not (math.isfinite(admit_window) and admit_window >= 0):
+            raise ValueError(f"admit_window must be a finite number >= 0, not {admit_window!r}")
+        if actor not in ("thread", "process") and not callable(actor):
+            raise ValueError(f"actor must be 'thread', 'process' or an actor factory, not {actor!r}")
+        if actor == "process" and fault_hook is not None:
+            raise ValueError("fault_hook needs actor='thread'")
+        self.actor_mode = actor
+        self.model_ref = model
+        self.max_batch = max_batch
+        # mlx_lm's BatchGenerator widens its batch to the prefill batch when that is larger,
+        # which would let more than max_batch sequences decode together.
+        self.prefill_batch = min(prefill_batch, max_batch)
+        self.prefill_step = prefill_step
+        self.max_queue = max_queue
+        self.admit_window = admit_window
+        self._cache_dir = cache_dir
+        self._warmup = warmup
+        self._switch_interval = switch_interval
+        self._fault_hook = fault_hook
+        if retire_steps < 0 or (idle_release is not None and not idle_release >= 0) or (
+                cache_limit_gb is not None and not cache_limit_gb >= 0):
+            raise ValueError("retire_steps, idle_release and cache_limit_gb must be >= 0")
+        # Actor knobs passed through as they are (`ActorConfig` documents each).
+        self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, idle_release=idle_release,
+                                  cache_limit_gb=cache_limit_gb, step_trace=step_trace)
+
+        self.state = "created"
+        self.info: ActorInfo | None = None
+        self.model_path: os.PathLike[str] | None = None
+        self.tokenizer: Any = None
+        self._special_ids: frozenset[int] = frozenset()
+        self._eos_ids: frozenset[int] = frozenset()
+        self._requests: dict[int, _Request] = {}
+        self._stage_counts: collections.Counter[str] = collections.Counter()
+        self._next_rid = 0
+        self._live = 0
+        self._c = _Counters()
+        self._last_progress: float | None = None
+        self._memory: tuple[int, int, int] = (0, 0, 0)  # MLX (active, peak, cache) bytes, as the actor reads them
+        self._actor_error: BaseException | None = None
+        self._inbox_send: trio.MemorySendChannel[Command] | None = None
+        self._inbox_recv: trio.MemoryReceiveChannel[Command] | None = None
+        self._ready_or_dead = trio.Event()
+        self._actor_done = trio.Event()
+        self._idle = trio.Event()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the model, start the actor, report started when warm; return when closed."""
+        from .. import models  # imported here: loading MLX is the actor's business
+
+        if self.state != "created":
+            raise RuntimeError("an Engine can be run only once")
+        self.state = "starting"
+        try:
+            path = await trio.to_thread.run_sync(
+                lambda: models.resolve_model(self.model_ref, cache_dir=self._cache_dir)
+            )
+            self.model_path = path
+            self.tokenizer = await trio.to_thread.run_sync(models.load_tokenizer, path)
+        except BaseException:
+            self.state = "closed"
+            self._actor_done.set()
+            raise
+        self._special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()) or ())
+        self._eos_ids = frozenset(self.tokenizer.eos_token_ids or ())
+        if self._switch_interval is not None:
+            # The actor and the event loop share the GIL (docs/design.md, rule 7).
+            sys.setswitchinterval(self._switch_interval)
+        self._inbox_send, self._inbox_recv = trio.open_memory_channel(math.inf)
+
+        config = ActorConfig(
+            model_path=path,
+            max_batch=self.max_batch,
+            prefill_batch=self.prefill_batch,
+            prefill_step=self.prefill_step,
+            warmup=self._warmup,
+            admit_window=self.admit_window,
+            fault_hook=self._fault_hook,
+            **self._actor_tuning,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._run_actor, config)
+            await self._ready_or_dead.wait()
+            if self.state == "ready":
+                task_status.started(self)
+        # Only a failed start gets here before close: raise outside the nursery
+        # so the error is not wrapped in an exception group.
+        error = self._actor_error
+        if self.info is None and error is not None:
+            if isinstance(error, ModelLoadError):
+                raise error
+            raise ModelLoadError(
+                f"could not load model {str(self.model_ref or 'default')!r} from {path}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    async def _run_actor(self, config: Any) -> None:
+        try:
+            if self.actor_mode == "process":
+                from ..actor import run_actor_process
+
+                await run_actor_process(config, ready=self.ready, deliver=self.deliver,
+                                        wait_commands=self.wait_commands)
+            else:
+                from ..actor import Actor, ThreadLink
+
+                factory: Any = Actor if self.actor_mode == "thread" else self.actor_mode
+                actor = factory(config, ThreadLink(self))
+                await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
+        except trio.Cancelled:
+            # The engine's own task was cancelled (the server is going down):
+            # the actor noticed, freed its state and returned. Not a death.
+            self.state = "closed"
+            raise
+        except BaseException as exc:
+            self._actor_error = exc
+            if self.state == "ready" or self.state == "draining":
+                log.exception("the GPU actor died; the engine is broken")
+                self.state = "broken"
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            if self.state not in ("broken", "closed") and self._actor_error is None:
+                self.state = "closed"
+            elif self.state == "starting":
+                self.state = "closed"
+            reason = "the engine closed" if self.state == "closed" else "the GPU actor died"
+            self._fail_all(_Terminal("error" if self.state == "broken" else "abort", reason))
+            if self._inbox_send is not None:
+                self._inbox_send.close()
+            self._ready_or_dead.set()
+            self._actor_done.set()
+
+    async def aclose(self, *, drain_timeout: float = 0.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `drain_timeout`
+        seconds, end the rest with finish_reason "abort", stop the actor."""
+        if self.state == "ready":
+            self.state = "draining"
+            if self._requests and drain_timeout > 0:
+                with trio.move_on_after(drain_timeout):
+                    await self._idle.wait()
+            self._fail_all(_Terminal("abort", "the server is shutting down"))
+            if self._inbox_send is not None:
+                try:
+                    self._inbox_send.send_nowait(Shutdown())
+                except trio.ClosedResourceError:
+                    pass
+        await self._actor_done.wait()
+
+    # -- called by the actor, on the trio thread -------------------------------
+
+    def ready(self, info: ActorInfo) -> None:
+        self.info = info
+        self.state = "ready"
+        self._last_progress = trio.current_time()
+        self._ready_or_dead.set()
+
+    async def wait_commands(self) -> list[Command]:
+        assert self._inbox_recv is not None
+        try:
+            first = await self._inbox_recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            return [Shutdown()]
+        return [first, *self._drain_inbox()]
+
+    def _drain_inbox(self) -> list[Command]:
+        assert self._inbox_recv is not None
+        out: list[Command] = []
+        while True:
+            try:
+                out.append(self._inbox_recv.receive_nowait())
+            except trio.WouldBlock:
+                return out
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                out.append(Shutdown())
+                return out
+
+    def exchange(self, report: StepReport) -> list[Command]:
+        """Deliver one step's events and collect new commands: the one crossing per step."""
+        self.deliver(report)
+        return self._drain_inbox()
+
+    def deliver(self, report: StepReport) -> None:
+        """Hand one step's tokens to their requests; update stages and counters."""
+        now = trio.current_time()
+        self._last_progress = now
+        c = self._c
+        if report.tokens:
+            c.steps += 1
+            c.generated += len(report.tokens)
+            c.step_seconds_total += report.step_seconds
+            c.last_step_seconds = report.step_seconds
+        c.prompt_tokens += report.prompt_tokens
+        self._live = report.live
+        if report.memory is not None:
+            self._memory = report.memory
+        requests = self._requests
+        for rid in report.prefilling:
+            if (req := requests.get(rid)) is not None:
+                self._set_stage(req, "prefill")
+        for rid in report.decoding:
+            if (req := requests.get(rid)) is not None:
+                self._set_stage(req, "decode")
+        for tok in report.tokens:
+            req = requests.get(tok.rid)
+            if req is None:
+                continue  # aborted; the actor learns at this exchange
+            try:
+                req.send.send_nowait(tok)
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                self._abort(req, "gone")  # the reader is gone (rule 3)
+                continue
+            if tok.finish_reason is not None:
+                self._finish(req)
+        for rid, reason in report.failed:
+            if (req := requests.get(rid)) is not None:
+                c.step_failures += 1
+                self._deliver_terminal(req, _Terminal("error", reason))
+
+    # -- registry --------------------------------------------------------------
+
+    def _set_stage(self, req: _Request, stage: str) -> None:
+        self._stage_counts[req.stage] -= 1
+        self._stage_counts[stage] += 1
+        req.stage = stage
+
+    def _finish(self, req: _Request) -> None:
+        if self._requests.pop(req.rid, None) is None:
+            return
+        self._stage_counts[req.stage] -= 1
+        self._c.finished += 1
+        req.send.close()
+        req.ended.set()
+        if not self._requests:
+            self._idle.set()
+
+    def _deliver_terminal(self, req: _Request, term: _Terminal) -> None:
+        try:
+            req.send.send_nowait(term)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        self._finish(req)
+
+    def _abort(self, req: _Request, cause: str) -> None:
+        """Forget a request whose reader left; the actor drops its sequence at the next step."""
+        if req.rid not in self._requests:
+            return
+        self._drop_sequence(req, cause)
+        self._finish(req)
+
+    def _fail_all(self, term: _Terminal) -> None:
+        """End every request with `term`; on shutdown ("abort") also drop their sequences."""
+        for req in list(self._requests.values()):
+            if term.finish_reason == "abort":
+                self._drop_sequence(req, "shutdown")
+            self._deliver_terminal(req, term)
+
+    def _drop_sequence(self, req: _Request, cause: str) -> None:
+        """Count an abort by stage and cause and tell the actor (sync, non-blocking)."""
+        self._c.aborts += 1
+        self._c.aborts_by_stage[req.stage] += 1
+        self._c.aborts_by_cause[cause] += 1
+        if self._inbox_send is not None:
+            try:
+                self._inbox_send.send_nowait(Abort(req.rid))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
+
+    def _check_open(self) -> None:
+        if self.state == "ready":
+            return
+        if self.state == "broken":
+            raise EngineBrokenError(f"the GPU actor died: {self._actor_error!r}")
+        if self.state in ("created", "starting"):
+            raise EngineClosedError("the engine is not ready yet")
+        raise EngineClosedError("the engine is shutting down" if self.state == "draining" else "the engine is closed")
+
+    def _submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int]) -> _Request:
+        self._check_open()
+        sc = self._stage_counts
+        free_slots = max(0, self.max_batch - sc["prefill"] - sc["decode"])
+        if sc["queued"] - free_slots >= self.max_queue:  # waiting beyond the batch's free slots
+            self._c.rejected += 1
+            raise QueueFullError(
+                f"too many requests are waiting ({self.max_queue}); retry shortly",
+                retry_after=max(1.0, self.mean_step_seconds * max_tokens / 4),
+            )
+        rid = self._next_rid = self._next_rid + 1
+        send, recv = trio.open_memory_channel[Any](max_tokens + 2)
+        req = _Request(rid, send, recv)
+        self._requests[rid] = req
+        self._stage_counts["queued"] += 1
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        self._c.submitted += 1
+        assert self._inbox_send is not None
+        self._inbox_send.send_nowait(Submit(rid, tuple(prompt), max_tokens, sampling, stops))
+        return req
+
+    # -- public API ------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return self.info.context_length if self.info else 0
+
+    @property
+    def mean_step_seconds(self) -> float:
+        return self._c.step_seconds_total / self._c.steps if self._c.steps else 0.0
+
+    def statistics(self) -> EngineStatistics:
+        sc = self._stage_counts
+        since = None
+        if self._last_progress is not None and (self._requests or self._live):
+            since = trio.current_time() - self._last_progress
+        return EngineStatistics(
+            state=self.state,  # type: ignore[arg-type]
+            queued=sc["queued"],
+            prefilling=sc["prefill"],
+            decoding=sc["decode"],
+            active=self._live,
+            requests_submitted=self._c.submitted,
+            requests_finished=self._c.finished,
+            requests_rejected=self._c.rejected,
+            decode_steps=self._c.steps,
+            generated_tokens=self._c.generated,
+            prompt_tokens=self._c.prompt_tokens,
+            last_step_seconds=self._c.last_step_seconds,
+            mean_step_seconds=self.mean_step_seconds,
+            aborts=self._c.aborts,
+            aborts_by_stage=dict(self._c.aborts_by_stage),
+            aborts_by_cause=dict(self._c.aborts_by_cause),
+            active_memory_bytes=self._memory[0],
+            peak_memory_bytes=self._memory[1],
+            cache_memory_bytes=self._memory[2],
+            step_failures=self._c.step_failures,
+            seconds_since_step=since,
+        )
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+    ) -> RequestStream:
+        """Stream a completion of `prompt` (text, or token ids)."""
+        opts = dict(locals())
+        del opts["self"], opts["prompt"]
+        return RequestStream(self, ("text", prompt, None), opts)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> RequestStream:
+        """Stream the assistant's reply to `messages` (the model's chat template applies).
+        Takes the same keyword options as `generate()`."""
+        return RequestStream(self, ("chat", messages, chat_template_kwargs), options)
+
+    def encode_prompt(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Prompt -> token ids (synchronous; may be slow for long prompts)."""
+        tok = self.tokenizer
+        if kind == "chat":
+            messages = normalize_messages(value)
+            try:
+                text = tok.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+                )
+            except Exception as exc:
+                raise InvalidRequestError(f"the chat template failed: {exc}", param="messages") from exc
+            return list(tok.encode(text, add_special_tokens=False))
+        if isinstance(value, str):
+            return list(tok.encode(value))
+        ids = list(value)
+        vocab = self.info.vocab_size if self.info else 0
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (vocab or 2**31) for i in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        return ids
+
+    async def _prepare(self, source: tuple[str, Any, Any], opts: dict[str, Any]) -> tuple[list[int], int, SamplingParams, frozenset[int], tuple[str, ...]]:
+        self._check_open()
+        sampling, stop_strings, stop_ids, ignore_eos = _validate(opts, self.info)
+        kind, value, template_kwargs = source
+        size = _rough_size(value)
+        if size > _THREAD_TOKENIZE_CHARS:
+            prompt = await trio.to_thread.run_sync(
+                self.encode_prompt, kind, value, template_kwargs, limiter=_tokenizer_limiter()
+            )
+        else:
+            prompt = self.encode_prompt(kind, value, template_kwargs)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "text" else "messages")
+        max_tokens = opts.get("max_tokens")
+        room = self.context_length - len(prompt)
+        if max_tokens is None:
+            max_tokens = room
+        if room < 1 or max_tokens > room:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {self.context_length} tokens; the prompt "
+                f"has {len(prompt)} tokens and {max_tokens} more were requested",
+                param="messages" if kind == "chat" else "prompt",
+            )
+        stops = frozenset(stop_ids) | (frozenset() if ignore_eos else self._eos_ids)
+        return prompt, max_tokens, sampling, stops, stop_strings
+
+
+def _rough_size(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Sequence) and value and isinstance(value[0], Mapping):
+        return sum(len(str(m.get("content", ""))) for m in value if isinstance(m, Mapping))
+    return 0
+
+
+def _number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False) -> Any:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or value != value or not lo <= value <= hi:
+        what = "an integer" if integer else "a number"
+        raise InvalidRequestError(f"{name} must be {what} in [{lo}, {hi}], got {value!r}", param=name)
+    return value
+
+
+def _validate(opts: Mapping[str, Any], info: ActorInfo | None) -> tuple[SamplingParams, tuple[str, ...], list[int], bool]:
+    """Check every option before anything reaches the actor."""
+    vocab = info.vocab_size if info else 0
+    opts = dict(opts)
+    if opts.get("max_tokens") is not None:
+        _number("max_tokens", opts["max_tokens"], 1, 2**31, integer=True)
+    temperature = float(_number("temperature", opts.get("temperature", 1.0), 0.0, 100.0))
+    top_p = float(_number("top_p", opts.get("top_p", 1.0), 0.0, 1.0))
+    if top_p == 0.0:
+        raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+    top_k = int(_number("top_k", opts.get("top_k", 0) or 0, 0, 2**31, integer=True))
+    if vocab and top_k >= vocab:
+        top_k = 0  # keeps every token: the same as no top-k
+    min_p = float(_number("min_p", opts.get("min_p", 0.0) or 0.0, 0.0, 1.0))
+    rep = float(_number("repetition_penalty", opts.get("repetition_penalty", 1.0), 1e-3, 100.0))
+    presence = float(_number("presence_penalty", opts.get("presence_penalty", 0.0) or 0.0, -2.0, 2.0))
+    frequency = float(_number("frequency_penalty", opts.get("frequency_penalty", 0.0) or 0.0, -2.0, 2.0))
+    bias_in = opts.get("logit_bias") or {}
+    if not isinstance(bias_in, Mapping):
+        raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias")
+    bias: list[tuple[int, float]] = []
+    for k, v in bias_in.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias key {k!r} is not a token id", param="logit_bias") from None
+        if tid < 0 or (vocab and tid >= vocab) or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise InvalidRequestError(
+                f"logit_bias: token id {k!r} must be in [0, {vocab}) with a bias in [-100, 100]", param="logit_bias"
+            )
+        bias.append((tid, float(v)))
+    seed = opts.get("seed")
+    if seed is not None:
+        seed = int(_number("seed", seed, -(2**63), 2**64 - 1, integer=True)) & 0xFFFFFFFFFFFFFFFF
+    top_logprobs = int(_number("top_logprobs", opts.get("top_logprobs", 0) or 0, 0, MAX_TOP_LOGPROBS, integer=True))
+    want_logprobs = bool(opts.get("logprobs")) or top_logprobs > 0
+    stop = opts.get("stop")
+    stops: tuple[str, ...] = ()
+    if stop is not None:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops):
+            raise InvalidRequestError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
+        stops = tuple(s for s in stops if s)
+    stop_ids = list(opts.get("stop_token_ids") or ())
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (vocab or 2**31) for i in stop_ids):
+        raise InvalidRequestError("stop_token_ids must be token ids of this model", param="stop_token_ids")
+    sampling = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=rep,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        logit_bias=tuple(bias),
+        seed=seed,
+        logprobs=want_logprobs,
+        top_logprobs=top_logprobs,
+    )
+    return sampling, stops, stop_ids, bool(opts.get("ignore_eos"))
+
+
+class RequestStream:
+    """One request's events. `async with` submits it; iterate for `TextDelta`s then one
+    `Finished`; leaving the block early aborts the sequence on the actor."""
+
+    def __init__(self, engine: Engine, source: tuple[str, Any, Any], opts: dict[str, Any]):
+        self._engine = engine
+        self._source = source
+        self._opts = opts
+        self._req: _Request | None = None
+        self._recv: trio.MemoryReceiveChannel[Any] | None = None
+        self._pending: collections.deque[Event] = collections.deque()
+        self._done = False
+        self.prompt_tokens: list[int] = []
+        self.completion_tokens = 0
+
+    async def __aenter__(self) -> RequestStream:
+        engine = self._engine
+        prompt, max_tokens, sampling, stop_ids, stop_strings = await engine._prepare(self._source, self._opts)
+        self.prompt_tokens = prompt
+        self.max_tokens = max_tokens
+        self._sampling = sampling
+        self._stop_ids = stop_ids
+        self._stopper = StopMatcher(stop_strings)
+        self._detok = engine.tokenizer.detokenizer
+        self._hidden = engine._special_ids
+        self._req = engine._submit(prompt, max_tokens, sampling, stop_ids)
+        self._recv = self._req.recv
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self, cause: str = "cancelled") -> None:
+        """End the request; if it is still running, abort it, counted under `cause`
+        (statistics().aborts_by_cause). Synchronous and non-blocking: safe in any
+        `finally` (docs/design.md, rule 4)."""
+        if self._req is not None:
+            self._engine._abort(self._req, cause)
+        if self._recv is not None:
+            self._recv.close()
+        self._done = True
+
+    @property
+    def stage(self) -> str:
+        """"queued", "prefill", "decode" or "done"."""
+        req = self._req
+        return req.stage if req is not None and req.rid in self._engine._requests else "done"
+
+    async def wait_ended(self) -> None:
+        """Return once the request has ended (at once if it has): for a reader that
+        paces itself, so that a stream's last tokens and its end are never held back."""
+        if not self._done and self._req is not None:
+            await self._req.ended.wait()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        while True:
+            if self._pending:
+                return self._pending.popleft()
+            if self._done or self._recv is None:
+                raise StopAsyncIteration
+            try:
+                item = await self._recv.receive()
+            except trio.EndOfChannel:
+                self._end("error", error="the engine dropped this request")
+                continue
+            batch = [item]
+            while True:  # tokens already waiting go out together (adaptive coalescing)
+                try:
+                    batch.append(self._recv.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break  # Closed: close() ran (another task) after this task was handed `item`
+            self._process(batch)
+
+    def _process(self, batch: list[Any]) -> None:
+        ids: list[int] = []
+        lps: list[TokenLogprob] | None = [] if self._sampling.logprobs else None
+        text: list[str] = []
+        detok, stopper = self._detok, self._stopper
+        for item in batch:
+            if isinstance(item, _Terminal):
+                text.append(stopper.flush())
+                self._emit(text, ids, lps)
+                self._end(item.finish_reason, error=item.error)
+                return
+            assert isinstance(item, TokenOut)
+            tok = item.token
+            self.completion_tokens += 1
+            ids.append(tok)
+            if lps is not None and item.logprob is not None:
+                lps.append(self._logprob(item))
+            ends_on_stop_token = item.finish_reason == "stop" and tok in self._stop_ids
+            if not ends_on_stop_token and tok not in self._hidden:
+                detok.add_token(tok)
+            if item.finish_reason is not None:
+                detok.finalize()
+            segment = detok.last_segment
+            if stopper:
+                segment, matched = stopper.feed(segment)
+                if matched is not None:
+                    text.append(segment)
+                    self._emit(text, ids, lps)
+                    if self._req is not None:
+                        self._engine._abort(self._req, "stop_string")
+                    self._end("stop", stop=matched)
+                    return
+            text.append(segment)
+            if item.finish_reason is not None:
+                text.append(stopper.flush())
+                self._emit(text, ids, lps)
+                self._end(item.finish_reason, stop=tok if ends_on_stop_token else None)
+                return
+        self._emit(text, ids, lps)
+
+    def _logprob(self, item: TokenOut) -> TokenLogprob:
+        dec = self._engine.tokenizer.decode
+        top = tuple((i, dec([i]), lp) for i, lp in (item.top_logprobs or ()))
+        return TokenLogprob(item.token, dec([item.token]), float(item.logprob or 0.0), top)
+
+    def _emit(self, text: list[str], ids: list[int], lps: list[TokenLogprob] | None) -> None:
+        joined = "".join(text)
+        if joined or ids:
+            self._pending.append(TextDelta(joined, tuple(ids), tuple(lps) if lps is not None else None))
+
+    def _end(self, reason: str, *, error: str | None = None, stop: str | int | None = None) -> None:
+        self._pending.append(
+            Finished(reason, Usage(len(self.prompt_tokens), self.completion_tokens), error, stop)  # type: ignore[arg-type]
+        )
+        self._done = True
+        if self._recv is not None:
+            self._recv.close()
+
+
+@asynccontextmanager
+async def open_engine(model: str | os.PathLike[str] | None = None, **options: Any) -> AsyncIterator[Engine]:
+    """Load `model` (a hub id, a local MLX directory, or None for the embedded default),
+    start its GPU actor and yield the ready `Engine`; close it on exit.
+
+    Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
+    switch_interval, actor ("thread" or "process"), admit_window, and the actor knobs
+    retire_steps, idle_release, cache_limit_gb, step_trace (see `Engine`, `ActorConfig`)."""
+    engine = Engine(model, **options)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            try:
+                yield engine
+            finally:
+                with trio.CancelScope(shield=True):
+                    await engine.aclose()
+    except BaseExceptionGroup as group:
+        # The nursery is an implementation detail: a lone error (a load
+        # failure, or the caller's own exception) comes out as itself.
+        if len(group.exceptions) == 1:
+            exc = group.exceptions[0]
+            raise exc from exc.__cause__
+        raise

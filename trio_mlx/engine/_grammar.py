@@ -1,0 +1,173 @@
+"""Structured output: compile a request's response format into a grammar the actor enforces.
+
+The grammar engine is llguidance (Microsoft's; llama.cpp and vLLM use it):
+it compiles JSON schemas and Lark grammars, lexes with derivative-based
+regexes and an Earley parser, computes a token mask in microseconds, and
+hands the mask over as a numpy bitmask, so the actor applies it with plain
+MLX ops on any backend (outlines-core's MLX path is a Metal kernel, and
+llguidance's own `llguidance.mlx` helper is Metal-only too).
+
+Compilation happens here, on the trio side, before submission: the engine
+calls `compile_response_format` (or `_tools.tool_grammar`) in a worker thread
+(`trio.to_thread.run_sync`; llguidance drops the GIL while it builds a
+grammar). What crosses to the actor is a `Grammar`: plain strings and an int,
+so it pickles for the process actor. The actor builds its own matcher from
+`Grammar.source` (`actor/_constrain.py`, about 0.5 ms for a small schema).
+
+JSON comes out in one canonical spacing (`", "` and `": "`, no other
+whitespace; `JSON_OPTIONS`): models know that shape best, and a grammar that
+allowed free whitespace would let a weak model pad forever. A schema may
+override it with llguidance's own `"x-guidance"` key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+
+from .._errors import InvalidRequestError
+from ..actor._matcher import GrammarVocab, finish, grammar_vocab
+
+# llguidance's JSON compiler options; a schema's "x-guidance" overrides them.
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+# Bounds on what a request may make the grammar engine do: llguidance's own
+# limits on the grammar's size and the work of one mask (its defaults, written
+# out so that changing them is a visible decision), and on the schema text.
+MAX_SCHEMA_BYTES = 256 * 1024  # arbitrary; OpenAI's structured outputs allow far less nesting
+LIMITS: dict[str, Any] = dict(max_grammar_size=500_000, step_max_items=50_000, initial_lexer_fuel=1_000_000)
+
+GrammarKind = Literal["json_object", "json_schema", "tools", "lark"]
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A validated grammar, ready to travel to the actor inside a Submit."""
+
+    source: str  # llguidance's grammar text; `llguidance.LLMatcher(tokenizer, source)` takes it
+    # Tokens the engine's own completion (`actor/_matcher.finish`) takes from the
+    # start, EOS included: with max_tokens at least this, the output is always
+    # complete. A model may well finish in fewer (its tokens are longer).
+    min_tokens: int
+    kind: GrammarKind
+
+
+def vocab_for(tokenizer: Any, *, param: str | None = None) -> GrammarVocab:
+    """The tokenizer in llguidance's form (built once per tokenizer), or a 400."""
+    try:
+        return grammar_vocab(tokenizer)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"this model's tokenizer does not support constrained decoding ({exc})", param=param
+        ) from exc
+
+
+def compile_response_format(
+    tokenizer: Any, response_format: Any, *, param: str = "response_format"
+) -> Grammar | None:
+    """OpenAI's `response_format` -> a Grammar, or None for plain text.
+
+    `{"type": "text"}`: None. `{"type": "json_object"}`: any JSON object.
+    `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": bool}}`:
+    that schema (`strict` may also sit beside `json_schema`). Raises
+    InvalidRequestError, naming the problem, for anything else or a schema that
+    does not compile.
+    """
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise InvalidRequestError(f"{param} must be an object", param=param)
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _compile_json(tokenizer, {"type": "object"}, strict=True, kind="json_object", param=param)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise InvalidRequestError(
+                f"{param}.json_schema must be an object with a 'schema'", param=param
+            )
+        schema = spec.get("schema", {})  # OpenAI's default: any JSON value
+        strict = spec.get("strict", response_format.get("strict"))
+        return compile_json_schema(tokenizer, schema, strict=strict is True, param=param)
+    raise InvalidRequestError(
+        f"{param}.type must be 'text', 'json_object' or 'json_schema', not {kind!r}", param=param
+    )
+
+
+def compile_json_schema(
+    tokenizer: Any, schema: Any, *, strict: bool = False, param: str = "response_format"
+) -> Grammar:
+    """A JSON schema -> a Grammar. With `strict` (OpenAI's default is False) every
+    keyword the engine does not implement is an error; without it, such keywords
+    are ignored (llguidance's "lenient" mode). Either way the output is held to
+    the rest of the schema, and a schema that is wrong (a bad `$ref`, an invalid
+    regex, an unknown type) is refused."""
+    if isinstance(schema, bool) or not isinstance(schema, Mapping):
+        raise InvalidRequestError(f"{param}: the JSON schema must be an object", param=param)
+    return _compile_json(tokenizer, schema, strict=strict, kind="json_schema", param=param)
+
+
+def compile_lark(tokenizer: Any, lark: str, *, kind: GrammarKind = "lark", param: str | None = None) -> Grammar:
+    """A Lark grammar in llguidance's dialect (it may inline `%json {...}`) -> a Grammar."""
+    return _check(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), kind, param)
+
+
+def check_max_tokens(grammar: Grammar, max_tokens: int, *, param: str = "max_tokens") -> None:
+    """Refuse a max_tokens too small for the engine to be sure of a complete output."""
+    if max_tokens < grammar.min_tokens:
+        raise InvalidRequestError(
+            f"max_tokens is {max_tokens}, but a complete output of this {grammar.kind} "
+            f"can take {grammar.min_tokens} tokens; ask for at least that many",
+            param=param,
+        )
+
+
+def _compile_json(
+    tokenizer: Any, schema: Mapping[str, Any], *, strict: bool, kind: GrammarKind, param: str
+) -> Grammar:
+    try:
+        text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{param}: the JSON schema is not JSON: {exc}", param=param) from exc
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
+        raise InvalidRequestError(
+            f"{param}: the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes", param=param
+        )
+    options = {**JSON_OPTIONS, "lenient": not strict}
+    try:
+        source = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise InvalidRequestError(f"{param}: invalid JSON schema: {exc}", param=param) from exc
+    return _check(tokenizer, source, kind, param)
+
+
+def _check(tokenizer: Any, source: str, kind: GrammarKind, param: str | None) -> Grammar:
+    """Validate `source` against the model's tokenizer and measure its shortest output."""
+    vocab = vocab_for(tokenizer, param=param)
+    limits = llguidance.LLParserLimits(**LIMITS)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        source, vocab.tokenizer, limits=limits
+    )
+    if is_error:
+        what = "the JSON schema" if kind in ("json_schema", "json_object") else "the grammar"
+        raise InvalidRequestError(
+            f"{param or 'grammar'}: {what} cannot be enforced: {messages[0].strip()}", param=param
+        )
+    matcher = llguidance.LLMatcher(vocab.tokenizer, source, log_level=0, limits=limits)
+    if matcher.is_error():  # validation passed; a limit the matcher hit first
+        raise InvalidRequestError(
+            f"{param or 'grammar'}: the grammar cannot be enforced: {matcher.get_error()}", param=param
+        )
+    # No completion found (the greedy walk can miss one, e.g. for some regex
+    # patterns): the grammar still holds, but nothing bounds its shortest output.
+    tail = finish(matcher, vocab)
+    return Grammar(source=source, min_tokens=1 if tail is None else len(tail) + 1, kind=kind)

@@ -1,0 +1,86 @@
+"""Text-side helpers that run on the trio side, never on the actor thread.
+
+Stop-string matching across token boundaries, and normalising OpenAI-style
+message content into what chat templates expect. Pure Python: no MLX here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .._errors import InvalidRequestError
+
+
+class StopMatcher:
+    """Finds the earliest stop string in streamed text, holding back possible prefixes.
+
+    `feed(text)` returns `(safe_text, stop)`: text that can be emitted now, and
+    the stop string if one completed (the stop string itself is never
+    emitted). Text that might be the start of a stop string is held back
+    until the next feed proves otherwise or `flush()` releases it.
+    """
+
+    __slots__ = ("_stops", "_held")
+
+    def __init__(self, stops: Iterable[str]):
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def __bool__(self) -> bool:
+        return bool(self._stops)
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        buf = self._held + text
+        best_at, best = -1, None
+        for stop in self._stops:
+            at = buf.find(stop)
+            if at >= 0 and (best is None or at < best_at):
+                best_at, best = at, stop
+        if best is not None:
+            self._held = ""
+            return buf[:best_at], best
+        keep = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buf)), keep, -1):
+                if buf.endswith(stop[:k]):
+                    keep = k
+                    break
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return (buf[: len(buf) - keep] if keep else buf), None
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages -> template-ready dicts: list-of-parts content becomes one string."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
+            raise InvalidRequestError(
+                f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]"
+            )
+        content = msg.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, Mapping) or part.get("type") != "text":
+                    raise InvalidRequestError(
+                        f"messages[{i}].content[{j}]: only text parts are supported",
+                        param=f"messages[{i}].content",
+                    )
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise InvalidRequestError(
+                f"messages[{i}].content must be a string or a list of text parts",
+                param=f"messages[{i}].content",
+            )
+        out.append({**msg, "content": content})
+    return out

@@ -1,0 +1,318 @@
+"""Tool calling: check `tools` / `tool_choice`, enforce a required call, split calls from text.
+
+The model's own chat template renders the tools (its `tools` argument) and
+mlx-lm knows each family's call markup: its tokenizer wrapper says whether the
+template supports tools (`has_tool_calling`), which text opens and closes a
+call (`tool_call_start` / `tool_call_end`) and which of `mlx_lm.tool_parsers`
+reads one (`tool_parser`). This module builds on that:
+
+- `check_tools`, `check_tool_choice`: OpenAI's shapes, with a 400 naming the
+  problem (`require_tool_support`: a model whose template has no tools).
+- `tool_grammar`: for `tool_choice` "required" or a named function, a Lark
+  grammar (`_grammar.compile_lark`) that admits only the family's markup
+  around a JSON object matching one of the allowed tools, enforced token by
+  token like a response format. Families with a grammar: `_CALL_FORMATS`.
+- `ToolCallStream`: splits the generated text, delta by delta, into content,
+  reasoning and finished tool calls, with mlx-lm's own text state machine (the
+  one mlx_lm.server uses) and the family's parser, so call markup never reaches
+  the content.
+- `template_messages`: OpenAI history (assistant `tool_calls` whose arguments
+  are JSON text) in the shape chat templates expect (arguments as objects).
+
+No MLX here: the state machine lives in mlx_lm.generate, which imports
+mlx.core; `models/_text_machine.py` reaches it, as the engine reaches its
+tokenizer through `models`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .._errors import InvalidRequestError
+from ._grammar import JSON_OPTIONS, Grammar, compile_lark, vocab_for
+
+log = logging.getLogger("trio_mlx.tools")
+
+ToolChoice = Literal["auto", "none", "required"] | str  # a str other than those: a function's name
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+# -- checking a request -----------------------------------------------------------------
+
+
+def require_tool_support(tokenizer: Any) -> None:
+    """A 400 for `tools` sent to a model whose chat template has no tool calling."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        raise InvalidRequestError(
+            "this model does not support tool calling: its chat template does not render "
+            "tools in a tool-call format mlx-lm recognizes",
+            param="tools",
+        )
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """OpenAI `tools` -> the same list, checked: each a function with a valid, unique
+    name and an object `parameters` schema (default: no parameters)."""
+    if not isinstance(tools, Sequence) or isinstance(tools, str) or not tools:
+        raise InvalidRequestError("tools must be a non-empty list", param="tools")
+    seen: set[str] = set()
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            raise InvalidRequestError(f"{where}.type must be 'function'", param=where)
+        fn = tool.get("function")
+        if not isinstance(fn, Mapping):
+            raise InvalidRequestError(f"{where}.function must be an object", param=where)
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise InvalidRequestError(
+                f"{where}.function.name must be 1-64 letters, digits, '_' or '-'", param=where
+            )
+        if name in seen:
+            raise InvalidRequestError(f"{where}: two tools are named {name!r}", param=where)
+        seen.add(name)
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, Mapping) or params.get("type", "object") != "object":
+            raise InvalidRequestError(
+                f"{where}.function.parameters must be a JSON schema of type 'object'", param=where
+            )
+        out.append({"type": "function", "function": {**fn, "parameters": dict(params)}})
+    return out
+
+
+def check_tool_choice(tool_choice: Any, tools: Sequence[Mapping[str, Any]] | None) -> ToolChoice:
+    """OpenAI `tool_choice` -> "auto", "none", "required" or the named function's name."""
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    if tool_choice in ("auto", "none", "required"):
+        if tool_choice == "required" and not tools:
+            raise InvalidRequestError("tool_choice is 'required' but no tools were given", param="tool_choice")
+        return tool_choice  # type: ignore[no-any-return]
+    name = None
+    if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+    if not isinstance(name, str):
+        raise InvalidRequestError(
+            "tool_choice must be 'auto', 'none', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    if not any(t["function"]["name"] == name for t in tools or ()):
+        raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return name
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant `tool_calls` with arguments as objects, as chat templates render them
+    (OpenAI sends them as JSON text; mlx_lm.server converts them the same way)."""
+    out = []
+    for i, msg in enumerate(messages):
+        calls = msg.get("tool_calls")
+        if not calls:
+            out.append(dict(msg))
+            continue
+        fixed = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise InvalidRequestError(
+                    f"messages[{i}].tool_calls[{j}] must have a function with a name",
+                    param=f"messages[{i}].tool_calls",
+                )
+            args = fn.get("arguments", "{}")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError as exc:
+                    raise InvalidRequestError(
+                        f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {exc}",
+                        param=f"messages[{i}].tool_calls",
+                    ) from exc
+            fixed.append({**call, "function": {**fn, "arguments": args}})
+        out.append({**msg, "tool_calls": fixed})
+    return out
+
+
+# -- enforcing a call --------------------------------------------------------------------
+
+
+def _json_tools_calls(start: str, end: str, schema: str, parallel: bool) -> str:
+    """mlx_lm.tool_parsers.json_tools (Hermes, Qwen2.5, Qwen3): `<tool_call>\\n{json}\\n</tool_call>`."""
+    more = ' ("\\n" call)*' if parallel else ""
+    return f'start: call{more}\ncall: {start} "\\n" %json {schema} "\\n" {end}\n'
+
+
+# Tool-call formats a grammar can enforce, by mlx-lm parser module. Each takes
+# the Lark forms of the family's opening and closing markup (`_markup`), the
+# JSON schema of one call's object and whether several calls may follow.
+_CALL_FORMATS: dict[str, Callable[[str, str, str, bool], str]] = {
+    "mlx_lm.tool_parsers.json_tools": _json_tools_calls,
+}
+
+
+def _markup(vocab: Any, text: str) -> str:
+    """`text` as a Lark term. llguidance counts every added token as special (Qwen's
+    `<tool_call>` and the test model's too) and never lets plain text spell one, so
+    markup that is one such token must be named by its id."""
+    ids = vocab.tokenizer.tokenize_str(text)
+    if len(ids) == 1 and vocab.tokenizer.is_special_token(ids[0]):
+        return f"<[{ids[0]}]>"
+    return json.dumps(text, ensure_ascii=False)
+
+
+def tool_grammar(
+    tokenizer: Any, tools: Sequence[Mapping[str, Any]], tool_choice: ToolChoice, *, parallel: bool = True
+) -> Grammar | None:
+    """The grammar that enforces `tool_choice` ("required" or a function's name);
+    None for "auto" and "none", which leave the model free. `tools` as `check_tools`
+    returns them. A 400 when the model's call format has no grammar here."""
+    if tool_choice in ("auto", "none"):
+        return None
+    require_tool_support(tokenizer)
+    family = getattr(tokenizer.tool_parser, "__module__", "?")
+    fmt = _CALL_FORMATS.get(family)
+    if fmt is None:
+        raise InvalidRequestError(
+            f"tool_choice {tool_choice!r} cannot be enforced for this model's tool-call "
+            f"format ({family.rpartition('.')[2]}); use tool_choice 'auto'",
+            param="tool_choice",
+        )
+    chosen = [t["function"] for t in tools if tool_choice == "required" or t["function"]["name"] == tool_choice]
+    calls: list[dict[str, Any]] = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for fn in chosen
+    ]
+    schema: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    # OpenAI's functions are not strict unless they say so: keywords the grammar
+    # engine does not implement are then ignored rather than refused.
+    schema["x-guidance"] = {**JSON_OPTIONS, "lenient": not all(fn.get("strict") is True for fn in chosen)}
+    vocab = vocab_for(tokenizer, param="tools")
+    lark = fmt(
+        _markup(vocab, tokenizer.tool_call_start), _markup(vocab, tokenizer.tool_call_end),
+        json.dumps(schema, ensure_ascii=False), parallel,
+    )
+    return compile_lark(tokenizer, lark, kind="tools", param="tools")
+
+
+# -- reading calls out of the text --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One finished call, as OpenAI's `tool_calls` entries carry it."""
+
+    index: int  # its position among this response's calls
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDelta:
+    """What one piece of generated text adds to the response."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    failed: tuple[str, ...] = ()  # call texts the family's parser could not read (never content)
+
+
+class ToolCallStream:
+    """Splits generated text into content, reasoning and tool calls, one delta at a time.
+
+    Feed it the text deltas in order (after stop strings were cut), then call
+    `finish()` once. A call is reported whole, once its closing markup (or the
+    end of the text) arrives: a streaming response sends its id, name and
+    arguments in one `delta.tool_calls` chunk, which OpenAI's clients accept.
+    Whitespace between calls, or before one, is dropped, not sent as content.
+    """
+
+    def __init__(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None, *, initial: str = "normal"):
+        from ..models._text_machine import text_state_machine  # imported where used, as models is
+
+        require_tool_support(tokenizer)
+        machine = text_state_machine(tokenizer)
+        self._split, self._flush = machine.split, machine.flush
+        self._state = machine.make_state(initial)
+        self._parse = tokenizer.tool_parser
+        self._tools = list(tools) if tools else None
+        self._where = initial
+        self._call_text = ""
+        self._held = ""  # content's trailing whitespace, dropped if a call follows
+        self._count = 0
+
+    @property
+    def called(self) -> bool:
+        """Whether any call was reported: the response's finish_reason is then "tool_calls"."""
+        return self._count > 0
+
+    def feed(self, text: str) -> ToolDelta:
+        self._state, segments = self._split(self._state, text)
+        return self._take(segments)
+
+    def finish(self) -> ToolDelta:
+        """The text held back (a possible start of markup) and a call left open at the end."""
+        self._state, rest, where = self._flush(self._state)
+        delta = self._take([(where, rest)], end=True)
+        if not self._count and self._held:
+            delta = ToolDelta(self._held + delta.content, delta.reasoning, delta.tool_calls, delta.failed)
+        self._held = ""
+        return delta
+
+    def _take(self, segments: list[tuple[str | None, str]], *, end: bool = False) -> ToolDelta:
+        content, reasoning = [], []
+        calls: list[ToolCall] = []
+        failed: list[str] = []
+        for where, text in segments:
+            if self._where == "tool" and where != "tool":
+                self._close(calls, failed)
+            self._where = where or "normal"
+            if where == "tool":
+                self._call_text += text
+                self._held = ""
+            elif where == "reasoning":
+                reasoning.append(text)
+            else:  # trailing whitespace waits: before a call it is dropped
+                body = text.rstrip()
+                if body:
+                    content.append(self._held + body)
+                    self._held = ""
+                self._held += text[len(body):]
+        if end and self._where == "tool":
+            self._close(calls, failed)
+        return ToolDelta("".join(content), "".join(reasoning), tuple(calls), tuple(failed))
+
+    def _close(self, calls: list[ToolCall], failed: list[str]) -> None:
+        text, self._call_text = self._call_text, ""
+        if not text.strip():
+            return
+        try:
+            parsed = self._parse(text, self._tools)
+        except Exception as exc:  # the parsers raise what their format's reader raises
+            log.warning("a tool call did not parse (%s: %s)", type(exc).__name__, exc)
+            failed.append(text)
+            return
+        for one in parsed if isinstance(parsed, list) else [parsed]:
+            args = one.get("arguments", {})
+            calls.append(
+                ToolCall(
+                    index=self._count,
+                    id=str(one.get("id") or f"call_{uuid.uuid4().hex[:24]}"),
+                    name=str(one.get("name")),
+                    arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                )
+            )
+            self._count += 1

@@ -1,0 +1,18 @@
+"""Model files: resolve a reference to an MLX model directory, convert the embedded default,
+build random-weight test models, and load a model or its tokenizer.
+
+With `actor/`, the only package that imports MLX; the engine imports it lazily
+(when it loads a tokenizer), the actor when it loads the weights.
+"""
+
+from ._models import CHATML_TEMPLATE as CHATML_TEMPLATE
+from ._models import EMBEDDED_DEFAULT as EMBEDDED_DEFAULT
+from ._models import build_test_model as build_test_model
+from ._models import context_length as context_length
+from ._models import convert_gguf as convert_gguf
+from ._models import default_cache_dir as default_cache_dir
+from ._models import ensure_embedded_model as ensure_embedded_model
+from ._models import load_model as load_model
+from ._models import load_tokenizer as load_tokenizer
+from ._models import model_config_for_shape as model_config_for_shape
+from ._models import resolve_model as resolve_model

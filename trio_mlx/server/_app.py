@@ -1,0 +1,343 @@
+"""The quart-trio application: the engine's lifecycle, probes, /v1/models, OpenAPI, error shapes.
+
+`create_app(settings)` builds it. The engine lives in `app.nursery`: started
+in `before_serving`, drained and closed in `after_serving` (or earlier, by
+`app.drain()`, which `trio-mlx serve` calls on SIGTERM). The completion
+endpoints are raw ASGI (`_completions.py`): `TrioMLXApp.__call__` routes them
+before Quart sees the request. Every error body has OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from quart import Response, request
+from quart.asgi import ASGIHTTPConnection
+from quart_trio import QuartTrio
+from quart_trio.asgi import TrioASGIHTTPConnection
+from werkzeug.exceptions import HTTPException
+
+from .._errors import ModelLoadError
+from ..engine import Engine
+from . import _exit, _workers
+from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id
+from ._completions import Completions
+from ._guest import GuestBridge, native_trio
+from ._logs import request_done
+from ._metrics import Metrics
+from ._openai import HTTPError, dumps, new_id, unavailable
+from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord
+from ._settings import Settings
+
+log = logging.getLogger("trio_mlx.http")
+
+# Seconds hypercorn and quart-trio are given beyond the drain timeout to finish
+# writing terminal events and stop the actor. Arbitrary, generous.
+SHUTDOWN_MARGIN = 10.0
+
+EngineFactory = Callable[[Settings], Engine]
+
+
+def default_engine(settings: Settings) -> Engine:
+    return Engine(
+        settings.model,
+        max_batch=settings.max_batch,
+        prefill_batch=settings.prefill_batch,
+        prefill_step=settings.prefill_step,
+        admit_window=settings.admit_window,
+        max_queue=settings.max_queue,
+        cache_dir=settings.cache_dir,  # type: ignore[arg-type]
+        warmup=settings.warmup,
+        actor=settings.actor,
+        retire_steps=settings.retire_steps,
+        idle_release=settings.idle_release,
+        cache_limit_gb=settings.cache_limit_gb,
+        step_trace=settings.step_trace,
+    )
+
+
+class _HTTPConnection(TrioASGIHTTPConnection):
+    """quart-trio's HTTP connection, minus a race that leaks keep-alive connections.
+
+    Hypercorn reports `http.disconnect` to the app while it finishes the final
+    send (it recycles the connection for keep-alive inside that send). quart-trio
+    then cancels the request, cutting hypercorn's recycling short: the
+    connection never gets its keep-alive timeout and stays open until the
+    client closes it (or, at shutdown, until the graceful timeout). So: a
+    disconnect that arrives once the final body message is being sent is the
+    end of the exchange, not a reason to cancel.
+    """
+
+    _finishing = False
+
+    async def handle_messages(self, nursery: trio.Nursery, request: Any, receive: Any) -> None:  # type: ignore[override]
+        await ASGIHTTPConnection.handle_messages(self, request, receive)
+        if not self._finishing:
+            nursery.cancel_scope.cancel()
+
+    async def _send_response(self, send: Any, response: Any) -> None:
+        async def tracked(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self._finishing = True
+            await send(message)
+
+        await super()._send_response(tracked, response)
+
+
+class TrioMLXApp(QuartTrio):
+    """A QuartTrio app that owns one Engine and serves the completion endpoints on raw ASGI."""
+
+    asgi_http_class = _HTTPConnection
+
+    settings: Settings
+    engine: Engine | None
+    completions: Completions
+    metrics: Metrics
+    serving_lock: _workers.ServingLock | None
+    # Called with every completion request's record when it ends (sync, must be quick).
+    observers: list[Callable[[RequestRecord], None]]
+
+    # How the app is served, fixed by the first ASGI call (the lifespan): natively on trio
+    # (hypercorn -k trio, trio-mlx serve) or, under an asyncio server, through trio's guest mode.
+    _serve: Callable[[Any, Any, Any], Awaitable[None]] | None = None
+    # The ASGI server, read off the lifespan: a failed startup must stop it non-zero (_exit.py).
+    asgi_server: _exit.ServerInfo = _exit.ServerInfo()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        serve = self._serve
+        if serve is None:
+            serve = self._serve = self.serve_trio if native_trio() else GuestBridge(self.serve_trio)
+        if scope["type"] == "lifespan":
+            self.asgi_server = _exit.ServerInfo.of(receive)
+        await serve(scope, receive, send)
+
+    async def serve_trio(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI app proper, on trio (the guest run's, under an asyncio server)."""
+        if scope["type"] == "http":
+            try:
+                if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
+                    await self.completions(scope, receive, send)
+                else:
+                    await self.asgi_app(scope, receive, send)
+            finally:
+                request_done(scope)  # the access log's held line, if any (_logs.py)
+            return
+        await self.asgi_app(scope, receive, send)
+
+    def log_exception(self, exc_info: Any) -> None:
+        if isinstance(exc_info[1], ModelLoadError):
+            return  # start_engine logged it in one line; its traceback says nothing more
+        super().log_exception(exc_info)
+
+    def ready_engine(self) -> Engine:
+        """The engine, for admitting a request; 503 while there is none yet."""
+        if self.engine is None:
+            raise unavailable("the model is still loading; retry shortly")
+        return self.engine
+
+    def open_streams(self) -> int:
+        """Streamed responses being written now."""
+        return len(self.completions.streams)
+
+    def observe(self, record: RequestRecord) -> None:
+        for observer in self.observers:
+            try:
+                observer(record)
+            except Exception:
+                log.exception("request observer %r failed", observer)
+
+    async def drain(self) -> None:
+        """Stop admitting (new requests and readiness get 503), let in-flight requests run for
+        up to drain_timeout seconds, end the rest with a terminal event, stop the actor."""
+        engine = self.engine
+        if engine is None:
+            return
+        if engine.state == "ready":
+            stats = engine.statistics()
+            log.info("draining: %d request(s) in flight, up to %.1f s",
+                     stats.queued + stats.prefilling + stats.decoding, self.settings.drain_timeout)
+        await engine.aclose(drain_timeout=self.settings.drain_timeout)
+
+
+def create_app(settings: Settings | None = None, *, engine_factory: EngineFactory | None = None) -> TrioMLXApp:
+    """Build the server. `settings` default to the TRIO_MLX_* environment; nothing is loaded
+    until the app is served (the model loads in the lifespan startup)."""
+    settings = Settings.from_env() if settings is None else settings
+    app = TrioMLXApp("trio_mlx")
+    app.settings = settings
+    app.engine = None
+    app.observers = []
+    app.completions = Completions(app)
+    app.metrics = Metrics(app)
+    app.observers.append(app.metrics.observe)
+    app.serving_lock = None
+    app.config.update(
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        BACKGROUND_TASK_SHUTDOWN_TIMEOUT=settings.drain_timeout + SHUTDOWN_MARGIN,
+        PROVIDE_AUTOMATIC_OPTIONS=True,
+    )
+    make_engine = engine_factory or default_engine
+    started_at = int(time.time())
+    watchdog = trio.CancelScope()
+
+    @app.before_serving
+    async def start_engine() -> None:
+        try:
+            if not settings.allow_multiple_workers:
+                app.serving_lock = _workers.acquire(settings)
+            engine = app.engine = make_engine(settings)
+            await app.nursery.start(engine.run)
+        except BaseException as exc:
+            _release(app)
+            if isinstance(exc, Exception):  # where the server would not exit non-zero, exit (_exit.py)
+                holder = (exc.holder, exc.holder_parent) if isinstance(exc, _workers.AlreadyServing) else None
+                _exit.exit_if_unseen(
+                    app.asgi_server, str(exc) if holder else f"trio_mlx could not start: {exc}",
+                    lock_holder=holder, others_may_serve=settings.allow_multiple_workers)
+            log.error("trio_mlx could not start: %s", exc)
+            raise
+        app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls))
+        info = engine.info
+        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s)",
+                 settings.served_model_name, info.model_type if info else "?",
+                 engine.context_length, settings.max_batch, info.device if info else "?",
+                 engine.actor_mode, info.pid if info else "?")
+
+    @app.after_serving
+    async def stop_engine() -> None:
+        try:
+            await app.drain()
+        finally:
+            watchdog.cancel()
+            _release(app)
+
+    @app.before_request
+    async def authenticate() -> None:
+        if request.method != "OPTIONS" and request.path.startswith("/v1/"):
+            check_api_key(request.headers.get("Authorization"), settings.api_key)
+
+    @app.after_request
+    async def add_cors(response: Response) -> Response:
+        origin = request.headers.get("Origin")
+        for key, value in cors_headers(origin, settings.cors_origins, preflight=request.method == "OPTIONS"):
+            response.headers[key.decode()] = value.decode()
+        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
+        rid = scope[REQUEST_ID] = request_id(scope, new_id("req-"))
+        response.headers["X-Request-Id"] = rid
+        rule = request.url_rule
+        app.metrics.observe_route(rule.rule if rule is not None else "unmatched", response.status_code)
+        return response
+
+    def model_card() -> dict[str, Any]:
+        engine = app.engine
+        return {"id": settings.served_model_name, "object": "model", "created": started_at,
+                "owned_by": "trio_mlx", "context_length": engine.context_length if engine else None}
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def get_model(model_id: str) -> Response:
+        if model_id != settings.served_model_name:
+            raise HTTPError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return json_response(model_card())
+
+    @app.get("/health")
+    async def health() -> Response:
+        """Liveness: 200 while the actor is alive and stepping or idle."""
+        engine = app.engine
+        if engine is None:
+            return json_response({"status": "starting"})
+        stats = engine.statistics()
+        body: dict[str, Any] = {"status": "ok", "state": stats.state, "queued": stats.queued,
+                                "prefilling": stats.prefilling, "decoding": stats.decoding}
+        if engine.info is not None:
+            body.update(actor=engine.actor_mode, actor_pid=engine.info.pid)
+        if stats.state in ("broken", "closed"):
+            body["status"] = stats.state
+            return json_response(body, 503)
+        since = stats.seconds_since_step
+        if since is not None and since > settings.watchdog_seconds:
+            body.update(status="stalled", seconds_since_step=round(since, 3))
+            return json_response(body, 503)
+        return json_response(body)
+
+    @app.get("/ready")
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        """Readiness: 200 once the model is loaded and warm, 503 before and while draining."""
+        state = app.engine.state if app.engine is not None else "starting"
+        return json_response({"status": "ready" if state == "ready" else state}, 200 if state == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus metrics (text format): per-request histograms and counters, engine gauges."""
+        body, content_type = app.metrics.render(request.headers.get("Accept"))
+        return Response(body, status=200, content_type=content_type)
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        from ._openapi import openapi_document
+
+        return json_response(openapi_document(settings))
+
+    @app.get("/")
+    async def index() -> Response:
+        return json_response({"name": "trio_mlx", "model": settings.served_model_name,
+                              "endpoints": [CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health",
+                                            "/ready", "/metrics", "/openapi.json"]})
+
+    @app.errorhandler(HTTPError)
+    async def api_error(error: HTTPError) -> Response:
+        return json_response(error.payload(), error.status, dict(error.headers))
+
+    @app.errorhandler(HTTPException)
+    async def http_exception(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        headers: dict[str, str] = {}
+        if status == 404:
+            error = HTTPError(404, f"Invalid URL ({request.method} {request.path})", code="not_found")
+        elif status == 405:
+            allowed = ", ".join(getattr(exc, "valid_methods", None) or ())
+            headers["Allow"] = allowed
+            error = HTTPError(405, f"method {request.method} is not allowed on {request.path}",
+                              code="method_not_allowed")
+        elif status == 413:
+            error = HTTPError(413, f"the request body is larger than {settings.max_body_bytes} bytes",
+                              code="request_too_large")
+        elif status >= 500:
+            error = HTTPError(status, "internal server error", type="server_error", code="internal_error")
+        else:
+            error = HTTPError(status, exc.description or exc.name, code=exc.name.lower().replace(" ", "_"))
+        return json_response(error.payload(), status, headers)
+
+    @app.errorhandler(Exception)
+    async def internal_error(exc: Exception) -> Response:
+        log.exception("internal error on %s %s", request.method, request.path)
+        error = HTTPError(500, "internal server error", type="server_error", code="internal_error")
+        return json_response(error.payload(), 500)
+
+    return app
+
+
+def _release(app: TrioMLXApp) -> None:
+    if app.serving_lock is not None:
+        app.serving_lock.release()
+        app.serving_lock = None
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(obj), status=status, headers=headers, content_type="application/json")
+
+
+def _run_in(scope: trio.CancelScope, fn: Callable[[], Any]) -> Callable[[], Any]:
+    async def run() -> None:
+        with scope:
+            await fn()
+
+    return run

@@ -1,0 +1,157 @@
+"""Prometheus metrics of one app, served at `GET /metrics` (prometheus_client exposition).
+
+Two sources, neither of which costs anything per token:
+- per request: `Metrics.observe` is an app observer (`app.observers`) that
+  gets each completion request's `RequestRecord` once, when it ends; other
+  routes are counted once per response (`observe_route`);
+- per scrape: `_EngineCollector` reads `engine.statistics()` (queue, stages,
+  decode steps, aborts, MLX memory, state) when /metrics is fetched.
+
+Every app has its own `CollectorRegistry`, never prometheus_client's global
+one, so several apps in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+
+from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord, ServerHost
+
+PREFIX = "trio_mlx_"
+STATES = ("starting", "ready", "draining", "closed", "broken")
+STAGES = ("queued", "prefill", "decode")
+# The causes the engine counts (EngineStatistics.aborts_by_cause), listed so each series
+# exists at 0 before its first abort (a rate() over a series that appears later misses it).
+CAUSES = ("cancelled", "disconnect", "stall", "stop_string", "shutdown", "gone")
+# RequestRecord.outcome's values, pre-created for the completion endpoints (same reason).
+OUTCOMES = ("ok", "error", "disconnect", "stall", "cancelled", "aborted", "failed")
+
+# Bucket bounds (seconds): arbitrary, chosen to span a tiny CPU model and a large GPU one.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    """The metrics of one app; `render()` is the body of `GET /metrics`."""
+
+    def __init__(self, app: ServerHost):
+        self.registry = reg = CollectorRegistry()
+        self.requests = Counter(PREFIX + "requests", "HTTP requests answered, by endpoint and status "
+                                "(status 'none': the client left before any response)",
+                                ["endpoint", "status"], registry=reg)
+        self.outcomes = Counter(PREFIX + "request_outcomes", "completion requests by how they ended: ok, "
+                                "error (refused before generating), disconnect, stall, cancelled, "
+                                "aborted (shutdown), failed (the engine or server failed mid-way)",
+                                ["endpoint", "outcome"], registry=reg)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "arrival to the first token sent",
+                              ["endpoint"], buckets=TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "mean time between tokens after "
+                              "the first, per completed request", ["endpoint"], buckets=TPOT_BUCKETS,
+                              registry=reg)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "arrival to the end of the "
+                             "response, per completed request", ["endpoint"], buckets=E2E_BUCKETS,
+                             registry=reg)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of admitted completion "
+                                     "requests", ["endpoint"], registry=reg)
+        self.completion_tokens = Counter(PREFIX + "completion_tokens", "tokens generated for completed "
+                                         "requests", ["endpoint"], registry=reg)
+        for endpoint in (CHAT_PATH, COMPLETIONS_PATH):
+            for outcome in OUTCOMES:
+                self.outcomes.labels(endpoint, outcome)
+        reg.register(_EngineCollector(app))
+        ProcessCollector(registry=reg)  # RSS, CPU, open fds (Linux; nothing elsewhere)
+
+    def observe(self, rec: RequestRecord) -> None:
+        """An app observer: called once per completion request, when it ends."""
+        endpoint = rec.endpoint
+        self.requests.labels(endpoint, str(rec.status) if rec.status else "none").inc()
+        self.outcomes.labels(endpoint, rec.outcome).inc()
+        if rec.admitted is not None:
+            self.prompt_tokens.labels(endpoint).inc(rec.prompt_tokens)
+        if rec.first_token is not None:
+            self.ttft.labels(endpoint).observe(rec.first_token - rec.arrived)
+        if rec.outcome != "ok" or rec.ended is None:
+            return
+        self.completion_tokens.labels(endpoint).inc(rec.completion_tokens)
+        self.e2e.labels(endpoint).observe(rec.ended - rec.arrived)
+        per_choice = rec.completion_tokens / max(1, rec.n)  # n choices decode side by side
+        if rec.first_token is not None and per_choice > 1:
+            self.tpot.labels(endpoint).observe((rec.ended - rec.first_token) / (per_choice - 1))
+
+    def observe_route(self, endpoint: str, status: int) -> None:
+        """A response from one of the Quart routes (probes, models, metrics, 404s)."""
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition and its content type: Prometheus text 0.0.4, or OpenMetrics when the
+        scraper's Accept header asks for it."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+class _EngineCollector:
+    """Reads the engine's statistics at scrape time: free between scrapes."""
+
+    def __init__(self, app: ServerHost):
+        self.app = app
+
+    def describe(self) -> list[Metric]:
+        return []  # no describe-time collect: the engine may not exist yet
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.app.engine
+        s: Any = engine.statistics() if engine is not None else None
+        state = s.state if s is not None else "starting"
+        family = GaugeMetricFamily(PREFIX + "engine_state", "1 for the engine's current state", labels=["state"])
+        for name in STATES:
+            family.add_metric([name], 1.0 if name == state else 0.0)
+        yield family
+
+        def num(attr: str) -> float:
+            return float(getattr(s, attr) or 0) if s is not None else 0.0
+
+        stages = GaugeMetricFamily(PREFIX + "requests_in_engine", "requests the engine holds, by stage "
+                                   "(queued: waiting for a batch slot)", labels=["stage"])
+        for stage, attr in zip(STAGES, ("queued", "prefilling", "decoding"), strict=True):
+            stages.add_metric([stage], num(attr))
+        yield stages
+        yield GaugeMetricFamily(PREFIX + "queue_depth", "requests waiting for a batch slot", value=num("queued"))
+        yield GaugeMetricFamily(PREFIX + "active_sequences", "sequences the GPU actor holds", value=num("active"))
+        yield GaugeMetricFamily(PREFIX + "open_streams", "streamed responses being written",
+                                value=float(self.app.open_streams()))
+        for name, attr, doc in (
+            ("engine_requests_submitted", "requests_submitted", "requests handed to the GPU actor"),
+            ("engine_requests_finished", "requests_finished", "requests the engine ended (any reason)"),
+            ("engine_requests_rejected", "requests_rejected", "requests shed with 429 (never reached the actor)"),
+            ("engine_prompt_tokens", "prompt_tokens", "prompt tokens the actor prefilled"),
+            ("engine_generated_tokens", "generated_tokens", "tokens the actor generated, aborted requests included"),
+            ("decode_steps", "decode_steps", "decode steps that produced tokens"),
+            ("step_failures", "step_failures", "sequences ended by a failed generation step"),
+        ):
+            yield CounterMetricFamily(PREFIX + name, doc, value=num(attr))
+        yield CounterMetricFamily(PREFIX + "decode_step_seconds", "time spent in decode steps (with "
+                                  "decode_steps_total: the mean step time)",
+                                  value=num("mean_step_seconds") * num("decode_steps"))
+        yield GaugeMetricFamily(PREFIX + "decode_step_last_seconds", "the last decode step's time",
+                                value=num("last_step_seconds"))
+        yield GaugeMetricFamily(PREFIX + "seconds_since_step", "seconds since the actor last stepped while "
+                                "work is pending (0 when idle); /health turns 503 past the watchdog",
+                                value=num("seconds_since_step"))
+        for label, attr, known in (("stage", "aborts_by_stage", STAGES), ("cause", "aborts_by_cause", CAUSES)):
+            counts: dict[str, int] = dict(getattr(s, attr)) if s is not None else {}
+            aborts = CounterMetricFamily(PREFIX + f"aborts_by_{label}", f"requests aborted, by {label}",
+                                         labels=[label])
+            for key in (*known, *sorted(set(counts) - set(known))):
+                aborts.add_metric([key], float(counts.get(key, 0)))
+            yield aborts
+        yield GaugeMetricFamily(PREFIX + "mlx_active_memory_bytes", "MLX memory in use (read every few "
+                                "dozen steps)", value=num("active_memory_bytes"))
+        yield GaugeMetricFamily(PREFIX + "mlx_peak_memory_bytes", "MLX peak memory", value=num("peak_memory_bytes"))
+        yield GaugeMetricFamily(PREFIX + "mlx_cache_memory_bytes", "freed MLX buffers kept for reuse",
+                                value=num("cache_memory_bytes"))

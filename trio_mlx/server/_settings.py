@@ -1,0 +1,198 @@
+"""Server settings: one frozen record, read from TRIO_MLX_* environment variables or flags.
+
+Every field of `Settings` is settable three ways, in this order of precedence:
+a `trio-mlx serve` flag (`--max-batch 32`), an environment variable
+(`TRIO_MLX_MAX_BATCH=32`), the default below. `trio_mlx.app:app` under any
+ASGI server reads only the environment. Parsing is strict: a bad value
+names its variable and stops the server before it loads anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Any
+
+from ..engine import ADMIT_WINDOW
+
+ENV_PREFIX = "TRIO_MLX_"
+
+# The id /v1/models serves for the embedded default (docs/design.md); as models.EMBEDDED_DEFAULT,
+# which this module does not import (that would import MLX).
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    return {"doc": text, **extra}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the HTTP server and its engine are configured with."""
+
+    model: str | None = field(default=None, metadata=_doc(
+        "model to serve: a local MLX directory or a Hugging Face id; unset: the embedded default"))
+    model_name: str | None = field(default=None, metadata=_doc(
+        "the model id served in /v1/models and accepted in requests; default: derived from the model"))
+    host: str = field(default="127.0.0.1", metadata=_doc("address to bind (trio-mlx serve)"))
+    port: int = field(default=8000, metadata=_doc("port to bind (trio-mlx serve); 0 picks a free one"))
+    max_batch: int = field(default=64, metadata=_doc("most sequences decoded together"))
+    prefill_batch: int = field(default=8, metadata=_doc("most prompts prefilled together (at most max_batch)"))
+    prefill_step: int = field(default=2048, metadata=_doc("prompt tokens processed per prefill step"))
+    admit_window: float = field(default=ADMIT_WINDOW, metadata=_doc(
+        "seconds a new request may wait to join a decoding batch together with others (fewer, "
+        "larger admissions: each one slows the next decode steps), in full once prefill_batch "
+        "sequences decode, in proportion below; 0: no waiting for company"))
+    max_queue: int = field(default=1024, metadata=_doc("waiting requests before new ones get 429"))
+    cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
+    warmup: bool = field(default=True, metadata=_doc(
+        "generate before reporting ready, so first requests pay no kernel compiles: on a GPU "
+        "a prefill of every group size up to prefill_batch and a rehearsal of the actor's other "
+        "paths (removals, sampling options, logprobs, an abort), on the CPU one short sequence"))
+    actor: str = field(default="thread", metadata=_doc(
+        "where the GPU actor runs: 'thread' (a dedicated thread of the server's process) or "
+        "'process' (a child process with its own GIL, so HTTP work does not slow decoding: "
+        "the highest throughput at the top of concurrency; ~1-2 s more to start)"))
+    drain_timeout: float = field(default=20.0, metadata=_doc(
+        "seconds in-flight requests may run on after SIGTERM before they are ended"))
+    stall_timeout: float = field(default=30.0, metadata=_doc(
+        "seconds a streaming client may stop reading before its request is aborted"))
+    watchdog_seconds: float = field(default=30.0, metadata=_doc(
+        "/health turns 503 when work is pending and no decode step completed for this long"))
+    ping_interval: float = field(default=10.0, metadata=_doc(
+        "seconds between ': ping' SSE comments while a streamed request is queued or prefilling"))
+    stream_interval: float = field(default=0.0, metadata=_doc(
+        "least seconds between two SSE events of one stream; 0: one event per engine wake-up. "
+        "Larger values send fewer, bigger events (less event-loop CPU, coarser streaming)"))
+    max_event_rate: float = field(default=500.0, metadata=_doc(
+        "SSE events per second across all streams that pacing aims at: each stream waits "
+        "(open streams / rate) seconds, at most 0.25, between events, so under load tokens "
+        "coalesce into fewer events and the event loop leaves the GIL to the GPU actor; 0: off"))
+    api_key: str | None = field(default=None, metadata=_doc(
+        "require 'Authorization: Bearer <key>' on /v1/* when set", secret=True))
+    cors_origins: tuple[str, ...] = field(default=(), metadata=_doc(
+        "comma-separated origins allowed by CORS ('*' for any); empty: no CORS headers"))
+    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc(
+        "largest request body accepted; larger ones get 413"))
+    max_n: int = field(default=16, metadata=_doc("largest n (choices per request) accepted"))
+    startup_timeout: float = field(default=600.0, metadata=_doc(
+        "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve)"))
+    access_log: bool = field(default=True, metadata=_doc(
+        "log one line per request, ending with its X-Request-Id (trio-mlx serve)"))
+    allow_multiple_workers: bool = field(default=False, metadata=_doc(
+        "let several processes (hypercorn workers) serve this model on one device, each loading "
+        "its own copy; unset, a second one stops at startup"))
+    retire_steps: int = field(default=16, metadata=_doc(
+        "the most decode steps a finished sequence's row may stay in the batch before it is "
+        "removed together with others (removals cost host time per change); 0: at once"))
+    idle_release: float | None = field(default=None, metadata=_doc(
+        "seconds idle before the actor hands MLX's buffer cache back; unset: 1 on a GPU, never "
+        "on the CPU; 0: never"))
+    cache_limit_gb: float | None = field(default=None, metadata=_doc(
+        "the most freed-buffer memory (GB) MLX keeps for reuse; unset: MLX's own limit (on CUDA "
+        "80 percent of the device per process), so set it where processes share a GPU"))
+    step_trace: str | None = field(default=None, metadata=_doc(
+        "append one tab-separated line per actor step (times, batch sizes) to this file"))
+    log_level: str = field(default="info", metadata=_doc("debug, info, warning or error"))
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "prefill_batch", "prefill_step", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queue", "max_body_bytes", "port", "retire_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",
+                     "stream_interval", "max_event_rate", "admit_window"):
+            value = getattr(self, name)
+            zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window")  # drain 0: end in-flight at once
+            if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+                raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
+        for name in ("idle_release", "cache_limit_gb"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.actor not in ("thread", "process"):
+            raise ValueError(f"actor must be 'thread' or 'process', got {self.actor!r}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+
+    @functools.cached_property
+    def served_model_name(self) -> str:
+        """The id clients see: MODEL_NAME, else the hub id, else the local directory's name.
+        Worked out once (it may look at the file system): every request compares against it."""
+        if self.model_name:
+            return self.model_name
+        if not self.model or self.model in ("default", DEFAULT_MODEL_NAME):
+            return DEFAULT_MODEL_NAME
+        ref = self.model.rstrip("/\\")
+        if os.path.exists(ref) or ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+            return PurePath(ref).name or ref
+        return ref  # "org/name": a Hugging Face id, served as is (as mlx_lm.server does)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from TRIO_MLX_* variables; `overrides` (already typed) win over them."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            var = env_name(f.name)
+            if var in environ and f.name not in overrides:
+                try:
+                    values[f.name] = parse_value(f, environ[var])
+                except ValueError as exc:
+                    raise ValueError(f"{var}: {exc}") from None
+        values.update(overrides)
+        return cls(**values)
+
+    def public(self) -> dict[str, Any]:
+        """The settings with secrets masked, for logs."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = "***" if f.metadata.get("secret") and value else value
+        return out
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def field_kind(f: dataclasses.Field[Any]) -> str:
+    """"str", "int", "float", "bool" or "tuple" (the annotation, as text: `from __future__`)."""
+    ann = str(f.type).replace(" | None", "")
+    return {"tuple[str, ...]": "tuple"}.get(ann, ann)
+
+
+def parse_value(f: dataclasses.Field[Any], raw: str) -> Any:
+    """One setting from its text form (an environment variable or a flag)."""
+    kind = field_kind(f)
+    text = raw.strip()
+    optional = "None" in str(f.type)
+    if optional and text == "":
+        return None
+    if kind == "bool":
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")
+    if kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+    if kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {raw!r}") from None
+    if kind == "tuple":
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    return raw
