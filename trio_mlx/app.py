@@ -6,7 +6,7 @@ cheap: the model loads when the server starts (the ASGI lifespan), not here.
 
 Under hypercorn's trio worker (`hypercorn -k trio`) the app runs natively;
 under an asyncio server (hypercorn's default worker, uvicorn, granian) it runs
-in trio's guest mode on that server's loop (`_guest.py`), one process either
+in trio's guest mode on that server's loop (`server/_guest.py`), one process either
 way. Run one worker per model and device (a second one is refused). On
 SIGTERM each server finishes in-flight requests within its own graceful
 timeout, then the app's lifespan shutdown stops the engine: hypercorn's
