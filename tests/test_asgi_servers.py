@@ -84,7 +84,11 @@ class ServerProcess:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.log = b""
         threading.Thread(target=self._pump, daemon=True).start()
-        self.url = self._wait_listening(60)
+        try:
+            self.url = self._wait_listening(45)
+        except BaseException:
+            self.stop()  # SIGTERM first: a supervisor killed outright would leave its worker behind
+            raise
 
     def _pump(self) -> None:
         assert self.proc.stderr is not None
