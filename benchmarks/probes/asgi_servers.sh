@@ -59,11 +59,14 @@ bench() {  # LABEL JSON CONCURRENCY [ARGS...]
 }
 
 env_app=(env "TRIO_MLX_MODEL=$dir" TRIO_MLX_MAX_BATCH=256 TRIO_MLX_ACCESS_LOG=0)
+# hypercorn gives the lifespan startup (model load and warm-up) 60 s; a first start on a GPU
+# compiles its kernels for longer (MLX's PTX cache makes later starts quick)
+printf 'startup_timeout = 900\ngraceful_timeout = 30\n' >"$out/hypercorn.toml"
 asgi_run() {  # SERVER ROUND
   local s=$1 r=$2
   case "$s" in
-    trio) start "$s-$r" "${env_app[@]}" "$py" -m hypercorn -k trio --graceful-timeout 30 -b "127.0.0.1:$port" trio_mlx.app:app ;;
-    asyncio) start "$s-$r" "${env_app[@]}" "$py" -m hypercorn --graceful-timeout 30 -b "127.0.0.1:$port" trio_mlx.app:app ;;
+    trio) start "$s-$r" "${env_app[@]}" "$py" -m hypercorn -k trio -c "$out/hypercorn.toml" -b "127.0.0.1:$port" trio_mlx.app:app ;;
+    asyncio) start "$s-$r" "${env_app[@]}" "$py" -m hypercorn -c "$out/hypercorn.toml" -b "127.0.0.1:$port" trio_mlx.app:app ;;
     uvicorn) start "$s-$r" "${env_app[@]}" "$py" -m uvicorn --no-access-log --host 127.0.0.1 --port "$port" trio_mlx.app:app ;;
   esac
   bench "$s" "$out/asgi-$s-$r.json" "${CONCURRENCY:-1,8,64,256}" --server-pid "$server_pid"
