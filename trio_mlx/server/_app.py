@@ -32,6 +32,7 @@ from ._metrics import Metrics
 from ._openai import HTTPError, dumps, new_id, unavailable
 from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord
 from ._settings import Settings
+from ._wire import WireAPI, serve_api
 
 log = logging.getLogger("trio_mlx.http")
 
@@ -96,6 +97,8 @@ class TrioMLXApp(QuartTrio):
     settings: Settings
     engine: Engine | None
     completions: Completions
+    # The other APIs' endpoints on the same machinery (_wire.py), by path.
+    wire_apis: dict[str, WireAPI]
     metrics: Metrics
     serving_lock: _workers.ServingLock | None
     # Called with every completion request's record when it ends (sync, must be quick).
@@ -121,6 +124,8 @@ class TrioMLXApp(QuartTrio):
             try:
                 if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
                     await self.completions(scope, receive, send)
+                elif (api := self.wire_apis.get(scope["path"])) is not None:
+                    await serve_api(self.completions, api, scope, receive, send)
                 else:
                     await self.asgi_app(scope, receive, send)
             finally:
@@ -172,6 +177,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.engine = None
     app.observers = []
     app.completions = Completions(app)
+    app.wire_apis = wire_apis()
     app.metrics = Metrics(app)
     app.observers.append(app.metrics.observe)
     app.serving_lock = None
@@ -323,6 +329,13 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         return json_response(error.payload(), 500)
 
     return app
+
+
+def wire_apis() -> dict[str, WireAPI]:
+    from . import anthropic
+
+    return {anthropic.MESSAGES_PATH: anthropic.MessagesAPI(),
+            anthropic.COUNT_TOKENS_PATH: anthropic.CountTokensAPI()}
 
 
 def _release(app: TrioMLXApp) -> None:

@@ -24,7 +24,8 @@ RawHeaders = list[tuple[bytes, bytes]]
 # How long a client may take to send its request body. Arbitrary, as Quart's BODY_TIMEOUT.
 BODY_TIMEOUT = 60.0
 JSON_HEADERS: RawHeaders = [(b"content-type", b"application/json")]
-CORS_ALLOW_HEADERS = b"authorization, content-type, x-request-id, openai-organization, openai-project"
+CORS_ALLOW_HEADERS = (b"authorization, content-type, x-request-id, openai-organization, openai-project, "
+                      b"x-api-key, anthropic-version, anthropic-beta")
 CORS_MAX_AGE = b"600"
 
 
@@ -52,17 +53,28 @@ def request_id(scope: Scope, default: str) -> str:
     return default
 
 
-def check_api_key(authorization: str | bytes | None, api_key: str | None) -> None:
-    """Raise 401 unless `Authorization: Bearer <api_key>` (when a key is configured)."""
+def check_api_key(authorization: str | bytes | None, api_key: str | None, *,
+                  x_api_key: str | bytes | None = None, accept_x_api_key: bool = False) -> None:
+    """Raise 401 unless `Authorization: Bearer <api_key>` (when a key is configured).
+
+    With `accept_x_api_key` (Anthropic's API, whose clients send the key that
+    way), `x-api-key: <api_key>` (the header's value as `x_api_key`) does too.
+    """
     if not api_key:
         return
+    if accept_x_api_key and x_api_key is not None:
+        if isinstance(x_api_key, bytes):
+            x_api_key = x_api_key.decode("latin-1")
+        if hmac.compare_digest(x_api_key.strip().encode(), api_key.encode()):
+            return
     if isinstance(authorization, bytes):
         authorization = authorization.decode("latin-1")
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
         raise HTTPError(
             401,
-            "a valid API key is required: send 'Authorization: Bearer <key>'",
+            "a valid API key is required: send 'Authorization: Bearer <key>'"
+            + (" or 'x-api-key: <key>'" if accept_x_api_key else ""),
             code="invalid_api_key",
             headers=[("WWW-Authenticate", "Bearer")],
         )
@@ -129,8 +141,11 @@ async def send_response(send: Send, status: int, body: bytes, headers: RawHeader
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send: Send, error: HTTPError, extra: RawHeaders) -> None:
-    await send_response(send, error.status, error.body(), [*JSON_HEADERS, *encode_headers(error.headers), *extra])
+async def send_error(send: Send, error: HTTPError, extra: RawHeaders,
+                     render: Callable[[HTTPError], bytes] | None = None) -> None:
+    """`error` as a whole response; `render` makes another API's body (default: OpenAI's)."""
+    body = error.body() if render is None else render(error)
+    await send_response(send, error.status, body, [*JSON_HEADERS, *encode_headers(error.headers), *extra])
 
 
 async def wait_disconnect(receive: Receive, on_disconnect: Callable[[], object]) -> None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
@@ -58,6 +58,10 @@ from ._openai import (
     parse_json,
 )
 from ._records import CHAT_PATH, RequestRecord, ServerHost
+
+if TYPE_CHECKING:
+    from ._settings import Settings
+    from ._wire import StreamEncoder
 
 log = logging.getLogger("trio_mlx.http")
 # The longest pause between two events of one stream that adaptive pacing may
@@ -133,17 +137,7 @@ class Completions:
         self, scope: Scope, receive: Receive, chat: bool, rec: RequestRecord
     ) -> tuple[ChatCompletionRequest | CompletionRequest, list[RequestStream]]:
         app, settings = self.app, self.app.settings
-        if scope["method"] != "POST":
-            raise HTTPError(405, f"method {scope['method']} is not allowed on {scope['path']}",
-                            code="method_not_allowed", headers=[("Allow", "POST, OPTIONS")])
-        check_api_key(header(scope, b"authorization"), settings.api_key)
-        ctype = header(scope, b"content-type")
-        if ctype is not None and ctype.split(b";")[0].strip().lower() != b"application/json":
-            raise HTTPError(400, "Content-Type must be application/json", code="invalid_content_type")
-        body = await read_body(scope, receive, settings.max_body_bytes)
-        obj = parse_json(body)
-        if not isinstance(obj, dict):
-            raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
+        obj = await read_json_request(scope, receive, settings)
         req: ChatCompletionRequest | CompletionRequest = (
             ChatCompletionRequest if chat else CompletionRequest
         ).model_validate(obj)
@@ -176,7 +170,11 @@ class Completions:
     # -- whole responses -------------------------------------------------------
 
     async def _serve_whole(self, receive: Receive, send: Send, streams: list[RequestStream], chat: bool,
-                           rid: str, rec: RequestRecord, logprobs: bool, extra: RawHeaders) -> None:
+                           rid: str, rec: RequestRecord, logprobs: bool, extra: RawHeaders, *,
+                           build: Callable[[Sequence[ChoiceResult]], bytes] | None = None,
+                           render: Callable[[HTTPError], bytes] | None = None) -> None:
+        """Collect the choices, then answer: `build` and `render` make the body and the error
+        body of another API (`_wire.py`); by default, OpenAI's."""
         results = [ChoiceResult() for _ in streams]
 
         async def collect(stream: RequestStream, result: ChoiceResult) -> None:
@@ -224,10 +222,13 @@ class Completions:
             error = _terminal_error(bad, rec)
             rec.status = error.status
             self.app.observe(rec)
-            await send_error(send, error, extra)
+            await send_error(send, error, extra, render)
             return
-        build = chat_response if chat else completion_response
-        body = build(rid, now(), self.app.settings.served_model_name, results, logprobs)
+        if build is None:
+            body = (chat_response if chat else completion_response)(
+                rid, now(), self.app.settings.served_model_name, results, logprobs)
+        else:
+            body = build(results)
         rec.status = 200
         self.app.observe(rec)
         await send_response(send, 200, body, [*JSON_HEADERS, *extra])
@@ -235,7 +236,7 @@ class Completions:
     # -- streams ---------------------------------------------------------------
 
     async def _serve_stream(self, receive: Receive, send: Send, streams: list[RequestStream],
-                            tpl: ChunkTemplates, rec: RequestRecord, logprobs: bool, extra: RawHeaders) -> None:
+                            tpl: ChunkTemplates | StreamEncoder, rec: RequestRecord, logprobs: bool, extra: RawHeaders) -> None:
         pump = _Stream(self, send, streams, tpl, rec, logprobs, [*_SSE_HEADERS, *extra])
         self.streams.add(pump)
         try:
@@ -264,6 +265,25 @@ class Completions:
                     pump.abort("stall")
 
 
+async def read_json_request(scope: Scope, receive: Receive, settings: Settings, *,
+                            accept_x_api_key: bool = False) -> dict[str, Any]:
+    """A POST's JSON object body, after the method, API key and content type checks (every
+    generation endpoint's first steps, whatever its API)."""
+    if scope["method"] != "POST":
+        raise HTTPError(405, f"method {scope['method']} is not allowed on {scope['path']}",
+                        code="method_not_allowed", headers=[("Allow", "POST, OPTIONS")])
+    check_api_key(header(scope, b"authorization"), settings.api_key,
+                  x_api_key=header(scope, b"x-api-key"), accept_x_api_key=accept_x_api_key)
+    ctype = header(scope, b"content-type")
+    if ctype is not None and ctype.split(b";")[0].strip().lower() != b"application/json":
+        raise HTTPError(400, "Content-Type must be application/json", code="invalid_content_type")
+    body = await read_body(scope, receive, settings.max_body_bytes)
+    obj = parse_json(body)
+    if not isinstance(obj, dict):
+        raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
+    return obj
+
+
 def _record_finish(rec: RequestRecord, fins: list[Finished]) -> None:
     rec.finish_reasons = tuple(f.finish_reason for f in fins)
     rec.completion_tokens = sum(f.usage.completion_tokens for f in fins)
@@ -286,12 +306,15 @@ def _terminal_error(fin: Finished | None, rec: RequestRecord) -> HTTPError:
 class _Stream:
     """One streamed response: the pump that writes it, and the controls the watchdog uses."""
 
-    def __init__(self, owner: Completions, send: Send, streams: list[RequestStream], tpl: ChunkTemplates,
+    def __init__(self, owner: Completions, send: Send, streams: list[RequestStream],
+                 tpl: ChunkTemplates | StreamEncoder,
                  rec: RequestRecord, logprobs: bool, headers: RawHeaders):
         self.owner = owner
         self._asgi_send = send
         self.streams = streams
-        self.tpl = tpl
+        # OpenAI's byte templates, or another API's encoder (then `tpl` is unused).
+        self.encoder: StreamEncoder | None = None if isinstance(tpl, ChunkTemplates) else tpl
+        self.tpl = cast(ChunkTemplates, tpl)
         self.rec = rec
         self.logprobs = logprobs
         self.headers = headers
@@ -339,7 +362,9 @@ class _Stream:
         self.rec.status = 200
         try:
             await self._send_raw({"type": "http.response.start", "status": 200, "headers": self.headers})
-            if len(self.streams) == 1:
+            if self.encoder is not None:
+                await self._encoded(self.encoder)
+            elif len(self.streams) == 1:
                 await self._one()
             else:
                 await self._many()
@@ -352,7 +377,7 @@ class _Stream:
             self.rec.outcome = "failed"
             error = HTTPError(500, "internal server error", type="server_error", code="internal_error")
             try:
-                await self._end(error.sse())
+                await self._end(error.sse() if self.encoder is None else self.encoder.error(error))
             except Exception:
                 pass
 
@@ -409,6 +434,28 @@ class _Stream:
                 except StopAsyncIteration:
                     raise _Gone from None
             await self._send(PING)
+
+    async def _encoded(self, enc: StreamEncoder) -> None:
+        """Another API's stream (`_wire.py`): one choice, whose events its encoder makes."""
+        stream = self.streams[0]
+        await self._send(enc.start())
+        ev = await self._first(stream)
+        while type(ev) is not Finished:
+            data = enc.event(ev)
+            if data:
+                if self.rec.first_token is None:
+                    self.rec.first_token = trio.current_time()
+                await self._send(data)
+                await self._pace()
+            try:
+                ev = await stream.__anext__()
+            except StopAsyncIteration:
+                raise _Gone from None
+        if ev.finish_reason in ("abort", "error"):
+            await self._end(enc.error(_terminal_error(ev, self.rec)))
+        else:
+            _record_finish(self.rec, [ev])
+            await self._end(enc.finish(ev))
 
     async def _one(self) -> None:
         """The hot path: one choice; one `send` per engine wake-up."""

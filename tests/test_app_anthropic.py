@@ -1,0 +1,145 @@
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) against a real server,
+through the official `anthropic` SDK (its clients run in a worker thread) and raw HTTP."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+import trio
+from app_server import engine_factory, serve, slow_steps, until
+from test_app_cancel import open_request
+
+MESSAGES = "/v1/messages"
+USER = [{"role": "user", "content": "Hello there"}]
+# This SDK no longer sends sampling parameters (newer models fix them); the API still takes them.
+GREEDY = {"temperature": 0}
+
+
+def sdk(url: str, **kw) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key=kw.pop("api_key", "k"), max_retries=0, timeout=20, **kw)
+
+
+def text_calls(url: str) -> dict:
+    client = sdk(url)
+    out: dict = {}
+    msg = client.messages.create(model="model", max_tokens=6, extra_body=GREEDY, messages=USER,
+                                 system="You are terse.")
+    out["whole"] = msg
+    with client.messages.stream(model="model", max_tokens=6, extra_body=GREEDY, messages=USER,
+                                system=[{"type": "text", "text": "You are terse."}]) as stream:
+        out["streamed_text"] = "".join(stream.text_stream)
+        out["streamed"] = stream.get_final_message()
+    events = list(client.messages.create(model="model", max_tokens=6, extra_body=GREEDY, messages=USER,
+                                         system="You are terse.", stream=True))
+    out["event_types"] = [e.type for e in events]
+    out["count"] = client.messages.count_tokens(model="model", messages=USER, system="You are terse.")
+    return out
+
+
+async def test_text_messages_whole_streamed_and_counted(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server:
+        out = await trio.to_thread.run_sync(text_calls, server.url)
+        prompt = server.engine.encode_prompt("chat", [{"role": "system", "content": "You are terse."}, *USER])
+    whole, streamed = out["whole"], out["streamed"]
+    assert whole.type == "message" and whole.role == "assistant" and whole.model == "model"
+    assert whole.id.startswith("msg_")
+    assert whole.usage.input_tokens == len(prompt) == out["count"].input_tokens
+    assert 1 <= whole.usage.output_tokens <= 6
+    assert whole.stop_reason in ("end_turn", "max_tokens")
+    assert (whole.stop_reason == "max_tokens") == (whole.usage.output_tokens == 6)
+    assert [b.type for b in whole.content] == ["text"]
+    # Greedy: the stream says exactly what the whole response said, and ends the same way.
+    assert out["streamed_text"] == streamed.content[0].text == whole.content[0].text
+    assert streamed.stop_reason == whole.stop_reason and streamed.usage.output_tokens == whole.usage.output_tokens
+    assert streamed.usage.input_tokens == whole.usage.input_tokens
+    types = out["event_types"]
+    assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"]
+    assert types[1] == "content_block_start" and types[-3] == "content_block_stop"
+    assert set(types[2:-3]) <= {"content_block_delta"}
+
+
+def stop_sequence_call(url: str, text: str) -> anthropic.types.Message:
+    return sdk(url).messages.create(model="model", max_tokens=20, extra_body=GREEDY, messages=USER,
+                                    stop_sequences=[text])
+
+
+async def test_stop_sequences_report_which_one_stopped(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server:
+        free = await trio.to_thread.run_sync(lambda: sdk(server.url).messages.create(
+            model="model", max_tokens=20, extra_body=GREEDY, messages=USER))
+        text = free.content[0].text
+        if len(text) < 4:
+            pytest.skip("the random model ended at once")  # pragma: no cover
+        stop = text[2:4]
+        msg = await trio.to_thread.run_sync(stop_sequence_call, server.url, stop)
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    assert msg.content[0].text == text[: text.index(stop)]
+
+
+async def test_errors_have_anthropics_shape(tiny_model_fp32):
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        async def error(body, status, *, path=MESSAGES, headers=None) -> str:
+            r = await client.post(path, json=body, headers=headers)
+            assert r.status_code == status, r.text
+            obj = r.json()
+            assert obj["type"] == "error" and set(obj) == {"type", "error"}, obj
+            assert set(obj["error"]) == {"type", "message"} and obj["error"]["message"]
+            return obj["error"]["type"] + ": " + obj["error"]["message"]
+
+        base = {"model": "model", "max_tokens": 4, "messages": USER}
+        assert "max_tokens" in await error({"model": "model", "messages": USER}, 400)
+        assert (await error({**base, "model": "claude-x"}, 404)).startswith("not_found_error")
+        img = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+        msg = await error({**base, "messages": [{"role": "user", "content": [img]}]}, 400)
+        assert msg.startswith("invalid_request_error") and "'image'" in msg and "messages.0.content.0" in msg
+        server_tool = {"type": "web_search_20250305", "name": "web_search", "input_schema": {}}
+        assert "server tools" in await error({**base, "tools": [server_tool]}, 400)
+        assert "needs tools" in await error({**base, "tool_choice": {"type": "any"}}, 400)
+        assert "temperature" in await error({**base, "temperature": 1.5}, 400)
+        assert "context length" in await error({**base, "max_tokens": 10**6}, 400)
+        r = await client.post(MESSAGES, content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert (await error({"model": "model"}, 400, path=MESSAGES + "/count_tokens")).startswith(
+            "invalid_request_error")
+        r = await client.get(MESSAGES)
+        assert r.status_code == 405 and r.json()["type"] == "error"
+
+
+def auth_calls(url: str) -> tuple[str, str]:
+    good = sdk(url, api_key="sekret").messages.create(model="model", max_tokens=2, messages=USER)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        sdk(url, api_key="wrong").messages.create(model="model", max_tokens=2, messages=USER)
+    return good.type, info.value.body["error"]["type"]
+
+
+async def test_x_api_key_or_bearer(tiny_model_fp32):
+    async with serve(tiny_model_fp32, api_key="sekret") as server, server.client() as client:
+        assert await trio.to_thread.run_sync(auth_calls, server.url) == ("message", "authentication_error")
+        body = {"model": "model", "max_tokens": 2, "messages": USER}
+        assert (await client.post(MESSAGES, json=body, headers={"x-api-key": "sekret"})).status_code == 200
+        assert (await client.post(MESSAGES, json=body, headers={"authorization": "Bearer sekret"})).status_code == 200
+        r = await client.post(MESSAGES, json=body, headers={"x-api-key": "nope"})
+        assert r.status_code == 401 and "x-api-key" in r.json()["error"]["message"]
+        # The OpenAI endpoints keep to Bearer.
+        chat = {"messages": USER, "max_tokens": 2}
+        r = await client.post("/v1/chat/completions", json=chat, headers={"x-api-key": "sekret"})
+        assert r.status_code == 401
+
+
+async def test_disconnect_mid_stream_frees_the_slot(tiny_model_fp32):
+    records = []
+    async with serve(tiny_model_fp32, factory=engine_factory(fault_hook=slow_steps(0.005))) as server:
+        server.app.observers.append(records.append)
+        engine = server.engine
+        for stream in (True, False):
+            before = engine.statistics().aborts_by_stage.get("decode", 0)
+            body = {"model": "model", "max_tokens": 900, "messages": USER, "stream": stream, "ignore_eos": True}
+            sock = await open_request(server.port, MESSAGES, body)
+            await until(lambda: engine.statistics().decoding == 1 and engine.statistics().generated_tokens > 0)
+            sock.close()
+            await until(lambda: engine.statistics().active == 0, within=5)
+            assert engine.statistics().aborts_by_stage["decode"] == before + 1
+        await until(lambda: len(records) == 2)
+        assert [r.outcome for r in records] == ["disconnect", "disconnect"]
+        assert [r.endpoint for r in records] == [MESSAGES, MESSAGES]
+        assert not server.app.completions.streams

@@ -1,0 +1,161 @@
+"""How an API other than OpenAI's completions plugs into the completion machinery.
+
+Anthropic's Messages API (`server/anthropic/`) and OpenAI's Responses API
+(`server/responses/`) share everything of `_completions.py` that is not their
+shape on the wire: the request checks (method, API key, body limit, JSON), the
+engine, the stream pump with its pings, pacing and stall watchdog, aborts on
+disconnect, and the request records that metrics and logs read. What an API
+brings is a `WireAPI`: it parses a body into a call, renders errors in its
+own shape, and its calls translate to and from the engine (`engine.chat`).
+`serve_api` is the ASGI handler of one such endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
+
+import trio
+
+from .._errors import TrioMLXError
+from ..engine import Engine, Finished, RequestStream
+from ._asgi import (
+    JSON_HEADERS,
+    REQUEST_ID,
+    Disconnected,
+    Receive,
+    Scope,
+    Send,
+    cors_headers,
+    header,
+    request_id,
+    send_error,
+    send_response,
+)
+from ._completions import Completions, read_json_request
+from ._openai import ChoiceResult, HTTPError, error_from_exception, new_id
+from ._records import RequestRecord
+
+log = logging.getLogger("trio_mlx.http")
+
+
+class StreamEncoder(Protocol):
+    """The bytes of one streamed answer, made as the engine's events arrive (on the event
+    loop, once per SSE event: keep it cheap, docs/design.md rule 7)."""
+
+    def start(self) -> bytes:
+        """The events sent before the first token (the response's opening)."""
+
+    def event(self, ev: Any) -> bytes:
+        """The events for one engine event other than `Finished` (may be empty)."""
+
+    def finish(self, fin: Finished) -> bytes:
+        """The closing events of an answer that ended normally."""
+
+    def error(self, err: HTTPError) -> bytes:
+        """The last event of a stream that failed after it started."""
+
+
+class ApiCall(Protocol):
+    """One parsed request."""
+
+    model: str | None
+    stream: bool
+
+    def open(self, engine: Engine) -> RequestStream:
+        """The engine request (not entered yet)."""
+
+    def encoder(self, rid: str, model: str, prompt_tokens: int) -> StreamEncoder: ...
+
+    def whole(self, rid: str, model: str, result: ChoiceResult) -> bytes:
+        """The body of a whole (not streamed) answer."""
+
+
+class ImmediateCall(Protocol):
+    """A request answered without generating (Anthropic's count_tokens)."""
+
+    model: str | None
+
+    async def respond(self, engine: Engine) -> bytes: ...
+
+
+class WireAPI(Protocol):
+    id_prefix: str  # of the request ids it makes (the X-Request-Id default)
+    accept_x_api_key: bool  # the API key may come as `x-api-key` (Anthropic's clients)
+
+    def parse(self, obj: dict[str, Any]) -> ApiCall | ImmediateCall:
+        """The request body -> a call; raises HTTPError or pydantic's ValidationError."""
+
+    def error_body(self, err: HTTPError) -> bytes:
+        """An error response body in this API's shape."""
+
+
+async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI handler of one of `api`'s endpoints (`TrioMLXApp.serve_trio` routes here)."""
+    app = owner.app
+    settings = app.settings
+    cors = cors_headers(header(scope, b"origin"), settings.cors_origins,
+                        preflight=scope["method"] == "OPTIONS")
+    if scope["method"] == "OPTIONS":
+        await send_response(send, 204, b"", [(b"allow", b"POST, OPTIONS"), *cors])
+        return
+    rid = new_id(api.id_prefix)
+    rec = RequestRecord(request_id(scope, rid), scope["path"], trio.current_time())
+    scope[REQUEST_ID] = rec.request_id
+    extra = [(b"x-request-id", rec.request_id.encode()), *cors]
+    stream: RequestStream | None = None
+    gen: ApiCall | None = None
+    body = b""
+    try:
+        obj = await read_json_request(scope, receive, settings, accept_x_api_key=api.accept_x_api_key)
+        call = api.parse(obj)
+        if call.model is not None and call.model != settings.served_model_name:
+            raise HTTPError(404, f"the model {call.model!r} does not exist; this server serves "
+                            f"{settings.served_model_name!r}", param="model", code="model_not_found")
+        engine = app.ready_engine()
+        if hasattr(call, "respond"):
+            body = await cast(ImmediateCall, call).respond(engine)
+        else:
+            gen = cast(ApiCall, call)
+            rec.stream = gen.stream
+            stream = gen.open(engine)
+            await stream.__aenter__()
+    except Disconnected:
+        rec.outcome = "disconnect"
+        app.observe(rec)
+        return
+    except Exception as exc:
+        error = error_from_exception(exc)
+        if not isinstance(exc, (HTTPError, TrioMLXError)) and error.status >= 500:
+            log.exception("request %s failed before it started", rec.request_id)
+        rec.status, rec.outcome = error.status, "error"
+        app.observe(rec)
+        await send_error(send, error, extra, api.error_body)
+        return
+    if stream is None or gen is None:  # answered without generating
+        rec.status, rec.ended = 200, trio.current_time()
+        app.observe(rec)
+        await send_response(send, 200, body, [*JSON_HEADERS, *extra])
+        return
+    rec.admitted = trio.current_time()
+    rec.prompt_tokens = len(stream.prompt_tokens)
+    model = settings.served_model_name
+    if gen.stream:
+        enc = gen.encoder(rid, model, rec.prompt_tokens)
+        await owner._serve_stream(receive, send, [stream], enc, rec, False, extra)
+        return
+    whole = gen.whole
+
+    def build(results: Sequence[ChoiceResult]) -> bytes:
+        return whole(rid, model, results[0])
+
+    try:
+        await owner._serve_whole(receive, send, [stream], True, rid, rec, False, extra,
+                                 build=build, render=api.error_body)
+    except Exception:
+        log.exception("request %s failed", rec.request_id)
+        rec.status, rec.outcome = 500, "failed"
+        app.observe(rec)
+        await send_error(send, HTTPError(500, "internal server error", type="server_error",
+                                         code="internal_error"), extra, api.error_body)

@@ -1,0 +1,182 @@
+"""Anthropic's Messages API served by the engine: the calls (`_wire.py`), the whole `message`
+response and the streamed event sequence.
+
+A stream is: `message_start`, then per content block `content_block_start`,
+`content_block_delta` (`text_delta`, or `input_json_delta` for a tool's input)
+and `content_block_stop`, then `message_delta` (stop_reason and usage) and
+`message_stop`; a failure after the start is an `error` event. Each SSE event
+carries its type twice, as `event:` and in its data, as Anthropic's do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from ...engine import Engine, Finished, RequestStream, TextDelta
+from .._openai import ChoiceResult, HTTPError, dumps
+from ._protocol import CountTokensRequest, MessagesRequest, error_body, error_payload
+
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
+
+def stop_reason(fin: Finished, stop_sequences: Sequence[str]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished answer."""
+    if fin.finish_reason == "length":
+        return "max_tokens", None
+    if fin.finish_reason == "tool_calls":
+        return "tool_use", None
+    if isinstance(fin.stop, str) and fin.stop in stop_sequences:
+        return "stop_sequence", fin.stop
+    return "end_turn", None
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _calls(ev: Any) -> Sequence[Any]:
+    return getattr(ev, "calls", ())
+
+
+class MessagesCall:
+    def __init__(self, req: MessagesRequest):
+        self.req = req
+        self.model: str | None = req.model
+        self.stream = req.stream
+        self.messages, self.tools, self.tool_choice = req.chat()
+
+    def open(self, engine: Engine) -> RequestStream:
+        extra: dict[str, Any] = {}
+        if self.tools:
+            extra["tools"] = self.tools
+        if self.tool_choice is not None and self.tools:
+            extra["tool_choice"] = self.tool_choice
+        return engine.chat(self.messages, **extra, **self.req.engine_options())
+
+    def encoder(self, rid: str, model: str, prompt_tokens: int) -> MessageEncoder:
+        return MessageEncoder(rid, model, prompt_tokens, self.req.stop_sequences or ())
+
+    def whole(self, rid: str, model: str, result: ChoiceResult) -> bytes:
+        fin = result.finished
+        assert fin is not None
+        content: list[dict[str, Any]] = []
+        text = "".join(result.text)
+        calls = getattr(result, "tool_calls", None) or []
+        if text or not calls:
+            content.append({"type": "text", "text": text})
+        for call in calls:
+            content.append({"type": "tool_use", "id": call.id, "name": call.name,
+                            "input": _tool_input(call.arguments)})
+        reason, sequence = stop_reason(fin, self.req.stop_sequences or ())
+        return dumps({
+            "id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": reason, "stop_sequence": sequence,
+            "usage": {"input_tokens": fin.usage.prompt_tokens, "output_tokens": fin.usage.completion_tokens},
+        })
+
+
+class CountTokensCall:
+    def __init__(self, req: CountTokensRequest):
+        self.model: str | None = req.model
+        self.messages, self.tools, _ = req.chat()
+
+    async def respond(self, engine: Engine) -> bytes:
+        kwargs = {"tools": self.tools} if self.tools else None
+        # A worker thread: a conversation may be long, and this is not the hot path (rule 6).
+        ids = await trio.to_thread.run_sync(engine.encode_prompt, "chat", self.messages, kwargs)
+        return dumps({"input_tokens": len(ids)})
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + dumps({"type": kind, **data}) + b"\n\n"
+
+
+class MessageEncoder:
+    """The SSE events of one streamed message (`_wire.StreamEncoder`)."""
+
+    __slots__ = ("rid", "model", "prompt_tokens", "stop_sequences", "index", "text_open", "_head")
+
+    def __init__(self, rid: str, model: str, prompt_tokens: int, stop_sequences: Sequence[str]):
+        self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
+        self.stop_sequences = stop_sequences
+        self.index = 0  # the index of the next content block
+        self.text_open = False
+        self._head = b""
+
+    def start(self) -> bytes:
+        return _event("message_start", {"message": {
+            "id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}})
+
+    def _open_text(self) -> bytes:
+        self.text_open = True
+        # The hot path's bytes: one concatenation around the json-escaped text (rule 7).
+        self._head = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
+                      b'"delta":{"type":"text_delta","text":' % self.index)
+        return _event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}})
+
+    def _close_block(self) -> bytes:
+        self.text_open = False
+        self.index += 1
+        return _event("content_block_stop", {"index": self.index - 1})
+
+    def event(self, ev: Any) -> bytes:
+        if type(ev) is TextDelta:
+            if not ev.text:
+                return b""
+            opening = b"" if self.text_open else self._open_text()
+            return opening + self._head + dumps(ev.text) + b"}}\n\n"
+        parts = [self._close_block()] if self.text_open else []
+        for call in _calls(ev):
+            parts.append(_event("content_block_start", {"index": self.index, "content_block": {
+                "type": "tool_use", "id": call.id, "name": call.name, "input": {}}}))
+            parts.append(_event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": call.arguments}}))
+            parts.append(self._close_block())
+        return b"".join(parts)
+
+    def finish(self, fin: Finished) -> bytes:
+        parts = []
+        if self.index == 0 and not self.text_open:
+            parts.append(self._open_text())  # an empty answer still has its (empty) text block
+        if self.text_open:
+            parts.append(self._close_block())
+        reason, sequence = stop_reason(fin, self.stop_sequences)
+        parts.append(_event("message_delta", {
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"input_tokens": fin.usage.prompt_tokens, "output_tokens": fin.usage.completion_tokens}}))
+        parts.append(_event("message_stop", {}))
+        return b"".join(parts)
+
+    def error(self, err: HTTPError) -> bytes:
+        return _event("error", {"error": error_payload(err)["error"]})
+
+
+class MessagesAPI:
+    """`POST /v1/messages` (`_wire.WireAPI`)."""
+
+    id_prefix = "msg_"
+    accept_x_api_key = True
+
+    def parse(self, obj: dict[str, Any]) -> MessagesCall:
+        return MessagesCall(MessagesRequest.model_validate(obj))
+
+    def error_body(self, err: HTTPError) -> bytes:
+        return error_body(err)
+
+
+class CountTokensAPI(MessagesAPI):
+    """`POST /v1/messages/count_tokens`."""
+
+    def parse(self, obj: dict[str, Any]) -> CountTokensCall:  # type: ignore[override]
+        return CountTokensCall(CountTokensRequest.model_validate(obj))
