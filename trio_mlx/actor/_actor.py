@@ -31,6 +31,7 @@ from mlx_lm.generate import BatchGenerator
 from .. import models
 from ._admission import Admission
 from ._batch import batch_rows, remove_rows, take_prompt_tokens
+from ._constrain import GrammarProcessor, model_vocab
 from ._link import ActorLink
 from ._protocol import (
     Abort,
@@ -67,6 +68,7 @@ class _Seq:
     stops: frozenset[int]
     stage: str = "queued"
     generated: int = 0
+    grammar: GrammarProcessor | None = None  # a constrained row's logits mask
 
 
 
@@ -112,6 +114,7 @@ class Actor:
         self._admission = Admission(config.admit_window, config.prefill_batch)
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
+        self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -323,25 +326,48 @@ class Actor:
             remove_rows(self._bg, removes)
             if aborted:
                 self._hook("removed")
+        subs, grammars, failed = self._grammars(subs)
         self._inserted = len(subs)
         if not subs:
-            return []
+            return failed
         try:
             uids = self._bg.insert(
                 [list(s.prompt) for s in subs],
                 max_tokens=[s.max_tokens + self._slack(s) for s in subs],
                 samplers=[self._samplers.get(s.sampling) for s in subs],
                 logits_processors=[
-                    make_processors(s.sampling, len(s.prompt), self._context) for s in subs
+                    make_processors(s.sampling, len(s.prompt), self._context) + ([g] if g else [])
+                    for s, g in zip(subs, grammars, strict=True)
                 ],
             )
         except Exception as exc:  # bad input that slipped past validation
-            return [(s.rid, f"insert failed: {exc}") for s in subs]
-        for s, uid in zip(subs, uids, strict=True):
-            seq = _Seq(s.rid, uid, len(s.prompt), s.sampling, s.max_tokens, s.stop_token_ids)
+            return failed + [(s.rid, f"insert failed: {exc}") for s in subs]
+        for s, uid, g in zip(subs, uids, grammars, strict=True):
+            seq = _Seq(s.rid, uid, len(s.prompt), s.sampling, s.max_tokens, s.stop_token_ids, grammar=g)
             self._seqs[s.rid] = seq
             self._by_uid[uid] = seq
-        return []
+        return failed
+
+    def _grammars(
+        self, subs: list[Submit]
+    ) -> tuple[list[Submit], list[GrammarProcessor | None], list[tuple[int, str]]]:
+        """Each constrained arrival's grammar processor, built here on the actor thread (its
+        matcher is llguidance state the row's steps use); one that fails fails its row only."""
+        if not any(s.grammar for s in subs):
+            return subs, [None] * len(subs), []
+        kept: list[Submit] = []
+        grammars: list[GrammarProcessor | None] = []
+        failed: list[tuple[int, str]] = []
+        for s in subs:
+            try:
+                g = None if s.grammar is None else GrammarProcessor(
+                    model_vocab(self.config.model_path), s.grammar.source, s.max_tokens)
+            except Exception as exc:
+                failed.append((s.rid, f"the grammar could not be set up: {type(exc).__name__}: {exc}"))
+                continue
+            kept.append(s)
+            grammars.append(g)
+        return kept, grammars, failed
 
     # -- retiring finished rows ---------------------------------------------------
     #
@@ -385,6 +411,9 @@ class Actor:
             tokens = self._tokens(generation_responses)
         except Exception as exc:
             return self._recover(exc, failed)
+        if self._failed_rows:
+            failed = failed + self._failed_rows
+            self._failed_rows = []
         if self._retired and not self._seqs:  # the batch ran dry: nothing left to overlap
             remove_rows(self._bg, list(self._retired))
             self._retired.clear()
@@ -430,6 +459,12 @@ class Actor:
                 else "length" if seq.generated >= seq.max_tokens
                 else r.finish_reason
             )
+            if (g := seq.grammar) is not None and (g.error or (reason == "stop" and g.forced_finish)):
+                if g.error:  # the processor failed (and forced EOS): this row fails, no other
+                    self._failed_rows.append((seq.rid, f"constrained decoding failed: {g.error}"))
+                    reason = "error"
+                else:  # max_tokens cut the text short; the grammar closed it validly
+                    reason = "length"
             if reason is not None:
                 ended += 1
                 del self._by_uid[r.uid]
@@ -438,6 +473,8 @@ class Actor:
                     self._decoding -= 1
                 if r.finish_reason is None:  # still in the batch: retire it
                     self._retired[r.uid] = self._steps
+            if reason == "error":
+                continue  # reported in the step's `failed`
             if seq.sampling.logprobs:
                 want_logprobs.append((len(out), r, seq))
             out.append(TokenOut(seq.rid, r.token, reason))
@@ -483,6 +520,7 @@ class Actor:
         self._seqs.clear()
         self._by_uid.clear()
         self._retired.clear()
+        self._failed_rows.clear()
         self._decoding = 0
         assert self._bg is not None
         try:

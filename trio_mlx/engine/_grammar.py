@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import llguidance
 
 from .._errors import InvalidRequestError
 from ..actor._matcher import GrammarVocab, finish, grammar_vocab
+from ..actor._protocol import Grammar, GrammarKind
+
+__all__ = ["Grammar", "GrammarKind", "compile_json_schema", "compile_lark", "compile_response_format"]
 
 # llguidance's JSON compiler options; a schema's "x-guidance" overrides them.
 JSON_OPTIONS: dict[str, Any] = {
@@ -43,21 +45,6 @@ JSON_OPTIONS: dict[str, Any] = {
 # out so that changing them is a visible decision), and on the schema text.
 MAX_SCHEMA_BYTES = 256 * 1024  # arbitrary; OpenAI's structured outputs allow far less nesting
 LIMITS: dict[str, Any] = dict(max_grammar_size=500_000, step_max_items=50_000, initial_lexer_fuel=1_000_000)
-
-GrammarKind = Literal["json_object", "json_schema", "tools", "lark"]
-
-
-@dataclass(frozen=True, slots=True)
-class Grammar:
-    """A validated grammar, ready to travel to the actor inside a Submit."""
-
-    source: str  # llguidance's grammar text; `llguidance.LLMatcher(tokenizer, source)` takes it
-    # Tokens the engine's own completion (`actor/_matcher.finish`) takes from the
-    # start, EOS included: with max_tokens at least this, the output is always
-    # complete. A model may well finish in fewer (its tokens are longer).
-    min_tokens: int
-    kind: GrammarKind
-
 
 def vocab_for(tokenizer: Any, *, param: str | None = None) -> GrammarVocab:
     """The tokenizer in llguidance's form (built once per tokenizer), or a 400."""

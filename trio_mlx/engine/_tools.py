@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._errors import InvalidRequestError
+from ._events import ToolCall
 from ._grammar import JSON_OPTIONS, Grammar, compile_lark, vocab_for
 
 log = logging.getLogger("trio_mlx.tools")
@@ -208,16 +209,6 @@ def tool_grammar(
 
 
 # -- reading calls out of the text --------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """One finished call, as OpenAI's `tool_calls` entries carry it."""
-
-    index: int  # its position among this response's calls
-    id: str
-    name: str
-    arguments: str  # a JSON object, as text
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import trio
 
 from .._errors import TrioMLXError
-from ..engine import Finished, RequestStream, TextDelta
+from ..engine import Finished, RequestStream, TextDelta, ToolCalls
 from ._asgi import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -186,6 +186,8 @@ class Completions:
                         result.text.append(ev.text)
                         if ev.logprobs:
                             result.logprobs.extend(ev.logprobs)
+                    elif isinstance(ev, ToolCalls):
+                        result.tool_calls.extend(ev.calls)
                     else:
                         result.finished = ev
             finally:

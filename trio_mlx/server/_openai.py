@@ -25,7 +25,7 @@ from .._errors import (
     InvalidRequestError,
     QueueFullError,
 )
-from ..engine import Finished, TokenLogprob, Usage
+from ..engine import Finished, TokenLogprob, ToolCall, Usage
 
 try:
     import orjson
@@ -380,11 +380,12 @@ def completion_logprobs(items: Sequence[TokenLogprob], offset: int = 0) -> tuple
 class ChoiceResult:
     """What one choice of a non-streamed request accumulated."""
 
-    __slots__ = ("text", "logprobs", "finished")
+    __slots__ = ("text", "logprobs", "tool_calls", "finished")
 
     def __init__(self) -> None:
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
+        self.tool_calls: list[ToolCall] = []
         self.finished: Finished | None = None
 
 
