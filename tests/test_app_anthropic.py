@@ -143,3 +143,78 @@ async def test_disconnect_mid_stream_frees_the_slot(tiny_model_fp32):
         assert [r.outcome for r in records] == ["disconnect", "disconnect"]
         assert [r.endpoint for r in records] == [MESSAGES, MESSAGES]
         assert not server.app.completions.streams
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}
+SEARCH = {"name": "search", "input_schema": {"type": "object", "properties": {"q": {"type": "string", "maxLength": 12}},
+                                             "required": ["q"]}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def tool_round_trip(url: str) -> dict:
+    """A forced call, whole and streamed; its result sent back; the reply and its count."""
+    client = sdk(url)
+    out: dict = {}
+    kw = dict(model="model", max_tokens=60, tools=[WEATHER, SEARCH], extra_body=GREEDY)
+    out["any"] = client.messages.create(messages=ASK, tool_choice={"type": "any"}, **kw)
+    with client.messages.stream(messages=ASK, tool_choice={"type": "tool", "name": "get_weather"}, **kw) as stream:
+        out["events"] = [e.type for e in stream]
+        out["streamed"] = stream.get_final_message()
+    call = out["streamed"].content[-1]
+    history = [*ASK, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out["streamed"].content]},
+               {"role": "user", "content": [
+                   {"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"},
+                   {"type": "text", "text": "Thanks. Summarize."}]}]
+    out["reply"] = client.messages.create(messages=history, tool_choice={"type": "none"}, **kw)
+    out["count"] = client.messages.count_tokens(model="model", messages=history, tools=[WEATHER, SEARCH])
+    out["count_plain"] = client.messages.count_tokens(model="model", messages=history)
+    return out
+
+
+async def test_tool_use_round_trip(tool_model_fp32):
+    import jsonschema
+
+    async with serve(tool_model_fp32) as server:
+        out = await trio.to_thread.run_sync(tool_round_trip, server.url)
+    forced = out["any"]
+    # The grammar forces a call; a random model may write past it until max_tokens (the engine's
+    # finish is then "length"), but never anything that is not a call.
+    assert forced.stop_reason in ("tool_use", "max_tokens")
+    assert not [b for b in forced.content if b.type == "text"]
+    uses = [b for b in forced.content if b.type == "tool_use"]
+    assert uses and all(u.name in ("get_weather", "search") for u in uses)
+    for u in uses:
+        jsonschema.validate(u.input, (WEATHER if u.name == "get_weather" else SEARCH)["input_schema"])
+    streamed = out["streamed"]
+    assert streamed.stop_reason in ("tool_use", "max_tokens")
+    assert [b.name for b in streamed.content if b.type == "tool_use"] == ["get_weather"] * len(
+        [b for b in streamed.content if b.type == "tool_use"])
+    call = streamed.content[-1]
+    assert call.type == "tool_use" and call.id
+    jsonschema.validate(call.input, WEATHER["input_schema"])  # the SDK reassembled input_json_delta
+    assert "input_json" in out["events"] and out["events"][-1] == "message_stop"
+    reply = out["reply"]
+    assert reply.stop_reason in ("end_turn", "max_tokens") and reply.content[0].type == "text"
+    assert not [b for b in reply.content if b.type == "tool_use"]
+    # The tools are part of the prompt: counted when sent.
+    assert out["count"].input_tokens > out["count_plain"].input_tokens > 0
+
+
+async def test_output_config_json_schema(tool_model_fp32):
+    import json
+
+    import jsonschema
+
+    schema = WEATHER["input_schema"]
+
+    def call(url: str) -> str:
+        msg = sdk(url).messages.create(model="model", max_tokens=60, messages=ASK, extra_body=GREEDY,
+                                       output_config={"format": {"type": "json_schema", "schema": schema}})
+        return msg.content[0].text
+
+    async with serve(tool_model_fp32) as server:
+        text = await trio.to_thread.run_sync(call, server.url)
+    jsonschema.validate(json.loads(text), schema)

@@ -561,6 +561,23 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         return ids
 
+    async def count_chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+    ) -> int:
+        """The prompt tokens `chat()` would submit for these messages and tools, without
+        submitting anything (Anthropic's count_tokens). Tokenizes in a worker thread."""
+        self._check_open()
+        options = {"tools": tools, "tool_choice": tool_choice} if tools is not None else {}
+        structure = check_structure(self.tokenizer, options, chat=True)
+        prompt = await trio.to_thread.run_sync(
+            self.encode_prompt, "chat", messages, structure.template_kwargs() or None,
+            limiter=_tokenizer_limiter())
+        return len(prompt)
+
     async def _prepare(self, source: tuple[str, Any, Any], opts: dict[str, Any]) -> tuple[list[int], int, SamplingParams, frozenset[int], tuple[str, ...]]:
         self._check_open()
         sampling, stop_strings, stop_ids, ignore_eos = _validate(opts, self.info)

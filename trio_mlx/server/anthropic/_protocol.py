@@ -82,6 +82,15 @@ class ToolChoice(_Strict):
     disable_parallel_tool_use: bool | None = None
 
 
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: OutputFormat | None = None
+
+
 class _Conversation(_Strict):
     model: str = Field(description="the served model id")
     messages: list[InputMessage] = Field(min_length=1)
@@ -89,10 +98,21 @@ class _Conversation(_Strict):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
 
-    def chat(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any]:
-        """(messages, tools, tool_choice) in OpenAI's shape, for `engine.chat`."""
-        return (chat_messages(self.system, self.messages), chat_tools(self.tools),
-                chat_tool_choice(self.tool_choice, self.tools))
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The conversation in OpenAI's shape, for `engine.chat`."""
+        return chat_messages(self.system, self.messages)
+
+    def tool_options(self) -> dict[str, Any]:
+        """`engine.chat`'s tools, tool_choice and parallel_tool_calls."""
+        tools, choice = chat_tools(self.tools), chat_tool_choice(self.tool_choice, self.tools)
+        if not tools:
+            return {}
+        out: dict[str, Any] = {"tools": tools}
+        if choice is not None:
+            out["tool_choice"] = choice
+        if self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use:
+            out["parallel_tool_calls"] = False
+        return out
 
 
 class MessagesRequest(_Conversation):
@@ -104,6 +124,8 @@ class MessagesRequest(_Conversation):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="0: no top-k")
     stream: bool = False
+    output_config: OutputConfig | None = Field(
+        None, description="format: {type: json_schema, schema}: the answer is JSON valid against it")
     ignore_eos: bool = Field(False, description="an extension (as on the OpenAI endpoints): "
                                                 "generate max_tokens tokens")
 
@@ -118,6 +140,15 @@ class MessagesRequest(_Conversation):
             if value is not None:
                 opts[name] = value
         return opts
+
+    def structure(self) -> dict[str, Any]:
+        """`engine.chat`'s tools, tool_choice, parallel_tool_calls and response_format."""
+        out = self.tool_options()
+        fmt = self.output_config.format if self.output_config else None
+        if fmt is not None:
+            out["response_format"] = {"type": "json_schema",
+                                      "json_schema": {"name": "output", "schema": fmt.schema_, "strict": True}}
+        return out
 
 
 class CountTokensRequest(_Conversation):

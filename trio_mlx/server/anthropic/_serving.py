@@ -14,9 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import trio
-
-from ...engine import Engine, Finished, RequestStream, TextDelta
+from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCalls
 from .._openai import ChoiceResult, HTTPError, dumps
 from ._protocol import CountTokensRequest, MessagesRequest, error_body, error_payload
 
@@ -43,24 +41,17 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _calls(ev: Any) -> Sequence[Any]:
-    return getattr(ev, "calls", ())
-
-
 class MessagesCall:
     def __init__(self, req: MessagesRequest):
         self.req = req
         self.model: str | None = req.model
         self.stream = req.stream
-        self.messages, self.tools, self.tool_choice = req.chat()
+        # Translated here, so that a bad request gets its 400 before the engine sees it.
+        self.messages = req.chat_messages()
+        self.structure = req.structure()
 
     def open(self, engine: Engine) -> RequestStream:
-        extra: dict[str, Any] = {}
-        if self.tools:
-            extra["tools"] = self.tools
-        if self.tool_choice is not None and self.tools:
-            extra["tool_choice"] = self.tool_choice
-        return engine.chat(self.messages, **extra, **self.req.engine_options())
+        return engine.chat(self.messages, **self.structure, **self.req.engine_options())
 
     def encoder(self, rid: str, model: str, prompt_tokens: int) -> MessageEncoder:
         return MessageEncoder(rid, model, prompt_tokens, self.req.stop_sequences or ())
@@ -70,7 +61,7 @@ class MessagesCall:
         assert fin is not None
         content: list[dict[str, Any]] = []
         text = "".join(result.text)
-        calls = getattr(result, "tool_calls", None) or []
+        calls = result.tool_calls
         if text or not calls:
             content.append({"type": "text", "text": text})
         for call in calls:
@@ -87,13 +78,13 @@ class MessagesCall:
 class CountTokensCall:
     def __init__(self, req: CountTokensRequest):
         self.model: str | None = req.model
-        self.messages, self.tools, _ = req.chat()
+        self.messages = req.chat_messages()
+        self.tools = req.tool_options()
 
     async def respond(self, engine: Engine) -> bytes:
-        kwargs = {"tools": self.tools} if self.tools else None
-        # A worker thread: a conversation may be long, and this is not the hot path (rule 6).
-        ids = await trio.to_thread.run_sync(engine.encode_prompt, "chat", self.messages, kwargs)
-        return dumps({"input_tokens": len(ids)})
+        n = await engine.count_chat_tokens(self.messages, tools=self.tools.get("tools"),
+                                           tool_choice=self.tools.get("tool_choice"))
+        return dumps({"input_tokens": n})
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
@@ -137,7 +128,7 @@ class MessageEncoder:
             opening = b"" if self.text_open else self._open_text()
             return opening + self._head + dumps(ev.text) + b"}}\n\n"
         parts = [self._close_block()] if self.text_open else []
-        for call in _calls(ev):
+        for call in ev.calls if type(ev) is ToolCalls else ():
             parts.append(_event("content_block_start", {"index": self.index, "content_block": {
                 "type": "tool_use", "id": call.id, "name": call.name, "input": {}}}))
             parts.append(_event("content_block_delta", {"index": self.index, "delta": {
