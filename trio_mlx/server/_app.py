@@ -332,10 +332,11 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
 
 def wire_apis() -> dict[str, WireAPI]:
-    from . import anthropic
+    from . import anthropic, responses
 
     return {anthropic.MESSAGES_PATH: anthropic.MessagesAPI(),
-            anthropic.COUNT_TOKENS_PATH: anthropic.CountTokensAPI()}
+            anthropic.COUNT_TOKENS_PATH: anthropic.CountTokensAPI(),
+            responses.RESPONSES_PATH: responses.ResponsesAPI()}
 
 
 def _release(app: TrioMLXApp) -> None:

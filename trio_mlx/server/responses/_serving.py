@@ -1,0 +1,195 @@
+"""OpenAI's Responses API served by the engine: the call (`_wire.py`), the `response` object and
+its streamed events.
+
+Output items: one `message` (its `output_text`) when the model wrote text or
+made no call, then one `function_call` item per call. A stream is
+`response.created`, `response.in_progress`; for the message
+`response.output_item.added`, `response.content_part.added`,
+`response.output_text.delta`..., `response.output_text.done`,
+`response.content_part.done`, `response.output_item.done`; for each call
+`response.output_item.added`, `response.function_call_arguments.delta`,
+`response.function_call_arguments.done`, `response.output_item.done`; then
+`response.completed` (or `response.incomplete` at max_output_tokens) with the
+whole response and its usage. A failure after the start is an `error` event
+and `response.failed`. Every event has a `sequence_number`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCall, ToolCalls, Usage
+from .._openai import ChoiceResult, HTTPError, dumps, new_id
+from ._protocol import ResponsesRequest
+
+RESPONSES_PATH = "/v1/responses"
+
+
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.total_tokens}
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
+    return {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "status": status,
+            "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if arguments is None else arguments}
+
+
+class ResponsesCall:
+    def __init__(self, req: ResponsesRequest):
+        req.check()
+        self.req = req
+        self.model: str | None = req.model
+        self.stream = req.stream
+        # Translated here, so that a bad request gets its 400 before the engine sees it.
+        self.messages = req.chat_messages()
+        self.structure = req.structure()
+        self.created = int(time.time())
+
+    def open(self, engine: Engine) -> RequestStream:
+        return engine.chat(self.messages, **self.structure, **self.req.engine_options())
+
+    def response(self, rid: str, model: str, status: str, output: list[dict[str, Any]],
+                 usage: Usage | None = None, error: HTTPError | None = None) -> dict[str, Any]:
+        """The `response` object (what the endpoint returns, and streamed events carry)."""
+        req = self.req
+        fmt = req.text.format if req.text and req.text.format else None
+        return {
+            "id": rid, "object": "response", "created_at": self.created, "status": status,
+            "error": None if error is None else {"code": error.code or error.type, "message": error.message},
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
+            "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": None, "reasoning": None, "store": False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "usage": None if usage is None else usage_dict(usage), "metadata": req.metadata or {},
+            "user": None,
+        }
+
+    def encoder(self, rid: str, model: str, prompt_tokens: int) -> ResponseEncoder:
+        return ResponseEncoder(self, rid, model)
+
+    def whole(self, rid: str, model: str, result: ChoiceResult) -> bytes:
+        fin = result.finished
+        assert fin is not None
+        status = "incomplete" if fin.finish_reason == "length" else "completed"
+        text = "".join(result.text)
+        output = []
+        if text or not result.tool_calls:
+            output.append(message_item(new_id("msg_"), text, status))
+        output.extend(call_item(c) for c in result.tool_calls)
+        return dumps(self.response(rid, model, status, output, fin.usage))
+
+
+class ResponseEncoder:
+    """The SSE events of one streamed response (`_wire.StreamEncoder`)."""
+
+    __slots__ = ("call", "rid", "model", "seq", "output", "msg_id", "text", "_head")
+
+    def __init__(self, call: ResponsesCall, rid: str, model: str):
+        self.call, self.rid, self.model = call, rid, model
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []  # finished items
+        self.msg_id: str | None = None  # the message item, while it is open
+        self.text: list[str] = []
+        self._head = b""
+
+    def _event(self, kind: str, data: dict[str, Any]) -> bytes:
+        self.seq += 1
+        return (b"event: " + kind.encode() + b"\ndata: "
+                + dumps({"type": kind, **data, "sequence_number": self.seq - 1}) + b"\n\n")
+
+    def start(self) -> bytes:
+        r = self.call.response(self.rid, self.model, "in_progress", [])
+        return self._event("response.created", {"response": r}) + self._event("response.in_progress", {"response": r})
+
+    def _open_message(self) -> bytes:
+        self.msg_id = msg_id = new_id("msg_")
+        index = len(self.output)
+        # The hot path's bytes: one concatenation around the json-escaped text (rule 7).
+        self._head = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+                      b'"item_id":"' + msg_id.encode() + b'","output_index":%d,"content_index":0,"delta":' % index)
+        item = {"id": msg_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        return (self._event("response.output_item.added", {"output_index": index, "item": item})
+                + self._event("response.content_part.added", {
+                    "item_id": msg_id, "output_index": index, "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}))
+
+    def _close_message(self, status: str = "completed") -> bytes:
+        msg_id, index, text = self.msg_id, len(self.output), "".join(self.text)
+        assert msg_id is not None
+        self.msg_id = None
+        item = message_item(msg_id, text, status)
+        self.output.append(item)
+        where = {"item_id": msg_id, "output_index": index, "content_index": 0}
+        return (self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
+                + self._event("response.content_part.done", {**where, "part": item["content"][0]})
+                + self._event("response.output_item.done", {"output_index": index, "item": item}))
+
+    def event(self, ev: Any) -> bytes:
+        if type(ev) is TextDelta:
+            if not ev.text:
+                return b""
+            opening = b"" if self.msg_id is not None else self._open_message()
+            self.text.append(ev.text)
+            self.seq += 1
+            return (opening + self._head + dumps(ev.text)
+                    + b',"logprobs":[],"sequence_number":%d}\n\n' % (self.seq - 1))
+        if type(ev) is not ToolCalls:
+            return b""
+        parts = [self._close_message()] if self.msg_id is not None else []
+        for c in ev.calls:
+            index = len(self.output)
+            item = call_item(c)
+            where = {"item_id": item["id"], "output_index": index}
+            parts += [
+                self._event("response.output_item.added", {"output_index": index,
+                                                           "item": call_item(c, "in_progress", "")}),
+                self._event("response.function_call_arguments.delta", {**where, "delta": c.arguments}),
+                self._event("response.function_call_arguments.done", {**where, "arguments": c.arguments,
+                                                                      "name": c.name}),
+                self._event("response.output_item.done", {"output_index": index, "item": item}),
+            ]
+            self.output.append(item)
+        return b"".join(parts)
+
+    def finish(self, fin: Finished) -> bytes:
+        status = "incomplete" if fin.finish_reason == "length" else "completed"
+        parts = []
+        if self.msg_id is None and not self.output:
+            parts.append(self._open_message())  # an empty answer is still one (empty) message
+        if self.msg_id is not None:
+            parts.append(self._close_message(status))
+        r = self.call.response(self.rid, self.model, status, self.output, fin.usage)
+        parts.append(self._event(f"response.{status}", {"response": r}))
+        return b"".join(parts)
+
+    def error(self, err: HTTPError) -> bytes:
+        r = self.call.response(self.rid, self.model, "failed", self.output, error=err)
+        return (self._event("error", {"code": err.code, "message": err.message, "param": err.param})
+                + self._event("response.failed", {"response": r}))
+
+
+class ResponsesAPI:
+    """`POST /v1/responses` (`_wire.WireAPI`): errors in OpenAI's shape."""
+
+    id_prefix = "resp_"
+    accept_x_api_key = False
+
+    def parse(self, obj: dict[str, Any]) -> ResponsesCall:
+        return ResponsesCall(ResponsesRequest.model_validate(obj))
+
+    def error_body(self, err: HTTPError) -> bytes:
+        return err.body()
