@@ -106,6 +106,19 @@ def assert_openai_error(r: httpx.Response | Any, *, allow_ok: bool = False) -> N
     assert "Traceback" not in r.text
 
 
+def assert_anthropic_error(r: httpx.Response | Any, *, allow_ok: bool = False) -> None:
+    """Not a 5xx; unless it is a 200, an Anthropic-shaped error body (the /v1/messages endpoints)."""
+    status = r.status_code
+    assert status < 500, (status, r.text[:500])
+    if allow_ok and status < 300:
+        return
+    assert 400 <= status < 500, (status, r.text[:300])
+    body = r.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+    assert "Traceback" not in r.text
+
+
 # ---- schemathesis, from the server's own OpenAPI document -------------------------------------
 
 schema = schemathesis.openapi.from_dict(openapi_document(Settings(model_name="fuzz", max_n=MAX_N)))
@@ -121,7 +134,10 @@ def test_the_api_from_its_openapi_document(case, server):
     response = case.call(base_url=server.url, timeout=20)
     TRIED[f"schemathesis {case.method} {case.path} -> {response.status_code}"] += 1
     case.validate_response(response, excluded_checks=NOT_APPLICABLE)
-    assert_openai_error(response, allow_ok=True)
+    if case.path.startswith("/v1/messages"):
+        assert_anthropic_error(response, allow_ok=True)
+    else:
+        assert_openai_error(response, allow_ok=True)
     if response.status_code == 200 and case.method == "POST" and case.path in (CHAT, TEXT):
         if response.text.startswith(("data:", ":")):  # a stream
             assert response.text.endswith("data: [DONE]\n\n"), (json.dumps(case.body), response.text[-300:])

@@ -295,7 +295,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     @app.get("/")
     async def index() -> Response:
         return json_response({"name": "trio_mlx", "model": settings.served_model_name,
-                              "endpoints": [CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health",
+                              "endpoints": [CHAT_PATH, COMPLETIONS_PATH, *app.wire_apis, "/v1/models", "/health",
                                             "/ready", "/metrics", "/openapi.json"]})
 
     @app.errorhandler(HTTPError)

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord, ServerHost
+from ._records import GENERATION_PATHS, RequestRecord, ServerHost
 
 PREFIX = "trio_mlx_"
 STATES = ("starting", "ready", "draining", "closed", "broken")
@@ -61,7 +61,7 @@ class Metrics:
                                      "requests", ["endpoint"], registry=reg)
         self.completion_tokens = Counter(PREFIX + "completion_tokens", "tokens generated for completed "
                                          "requests", ["endpoint"], registry=reg)
-        for endpoint in (CHAT_PATH, COMPLETIONS_PATH):
+        for endpoint in GENERATION_PATHS:
             for outcome in OUTCOMES:
                 self.outcomes.labels(endpoint, outcome)
         reg.register(_EngineCollector(app))

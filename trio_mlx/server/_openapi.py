@@ -15,6 +15,8 @@ from pydantic.json_schema import models_json_schema
 
 from ._openai import ChatCompletionRequest, CompletionRequest
 from ._settings import Settings
+from .anthropic._protocol import CountTokensRequest, MessagesRequest
+from .responses._protocol import ResponsesRequest
 
 
 class _Doc(BaseModel):
@@ -117,9 +119,62 @@ class Status(_Doc):
     status: str
 
 
+class AnthropicErrorDetail(_Doc):
+    type: str
+    message: str
+
+
+class AnthropicError(_Doc):
+    """Anthropic's error shape (the /v1/messages endpoints)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicUsage(_Doc):
+    input_tokens: int
+    output_tokens: int
+
+
+class AnthropicMessage(_Doc):
+    """A message of Anthropic's API: content blocks of type text and tool_use."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class MessageTokensCount(_Doc):
+    input_tokens: int
+
+
+class ResponseUsage(_Doc):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class ResponseObject(_Doc):
+    """A response of OpenAI's Responses API: output items of type message and function_call."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage
+
+
 _MODELS: list[type[BaseModel]] = [
     ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion,
-    ModelList, ModelCard, ErrorResponse, Status,
+    ModelList, ModelCard, ErrorResponse, Status, MessagesRequest, CountTokensRequest, AnthropicMessage,
+    AnthropicError, MessageTokensCount, ResponsesRequest, ResponseObject,
 ]
 
 
@@ -131,11 +186,11 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
     return {"application/json": {"schema": _ref(model)}}
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
+def _errors(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
     text = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model or URL",
             405: "method not allowed", 413: "body too large", 429: "queue full (see Retry-After)",
             500: "internal error", 503: "not ready, draining, or broken (see Retry-After)"}
-    return {str(s): {"description": text[s], "content": _json(ErrorResponse)} for s in statuses}
+    return {str(s): {"description": text[s], "content": _json(model)} for s in statuses}
 
 
 # One server-sent event (what `schema` of an event stream describes before OpenAPI 3.2's
@@ -166,6 +221,22 @@ def _completion_op(summary: str, request: type[BaseModel], whole: type[BaseModel
     }}
 
 
+def _api_op(summary: str, request: type[BaseModel], whole: type[BaseModel], events: str | None,
+            error: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
+    """An endpoint of another API (Anthropic's, the Responses API): `event:` + `data:` events."""
+    content = _json(whole)
+    description = f"a {whole.__name__}"
+    if events:
+        content["text/event-stream"] = {"schema": _SSE_EVENT}
+        description += f", or with stream=true server-sent events ({events})"
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(request)},
+        "responses": {"200": {"description": description, "content": content},
+                      **_errors(400, 401, 404, 413, 429, 500, 503, model=error)},
+    }}
+
+
 def _get(summary: str, model: type[BaseModel], *errors: int, params: list[Any] | None = None) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary,
                           "responses": {"200": {"description": "OK", "content": _json(model)}, **_errors(*errors)}}
@@ -188,6 +259,15 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
             "/v1/chat/completions": _completion_op("Chat completion", ChatCompletionRequest, ChatCompletion,
                                                    ChatCompletionChunk),
             "/v1/completions": _completion_op("Text completion", CompletionRequest, Completion, Completion),
+            "/v1/messages": _api_op(
+                "Anthropic's Messages API", MessagesRequest, AnthropicMessage,
+                "message_start, content_block_start/delta/stop, message_delta, message_stop",
+                AnthropicError),
+            "/v1/messages/count_tokens": _api_op("Anthropic's token count of a request", CountTokensRequest,
+                                                 MessageTokensCount, None, AnthropicError),
+            "/v1/responses": _api_op(
+                "OpenAI's Responses API (stateless)", ResponsesRequest, ResponseObject,
+                "response.created ... response.completed or response.incomplete"),
             "/v1/models": _get("The served model", ModelList, 401),
             "/v1/models/{model}": _get("One model", ModelCard, 401, 404, params=[
                 {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
@@ -203,7 +283,12 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
     }
     if settings.api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}"):
+        doc["components"]["securitySchemes"]["x-api-key"] = {"type": "apiKey", "in": "header",
+                                                              "name": "x-api-key"}
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
+                     "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
             for op in doc["paths"][path].values():
                 op["security"] = [{"bearer": []}]
+                if path.startswith("/v1/messages"):
+                    op["security"].append({"x-api-key": []})
     return doc

@@ -16,10 +16,9 @@ from typing import Any
 
 from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCalls
 from .._openai import ChoiceResult, HTTPError, dumps
+from .._records import COUNT_TOKENS_PATH as COUNT_TOKENS_PATH
+from .._records import MESSAGES_PATH as MESSAGES_PATH
 from ._protocol import CountTokensRequest, MessagesRequest, error_body, error_payload
-
-MESSAGES_PATH = "/v1/messages"
-COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 
 
 def stop_reason(fin: Finished, stop_sequences: Sequence[str]) -> tuple[str, str | None]:

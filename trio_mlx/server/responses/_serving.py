@@ -21,9 +21,8 @@ from typing import Any
 
 from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCall, ToolCalls, Usage
 from .._openai import ChoiceResult, HTTPError, dumps, new_id
+from .._records import RESPONSES_PATH as RESPONSES_PATH
 from ._protocol import ResponsesRequest
-
-RESPONSES_PATH = "/v1/responses"
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
