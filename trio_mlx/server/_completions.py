@@ -12,6 +12,11 @@ which makes hypercorn close the connection and so unblocks the send.
 
 Per-request timings land in a `RequestRecord` handed to `app.observers`
 when the request ends: the hook for metrics.
+
+The same machinery serves the other APIs (`_wire.py`: Anthropic's Messages
+API, OpenAI's Responses API): `read_json_request` checks their requests, the
+pump writes their streams through a `StreamEncoder`, and `_serve_whole` builds
+their whole answers with their own builder and error shape.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import trio
 
@@ -61,7 +66,6 @@ from ._records import CHAT_PATH, RequestRecord, ServerHost
 
 if TYPE_CHECKING:
     from ._settings import Settings
-    from ._wire import StreamEncoder
 
 log = logging.getLogger("trio_mlx.http")
 # The longest pause between two events of one stream that adaptive pacing may
@@ -74,6 +78,23 @@ _SSE_HEADERS: RawHeaders = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+
+
+class StreamEncoder(Protocol):
+    """The bytes of one streamed answer of another API (`_wire.py`), made as the engine's
+    events arrive (on the event loop, once per SSE event: keep it cheap, docs/design.md rule 7)."""
+
+    def start(self) -> bytes:
+        """The events sent before the first token (the response's opening)."""
+
+    def event(self, ev: Any) -> bytes:
+        """The events for one engine event other than `Finished` (may be empty)."""
+
+    def finish(self, fin: Finished) -> bytes:
+        """The closing events of an answer that ended normally."""
+
+    def error(self, err: HTTPError) -> bytes:
+        """The last event of a stream that failed after it started."""
 
 
 class _Gone(Exception):

@@ -19,7 +19,7 @@ from typing import Any, Protocol, cast
 import trio
 
 from .._errors import TrioMLXError
-from ..engine import Engine, Finished, RequestStream
+from ..engine import Engine, RequestStream
 from ._asgi import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -33,28 +33,11 @@ from ._asgi import (
     send_error,
     send_response,
 )
-from ._completions import Completions, read_json_request
+from ._completions import Completions, StreamEncoder, read_json_request
 from ._openai import ChoiceResult, HTTPError, error_from_exception, new_id
 from ._records import RequestRecord
 
 log = logging.getLogger("trio_mlx.http")
-
-
-class StreamEncoder(Protocol):
-    """The bytes of one streamed answer, made as the engine's events arrive (on the event
-    loop, once per SSE event: keep it cheap, docs/design.md rule 7)."""
-
-    def start(self) -> bytes:
-        """The events sent before the first token (the response's opening)."""
-
-    def event(self, ev: Any) -> bytes:
-        """The events for one engine event other than `Finished` (may be empty)."""
-
-    def finish(self, fin: Finished) -> bytes:
-        """The closing events of an answer that ended normally."""
-
-    def error(self, err: HTTPError) -> bytes:
-        """The last event of a stream that failed after it started."""
 
 
 class ApiCall(Protocol):
