@@ -211,7 +211,7 @@ class Actor:
         script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]] = [
             ([Submit(a, prompt, 8, SamplingParams(temperature=0.0), frozenset())], lambda n: n[a] >= 3),
             ([Submit(b, prompt, 12, every, frozenset()),
-              Submit(c, prompt, 12, SamplingParams(temperature=0.7, seed=0), frozenset(), _WARM_GRAMMAR)],
+              Submit(c, prompt, 12, SamplingParams(temperature=0.7, seed=0), frozenset(), self._warm_grammar())],
              lambda n: n[a] >= 8),
             ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
             ([Abort(c)], lambda n: not self._seqs),
@@ -232,6 +232,14 @@ class Actor:
                     raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
         finally:
             self._admission = admission
+
+    def _warm_grammar(self) -> Grammar | None:
+        """The rehearsal's grammar, if this model's tokenizer takes constrained decoding."""
+        try:
+            model_vocab(self.config.model_path)
+        except Exception:  # its requests get a 400 from the engine; nothing to warm
+            return None
+        return _WARM_GRAMMAR
 
     def _free(self) -> None:
         """Drop every array on this thread and synchronize, so the process exits cleanly."""
