@@ -221,3 +221,26 @@ async def test_tools_for_a_model_without_tool_calling_is_a_clear_error(tiny_mode
             async with engine.chat(ASK, tools=TOOLS):
                 pass
     assert info.value.param == "tools" and "does not support tool calling" in info.value.message
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+async def test_tools_beside_a_response_format_give_calls_or_an_answer(tool_model_fp32: Path,
+                                                                       temperature: float) -> None:
+    """tool_choice "auto" with a JSON response format: every reply is valid calls or a
+    valid answer, never free text."""
+    kinds = set()
+    async with trio_mlx.open_engine(tool_model_fp32, warmup=False) as engine:
+        for i in range(8):
+            async with engine.chat(ASK, tools=TOOLS, response_format=SCHEMA_FORMAT, max_tokens=90,
+                                   temperature=temperature, seed=i) as events:
+                text, calls, fin = await collect(events)
+            if calls:
+                assert not text.strip() and fin.finish_reason in ("tool_calls", "length")
+                for call in calls:
+                    jsonschema.validate(json.loads(call.arguments), schema_of(call.name))
+                kinds.add("calls")
+            else:
+                jsonschema.validate(json.loads(text), PERSON)
+                kinds.add("answer")
+    # greedy, this model always answers; sampled (seeded), it does both: the grammar admits either
+    assert kinds == ({"answer"} if temperature == 0.0 else {"answer", "calls"})

@@ -31,7 +31,7 @@ from mlx_lm.generate import BatchGenerator
 from .. import models
 from ._admission import Admission
 from ._batch import batch_rows, remove_rows, take_prompt_tokens
-from ._constrain import GrammarProcessor, model_vocab
+from ._constrain import GrammarProcessor, json_string_grammar, model_vocab
 from ._link import ActorLink
 from ._protocol import (
     Abort,
@@ -39,6 +39,7 @@ from ._protocol import (
     ActorInfo,
     Command,
     FinishReason,
+    Grammar,
     SamplingParams,
     Shutdown,
     StepReport,
@@ -53,6 +54,8 @@ from ._warmup import WARMUP_PROMPT, warm_up
 # the report of a step that leaves the batch empty (so an idle server's figures
 # are current); the number is arbitrary, small enough for a scrape to see it move.
 _MEMORY_EVERY = 64
+# The warm-up rehearsal's constrained row: any JSON string (llguidance's grammar text).
+_WARM_GRAMMAR = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
 # Without `ActorConfig.idle_release`: seconds idle before MLX's buffer cache is
 # handed back on a GPU (never on the CPU, where the cache is this process's own heap).
 IDLE_RELEASE = 1.0
@@ -192,7 +195,9 @@ class Actor:
         `benchmarks/probes/probe_first_visits.py` found the module in MLX's PTX cache).
         Sampling, penalties, logit bias and logprobs have kernels of their own.
         The script: A (greedy) decodes; B (every sampling option, logprobs)
-        and C (seeded) join it, padded; A finishes and retires; D enters, so
+        and C (seeded, held to a JSON grammar: the mask's kernels, and the
+        tokenizer's grammar vocabulary built now rather than at the first
+        constrained request) join it, padded; A finishes and retires; D enters, so
         A's row leaves with B and C kept, trimming the padding they share; C
         is aborted; the rest finish and the batch runs dry.
         """
@@ -206,7 +211,8 @@ class Actor:
         script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]] = [
             ([Submit(a, prompt, 8, SamplingParams(temperature=0.0), frozenset())], lambda n: n[a] >= 3),
             ([Submit(b, prompt, 12, every, frozenset()),
-              Submit(c, prompt, 12, SamplingParams(temperature=0.7, seed=0), frozenset())], lambda n: n[a] >= 8),
+              Submit(c, prompt, 12, SamplingParams(temperature=0.7, seed=0), frozenset(), self._warm_grammar())],
+             lambda n: n[a] >= 8),
             ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
             ([Abort(c)], lambda n: not self._seqs),
         ]
@@ -226,6 +232,14 @@ class Actor:
                     raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
         finally:
             self._admission = admission
+
+    def _warm_grammar(self) -> Grammar | None:
+        """The rehearsal's grammar, if this model's tokenizer takes constrained decoding."""
+        try:
+            model_vocab(self.config.model_path)
+        except Exception:  # its requests get a 400 from the engine; nothing to warm
+            return None
+        return _WARM_GRAMMAR
 
     def _free(self) -> None:
         """Drop every array on this thread and synchronize, so the process exits cleanly."""

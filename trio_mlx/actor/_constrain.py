@@ -55,6 +55,11 @@ JUMP_FACTOR = 2
 JUMP_GUESS = 32
 
 
+def json_string_grammar() -> str:
+    """llguidance's grammar text for any JSON string (the warm-up's constrained row)."""
+    return llguidance.LLMatcher.grammar_from_json_schema('{"type": "string"}')
+
+
 def model_vocab(model_path: os.PathLike[str]) -> GrammarVocab:
     """The model's tokenizer in llguidance's form, for the actor's processors.
 

@@ -723,7 +723,7 @@ class RequestStream:
 
             check_max_tokens(grammar, max_tokens)
         self.structure, self.grammar = structure, grammar
-        self._tool_stream = structure.tool_stream(engine.tokenizer)
+        self._tool_stream = structure.tool_stream(engine.tokenizer, prompt, grammar)
         self.prompt_tokens = prompt
         self.max_tokens = max_tokens
         self._sampling = sampling

@@ -67,6 +67,31 @@ def compile_response_format(
     InvalidRequestError, naming the problem, for anything else or a schema that
     does not compile.
     """
+    spec = _format_spec(response_format, param)
+    if spec is None:
+        return None
+    kind, schema, strict = spec
+    if kind == "json_object":
+        return _compile_json(tokenizer, schema, strict=True, kind="json_object", param=param)
+    return compile_json_schema(tokenizer, schema, strict=strict, param=param)
+
+
+def answer_schema(response_format: Any, *, param: str = "response_format") -> dict[str, Any] | None:
+    """The JSON schema `response_format` asks for, with llguidance's options inside it
+    (`"x-guidance"`), for a Lark grammar's `%json {...}`; None for plain text."""
+    spec = _format_spec(response_format, param)
+    if spec is None:
+        return None
+    _, schema, strict = spec
+    if isinstance(schema, bool) or not isinstance(schema, Mapping):
+        raise InvalidRequestError(f"{param}: the JSON schema must be an object", param=param)
+    own = schema.get("x-guidance")
+    options = {**JSON_OPTIONS, "lenient": not strict, **(own if isinstance(own, Mapping) else {})}
+    return {**schema, "x-guidance": options}
+
+
+def _format_spec(response_format: Any, param: str) -> tuple[str, Any, bool] | None:
+    """`response_format` -> (type, schema, strict), or None for text; a 400 for anything else."""
     if response_format is None:
         return None
     if not isinstance(response_format, Mapping):
@@ -75,7 +100,7 @@ def compile_response_format(
     if kind == "text":
         return None
     if kind == "json_object":
-        return _compile_json(tokenizer, {"type": "object"}, strict=True, kind="json_object", param=param)
+        return kind, {"type": "object"}, True
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, Mapping):
@@ -84,7 +109,7 @@ def compile_response_format(
             )
         schema = spec.get("schema", {})  # OpenAI's default: any JSON value
         strict = spec.get("strict", response_format.get("strict"))
-        return compile_json_schema(tokenizer, schema, strict=strict is True, param=param)
+        return kind, schema, strict is True
     raise InvalidRequestError(
         f"{param}.type must be 'text', 'json_object' or 'json_schema', not {kind!r}", param=param
     )

@@ -4,10 +4,11 @@
 `engine.generate(..., response_format=)` end up here when their stream is
 entered: `check_structure` checks the options (OpenAI's shapes, a 400 naming
 the problem), `compile_structure` turns them into the one `Grammar` the actor
-enforces (a response format, or the call format `tool_choice` "required" or a
-named function demands), and `Structure.tool_stream` makes the
-`_tools.ToolCallStream` that splits the generated text into content and
-calls. Compiling runs in a worker thread (llguidance builds a grammar with the
+enforces (a response format; the call format `tool_choice` "required" or a
+named function demands; or, for tools beside a response format, either calls
+or an answer in the format), and `Structure.tool_stream` makes the
+`_tools.ToolCallStream` that splits the generated text into content,
+reasoning and calls. Compiling runs in a worker thread (llguidance builds a grammar with the
 GIL released; a large schema takes milliseconds to tens of them), behind a
 limiter of its own, and compiled grammars are kept for reuse: agents send the
 same tools and schema with every turn.
@@ -61,13 +62,20 @@ class Structure:
     def template_kwargs(self) -> dict[str, Any]:
         return {"tools": list(self.tools)} if self.uses_tools else {}
 
-    def tool_stream(self, tokenizer: Any) -> Any:
-        """A fresh `ToolCallStream` for one response, or None without tools."""
+    def tool_stream(self, tokenizer: Any, prompt: list[int], grammar: Grammar | None) -> Any:
+        """A fresh `ToolCallStream` for one response, or None without tools. It starts
+        in "reasoning" where the prompt leaves a thinking block open (as
+        mlx_lm.server decides), unless a grammar holds the reply from its first token."""
         if not self.uses_tools:
             return None
         from ._tools import ToolCallStream
 
-        return ToolCallStream(tokenizer, self.tools)
+        initial = "normal"
+        if grammar is None and getattr(tokenizer, "has_thinking", False):
+            if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+                initial = "reasoning"
+            initial = getattr(tokenizer, "response_initial_state", None) or initial
+        return ToolCallStream(tokenizer, self.tools, initial=initial)
 
 
 NO_STRUCTURE = Structure()
@@ -105,8 +113,9 @@ def check_structure(tokenizer: Any, opts: Mapping[str, Any], *, chat: bool) -> S
 async def compile_structure(tokenizer: Any, model_path: Any, s: Structure) -> Grammar | None:
     """The grammar the actor enforces for `s`, or None (free generation). In a worker
     thread; a 400 for a schema or tool list that cannot be enforced."""
-    enforced = s.tool_choice not in ("auto", "none")
     formatted = s.response_format is not None and s.response_format.get("type", "text") != "text"
+    # Tools beside a response format: a call, or an answer in the format (one grammar).
+    enforced = s.tool_choice not in ("auto", "none") or (formatted and s.uses_tools)
     if not enforced and not formatted:
         return None
     key = (str(model_path), *_key(s, enforced))
@@ -120,14 +129,15 @@ async def compile_structure(tokenizer: Any, model_path: Any, s: Structure) -> Gr
 def _key(s: Structure, enforced: bool) -> tuple[Any, ...]:
     """What the grammar depends on, as one hashable value (a schema's key order matters
     to llguidance only in the order of required keys; json.dumps keeps it)."""
+    fmt = json.dumps(s.response_format, sort_keys=False, default=str)
     if enforced:
-        return ("tools", s.tool_choice, s.parallel_tool_calls, json.dumps(s.tools, sort_keys=False, default=str))
-    return ("format", json.dumps(s.response_format, sort_keys=False, default=str))
+        return ("tools", s.tool_choice, s.parallel_tool_calls, json.dumps(s.tools, default=str), fmt)
+    return ("format", fmt)
 
 
 def _compile(tokenizer: Any, model_path: Any, s: Structure, enforced: bool) -> Grammar | None:
     from ..actor._matcher import grammar_vocab
-    from ._grammar import compile_response_format
+    from ._grammar import answer_schema, compile_response_format
     from ._tools import tool_grammar
 
     try:  # kept under the model's path too, where an actor in this process finds it
@@ -135,7 +145,8 @@ def _compile(tokenizer: Any, model_path: Any, s: Structure, enforced: bool) -> G
     except ValueError:
         pass  # the compile below makes the 400 that names it
     if enforced:
-        return tool_grammar(tokenizer, list(s.tools), s.tool_choice, parallel=s.parallel_tool_calls)
+        answer = answer_schema(s.response_format) if s.tool_choice == "auto" else None
+        return tool_grammar(tokenizer, list(s.tools), s.tool_choice, parallel=s.parallel_tool_calls, answer=answer)
     return compile_response_format(tokenizer, s.response_format)
 
 
