@@ -2,8 +2,9 @@
 response and the streamed event sequence.
 
 A stream is: `message_start`, then per content block `content_block_start`,
-`content_block_delta` (`text_delta`, or `input_json_delta` for a tool's input)
-and `content_block_stop`, then `message_delta` (stop_reason and usage) and
+`content_block_delta` (`text_delta`, `thinking_delta` for text the model's
+family marks as reasoning, or `input_json_delta` for a tool's input) and
+`content_block_stop`, then `message_delta` (stop_reason and usage) and
 `message_stop`; a failure after the start is an `error` event. Each SSE event
 carries its type twice, as `event:` and in its data, as Anthropic's do.
 """
@@ -59,6 +60,8 @@ class MessagesCall:
         fin = result.finished
         assert fin is not None
         content: list[dict[str, Any]] = []
+        if result.reasoning:
+            content.append({"type": "thinking", "thinking": "".join(result.reasoning), "signature": ""})
         text = "".join(result.text)
         calls = result.tool_calls
         if text or not calls:
@@ -93,13 +96,15 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
 class MessageEncoder:
     """The SSE events of one streamed message (`_wire.StreamEncoder`)."""
 
-    __slots__ = ("rid", "model", "prompt_tokens", "stop_sequences", "index", "text_open", "_head")
+    __slots__ = ("rid", "model", "prompt_tokens", "stop_sequences", "index", "open_kind", "had_text", "called",
+                 "_head")
 
     def __init__(self, rid: str, model: str, prompt_tokens: int, stop_sequences: Sequence[str]):
         self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
         self.stop_sequences = stop_sequences
         self.index = 0  # the index of the next content block
-        self.text_open = False
+        self.open_kind: str | None = None  # "text" or "thinking": the block being written
+        self.had_text = self.called = False
         self._head = b""
 
     def start(self) -> bytes:
@@ -108,39 +113,51 @@ class MessageEncoder:
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}})
 
-    def _open_text(self) -> bytes:
-        self.text_open = True
+    def _open(self, kind: str) -> bytes:
+        if self.open_kind == kind:
+            return b""
+        closing = self._close() if self.open_kind is not None else b""
+        self.open_kind = kind
+        self.had_text = self.had_text or kind == "text"
+        field = kind if kind == "thinking" else "text"
         # The hot path's bytes: one concatenation around the json-escaped text (rule 7).
         self._head = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
-                      b'"delta":{"type":"text_delta","text":' % self.index)
-        return _event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}})
+                      b'"delta":{"type":"%s_delta","%s":' % (self.index, kind.encode(), field.encode()))
+        block: dict[str, Any] = ({"type": "text", "text": ""} if kind == "text" else
+                                 {"type": "thinking", "thinking": "", "signature": ""})
+        return closing + _event("content_block_start", {"index": self.index, "content_block": block})
 
-    def _close_block(self) -> bytes:
-        self.text_open = False
+    def _close(self) -> bytes:
+        self.open_kind = None
         self.index += 1
         return _event("content_block_stop", {"index": self.index - 1})
 
     def event(self, ev: Any) -> bytes:
         if type(ev) is TextDelta:
-            if not ev.text:
-                return b""
-            opening = b"" if self.text_open else self._open_text()
-            return opening + self._head + dumps(ev.text) + b"}}\n\n"
-        parts = [self._close_block()] if self.text_open else []
-        for call in ev.calls if type(ev) is ToolCalls else ():
+            out = b""
+            if ev.reasoning:
+                out = self._open("thinking") + self._head + dumps(ev.reasoning) + b"}}\n\n"
+            if ev.text:
+                out += self._open("text") + self._head + dumps(ev.text) + b"}}\n\n"
+            return out
+        if type(ev) is not ToolCalls:
+            return b""
+        parts = [self._close()] if self.open_kind is not None else []
+        for call in ev.calls:
+            self.called = True
             parts.append(_event("content_block_start", {"index": self.index, "content_block": {
                 "type": "tool_use", "id": call.id, "name": call.name, "input": {}}}))
             parts.append(_event("content_block_delta", {"index": self.index, "delta": {
                 "type": "input_json_delta", "partial_json": call.arguments}}))
-            parts.append(self._close_block())
+            parts.append(self._close())
         return b"".join(parts)
 
     def finish(self, fin: Finished) -> bytes:
         parts = []
-        if self.index == 0 and not self.text_open:
-            parts.append(self._open_text())  # an empty answer still has its (empty) text block
-        if self.text_open:
-            parts.append(self._close_block())
+        if not self.had_text and not self.called:
+            parts.append(self._open("text"))  # an answer without a call has its text block, empty or not
+        if self.open_kind is not None:
+            parts.append(self._close())
         reason, sequence = stop_reason(fin, self.stop_sequences)
         parts.append(_event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},

@@ -1,12 +1,14 @@
 """OpenAI's Responses API served by the engine: the call (`_wire.py`), the `response` object and
 its streamed events.
 
-Output items: one `message` (its `output_text`) when the model wrote text or
-made no call, then one `function_call` item per call. A stream is
+Output items: a `reasoning` item (its `reasoning_text`) when the model's
+family marks text as reasoning, one `message` (its `output_text`) when the
+model wrote text or made no call, then one `function_call` item per call. A stream is
 `response.created`, `response.in_progress`; for the message
 `response.output_item.added`, `response.content_part.added`,
 `response.output_text.delta`..., `response.output_text.done`,
-`response.content_part.done`, `response.output_item.done`; for each call
+`response.content_part.done`, `response.output_item.done` (a reasoning item
+the same, with `response.reasoning_text.delta` and `.done`); for each call
 `response.output_item.added`, `response.function_call_arguments.delta`,
 `response.function_call_arguments.done`, `response.output_item.done`; then
 `response.completed` (or `response.incomplete` at max_output_tokens) with the
@@ -26,7 +28,7 @@ from ._protocol import ResponsesRequest
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.total_tokens}
 
@@ -34,6 +36,11 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
 def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
@@ -86,6 +93,8 @@ class ResponsesCall:
         status = "incomplete" if fin.finish_reason == "length" else "completed"
         text = "".join(result.text)
         output = []
+        if result.reasoning:
+            output.append(reasoning_item(new_id("rs_"), "".join(result.reasoning), status))
         if text or not result.tool_calls:
             output.append(message_item(new_id("msg_"), text, status))
         output.extend(call_item(c) for c in result.tool_calls)
@@ -95,15 +104,17 @@ class ResponsesCall:
 class ResponseEncoder:
     """The SSE events of one streamed response (`_wire.StreamEncoder`)."""
 
-    __slots__ = ("call", "rid", "model", "seq", "output", "msg_id", "text", "_head")
+    __slots__ = ("call", "rid", "model", "seq", "output", "open_kind", "open_id", "text", "had_message", "_head", "_tail")
 
     def __init__(self, call: ResponsesCall, rid: str, model: str):
         self.call, self.rid, self.model = call, rid, model
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # finished items
-        self.msg_id: str | None = None  # the message item, while it is open
-        self.text: list[str] = []
-        self._head = b""
+        self.open_kind: str | None = None  # "message" or "reasoning": the item being written
+        self.open_id = ""
+        self.text: list[str] = []  # the open item's text
+        self.had_message = False
+        self._head = self._tail = b""
 
     def _event(self, kind: str, data: dict[str, Any]) -> bytes:
         self.seq += 1
@@ -114,41 +125,63 @@ class ResponseEncoder:
         r = self.call.response(self.rid, self.model, "in_progress", [])
         return self._event("response.created", {"response": r}) + self._event("response.in_progress", {"response": r})
 
-    def _open_message(self) -> bytes:
-        self.msg_id = msg_id = new_id("msg_")
+    def _open(self, kind: str) -> bytes:
+        """Close the open item (if another kind) and open a message or a reasoning item."""
+        if self.open_kind == kind:
+            return b""
+        closing = self._close() if self.open_kind is not None else b""
+        self.open_kind, self.text = kind, []
+        self.open_id = item_id = new_id("msg_" if kind == "message" else "rs_")
         index = len(self.output)
+        delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         # The hot path's bytes: one concatenation around the json-escaped text (rule 7).
-        self._head = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
-                      b'"item_id":"' + msg_id.encode() + b'","output_index":%d,"content_index":0,"delta":' % index)
-        item = {"id": msg_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
-        return (self._event("response.output_item.added", {"output_index": index, "item": item})
+        self._head = (b'event: ' + delta.encode() + b'\ndata: {"type":"' + delta.encode() + b'","item_id":"'
+                      + item_id.encode() + b'","output_index":%d,"content_index":0,"delta":' % index)
+        self._tail = b',"logprobs":[],"sequence_number":%d}\n\n' if kind == "message" else b',"sequence_number":%d}\n\n'
+        if kind == "message":
+            self.had_message = True
+            item: dict[str, Any] = {"id": item_id, "type": "message", "status": "in_progress", "role": "assistant",
+                                    "content": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"id": item_id, "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        return (closing + self._event("response.output_item.added", {"output_index": index, "item": item})
                 + self._event("response.content_part.added", {
-                    "item_id": msg_id, "output_index": index, "content_index": 0,
-                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}))
+                    "item_id": item_id, "output_index": index, "content_index": 0, "part": part}))
 
-    def _close_message(self, status: str = "completed") -> bytes:
-        msg_id, index, text = self.msg_id, len(self.output), "".join(self.text)
-        assert msg_id is not None
-        self.msg_id = None
-        item = message_item(msg_id, text, status)
+    def _close(self, status: str = "completed") -> bytes:
+        kind, item_id, index, text = self.open_kind, self.open_id, len(self.output), "".join(self.text)
+        self.open_kind = None
+        if kind == "message":
+            item = message_item(item_id, text, status)
+            done = self._event("response.output_text.done", {
+                "item_id": item_id, "output_index": index, "content_index": 0, "text": text, "logprobs": []})
+        else:
+            item = reasoning_item(item_id, text, status)
+            done = self._event("response.reasoning_text.done", {
+                "item_id": item_id, "output_index": index, "content_index": 0, "text": text})
         self.output.append(item)
-        where = {"item_id": msg_id, "output_index": index, "content_index": 0}
-        return (self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
-                + self._event("response.content_part.done", {**where, "part": item["content"][0]})
+        return (done + self._event("response.content_part.done", {
+                    "item_id": item_id, "output_index": index, "content_index": 0, "part": item["content"][0]})
                 + self._event("response.output_item.done", {"output_index": index, "item": item}))
+
+    def _delta(self, text: str) -> bytes:
+        self.text.append(text)
+        self.seq += 1
+        return self._head + dumps(text) + self._tail % (self.seq - 1)
 
     def event(self, ev: Any) -> bytes:
         if type(ev) is TextDelta:
-            if not ev.text:
-                return b""
-            opening = b"" if self.msg_id is not None else self._open_message()
-            self.text.append(ev.text)
-            self.seq += 1
-            return (opening + self._head + dumps(ev.text)
-                    + b',"logprobs":[],"sequence_number":%d}\n\n' % (self.seq - 1))
+            out = b""
+            if ev.reasoning:
+                out = self._open("reasoning") + self._delta(ev.reasoning)
+            if ev.text:
+                out += self._open("message") + self._delta(ev.text)
+            return out
         if type(ev) is not ToolCalls:
             return b""
-        parts = [self._close_message()] if self.msg_id is not None else []
+        parts = [self._close()] if self.open_kind is not None else []
         for c in ev.calls:
             index = len(self.output)
             item = call_item(c)
@@ -167,10 +200,10 @@ class ResponseEncoder:
     def finish(self, fin: Finished) -> bytes:
         status = "incomplete" if fin.finish_reason == "length" else "completed"
         parts = []
-        if self.msg_id is None and not self.output:
-            parts.append(self._open_message())  # an empty answer is still one (empty) message
-        if self.msg_id is not None:
-            parts.append(self._close_message(status))
+        if not self.had_message and not any(o["type"] == "function_call" for o in self.output):
+            parts.append(self._open("message"))  # an answer without a call has its message, empty or not
+        if self.open_kind is not None:
+            parts.append(self._close(status))
         r = self.call.response(self.rid, self.model, status, self.output, fin.usage)
         parts.append(self._event(f"response.{status}", {"response": r}))
         return b"".join(parts)

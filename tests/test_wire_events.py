@@ -1,0 +1,157 @@
+"""The two APIs' response bodies and event streams, made from scripted engine events and read by
+the official SDKs (over an httpx mock transport, no server): every field validates against the
+SDK's own types, and the SDKs' stream helpers rebuild the same message / response.
+
+Reasoning text (`TextDelta.reasoning`, from models whose family marks it) is covered here: the
+tiny test models have no thinking tokens."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import anthropic
+import httpx2  # the SDKs' own HTTP client package
+import openai
+from anthropic.types import Message
+from openai.types.responses import Response
+
+from trio_mlx.engine import Finished, TextDelta, ToolCall, ToolCalls, Usage
+from trio_mlx.server._openai import ChoiceResult, HTTPError
+from trio_mlx.server.anthropic._protocol import MessagesRequest
+from trio_mlx.server.anthropic._serving import MessagesCall
+from trio_mlx.server.responses._protocol import ResponsesRequest
+from trio_mlx.server.responses._serving import ResponsesCall
+
+CALL = ToolCall(0, "call_1", "get_weather", '{"city":"Paris"}')
+SCRIPT: list[Any] = [TextDelta("", (1,), reasoning="Let me "), TextDelta("", (2,), reasoning="think."),
+                     TextDelta("Checking", (3,)), TextDelta(" now.", (4,)), ToolCalls((CALL,)),
+                     Finished("tool_calls", Usage(11, 9))]
+TEXT_ONLY: list[Any] = [TextDelta("Hello", (1,)), TextDelta(" there", (2,)), Finished("length", Usage(5, 2))]
+
+
+def result_of(events: Sequence[Any]) -> ChoiceResult:
+    r = ChoiceResult()
+    for ev in events:
+        if isinstance(ev, TextDelta):
+            r.text.append(ev.text)
+            if ev.reasoning:
+                r.reasoning.append(ev.reasoning)
+        elif isinstance(ev, ToolCalls):
+            r.tool_calls.extend(ev.calls)
+        else:
+            r.finished = ev
+    return r
+
+
+def stream_body(enc: Any, events: Sequence[Any]) -> bytes:
+    return enc.start() + b"".join(enc.event(ev) for ev in events[:-1]) + enc.finish(events[-1])
+
+
+def mock(body: bytes, sse: bool) -> httpx2.Client:
+    ctype = "text/event-stream" if sse else "application/json"
+    return httpx2.Client(transport=httpx2.MockTransport(
+        lambda request: httpx2.Response(200, content=body, headers={"content-type": ctype})))
+
+
+TOOLS = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+
+
+def anthropic_call(**kw: Any) -> MessagesCall:
+    return MessagesCall(MessagesRequest.model_validate({"model": "m", "max_tokens": 20, "messages": [
+        {"role": "user", "content": "hi"}], **kw}))
+
+
+def test_anthropic_whole_and_streamed_with_thinking_text_and_a_tool_call():
+    call = anthropic_call(tools=TOOLS)
+    whole = Message.model_validate(json.loads(call.whole("msg_1", "m", result_of(SCRIPT))))
+    assert [b.type for b in whole.content] == ["thinking", "text", "tool_use"]
+    assert whole.content[0].thinking == "Let me think." and whole.content[1].text == "Checking now."
+    assert whole.content[2].input == {"city": "Paris"} and whole.content[2].id == "call_1"
+    assert whole.stop_reason == "tool_use" and whole.usage.input_tokens == 11 and whole.usage.output_tokens == 9
+
+    body = stream_body(call.encoder("msg_1", "m", 11), SCRIPT)
+    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
+    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
+        events = list(s)
+        final = s.get_final_message()
+    assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1, 2]
+
+
+def test_anthropic_text_only_ends_at_max_tokens_and_errors_have_its_shape():
+    call = anthropic_call()
+    whole = Message.model_validate(json.loads(call.whole("msg_1", "m", result_of(TEXT_ONLY))))
+    assert [b.type for b in whole.content] == ["text"] and whole.stop_reason == "max_tokens"
+    enc = call.encoder("msg_1", "m", 5)
+    body = stream_body(enc, TEXT_ONLY)
+    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
+    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
+        assert s.get_final_message().model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+    # An empty answer still has one (empty) text block, as the whole response does.
+    empty = [Finished("stop", Usage(5, 1))]
+    body = stream_body(call.encoder("msg_1", "m", 5), empty)
+    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
+    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
+        final = s.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [("text", "")] and final.stop_reason == "end_turn"
+    error = call.encoder("msg_1", "m", 5).error(HTTPError(500, "boom"))
+    assert error.startswith(b"event: error\ndata: ")
+    assert json.loads(error.split(b"data: ", 1)[1]) == {"type": "error", "error": {"type": "api_error",
+                                                                                    "message": "boom"}}
+
+
+def responses_call(**kw: Any) -> ResponsesCall:
+    return ResponsesCall(ResponsesRequest.model_validate({"input": "hi", **kw}))
+
+
+def test_responses_whole_and_streamed_with_reasoning_text_and_a_call():
+    call = responses_call(tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}])
+    whole = Response.model_validate(json.loads(call.whole("resp_1", "m", result_of(SCRIPT))))
+    assert [o.type for o in whole.output] == ["reasoning", "message", "function_call"]
+    assert whole.output[0].content[0].text == "Let me think." and whole.output_text == "Checking now."
+    fc = whole.output[2]
+    assert (fc.call_id, fc.name, fc.arguments, fc.status) == ("call_1", "get_weather", '{"city":"Paris"}', "completed")
+    assert whole.status == "completed" and whole.usage.total_tokens == 20 and whole.store is False
+
+    body = stream_body(call.encoder("resp_1", "m", 11), SCRIPT)
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=mock(body, True))
+    with client.responses.stream(model="m", input="hi") as s:
+        events = list(s)
+        final = s.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    def strip(r: Response) -> Any:  # item ids are minted per answer; the helper adds `parsed`
+        out = r.model_dump(exclude={"id"}, exclude_none=True)
+        for item in out["output"]:
+            item.pop("id", None)
+            for part in item.get("content") or ():
+                part.pop("parsed", None)
+        return out
+
+    assert strip(final) == strip(whole)
+    kinds = [e.type for e in events]
+    assert kinds.count("response.reasoning_text.delta") == 2 and kinds.count("response.output_text.delta") == 2
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert done == ["reasoning", "message", "function_call"]
+
+
+def test_responses_incomplete_and_failed():
+    call = responses_call(max_output_tokens=2)
+    whole = Response.model_validate(json.loads(call.whole("resp_1", "m", result_of(TEXT_ONLY))))
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output_text == "Hello there" and whole.max_output_tokens == 2
+    body = stream_body(call.encoder("resp_1", "m", 5), TEXT_ONLY)
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=mock(body, True))
+    events = list(client.responses.create(model="m", input="hi", stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == "Hello there"
+    enc = call.encoder("resp_1", "m", 5)
+    body = enc.start() + enc.event(TEXT_ONLY[0]) + enc.error(HTTPError(503, "aborted", code="aborted"))
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=mock(body, True))
+    events = list(client.responses.create(model="m", input="hi", stream=True))
+    assert [e.type for e in events][-2:] == ["error", "response.failed"]
+    assert events[-2].code == "aborted" and events[-1].response.error.message == "aborted"
