@@ -96,7 +96,11 @@ async def test_errors_have_anthropics_shape(tiny_model_fp32):
         assert "server tools" in await error({**base, "tools": [server_tool]}, 400)
         assert "needs tools" in await error({**base, "tool_choice": {"type": "any"}}, 400)
         assert "temperature" in await error({**base, "temperature": 1.5}, 400)
-        assert "context length" in await error({**base, "max_tokens": 10**6}, 400)
+        long = [{"role": "user", "content": "word " * 3000}]  # past the tiny model's 1024 tokens
+        assert "context length" in await error({**base, "messages": long}, 400)
+        # count_tokens counts what does not fit, too (a client checks before it sends).
+        r = await client.post(MESSAGES + "/count_tokens", json={"model": "model", "messages": long})
+        assert r.status_code == 200 and r.json()["input_tokens"] > 1024
         r = await client.post(MESSAGES, content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         assert (await error({"model": "model"}, 400, path=MESSAGES + "/count_tokens")).startswith(
@@ -110,6 +114,20 @@ def auth_calls(url: str) -> tuple[str, str]:
     with pytest.raises(anthropic.AuthenticationError) as info:
         sdk(url, api_key="wrong").messages.create(model="model", max_tokens=2, messages=USER)
     return good.type, info.value.body["error"]["type"]
+
+
+def clamped_call(url: str) -> anthropic.types.Message:
+    return sdk(url).messages.create(model="model", max_tokens=10**6, messages=USER,
+                                    extra_body={**GREEDY, "ignore_eos": True})
+
+
+async def test_max_tokens_past_the_context_runs_to_its_end(tiny_model_fp32):
+    """Clients send large max_tokens whatever the prompt: the context's end is the limit then."""
+    async with serve(tiny_model_fp32) as server:
+        msg = await trio.to_thread.run_sync(clamped_call, server.url)
+        context = server.engine.context_length
+    assert msg.stop_reason == "model_context_window_exceeded"
+    assert msg.usage.input_tokens + msg.usage.output_tokens == context
 
 
 async def test_x_api_key_or_bearer(tiny_model_fp32):

@@ -46,8 +46,8 @@ class ApiCall(Protocol):
     model: str | None
     stream: bool
 
-    def open(self, engine: Engine) -> RequestStream:
-        """The engine request (not entered yet)."""
+    async def start(self, engine: Engine) -> RequestStream:
+        """The engine request, entered (submitted); raises what entering raises."""
 
     def encoder(self, rid: str, model: str, prompt_tokens: int) -> StreamEncoder: ...
 
@@ -102,8 +102,7 @@ async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Rec
         else:
             gen = cast(ApiCall, call)
             rec.stream = gen.stream
-            stream = gen.open(engine)
-            await stream.__aenter__()
+            stream = await gen.start(engine)
     except Disconnected:
         rec.outcome = "disconnect"
         app.observe(rec)

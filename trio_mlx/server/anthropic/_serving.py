@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ..._errors import ContextLengthExceededError
 from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCalls
 from .._openai import ChoiceResult, HTTPError, dumps
 from .._records import COUNT_TOKENS_PATH as COUNT_TOKENS_PATH
@@ -22,10 +23,10 @@ from .._records import MESSAGES_PATH as MESSAGES_PATH
 from ._protocol import CountTokensRequest, MessagesRequest, error_body, error_payload
 
 
-def stop_reason(fin: Finished, stop_sequences: Sequence[str]) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished answer."""
+def stop_reason(fin: Finished, stop_sequences: Sequence[str], clamped: bool = False) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished answer; `clamped`: it could run to the context's end only."""
     if fin.finish_reason == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if clamped else "max_tokens"), None
     if fin.finish_reason == "tool_calls":
         return "tool_use", None
     if isinstance(fin.stop, str) and fin.stop in stop_sequences:
@@ -49,12 +50,25 @@ class MessagesCall:
         # Translated here, so that a bad request gets its 400 before the engine sees it.
         self.messages = req.chat_messages()
         self.structure = req.structure()
+        self.clamped = False  # max_tokens did not fit beside the prompt: the context's end is the limit
 
-    def open(self, engine: Engine) -> RequestStream:
-        return engine.chat(self.messages, **self.structure, **self.req.engine_options())
+    async def start(self, engine: Engine) -> RequestStream:
+        opts = self.req.engine_options()
+        try:
+            return await engine.chat(self.messages, **self.structure, **opts).__aenter__()
+        except ContextLengthExceededError:
+            # Anthropic's max_tokens is a ceiling, and clients send large ones (Claude Code asks
+            # for tens of thousands whatever the conversation's length): where the prompt fits
+            # but the ceiling does not, generate up to the context's end, as Anthropic's newer
+            # models do (stop_reason "model_context_window_exceeded"). A prompt that does not
+            # fit at all still gets the 400.
+            del opts["max_tokens"]
+            stream = await engine.chat(self.messages, **self.structure, **opts).__aenter__()
+            self.clamped = True
+            return stream
 
     def encoder(self, rid: str, model: str, prompt_tokens: int) -> MessageEncoder:
-        return MessageEncoder(rid, model, prompt_tokens, self.req.stop_sequences or ())
+        return MessageEncoder(rid, model, prompt_tokens, self.req.stop_sequences or (), self.clamped)
 
     def whole(self, rid: str, model: str, result: ChoiceResult) -> bytes:
         fin = result.finished
@@ -69,7 +83,7 @@ class MessagesCall:
         for call in calls:
             content.append({"type": "tool_use", "id": call.id, "name": call.name,
                             "input": _tool_input(call.arguments)})
-        reason, sequence = stop_reason(fin, self.req.stop_sequences or ())
+        reason, sequence = stop_reason(fin, self.req.stop_sequences or (), self.clamped)
         return dumps({
             "id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": sequence,
@@ -96,12 +110,13 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
 class MessageEncoder:
     """The SSE events of one streamed message (`_wire.StreamEncoder`)."""
 
-    __slots__ = ("rid", "model", "prompt_tokens", "stop_sequences", "index", "open_kind", "had_text", "called",
-                 "_head")
+    __slots__ = ("rid", "model", "prompt_tokens", "stop_sequences", "clamped", "index", "open_kind", "had_text",
+                 "called", "_head")
 
-    def __init__(self, rid: str, model: str, prompt_tokens: int, stop_sequences: Sequence[str]):
+    def __init__(self, rid: str, model: str, prompt_tokens: int, stop_sequences: Sequence[str],
+                 clamped: bool = False):
         self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
-        self.stop_sequences = stop_sequences
+        self.stop_sequences, self.clamped = stop_sequences, clamped
         self.index = 0  # the index of the next content block
         self.open_kind: str | None = None  # "text" or "thinking": the block being written
         self.had_text = self.called = False
@@ -158,7 +173,7 @@ class MessageEncoder:
             parts.append(self._open("text"))  # an answer without a call has its text block, empty or not
         if self.open_kind is not None:
             parts.append(self._close())
-        reason, sequence = stop_reason(fin, self.stop_sequences)
+        reason, sequence = stop_reason(fin, self.stop_sequences, self.clamped)
         parts.append(_event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": {"input_tokens": fin.usage.prompt_tokens, "output_tokens": fin.usage.completion_tokens}}))

@@ -60,8 +60,9 @@ class ResponsesCall:
         self.structure = req.structure()
         self.created = int(time.time())
 
-    def open(self, engine: Engine) -> RequestStream:
-        return engine.chat(self.messages, **self.structure, **self.req.engine_options())
+    async def start(self, engine: Engine) -> RequestStream:
+        stream = engine.chat(self.messages, **self.structure, **self.req.engine_options())
+        return await stream.__aenter__()
 
     def response(self, rid: str, model: str, status: str, output: list[dict[str, Any]],
                  usage: Usage | None = None, error: HTTPError | None = None) -> dict[str, Any]:
