@@ -236,3 +236,21 @@ async def test_output_config_json_schema(tool_model_fp32):
     async with serve(tool_model_fp32) as server:
         text = await trio.to_thread.run_sync(call, server.url)
     jsonschema.validate(json.loads(text), schema)
+
+
+async def test_a_client_that_stops_reading_is_cut_by_the_stall_watchdog(tiny_model_fp32):
+    """The same watchdog as the chat endpoint's: the stream is aborted, others are served."""
+    records = []
+    factory = engine_factory(fault_hook=slow_steps(0.003))
+    async with serve(tiny_model_fp32, stall_timeout=0.5, factory=factory) as server, server.client() as client:
+        server.app.observers.append(records.append)
+        engine = server.engine
+        body = {"model": "model", "max_tokens": 1000, "messages": USER, "stream": True, "ignore_eos": True}
+        sock = await open_request(server.port, MESSAGES, body, rcvbuf=4096)
+        await until(lambda: any(r.outcome == "stall" for r in records), within=20)
+        await until(lambda: engine.statistics().active == 0, within=2)
+        assert engine.statistics().aborts_by_cause.get("stall") == 1
+        assert engine.statistics().generated_tokens < 1000
+        sock.close()
+        r = await client.post(MESSAGES, json={"model": "model", "max_tokens": 2, "messages": USER})
+        assert r.status_code == 200 and not server.app.completions.streams
