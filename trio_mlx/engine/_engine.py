@@ -705,6 +705,7 @@ class RequestStream:
             from ._grammar import check_max_tokens
 
             check_max_tokens(grammar, max_tokens)
+            stop_ids = stop_ids | engine._eos_ids  # the grammar ends on EOS, ignore_eos or not
         self.structure, self.grammar = structure, grammar
         self._tool_stream = structure.tool_stream(engine.tokenizer, prompt, grammar)
         self.prompt_tokens = prompt
