@@ -93,6 +93,11 @@ def tool_calls_sync(url: str) -> dict[str, Any]:
                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
     out["next_turn"] = client.chat.completions.create(model="model", messages=history, tools=TOOLS,
                                                       max_tokens=5, temperature=0).choices[0]
+    # some clients send the arguments as an object: the same prompt
+    as_object = [*ASK, {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function", "function": {
+        "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]}, history[-1]]
+    out["next_turn_object"] = client.chat.completions.create(model="model", messages=as_object, tools=TOOLS,
+                                                             max_tokens=5, temperature=0).choices[0]
     return out
 
 
@@ -114,6 +119,7 @@ async def test_tool_calls_whole_streamed_and_in_history(tool_model_fp32):
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert not any("tool_call" in d for d in out["content_deltas"])  # no markup leaks into content
     assert out["next_turn"].finish_reason in ("length", "stop", "tool_calls")
+    assert out["next_turn_object"].message.content == out["next_turn"].message.content
 
 
 def parse_sync(url: str) -> list[Any]:

@@ -244,3 +244,12 @@ async def test_tools_beside_a_response_format_give_calls_or_an_answer(tool_model
                 kinds.add("answer")
     # greedy, this model always answers; sampled (seeded), it does both: the grammar admits either
     assert kinds == ({"answer"} if temperature == 0.0 else {"answer", "calls"})
+
+
+async def test_a_grammar_ends_on_eos_even_with_ignore_eos(tiny_model_fp32: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_fp32, warmup=False) as engine:
+        async with engine.generate("x", response_format={"type": "json_object"}, max_tokens=200,
+                                   ignore_eos=True, temperature=0) as events:
+            text, _, fin = await collect(events)
+    assert isinstance(json.loads(text), dict)
+    assert fin.finish_reason == "stop" and fin.usage.completion_tokens < 200

@@ -49,7 +49,7 @@ from ..actor import (
     TokenOut,
 )
 from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, ToolCalls, Usage
-from ._structure import Structure, check_structure, compile_structure
+from ._structure import NO_STRUCTURE, Structure, check_structure, compile_structure
 from ._text import StopMatcher, normalize_messages
 
 log = logging.getLogger("trio_mlx.engine")
@@ -693,8 +693,10 @@ class RequestStream:
         self._source = source
         self._opts = opts
         self._prepared = prepared  # a sibling's checked structure and grammar (`again`)
-        self._tool_stream: Any = None
-        self._called = False
+        self._tool_stream: Any = None  # an `_tools.ToolCallStream` when the request has tools
+        self._called = False  # whether it reported a call
+        self.structure: Structure = NO_STRUCTURE  # the request's checked tools and response format
+        self.grammar: Grammar | None = None  # what the actor enforces, if anything
         self._req: _Request | None = None
         self._recv: trio.MemoryReceiveChannel[Any] | None = None
         self._pending: collections.deque[Event] = collections.deque()
@@ -722,6 +724,7 @@ class RequestStream:
             from ._grammar import check_max_tokens
 
             check_max_tokens(grammar, max_tokens)
+            stop_ids = stop_ids | engine._eos_ids  # the grammar ends on EOS, ignore_eos or not
         self.structure, self.grammar = structure, grammar
         self._tool_stream = structure.tool_stream(engine.tokenizer, prompt, grammar)
         self.prompt_tokens = prompt

@@ -163,7 +163,8 @@ class ContentPart(_Strict):
 
 class FunctionCall(_Strict):
     name: str
-    arguments: str = Field("{}", description="the call's arguments: a JSON object, as text")
+    arguments: str | dict[str, Any] = Field(
+        "{}", description="the call's arguments: a JSON object as text (OpenAI's form), or the object")
 
 
 class MessageToolCall(_Strict):
