@@ -194,3 +194,43 @@ async def test_a_stream_the_engine_fails_ends_with_an_error_event(tiny_model_fp3
             assert kinds[-1] == "error"
             err = json.loads(events[-1].split("data: ", 1)[1])
             assert err["type"] == "error" and err["error"]["type"] == "api_error"
+
+
+async def test_the_three_apis_share_the_batch(tiny_model_fp32):
+    """Chat, Anthropic and Responses requests decode side by side in one batch; each greedy answer
+    is the one it gets alone."""
+    bodies = {
+        "/v1/chat/completions": lambda i: {"messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 12,
+                                           "temperature": 0, "ignore_eos": True},
+        "/v1/messages": lambda i: {"model": "model", "messages": [{"role": "user", "content": f"q{i}"}],
+                                   "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        RESPONSES: lambda i: {"input": f"q{i}", "max_output_tokens": 12, "temperature": 0, "ignore_eos": True},
+    }
+    text = {
+        "/v1/chat/completions": lambda r: r["choices"][0]["message"]["content"],
+        "/v1/messages": lambda r: r["content"][0]["text"],
+        RESPONSES: lambda r: r["output"][0]["content"][0]["text"],
+    }
+    cases = [(path, i) for path in bodies for i in range(3)]
+    async with serve(tiny_model_fp32, factory=engine_factory(fault_hook=slow_steps(0.002))) as server, \
+            server.client() as client:
+        async def ask(path: str, i: int) -> str:
+            r = await client.post(path, json=bodies[path](i))
+            assert r.status_code == 200, r.text
+            return text[path](r.json())
+
+        alone = {case: await ask(*case) for case in cases}
+        together: dict = {}
+        peak = 0
+
+        async def one(case):
+            together[case] = await ask(*case)
+
+        async with trio.open_nursery() as nursery:
+            for case in cases:
+                nursery.start_soon(one, case)
+            while len(together) < len(cases):
+                peak = max(peak, server.engine.statistics().decoding)
+                await trio.sleep(0.001)
+    assert together == alone
+    assert peak > 3  # requests of different APIs decoded in the same steps
