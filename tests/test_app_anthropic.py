@@ -98,6 +98,8 @@ async def test_errors_have_anthropics_shape(tiny_model_fp32):
         assert "temperature" in await error({**base, "temperature": 1.5}, 400)
         long = [{"role": "user", "content": "word " * 3000}]  # past the tiny model's 1024 tokens
         assert "context length" in await error({**base, "messages": long}, 400)
+        assert (await error({**base, "stop_sequences": ["x"] * 17}, 400)).startswith(
+            "invalid_request_error: stop_sequences must be")
         # count_tokens counts what does not fit, too (a client checks before it sends).
         r = await client.post(MESSAGES + "/count_tokens", json={"model": "model", "messages": long})
         assert r.status_code == 200 and r.json()["input_tokens"] > 1024

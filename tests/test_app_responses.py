@@ -146,7 +146,13 @@ async def test_errors_are_clear_400s_in_openais_shape(tiny_model_fp32, tool_mode
         assert "nope" in assert_error(await client.post(RESPONSES, json=body), 400, param="tool_choice")["message"]
         body = {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                                    "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}}
-        assert_error(await client.post(RESPONSES, json=body), 400)
+        err = assert_error(await client.post(RESPONSES, json=body), 400)
+        # The engine's names (response_format, max_tokens, messages) come back as this API's.
+        assert err["param"].startswith("text.format") and "response_format" not in err["message"], err
+        err = assert_error(await client.post(RESPONSES, json={"input": "word " * 3000}), 400)
+        assert err["param"] == "input" and err["code"] == "context_length_exceeded", err
+        err = assert_error(await client.post(RESPONSES, json={"input": "hi", "max_output_tokens": 5000}), 400)
+        assert err["param"] == "input" and "5000" in err["message"], err
 
 
 async def test_disconnect_mid_stream_frees_the_slot(tiny_model_fp32):

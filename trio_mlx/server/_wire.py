@@ -18,7 +18,7 @@ from typing import Any, Protocol, cast
 
 import trio
 
-from .._errors import TrioMLXError
+from .._errors import InvalidRequestError, TrioMLXError
 from ..engine import Engine, RequestStream
 from ._asgi import (
     JSON_HEADERS,
@@ -72,6 +72,26 @@ class WireAPI(Protocol):
 
     def error_body(self, err: HTTPError) -> bytes:
         """An error response body in this API's shape."""
+
+
+def renamed(exc: InvalidRequestError, names: Sequence[tuple[str, str]]) -> InvalidRequestError:
+    """The engine's error for a translated request, its parameter named as the client named it.
+
+    The engine speaks OpenAI chat's names (`response_format`, `stop`, `tools[0].function...`);
+    each (engine name, API name) pair renames a parameter that starts with it, and the message
+    when it starts with it. A message index (`messages[3]`) points into the translated chat,
+    not the client's list, so the index is dropped.
+    """
+    def fix(text: str) -> str:
+        for old, new in names:
+            if text == old or text.startswith((old + ".", old + "[", old + ":", old + " ")):
+                rest = text[len(old):]
+                if old == "messages" and rest.startswith("["):
+                    rest = rest[rest.find("]") + 1:]
+                return new + rest.replace(".function.", ".")
+        return text
+
+    return InvalidRequestError(fix(exc.message), param=fix(exc.param) if exc.param else None, code=exc.code)
 
 
 async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Receive, send: Send) -> None:

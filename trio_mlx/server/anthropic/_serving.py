@@ -15,12 +15,17 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..._errors import ContextLengthExceededError
+from ..._errors import ContextLengthExceededError, InvalidRequestError
 from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCalls
 from .._openai import ChoiceResult, HTTPError, dumps
 from .._records import COUNT_TOKENS_PATH as COUNT_TOKENS_PATH
 from .._records import MESSAGES_PATH as MESSAGES_PATH
+from .._wire import renamed
 from ._protocol import CountTokensRequest, MessagesRequest, error_body, error_payload
+
+# The engine's (OpenAI chat's) parameter names, as this API names them (`_wire.renamed`).
+ENGINE_NAMES = (("response_format", "output_config.format"), ("stop", "stop_sequences"), ("tools", "tools"),
+                ("messages", "messages"))
 
 
 def stop_reason(fin: Finished, stop_sequences: Sequence[str], clamped: bool = False) -> tuple[str, str | None]:
@@ -53,6 +58,12 @@ class MessagesCall:
         self.clamped = False  # max_tokens did not fit beside the prompt: the context's end is the limit
 
     async def start(self, engine: Engine) -> RequestStream:
+        try:
+            return await self._start(engine)
+        except InvalidRequestError as exc:
+            raise renamed(exc, ENGINE_NAMES) from None
+
+    async def _start(self, engine: Engine) -> RequestStream:
         opts = self.req.engine_options()
         try:
             return await engine.chat(self.messages, **self.structure, **opts).__aenter__()
@@ -98,8 +109,11 @@ class CountTokensCall:
         self.tools = req.tool_options()
 
     async def respond(self, engine: Engine) -> bytes:
-        n = await engine.count_chat_tokens(self.messages, tools=self.tools.get("tools"),
-                                           tool_choice=self.tools.get("tool_choice"))
+        try:
+            n = await engine.count_chat_tokens(self.messages, tools=self.tools.get("tools"),
+                                               tool_choice=self.tools.get("tool_choice"))
+        except InvalidRequestError as exc:
+            raise renamed(exc, ENGINE_NAMES) from None
         return dumps({"input_tokens": n})
 
 

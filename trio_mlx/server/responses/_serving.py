@@ -21,10 +21,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..._errors import InvalidRequestError
 from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCall, ToolCalls, Usage
 from .._openai import ChoiceResult, HTTPError, dumps, new_id
 from .._records import RESPONSES_PATH as RESPONSES_PATH
+from .._wire import renamed
 from ._protocol import ResponsesRequest
+
+# The engine's (OpenAI chat's) parameter names, as this API names them (`_wire.renamed`).
+ENGINE_NAMES = (("response_format", "text.format"), ("max_tokens", "max_output_tokens"), ("tools", "tools"),
+                ("messages", "input"))
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -62,7 +68,10 @@ class ResponsesCall:
 
     async def start(self, engine: Engine) -> RequestStream:
         stream = engine.chat(self.messages, **self.structure, **self.req.engine_options())
-        return await stream.__aenter__()
+        try:
+            return await stream.__aenter__()
+        except InvalidRequestError as exc:
+            raise renamed(exc, ENGINE_NAMES) from None
 
     def response(self, rid: str, model: str, status: str, output: list[dict[str, Any]],
                  usage: Usage | None = None, error: HTTPError | None = None) -> dict[str, Any]:
