@@ -209,6 +209,7 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "string", "pattern": "(unclosed"}}}}, "response_format", "schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
+    ({"response_format": {}}, "response_format", "None"),
     ({"response_format": {"type": "json_object"}, "max_tokens": 1}, "max_tokens", "at least"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "both"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
