@@ -209,6 +209,7 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "string", "pattern": "(unclosed"}}}}, "response_format", "schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
+    ({"response_format": {}}, "response_format", "None"),
     ({"response_format": {"type": "json_object"}, "max_tokens": 1}, "max_tokens", "at least"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "both"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
@@ -265,3 +266,25 @@ async def test_n_choices_each_make_calls(tool_model_fp32):
         assert {i: [(t["function"]["name"], t["function"]["arguments"]) for t in v] for i, v in calls.items()} == {
             i: [(t["function"]["name"], t["function"]["arguments"]) for t in c["message"]["tool_calls"]]
             for i, c in enumerate(choices)}
+
+
+async def test_logprobs_with_tool_calls(tool_model_fp32):
+    """Every token has its logprob, the call markup's too, though the markup is not content."""
+    async with serve(tool_model_fp32) as server, server.client() as client:
+        body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 60, "temperature": 0,
+                "logprobs": True, "top_logprobs": 2}
+        whole = (await client.post(CHAT, json=body)).json()
+        choice = whole["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert len(choice["logprobs"]["content"]) == whole["usage"]["completion_tokens"]
+        streamed, calls = [], []
+        async with client.stream("POST", CHAT, json={**body, "stream": True}) as s:
+            async for line in s.aiter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        streamed += (c.get("logprobs") or {}).get("content") or []
+                        calls += c["delta"].get("tool_calls") or []
+                        assert not c["delta"].get("content")
+        assert [t["token"] for t in streamed] == [t["token"] for t in choice["logprobs"]["content"]]
+        assert [t["function"]["arguments"] for t in calls] == [
+            t["function"]["arguments"] for t in choice["message"]["tool_calls"]]

@@ -90,6 +90,10 @@ def check_structure(tokenizer: Any, opts: Mapping[str, Any], *, chat: bool) -> S
     response_format = opts.get("response_format")
     if response_format is not None and not isinstance(response_format, Mapping):
         raise InvalidRequestError("response_format must be an object", param="response_format")
+    if response_format is not None and response_format.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequestError(
+            "response_format.type must be 'text', 'json_object' or 'json_schema', not "
+            f"{response_format.get('type')!r}", param="response_format")
     if not chat and (tools_in is not None or choice_in is not None):
         raise InvalidRequestError("tools need a chat request (engine.chat)", param="tools")
     parallel = opts.get("parallel_tool_calls", True)
