@@ -67,15 +67,10 @@ async def test_400_schema_violations_name_their_parameter(tiny_model_fp32):
 
 async def test_400_unsupported_options_are_refused_not_ignored(tiny_model_fp32):
     async with serve(tiny_model_fp32) as server, server.client() as client:
-        tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+        # (tools and response_format are served: tests/test_app_tools.py)
         for extra, param in [
-            ({"tools": [tool]}, "tools"),
-            ({"tool_choice": "auto"}, "tool_choice"),
             ({"functions": [{"name": "f"}]}, "functions"),
             ({"function_call": "auto"}, "function_call"),
-            ({"response_format": {"type": "json_object"}}, "response_format"),
-            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-             "response_format"),
             ({"modalities": ["text", "audio"]}, "modalities"),
         ]:
             assert_error(await client.post(CHAT, json=chat_body(**extra)), 400, param=param,

@@ -18,6 +18,8 @@ EXPECTED = {
     "SamplingParams",
     "TextDelta",
     "TokenLogprob",
+    "ToolCall",
+    "ToolCalls",
     "TrioMLXError",
     "Usage",
     "open_engine",

@@ -43,7 +43,7 @@ def _greedy(actor: Actor, prompt: tuple[int, ...], n: int) -> list[int]:
 def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Records every removal (rows kept, whether the padding was trimmed), sampler,
     processor list and logprobs call the actor makes."""
-    seen: dict[str, list[Any]] = {"removals": [], "samplers": [], "processors": [], "logprobs": []}
+    seen: dict[str, list[Any]] = {"removals": [], "samplers": [], "processors": [], "logprobs": [], "masks": []}
     remove, sampler, processors = _batch.remove_rows, _sampling.make_sampler, _actor.make_processors
     add_logprobs = Actor._add_logprobs
 
@@ -68,6 +68,13 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
         seen["logprobs"].append(len(rows))
         add_logprobs(self, out, rows)
 
+    class SpyGrammar(_actor.GrammarProcessor):
+        def __call__(self, tokens: Any, logits: Any) -> Any:
+            out = super().__call__(tokens, logits)
+            seen["masks"].append((logits.dtype, self.error))
+            return out
+
+    monkeypatch.setattr(_actor, "GrammarProcessor", SpyGrammar)
     monkeypatch.setattr(_actor, "remove_rows", spy_remove)
     monkeypatch.setattr(_sampling, "make_sampler", spy_sampler)
     monkeypatch.setattr(_actor, "make_processors", spy_processors)
@@ -89,6 +96,8 @@ def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort
     assert any(sp.top_p < 1 and sp.top_k and sp.min_p for sp in sampled)
     assert max(visits["processors"]) == 3  # logit bias, repetition penalty, presence/frequency
     assert visits["logprobs"]
+    # a grammar-masked row, masking the model's logits without error
+    assert len(visits["masks"]) >= 2 and all(error is None for _, error in visits["masks"])
 
 
 @pytest.mark.parametrize("retire_steps", ["16", "0"])  # rows retired by the actor, or ended by the generator
@@ -107,4 +116,4 @@ def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits, 
 def test_the_cpu_warm_up_is_one_short_sequence(tiny_model_fp32, visits):
     actor = _loaded(tiny_model_fp32, gpu=False)
     actor._warmup()
-    assert visits["removals"] == visits["samplers"] == visits["logprobs"] == []
+    assert visits["removals"] == visits["samplers"] == visits["logprobs"] == visits["masks"] == []

@@ -17,6 +17,7 @@ from ._protocol import ActorConfig as ActorConfig
 from ._protocol import ActorInfo as ActorInfo
 from ._protocol import Command as Command
 from ._protocol import FinishReason as FinishReason
+from ._protocol import Grammar as Grammar
 from ._protocol import SamplingParams as SamplingParams
 from ._protocol import Shutdown as Shutdown
 from ._protocol import StepReport as StepReport

@@ -31,6 +31,7 @@ from mlx_lm.generate import BatchGenerator
 from .. import models
 from ._admission import Admission
 from ._batch import batch_rows, remove_rows, take_prompt_tokens
+from ._constrain import GrammarProcessor, json_string_grammar, model_vocab
 from ._link import ActorLink
 from ._protocol import (
     Abort,
@@ -38,6 +39,7 @@ from ._protocol import (
     ActorInfo,
     Command,
     FinishReason,
+    Grammar,
     SamplingParams,
     Shutdown,
     StepReport,
@@ -52,6 +54,8 @@ from ._warmup import WARMUP_PROMPT, warm_up
 # the report of a step that leaves the batch empty (so an idle server's figures
 # are current); the number is arbitrary, small enough for a scrape to see it move.
 _MEMORY_EVERY = 64
+# The warm-up rehearsal's constrained row: any JSON string (llguidance's grammar text).
+_WARM_GRAMMAR = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
 # Without `ActorConfig.idle_release`: seconds idle before MLX's buffer cache is
 # handed back on a GPU (never on the CPU, where the cache is this process's own heap).
 IDLE_RELEASE = 1.0
@@ -67,6 +71,7 @@ class _Seq:
     stops: frozenset[int]
     stage: str = "queued"
     generated: int = 0
+    grammar: GrammarProcessor | None = None  # a constrained row's logits mask
 
 
 
@@ -112,6 +117,7 @@ class Actor:
         self._admission = Admission(config.admit_window, config.prefill_batch)
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
+        self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -189,7 +195,9 @@ class Actor:
         `benchmarks/probes/probe_first_visits.py` found the module in MLX's PTX cache).
         Sampling, penalties, logit bias and logprobs have kernels of their own.
         The script: A (greedy) decodes; B (every sampling option, logprobs)
-        and C (seeded) join it, padded; A finishes and retires; D enters, so
+        and C (seeded, held to a JSON grammar: the mask's kernels, and the
+        tokenizer's grammar vocabulary built now rather than at the first
+        constrained request) join it, padded; A finishes and retires; D enters, so
         A's row leaves with B and C kept, trimming the padding they share; C
         is aborted; the rest finish and the batch runs dry.
         """
@@ -203,7 +211,8 @@ class Actor:
         script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]] = [
             ([Submit(a, prompt, 8, SamplingParams(temperature=0.0), frozenset())], lambda n: n[a] >= 3),
             ([Submit(b, prompt, 12, every, frozenset()),
-              Submit(c, prompt, 12, SamplingParams(temperature=0.7, seed=0), frozenset())], lambda n: n[a] >= 8),
+              Submit(c, prompt, 12, SamplingParams(temperature=0.7, seed=0), frozenset(), self._warm_grammar())],
+             lambda n: n[a] >= 8),
             ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
             ([Abort(c)], lambda n: not self._seqs),
         ]
@@ -223,6 +232,14 @@ class Actor:
                     raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
         finally:
             self._admission = admission
+
+    def _warm_grammar(self) -> Grammar | None:
+        """The rehearsal's grammar, if this model's tokenizer takes constrained decoding."""
+        try:
+            model_vocab(self.config.model_path)
+        except Exception:  # its requests get a 400 from the engine; nothing to warm
+            return None
+        return _WARM_GRAMMAR
 
     def _free(self) -> None:
         """Drop every array on this thread and synchronize, so the process exits cleanly."""
@@ -323,25 +340,48 @@ class Actor:
             remove_rows(self._bg, removes)
             if aborted:
                 self._hook("removed")
+        subs, grammars, failed = self._grammars(subs)
         self._inserted = len(subs)
         if not subs:
-            return []
+            return failed
         try:
             uids = self._bg.insert(
                 [list(s.prompt) for s in subs],
                 max_tokens=[s.max_tokens + self._slack(s) for s in subs],
                 samplers=[self._samplers.get(s.sampling) for s in subs],
                 logits_processors=[
-                    make_processors(s.sampling, len(s.prompt), self._context) for s in subs
+                    make_processors(s.sampling, len(s.prompt), self._context) + ([g] if g else [])
+                    for s, g in zip(subs, grammars, strict=True)
                 ],
             )
         except Exception as exc:  # bad input that slipped past validation
-            return [(s.rid, f"insert failed: {exc}") for s in subs]
-        for s, uid in zip(subs, uids, strict=True):
-            seq = _Seq(s.rid, uid, len(s.prompt), s.sampling, s.max_tokens, s.stop_token_ids)
+            return failed + [(s.rid, f"insert failed: {exc}") for s in subs]
+        for s, uid, g in zip(subs, uids, grammars, strict=True):
+            seq = _Seq(s.rid, uid, len(s.prompt), s.sampling, s.max_tokens, s.stop_token_ids, grammar=g)
             self._seqs[s.rid] = seq
             self._by_uid[uid] = seq
-        return []
+        return failed
+
+    def _grammars(
+        self, subs: list[Submit]
+    ) -> tuple[list[Submit], list[GrammarProcessor | None], list[tuple[int, str]]]:
+        """Each constrained arrival's grammar processor, built here on the actor thread (its
+        matcher is llguidance state the row's steps use); one that fails fails its row only."""
+        if not any(s.grammar for s in subs):
+            return subs, [None] * len(subs), []
+        kept: list[Submit] = []
+        grammars: list[GrammarProcessor | None] = []
+        failed: list[tuple[int, str]] = []
+        for s in subs:
+            try:
+                g = None if s.grammar is None else GrammarProcessor(
+                    model_vocab(self.config.model_path), s.grammar.source, s.max_tokens)
+            except Exception as exc:
+                failed.append((s.rid, f"the grammar could not be set up: {type(exc).__name__}: {exc}"))
+                continue
+            kept.append(s)
+            grammars.append(g)
+        return kept, grammars, failed
 
     # -- retiring finished rows ---------------------------------------------------
     #
@@ -385,6 +425,9 @@ class Actor:
             tokens = self._tokens(generation_responses)
         except Exception as exc:
             return self._recover(exc, failed)
+        if self._failed_rows:
+            failed = failed + self._failed_rows
+            self._failed_rows = []
         if self._retired and not self._seqs:  # the batch ran dry: nothing left to overlap
             remove_rows(self._bg, list(self._retired))
             self._retired.clear()
@@ -430,6 +473,12 @@ class Actor:
                 else "length" if seq.generated >= seq.max_tokens
                 else r.finish_reason
             )
+            if (g := seq.grammar) is not None and (g.error or (reason == "stop" and g.forced_finish)):
+                if g.error:  # the processor failed (and forced EOS): this row fails, no other
+                    self._failed_rows.append((seq.rid, f"constrained decoding failed: {g.error}"))
+                    reason = "error"
+                else:  # max_tokens cut the text short; the grammar closed it validly
+                    reason = "length"
             if reason is not None:
                 ended += 1
                 del self._by_uid[r.uid]
@@ -438,6 +487,8 @@ class Actor:
                     self._decoding -= 1
                 if r.finish_reason is None:  # still in the batch: retire it
                     self._retired[r.uid] = self._steps
+            if reason == "error":
+                continue  # reported in the step's `failed`
             if seq.sampling.logprobs:
                 want_logprobs.append((len(out), r, seq))
             out.append(TokenOut(seq.rid, r.token, reason))
@@ -483,6 +534,7 @@ class Actor:
         self._seqs.clear()
         self._by_uid.clear()
         self._retired.clear()
+        self._failed_rows.clear()
         self._decoding = 0
         assert self._bg is not None
         try:

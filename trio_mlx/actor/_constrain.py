@@ -32,6 +32,7 @@ because an exception here would fail the whole batch's step.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import llguidance
@@ -39,7 +40,7 @@ import llguidance.numpy as llnp
 import mlx.core as mx
 import numpy as np
 
-from ._matcher import GrammarVocab, completes, finish, jump
+from ._matcher import GrammarVocab, cached_vocab, completes, finish, grammar_vocab, jump
 
 # Tokens of slack kept between the tokens left and the completion: a calm
 # token can still lengthen it a little (an escape, half a UTF-8 character,
@@ -52,6 +53,27 @@ JUMP_FACTOR = 2
 # measurement every step) begins. Arbitrary; a JSON item with a few required
 # keys, or another tool call, jumps 10-40 tokens.
 JUMP_GUESS = 32
+
+
+def json_string_grammar() -> str:
+    """llguidance's grammar text for any JSON string (the warm-up's constrained row)."""
+    return llguidance.LLMatcher.grammar_from_json_schema('{"type": "string"}')
+
+
+def model_vocab(model_path: os.PathLike[str]) -> GrammarVocab:
+    """The model's tokenizer in llguidance's form, for the actor's processors.
+
+    An actor in the engine's process finds the one the engine built while
+    compiling the grammar (kept under the model's path); an actor in a child
+    process loads the tokenizer and builds its own, once, at its first
+    constrained row (about as long as loading the tokenizer takes)."""
+    key = str(model_path)
+    vocab = cached_vocab(key)
+    if vocab is None:
+        from .. import models
+
+        vocab = grammar_vocab(models.load_tokenizer(model_path), key=key)
+    return vocab
 
 
 class GrammarProcessor:

@@ -72,6 +72,22 @@ class ActorConfig:
     fault_hook: Callable[[str], None] | None = None
 
 
+GrammarKind = Literal["json_object", "json_schema", "tools", "lark"]
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A validated grammar (`engine/_grammar.py` compiles it), ready to travel to the
+    actor inside a Submit: plain strings and an int, so it pickles for the process actor."""
+
+    source: str  # llguidance's grammar text; `llguidance.LLMatcher(tokenizer, source)` takes it
+    # Tokens the engine's own completion (`actor/_matcher.finish`) takes from the
+    # start, EOS included: with max_tokens at least this, the output is always
+    # complete. A model may well finish in fewer (its tokens are longer).
+    min_tokens: int
+    kind: GrammarKind
+
+
 @dataclass(frozen=True, slots=True)
 class Submit:
     """Insert a sequence into the batch at the next step."""
@@ -81,6 +97,9 @@ class Submit:
     max_tokens: int
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
+    # Constrained decoding: the actor masks this row's logits to the grammar
+    # (`_constrain.GrammarProcessor`), inside the shared batch (rule 5).
+    grammar: Grammar | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ async def _one(engine: trio_mlx.Engine, prompt: Sequence[int], max_tokens: int, 
                 last = now
                 rec.output_tokens += len(ev.token_ids)
                 rec.events += 1
-            else:
+            elif isinstance(ev, trio_mlx.Finished):
                 rec.finish_reason = ev.finish_reason
                 rec.e2e = now - t0
                 if ev.finish_reason != "length":

@@ -41,13 +41,15 @@ from ..actor import (
     ActorInfo,
     ActorLink,
     Command,
+    Grammar,
     SamplingParams,
     Shutdown,
     StepReport,
     Submit,
     TokenOut,
 )
-from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, Usage
+from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, ToolCalls, Usage
+from ._structure import NO_STRUCTURE, Structure, check_structure, compile_structure
 from ._text import StopMatcher, normalize_messages
 
 log = logging.getLogger("trio_mlx.engine")
@@ -420,7 +422,8 @@ class Engine:
             raise EngineClosedError("the engine is not ready yet")
         raise EngineClosedError("the engine is shutting down" if self.state == "draining" else "the engine is closed")
 
-    def _submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int]) -> _Request:
+    def _submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int],
+                grammar: Grammar | None = None) -> _Request:
         self._check_open()
         sc = self._stage_counts
         free_slots = max(0, self.max_batch - sc["prefill"] - sc["decode"])
@@ -438,7 +441,7 @@ class Engine:
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._c.submitted += 1
         assert self._inbox_send is not None
-        self._inbox_send.send_nowait(Submit(rid, tuple(prompt), max_tokens, sampling, stops))
+        self._inbox_send.send_nowait(Submit(rid, tuple(prompt), max_tokens, sampling, stops, grammar))
         return req
 
     # -- public API ------------------------------------------------------------
@@ -499,8 +502,11 @@ class Engine:
         ignore_eos: bool = False,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        response_format: Mapping[str, Any] | None = None,
     ) -> RequestStream:
-        """Stream a completion of `prompt` (text, or token ids)."""
+        """Stream a completion of `prompt` (text, or token ids). `response_format`
+        (OpenAI's: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+        {"schema": ..., "strict": ...}}) holds the output to it, token by token."""
         opts = dict(locals())
         del opts["self"], opts["prompt"]
         return RequestStream(self, ("text", prompt, None), opts)
@@ -509,11 +515,26 @@ class Engine:
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        response_format: Mapping[str, Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> RequestStream:
         """Stream the assistant's reply to `messages` (the model's chat template applies).
-        Takes the same keyword options as `generate()`."""
+        Takes the same keyword options as `generate()`, and tool calling in OpenAI's
+        shapes: `tools` (functions, rendered through the template's `tools`),
+        `tool_choice` ("auto", "none", "required" or {"type": "function", "function":
+        {"name": ...}}; the last two are enforced by constrained decoding) and
+        `parallel_tool_calls` (False: at most one call, where enforced). Calls come as
+        `ToolCalls` events and the request ends with finish_reason "tool_calls"."""
+        if tools is not None or tool_choice is not None:
+            options.update(tools=tools, tool_choice=tool_choice)
+        if not parallel_tool_calls:
+            options["parallel_tool_calls"] = False
+        if response_format is not None:
+            options["response_format"] = response_format
         return RequestStream(self, ("chat", messages, chat_template_kwargs), options)
 
     def encode_prompt(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
@@ -521,6 +542,10 @@ class Engine:
         tok = self.tokenizer
         if kind == "chat":
             messages = normalize_messages(value)
+            if any(m.get("tool_calls") for m in messages):
+                from ._tools import template_messages  # llguidance loads with it: only when needed
+
+                messages = template_messages(messages)
             try:
                 text = tok.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
@@ -645,10 +670,16 @@ class RequestStream:
     """One request's events. `async with` submits it; iterate for `TextDelta`s then one
     `Finished`; leaving the block early aborts the sequence on the actor."""
 
-    def __init__(self, engine: Engine, source: tuple[str, Any, Any], opts: dict[str, Any]):
+    def __init__(self, engine: Engine, source: tuple[str, Any, Any], opts: dict[str, Any],
+                 prepared: tuple[Structure, Grammar | None] | None = None):
         self._engine = engine
         self._source = source
         self._opts = opts
+        self._prepared = prepared  # a sibling's checked structure and grammar (`again`)
+        self._tool_stream: Any = None  # an `_tools.ToolCallStream` when the request has tools
+        self._called = False  # whether it reported a call
+        self.structure: Structure = NO_STRUCTURE  # the request's checked tools and response format
+        self.grammar: Grammar | None = None  # what the actor enforces, if anything
         self._req: _Request | None = None
         self._recv: trio.MemoryReceiveChannel[Any] | None = None
         self._pending: collections.deque[Event] = collections.deque()
@@ -658,7 +689,27 @@ class RequestStream:
 
     async def __aenter__(self) -> RequestStream:
         engine = self._engine
-        prompt, max_tokens, sampling, stop_ids, stop_strings = await engine._prepare(self._source, self._opts)
+        engine._check_open()
+        kind, value, template_kwargs = self._source
+        if self._prepared is None:
+            structure = check_structure(engine.tokenizer, self._opts, chat=kind == "chat")
+            if structure.uses_tools:
+                template_kwargs = {**(template_kwargs or {}), **structure.template_kwargs()}
+        else:
+            structure = self._prepared[0]
+        prompt, max_tokens, sampling, stop_ids, stop_strings = await engine._prepare(
+            (kind, value, template_kwargs), self._opts)
+        if self._prepared is None:
+            grammar = await compile_structure(engine.tokenizer, engine.model_path, structure)
+        else:
+            grammar = self._prepared[1]
+        if grammar is not None:
+            from ._grammar import check_max_tokens
+
+            check_max_tokens(grammar, max_tokens)
+            stop_ids = stop_ids | engine._eos_ids  # the grammar ends on EOS, ignore_eos or not
+        self.structure, self.grammar = structure, grammar
+        self._tool_stream = structure.tool_stream(engine.tokenizer, prompt, grammar)
         self.prompt_tokens = prompt
         self.max_tokens = max_tokens
         self._sampling = sampling
@@ -666,9 +717,20 @@ class RequestStream:
         self._stopper = StopMatcher(stop_strings)
         self._detok = engine.tokenizer.detokenizer
         self._hidden = engine._special_ids
-        self._req = engine._submit(prompt, max_tokens, sampling, stop_ids)
+        self._req = engine._submit(prompt, max_tokens, sampling, stop_ids, grammar)
         self._recv = self._req.recv
         return self
+
+    def again(self, **options: Any) -> RequestStream:
+        """Another request for the same prompt, tools and response format as this
+        entered one (tokenized and compiled once), with `options` changed: OpenAI's
+        `n` choices, each with its own seed."""
+        if self._req is None:
+            raise RuntimeError("again() needs a stream that was entered")
+        opts = {k: v for k, v in self._opts.items() if k not in _STRUCTURE_OPTIONS}
+        opts.update(options)
+        return RequestStream(self._engine, ("text", list(self.prompt_tokens), None), opts,
+                             (self.structure, self.grammar))
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
@@ -764,16 +826,41 @@ class RequestStream:
 
     def _emit(self, text: list[str], ids: list[int], lps: list[TokenLogprob] | None) -> None:
         joined = "".join(text)
-        if joined or ids:
+        if self._tool_stream is not None:
+            self._emit_split(self._tool_stream.feed(joined) if joined else None, ids, lps)
+        elif joined or ids:
             self._pending.append(TextDelta(joined, tuple(ids), tuple(lps) if lps is not None else None))
 
+    def _emit_split(self, delta: Any, ids: list[int], lps: list[TokenLogprob] | None) -> None:
+        """A ToolCallStream's delta: content (and reasoning) as a TextDelta, calls after it.
+        Call text the family's parser could not read is content: nothing the model
+        wrote is lost (vLLM does the same)."""
+        content = reasoning = ""
+        calls = ()
+        if delta is not None:
+            content = delta.content + "".join(delta.failed)
+            reasoning, calls = delta.reasoning, delta.tool_calls
+        if content or reasoning or ids:
+            self._pending.append(TextDelta(content, tuple(ids), tuple(lps) if lps is not None else None, reasoning))
+        if calls:
+            self._called = True
+            self._pending.append(ToolCalls(calls))
+
     def _end(self, reason: str, *, error: str | None = None, stop: str | int | None = None) -> None:
+        if self._tool_stream is not None:
+            stream, self._tool_stream = self._tool_stream, None
+            self._emit_split(stream.finish(), [], None)
+            if self._called and reason == "stop":
+                reason = "tool_calls"
         self._pending.append(
             Finished(reason, Usage(len(self.prompt_tokens), self.completion_tokens), error, stop)  # type: ignore[arg-type]
         )
         self._done = True
         if self._recv is not None:
             self._recv.close()
+
+
+_STRUCTURE_OPTIONS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "response_format"})
 
 
 @asynccontextmanager

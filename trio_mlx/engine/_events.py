@@ -31,24 +31,48 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
-    """New text, with the token ids that produced it (several when tokens were waiting)."""
+    """New text, with the token ids that produced it (several when tokens were waiting).
+
+    For a request with `tools`, `text` is the answer's content only: tool-call
+    markup never appears in it (the calls come as `ToolCalls`), and text the
+    model's family marks as reasoning (`<think>...</think>`) comes in `reasoning`.
+    """
 
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
+    reasoning: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call the model made, as OpenAI's `tool_calls` entries carry it."""
+
+    index: int  # its position among this response's calls
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCalls:
+    """Tool calls the model finished writing (a request with `tools` only); the
+    request then ends with finish_reason "tool_calls"."""
+
+    calls: tuple[ToolCall, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
     """The terminal event of every request; nothing follows it."""
 
-    finish_reason: FinishReason
+    finish_reason: FinishReason | Literal["tool_calls"]
     usage: Usage
     error: str | None = None
     stop: str | int | None = None  # the stop string or token id that ended it
 
 
-Event = TextDelta | Finished
+Event = TextDelta | ToolCalls | Finished
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import llguidance
 
 from .._errors import InvalidRequestError
 from ..actor._matcher import GrammarVocab, finish, grammar_vocab
+from ..actor._protocol import Grammar, GrammarKind
+
+__all__ = ["Grammar", "GrammarKind", "compile_json_schema", "compile_lark", "compile_response_format"]
 
 # llguidance's JSON compiler options; a schema's "x-guidance" overrides them.
 JSON_OPTIONS: dict[str, Any] = {
@@ -43,21 +45,6 @@ JSON_OPTIONS: dict[str, Any] = {
 # out so that changing them is a visible decision), and on the schema text.
 MAX_SCHEMA_BYTES = 256 * 1024  # arbitrary; OpenAI's structured outputs allow far less nesting
 LIMITS: dict[str, Any] = dict(max_grammar_size=500_000, step_max_items=50_000, initial_lexer_fuel=1_000_000)
-
-GrammarKind = Literal["json_object", "json_schema", "tools", "lark"]
-
-
-@dataclass(frozen=True, slots=True)
-class Grammar:
-    """A validated grammar, ready to travel to the actor inside a Submit."""
-
-    source: str  # llguidance's grammar text; `llguidance.LLMatcher(tokenizer, source)` takes it
-    # Tokens the engine's own completion (`actor/_matcher.finish`) takes from the
-    # start, EOS included: with max_tokens at least this, the output is always
-    # complete. A model may well finish in fewer (its tokens are longer).
-    min_tokens: int
-    kind: GrammarKind
-
 
 def vocab_for(tokenizer: Any, *, param: str | None = None) -> GrammarVocab:
     """The tokenizer in llguidance's form (built once per tokenizer), or a 400."""
@@ -80,6 +67,31 @@ def compile_response_format(
     InvalidRequestError, naming the problem, for anything else or a schema that
     does not compile.
     """
+    spec = _format_spec(response_format, param)
+    if spec is None:
+        return None
+    kind, schema, strict = spec
+    if kind == "json_object":
+        return _compile_json(tokenizer, schema, strict=True, kind="json_object", param=param)
+    return compile_json_schema(tokenizer, schema, strict=strict, param=param)
+
+
+def answer_schema(response_format: Any, *, param: str = "response_format") -> dict[str, Any] | None:
+    """The JSON schema `response_format` asks for, with llguidance's options inside it
+    (`"x-guidance"`), for a Lark grammar's `%json {...}`; None for plain text."""
+    spec = _format_spec(response_format, param)
+    if spec is None:
+        return None
+    _, schema, strict = spec
+    if isinstance(schema, bool) or not isinstance(schema, Mapping):
+        raise InvalidRequestError(f"{param}: the JSON schema must be an object", param=param)
+    own = schema.get("x-guidance")
+    options = {**JSON_OPTIONS, "lenient": not strict, **(own if isinstance(own, Mapping) else {})}
+    return {**schema, "x-guidance": options}
+
+
+def _format_spec(response_format: Any, param: str) -> tuple[str, Any, bool] | None:
+    """`response_format` -> (type, schema, strict), or None for text; a 400 for anything else."""
     if response_format is None:
         return None
     if not isinstance(response_format, Mapping):
@@ -88,7 +100,7 @@ def compile_response_format(
     if kind == "text":
         return None
     if kind == "json_object":
-        return _compile_json(tokenizer, {"type": "object"}, strict=True, kind="json_object", param=param)
+        return kind, {"type": "object"}, True
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, Mapping):
@@ -97,7 +109,7 @@ def compile_response_format(
             )
         schema = spec.get("schema", {})  # OpenAI's default: any JSON value
         strict = spec.get("strict", response_format.get("strict"))
-        return compile_json_schema(tokenizer, schema, strict=strict is True, param=param)
+        return kind, schema, strict is True
     raise InvalidRequestError(
         f"{param}.type must be 'text', 'json_object' or 'json_schema', not {kind!r}", param=param
     )

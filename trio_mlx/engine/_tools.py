@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._errors import InvalidRequestError
+from ._events import ToolCall
 from ._grammar import JSON_OPTIONS, Grammar, compile_lark, vocab_for
 
 log = logging.getLogger("trio_mlx.tools")
@@ -147,12 +148,13 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
 def _json_tools_calls(start: str, end: str, schema: str, parallel: bool) -> str:
     """mlx_lm.tool_parsers.json_tools (Hermes, Qwen2.5, Qwen3): `<tool_call>\\n{json}\\n</tool_call>`."""
     more = ' ("\\n" call)*' if parallel else ""
-    return f'start: call{more}\ncall: {start} "\\n" %json {schema} "\\n" {end}\n'
+    return f'calls: call{more}\ncall: {start} "\\n" %json {schema} "\\n" {end}\n'
 
 
 # Tool-call formats a grammar can enforce, by mlx-lm parser module. Each takes
 # the Lark forms of the family's opening and closing markup (`_markup`), the
-# JSON schema of one call's object and whether several calls may follow.
+# JSON schema of one call's object and whether several calls may follow, and
+# defines the rule `calls`.
 _CALL_FORMATS: dict[str, Callable[[str, str, str, bool], str]] = {
     "mlx_lm.tool_parsers.json_tools": _json_tools_calls,
 }
@@ -169,12 +171,16 @@ def _markup(vocab: Any, text: str) -> str:
 
 
 def tool_grammar(
-    tokenizer: Any, tools: Sequence[Mapping[str, Any]], tool_choice: ToolChoice, *, parallel: bool = True
+    tokenizer: Any, tools: Sequence[Mapping[str, Any]], tool_choice: ToolChoice, *, parallel: bool = True,
+    answer: Mapping[str, Any] | None = None,
 ) -> Grammar | None:
     """The grammar that enforces `tool_choice` ("required" or a function's name);
     None for "auto" and "none", which leave the model free. `tools` as `check_tools`
-    returns them. A 400 when the model's call format has no grammar here."""
-    if tool_choice in ("auto", "none"):
+    returns them. With `answer` (a JSON schema, with tool_choice "auto"): the
+    model either calls tools or answers in that schema, nothing else (OpenAI's
+    tools beside a JSON response_format). A 400 when the model's call format has
+    no grammar here."""
+    if tool_choice == "none" or (tool_choice == "auto" and answer is None):
         return None
     require_tool_support(tokenizer)
     family = getattr(tokenizer.tool_parser, "__module__", "?")
@@ -185,7 +191,7 @@ def tool_grammar(
             f"format ({family.rpartition('.')[2]}); use tool_choice 'auto'",
             param="tool_choice",
         )
-    chosen = [t["function"] for t in tools if tool_choice == "required" or t["function"]["name"] == tool_choice]
+    chosen = [t["function"] for t in tools if tool_choice in ("required", "auto") or t["function"]["name"] == tool_choice]
     calls: list[dict[str, Any]] = [
         {
             "type": "object",
@@ -204,20 +210,13 @@ def tool_grammar(
         _markup(vocab, tokenizer.tool_call_start), _markup(vocab, tokenizer.tool_call_end),
         json.dumps(schema, ensure_ascii=False), parallel,
     )
-    return compile_lark(tokenizer, lark, kind="tools", param="tools")
+    if answer is None:
+        return compile_lark(tokenizer, "start: calls\n" + lark, kind="tools", param="tools")
+    lark = f"start: calls | answer\nanswer: %json {json.dumps(answer, ensure_ascii=False)}\n" + lark
+    return compile_lark(tokenizer, lark, kind="tools", param="response_format")
 
 
 # -- reading calls out of the text --------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """One finished call, as OpenAI's `tool_calls` entries carry it."""
-
-    index: int  # its position among this response's calls
-    id: str
-    name: str
-    arguments: str  # a JSON object, as text
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 from .._errors import TrioMLXError
-from ..engine import Finished, RequestStream, TextDelta
+from ..engine import Finished, RequestStream, TextDelta, ToolCalls
 from ._asgi import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -158,13 +158,12 @@ class Completions:
         streams: list[RequestStream] = []
         try:
             for i in range(req.n):
-                o = opts if i == 0 or seed is None else {**opts, "seed": (seed + i) & _SEED_MASK}
-                if i > 0:  # the prompt is tokenized once; choice i is the same prompt, seed + i
-                    stream = engine.generate(streams[0].prompt_tokens, **o)
+                if i > 0:  # tokenized and compiled once; choice i is the same request, seed + i
+                    stream = streams[0].again(**({} if seed is None else {"seed": (seed + i) & _SEED_MASK}))
                 elif isinstance(req, ChatCompletionRequest):
-                    stream = engine.chat([m.template_dict() for m in req.messages], **o)
+                    stream = engine.chat([m.template_dict() for m in req.messages], **opts)
                 else:
-                    stream = engine.generate(req.engine_prompt(), **o)
+                    stream = engine.generate(req.engine_prompt(), **opts)
                 await stream.__aenter__()
                 streams.append(stream)
         except BaseException:
@@ -186,8 +185,12 @@ class Completions:
                         if rec.first_token is None:
                             rec.first_token = trio.current_time()
                         result.text.append(ev.text)
+                        if ev.reasoning:
+                            result.reasoning.append(ev.reasoning)
                         if ev.logprobs:
                             result.logprobs.extend(ev.logprobs)
+                    elif isinstance(ev, ToolCalls):
+                        result.tool_calls.extend(ev.calls)
                     else:
                         result.finished = ev
             finally:
@@ -418,6 +421,11 @@ class _Stream:
         ev = await self._first(stream)
         while True:
             if type(ev) is TextDelta:
+                if ev.reasoning:
+                    if first:
+                        self.rec.first_token = trio.current_time()
+                    await send(tpl.reasoning(0, ev.reasoning, first))
+                    first = False
                 if ev.text or (logprobs and ev.logprobs):
                     if first:
                         self.rec.first_token = trio.current_time()
@@ -427,6 +435,11 @@ class _Stream:
                         await send(tpl.delta(0, ev.text, first))
                     first = False
                     await pace()
+            elif type(ev) is ToolCalls:
+                if first:
+                    self.rec.first_token = trio.current_time()
+                await send(tpl.tool_calls(0, ev.calls, first))
+                first = False
             else:
                 if ev.finish_reason in ("abort", "error"):
                     await self._end(_terminal_error(ev, self.rec).sse())
@@ -469,13 +482,21 @@ class _Stream:
                 parts: list[bytes] = []
                 for i, ev in batch:
                     if type(ev) is TextDelta:
+                        chunks = [tpl.reasoning(i, ev.reasoning, not role_sent[i])] if ev.reasoning else []
                         if ev.text or (logprobs and ev.logprobs):
+                            first = not (role_sent[i] or chunks)
+                            chunks.append(tpl.delta_logprobs(i, ev.text, first, ev.logprobs or ())
+                                          if logprobs else tpl.delta(i, ev.text, first))
+                        if chunks:
                             if self.rec.first_token is None:
                                 self.rec.first_token = trio.current_time()
-                            first = not role_sent[i]
-                            parts.append(tpl.delta_logprobs(i, ev.text, first, ev.logprobs or ())
-                                         if logprobs else tpl.delta(i, ev.text, first))
+                            parts.extend(chunks)
                             role_sent[i] = True
+                    elif type(ev) is ToolCalls:
+                        if self.rec.first_token is None:
+                            self.rec.first_token = trio.current_time()
+                        parts.append(tpl.tool_calls(i, ev.calls, not role_sent[i]))
+                        role_sent[i] = True
                     elif ev.finish_reason in ("abort", "error"):
                         parts.append(_terminal_error(ev, self.rec).sse())
                         await self._end(b"".join(parts))

@@ -26,7 +26,7 @@ from .._errors import (
     QueueFullError,
     TrioMLXError,
 )
-from ..engine import Finished, TokenLogprob, Usage
+from ..engine import Finished, TokenLogprob, ToolCall, Usage
 
 try:
     import orjson
@@ -162,10 +162,24 @@ class ContentPart(_Strict):
         return value
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = Field(
+        "{}", description="the call's arguments: a JSON object as text (OpenAI's form), or the object")
+
+
+class MessageToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
     def template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -176,6 +190,10 @@ class ChatMessage(_Strict):
                                "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:  # arguments stay JSON text here; the engine parses them for the template
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -229,28 +247,29 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, description="an alias of max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = Field(
+        None, description='functions the model may call: [{"type": "function", "function": {"name", '
+        '"description", "parameters"}}], rendered through the model\'s chat template')
+    tool_choice: Any = Field(
+        None, description='"auto" (the default with tools), "none", "required", or {"type": "function", '
+        '"function": {"name": ...}}; "required" and a named function are enforced by constrained decoding')
+    parallel_tool_calls: bool = Field(True, description="false: at most one call, where a call is enforced")
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name", "schema", "strict"}}: enforced token by token')
     # Accepted only in their no-op forms; anything else changes semantics -> 400.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
 
     def check(self, max_n: int) -> None:
         self._check_common(max_n)
-        if self.tools:
-            raise _unsupported("tools", "tools (function calling) are not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise _unsupported("tool_choice", "tool_choice is not supported by this server")
         if self.functions:
-            raise _unsupported("functions", "functions are not supported by this server")
+            raise _unsupported("functions", "the deprecated functions are not supported; send tools")
         if self.function_call not in (None, "none"):
-            raise _unsupported("function_call", "function_call is not supported by this server")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", "only response_format {'type': 'text'} is supported")
+            raise _unsupported("function_call", "the deprecated function_call is not supported; send tool_choice")
         if self.audio is not None or (self.modalities and set(self.modalities) != {"text"}):
             raise _unsupported("modalities", "only text output is supported")
         if self.prediction is not None:
@@ -267,6 +286,12 @@ class ChatCompletionRequest(_Sampling):
         if self.logprobs:
             opts["logprobs"] = True
             opts["top_logprobs"] = self.top_logprobs or 0
+        if self.tools is not None or self.tool_choice is not None:
+            opts["tools"], opts["tool_choice"] = self.tools, self.tool_choice
+        if not self.parallel_tool_calls:
+            opts["parallel_tool_calls"] = False
+        if self.response_format is not None:
+            opts["response_format"] = self.response_format
         return opts
 
 
@@ -278,6 +303,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = Field(
+        None, description='as on chat completions: {"type": "json_object"} or {"type": "json_schema", ...}')
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -316,6 +343,8 @@ class CompletionRequest(_Sampling):
         if self.logprobs is not None:
             opts["logprobs"] = True
             opts["top_logprobs"] = self.logprobs
+        if self.response_format is not None:
+            opts["response_format"] = self.response_format
         return opts
 
 
@@ -381,11 +410,13 @@ def completion_logprobs(items: Sequence[TokenLogprob], offset: int = 0) -> tuple
 class ChoiceResult:
     """What one choice of a non-streamed request accumulated."""
 
-    __slots__ = ("text", "logprobs", "finished")
+    __slots__ = ("text", "reasoning", "logprobs", "tool_calls", "finished")
 
     def __init__(self) -> None:
         self.text: list[str] = []
+        self.reasoning: list[str] = []
         self.logprobs: list[TokenLogprob] = []
+        self.tool_calls: list[ToolCall] = []
         self.finished: Finished | None = None
 
 
@@ -393,9 +424,16 @@ def chat_response(rid: str, created: int, model: str, choices: Sequence[ChoiceRe
     out = []
     for i, c in enumerate(choices):
         assert c.finished is not None
+        content = "".join(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if c.reasoning:
+            message["reasoning_content"] = "".join(c.reasoning)
+        if c.tool_calls:
+            message["content"] = content or None  # OpenAI's shape for a reply that is only calls
+            message["tool_calls"] = [tool_call_dict(t) for t in c.tool_calls]
         out.append({
             "index": i,
-            "message": {"role": "assistant", "content": "".join(c.text)},
+            "message": message,
             "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
             "finish_reason": c.finished.finish_reason,
         })
@@ -403,6 +441,13 @@ def chat_response(rid: str, created: int, model: str, choices: Sequence[ChoiceRe
         "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
         "usage": total_usage([c.finished.usage for c in choices if c.finished is not None]),
     })
+
+
+def tool_call_dict(call: ToolCall, *, index: bool = False) -> dict[str, Any]:
+    """One entry of `message.tool_calls` (with `index`: of a stream's `delta.tool_calls`)."""
+    out: dict[str, Any] = {"index": call.index} if index else {}
+    out.update(id=call.id, type="function", function={"name": call.name, "arguments": call.arguments})
+    return out
 
 
 def completion_response(rid: str, created: int, model: str, choices: Sequence[ChoiceResult], logprobs: bool) -> bytes:
@@ -458,6 +503,19 @@ class ChunkTemplates:
             lps, self._offsets[index] = completion_logprobs(items, self._offsets[index])
             choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": None}
         return self._event({"choices": [choice]})
+
+    def tool_calls(self, index: int, calls: Sequence[ToolCall], first: bool) -> bytes:
+        """Finished calls, whole: id, name and all the arguments in one `delta.tool_calls`
+        chunk (OpenAI's clients accept that as they accept fragments)."""
+        delta: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
+        delta["tool_calls"] = [tool_call_dict(c, index=True) for c in calls]
+        return self._event({"choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]})
+
+    def reasoning(self, index: int, text: str, first: bool) -> bytes:
+        """Reasoning text, as `delta.reasoning_content` (vLLM's and mlx_lm.server's field)."""
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        delta["reasoning_content"] = text
+        return self._event({"choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]})
 
     def finish(self, index: int, reason: str, role_sent: bool) -> bytes:
         if self.chat:

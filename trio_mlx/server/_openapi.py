@@ -38,16 +38,33 @@ class UsageInfo(_Doc):
     total_tokens: int
 
 
+class CalledFunction(_Doc):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(_Doc):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int  # the call's position among the choice's calls; each call arrives whole
+
+
 class AssistantMessage(_Doc):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the reply is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(_Doc):
     index: int
     message: AssistantMessage
     logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(_Doc):
@@ -62,13 +79,15 @@ class ChatCompletion(_Doc):
 class ChatDelta(_Doc):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(_Doc):
     index: int
     delta: ChatDelta
     logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletionChunk(_Doc):
