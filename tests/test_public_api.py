@@ -40,6 +40,27 @@ def test_errors_share_one_base():
             assert issubclass(obj, trio_mlx.TrioMLXError), name
 
 
+def test_runtime_errors_are_in_the_one_tree():
+    """Every public exception class the runtime's layers define (the HTTP layer's too) derives
+    from TrioMLXError, so one `except` catches whatever trio_mlx raises."""
+    import importlib
+    import pkgutil
+
+    import trio_mlx.engine
+    import trio_mlx.server
+
+    found = []
+    for pkg in (trio_mlx.engine, trio_mlx.server):
+        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            module = importlib.import_module(info.name)
+            for obj in vars(module).values():
+                if (isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ == info.name
+                        and not obj.__name__.startswith("_")):  # a private one never leaves its module
+                    found.append(obj)
+                    assert issubclass(obj, trio_mlx.TrioMLXError), f"{info.name}.{obj.__name__}"
+    assert any(e.__name__ == "HTTPError" for e in found)
+
+
 def test_importing_the_package_does_not_import_mlx():
     import subprocess
     import sys

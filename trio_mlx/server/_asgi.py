@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from .._errors import TrioMLXError
 from ._openai import HTTPError
 
 Scope = dict[str, Any]
@@ -34,7 +35,7 @@ CORS_MAX_AGE = b"600"
 REQUEST_ID = "trio_mlx.request_id"
 
 
-class Disconnected(Exception):
+class Disconnected(TrioMLXError):
     """The client went away before its request was answered."""
 
 

@@ -36,6 +36,8 @@ import outcome
 import sniffio
 import trio
 
+from .._errors import TrioMLXError
+
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
 _LIFESPAN_ENDS = ("lifespan.startup.failed", "lifespan.shutdown.complete", "lifespan.shutdown.failed")
@@ -46,7 +48,7 @@ def native_trio() -> bool:
     return sniffio.current_async_library() == "trio"
 
 
-class ServerGone(Exception):
+class ServerGone(TrioMLXError):
     """The server cancelled a receive or send it was running for the trio side: it is stopping."""
 
 

@@ -24,6 +24,7 @@ from .._errors import (
     EngineClosedError,
     InvalidRequestError,
     QueueFullError,
+    TrioMLXError,
 )
 from ..engine import Finished, TokenLogprob, ToolCall, Usage
 
@@ -57,7 +58,7 @@ _LOGPROB_FLOOR = -9999.0
 # ---- errors ------------------------------------------------------------------
 
 
-class HTTPError(Exception):
+class HTTPError(TrioMLXError):
     """An OpenAI-shaped error response: {"error": {message, type, param, code}}."""
 
     def __init__(

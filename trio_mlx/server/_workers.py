@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._errors import TrioMLXError
 from ._settings import DEFAULT_MODEL_NAME, Settings
 
 try:
@@ -30,7 +31,7 @@ except ImportError:  # pragma: no cover - Windows, where MLX does not run anyway
     fcntl = None  # type: ignore[assignment]
 
 
-class AlreadyServing(Exception):
+class AlreadyServing(TrioMLXError):
     """Another process already serves this model on this device."""
 
     def __init__(self, message: str, holder: int = 0, holder_parent: int = 0):
