@@ -59,6 +59,26 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**overrides)
 
 
+def describe_settings(settings: Settings) -> str:
+    """The settings for the startup log: one per line, by flag name, secrets masked, and a `*`
+    on each value that differs from its default."""
+    defaults = Settings()
+    public = settings.public()
+    width = max(len(name) for name in public)
+    lines = ["settings (* set by a flag or a TRIO_MLX_* variable; trio-mlx serve --help says what each does):"]
+    for name, value in public.items():
+        if value is None:
+            shown = {"model": "(the embedded default)",
+                     "model_name": f"- (served as {settings.served_model_name})"}.get(name, "-")
+        elif isinstance(value, tuple):
+            shown = ", ".join(value) or "-"
+        else:
+            shown = str(value)
+        mark = "*" if getattr(settings, name) != getattr(defaults, name) else " "
+        lines.append(f"  {mark} {name.replace('_', '-'):<{width}}  {shown}")
+    return "\n".join(lines)
+
+
 def hypercorn_config(settings: Settings) -> Any:
     from hypercorn.config import Config
 
@@ -131,7 +151,7 @@ def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
 
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("settings: %s", settings.public())
+    log.info("%s", describe_settings(settings))
     app = create_app(settings, engine_factory=engine_factory)
     try:
         clean = trio.run(serve, app, hypercorn_config(settings))
