@@ -243,6 +243,9 @@ $("settings-form").addEventListener("submit", (event) => {
   $("settings").hidden = true;
 });
 $("forget-key").addEventListener("click", () => localStorage.removeItem(API_KEY));
+document.addEventListener("keydown", (event) => {
+  if (event.key === "Escape" && !$("settings").hidden) $("settings").hidden = true;
+});
 
 showSettings();
 withKey(fetchModels).then((models) => {
