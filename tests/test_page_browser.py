@@ -17,8 +17,12 @@ from typing import Any
 import httpx
 import pytest
 from browser import ServerProcess, open_browser
+from playwright.sync_api import expect
 
+# Waits use selectors and expect(), never page.wait_for_function with a string: that evals
+# JavaScript, which the page's CSP (rightly) forbids.
 CHAT = "/v1/chat/completions"
+expect.set_options(timeout=15_000)  # a busy CI machine; a passing wait returns at once
 STEP_SECONDS = 0.05  # each decode step: an answer of 400 tokens streams for ~20 s
 
 
@@ -83,9 +87,11 @@ def sent_bodies(page: Any) -> list[dict[str, Any]]:
 
 
 def test_streams_stops_continues_and_keeps_settings_over_a_reload(server, page):
+    # The server's log says where to point the browser.
+    wait_until(lambda: f"open {server.url}/ in a browser for the chat page" in server.log, 5, server.log)
     bodies = sent_bodies(page)
     page.goto(server.url + "/")
-    page.wait_for_function("document.getElementById('model').textContent === 'tiny-test'")
+    expect(page.locator("#model")).to_have_text("tiny-test")
 
     open_settings(page)
     page.fill("#system", "Answer briefly.")
@@ -137,7 +143,7 @@ def test_streams_stops_continues_and_keeps_settings_over_a_reload(server, page):
 
     # Reload: the conversation is gone, the settings are not.
     page.reload()
-    page.wait_for_function("document.getElementById('model').textContent === 'tiny-test'")
+    expect(page.locator("#model")).to_have_text("tiny-test")
     open_settings(page)
     assert page.input_value("#system") == "Answer briefly."
     assert page.input_value("#temperature") == "0.7" and page.input_value("#max_tokens") == "6"
@@ -257,13 +263,13 @@ def test_an_api_key_is_asked_once_and_kept(tiny_model_fp32, browser):
         page.wait_for_selector("#key-dialog[open]")  # asked again: the key was refused
         page.fill("#key-input", "sekret")
         page.click("#key-form button[type=submit]")
-        page.wait_for_function("document.getElementById('model').textContent === 'keyed'")
+        expect(page.locator("#model")).to_have_text("keyed")
         page.evaluate("localStorage.setItem('trio_mlx.settings', JSON.stringify({max_tokens: '3'}))")
         page.fill("#input", "hi")
         page.click("#send")
         page.wait_for_selector(".msg.assistant .meta:has-text('answer tokens')")
         page.reload()
-        page.wait_for_function("document.getElementById('model').textContent === 'keyed'")
+        expect(page.locator("#model")).to_have_text("keyed")
         assert not page.is_visible("#key-dialog")
         assert page.evaluate("localStorage.getItem('trio_mlx.api_key')") == "sekret"
     finally:

@@ -128,9 +128,19 @@ async def serve(app: Any, config: Any) -> bool:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_signals, signals, nursery.cancel_scope)
-            # hypercorn logs "Running on http://HOST:PORT" once the model is ready.
-            await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger)
-            nursery.cancel_scope.cancel()
+
+            async def run_hypercorn(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                try:
+                    await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger,
+                                               task_status=task_status)
+                finally:
+                    nursery.cancel_scope.cancel()
+
+            # Started once the model is ready; hypercorn has logged "Running on http://HOST:PORT".
+            binds = await nursery.start(run_hypercorn)
+            if binds:
+                log.info("open %s/ in a browser for the chat page; the API's reference is at %s/docs",
+                         binds[0], binds[0])
     return not forced
 
 

@@ -196,7 +196,7 @@ async function ask(text) {
     setStreaming(false);
   }
   if (answer) history.push({ role: "assistant", content: answer });
-  else if (!stats.stopped) history.pop(); // refused: the turn is not part of the conversation
+  else history.pop(); // refused, or stopped before a word: the turn is not part of the conversation
 }
 
 function newChat() {
