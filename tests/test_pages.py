@@ -86,3 +86,11 @@ async def test_the_page_and_docs_need_no_key_but_the_api_does(tiny_model_fp32):
             r = await client.get(path, headers={"Accept": BROWSER_ACCEPT})
             assert r.status_code == 200, path
         assert_error(await client.get("/v1/models"), 401)
+
+
+def test_every_static_file_is_served_and_every_served_file_exists() -> None:
+    """A file added to server/static/ must be listed in _pages.py to be served (and the wheel
+    ships the whole folder: pyproject's package-data)."""
+    from trio_mlx.server._pages import PAGE_FILES, STATIC
+
+    assert {p.name for p in STATIC.iterdir()} == PAGE_FILES | {"docs.html"}
