@@ -69,3 +69,16 @@ def test_settings_are_logged_one_per_line_with_changes_marked():
     assert rows["model"].endswith("(the embedded default)")
     assert rows["model-name"].endswith("- (served as smollm2-135m-instruct)")
     assert "{" not in text
+
+
+async def test_the_actor_process_logs_its_stages_at_the_servers_level(tiny_model_fp32, caplog, capfd):
+    caplog.set_level(logging.INFO, logger="trio_mlx")
+    async with trio_mlx.open_engine(tiny_model_fp32, actor="process", warmup=True):
+        pass
+    err = capfd.readouterr().err  # the child writes to the stderr it inherited
+    assert re.search(r"INFO trio_mlx\.actor \(actor process\): loaded llama \(.* MB of weights\) in", err), err
+    assert "trio_mlx.actor (actor process): warm-up done in " in err
+    caplog.set_level(logging.WARNING, logger="trio_mlx")
+    async with trio_mlx.open_engine(tiny_model_fp32, actor="process"):
+        pass
+    assert "(actor process)" not in capfd.readouterr().err  # quiet when the server is
