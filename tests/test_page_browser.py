@@ -177,7 +177,8 @@ HOSTILE = [
     "Click [here](javascript:window.pwned='link') or [docs](https://example.com/x).\n\n",
     "**bold** _it_ `<b>code</b>` <iframe src=\"javascript:window.pwned='iframe'\"></iframe>\n\n",
     "```html\n<script>window.pwned='fenced'</script>\n<svg onload=\"window.pwned='svg'\"></svg>\n```\n",
-    "- item <a href=x onclick=\"window.pwned='a'\">x</a>\n- two\n",
+    "- item <a href=x onclick=\"window.pwned='a'\">x</a>\n- two\n\n",
+    "| name | value |\n|---|---:|\n| <img src=y onerror=\"window.pwned='cell'\"> | **1** |\n| b | 2 |\n",
 ]
 
 
@@ -206,11 +207,14 @@ def test_hostile_markdown_is_shown_never_run(server, page):
     text = answer.inner_text()
     assert "<script>window.pwned='script'</script>" in text and "onerror" in text
     assert answer.locator("h3").inner_text().startswith("Title <img")
-    assert answer.locator("strong").inner_text() == "bold" and answer.locator("em").inner_text() == "it"
+    assert answer.locator("strong").first.inner_text() == "bold" and answer.locator("em").inner_text() == "it"
     assert answer.locator("code").first.inner_text() == "<b>code</b>"
     fenced = answer.locator(".code pre code").inner_text()
     assert fenced.startswith("<script>window.pwned='fenced'</script>") and "<svg onload" in fenced
     assert answer.locator("li").count() == 2
+    assert answer.locator("table th").all_inner_texts() == ["name", "value"]
+    assert answer.locator("table td").all_inner_texts() == [
+        "<img src=y onerror=\"window.pwned='cell'\">", "1", "b", "2"]
     links = answer.locator("a")
     assert links.count() == 1 and links.get_attribute("href") == "https://example.com/x"
     assert "[here](javascript:" in text

@@ -3,8 +3,8 @@
 // Every node is built with createElement and every piece of text goes in through
 // textContent or a text node: an answer containing <script> or <img onerror=...>
 // shows those characters and runs nothing. Links keep only http(s) and mailto URLs.
-// Covers what chat answers use: fenced code, inline code, headings, lists, quotes,
-// paragraphs, bold, italic, strikethrough, links and horizontal rules.
+// Covers what chat answers use: fenced code, inline code, headings, lists, tables,
+// quotes, paragraphs, bold, italic, strikethrough, links and horizontal rules.
 
 const SAFE_URL = /^(https?:\/\/|mailto:)/i;
 
@@ -35,6 +35,13 @@ export function renderMarkdown(text) {
     if (/^\s*([-*_])(\s*\1){2,}\s*$/.test(line)) {
       root.append(document.createElement("hr"));
       i++;
+      continue;
+    }
+    if (line.includes("|") && i + 1 < lines.length && TABLE_RULE.test(lines[i + 1])) {
+      const rows = [cells(line)];
+      i += 2;
+      while (i < lines.length && lines[i].includes("|") && lines[i].trim()) rows.push(cells(lines[i++]));
+      root.append(table(rows));
       continue;
     }
     if (/^\s*>/.test(line)) {
@@ -72,6 +79,40 @@ export function renderMarkdown(text) {
     root.append(p);
   }
   return root;
+}
+
+// A GFM table: a header row, a rule like |---|:--:|, then body rows.
+const TABLE_RULE = /^\s*\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?\s*$/;
+
+function cells(line) {
+  return line.trim().replace(/^\|/, "").replace(/\|$/, "").split("|").map((c) => c.trim());
+}
+
+function table([head, ...body]) {
+  const wrap = document.createElement("div");
+  wrap.className = "table";
+  const t = document.createElement("table");
+  const thead = document.createElement("thead");
+  const tr = document.createElement("tr");
+  for (const cell of head) {
+    const th = document.createElement("th");
+    inline(th, cell);
+    tr.append(th);
+  }
+  thead.append(tr);
+  const tbody = document.createElement("tbody");
+  for (const row of body) {
+    const r = document.createElement("tr");
+    for (let k = 0; k < head.length; k++) {
+      const td = document.createElement("td");
+      inline(td, row[k] ?? "");
+      r.append(td);
+    }
+    tbody.append(r);
+  }
+  t.append(thead, tbody);
+  wrap.append(t);
+  return wrap;
 }
 
 function startsBlock(line) {
