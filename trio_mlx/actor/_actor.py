@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import logging
 import math
 import os
 import threading
@@ -49,6 +50,8 @@ from ._protocol import (
 from ._sampling import SamplerCache, make_processors
 from ._trace import StepTrace
 from ._warmup import WARMUP_PROMPT, warm_up
+
+log = logging.getLogger("trio_mlx.actor")  # stages of startup; from any thread, through logging
 
 # MLX memory figures ride along with one step report in this many, and with
 # the report of a step that leaves the batch empty (so an idle server's figures
@@ -127,9 +130,16 @@ class Actor:
         t0 = time.perf_counter()
         try:
             self._hook("load")
+            log.info("loading the weights on %s", mx.default_device())
             config = self._load()
+            t1 = time.perf_counter()
+            log.info("loaded %s (%.1f MB of weights) in %.2f s", config.get("model_type", "the model"),
+                     mx.get_active_memory() / 1e6, t1 - t0)
             if self.config.warmup:
+                log.info("warming up (%s)", "every prefill group size, then a rehearsal" if self._gpu
+                         else "one short prompt")
                 self._warmup()
+                log.info("warm-up done in %.2f s", time.perf_counter() - t1)
             info = ActorInfo(
                 model_type=str(config.get("model_type", "unknown")),
                 context_length=self._context,

@@ -23,6 +23,7 @@ through `_actor`, the only module that touches MLX arrays.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import select
@@ -151,6 +152,8 @@ class PipeLink:
 
 
 _EMPTY = StepReport()
+# The parent's log level, for the child's logging (an internal variable, not a setting).
+_LOG_LEVEL = "_TRIO_MLX_ACTOR_LOG_LEVEL"
 
 
 def child_main() -> int:
@@ -160,6 +163,9 @@ def child_main() -> int:
     rfd = os.dup(0)
     wfd = os.dup(1)
     os.dup2(2, 1)  # stray prints from libraries go to stderr, not into the frames
+    # The actor's log lines (its startup stages) go to stderr, at the server's level.
+    logging.basicConfig(level=os.environ.get(_LOG_LEVEL, "WARNING"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s (actor process): %(message)s")
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     link = PipeLink(rfd, wfd)
@@ -194,7 +200,8 @@ async def run_actor_process(
     pipe (which stops it) and waits up to `shutdown_timeout` seconds before
     killing it.
     """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, _LOG_LEVEL: logging.getLevelName(logging.getLogger("trio_mlx").getEffectiveLevel()),
+           "PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)}
     proc = await trio.lowlevel.open_process(
         [sys.executable, "-m", "trio_mlx.actor._process"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine import ADMIT_WINDOW
 from ._env import actor_knobs
 from ._limit import ceiling_level as run_ceiling_level
+from ._progress import LevelBar, level_label
 from ._stats import (
     RequestRecord,
     format_table,
@@ -359,35 +360,38 @@ async def _run_level(
     from ._http import stream_request
 
     records = [RequestRecord() for _ in bodies]
+    bar = LevelBar(level_label(concurrency, rate), len(bodies))
 
     async def one(i: int) -> None:
         records[i] = await stream_request(client, path, bodies[i], args.max_tokens, args.timeout)
+        bar.done(records[i].output_tokens)
 
-    async with trio.open_nursery() as nursery:
-        if concurrency is not None:
-            todo = iter(range(len(bodies)))
+    with bar:
+        async with trio.open_nursery() as nursery:
+            if concurrency is not None:
+                todo = iter(range(len(bodies)))
 
-            async def worker() -> None:
-                for i in todo:  # one shared iterator: the closed loop
-                    await one(i)
+                async def worker() -> None:
+                    for i in todo:  # one shared iterator: the closed loop
+                        await one(i)
 
-            for _ in range(min(concurrency, len(bodies))):
-                nursery.start_soon(worker)
-        else:
-            assert rate is not None
-            rng = random.Random(args.seed + 1)
-            cap = trio.CapacityLimiter(args.max_concurrency or 1_000_000)
+                for _ in range(min(concurrency, len(bodies))):
+                    nursery.start_soon(worker)
+            else:
+                assert rate is not None
+                rng = random.Random(args.seed + 1)
+                cap = trio.CapacityLimiter(args.max_concurrency or 1_000_000)
 
-            async def capped(i: int) -> None:
-                async with cap:
-                    await one(i)
+                async def capped(i: int) -> None:
+                    async with cap:
+                        await one(i)
 
-            t = trio.current_time()
-            for i in range(len(bodies)):
-                if math.isfinite(rate):
-                    t += rng.expovariate(rate)
-                    await trio.sleep_until(t)
-                nursery.start_soon(capped, i)
+                t = trio.current_time()
+                for i in range(len(bodies)):
+                    if math.isfinite(rate):
+                        t += rng.expovariate(rate)
+                        await trio.sleep_until(t)
+                    nursery.start_soon(capped, i)
     return records
 
 

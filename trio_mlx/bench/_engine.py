@@ -20,6 +20,7 @@ import trio_mlx
 
 from ..engine import ADMIT_WINDOW
 from ._env import actor_knobs
+from ._progress import LevelBar, level_label
 from ._stats import RequestRecord, check_length, in_process_level
 
 
@@ -48,15 +49,18 @@ async def _one(engine: trio_mlx.Engine, prompt: Sequence[int], max_tokens: int, 
 async def _level(engine: trio_mlx.Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_tokens: int) -> tuple[list[RequestRecord], float]:
     records = [RequestRecord() for _ in prompts]
     todo = iter(range(len(prompts)))
+    bar = LevelBar(level_label(concurrency, None), len(prompts))
 
     async def worker() -> None:
         for i in todo:
             await _one(engine, prompts[i], max_tokens, records[i])
+            bar.done(records[i].output_tokens)
 
     t0 = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(concurrency):
-            nursery.start_soon(worker)
+    with bar:
+        async with trio.open_nursery() as nursery:
+            for _ in range(concurrency):
+                nursery.start_soon(worker)
     return records, time.perf_counter() - t0
 
 

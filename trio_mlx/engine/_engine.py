@@ -199,11 +199,17 @@ class Engine:
             raise RuntimeError("an Engine can be run only once")
         self.state = "starting"
         try:
+            # Each startup stage logs a line with its duration (the actor logs loading and warm-up).
+            t0 = trio.current_time()
+            log.info("resolving the model %s", self.model_ref or "(the embedded default)")
             path = await trio.to_thread.run_sync(
                 lambda: models.resolve_model(self.model_ref, cache_dir=self._cache_dir)
             )
             self.model_path = path
+            t1 = trio.current_time()
+            log.info("resolved to %s in %.2f s; loading the tokenizer", path, t1 - t0)
             self.tokenizer = await trio.to_thread.run_sync(models.load_tokenizer, path)
+            log.info("tokenizer loaded in %.2f s", trio.current_time() - t1)
         except BaseException:
             self.state = "closed"
             self._actor_done.set()

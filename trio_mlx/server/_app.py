@@ -30,6 +30,7 @@ from ._guest import GuestBridge, native_trio
 from ._logs import request_done
 from ._metrics import Metrics
 from ._openai import HTTPError, dumps, new_id, unavailable
+from ._pages import add_pages
 from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord
 from ._settings import Settings
 from ._wire import WireAPI, serve_api
@@ -172,7 +173,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     """Build the server. `settings` default to the TRIO_MLX_* environment; nothing is loaded
     until the app is served (the model loads in the lifespan startup)."""
     settings = Settings.from_env() if settings is None else settings
-    app = TrioMLXApp("trio_mlx")
+    app = TrioMLXApp("trio_mlx", static_folder=None)  # _pages.py serves /static itself
     app.settings = settings
     app.engine = None
     app.observers = []
@@ -292,11 +293,12 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
         return json_response(openapi_document(settings))
 
-    @app.get("/")
-    async def index() -> Response:
+    def index_json() -> Response:
         return json_response({"name": "trio_mlx", "model": settings.served_model_name,
                               "endpoints": [CHAT_PATH, COMPLETIONS_PATH, *app.wire_apis, "/v1/models", "/health",
-                                            "/ready", "/metrics", "/openapi.json"]})
+                                            "/ready", "/metrics", "/openapi.json", "/docs"]})
+
+    add_pages(app, index_json)  # `/`: the chat page for browsers, index_json for API clients
 
     @app.errorhandler(HTTPError)
     async def api_error(error: HTTPError) -> Response:

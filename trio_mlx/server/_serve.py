@@ -59,6 +59,26 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**overrides)
 
 
+def describe_settings(settings: Settings) -> str:
+    """The settings for the startup log: one per line, by flag name, secrets masked, and a `*`
+    on each value that differs from its default."""
+    defaults = Settings()
+    public = settings.public()
+    width = max(len(name) for name in public)
+    lines = ["settings (* set by a flag or a TRIO_MLX_* variable; trio-mlx serve --help says what each does):"]
+    for name, value in public.items():
+        if value is None:
+            shown = {"model": "(the embedded default)",
+                     "model_name": f"- (served as {settings.served_model_name})"}.get(name, "-")
+        elif isinstance(value, tuple):
+            shown = ", ".join(value) or "-"
+        else:
+            shown = str(value)
+        mark = "*" if getattr(settings, name) != getattr(defaults, name) else " "
+        lines.append(f"  {mark} {name.replace('_', '-'):<{width}}  {shown}")
+    return "\n".join(lines)
+
+
 def hypercorn_config(settings: Settings) -> Any:
     from hypercorn.config import Config
 
@@ -108,9 +128,19 @@ async def serve(app: Any, config: Any) -> bool:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_signals, signals, nursery.cancel_scope)
-            # hypercorn logs "Running on http://HOST:PORT" once the model is ready.
-            await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger)
-            nursery.cancel_scope.cancel()
+
+            async def run_hypercorn(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                try:
+                    await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger,
+                                               task_status=task_status)
+                finally:
+                    nursery.cancel_scope.cancel()
+
+            # Started once the model is ready; hypercorn has logged "Running on http://HOST:PORT".
+            binds = await nursery.start(run_hypercorn)
+            if binds:
+                log.info("open %s/ in a browser for the chat page; the API's reference is at %s/docs",
+                         binds[0], binds[0])
     return not forced
 
 
@@ -131,7 +161,7 @@ def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
 
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("settings: %s", settings.public())
+    log.info("%s", describe_settings(settings))
     app = create_app(settings, engine_factory=engine_factory)
     try:
         clean = trio.run(serve, app, hypercorn_config(settings))
