@@ -40,6 +40,7 @@ stops the remaining ranks when one exits non-zero.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import logging
@@ -163,6 +164,9 @@ class Watchdog:
                 self._on_failure(reason)
             except Exception:
                 log.exception("could not report the group's failure to the engine")
+        # Whichever comes first, the grace period's end or a normal exit (a SIGTERM drain
+        # that finished), the process exits with status 1.
+        atexit.register(os._exit, 1)
         timer = threading.Timer(self._grace, os._exit, (1,))
         timer.daemon = True
         timer.start()
@@ -190,15 +194,22 @@ class Channel:
         self._watch = watchdog
         self._status = status
 
-    def _sum(self, data: mx.array, what: str, bound: float) -> mx.array:
+    def _sum(self, data: mx.array, what: str, bound: float, wait: bool = True) -> mx.array:
         with self._watch.guard(what, bound):
             try:
                 # On the stream the BatchGenerator runs the model on (mlx-lm's thread-local
                 # generation stream), behind the step it computes ahead: on any other stream
                 # this collective could reach the group before or after the model's own,
-                # differently on each rank, and sum the wrong buffers.
+                # differently on each rank, and sum the wrong buffers. (The ring backend
+                # cannot split the group into a communicator of its own.)
                 with mx.stream(generation_stream):
                     out = mx.distributed.all_sum(data, group=self._group)
+                if not wait:
+                    # Rank 0 knows what it sent: it queues the collective behind the step in
+                    # flight and goes on building the next one (a failure surfaces in that
+                    # step, under its own guard).
+                    mx.async_eval(out)
+                    return out
                 mx.eval(out)
             except RuntimeError as exc:  # the ring backend: "connection to a peer was lost"
                 raise GroupError(f"{what}: {exc}") from exc
@@ -206,15 +217,18 @@ class Channel:
             self._status.contact()
         return out
 
-    def send(self, message: Any, bound: float, what: str = "sending commands to the followers") -> None:
+    def send(self, message: Any, bound: float, what: str = "sending commands to the followers",
+             wait: bool = True) -> None:
+        """Send `message` (None: an empty one) to every other rank; with `wait` False, only
+        queue it on the stream (rank 0's per-step messages)."""
         payload = b"" if message is None else pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         buf = bytearray(INLINE)
         _LENGTH.pack_into(buf, 0, len(payload))
         head = INLINE - _LENGTH.size
         buf[_LENGTH.size:_LENGTH.size + min(head, len(payload))] = payload[:head]
-        self._sum(mx.array(np.frombuffer(bytes(buf), dtype=np.uint8)), what, bound)
+        self._sum(mx.array(np.frombuffer(bytes(buf), dtype=np.uint8)), what, bound, wait)
         if len(payload) > head:
-            self._sum(mx.array(np.frombuffer(payload[head:], dtype=np.uint8)), what, bound)
+            self._sum(mx.array(np.frombuffer(payload[head:], dtype=np.uint8)), what, bound, wait)
         if self._status is not None:
             self._status.messages += 1
             self._status.message_bytes += len(payload)
@@ -398,7 +412,8 @@ class LeaderActor(Actor):
             self._mirroring = False
 
     def _send(self, message: Any) -> None:
-        self._channel.send(message, self._timeout)
+        step = message is None or message[0] == "step"
+        self._channel.send(message, self._timeout, wait=not step)
         if message is not None and message[0] == "stop":
             self._stopped = True
             self._status.set_all("stopped")
@@ -412,6 +427,9 @@ class LeaderActor(Actor):
         admission = self._admission
         assert isinstance(admission, RecordingAdmission)
         admission.admitted.clear()
+        # What a follower must hold before it applies a change (it checks, and fails the
+        # group if it is out of step rather than sum the wrong batches).
+        state = (self._steps, len(self._seqs), len(self._retired))
         with self._watch.guard("a batch change", self._timeout):
             failed = super()._apply(commands)
             if failed is None:
@@ -419,7 +437,7 @@ class LeaderActor(Actor):
                 return None
             aborts = tuple(c.rid for c in commands if isinstance(c, Abort))
             if aborts or admission.admitted:
-                self._send(("step", aborts, tuple(admission.admitted)))
+                self._send(("step", aborts, tuple(admission.admitted), state))
             elif self._seqs:
                 self._send(None)  # no commands: the followers step with us all the same
         return failed
@@ -428,7 +446,9 @@ class LeaderActor(Actor):
         if not self._mirroring:
             return super()._step(failed)
         with self._watch.guard("a decode step", self._timeout):
-            return super()._step(failed)
+            report = super()._step(failed)
+        self._status.contact()  # the step's collectives (and the message before it) completed
+        return report
 
     def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
         # A single device starts a fresh generator and serves on; a group cannot

@@ -18,6 +18,7 @@ silent group ends it with status 1 (`_distributed.Watchdog`).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -92,8 +93,8 @@ class FollowerActor(Actor):
                 self._load()
                 if self.config.warmup:
                     self._warmup()
-            log.info("rank %d of %d: following rank 0 (%s parallel, shard loaded)",
-                     self.rank, self._group.size(), self._mode)
+            log.info("rank %d of %d (pid %d): following rank 0 (%s parallel, shard loaded)",
+                     self.rank, self._group.size(), os.getpid(), self._mode)
             self._follow()
         except GroupError as exc:
             self._watch.fail(str(exc))  # exits now: the cleanup below may wait on the broken group
@@ -123,7 +124,11 @@ class FollowerActor(Actor):
                     last_step = float("inf")
                 continue
             elif message[0] == "step":
-                _, aborts, subs = message
+                _, aborts, subs, state = message
+                mine = (self._steps, len(self._seqs), len(self._retired))
+                if mine != state:
+                    raise GroupError(f"rank {self.rank} is out of step with rank 0: (steps, sequences, retired "
+                                     f"rows) {mine} against {state}")
             else:
                 raise GroupError(f"a follower got an unknown message {message[0]!r}")
             with self._watch.guard("a decode step", self._timeout):
