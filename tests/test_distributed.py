@@ -251,3 +251,36 @@ def test_a_follower_that_dies_or_hangs_ends_requests_with_an_error_and_every_ran
         assert "[WARN] Node with rank 0 exited with code 1" in log, log[-2000:]
     finally:
         g.stop()
+
+
+class _Group:
+    """A stand-in for an mx.distributed group: the checks below run before any collective."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+def test_a_mode_the_model_cannot_shard_is_a_clear_load_error(tiny_model_fp32: Path) -> None:
+    from trio_mlx.actor._distributed import load_shard
+
+    with pytest.raises(trio_mlx.ModelLoadError, match=r"cannot shard this model \(llama\) for pipeline"):
+        load_shard(tiny_model_fp32, "pipeline", _Group(2))  # mlx-lm's llama has no `pipeline`
+    with pytest.raises(trio_mlx.ModelLoadError, match=r"num_attention_heads \(4\) divisible by 3"):
+        load_shard(tiny_model_fp32, "tensor", _Group(3))
+
+
+def test_distributed_settings_are_checked_before_anything_loads(tiny_model_fp32: Path) -> None:
+    serve = [sys.executable, "-m", "trio_mlx.cli", "serve", str(tiny_model_fp32), "--port", "0"]
+    bad = subprocess.run([*serve, "--distributed", "tensor", "--actor", "process"], capture_output=True,
+                         text=True, timeout=60, env=ENV)
+    assert bad.returncode == 2 and "distributed needs actor 'thread'" in bad.stderr
+    env = {k: v for k, v in ENV.items() if not k.startswith(("MLX_", "NCCL_", "OMPI_", "PMI_"))}
+    alone = subprocess.run([*serve, "--distributed", "tensor"], capture_output=True, text=True, timeout=60, env=env)
+    assert alone.returncode == 2, alone.stderr
+    assert "mlx.launch" in alone.stderr and "Running on" not in alone.stderr
