@@ -2,9 +2,10 @@
 
 Rank 0 serves HTTP; rank 1 follows its steps (docs/distributed.md). The tiny
 fp32 llama (4 heads, 2 KV heads) splits in two. Checked: greedy tokens equal
-the single-device engine's, alone and in a batch of 8; an abort mid-decode
-frees the row on both ranks (rank 1 checks it holds what rank 0 holds before
-every batch change, and fails the group if not); a seeded request
+the single-device engine's, alone (a long prompt too) and in a batch of 8; an
+abort mid-decode frees the row on both ranks (before every step rank 1 checks
+it holds rank 0's counts and sampled rank 0's tokens, and fails the group if
+not); a seeded request
 reproduces; stop strings and n > 1 hold; a follower that dies, or hangs,
 ends the in-flight stream with an error event and every rank exits within
 the bound; SIGTERM to rank 0 stops both ranks with status 0.
@@ -34,6 +35,8 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 PROMPTS = ["Hello, world!", "The capital of France is", "Once upon a time", "Numbers: 1 2 3",
            "Rain, snow, wind", "Streaming servers send", "What colors!", "Please tell me a story"]
+# Long enough that its submit overflows the message's first buffer (a second collective).
+LONG = "Numbers: " + " ".join(str(i % 97) for i in range(150))
 MAX_TOKENS = 12
 TIMEOUT = 3.0  # --distributed-timeout in these tests
 
@@ -128,7 +131,7 @@ def reference(tiny_model_fp32: Path) -> dict[str, str]:
     async def run() -> dict[str, str]:
         out: dict[str, str] = {}
         async with trio_mlx.open_engine(tiny_model_fp32, warmup=False) as engine:
-            for prompt in PROMPTS:
+            for prompt in [*PROMPTS, LONG]:
                 text = []
                 async with engine.generate(prompt, max_tokens=MAX_TOKENS, temperature=0) as events:
                     async for ev in events:
@@ -154,7 +157,7 @@ def test_greedy_tokens_equal_the_single_device_alone_and_in_a_batch_of_8(group: 
         health = client.get(group.url + "/health").json()
         assert health["group"]["size"] == 2 and health["group"]["backend"] == "ring"
         assert [r["state"] for r in health["group"]["ranks"]] == ["serving", "following"]
-        for prompt in PROMPTS[:3]:
+        for prompt in [*PROMPTS[:3], LONG]:
             assert complete(client, group.url, prompt)["choices"][0]["text"] == reference[prompt]
     with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(lambda p: complete(client, group.url, p)["choices"][0]["text"], PROMPTS))
@@ -178,7 +181,7 @@ def test_an_abort_mid_decode_frees_the_row_on_both_ranks(group: Group, reference
                 break
             time.sleep(0.1)
         assert re.search(r'^trio_mlx_aborts_by_stage_total\{stage="decode"\} [1-9]', metrics, re.M), metrics
-        # Rank 1 compares what it holds with rank 0 before every change: had its row stayed,
+        # Rank 1 compares what it holds with rank 0 before every step: had its row stayed,
         # these would fail the group instead of matching the single device.
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             texts = list(pool.map(lambda p: complete(client, group.url, p)["choices"][0]["text"], PROMPTS[:4]))
@@ -191,7 +194,9 @@ def test_seeded_requests_reproduce_and_stop_strings_and_n_hold(group: Group, ref
         seeded = {"temperature": 1.0, "seed": 1234, "max_tokens": 16}
         first = complete(client, group.url, PROMPTS[1], **seeded)["choices"][0]["text"]
         assert complete(client, group.url, PROMPTS[1], **seeded)["choices"][0]["text"] == first
-        unseeded = complete(client, group.url, PROMPTS[1], temperature=1.0, n=3)  # the shared PRNG agrees too
+        # Unseeded rows draw from each rank's global PRNG: rank 1 checks every step that it
+        # sampled rank 0's tokens, so a divergence would fail this request.
+        unseeded = complete(client, group.url, PROMPTS[1], temperature=1.0, n=3)
         assert len(unseeded["choices"]) == 3
         greedy = complete(client, group.url, PROMPTS[2], n=2)
         assert [c["text"] for c in greedy["choices"]] == [reference[PROMPTS[2]]] * 2

@@ -16,10 +16,12 @@ batch, so the followers replay rank 0's steps:
   sampling parameters and seed) through the group itself (`Channel`, one
   `all_sum` of a small byte buffer, as mlx_lm.server shares its requests).
   Admission's decision is made once, on rank 0, from its clocks; a follower
-  never decides anything. A step with no commands still sends an empty
-  buffer: a follower cannot otherwise know that no commands are coming, and
-  it must run the step's forward pass in step with rank 0 (the cost is one
-  small all-reduce per step; docs/distributed.md measures it).
+  never decides anything. A step with no commands still sends its message: a
+  follower cannot otherwise know that no commands are coming, and it must run
+  the step's forward pass in step with rank 0 (the cost is one small
+  all-reduce per step; docs/distributed.md estimates it). The message also
+  carries rank 0's counts and a digest of the tokens it sampled last step,
+  which the follower checks against its own.
 - Every rank then applies the same inserts and removals to its own
   `BatchGenerator` (the actor's own `_apply`, with a replaying admission on
   the followers) and runs the same `next()`. All ranks see the same logits
@@ -303,6 +305,13 @@ def seed_all(channel: Channel, leader: bool, bound: float) -> None:
     mx.random.seed(seed)
 
 
+def token_digest(report: StepReport) -> int:
+    """The tokens one step sampled, as one int every rank computes alike (ints hash the
+    same in every process): ranks whose sampling diverged would otherwise feed the
+    model different tokens and sum garbage without a sign."""
+    return hash(tuple(t.token for t in report.tokens))
+
+
 class RecordingAdmission(Admission):
     """Rank 0's admission, unchanged, noting the group each step lets in (the followers replay it)."""
 
@@ -356,6 +365,7 @@ class LeaderActor(Actor):
         self._channel = Channel(group, self._watch, status)
         self._mirroring = False
         self._stopped = False
+        self._digest = 0
 
     def run(self) -> None:
         try:
@@ -412,8 +422,7 @@ class LeaderActor(Actor):
             self._mirroring = False
 
     def _send(self, message: Any) -> None:
-        step = message is None or message[0] == "step"
-        self._channel.send(message, self._timeout, wait=not step)
+        self._channel.send(message, self._timeout, wait=message[0] != "step")
         if message is not None and message[0] == "stop":
             self._stopped = True
             self._status.set_all("stopped")
@@ -427,26 +436,28 @@ class LeaderActor(Actor):
         admission = self._admission
         assert isinstance(admission, RecordingAdmission)
         admission.admitted.clear()
-        # What a follower must hold before it applies a change (it checks, and fails the
-        # group if it is out of step rather than sum the wrong batches).
-        state = (self._steps, len(self._seqs), len(self._retired))
+        # What a follower must hold before it applies the step (it checks, and fails the
+        # group if it is out of step rather than sum the wrong batches): the counts of
+        # steps, sequences and retired rows, and the tokens the last step sampled.
+        state = (self._steps, len(self._seqs), len(self._retired), self._digest)
         with self._watch.guard("a batch change", self._timeout):
             failed = super()._apply(commands)
             if failed is None:
                 self._send(("stop",))
                 return None
             aborts = tuple(c.rid for c in commands if isinstance(c, Abort))
-            if aborts or admission.admitted:
+            if aborts or admission.admitted or self._seqs:  # else no step follows: nothing to send
                 self._send(("step", aborts, tuple(admission.admitted), state))
-            elif self._seqs:
-                self._send(None)  # no commands: the followers step with us all the same
         return failed
 
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
         if not self._mirroring:
             return super()._step(failed)
+        stepped = bool(self._seqs)  # else no next(), and no message told the followers to step
         with self._watch.guard("a decode step", self._timeout):
             report = super()._step(failed)
+        if stepped:
+            self._digest = token_digest(report)
         self._status.contact()  # the step's collectives (and the message before it) completed
         return report
 

@@ -27,7 +27,16 @@ import mlx.core as mx
 
 from .. import models
 from ._actor import Actor
-from ._distributed import BEAT, Channel, Watchdog, fingerprint, init_group, load_shard, seed_all
+from ._distributed import (
+    BEAT,
+    Channel,
+    Watchdog,
+    fingerprint,
+    init_group,
+    load_shard,
+    seed_all,
+    token_digest,
+)
 from ._group import GroupError
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, StepReport, Submit
 
@@ -110,12 +119,12 @@ class FollowerActor(Actor):
     def _follow(self) -> None:
         replay = self._admission = _ReplayAdmission()  # type: ignore[assignment]
         last_step = time.monotonic()
+        digest = 0
         while True:
             message = self._channel.recv(BEAT + self._timeout)
             if message is None:
-                aborts: tuple[int, ...] = ()
-                subs: tuple[Submit, ...] = ()
-            elif message[0] == "stop":
+                raise GroupError("a follower got an empty message")
+            if message[0] == "stop":
                 log.info("rank %d: rank 0 stopped the group", self.rank)
                 return
             elif message[0] == "beat":
@@ -125,16 +134,19 @@ class FollowerActor(Actor):
                 continue
             elif message[0] == "step":
                 _, aborts, subs, state = message
-                mine = (self._steps, len(self._seqs), len(self._retired))
+                mine = (self._steps, len(self._seqs), len(self._retired), digest)
                 if mine != state:
                     raise GroupError(f"rank {self.rank} is out of step with rank 0: (steps, sequences, retired "
-                                     f"rows) {mine} against {state}")
+                                     f"rows, last tokens' digest) {mine} against {state}")
             else:
                 raise GroupError(f"a follower got an unknown message {message[0]!r}")
             with self._watch.guard("a decode step", self._timeout):
                 replay.replay(subs)
                 failed = self._apply([Abort(rid) for rid in aborts])
-                self._step(failed or [])
+                stepped = bool(self._seqs)  # as rank 0 counts it
+                report = self._step(failed or [])
+                if stepped:
+                    digest = token_digest(report)
             last_step = time.monotonic()
 
     def _add_logprobs(self, out: list[Any], rows: list[Any]) -> None:
