@@ -157,7 +157,7 @@ class Actor:
     def _load(self) -> dict[str, Any]:
         """Load the model and make the generator; returns the model's config."""
         apply_cache_limit(self.config.cache_limit_gb)
-        self._model, config = models.load_model(self.config.model_path)
+        self._model, config = self._load_weights()
         self._context = models.context_length(config)
         self._vocab = int(config.get("vocab_size", 0))
         self._bg = self._new_generator()
@@ -165,6 +165,10 @@ class Actor:
         release = self.config.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
         return config
+
+    def _load_weights(self) -> tuple[Any, dict[str, Any]]:
+        """(model, config); a distributed rank loads its shard instead (`_distributed.py`)."""
+        return models.load_model(self.config.model_path)
 
     def _hook(self, stage: str) -> None:
         if self.config.fault_hook is not None:

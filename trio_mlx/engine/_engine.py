@@ -185,6 +185,9 @@ class Engine:
         self._actor_error: BaseException | None = None
         self._inbox_send: trio.MemorySendChannel[Command] | None = None
         self._inbox_recv: trio.MemoryReceiveChannel[Command] | None = None
+        # A distributed group's status (`actor/_group.GroupStatus`) when this engine is rank 0
+        # of one (`engine/_distributed.py`); None on a single device.
+        self.group: Any = None
         self._ready_or_dead = trio.Event()
         self._actor_done = trio.Event()
         self._idle = trio.Event()
@@ -283,6 +286,17 @@ class Engine:
                 self._inbox_send.close()
             self._ready_or_dead.set()
             self._actor_done.set()
+
+    def fail(self, reason: str) -> None:
+        """The actor can no longer serve though its thread has not returned (a distributed
+        group lost a rank, and the actor waits in a collective that will never end): end
+        every request with an error event and refuse new ones, as if the actor had died."""
+        if self.state in ("closed", "broken"):
+            return
+        self._actor_error = RuntimeError(reason)
+        self.state = "broken"
+        self._fail_all(_Terminal("error", reason))
+        self._ready_or_dead.set()
 
     async def aclose(self, *, drain_timeout: float = 0.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to `drain_timeout`

@@ -106,6 +106,13 @@ _SHAPES: dict[str, dict[str, Any]] = {
                          rope_scaling={"rope_type": "llama3", "factor": 32.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 8192}),
+    # The Llama-3.1-8B shape, for multi-GPU comparisons (benchmarks/probes/distributed.sh).
+    "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                         head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}),
 }
 
 # The test tokenizer is trained on this; any English with digits and punctuation will do.

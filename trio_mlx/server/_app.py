@@ -45,8 +45,18 @@ EngineFactory = Callable[[Settings], Engine]
 
 
 def default_engine(settings: Settings) -> Engine:
-    return Engine(
-        settings.model,
+    if settings.distributed:  # rank 0 of a group (engine/_distributed.py)
+        from ..engine._distributed import leader_engine
+
+        return leader_engine(settings.distributed, backend=settings.distributed_backend,
+                             timeout=settings.distributed_timeout, startup_timeout=settings.startup_timeout,
+                             **_engine_options(settings))
+    return Engine(**_engine_options(settings))
+
+
+def _engine_options(settings: Settings) -> dict[str, Any]:
+    return dict(
+        model=settings.model,
         max_batch=settings.max_batch,
         prefill_batch=settings.prefill_batch,
         prefill_step=settings.prefill_step,
@@ -60,6 +70,10 @@ def default_engine(settings: Settings) -> Engine:
         cache_limit_gb=settings.cache_limit_gb,
         step_trace=settings.step_trace,
     )
+
+
+def _actor_name(engine: Engine) -> str:
+    return engine.actor_mode if isinstance(engine.actor_mode, str) else "thread"
 
 
 class _HTTPConnection(TrioASGIHTTPConnection):
@@ -212,7 +226,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s)",
                  settings.served_model_name, info.model_type if info else "?",
                  engine.context_length, settings.max_batch, info.device if info else "?",
-                 engine.actor_mode, info.pid if info else "?")
+                 _actor_name(engine), info.pid if info else "?")
+        if engine.group is not None:
+            log.info("distributed: %s", engine.group.describe())
 
     @app.after_serving
     async def stop_engine() -> None:
@@ -264,7 +280,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         body: dict[str, Any] = {"status": "ok", "state": stats.state, "queued": stats.queued,
                                 "prefilling": stats.prefilling, "decoding": stats.decoding}
         if engine.info is not None:
-            body.update(actor=engine.actor_mode, actor_pid=engine.info.pid)
+            body.update(actor=_actor_name(engine), actor_pid=engine.info.pid)
+        if engine.group is not None:
+            body["group"] = engine.group.snapshot()
         if stats.state in ("broken", "closed"):
             body["status"] = stats.state
             return json_response(body, 503)

@@ -155,3 +155,18 @@ class _EngineCollector:
         yield GaugeMetricFamily(PREFIX + "mlx_peak_memory_bytes", "MLX peak memory", value=num("peak_memory_bytes"))
         yield GaugeMetricFamily(PREFIX + "mlx_cache_memory_bytes", "freed MLX buffers kept for reuse",
                                 value=num("cache_memory_bytes"))
+        group = engine.group if engine is not None else None
+        if group is not None:  # rank 0 of a distributed group (docs/distributed.md)
+            snap = group.snapshot()
+            size = GaugeMetricFamily(PREFIX + "group_size", "ranks of the distributed group, by backend and "
+                                     "mode", labels=["backend", "mode"])
+            size.add_metric([snap["backend"], snap["mode"]], float(snap["size"]))
+            yield size
+            ranks = GaugeMetricFamily(PREFIX + "group_rank_state", "1 for each rank's state", labels=["rank", "state"])
+            for r in snap["ranks"]:
+                ranks.add_metric([str(r["rank"]), r["state"]], 1.0)
+            yield ranks
+            yield GaugeMetricFamily(PREFIX + "group_seconds_since_contact", "seconds since the last collective "
+                                    "with the followers completed", value=snap["seconds_since_contact"])
+            yield CounterMetricFamily(PREFIX + "group_messages", "command messages rank 0 sent its followers "
+                                      "(one per step, heartbeats while idle)", value=float(group.messages))

@@ -162,6 +162,21 @@ def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("%s", describe_settings(settings))
+    if settings.distributed:
+        # Under mlx.launch: rank 0 goes on to serve HTTP; the other ranks follow its steps
+        # and never start a server (docs/distributed.md).
+        from ..engine import _distributed
+        from ..engine._distributed import GroupError
+
+        try:
+            group, _ = _distributed.join_group(settings.distributed_backend)
+        except GroupError as exc:
+            print(f"trio-mlx serve: {exc}", file=sys.stderr)
+            return 2
+        if group.rank() != 0:
+            return _distributed.run_follower(
+                settings.model, cache_dir=settings.cache_dir, backend=settings.distributed_backend,
+                timeout=settings.distributed_timeout, startup_timeout=settings.startup_timeout)
     app = create_app(settings, engine_factory=engine_factory)
     try:
         clean = trio.run(serve, app, hypercorn_config(settings))

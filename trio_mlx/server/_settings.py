@@ -98,6 +98,15 @@ class Settings:
         "80 percent of the device per process), so set it where processes share a GPU"))
     step_trace: str | None = field(default=None, metadata=_doc(
         "append one tab-separated line per actor step (times, batch sizes) to this file"))
+    distributed: str | None = field(default=None, metadata=_doc(
+        "serve one model sharded over the ranks mlx.launch started: 'tensor' (every rank holds a "
+        "slice of each layer) or 'pipeline' (each rank a run of layers; only families whose mlx-lm "
+        "model can pipeline); rank 0 serves HTTP, the others follow (docs/distributed.md)"))
+    distributed_backend: str = field(default="any", metadata=_doc(
+        "mx.distributed backend: ring, jaccl, mpi, nccl, or 'any' (the one mlx.launch set up)"))
+    distributed_timeout: float = field(default=60.0, metadata=_doc(
+        "seconds one step or command exchange of a distributed group may take; past it (a rank "
+        "died or hung) requests end with an error and every rank exits"))
     log_level: str = field(default="info", metadata=_doc("debug, info, warning or error"))
 
     def __post_init__(self) -> None:
@@ -119,6 +128,14 @@ class Settings:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if self.actor not in ("thread", "process"):
             raise ValueError(f"actor must be 'thread' or 'process', got {self.actor!r}")
+        if self.distributed not in (None, "tensor", "pipeline"):
+            raise ValueError(f"distributed must be 'tensor' or 'pipeline', got {self.distributed!r}")
+        if self.distributed_backend not in ("any", "ring", "jaccl", "mpi", "nccl"):
+            raise ValueError(f"distributed_backend must be any, ring, jaccl, mpi or nccl, got {self.distributed_backend!r}")
+        if not (math.isfinite(self.distributed_timeout) and self.distributed_timeout > 0):
+            raise ValueError(f"distributed_timeout must be a finite number > 0, got {self.distributed_timeout}")
+        if self.distributed and self.actor != "thread":
+            raise ValueError("distributed needs actor 'thread': rank 0's collectives run on its actor thread")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

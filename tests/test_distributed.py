@@ -1,0 +1,291 @@
+"""A model sharded over two ranks (`mlx.launch --backend ring -n 2`, tensor parallel) on localhost.
+
+Rank 0 serves HTTP; rank 1 follows its steps (docs/distributed.md). The tiny
+fp32 llama (4 heads, 2 KV heads) splits in two. Checked: greedy tokens equal
+the single-device engine's, alone (a long prompt too) and in a batch of 8; an
+abort mid-decode frees the row on both ranks (before every step rank 1 checks
+it holds rank 0's counts and sampled rank 0's tokens, and fails the group if
+not); a seeded request
+reproduces; stop strings and n > 1 hold; a follower that dies, or hangs,
+ends the in-flight stream with an error event and every rank exits within
+the bound; SIGTERM to rank 0 stops both ranks with status 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+import trio_mlx
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+PROMPTS = ["Hello, world!", "The capital of France is", "Once upon a time", "Numbers: 1 2 3",
+           "Rain, snow, wind", "Streaming servers send", "What colors!", "Please tell me a story"]
+# Long enough that its submit overflows the message's first buffer (a second collective).
+LONG = "Numbers: " + " ".join(str(i % 97) for i in range(150))
+MAX_TOKENS = 12
+TIMEOUT = 3.0  # --distributed-timeout in these tests
+
+pytestmark = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
+
+
+def _ring_ports() -> int:
+    """A base port whose next one is free too (mlx.launch gives each rank base + rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base > 60000:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no two consecutive free ports")
+
+
+class Group:
+    """`mlx.launch --backend ring -n 2 -- trio-mlx serve MODEL --distributed tensor` and its log."""
+
+    def __init__(self, model: Path, log: Path, *extra: str):
+        self.log_path = log
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        cmd = [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ring_ports()), "--",
+               sys.executable, "-m", "trio_mlx.cli", "serve", str(model), "--distributed", "tensor",
+               "--port", "0", "--distributed-timeout", str(TIMEOUT), "--drain-timeout", "5",
+               "--allow-multiple-workers", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT,
+                                     start_new_session=True)
+        self.url = self._wait_for(rb"Running on (http://\S+)", 60).decode()
+        self.follower = int(self._wait_for(rb"rank 1 of 2 \(pid (\d+)\)", 10))
+        self.leader = httpx.get(self.url + "/health").json()["actor_pid"]
+
+    def text(self) -> str:
+        return self.log_path.read_bytes().decode(errors="replace")
+
+    def _wait_for(self, pattern: bytes, seconds: float) -> bytes:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if m := re.search(pattern, self.log_path.read_bytes()):
+                return m.group(1)
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} in the group's log:\n{self.text()[-3000:]}")
+
+    def wait_exit(self, seconds: float) -> None:
+        self.proc.wait(timeout=seconds)
+        for pid in (self.leader, self.follower):
+            assert not _alive(pid), f"rank process {pid} outlived the launcher"
+
+    def stop(self) -> None:
+        for pid in (self.leader, self.follower):
+            if _alive(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def complete(client: httpx.Client, url: str, prompt: str, **options: object) -> dict:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **options}
+    r = client.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_fp32: Path) -> dict[str, str]:
+    """Greedy text of every prompt from the single-device engine."""
+
+    async def run() -> dict[str, str]:
+        out: dict[str, str] = {}
+        async with trio_mlx.open_engine(tiny_model_fp32, warmup=False) as engine:
+            for prompt in [*PROMPTS, LONG]:
+                text = []
+                async with engine.generate(prompt, max_tokens=MAX_TOKENS, temperature=0) as events:
+                    async for ev in events:
+                        if isinstance(ev, trio_mlx.TextDelta):
+                            text.append(ev.text)
+                out[prompt] = "".join(text)
+        return out
+
+    return trio.run(run)
+
+
+@pytest.fixture(scope="module")
+def group(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory):
+    g = Group(tiny_model_fp32, tmp_path_factory.mktemp("group") / "launch.log")
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+def test_greedy_tokens_equal_the_single_device_alone_and_in_a_batch_of_8(group: Group, reference: dict) -> None:
+    with httpx.Client() as client:
+        health = client.get(group.url + "/health").json()
+        assert health["group"]["size"] == 2 and health["group"]["backend"] == "ring"
+        assert [r["state"] for r in health["group"]["ranks"]] == ["serving", "following"]
+        for prompt in [*PROMPTS[:3], LONG]:
+            assert complete(client, group.url, prompt)["choices"][0]["text"] == reference[prompt]
+    with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda p: complete(client, group.url, p)["choices"][0]["text"], PROMPTS))
+    assert texts == [reference[p] for p in PROMPTS]
+    assert "distributed: 2 ranks over ring, tensor parallel" in group.text()
+
+
+def test_an_abort_mid_decode_frees_the_row_on_both_ranks(group: Group, reference: dict) -> None:
+    with httpx.Client() as client:
+        body = {"prompt": PROMPTS[0], "max_tokens": 500, "temperature": 0, "stream": True}
+        with client.stream("POST", group.url + "/v1/completions", json=body, timeout=60) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks >= 3:
+                    break  # leaving the block closes the connection mid-decode
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            metrics = client.get(group.url + "/metrics").text
+            if re.search(r"^trio_mlx_active_sequences 0\.0$", metrics, re.M):
+                break
+            time.sleep(0.1)
+        assert re.search(r'^trio_mlx_aborts_by_stage_total\{stage="decode"\} [1-9]', metrics, re.M), metrics
+        # Rank 1 compares what it holds with rank 0 before every step: had its row stayed,
+        # these would fail the group instead of matching the single device.
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda p: complete(client, group.url, p)["choices"][0]["text"], PROMPTS[:4]))
+        assert texts == [reference[p] for p in PROMPTS[:4]]
+        assert client.get(group.url + "/health").status_code == 200
+
+
+def test_seeded_requests_reproduce_and_stop_strings_and_n_hold(group: Group, reference: dict) -> None:
+    with httpx.Client() as client:
+        seeded = {"temperature": 1.0, "seed": 1234, "max_tokens": 16}
+        first = complete(client, group.url, PROMPTS[1], **seeded)["choices"][0]["text"]
+        assert complete(client, group.url, PROMPTS[1], **seeded)["choices"][0]["text"] == first
+        # Unseeded rows draw from each rank's global PRNG: rank 1 checks every step that it
+        # sampled rank 0's tokens, so a divergence would fail this request.
+        unseeded = complete(client, group.url, PROMPTS[1], temperature=1.0, n=3)
+        assert len(unseeded["choices"]) == 3
+        greedy = complete(client, group.url, PROMPTS[2], n=2)
+        assert [c["text"] for c in greedy["choices"]] == [reference[PROMPTS[2]]] * 2
+        full = reference[PROMPTS[2]]
+        stop = full[len(full) // 2:len(full) // 2 + 2]
+        cut = complete(client, group.url, PROMPTS[2], stop=[stop])["choices"][0]
+        assert cut["finish_reason"] == "stop" and cut["text"] == full[:full.index(stop)]
+        assert client.get(group.url + "/health").json()["group"]["error"] is None
+
+
+def test_sigterm_to_rank_0_drains_and_stops_every_rank(group: Group) -> None:
+    """Runs after the other tests of the module's group: it ends the group."""
+    with httpx.Client() as client:
+        assert complete(client, group.url, PROMPTS[0])["usage"]["completion_tokens"] == MAX_TOKENS
+    os.kill(group.leader, signal.SIGTERM)
+    group.wait_exit(15)
+    log = group.text()
+    assert "rank 1: rank 0 stopped the group" in log
+    assert "exited with code" not in log  # both ranks exited 0
+
+
+def _stream_then(group: Group, signum: int) -> tuple[list[str], float]:
+    """Start a long stream, send `signum` to the follower mid-decode, read the stream to
+    its end: (its data lines, seconds from the signal to the end)."""
+    lines: list[str] = []
+    body = {"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}
+    with httpx.Client() as client, client.stream("POST", group.url + "/v1/completions", json=body,
+                                                 timeout=60) as r:
+        sent = None
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+            if sent is None and len(lines) >= 3:
+                os.kill(group.follower, signum)
+                sent = time.monotonic()
+    assert sent is not None
+    return lines, time.monotonic() - sent
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
+def test_a_follower_that_dies_or_hangs_ends_requests_with_an_error_and_every_rank_exits(
+        tiny_model_fp32: Path, tmp_path: Path, signum: int) -> None:
+    g = Group(tiny_model_fp32, tmp_path / "launch.log")
+    try:
+        lines, took = _stream_then(g, signum)
+        assert lines[-1] == "[DONE]"
+        error = json.loads(lines[-2])
+        assert error["error"]["code"] == "generation_failed", lines[-3:]
+        assert took < TIMEOUT + 5
+        t0 = time.monotonic()
+        if signum == signal.SIGSTOP:  # the launcher's SIGTERM waits on a stopped process
+            os.kill(g.follower, signal.SIGKILL)
+        g.wait_exit(TIMEOUT + 10)
+        print(f"stream ended {took:.1f} s after the signal, the group exited {time.monotonic() - t0:.1f} s later")
+        log = g.text()
+        assert "failed on the engine: the distributed group failed" in log
+        assert "[WARN] Node with rank 0 exited with code 1" in log, log[-2000:]
+    finally:
+        g.stop()
+
+
+class _Group:
+    """A stand-in for an mx.distributed group: the checks below run before any collective."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+def test_a_mode_the_model_cannot_shard_is_a_clear_load_error(tiny_model_fp32: Path) -> None:
+    from trio_mlx.actor._distributed import load_shard
+
+    with pytest.raises(trio_mlx.ModelLoadError, match=r"cannot shard this model \(llama\) for pipeline"):
+        load_shard(tiny_model_fp32, "pipeline", _Group(2))  # mlx-lm's llama has no `pipeline`
+    with pytest.raises(trio_mlx.ModelLoadError, match=r"num_attention_heads \(4\) divisible by 3"):
+        load_shard(tiny_model_fp32, "tensor", _Group(3))
+
+
+def test_distributed_settings_are_checked_before_anything_loads(tiny_model_fp32: Path) -> None:
+    serve = [sys.executable, "-m", "trio_mlx.cli", "serve", str(tiny_model_fp32), "--port", "0"]
+    bad = subprocess.run([*serve, "--distributed", "tensor", "--actor", "process"], capture_output=True,
+                         text=True, timeout=60, env=ENV)
+    assert bad.returncode == 2 and "distributed needs actor 'thread'" in bad.stderr
+    env = {k: v for k, v in ENV.items() if not k.startswith(("MLX_", "NCCL_", "OMPI_", "PMI_"))}
+    alone = subprocess.run([*serve, "--distributed", "tensor"], capture_output=True, text=True, timeout=60, env=env)
+    assert alone.returncode == 2, alone.stderr
+    assert "mlx.launch" in alone.stderr and "Running on" not in alone.stderr

@@ -1,0 +1,467 @@
+"""One model over several processes: the group, the command channel, the watchdog, rank 0's actor.
+
+Launched by `mlx.launch` (`trio-mlx serve MODEL --distributed tensor`), every
+rank joins one `mx.distributed` group and loads its shard with mlx-lm's
+`sharded_load` (the model's own `shard` method for tensor parallelism, its
+`pipeline` method for pipeline parallelism; nothing is sharded here by hand).
+Rank 0 runs the server, the engine and `LeaderActor`, the usual actor on its
+one thread (docs/design.md, rule 1); every other rank runs `FollowerActor`
+(`_follower.py`) on its main thread, with no HTTP and no trio. The model's
+own collectives (an all-reduce after the attention and after the MLP of
+every layer) need every rank to run the same forward passes on the same
+batch, so the followers replay rank 0's steps:
+
+- Once per step, after applying the step's commands, rank 0 sends what took
+  effect (the aborts and the submits admission let in, each with its
+  sampling parameters and seed) through the group itself (`Channel`, one
+  `all_sum` of a small byte buffer, as mlx_lm.server shares its requests).
+  Admission's decision is made once, on rank 0, from its clocks; a follower
+  never decides anything. A step with no commands still sends its message: a
+  follower cannot otherwise know that no commands are coming, and it must run
+  the step's forward pass in step with rank 0 (the cost is one small
+  all-reduce per step; docs/distributed.md estimates it). The message also
+  carries rank 0's counts and a digest of the tokens it sampled last step,
+  which the follower checks against its own.
+- Every rank then applies the same inserts and removals to its own
+  `BatchGenerator` (the actor's own `_apply`, with a replaying admission on
+  the followers) and runs the same `next()`. All ranks see the same logits
+  (each all-reduce gives every rank the same sum), the PRNG is seeded alike
+  on every rank once loaded, seeded requests own their keys, and retirement
+  depends only on tokens and step counts: the ranks' batches stay identical
+  and their sampled tokens agree, without sending a token.
+- Idle, rank 0 sends a heartbeat every `BEAT` seconds, so a follower's wait
+  for the next message is bounded too.
+
+Failure is total. A collective that raises (the ring backend reports a lost
+peer at once) or outlasts its bound (a hung peer: MLX collectives have no
+timeout and cannot be interrupted) fails the group: on rank 0 the engine
+ends every request with an error event and `/health` turns 503, and then
+the process exits with status 1, as a follower does at once. `mlx.launch`
+stops the remaining ranks when one exits non-zero.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import logging
+import os
+import pickle
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
+
+from .._errors import ModelLoadError
+from ._actor import Actor
+from ._admission import Admission
+from ._group import GroupError, GroupStatus
+from ._link import ActorLink
+from ._protocol import Abort, ActorConfig, ActorInfo, Command, StepReport, Submit
+
+log = logging.getLogger("trio_mlx.distributed")
+
+# Seconds between rank 0's heartbeats while it has nothing to do.
+BEAT = 1.0
+# Bytes every command message carries in its first collective (a 4-byte length
+# and the payload); a larger payload (long prompts) takes a second collective.
+INLINE = 1024
+# Seconds rank 0 waits after failing its requests before it exits, so the
+# error events reach the clients.
+EXIT_GRACE = 2.0
+_LENGTH = struct.Struct(">I")
+# The ActorConfig fields rank 0 hands its followers: batching must match on every rank.
+_KNOBS = ("max_batch", "prefill_batch", "prefill_step", "warmup", "admit_window", "retire_steps",
+          "idle_release", "cache_limit_gb")
+
+
+def _env_backend() -> str:
+    """The backend `mlx.launch` set up, from the variables it exports."""
+    env = os.environ
+    if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
+        return "jaccl"
+    if "NCCL_PORT" in env:
+        return "nccl"
+    if "MLX_HOSTFILE" in env:
+        return "ring"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "mpi"
+    return "any"
+
+
+def init_group(backend: str = "any") -> tuple[Any, str]:
+    """Join the group `mlx.launch` started: (group, backend name). Raises GroupError
+    when this process is not one of at least two ranks."""
+    name = _env_backend() if backend == "any" else backend
+    try:
+        group = mx.distributed.init(strict=True, backend=name)
+    except Exception as exc:
+        raise GroupError(
+            f"could not join a distributed group (backend {name}): {exc}; start every rank with "
+            "mlx.launch, e.g. `mlx.launch --backend ring -n 2 -- trio-mlx serve MODEL --distributed tensor`"
+        ) from exc
+    if group.size() < 2:
+        raise GroupError("--distributed needs at least 2 ranks: start them with mlx.launch "
+                         "(e.g. `mlx.launch --hostfile hosts.json -- trio-mlx serve MODEL --distributed tensor`)")
+    return group, name
+
+
+class Watchdog:
+    """Ends the process when a guarded stretch (a collective, a step, the start) outlasts its bound.
+
+    MLX collectives cannot be cancelled or timed out: a rank whose peer hangs
+    (or, on some backends, dies) waits in one forever, holding the actor thread
+    inside MLX. Nothing on that thread can act, so this thread does: it reports
+    the failure (on rank 0: the engine fails every request with an error event),
+    and after `grace` seconds ends the process with `os._exit(1)`, the only way
+    out of a thread stuck in C++. `mlx.launch` then stops the other ranks.
+    """
+
+    def __init__(self, on_failure: Callable[[str], None] | None, *, grace: float, status: GroupStatus | None = None):
+        self._on_failure = on_failure
+        self._grace = grace
+        self._status = status
+        self._what: str | None = None
+        self._deadline: float | None = None
+        self._bound = 0.0
+        self._failed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="trio-mlx-group-watchdog", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def guard(self, what: str, bound: float) -> Iterator[None]:
+        """Fail the group if the body takes more than `bound` seconds (nested guards restore the outer)."""
+        outer = self._what, self._deadline, self._bound
+        self._what, self._bound, self._deadline = what, bound, time.monotonic() + bound
+        try:
+            yield
+        finally:
+            self._what, self._deadline, self._bound = outer
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                self.fail(f"{self._what} took more than {self._bound:g} s: a rank is gone or hung")
+                return
+
+    def fail(self, reason: str) -> None:
+        """The group failed: report it once, then end the process after the grace period."""
+        if self._failed.is_set():
+            return
+        self._failed.set()
+        log.critical("the distributed group failed: %s; exiting in %.0f s", reason, self._grace)
+        if self._status is not None:
+            self._status.failed(reason)
+        if self._on_failure is not None:
+            try:
+                self._on_failure(reason)
+            except Exception:
+                log.exception("could not report the group's failure to the engine")
+        # Whichever comes first, the grace period's end or a normal exit (a SIGTERM drain
+        # that finished), the process exits with status 1.
+        atexit.register(os._exit, 1)
+        timer = threading.Timer(self._grace, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
+
+    @property
+    def failed(self) -> bool:
+        return self._failed.is_set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Channel:
+    """Rank 0's messages to the other ranks, through the group's own collectives.
+
+    A message is a pickle (rank 0 and its followers trust each other as
+    mlx_lm.server's ranks do) in a fixed buffer of `INLINE` bytes, summed with
+    the followers' zeros by one `all_sum`; a longer one sends its rest in a
+    second. Collectives run on the model's stream, so every rank issues all of
+    its collectives, the model's and these, in one order.
+    """
+
+    def __init__(self, group: Any, watchdog: Watchdog, status: GroupStatus | None = None):
+        self._group = group
+        self._watch = watchdog
+        self._status = status
+
+    def _sum(self, data: mx.array, what: str, bound: float, wait: bool = True) -> mx.array:
+        with self._watch.guard(what, bound):
+            try:
+                # On the stream the BatchGenerator runs the model on (mlx-lm's thread-local
+                # generation stream), behind the step it computes ahead: on any other stream
+                # this collective could reach the group before or after the model's own,
+                # differently on each rank, and sum the wrong buffers. (The ring backend
+                # cannot split the group into a communicator of its own.)
+                with mx.stream(generation_stream):
+                    out = mx.distributed.all_sum(data, group=self._group)
+                if not wait:
+                    # Rank 0 knows what it sent: it queues the collective behind the step in
+                    # flight and goes on building the next one (a failure surfaces in that
+                    # step, under its own guard).
+                    mx.async_eval(out)
+                    return out
+                mx.eval(out)
+            except RuntimeError as exc:  # the ring backend: "connection to a peer was lost"
+                raise GroupError(f"{what}: {exc}") from exc
+        if self._status is not None:
+            self._status.contact()
+        return out
+
+    def send(self, message: Any, bound: float, what: str = "sending commands to the followers",
+             wait: bool = True) -> None:
+        """Send `message` (None: an empty one) to every other rank; with `wait` False, only
+        queue it on the stream (rank 0's per-step messages)."""
+        payload = b"" if message is None else pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        buf = bytearray(INLINE)
+        _LENGTH.pack_into(buf, 0, len(payload))
+        head = INLINE - _LENGTH.size
+        buf[_LENGTH.size:_LENGTH.size + min(head, len(payload))] = payload[:head]
+        self._sum(mx.array(np.frombuffer(bytes(buf), dtype=np.uint8)), what, bound, wait)
+        if len(payload) > head:
+            self._sum(mx.array(np.frombuffer(payload[head:], dtype=np.uint8)), what, bound, wait)
+        if self._status is not None:
+            self._status.messages += 1
+            self._status.message_bytes += len(payload)
+
+    def recv(self, bound: float, what: str = "waiting for rank 0") -> Any:
+        """The next message (None for an empty one)."""
+        out = bytes(np.array(self._sum(mx.zeros(INLINE, dtype=mx.uint8), what, bound)))
+        (n,) = _LENGTH.unpack_from(out)
+        if n == 0:
+            return None
+        head = INLINE - _LENGTH.size
+        payload = out[_LENGTH.size:_LENGTH.size + min(n, head)]
+        if n > head:
+            payload += bytes(np.array(self._sum(mx.zeros(n - head, dtype=mx.uint8), what, bound)))
+        return pickle.loads(payload)
+
+    def agree(self, ok: bool, bound: float) -> int:
+        """How many ranks are not ok (every rank calls this at the same point)."""
+        out = self._sum(mx.array([0 if ok else 1], dtype=mx.int32), "checking the ranks agree", bound)
+        return int(out.item())  # type: ignore[arg-type]
+
+
+def fingerprint(path: Path) -> str:
+    """What every rank compares before loading: the model's config.json, hashed."""
+    return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()[:16]
+
+
+def hello(config: ActorConfig, mode: str) -> tuple[Any, ...]:
+    """Rank 0's first message: the mode, the model's fingerprint and the batching knobs."""
+    return ("hello", mode, fingerprint(config.model_path), {k: getattr(config, k) for k in _KNOBS})
+
+
+def load_shard(path: Path, mode: str, group: Any) -> tuple[Any, dict[str, Any]]:
+    """This rank's shard of the model at `path` through mlx-lm's `sharded_load`."""
+    import json
+
+    from mlx_lm.utils import sharded_load
+
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    n = group.size()
+    if mode == "tensor":
+        text = config.get("text_config") or config
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = text.get(key)
+            if isinstance(heads, int) and heads % n:
+                raise ModelLoadError(f"tensor parallelism over {n} ranks needs {key} ({heads}) divisible by {n}")
+    try:
+        model, _tokenizer, config = sharded_load(
+            str(path), pipeline_group=group if mode == "pipeline" else None,
+            tensor_group=group if mode == "tensor" else None, return_config=True)
+    except ValueError as exc:  # "The model does not support pipelining / tensor parallelism"
+        raise ModelLoadError(
+            f"mlx-lm cannot shard this model ({config.get('model_type', '?')}) for {mode} parallelism: {exc}"
+        ) from exc
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"could not load a {mode}-parallel shard from {str(path)!r}: {exc}"
+                             + (" (pipeline parallelism needs model.safetensors.index.json)"
+                                if mode == "pipeline" else "")) from exc
+    return model, config
+
+
+def seed_all(channel: Channel, leader: bool, bound: float) -> None:
+    """Seed MLX's global PRNG alike on every rank (unseeded sampling then agrees)."""
+    if leader:
+        seed = int.from_bytes(os.urandom(4), "big")
+        channel.send(("seed", seed), bound, "seeding the followers")
+    else:
+        message = channel.recv(bound, "waiting for rank 0's seed")
+        if not (isinstance(message, tuple) and message[:1] == ("seed",)):
+            raise GroupError(f"expected rank 0's seed, got {message!r}")
+        seed = message[1]
+    mx.random.seed(seed)
+
+
+def token_digest(report: StepReport) -> int:
+    """The tokens one step sampled, as one int every rank computes alike (ints hash the
+    same in every process): ranks whose sampling diverged would otherwise feed the
+    model different tokens and sum garbage without a sign."""
+    return hash(tuple(t.token for t in report.tokens))
+
+
+class RecordingAdmission(Admission):
+    """Rank 0's admission, unchanged, noting the group each step lets in (the followers replay it)."""
+
+    def __init__(self, window: float, batch: int):
+        super().__init__(window, batch)
+        self.admitted: list[Submit] = []
+
+    def due(self, now: float, decoding: int, prefilling: bool) -> list[Submit]:
+        subs = super().due(now, decoding, prefilling)
+        self.admitted.extend(subs)
+        return subs
+
+
+class _BeatingLink:
+    """Rank 0's link to its engine: the thread link, plus a heartbeat to the followers
+    every `BEAT` seconds while the actor waits for commands with nothing to do."""
+
+    def __init__(self, link: ActorLink, beat: Callable[[], None]):
+        self._link, self._beat = link, beat
+
+    def ready(self, info: ActorInfo) -> None:
+        self._link.ready(info)
+
+    def exchange(self, report: StepReport) -> list[Command]:
+        return self._link.exchange(report)
+
+    def check(self) -> None:
+        self._link.check()
+
+    def wait_commands(self, timeout: float | None = None) -> list[Command]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = BEAT if deadline is None else min(BEAT, deadline - time.monotonic())
+            commands = self._link.wait_commands(max(0.0, left))
+            if commands or (deadline is not None and time.monotonic() >= deadline):
+                return commands
+            self._beat()
+
+
+class LeaderActor(Actor):
+    """Rank 0's actor: the usual actor, loading its shard and sending each step's commands
+    to the followers (module docstring)."""
+
+    def __init__(self, config: ActorConfig, link: ActorLink, *, group: Any, mode: str, status: GroupStatus,
+                 timeout: float, startup_timeout: float, on_failure: Callable[[str], None] | None):
+        super().__init__(config, _BeatingLink(link, self._beat))
+        self._admission = RecordingAdmission(config.admit_window, config.prefill_batch)
+        self._group, self._mode, self._status = group, mode, status
+        self._timeout, self._startup = timeout, startup_timeout
+        self._watch = Watchdog(on_failure, grace=EXIT_GRACE, status=status)
+        self._channel = Channel(group, self._watch, status)
+        self._mirroring = False
+        self._stopped = False
+        self._digest = 0
+
+    def run(self) -> None:
+        try:
+            with self._watch.guard("starting the group", self._startup):
+                self._status.set_all("loading", leader="loading")
+                self._channel.send(hello(self.config, self._mode), self._startup, "greeting the followers")
+            super().run()
+        except GroupError as exc:
+            self._watch.fail(str(exc))
+            raise
+        finally:
+            if not self._watch.failed:
+                self._watch.stop()
+
+    def _load_weights(self) -> tuple[Any, dict[str, Any]]:
+        with self._failing(), self._watch.guard("loading the shards", self._startup):
+            bad = self._channel.agree(True, self._startup)
+            if bad:
+                raise ModelLoadError(f"{bad} follower rank(s) could not find the same model "
+                                     f"(config.json {fingerprint(self.config.model_path)}); see their logs")
+            model, config = load_shard(self.config.model_path, self._mode, self._group)
+            seed_all(self._channel, True, self._startup)
+        self._status.set_all("following", leader="serving")
+        return model, config
+
+    def _warmup(self) -> None:
+        with self._failing(), self._watch.guard("warming up", self._startup):
+            super()._warmup()
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """A GroupError fails the group here, before the actor's cleanup (which may wait on
+        the broken collective) runs."""
+        try:
+            yield
+        except GroupError as exc:
+            self._watch.fail(str(exc))
+            raise
+
+    def _loop(self) -> None:
+        self._mirroring = True
+        try:
+            with self._failing():
+                super()._loop()
+        except GroupError:
+            raise
+        except BaseException:
+            if not self._stopped and not self._watch.failed:
+                # The actor is leaving for another reason (cancelled): stop the followers too.
+                with contextlib.suppress(GroupError):
+                    self._send(("stop",))
+            raise
+        finally:
+            self._mirroring = False
+
+    def _send(self, message: Any) -> None:
+        self._channel.send(message, self._timeout, wait=message[0] != "step")
+        if message is not None and message[0] == "stop":
+            self._stopped = True
+            self._status.set_all("stopped")
+
+    def _beat(self) -> None:
+        self._send(("beat",))
+
+    def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None:
+        if not self._mirroring:
+            return super()._apply(commands)
+        admission = self._admission
+        assert isinstance(admission, RecordingAdmission)
+        admission.admitted.clear()
+        # What a follower must hold before it applies the step (it checks, and fails the
+        # group if it is out of step rather than sum the wrong batches): the counts of
+        # steps, sequences and retired rows, and the tokens the last step sampled.
+        state = (self._steps, len(self._seqs), len(self._retired), self._digest)
+        with self._watch.guard("a batch change", self._timeout):
+            failed = super()._apply(commands)
+            if failed is None:
+                self._send(("stop",))
+                return None
+            aborts = tuple(c.rid for c in commands if isinstance(c, Abort))
+            if aborts or admission.admitted or self._seqs:  # else no step follows: nothing to send
+                self._send(("step", aborts, tuple(admission.admitted), state))
+        return failed
+
+    def _step(self, failed: list[tuple[int, str]]) -> StepReport:
+        if not self._mirroring:
+            return super()._step(failed)
+        stepped = bool(self._seqs)  # else no next(), and no message told the followers to step
+        with self._watch.guard("a decode step", self._timeout):
+            report = super()._step(failed)
+        if stepped:
+            self._digest = token_digest(report)
+        self._status.contact()  # the step's collectives (and the message before it) completed
+        return report
+
+    def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
+        # A single device starts a fresh generator and serves on; a group cannot
+        # know that every rank failed the same step, so its batches may differ.
+        raise GroupError(f"a generation step failed on rank 0: {type(exc).__name__}: {exc}") from exc

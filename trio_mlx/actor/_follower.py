@@ -1,0 +1,198 @@
+"""A follower rank: its shard of the model, replaying rank 0's steps; no HTTP, no trio.
+
+`trio-mlx serve MODEL --distributed tensor` on a rank other than 0 runs
+`follower_main` on the process's main thread. It waits for rank 0's greeting
+(the mode, the model's fingerprint, the batching knobs), checks it holds the
+same model, loads its shard through mlx-lm, warms up exactly as rank 0 does,
+and then loops: one message from rank 0 per step (`_distributed.Channel`), the
+step's aborts and admitted submits applied through the actor's own `_apply`
+(admission replays rank 0's decision), and the same `BatchGenerator.next()`.
+Its tokens are nobody's: rank 0 delivers the same ones.
+
+A follower never decides to stop by itself: rank 0's "stop" (its SIGTERM
+drain ended, or its actor left) ends it with status 0; Ctrl-C is ignored, as
+in the process actor (rank 0 drains and then stops the group); a broken or
+silent group ends it with status 1 (`_distributed.Watchdog`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from .. import models
+from ._actor import Actor
+from ._distributed import (
+    BEAT,
+    Channel,
+    Watchdog,
+    fingerprint,
+    init_group,
+    load_shard,
+    seed_all,
+    token_digest,
+)
+from ._group import GroupError
+from ._protocol import Abort, ActorConfig, ActorInfo, Command, StepReport, Submit
+
+log = logging.getLogger("trio_mlx.follower")
+
+
+class _ReplayAdmission:
+    """A follower's admission: exactly the group rank 0 let in this step, nothing else."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, Any] = {}  # never holds anything: rank 0 holds the queue
+        self._next: list[Submit] = []
+
+    def replay(self, subs: tuple[Submit, ...]) -> None:
+        self._next = list(subs)
+
+    def add(self, sub: Submit, now: float) -> None:  # pragma: no cover - rank 0 never sends a bare submit
+        raise GroupError("a follower got a submit outside an admitted group")
+
+    def drop(self, rid: int) -> bool:
+        return False
+
+    def due(self, now: float, decoding: int, prefilling: bool) -> list[Submit]:
+        subs, self._next = self._next, []
+        return subs
+
+    def finished(self, now: float, count: int) -> None:
+        pass
+
+    def hold(self, now: float) -> float:
+        return 0.0
+
+
+class _NoLink:
+    """A follower talks to rank 0 through the group, never to an engine."""
+
+    def ready(self, info: ActorInfo) -> None:
+        pass
+
+    def exchange(self, report: StepReport) -> list[Command]:
+        raise GroupError("a follower has no engine")
+
+    def wait_commands(self, timeout: float | None = None) -> list[Command]:
+        raise GroupError("a follower has no engine")
+
+    def check(self) -> None:
+        pass
+
+
+class FollowerActor(Actor):
+    """The actor on a rank other than 0 (module docstring)."""
+
+    def __init__(self, config: ActorConfig, *, group: Any, mode: str, channel: Channel, watchdog: Watchdog,
+                 timeout: float, startup_timeout: float):
+        super().__init__(config, _NoLink())
+        self._group, self._mode, self._channel, self._watch = group, mode, channel, watchdog
+        self._timeout, self._startup = timeout, startup_timeout
+        self.rank = group.rank()
+
+    def run(self) -> None:
+        try:
+            with self._watch.guard("loading the shard", self._startup):
+                self._load()
+                if self.config.warmup:
+                    self._warmup()
+            log.info("rank %d of %d (pid %d): following rank 0 (%s parallel, shard loaded)",
+                     self.rank, self._group.size(), os.getpid(), self._mode)
+            self._follow()
+        except GroupError as exc:
+            self._watch.fail(str(exc))  # exits now: the cleanup below may wait on the broken group
+            raise
+        finally:
+            self._free()
+
+    def _load_weights(self) -> tuple[Any, dict[str, Any]]:
+        model, config = load_shard(self.config.model_path, self._mode, self._group)
+        seed_all(self._channel, False, self._startup)
+        return model, config
+
+    def _follow(self) -> None:
+        replay = self._admission = _ReplayAdmission()  # type: ignore[assignment]
+        last_step = time.monotonic()
+        digest = 0
+        while True:
+            message = self._channel.recv(BEAT + self._timeout)
+            if message is None:
+                raise GroupError("a follower got an empty message")
+            if message[0] == "stop":
+                log.info("rank %d: rank 0 stopped the group", self.rank)
+                return
+            elif message[0] == "beat":
+                if self._idle_release and not self._seqs and time.monotonic() - last_step > self._idle_release:
+                    mx.clear_cache()  # idle as rank 0 is: hand the buffer cache back, once
+                    last_step = float("inf")
+                continue
+            elif message[0] == "step":
+                _, aborts, subs, state = message
+                mine = (self._steps, len(self._seqs), len(self._retired), digest)
+                if mine != state:
+                    raise GroupError(f"rank {self.rank} is out of step with rank 0: (steps, sequences, retired "
+                                     f"rows, last tokens' digest) {mine} against {state}")
+            else:
+                raise GroupError(f"a follower got an unknown message {message[0]!r}")
+            with self._watch.guard("a decode step", self._timeout):
+                replay.replay(subs)
+                failed = self._apply([Abort(rid) for rid in aborts])
+                stepped = bool(self._seqs)  # as rank 0 counts it
+                report = self._step(failed or [])
+                if stepped:
+                    digest = token_digest(report)
+            last_step = time.monotonic()
+
+    def _add_logprobs(self, out: list[Any], rows: list[Any]) -> None:
+        pass  # rank 0 reports them; a follower's tokens are nobody's
+
+    def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
+        raise GroupError(f"a generation step failed on rank {self.rank}: {type(exc).__name__}: {exc}") from exc
+
+
+def follower_main(model: str | None, *, cache_dir: str | None, backend: str, timeout: float,
+                  startup_timeout: float, group: Any = None) -> int:
+    """Run this rank as a follower until rank 0 stops the group; the process's exit status."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
+    if group is None:
+        group, backend = init_group(backend)
+    watchdog = Watchdog(None, grace=0.0)
+    channel = Channel(group, watchdog)
+    rank = group.rank()
+    try:
+        message = channel.recv(startup_timeout, "waiting for rank 0 to start")
+        if not (isinstance(message, tuple) and message[:1] == ("hello",)):
+            raise GroupError(f"expected rank 0's greeting, got {message!r}")
+        _, mode, leader_print, knobs = message
+        problem = None
+        try:
+            path = models.resolve_model(model, cache_dir=cache_dir)
+            if fingerprint(path) != leader_print:
+                problem = (f"its model {str(path)!r} is not rank 0's (config.json {fingerprint(path)} "
+                           f"against {leader_print}): start every rank with the same model")
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        if channel.agree(problem is None, startup_timeout):
+            if problem is not None:
+                log.error("rank %d could not load the model: %s", rank, problem)
+            else:
+                log.error("rank %d: another rank could not load the model", rank)
+            return 1
+        config = ActorConfig(model_path=path, **knobs)
+        FollowerActor(config, group=group, mode=mode, channel=channel, watchdog=watchdog,
+                      timeout=timeout, startup_timeout=startup_timeout).run()
+    except GroupError as exc:
+        log.error("rank %d: the group failed: %s", rank, exc)
+        return 1
+    except Exception:
+        log.exception("rank %d failed", rank)
+        return 1
+    finally:
+        watchdog.stop()
+    return 0

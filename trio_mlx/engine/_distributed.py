@@ -1,0 +1,75 @@
+"""Serving a model sharded over several processes: rank 0's engine, and the way in for the others.
+
+Under `mlx.launch`, `trio-mlx serve MODEL --distributed tensor|pipeline`
+starts on every rank. `join_group` joins the `mx.distributed` group; rank 0
+builds its engine with `leader_engine` (an ordinary `Engine` whose thread
+actor is `actor._distributed.LeaderActor`) and serves HTTP as always; every
+other rank calls `run_follower` instead and never starts a server
+(`actor/_follower.py`). docs/distributed.md has the whole design.
+
+MLX stays in `actor/`: this module imports it only through the actor package,
+and only when `--distributed` is set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from ..actor._group import GroupError as GroupError
+from ..actor._group import GroupStatus as GroupStatus
+from ._engine import Engine
+
+_JOINED: tuple[Any, str] | None = None
+
+
+def join_group(backend: str = "any") -> tuple[Any, str]:
+    """(group, backend name) of the group `mlx.launch` started, joined once per process.
+    Raises `actor._group.GroupError` outside a group of at least two ranks."""
+    global _JOINED
+    if _JOINED is None:
+        from ..actor._distributed import init_group
+
+        _JOINED = init_group(backend)
+    return _JOINED
+
+
+def leader_engine(mode: str, *, backend: str = "any", timeout: float = 60.0, startup_timeout: float = 600.0,
+                  **engine_options: Any) -> Engine:
+    """Rank 0's engine (call it inside trio): `engine.group` is the group's live status.
+
+    `timeout` bounds every collective once serving (a step, a command message),
+    `startup_timeout` loading and warm-up; past either the group fails.
+    """
+    from ..actor._distributed import LeaderActor
+    group, name = join_group(backend)
+    if group.rank() != 0:
+        raise GroupError(f"rank {group.rank()} cannot serve HTTP: only rank 0 does (start ranks with trio-mlx serve)")
+    status = GroupStatus(mode=mode, size=group.size(), backend=name)
+    status.set_all("starting")
+    token = trio.lowlevel.current_trio_token()
+    engine: Engine | None = None
+
+    def on_failure(reason: str) -> None:  # from the actor thread or the watchdog's
+        if engine is not None:
+            trio.from_thread.run_sync(engine.fail, f"the distributed group failed: {reason}", trio_token=token)
+
+    def actor(config: Any, link: Any) -> LeaderActor:
+        return LeaderActor(config, link, group=group, mode=mode, status=status, timeout=timeout,
+                           startup_timeout=startup_timeout, on_failure=on_failure)
+
+    engine_options.pop("actor", None)  # always a thread actor: rule 1 holds its collectives
+    engine = Engine(actor=actor, **engine_options)
+    engine.group = status
+    return engine
+
+
+def run_follower(model: str | None, *, cache_dir: str | None, backend: str = "any", timeout: float = 60.0,
+                 startup_timeout: float = 600.0) -> int:
+    """Serve as a follower rank until rank 0 stops the group; the process's exit status."""
+    from ..actor._follower import follower_main
+
+    group, name = join_group(backend)
+    return follower_main(model, cache_dir=cache_dir, backend=name, timeout=timeout,
+                         startup_timeout=startup_timeout, group=group)
