@@ -65,7 +65,7 @@ async def collect(stream: trio_mlx.RequestStream) -> tuple[str, list[ToolCall], 
             text.append(ev.text)
         elif isinstance(ev, ToolCalls):
             calls.extend(ev.calls)
-        else:
+        elif isinstance(ev, Finished):  # ToolCallDeltas: the same calls, in pieces
             return "".join(text), calls, ev
     raise AssertionError("no Finished event")
 

@@ -48,7 +48,16 @@ from ..actor import (
     Submit,
     TokenOut,
 )
-from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, ToolCalls, Usage
+from ._events import (
+    EngineStatistics,
+    Event,
+    Finished,
+    TextDelta,
+    TokenLogprob,
+    ToolCall,
+    ToolCalls,
+    Usage,
+)
 from ._structure import NO_STRUCTURE, Structure, check_structure, compile_structure
 from ._text import StopMatcher, normalize_messages
 
@@ -528,7 +537,9 @@ class Engine:
         `tool_choice` ("auto", "none", "required" or {"type": "function", "function":
         {"name": ...}}; the last two are enforced by constrained decoding) and
         `parallel_tool_calls` (False: at most one call, where enforced). Calls come as
-        `ToolCalls` events and the request ends with finish_reason "tool_calls"."""
+        `ToolCalls` events and the request ends with finish_reason "tool_calls";
+        while a call is written, `ToolCallDelta`s stream its name and arguments
+        (JSON call formats; docs/engine.md)."""
         if tools is not None or tool_choice is not None:
             options.update(tools=tools, tool_choice=tool_choice)
         if not parallel_tool_calls:
@@ -849,19 +860,31 @@ class RequestStream:
             self._pending.append(TextDelta(joined, tuple(ids), tuple(lps) if lps is not None else None))
 
     def _emit_split(self, delta: Any, ids: list[int], lps: list[TokenLogprob] | None) -> None:
-        """A ToolCallStream's delta: content (and reasoning) as a TextDelta, calls after it.
-        Call text the family's parser could not read is content: nothing the model
+        """A ToolCallStream's delta: content (and reasoning) as a TextDelta, then the
+        calls' `ToolCallDelta`s and whole calls (`ToolCalls`) in order. Call text the
+        family's parser could not read is content, after them: nothing the model
         wrote is lost (vLLM does the same)."""
-        content = reasoning = ""
-        calls = ()
+        content = reasoning = failed = ""
+        items: tuple[Any, ...] = ()
         if delta is not None:
-            content = delta.content + "".join(delta.failed)
-            reasoning, calls = delta.reasoning, delta.tool_calls
+            content, reasoning, items, failed = delta.content, delta.reasoning, delta.calls, "".join(delta.failed)
         if content or reasoning or ids:
             self._pending.append(TextDelta(content, tuple(ids), tuple(lps) if lps is not None else None, reasoning))
-        if calls:
+        whole: list[ToolCall] = []
+        for item in items:
+            if type(item) is ToolCall:
+                whole.append(item)
+                continue
+            if whole:
+                self._called = True
+                self._pending.append(ToolCalls(tuple(whole)))
+                whole = []
+            self._pending.append(item)
+        if whole:
             self._called = True
-            self._pending.append(ToolCalls(calls))
+            self._pending.append(ToolCalls(tuple(whole)))
+        if failed:
+            self._pending.append(TextDelta(failed, ()))
 
     def _end(self, reason: str, *, error: str | None = None, stop: str | int | None = None) -> None:
         if self._tool_stream is not None:
