@@ -506,7 +506,8 @@ class ChunkTemplates:
 
     def tool_calls(self, index: int, calls: Sequence[ToolCall], first: bool) -> bytes:
         """Finished calls, whole: id, name and all the arguments in one `delta.tool_calls`
-        chunk (OpenAI's clients accept that as they accept fragments)."""
+        chunk (OpenAI's clients accept that as they accept fragments), for families
+        whose calls do not stream as `ToolCallDelta`s."""
         delta: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
         delta["tool_calls"] = [tool_call_dict(c, index=True) for c in calls]
         return self._event({"choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]})
