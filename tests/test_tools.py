@@ -17,6 +17,8 @@ import jsonschema
 import mlx.core as mx
 import pytest
 from batch_driver import Row, run_rows
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx_lm.tool_parsers import json_tools, qwen3_coder
 
 from trio_mlx import models
@@ -369,3 +371,34 @@ def test_a_family_that_does_not_stream_reports_its_calls_whole(tool_model: tuple
     items = items_of(deltas)
     assert [type(c) for c in items] == [_tools.ToolCall]
     assert (items[0].name, json.loads(items[0].arguments)) == ("search", {"query": "rain"})
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet=st.sampled_from('ab{}[]":,\\/ \n\u00e9\U0001f600')),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=st.dictionaries(st.text(max_size=5), _JSON, max_size=4), name_first=st.booleans(),
+       spaced=st.booleans(), ascii_only=st.booleans(), seed=st.integers(0, 2**16))
+def test_any_json_call_streams_fragments_that_join_into_its_arguments(
+    tool_model: tuple[Any, Any], args: dict[str, Any], name_first: bool, spaced: bool, ascii_only: bool, seed: int,
+) -> None:
+    """Whatever the arguments hold (braces, quotes and backslashes in strings, nesting,
+    any spacing, either key order) and however the text is split: one header, then
+    fragments that join into the call's arguments exactly, which read back as the
+    value the model wrote."""
+    _, tok = tool_model
+    seps = (", ", ": ") if spaced else (",", ":")
+    body = json.dumps(args, separators=seps, ensure_ascii=ascii_only)
+    pairs = [f'"name"{seps[1]}"search"', f'"arguments"{seps[1]}{body}']
+    text = "<tool_call>\n{" + seps[0].join(pairs if name_first else pairs[::-1]) + "}\n</tool_call>"
+    items = items_of(feed_pieces(_tools.ToolCallStream(tok, TOOLS), text, random.Random(seed), most=6))
+    *deltas, call = items
+    assert type(call) is _tools.ToolCall and call.name == "search"
+    assert all(type(d) is _tools.ToolCallDelta and d.id == call.id for d in deltas)
+    assert deltas[0].arguments == "" and all(d.arguments for d in deltas[1:])
+    assert "".join(d.arguments for d in deltas) == call.arguments == body
+    assert json.loads(call.arguments) == args

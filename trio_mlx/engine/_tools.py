@@ -228,43 +228,44 @@ _STREAMED_FAMILIES = frozenset({"mlx_lm.tool_parsers.json_tools"})
 
 
 class _JsonCallScanner:
-    """One call's text, `{"name": "f", "arguments": {...}}`, scanned once, a piece at a time.
+    """One call's text, `{"name": "f", "arguments": {...}}`, scanned once, a chunk at a time.
 
-    It tracks only the JSON structure (depth, strings, escapes) and the keys of the
-    outer object, so each character is looked at once however the tokens split
-    the text (design.md rule 7: nothing re-parses the whole call per token). It
-    learns the name once its string is closed (never a half name), and where the
-    arguments' value starts and ends: a nested object's closing brace is not the
-    outer object's. Only an object value streams: a string or other value comes
-    whole when the call closes (its text is not the arguments' text). Anything
-    unexpected (a list of calls, text before the object) stops the scan: the
-    call then comes whole, if its parser reads it.
+    It tracks only the JSON structure (depth, strings, escapes) and the keys of
+    the outer object, so each character is looked at once however the tokens
+    split the text, and no text is kept but the arguments' and the outer keys'
+    (design.md rule 7). vLLM's hermes parser instead re-parses the whole call
+    with partial_json_parser on every token and diffs re-serialized arguments.
+    It learns the name once its string is closed (never half a name), and where
+    the arguments' value starts and ends: a nested object's closing brace, or a
+    brace inside a string, is not the end. Only an object value streams: a
+    string or other value's text is not the arguments' text, so it comes whole
+    at the close. Anything unexpected (a list of calls, text before the object)
+    stops the scan: the call then comes whole, if its parser reads it.
     """
 
-    __slots__ = ("text", "pos", "depth", "in_str", "esc", "str_start", "want_key", "key",
-                 "name", "args_start", "args_end", "args_object", "broken")
+    __slots__ = ("depth", "in_str", "esc", "literal", "want_key", "key", "name", "args", "args_object",
+                 "parts", "broken")
 
     def __init__(self) -> None:
-        self.text = ""
-        self.pos = 0
         self.depth = 0
         self.in_str = self.esc = False
-        self.str_start = 0
+        self.literal: list[str] | None = None  # an outer key's (or the name's) string, being read
         self.want_key = True  # in the outer object: the next string is a key (else a value)
         self.key: str | None = None
         self.name: str | None = None
-        self.args_start: int | None = None
-        self.args_end: int | None = None
+        self.args = 0  # the arguments' value: 0 not begun, 1 being written, 2 ended
         self.args_object = False
+        self.parts: list[str] = []  # the arguments' text, as fed (an object value only)
         self.broken = False
 
-    def feed(self, text: str) -> None:
-        self.text += text
+    def feed(self, chunk: str) -> str:
+        """Scan the next piece of the call's text; return the arguments' text in it."""
         if self.broken:
-            return
-        t = self.text
-        for i in range(self.pos, len(t)):
-            c = t[i]
+            return ""
+        start = 0 if self.args == 1 else -1  # where the arguments' text in this chunk begins
+        end = len(chunk)
+        lit = 0  # where this chunk's part of `literal` begins
+        for i, c in enumerate(chunk):
             if self.in_str:
                 if self.esc:
                     self.esc = False
@@ -272,43 +273,53 @@ class _JsonCallScanner:
                     self.esc = True
                 elif c == '"':
                     self.in_str = False
-                    if self.depth == 1:
-                        self._string(t[self.str_start : i + 1])
+                    if self.literal is not None:
+                        self.literal.append(chunk[lit : i + 1])
+                        self._string("".join(self.literal))
+                        self.literal = None
                 continue
             if c == '"':
-                self.in_str, self.str_start = True, i
-                self._value_starts(i, False)
+                self.in_str = True
+                if self.depth == 1 and (self.want_key or self.key == "name"):
+                    self.literal, lit = [], i
+                elif self._value_starts(False):
+                    start = i
             elif c == "{" or c == "[":
                 if self.depth == 0 and c == "[":
                     self.broken = True  # several calls in a list: they come whole
-                    break
-                self._value_starts(i, c == "{")
+                    return ""
+                if self._value_starts(c == "{"):
+                    start = i
                 self.depth += 1
             elif c == "}" or c == "]":
                 self.depth -= 1
-                if self.depth == 1 and self._in_args():
-                    self.args_end = i + 1
-                elif self.depth == 0 and self._in_args():
-                    self.args_end = len(t[:i].rstrip())  # a bare value before the outer brace
+                if self.args == 1 and self.depth <= 1:
+                    self.args, end = 2, i + 1
             elif self.depth == 1 and c == ":":
                 self.want_key = False
             elif self.depth == 1 and c == ",":
-                if self._in_args():
-                    self.args_end = len(t[:i].rstrip())
+                if self.args == 1:
+                    self.args = 2  # a bare value (a number, true, ...) ended: it does not stream
                 self.want_key, self.key = True, None
             elif not c.isspace():
                 if self.depth == 0:
                     self.broken = True  # not one JSON object
-                    break
-                self._value_starts(i, False)
-        self.pos = len(t)
+                    return ""
+                if self._value_starts(False):
+                    start = i
+        if self.literal is not None:
+            self.literal.append(chunk[lit:])
+        if start < 0 or not self.args_object:
+            return ""
+        fragment = chunk[start:end]
+        self.parts.append(fragment)
+        return fragment
 
-    def _in_args(self) -> bool:
-        return self.key == "arguments" and self.args_start is not None and self.args_end is None
-
-    def _value_starts(self, i: int, is_object: bool) -> None:
-        if self.depth == 1 and not self.want_key and self.key == "arguments" and self.args_start is None:
-            self.args_start, self.args_object = i, is_object
+    def _value_starts(self, is_object: bool) -> bool:
+        if self.depth == 1 and not self.want_key and self.key == "arguments" and self.args == 0:
+            self.args, self.args_object = 1, is_object
+            return True
+        return False
 
     def _string(self, literal: str) -> None:
         try:
@@ -321,18 +332,11 @@ class _JsonCallScanner:
         elif self.key == "name" and self.name is None:
             self.name = value
 
-    def streamable(self) -> str:
-        """The arguments' text known so far, if it may stream (an object value); else ""."""
-        if self.broken or not self.args_object or self.args_start is None:
-            return ""
-        end = self.args_end if self.args_end is not None else self.pos
-        return self.text[self.args_start : end]
-
     def arguments_text(self) -> str | None:
-        """The arguments' whole text, as the model wrote it, once its value has ended."""
-        if self.broken or self.args_start is None or self.args_end is None:
+        """The arguments' whole text as the model wrote it, once an object value has ended."""
+        if self.broken or not self.args_object or self.args != 2:
             return None
-        return self.text[self.args_start : self.args_end]
+        return "".join(self.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,8 +385,8 @@ class ToolCallStream:
         self._where = initial
         self._scan: _JsonCallScanner | None = None  # the open call, in a streamed family
         self._head: ToolCallDelta | None = None  # its first delta, once sent
-        self._sent = ""  # its arguments' text sent so far
-        self._call_text = ""
+        self._sent: list[str] = []  # its arguments' text sent so far
+        self._call_text: list[str] = []
         self._held = ""  # content's trailing whitespace, dropped if a call follows
         self._count = 0
         self._completed = 0
@@ -414,7 +418,7 @@ class ToolCallStream:
                 self._close(calls, failed)
             self._where = where or "normal"
             if where == "tool":
-                self._call_text += text
+                self._call_text.append(text)
                 self._held = ""
                 if self._streams:
                     self._stream(text, calls)
@@ -434,7 +438,7 @@ class ToolCallStream:
         scan = self._scan
         if scan is None:
             scan = self._scan = _JsonCallScanner()
-        scan.feed(text)
+        fragment = scan.feed(text)
         head = self._head
         if head is None:
             if scan.broken or scan.name is None or not _NAME.fullmatch(scan.name):
@@ -442,15 +446,15 @@ class ToolCallStream:
             head = self._head = ToolCallDelta(self._count, f"call_{uuid.uuid4().hex[:24]}", scan.name, "")
             self._count += 1
             out.append(head)
-        known = scan.streamable()
-        if len(known) > len(self._sent):
-            out.append(ToolCallDelta(head.index, head.id, head.name, known[len(self._sent):]))
-            self._sent = known
+            fragment = "".join(scan.parts)  # arguments written before the name
+        if fragment:
+            out.append(ToolCallDelta(head.index, head.id, head.name, fragment))
+            self._sent.append(fragment)
 
     def _close(self, calls: list[ToolCallDelta | ToolCall], failed: list[str]) -> None:
-        text, self._call_text = self._call_text, ""
-        scan, head, sent = self._scan, self._head, self._sent
-        self._scan, self._head, self._sent = None, None, ""
+        text, self._call_text = "".join(self._call_text), []
+        scan, head, sent = self._scan, self._head, "".join(self._sent)
+        self._scan, self._head, self._sent = None, None, []
         if not text.strip():
             return
         try:
@@ -493,7 +497,7 @@ class ToolCallStream:
         if len(found) != 1 or not isinstance(found[0], Mapping) or found[0].get("name") != head.name:
             return None
         args = found[0].get("arguments", {})
-        raw = scan.arguments_text() if scan.args_object else None  # a string's text is not its value
+        raw = scan.arguments_text()  # an object's text only: a string's text is not its value
         arguments = None
         if raw is not None:
             try:
