@@ -402,3 +402,16 @@ def test_any_json_call_streams_fragments_that_join_into_its_arguments(
     assert deltas[0].arguments == "" and all(d.arguments for d in deltas[1:])
     assert "".join(d.arguments for d in deltas) == call.arguments == body
     assert json.loads(call.arguments) == args
+
+
+def test_a_piece_that_closes_a_call_and_goes_on_keeps_the_texts_order(tool_model: tuple[Any, Any]) -> None:
+    """Under load several tokens come as one piece: the end of a call, text, the start of
+    the next. The delta keeps that order (the encoders open and close blocks by it)."""
+    _, tok = tool_model
+    stream = _tools.ToolCallStream(tok, TOOLS)
+    first = stream.feed('<tool_call>\n{"name": "noop", "arguments": {"a"')
+    piece = stream.feed(': 1}}\n</tool_call> Done. <tool_call>\n{"name": "search", "arguments": {')
+    kinds = [(type(i).__name__, None if type(i) is str else i.index) for i in piece.items]
+    assert kinds == [("ToolCallDelta", 0), ("ToolCall", 0), ("str", None), ("ToolCallDelta", 1), ("ToolCallDelta", 1)]
+    assert piece.items[2] == " Done." and piece.tool_calls[0].arguments == '{"a": 1}'
+    assert [c.arguments for c in first.calls + piece.calls[:1]] == ["", '{"a"', ": 1}"]

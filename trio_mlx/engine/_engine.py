@@ -55,6 +55,7 @@ from ._events import (
     TextDelta,
     TokenLogprob,
     ToolCall,
+    ToolCallDelta,
     ToolCalls,
     Usage,
 )
@@ -860,18 +861,20 @@ class RequestStream:
             self._pending.append(TextDelta(joined, tuple(ids), tuple(lps) if lps is not None else None))
 
     def _emit_split(self, delta: Any, ids: list[int], lps: list[TokenLogprob] | None) -> None:
-        """A ToolCallStream's delta: content (and reasoning) as a TextDelta, then the
-        calls' `ToolCallDelta`s and whole calls (`ToolCalls`) in order. Call text the
-        family's parser could not read is content, after them: nothing the model
-        wrote is lost (vLLM does the same)."""
-        content = reasoning = failed = ""
-        items: tuple[Any, ...] = ()
-        if delta is not None:
-            content, reasoning, items, failed = delta.content, delta.reasoning, delta.calls, "".join(delta.failed)
+        """A ToolCallStream's delta, in its text's order: reasoning and the content before
+        any call as one TextDelta (with the token ids), then the calls' `ToolCallDelta`s,
+        whole calls (`ToolCalls`) and later content. Call text the family's parser
+        could not read is content: nothing the model wrote is lost (vLLM does the same)."""
+        items: tuple[Any, ...] = delta.items if delta is not None else ()
+        lead = 0
+        while lead < len(items) and type(items[lead]) is str:
+            lead += 1
+        content = "".join(items[:lead])
+        reasoning = delta.reasoning if delta is not None else ""
         if content or reasoning or ids:
             self._pending.append(TextDelta(content, tuple(ids), tuple(lps) if lps is not None else None, reasoning))
         whole: list[ToolCall] = []
-        for item in items:
+        for item in items[lead:]:
             if type(item) is ToolCall:
                 whole.append(item)
                 continue
@@ -879,12 +882,13 @@ class RequestStream:
                 self._called = True
                 self._pending.append(ToolCalls(tuple(whole)))
                 whole = []
-            self._pending.append(item)
+            if type(item) is ToolCallDelta:
+                self._pending.append(item)
+            else:  # content after a call, or a refused call's text
+                self._pending.append(TextDelta(item if type(item) is str else item.text, ()))
         if whole:
             self._called = True
             self._pending.append(ToolCalls(tuple(whole)))
-        if failed:
-            self._pending.append(TextDelta(failed, ()))
 
     def _end(self, reason: str, *, error: str | None = None, stop: str | int | None = None) -> None:
         if self._tool_stream is not None:

@@ -340,18 +340,37 @@ class _JsonCallScanner:
 
 
 @dataclass(frozen=True, slots=True)
-class ToolDelta:
-    """What one piece of generated text adds to the response."""
+class Refused:
+    """The text of a call the family's parser could not read (or read otherwise than it
+    streamed): never content, though the engine sends it as content."""
 
-    content: str = ""
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDelta:
+    """What one piece of generated text adds to the response: its reasoning, then its
+    content (str), calls' `ToolCallDelta`s, whole calls (`ToolCall`) and refused
+    calls, in the order the text has them (a piece may close a call and go on)."""
+
     reasoning: str = ""
-    # In order: a streamed call's `ToolCallDelta`s, then the call itself (a `ToolCall`).
-    calls: tuple[ToolCallDelta | ToolCall, ...] = ()
-    failed: tuple[str, ...] = ()  # call texts the family's parser could not read (never content)
+    items: tuple[str | ToolCallDelta | ToolCall | Refused, ...] = ()
+
+    @property
+    def content(self) -> str:
+        return "".join(i for i in self.items if type(i) is str)
+
+    @property
+    def calls(self) -> tuple[ToolCallDelta | ToolCall, ...]:
+        return tuple(i for i in self.items if type(i) is ToolCallDelta or type(i) is ToolCall)
 
     @property
     def tool_calls(self) -> tuple[ToolCall, ...]:
-        return tuple(c for c in self.calls if type(c) is ToolCall)
+        return tuple(i for i in self.items if type(i) is ToolCall)
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        return tuple(i.text for i in self.items if type(i) is Refused)
 
 
 class ToolCallStream:
@@ -405,36 +424,35 @@ class ToolCallStream:
         self._state, rest, where = self._flush(self._state)
         delta = self._take([(where, rest)], end=True)
         if not self._count and self._held:
-            delta = ToolDelta(self._held + delta.content, delta.reasoning, delta.calls, delta.failed)
+            delta = ToolDelta(delta.reasoning, (self._held, *delta.items))
         self._held = ""
         return delta
 
     def _take(self, segments: list[tuple[str | None, str]], *, end: bool = False) -> ToolDelta:
-        content, reasoning = [], []
-        calls: list[ToolCallDelta | ToolCall] = []
-        failed: list[str] = []
+        reasoning: list[str] = []
+        items: list[str | ToolCallDelta | ToolCall | Refused] = []
         for where, text in segments:
             if self._where == "tool" and where != "tool":
-                self._close(calls, failed)
+                self._close(items)
             self._where = where or "normal"
             if where == "tool":
                 self._call_text.append(text)
                 self._held = ""
                 if self._streams:
-                    self._stream(text, calls)
+                    self._stream(text, items)
             elif where == "reasoning":
                 reasoning.append(text)
             else:  # trailing whitespace waits: before a call it is dropped
                 body = text.rstrip()
                 if body:
-                    content.append(self._held + body)
+                    items.append(self._held + body)
                     self._held = ""
                 self._held += text[len(body):]
         if end and self._where == "tool":
-            self._close(calls, failed)
-        return ToolDelta("".join(content), "".join(reasoning), tuple(calls), tuple(failed))
+            self._close(items)
+        return ToolDelta("".join(reasoning), tuple(items))
 
-    def _stream(self, text: str, out: list[ToolCallDelta | ToolCall]) -> None:
+    def _stream(self, text: str, out: list[str | ToolCallDelta | ToolCall | Refused]) -> None:
         scan = self._scan
         if scan is None:
             scan = self._scan = _JsonCallScanner()
@@ -451,7 +469,7 @@ class ToolCallStream:
             out.append(ToolCallDelta(head.index, head.id, head.name, fragment))
             self._sent.append(fragment)
 
-    def _close(self, calls: list[ToolCallDelta | ToolCall], failed: list[str]) -> None:
+    def _close(self, calls: list[str | ToolCallDelta | ToolCall | Refused]) -> None:
         text, self._call_text = "".join(self._call_text), []
         scan, head, sent = self._scan, self._head, "".join(self._sent)
         self._scan, self._head, self._sent = None, None, []
@@ -461,7 +479,7 @@ class ToolCallStream:
             parsed = self._parse(text, self._tools)
         except Exception as exc:  # the parsers raise what their format's reader raises
             log.warning("a tool call did not parse (%s: %s)", type(exc).__name__, exc)
-            failed.append(text)
+            calls.append(Refused(text))
             return
         found = parsed if isinstance(parsed, list) else [parsed]
         if head is not None:
@@ -469,7 +487,7 @@ class ToolCallStream:
             call = self._streamed_call(found, scan, head, sent)
             if call is None:
                 log.warning("a streamed tool call was read otherwise than it streamed: %r", text[:200])
-                failed.append(text)
+                calls.append(Refused(text))
                 return
             if len(call.arguments) > len(sent):
                 calls.append(ToolCallDelta(head.index, head.id, head.name, call.arguments[len(sent):]))
