@@ -19,6 +19,8 @@ import trio
 from app_server import CHAT, COMPLETIONS, assert_error, serve, until
 from pydantic import BaseModel, Field
 
+from trio_mlx.server._openapi import ChatCompletionChunk
+
 pytestmark = pytest.mark.timeout(90)
 
 WEATHER = {
@@ -295,7 +297,9 @@ async def test_a_streamed_call_arrives_in_argument_fragments(tool_model_fp32):
         async with client.stream("POST", CHAT, json={**body, "stream": True}) as s:
             async for line in s.aiter_lines():
                 if line.startswith("data: {"):
-                    for c in json.loads(line[6:])["choices"]:
+                    chunk = json.loads(line[6:])
+                    ChatCompletionChunk.model_validate(chunk)  # the shape /openapi.json documents
+                    for c in chunk["choices"]:
                         entries += c["delta"].get("tool_calls") or []
     (call,) = whole["message"]["tool_calls"]
     assert reassemble(entries) == [(call["function"]["name"], call["function"]["arguments"])]
