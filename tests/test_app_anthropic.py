@@ -210,6 +210,8 @@ async def test_tool_use_round_trip(tool_model_fp32):
         jsonschema.validate(u.input, (WEATHER if u.name == "get_weather" else SEARCH)["input_schema"])
     streamed = out["streamed"]
     assert streamed.stop_reason in ("tool_use", "max_tokens")
+    # its input streamed in fragments (the SDK's "input_json" events), not in one piece
+    assert out["events"].count("input_json") > len([b for b in streamed.content if b.type == "tool_use"])
     assert [b.name for b in streamed.content if b.type == "tool_use"] == ["get_weather"] * len(
         [b for b in streamed.content if b.type == "tool_use"])
     call = streamed.content[-1]

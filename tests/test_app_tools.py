@@ -19,6 +19,8 @@ import trio
 from app_server import CHAT, COMPLETIONS, assert_error, serve, until
 from pydantic import BaseModel, Field
 
+from trio_mlx.server._openapi import ChatCompletionChunk
+
 pytestmark = pytest.mark.timeout(90)
 
 WEATHER = {
@@ -263,9 +265,47 @@ async def test_n_choices_each_make_calls(tool_model_fp32):
                     if c["finish_reason"]:
                         finish[c["index"]] = c["finish_reason"]
         assert finish == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
-        assert {i: [(t["function"]["name"], t["function"]["arguments"]) for t in v] for i, v in calls.items()} == {
+        assert {i: reassemble(v) for i, v in calls.items()} == {
             i: [(t["function"]["name"], t["function"]["arguments"]) for t in c["message"]["tool_calls"]]
             for i, c in enumerate(choices)}
+
+
+def reassemble(entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """`delta.tool_calls` entries joined as OpenAI's clients join them: by index, the
+    name from the first, the arguments fragments concatenated."""
+    calls: dict[int, list[str]] = {}
+    for e in entries:
+        fn = e["function"]
+        if e["index"] not in calls:
+            assert e["id"].startswith("call_") and e["type"] == "function" and fn["arguments"] == ""
+            calls[e["index"]] = [fn["name"], ""]
+        else:
+            assert set(e) == {"index", "function"} and set(fn) == {"arguments"}
+        calls[e["index"]][1] += fn["arguments"]
+    return [(name, args) for name, args in calls.values()]
+
+
+async def test_a_streamed_call_arrives_in_argument_fragments(tool_model_fp32):
+    """tool_choice "required" forces a call: its first chunk has the index, id, type and
+    name with arguments "", then its arguments come in several fragments as the model
+    writes them; joined they are the non-streamed call's arguments, as JSON."""
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80, "temperature": 0,
+            "parallel_tool_calls": False}
+    async with serve(tool_model_fp32) as server, server.client() as client:
+        whole = (await client.post(CHAT, json=body)).json()["choices"][0]
+        entries: list[dict[str, Any]] = []
+        async with client.stream("POST", CHAT, json={**body, "stream": True}) as s:
+            async for line in s.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    ChatCompletionChunk.model_validate(chunk)  # the shape /openapi.json documents
+                    for c in chunk["choices"]:
+                        entries += c["delta"].get("tool_calls") or []
+    (call,) = whole["message"]["tool_calls"]
+    assert reassemble(entries) == [(call["function"]["name"], call["function"]["arguments"])]
+    fragments = [e["function"]["arguments"] for e in entries[1:]]
+    assert len(fragments) > 1 and all(fragments), entries
+    args_valid(call["function"]["name"], "".join(fragments))
 
 
 async def test_logprobs_with_tool_calls(tool_model_fp32):
@@ -286,5 +326,5 @@ async def test_logprobs_with_tool_calls(tool_model_fp32):
                         calls += c["delta"].get("tool_calls") or []
                         assert not c["delta"].get("content")
         assert [t["token"] for t in streamed] == [t["token"] for t in choice["logprobs"]["content"]]
-        assert [t["function"]["arguments"] for t in calls] == [
-            t["function"]["arguments"] for t in choice["message"]["tool_calls"]]
+        assert reassemble(calls) == [
+            (t["function"]["name"], t["function"]["arguments"]) for t in choice["message"]["tool_calls"]]

@@ -19,6 +19,7 @@ EXPECTED = {
     "TextDelta",
     "TokenLogprob",
     "ToolCall",
+    "ToolCallDelta",
     "ToolCalls",
     "TrioMLXError",
     "Usage",
@@ -31,6 +32,20 @@ def test_public_names():
         n for n in dir(trio_mlx) if not n.startswith("_") and not isinstance(getattr(trio_mlx, n), types.ModuleType)
     }
     assert public == EXPECTED
+
+
+def test_tool_call_delta_is_the_shape_openai_streams():
+    """The streamed-call event: OpenAI's `delta.tool_calls` entry (index, id, name, an
+    arguments fragment), frozen like every event, and one of `Event`'s members."""
+    import dataclasses
+    import typing
+
+    fields = [f.name for f in dataclasses.fields(trio_mlx.ToolCallDelta)]
+    assert fields == ["index", "id", "name", "arguments"]
+    delta = trio_mlx.ToolCallDelta(0, "call_1", "f", "")
+    assert dataclasses.is_dataclass(delta) and delta.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert trio_mlx.ToolCallDelta in typing.get_args(trio_mlx.engine.Event)
+    assert trio_mlx.ToolCalls in typing.get_args(trio_mlx.engine.Event)  # whole calls stay
 
 
 def test_errors_share_one_base():

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 import trio_mlx
-from trio_mlx import Finished, InvalidRequestError, TextDelta, ToolCall, ToolCalls
+from trio_mlx import Finished, InvalidRequestError, TextDelta, ToolCall, ToolCallDelta, ToolCalls
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -65,7 +65,7 @@ async def collect(stream: trio_mlx.RequestStream) -> tuple[str, list[ToolCall], 
             text.append(ev.text)
         elif isinstance(ev, ToolCalls):
             calls.extend(ev.calls)
-        else:
+        elif isinstance(ev, Finished):  # ToolCallDeltas: the same calls, in pieces
             return "".join(text), calls, ev
     raise AssertionError("no Finished event")
 
@@ -86,6 +86,27 @@ async def test_required_tool_choice_always_makes_valid_calls(tool_model_fp32: Pa
             assert "<tool_call>" not in text and "</tool_call>" not in text
             for n, call in enumerate(calls):
                 assert call.index == n and call.id.startswith("call_")
+                jsonschema.validate(json.loads(call.arguments), schema_of(call.name))
+
+
+async def test_calls_stream_as_deltas_that_join_into_the_whole_calls(tool_model_fp32: Path) -> None:
+    """The channel API's ToolCallDeltas: per call a header (index, id, name, arguments ""),
+    then fragments, all before the ToolCalls event that carries the call whole; the
+    fragments join into its arguments exactly, in more than one piece."""
+    async with trio_mlx.open_engine(tool_model_fp32, warmup=False) as engine:
+        for i in range(3):
+            async with engine.chat(ASK, tools=TOOLS, tool_choice="required", max_tokens=80,
+                                   temperature=1.0, seed=i) as events:
+                seen = [ev async for ev in events]
+            deltas = [ev for ev in seen if isinstance(ev, ToolCallDelta)]
+            calls = [c for ev in seen if isinstance(ev, ToolCalls) for c in ev.calls]
+            assert calls and isinstance(seen[-1], Finished)
+            for call in calls:
+                mine = [d for d in deltas if d.index == call.index]
+                assert mine[0].arguments == "" and {(d.id, d.name) for d in mine} == {(call.id, call.name)}
+                assert "".join(d.arguments for d in mine) == call.arguments and len(mine) > 2
+                whole_at = next(n for n, ev in enumerate(seen) if isinstance(ev, ToolCalls) and call in ev.calls)
+                assert seen.index(mine[-1]) < whole_at
                 jsonschema.validate(json.loads(call.arguments), schema_of(call.name))
 
 

@@ -17,6 +17,8 @@ import jsonschema
 import mlx.core as mx
 import pytest
 from batch_driver import Row, run_rows
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx_lm.tool_parsers import json_tools, qwen3_coder
 
 from trio_mlx import models
@@ -273,3 +275,143 @@ def test_history_with_arguments_that_are_not_json_is_a_400() -> None:
     bad = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
     with pytest.raises(InvalidRequestError, match="not JSON"):
         _tools.template_messages(bad)
+
+
+# -- streaming a call while it is written ---------------------------------------------------
+
+
+def feed_pieces(stream: _tools.ToolCallStream, text: str, rng: random.Random, most: int = 9) -> list[_tools.ToolDelta]:
+    deltas, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, most)
+        deltas.append(stream.feed(text[i : i + n]))
+        i += n
+    deltas.append(stream.finish())
+    return deltas
+
+
+def items_of(deltas: list[_tools.ToolDelta]) -> list[Any]:
+    return [c for d in deltas for c in d.calls]
+
+
+def test_a_json_call_streams_its_name_then_argument_fragments_that_join_into_its_arguments(
+    tool_model: tuple[Any, Any],
+) -> None:
+    """However the text is split: the header (index, id, whole name, arguments "") comes
+    first, the fragments follow, and joined they are the finished call's arguments
+    exactly: a nested object's closing brace, an escaped quote and a brace inside a
+    string do not end the arguments early, and "arguments" may come before "name"."""
+    _, tok = tool_model
+    text = (
+        'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "days": 2, '
+        '"opts": {"deep": [1, {"x": "}"}]}}}\n</tool_call>\n'
+        '<tool_call>\n{"arguments": {"query": "<b>rain</b>"}, "name": "search"}\n</tool_call>'
+    )
+    for seed in range(30):
+        deltas = feed_pieces(_tools.ToolCallStream(tok, TOOLS), text, random.Random(seed))
+        items = items_of(deltas)
+        assert "".join(d.content for d in deltas) == "Let me check."
+        calls = [c for c in items if type(c) is _tools.ToolCall]
+        assert [(c.index, c.name) for c in calls] == [(0, "get_weather"), (1, "search")]
+        assert json.loads(calls[0].arguments) == {"city": 'Pa"ris}', "days": 2, "opts": {"deep": [1, {"x": "}"}]}}
+        for call in calls:
+            mine = [c for c in items if c.index == call.index]
+            head, *fragments, whole = mine
+            assert type(head) is _tools.ToolCallDelta and head.arguments == "" and head.name == call.name
+            assert whole is call and all(type(f) is _tools.ToolCallDelta and f.id == call.id for f in fragments)
+            assert "".join(f.arguments for f in fragments) == call.arguments
+        first_call = [c for c in items if c.index == 0 and type(c) is _tools.ToolCallDelta and c.arguments]
+        assert len(first_call) > 1  # it streamed, not in one piece at the end
+
+
+def test_a_streamed_call_that_fails_to_parse_stops_and_its_text_is_content(tool_model: tuple[Any, Any]) -> None:
+    """The documented outcome: its header (and fragments) went out, then the family's
+    parser refuses the text (here one brace too many) or reads another call than
+    streamed (a second "name" wins in json.loads): no ToolCall, no more fragments,
+    the text is `failed` (the engine sends it as content), and the index stays used."""
+    _, tok = tool_model
+    for broken in ('{"name": "search", "arguments": {"query": "x"}}}',
+                   '{"name": "search", "arguments": {"query": "x"}, "name": "noop"}'):
+        stream = _tools.ToolCallStream(tok, TOOLS)
+        deltas = feed_pieces(stream, f"<tool_call>\n{broken}\n</tool_call>"
+                             '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>', random.Random(1))
+        items = items_of(deltas)
+        assert [(c.index, c.name) for c in items if type(c) is _tools.ToolCall] == [(1, "noop")]
+        assert [c.arguments for c in items if c.index == 0 and type(c) is _tools.ToolCallDelta][0] == ""
+        assert "".join(c.arguments for c in items if c.index == 0) == '{"query": "x"}'  # what streamed, no more
+        assert [f.strip() for d in deltas for f in d.failed] == [broken]
+    stream = _tools.ToolCallStream(tok, TOOLS)
+    deltas = feed_pieces(stream, '<tool_call>\n{"name": "search", "arguments": {"query": "x"', random.Random(2))
+    assert not any(d.tool_calls for d in deltas) and deltas[-1].failed  # cut off: failed, not a call
+    assert not stream.called
+
+
+def test_arguments_that_are_not_an_object_come_in_one_fragment_at_the_close(tool_model: tuple[Any, Any]) -> None:
+    _, tok = tool_model
+    deltas = feed_pieces(_tools.ToolCallStream(tok, TOOLS),
+                         '<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}\n</tool_call>',
+                         random.Random(3))
+    items = items_of(deltas)
+    assert [c.arguments for c in items] == ["", '{"query": "x"}', '{"query": "x"}']
+
+
+def test_a_family_that_does_not_stream_reports_its_calls_whole(tool_model: tuple[Any, Any]) -> None:
+    """qwen3_coder's XML-ish parameters have no JSON text to stream: no deltas, the call
+    comes whole once closed (as before streaming existed)."""
+    _, tok = tool_model
+
+    class Coder:
+        tool_parser = staticmethod(qwen3_coder.parse_tool_call)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tok, name)
+
+    text = "<tool_call>\n<function=search>\n<parameter=query>\nrain\n</parameter>\n</function>\n</tool_call>"
+    deltas = feed_pieces(_tools.ToolCallStream(Coder(), TOOLS), text, random.Random(4))
+    items = items_of(deltas)
+    assert [type(c) for c in items] == [_tools.ToolCall]
+    assert (items[0].name, json.loads(items[0].arguments)) == ("search", {"query": "rain"})
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet=st.sampled_from('ab{}[]":,\\/ \n\u00e9\U0001f600')),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=st.dictionaries(st.text(max_size=5), _JSON, max_size=4), name_first=st.booleans(),
+       spaced=st.booleans(), ascii_only=st.booleans(), seed=st.integers(0, 2**16))
+def test_any_json_call_streams_fragments_that_join_into_its_arguments(
+    tool_model: tuple[Any, Any], args: dict[str, Any], name_first: bool, spaced: bool, ascii_only: bool, seed: int,
+) -> None:
+    """Whatever the arguments hold (braces, quotes and backslashes in strings, nesting,
+    any spacing, either key order) and however the text is split: one header, then
+    fragments that join into the call's arguments exactly, which read back as the
+    value the model wrote."""
+    _, tok = tool_model
+    seps = (", ", ": ") if spaced else (",", ":")
+    body = json.dumps(args, separators=seps, ensure_ascii=ascii_only)
+    pairs = [f'"name"{seps[1]}"search"', f'"arguments"{seps[1]}{body}']
+    text = "<tool_call>\n{" + seps[0].join(pairs if name_first else pairs[::-1]) + "}\n</tool_call>"
+    items = items_of(feed_pieces(_tools.ToolCallStream(tok, TOOLS), text, random.Random(seed), most=6))
+    *deltas, call = items
+    assert type(call) is _tools.ToolCall and call.name == "search"
+    assert all(type(d) is _tools.ToolCallDelta and d.id == call.id for d in deltas)
+    assert deltas[0].arguments == "" and all(d.arguments for d in deltas[1:])
+    assert "".join(d.arguments for d in deltas) == call.arguments == body
+    assert json.loads(call.arguments) == args
+
+
+def test_a_piece_that_closes_a_call_and_goes_on_keeps_the_texts_order(tool_model: tuple[Any, Any]) -> None:
+    """Under load several tokens come as one piece: the end of a call, text, the start of
+    the next. The delta keeps that order (the encoders open and close blocks by it)."""
+    _, tok = tool_model
+    stream = _tools.ToolCallStream(tok, TOOLS)
+    first = stream.feed('<tool_call>\n{"name": "noop", "arguments": {"a"')
+    piece = stream.feed(': 1}}\n</tool_call> Done. <tool_call>\n{"name": "search", "arguments": {')
+    kinds = [(type(i).__name__, None if type(i) is str else i.index) for i in piece.items]
+    assert kinds == [("ToolCallDelta", 0), ("ToolCall", 0), ("str", None), ("ToolCallDelta", 1), ("ToolCallDelta", 1)]
+    assert piece.items[2] == " Done." and piece.tool_calls[0].arguments == '{"a": 1}'
+    assert [c.arguments for c in first.calls + piece.calls[:1]] == ["", '{"a"', ": 1}"]

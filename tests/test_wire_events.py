@@ -17,7 +17,7 @@ import openai
 from anthropic.types import Message
 from openai.types.responses import Response
 
-from trio_mlx.engine import Finished, TextDelta, ToolCall, ToolCalls, Usage
+from trio_mlx.engine import Finished, TextDelta, ToolCall, ToolCallDelta, ToolCalls, Usage
 from trio_mlx.server._openai import ChoiceResult, HTTPError
 from trio_mlx.server.anthropic._protocol import MessagesRequest
 from trio_mlx.server.anthropic._serving import MessagesCall
@@ -28,6 +28,15 @@ CALL = ToolCall(0, "call_1", "get_weather", '{"city":"Paris"}')
 SCRIPT: list[Any] = [TextDelta("", (1,), reasoning="Let me "), TextDelta("", (2,), reasoning="think."),
                      TextDelta("Checking", (3,)), TextDelta(" now.", (4,)), ToolCalls((CALL,)),
                      Finished("tool_calls", Usage(11, 9))]
+# The same answer with its call streamed as the engine streams a JSON-format call: the header,
+# then argument fragments that join into CALL.arguments, then the whole call.
+FRAGMENTS = ("", '{"city"', ':"Par', 'is"}')
+STREAMED: list[Any] = [*SCRIPT[:4], *(ToolCallDelta(0, "call_1", "get_weather", f) for f in FRAGMENTS),
+                       *SCRIPT[4:]]
+# A streamed call the parser then refused: no whole call; its text follows as content.
+REFUSED: list[Any] = [TextDelta("Checking", (3,)), ToolCallDelta(0, "call_1", "get_weather", ""),
+                      ToolCallDelta(0, "call_1", "get_weather", '{"city":'), TextDelta('{"city": }}', (4,)),
+                      Finished("stop", Usage(11, 9))]
 TEXT_ONLY: list[Any] = [TextDelta("Hello", (1,)), TextDelta(" there", (2,)), Finished("length", Usage(5, 2))]
 
 
@@ -40,7 +49,7 @@ def result_of(events: Sequence[Any]) -> ChoiceResult:
                 r.reasoning.append(ev.reasoning)
         elif isinstance(ev, ToolCalls):
             r.tool_calls.extend(ev.calls)
-        else:
+        elif isinstance(ev, Finished):  # a whole answer ignores ToolCallDeltas
             r.finished = ev
     return r
 
@@ -155,3 +164,69 @@ def test_responses_incomplete_and_failed():
     events = list(client.responses.create(model="m", input="hi", stream=True))
     assert [e.type for e in events][-2:] == ["error", "response.failed"]
     assert events[-2].code == "aborted" and events[-1].response.error.message == "aborted"
+
+
+def test_anthropic_streams_a_call_in_input_json_fragments():
+    """One tool_use block opened with the id, name and an empty input, one input_json_delta
+    per fragment; the SDK's stream helper rebuilds the whole message."""
+    call = anthropic_call(tools=TOOLS)
+    whole = Message.model_validate(json.loads(call.whole("msg_1", "m", result_of(STREAMED))))
+    body = stream_body(call.encoder("msg_1", "m", 11), STREAMED)
+    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
+    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
+        events = list(s)
+        final = s.get_final_message()
+    assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+    assert final.content[2].input == {"city": "Paris"} and final.stop_reason == "tool_use"
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [b.type for b in starts] == ["thinking", "text", "tool_use"] and starts[2].input == {}
+    partial = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+               and e.delta.type == "input_json_delta"]
+    assert partial == list(FRAGMENTS[1:])
+    assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1, 2]
+
+
+def test_anthropic_a_refused_streamed_call_closes_and_its_text_follows():
+    body = stream_body(anthropic_call(tools=TOOLS).encoder("msg_1", "m", 11), REFUSED)
+    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
+    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
+        events = list(s)
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["text", "tool_use", "text"]
+    assert final.content[2].text == '{"city": }}' and final.stop_reason == "end_turn"
+    assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1, 2]
+
+
+def test_responses_streams_a_call_in_argument_fragments():
+    """The function_call item is added with the name and empty arguments, each fragment is a
+    function_call_arguments.delta; the SDK's stream helper rebuilds the whole response."""
+    call = responses_call(tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}])
+    whole = Response.model_validate(json.loads(call.whole("resp_1", "m", result_of(STREAMED))))
+    body = stream_body(call.encoder("resp_1", "m", 11), STREAMED)
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=mock(body, True))
+    with client.responses.stream(model="m", input="hi") as s:
+        events = list(s)
+        final = s.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    fc = final.output[2]
+    assert (fc.type, fc.call_id, fc.name, fc.arguments, fc.status) == (
+        "function_call", "call_1", "get_weather", '{"city":"Paris"}', "completed")
+    assert fc.model_dump(exclude={"id", "parsed_arguments"}) == whole.output[2].model_dump(exclude={"id"})
+    assert final.status == whole.status and final.usage == whole.usage
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert added[2].type == "function_call" and added[2].arguments == "" and added[2].name == "get_weather"
+    assert [e.delta for e in events if e.type == "response.function_call_arguments.delta"] == list(FRAGMENTS[1:])
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == '{"city":"Paris"}' and done.item_id == added[2].id
+
+
+def test_responses_a_refused_streamed_call_is_incomplete_and_its_text_follows():
+    call = responses_call(tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}])
+    body = stream_body(call.encoder("resp_1", "m", 11), REFUSED)
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=mock(body, True))
+    events = list(client.responses.create(model="m", input="hi", stream=True))
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    assert [(o.type, o.status) for o in final.output] == [
+        ("message", "completed"), ("function_call", "incomplete"), ("message", "completed")]
+    assert final.output[1].arguments == '{"city":' and final.output[2].content[0].text == '{"city": }}'

@@ -26,6 +26,7 @@ from .engine import RequestStream as RequestStream
 from .engine import TextDelta as TextDelta
 from .engine import TokenLogprob as TokenLogprob
 from .engine import ToolCall as ToolCall
+from .engine import ToolCallDelta as ToolCallDelta
 from .engine import ToolCalls as ToolCalls
 from .engine import Usage as Usage
 from .engine import open_engine as open_engine

@@ -16,5 +16,6 @@ from ._events import Finished as Finished
 from ._events import TextDelta as TextDelta
 from ._events import TokenLogprob as TokenLogprob
 from ._events import ToolCall as ToolCall
+from ._events import ToolCallDelta as ToolCallDelta
 from ._events import ToolCalls as ToolCalls
 from ._events import Usage as Usage

@@ -48,7 +48,17 @@ from ..actor import (
     Submit,
     TokenOut,
 )
-from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, ToolCalls, Usage
+from ._events import (
+    EngineStatistics,
+    Event,
+    Finished,
+    TextDelta,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    ToolCalls,
+    Usage,
+)
 from ._structure import NO_STRUCTURE, Structure, check_structure, compile_structure
 from ._text import StopMatcher, normalize_messages
 
@@ -548,7 +558,9 @@ class Engine:
         `tool_choice` ("auto", "none", "required" or {"type": "function", "function":
         {"name": ...}}; the last two are enforced by constrained decoding) and
         `parallel_tool_calls` (False: at most one call, where enforced). Calls come as
-        `ToolCalls` events and the request ends with finish_reason "tool_calls"."""
+        `ToolCalls` events and the request ends with finish_reason "tool_calls";
+        while a call is written, `ToolCallDelta`s stream its name and arguments
+        (JSON call formats; docs/engine.md)."""
         if tools is not None or tool_choice is not None:
             options.update(tools=tools, tool_choice=tool_choice)
         if not parallel_tool_calls:
@@ -869,19 +881,34 @@ class RequestStream:
             self._pending.append(TextDelta(joined, tuple(ids), tuple(lps) if lps is not None else None))
 
     def _emit_split(self, delta: Any, ids: list[int], lps: list[TokenLogprob] | None) -> None:
-        """A ToolCallStream's delta: content (and reasoning) as a TextDelta, calls after it.
-        Call text the family's parser could not read is content: nothing the model
-        wrote is lost (vLLM does the same)."""
-        content = reasoning = ""
-        calls = ()
-        if delta is not None:
-            content = delta.content + "".join(delta.failed)
-            reasoning, calls = delta.reasoning, delta.tool_calls
+        """A ToolCallStream's delta, in its text's order: reasoning and the content before
+        any call as one TextDelta (with the token ids), then the calls' `ToolCallDelta`s,
+        whole calls (`ToolCalls`) and later content. Call text the family's parser
+        could not read is content: nothing the model wrote is lost (vLLM does the same)."""
+        items: tuple[Any, ...] = delta.items if delta is not None else ()
+        lead = 0
+        while lead < len(items) and type(items[lead]) is str:
+            lead += 1
+        content = "".join(items[:lead])
+        reasoning = delta.reasoning if delta is not None else ""
         if content or reasoning or ids:
             self._pending.append(TextDelta(content, tuple(ids), tuple(lps) if lps is not None else None, reasoning))
-        if calls:
+        whole: list[ToolCall] = []
+        for item in items[lead:]:
+            if type(item) is ToolCall:
+                whole.append(item)
+                continue
+            if whole:
+                self._called = True
+                self._pending.append(ToolCalls(tuple(whole)))
+                whole = []
+            if type(item) is ToolCallDelta:
+                self._pending.append(item)
+            else:  # content after a call, or a refused call's text
+                self._pending.append(TextDelta(item if type(item) is str else item.text, ()))
+        if whole:
             self._called = True
-            self._pending.append(ToolCalls(calls))
+            self._pending.append(ToolCalls(tuple(whole)))
 
     def _end(self, reason: str, *, error: str | None = None, stop: str | int | None = None) -> None:
         if self._tool_stream is not None:

@@ -55,9 +55,30 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a tool call the model is still writing, as OpenAI streams
+    `delta.tool_calls` (a request with `tools`, for families whose calls stream:
+    docs/engine.md).
+
+    A call's first delta has its `index`, `id` and `name` and `arguments` "";
+    each later one has the next fragment of the arguments' JSON text (`index`,
+    `id` and `name` repeated). Joined in order, the fragments are exactly the
+    `arguments` of the `ToolCall` that the `ToolCalls` event after them carries.
+    A streamed call that then fails to parse gets no `ToolCall` (its text comes
+    as content)."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str  # this fragment of the arguments' JSON text ("" in the call's first delta)
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCalls:
-    """Tool calls the model finished writing (a request with `tools` only); the
-    request then ends with finish_reason "tool_calls"."""
+    """Tool calls the model finished writing, whole (a request with `tools` only),
+    each checked by its family's parser; the request then ends with
+    finish_reason "tool_calls". A call that streamed as `ToolCallDelta`s comes
+    here too, after its last fragment."""
 
     calls: tuple[ToolCall, ...]
 
@@ -72,7 +93,7 @@ class Finished:
     stop: str | int | None = None  # the stop string or token id that ended it
 
 
-Event = TextDelta | ToolCalls | Finished
+Event = TextDelta | ToolCallDelta | ToolCalls | Finished
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,10 @@ reads one (`tool_parser`). This module builds on that:
   around a JSON object matching one of the allowed tools, enforced token by
   token like a response format. Families with a grammar: `_CALL_FORMATS`.
 - `ToolCallStream`: splits the generated text, delta by delta, into content,
-  reasoning and finished tool calls, with mlx-lm's own text state machine (the
-  one mlx_lm.server uses) and the family's parser, so call markup never reaches
-  the content.
+  reasoning and tool calls, with mlx-lm's own text state machine (the one
+  mlx_lm.server uses) and the family's parser, so call markup never reaches
+  the content. Calls of JSON families also stream while written
+  (`ToolCallDelta`s), read by an incremental scan (`_JsonCallScanner`).
 - `template_messages`: OpenAI history (assistant `tool_calls` whose arguments
   are JSON text) in the shape chat templates expect (arguments as objects).
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._errors import InvalidRequestError
-from ._events import ToolCall
+from ._events import ToolCall, ToolCallDelta
 from ._grammar import JSON_OPTIONS, Grammar, compile_lark, vocab_for
 
 log = logging.getLogger("trio_mlx.tools")
@@ -218,25 +219,176 @@ def tool_grammar(
 
 # -- reading calls out of the text --------------------------------------------------------
 
+# Families whose call is one JSON object {"name": ..., "arguments": {...}} between
+# the markup, which `_JsonCallScanner` reads as it arrives (as vLLM's hermes
+# parser streams them). The others' calls come whole, once closed: their
+# markup (XML-ish parameters, pythonic calls, several calls in one block) has
+# no prefix that says safely which text is the arguments' JSON.
+_STREAMED_FAMILIES = frozenset({"mlx_lm.tool_parsers.json_tools"})
+
+
+class _JsonCallScanner:
+    """One call's text, `{"name": "f", "arguments": {...}}`, scanned once, a chunk at a time.
+
+    It tracks only the JSON structure (depth, strings, escapes) and the keys of
+    the outer object, so each character is looked at once however the tokens
+    split the text, and no text is kept but the arguments' and the outer keys'
+    (design.md rule 7). vLLM's hermes parser instead re-parses the whole call
+    with partial_json_parser on every token and diffs re-serialized arguments.
+    It learns the name once its string is closed (never half a name), and where
+    the arguments' value starts and ends: a nested object's closing brace, or a
+    brace inside a string, is not the end. Only an object value streams: a
+    string or other value's text is not the arguments' text, so it comes whole
+    at the close. Anything unexpected (a list of calls, text before the object)
+    stops the scan: the call then comes whole, if its parser reads it.
+    """
+
+    __slots__ = ("depth", "in_str", "esc", "literal", "want_key", "key", "name", "args", "args_object",
+                 "parts", "broken")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_str = self.esc = False
+        self.literal: list[str] | None = None  # an outer key's (or the name's) string, being read
+        self.want_key = True  # in the outer object: the next string is a key (else a value)
+        self.key: str | None = None
+        self.name: str | None = None
+        self.args = 0  # the arguments' value: 0 not begun, 1 being written, 2 ended
+        self.args_object = False
+        self.parts: list[str] = []  # the arguments' text, as fed (an object value only)
+        self.broken = False
+
+    def feed(self, chunk: str) -> str:
+        """Scan the next piece of the call's text; return the arguments' text in it."""
+        if self.broken:
+            return ""
+        start = 0 if self.args == 1 else -1  # where the arguments' text in this chunk begins
+        end = len(chunk)
+        lit = 0  # where this chunk's part of `literal` begins
+        for i, c in enumerate(chunk):
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif c == "\\":
+                    self.esc = True
+                elif c == '"':
+                    self.in_str = False
+                    if self.literal is not None:
+                        self.literal.append(chunk[lit : i + 1])
+                        self._string("".join(self.literal))
+                        self.literal = None
+                continue
+            if c == '"':
+                self.in_str = True
+                if self.depth == 1 and (self.want_key or self.key == "name"):
+                    self.literal, lit = [], i
+                elif self._value_starts(False):
+                    start = i
+            elif c == "{" or c == "[":
+                if self.depth == 0 and c == "[":
+                    self.broken = True  # several calls in a list: they come whole
+                    return ""
+                if self._value_starts(c == "{"):
+                    start = i
+                self.depth += 1
+            elif c == "}" or c == "]":
+                self.depth -= 1
+                if self.args == 1 and self.depth <= 1:
+                    self.args, end = 2, i + 1
+            elif self.depth == 1 and c == ":":
+                self.want_key = False
+            elif self.depth == 1 and c == ",":
+                if self.args == 1:
+                    self.args = 2  # a bare value (a number, true, ...) ended: it does not stream
+                self.want_key, self.key = True, None
+            elif not c.isspace():
+                if self.depth == 0:
+                    self.broken = True  # not one JSON object
+                    return ""
+                if self._value_starts(False):
+                    start = i
+        if self.literal is not None:
+            self.literal.append(chunk[lit:])
+        if start < 0 or not self.args_object:
+            return ""
+        fragment = chunk[start:end]
+        self.parts.append(fragment)
+        return fragment
+
+    def _value_starts(self, is_object: bool) -> bool:
+        if self.depth == 1 and not self.want_key and self.key == "arguments" and self.args == 0:
+            self.args, self.args_object = 1, is_object
+            return True
+        return False
+
+    def _string(self, literal: str) -> None:
+        try:
+            value = json.loads(literal)
+        except ValueError:
+            self.broken = True
+            return
+        if self.want_key:
+            self.key = value
+        elif self.key == "name" and self.name is None:
+            self.name = value
+
+    def arguments_text(self) -> str | None:
+        """The arguments' whole text as the model wrote it, once an object value has ended."""
+        if self.broken or not self.args_object or self.args != 2:
+            return None
+        return "".join(self.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The text of a call the family's parser could not read (or read otherwise than it
+    streamed): never content, though the engine sends it as content."""
+
+    text: str
+
 
 @dataclass(frozen=True, slots=True)
 class ToolDelta:
-    """What one piece of generated text adds to the response."""
+    """What one piece of generated text adds to the response: its reasoning, then its
+    content (str), calls' `ToolCallDelta`s, whole calls (`ToolCall`) and refused
+    calls, in the order the text has them (a piece may close a call and go on)."""
 
-    content: str = ""
     reasoning: str = ""
-    tool_calls: tuple[ToolCall, ...] = ()
-    failed: tuple[str, ...] = ()  # call texts the family's parser could not read (never content)
+    items: tuple[str | ToolCallDelta | ToolCall | Refused, ...] = ()
+
+    @property
+    def content(self) -> str:
+        return "".join(i for i in self.items if type(i) is str)
+
+    @property
+    def calls(self) -> tuple[ToolCallDelta | ToolCall, ...]:
+        return tuple(i for i in self.items if type(i) is ToolCallDelta or type(i) is ToolCall)
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        return tuple(i for i in self.items if type(i) is ToolCall)
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        return tuple(i.text for i in self.items if type(i) is Refused)
 
 
 class ToolCallStream:
     """Splits generated text into content, reasoning and tool calls, one delta at a time.
 
     Feed it the text deltas in order (after stop strings were cut), then call
-    `finish()` once. A call is reported whole, once its closing markup (or the
-    end of the text) arrives: a streaming response sends its id, name and
-    arguments in one `delta.tool_calls` chunk, which OpenAI's clients accept.
-    Whitespace between calls, or before one, is dropped, not sent as content.
+    `finish()` once. Whitespace between calls, or before one, is dropped, not
+    sent as content.
+
+    Each call is reported whole (a `ToolCall`) once its closing markup (or the
+    end of the text) arrives and the family's parser has read it. For the
+    families in `_STREAMED_FAMILIES` it also streams while it is written, as
+    `ToolCallDelta`s: the index, id and name once the name is complete, then
+    the arguments' JSON text in fragments; the `ToolCall`'s `arguments` is then
+    that text exactly (the fragments joined), the parser's reading of it
+    checked to be the same value. A streamed call the parser cannot read, or
+    reads otherwise than it streamed (another name), is `failed`: no more
+    fragments, no `ToolCall`, its text comes as content; its index stays used.
     """
 
     def __init__(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None, *, initial: str = "normal"):
@@ -247,16 +399,21 @@ class ToolCallStream:
         self._split, self._flush = machine.split, machine.flush
         self._state = machine.make_state(initial)
         self._parse = tokenizer.tool_parser
+        self._streams = getattr(self._parse, "__module__", None) in _STREAMED_FAMILIES
         self._tools = list(tools) if tools else None
         self._where = initial
-        self._call_text = ""
+        self._scan: _JsonCallScanner | None = None  # the open call, in a streamed family
+        self._head: ToolCallDelta | None = None  # its first delta, once sent
+        self._sent: list[str] = []  # its arguments' text sent so far
+        self._call_text: list[str] = []
         self._held = ""  # content's trailing whitespace, dropped if a call follows
         self._count = 0
+        self._completed = 0
 
     @property
     def called(self) -> bool:
-        """Whether any call was reported: the response's finish_reason is then "tool_calls"."""
-        return self._count > 0
+        """Whether any call was reported whole: the response's finish_reason is then "tool_calls"."""
+        return self._completed > 0
 
     def feed(self, text: str) -> ToolDelta:
         self._state, segments = self._split(self._state, text)
@@ -267,44 +424,77 @@ class ToolCallStream:
         self._state, rest, where = self._flush(self._state)
         delta = self._take([(where, rest)], end=True)
         if not self._count and self._held:
-            delta = ToolDelta(self._held + delta.content, delta.reasoning, delta.tool_calls, delta.failed)
+            delta = ToolDelta(delta.reasoning, (self._held, *delta.items))
         self._held = ""
         return delta
 
     def _take(self, segments: list[tuple[str | None, str]], *, end: bool = False) -> ToolDelta:
-        content, reasoning = [], []
-        calls: list[ToolCall] = []
-        failed: list[str] = []
+        reasoning: list[str] = []
+        items: list[str | ToolCallDelta | ToolCall | Refused] = []
         for where, text in segments:
             if self._where == "tool" and where != "tool":
-                self._close(calls, failed)
+                self._close(items)
             self._where = where or "normal"
             if where == "tool":
-                self._call_text += text
+                self._call_text.append(text)
                 self._held = ""
+                if self._streams:
+                    self._stream(text, items)
             elif where == "reasoning":
                 reasoning.append(text)
             else:  # trailing whitespace waits: before a call it is dropped
                 body = text.rstrip()
                 if body:
-                    content.append(self._held + body)
+                    items.append(self._held + body)
                     self._held = ""
                 self._held += text[len(body):]
         if end and self._where == "tool":
-            self._close(calls, failed)
-        return ToolDelta("".join(content), "".join(reasoning), tuple(calls), tuple(failed))
+            self._close(items)
+        return ToolDelta("".join(reasoning), tuple(items))
 
-    def _close(self, calls: list[ToolCall], failed: list[str]) -> None:
-        text, self._call_text = self._call_text, ""
+    def _stream(self, text: str, out: list[str | ToolCallDelta | ToolCall | Refused]) -> None:
+        scan = self._scan
+        if scan is None:
+            scan = self._scan = _JsonCallScanner()
+        fragment = scan.feed(text)
+        head = self._head
+        if head is None:
+            if scan.broken or scan.name is None or not _NAME.fullmatch(scan.name):
+                return  # no name yet (or not one a call could have): nothing to say
+            head = self._head = ToolCallDelta(self._count, f"call_{uuid.uuid4().hex[:24]}", scan.name, "")
+            self._count += 1
+            out.append(head)
+            fragment = "".join(scan.parts)  # arguments written before the name
+        if fragment:
+            out.append(ToolCallDelta(head.index, head.id, head.name, fragment))
+            self._sent.append(fragment)
+
+    def _close(self, calls: list[str | ToolCallDelta | ToolCall | Refused]) -> None:
+        text, self._call_text = "".join(self._call_text), []
+        scan, head, sent = self._scan, self._head, "".join(self._sent)
+        self._scan, self._head, self._sent = None, None, []
         if not text.strip():
             return
         try:
             parsed = self._parse(text, self._tools)
         except Exception as exc:  # the parsers raise what their format's reader raises
             log.warning("a tool call did not parse (%s: %s)", type(exc).__name__, exc)
-            failed.append(text)
+            calls.append(Refused(text))
             return
-        for one in parsed if isinstance(parsed, list) else [parsed]:
+        found = parsed if isinstance(parsed, list) else [parsed]
+        if head is not None:
+            assert scan is not None
+            call = self._streamed_call(found, scan, head, sent)
+            if call is None:
+                log.warning("a streamed tool call was read otherwise than it streamed: %r", text[:200])
+                calls.append(Refused(text))
+                return
+            if len(call.arguments) > len(sent):
+                calls.append(ToolCallDelta(head.index, head.id, head.name, call.arguments[len(sent):]))
+            calls.append(call)
+            self._completed += 1
+            return
+        for one in found:
             args = one.get("arguments", {})
             calls.append(
                 ToolCall(
@@ -315,3 +505,26 @@ class ToolCallStream:
                 )
             )
             self._count += 1
+            self._completed += 1
+
+    @staticmethod
+    def _streamed_call(found: list[Any], scan: _JsonCallScanner, head: ToolCallDelta, sent: str) -> ToolCall | None:
+        """The whole call that `head` and the arguments' text `sent` began, if the
+        parser read that call: its arguments are the text the model wrote when that is
+        the same value (so the fragments join into them), else the parser's value as JSON."""
+        if len(found) != 1 or not isinstance(found[0], Mapping) or found[0].get("name") != head.name:
+            return None
+        args = found[0].get("arguments", {})
+        raw = scan.arguments_text()  # an object's text only: a string's text is not its value
+        arguments = None
+        if raw is not None:
+            try:
+                if json.loads(raw) == args:
+                    arguments = raw
+            except ValueError:
+                pass
+        if arguments is None:
+            arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        if not arguments.startswith(sent):
+            return None
+        return ToolCall(head.index, head.id, head.name, arguments)

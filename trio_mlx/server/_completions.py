@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import trio
 
 from .._errors import TrioMLXError
-from ..engine import Finished, RequestStream, TextDelta, ToolCalls
+from ..engine import Finished, RequestStream, TextDelta, ToolCallDelta, ToolCalls
 from ._asgi import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -210,7 +210,7 @@ class Completions:
                             result.logprobs.extend(ev.logprobs)
                     elif isinstance(ev, ToolCalls):
                         result.tool_calls.extend(ev.calls)
-                    else:
+                    elif isinstance(ev, Finished):  # a whole answer takes calls whole, not their deltas
                         result.finished = ev
             finally:
                 stream.close()
@@ -486,6 +486,7 @@ class _Stream:
         stream = self.streams[0]
         tpl, send, logprobs, pace = self.tpl, self._send, self.logprobs, self._pace
         first = True
+        streamed: set[int] = set()  # calls whose deltas went out: their ToolCalls entry is not sent again
         ev = await self._first(stream)
         while True:
             if type(ev) is TextDelta:
@@ -503,11 +504,21 @@ class _Stream:
                         await send(tpl.delta(0, ev.text, first))
                     first = False
                     await pace()
-            elif type(ev) is ToolCalls:
+            elif type(ev) is ToolCallDelta:
                 if first:
                     self.rec.first_token = trio.current_time()
-                await send(tpl.tool_calls(0, ev.calls, first))
+                opening = ev.index not in streamed
+                streamed.add(ev.index)
+                await send(tpl.tool_call_delta(0, ev, first, opening))
                 first = False
+                await pace()
+            elif type(ev) is ToolCalls:
+                calls = [c for c in ev.calls if c.index not in streamed]
+                if calls:
+                    if first:
+                        self.rec.first_token = trio.current_time()
+                    await send(tpl.tool_calls(0, calls, first))
+                    first = False
             else:
                 if ev.finish_reason in ("abort", "error"):
                     await self._end(_terminal_error(ev, self.rec).sse())
@@ -524,6 +535,7 @@ class _Stream:
         n = len(self.streams)
         tpl, logprobs = self.tpl, self.logprobs
         role_sent = [False] * n
+        streamed: list[set[int]] = [set() for _ in range(n)]  # per choice, as in `_one`
         fins: list[Finished] = []
         send_ch, recv_ch = trio.open_memory_channel[tuple[int, Any]](math.inf)
         async with trio.open_nursery() as nursery:
@@ -560,11 +572,20 @@ class _Stream:
                                 self.rec.first_token = trio.current_time()
                             parts.extend(chunks)
                             role_sent[i] = True
-                    elif type(ev) is ToolCalls:
+                    elif type(ev) is ToolCallDelta:
                         if self.rec.first_token is None:
                             self.rec.first_token = trio.current_time()
-                        parts.append(tpl.tool_calls(i, ev.calls, not role_sent[i]))
+                        opening = ev.index not in streamed[i]
+                        streamed[i].add(ev.index)
+                        parts.append(tpl.tool_call_delta(i, ev, not role_sent[i], opening))
                         role_sent[i] = True
+                    elif type(ev) is ToolCalls:
+                        calls = [c for c in ev.calls if c.index not in streamed[i]]
+                        if calls:
+                            if self.rec.first_token is None:
+                                self.rec.first_token = trio.current_time()
+                            parts.append(tpl.tool_calls(i, calls, not role_sent[i]))
+                            role_sent[i] = True
                     elif ev.finish_reason in ("abort", "error"):
                         parts.append(_terminal_error(ev, self.rec).sse())
                         await self._end(b"".join(parts))

@@ -26,7 +26,7 @@ from .._errors import (
     QueueFullError,
     TrioMLXError,
 )
-from ..engine import Finished, TokenLogprob, ToolCall, Usage
+from ..engine import Finished, TokenLogprob, ToolCall, ToolCallDelta, Usage
 
 try:
     import orjson
@@ -506,9 +506,23 @@ class ChunkTemplates:
 
     def tool_calls(self, index: int, calls: Sequence[ToolCall], first: bool) -> bytes:
         """Finished calls, whole: id, name and all the arguments in one `delta.tool_calls`
-        chunk (OpenAI's clients accept that as they accept fragments)."""
+        chunk (OpenAI's clients accept that as they accept fragments), for families
+        whose calls do not stream as `ToolCallDelta`s."""
         delta: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
         delta["tool_calls"] = [tool_call_dict(c, index=True) for c in calls]
+        return self._event({"choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]})
+
+    def tool_call_delta(self, index: int, d: ToolCallDelta, first: bool, opening: bool) -> bytes:
+        """A streamed call's piece, as vLLM and llama-server send it: its `opening` chunk
+        has index, id, type, function.name and arguments ""; the others only index and
+        an arguments fragment (clients join them by index)."""
+        delta: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
+        if opening:
+            entry: dict[str, Any] = {"index": d.index, "id": d.id, "type": "function",
+                                     "function": {"name": d.name, "arguments": d.arguments}}
+        else:
+            entry = {"index": d.index, "function": {"arguments": d.arguments}}
+        delta["tool_calls"] = [entry]
         return self._event({"choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]})
 
     def reasoning(self, index: int, text: str, first: bool) -> bytes:

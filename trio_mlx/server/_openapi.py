@@ -51,8 +51,20 @@ class ToolCallOut(_Doc):
     function: CalledFunction
 
 
-class ToolCallDelta(ToolCallOut):
-    index: int  # the call's position among the choice's calls; each call arrives whole
+class FunctionDelta(_Doc):
+    name: str | None = None  # in a call's first chunk
+    arguments: str  # "" in a call's first chunk, then the next fragment of its JSON text
+
+
+class ToolCallDelta(_Doc):
+    """A streamed call: its first chunk has index, id, type and function.name (arguments
+    ""), the next ones index and an arguments fragment; joined by index they are the
+    call. Families whose calls do not stream send each call whole in one chunk."""
+
+    index: int  # the call's position among the choice's calls
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
 
 class AssistantMessage(_Doc):

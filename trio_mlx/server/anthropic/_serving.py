@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._errors import ContextLengthExceededError, InvalidRequestError
-from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCalls
+from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCallDelta, ToolCalls
 from .._openai import ChoiceResult, HTTPError, dumps
 from .._records import COUNT_TOKENS_PATH as COUNT_TOKENS_PATH
 from .._records import MESSAGES_PATH as MESSAGES_PATH
@@ -125,15 +125,16 @@ class MessageEncoder:
     """The SSE events of one streamed message (`_wire.StreamEncoder`)."""
 
     __slots__ = ("rid", "model", "prompt_tokens", "stop_sequences", "clamped", "index", "open_kind", "had_text",
-                 "called", "_head")
+                 "called", "streamed", "_head")
 
     def __init__(self, rid: str, model: str, prompt_tokens: int, stop_sequences: Sequence[str],
                  clamped: bool = False):
         self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
         self.stop_sequences, self.clamped = stop_sequences, clamped
         self.index = 0  # the index of the next content block
-        self.open_kind: str | None = None  # "text" or "thinking": the block being written
+        self.open_kind: str | None = None  # "text", "thinking" or "tool_use": the block being written
         self.had_text = self.called = False
+        self.streamed: set[int] = set()  # calls that came as deltas: their ToolCalls entry only closes them
         self._head = b""
 
     def start(self) -> bytes:
@@ -169,10 +170,18 @@ class MessageEncoder:
             if ev.text:
                 out += self._open("text") + self._head + dumps(ev.text) + b"}}\n\n"
             return out
+        if type(ev) is ToolCallDelta:
+            return self._call_delta(ev)
         if type(ev) is not ToolCalls:
             return b""
-        parts = [self._close()] if self.open_kind is not None else []
+        parts = []
         for call in ev.calls:
+            if call.index in self.streamed:  # its block is the open one; its input has all come
+                if self.open_kind == "tool_use":
+                    parts.append(self._close())
+                continue
+            if self.open_kind is not None:
+                parts.append(self._close())
             self.called = True
             parts.append(_event("content_block_start", {"index": self.index, "content_block": {
                 "type": "tool_use", "id": call.id, "name": call.name, "input": {}}}))
@@ -180,6 +189,23 @@ class MessageEncoder:
                 "type": "input_json_delta", "partial_json": call.arguments}}))
             parts.append(self._close())
         return b"".join(parts)
+
+    def _call_delta(self, d: ToolCallDelta) -> bytes:
+        """A streamed call: its tool_use block opens with id, name and an empty input, then
+        each arguments fragment is an input_json_delta. A call that then fails to parse
+        has its block closed by what follows (its text, or the end)."""
+        out = b""
+        if d.index not in self.streamed:
+            self.streamed.add(d.index)
+            self.called = True
+            out = self._close() if self.open_kind is not None else b""
+            self.open_kind = "tool_use"
+            out += _event("content_block_start", {"index": self.index, "content_block": {
+                "type": "tool_use", "id": d.id, "name": d.name, "input": {}}})
+        if d.arguments and self.open_kind == "tool_use":
+            out += _event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": d.arguments}})
+        return out
 
     def finish(self, fin: Finished) -> bytes:
         parts = []

@@ -10,7 +10,10 @@ model wrote text or made no call, then one `function_call` item per call. A stre
 `response.content_part.done`, `response.output_item.done` (a reasoning item
 the same, with `response.reasoning_text.delta` and `.done`); for each call
 `response.output_item.added`, `response.function_call_arguments.delta`,
-`response.function_call_arguments.done`, `response.output_item.done`; then
+`response.function_call_arguments.done`, `response.output_item.done` (a call
+streams its arguments in fragments as the model writes them, for families
+whose calls stream: docs/engine.md; one that then fails to parse ends as an
+item with status "incomplete", and its text follows as a message); then
 `response.completed` (or `response.incomplete` at max_output_tokens) with the
 whole response and its usage. A failure after the start is an `error` event
 and `response.failed`. Every event has a `sequence_number`.
@@ -22,7 +25,16 @@ import time
 from typing import Any
 
 from ..._errors import InvalidRequestError
-from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCall, ToolCalls, Usage
+from ...engine import (
+    Engine,
+    Finished,
+    RequestStream,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCalls,
+    Usage,
+)
 from .._openai import ChoiceResult, HTTPError, dumps, new_id
 from .._records import RESPONSES_PATH as RESPONSES_PATH
 from .._wire import renamed
@@ -114,13 +126,15 @@ class ResponsesCall:
 class ResponseEncoder:
     """The SSE events of one streamed response (`_wire.StreamEncoder`)."""
 
-    __slots__ = ("call", "rid", "model", "seq", "output", "open_kind", "open_id", "text", "had_message", "_head", "_tail")
+    __slots__ = ("call", "rid", "model", "seq", "output", "open_kind", "open_id", "text", "had_message", "open_call",
+                 "_head", "_tail")
 
     def __init__(self, call: ResponsesCall, rid: str, model: str):
         self.call, self.rid, self.model = call, rid, model
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # finished items
-        self.open_kind: str | None = None  # "message" or "reasoning": the item being written
+        self.open_kind: str | None = None  # "message", "reasoning" or "function_call": the item being written
+        self.open_call: ToolCall | None = None  # the streamed call being written (its arguments in `text`)
         self.open_id = ""
         self.text: list[str] = []  # the open item's text
         self.had_message = False
@@ -163,6 +177,8 @@ class ResponseEncoder:
     def _close(self, status: str = "completed") -> bytes:
         kind, item_id, index, text = self.open_kind, self.open_id, len(self.output), "".join(self.text)
         self.open_kind = None
+        if kind == "function_call":
+            return self._close_call("incomplete")  # ended by something else than its whole call: it failed
         if kind == "message":
             item = message_item(item_id, text, status)
             done = self._event("response.output_text.done", {
@@ -189,10 +205,17 @@ class ResponseEncoder:
             if ev.text:
                 out += self._open("message") + self._delta(ev.text)
             return out
+        if type(ev) is ToolCallDelta:
+            return self._call_delta(ev)
         if type(ev) is not ToolCalls:
             return b""
-        parts = [self._close()] if self.open_kind is not None else []
+        parts = []
         for c in ev.calls:
+            if self.open_call is not None and self.open_call.index == c.index:
+                parts.append(self._close_call("completed", c))
+                continue
+            if self.open_kind is not None:
+                parts.append(self._close())
             index = len(self.output)
             item = call_item(c)
             where = {"item_id": item["id"], "output_index": index}
@@ -206,6 +229,34 @@ class ResponseEncoder:
             ]
             self.output.append(item)
         return b"".join(parts)
+
+    def _call_delta(self, d: ToolCallDelta) -> bytes:
+        """A streamed call: its item is added with the id and name, then each arguments
+        fragment is a function_call_arguments.delta; its whole `ToolCall` closes it."""
+        out = b""
+        if self.open_call is None or self.open_call.index != d.index:
+            out = self._close() if self.open_kind is not None else b""
+            self.open_kind, self.text = "function_call", []
+            self.open_call = ToolCall(d.index, d.id, d.name, "")
+            out += self._event("response.output_item.added", {
+                "output_index": len(self.output), "item": call_item(self.open_call, "in_progress", "")})
+        if d.arguments:
+            self.text.append(d.arguments)
+            item_id = "fc_" + d.id.removeprefix("call_")
+            out += self._event("response.function_call_arguments.delta", {
+                "item_id": item_id, "output_index": len(self.output), "delta": d.arguments})
+        return out
+
+    def _close_call(self, status: str, whole: ToolCall | None = None) -> bytes:
+        call, index = self.open_call, len(self.output)
+        assert call is not None
+        arguments = whole.arguments if whole is not None else "".join(self.text)
+        self.open_kind, self.open_call, self.text = None, None, []
+        item = call_item(call, status, arguments)
+        self.output.append(item)
+        return (self._event("response.function_call_arguments.done", {
+                    "item_id": item["id"], "output_index": index, "arguments": arguments, "name": call.name})
+                + self._event("response.output_item.done", {"output_index": index, "item": item}))
 
     def finish(self, fin: Finished) -> bytes:
         status = "incomplete" if fin.finish_reason == "length" else "completed"
