@@ -30,7 +30,7 @@ from mlx_lm.generate import BatchGenerator
 
 from .. import models
 from ._admission import Admission
-from ._batch import batch_rows, remove_rows, take_prompt_tokens
+from ._batch import batch_rows, plain_kv, remove_rows, take_prompt_tokens
 from ._link import ActorLink
 from ._protocol import (
     Abort,
@@ -44,6 +44,7 @@ from ._protocol import (
     Submit,
     TokenOut,
 )
+from ._prompt_cache import PromptCache, Reuse, budget
 from ._sampling import SamplerCache, make_processors
 from ._trace import StepTrace
 from ._warmup import WARMUP_PROMPT, warm_up
@@ -112,6 +113,8 @@ class Actor:
         self._admission = Admission(config.admit_window, config.prefill_batch)
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
+        self._reuse = Reuse(PromptCache(0))  # the prompt cache, off until warm (`_open_cache`)
+        self._cached: list[tuple[int, int]] = []  # (rid, prompt tokens from the cache) this step
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -124,6 +127,7 @@ class Actor:
             config = self._load()
             if self.config.warmup:
                 self._warmup()
+            self._open_cache()
             info = ActorInfo(
                 model_type=str(config.get("model_type", "unknown")),
                 context_length=self._context,
@@ -149,6 +153,13 @@ class Actor:
         release = self.config.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
         return config
+
+    def _open_cache(self) -> None:
+        """The prompt cache (`_prompt_cache.py`), from the warm actor on: warm-up stores nothing."""
+        limit, pressure = budget(self.config.prompt_cache_gb)
+        if limit and not plain_kv(self._model):
+            limit = 0  # its cache cannot be cut back to a prefix: no reuse (`_batch.plain_kv`)
+        self._reuse = Reuse(PromptCache(limit, pressure))
 
     def _hook(self, stage: str) -> None:
         if self.config.fault_hook is not None:
@@ -231,6 +242,7 @@ class Actor:
         self._admission.pending.clear()
         self._samplers.clear()
         self._retired.clear()
+        self._reuse.reset(failed=True)
         try:
             if self._bg is not None:
                 self._bg.close()
@@ -306,41 +318,53 @@ class Actor:
                 case Submit():
                     admission.add(cmd, now)
                 case Abort(rid=rid):
-                    if not admission.drop(rid) and (seq := self._seqs.pop(rid, None)):
+                    if admission.drop(rid) or self._reuse.drop(rid):
+                        continue
+                    if seq := self._seqs.pop(rid, None):
                         del self._by_uid[seq.uid]
                         if seq.stage == "decode":
                             self._decoding -= 1
+                        else:
+                            admission.readmit(self._reuse.left(rid), now)  # waited for its prefill
                         removes.append(seq.uid)
                 case Shutdown():
                     return None
         assert self._bg is not None
-        subs = admission.due(now, self._decoding, len(self._seqs) > self._decoding)
+        subs = self._reuse.split(admission.due(now, self._decoding, len(self._seqs) > self._decoding))
         aborted = bool(removes)
         if self._retired and (removes or subs or self._retire_due()):
             removes.extend(self._retired)
             self._retired.clear()
         if removes:
+            self._reuse.leaving(self._bg, removes)  # finished rows' KV, before it goes
             remove_rows(self._bg, removes)
             if aborted:
                 self._hook("removed")
         self._inserted = len(subs)
         if not subs:
             return []
+        caches, cached_ids, cached = self._reuse.lookup(subs)
         try:
             uids = self._bg.insert(
-                [list(s.prompt) for s in subs],
+                [list(s.prompt[n:]) for s, n in zip(subs, cached, strict=True)],
                 max_tokens=[s.max_tokens + self._slack(s) for s in subs],
+                caches=caches,
+                all_tokens=cached_ids,
                 samplers=[self._samplers.get(s.sampling) for s in subs],
                 logits_processors=[
                     make_processors(s.sampling, len(s.prompt), self._context) for s in subs
                 ],
             )
         except Exception as exc:  # bad input that slipped past validation
+            for s in subs:
+                admission.readmit(self._reuse.left(s.rid), now)
             return [(s.rid, f"insert failed: {exc}") for s in subs]
-        for s, uid in zip(subs, uids, strict=True):
+        for s, uid, n in zip(subs, uids, cached, strict=True):
             seq = _Seq(s.rid, uid, len(s.prompt), s.sampling, s.max_tokens, s.stop_token_ids)
             self._seqs[s.rid] = seq
             self._by_uid[uid] = seq
+            if n:
+                self._cached.append((s.rid, n))
         return []
 
     # -- retiring finished rows ---------------------------------------------------
@@ -386,9 +410,11 @@ class Actor:
         except Exception as exc:
             return self._recover(exc, failed)
         if self._retired and not self._seqs:  # the batch ran dry: nothing left to overlap
+            self._reuse.leaving(self._bg, list(self._retired))
             remove_rows(self._bg, list(self._retired))
             self._retired.clear()
         prefilling, decoding, prompt_tokens = [], [], 0
+        prefilled: list[tuple[int, int, int]] = []
         for pr in prompt_responses:
             seq = self._by_uid.get(pr.uid)
             if seq is None:
@@ -400,9 +426,13 @@ class Actor:
                 seq.stage = "decode"
                 self._decoding += 1
                 decoding.append(seq.rid)
+                prefilled.append((seq.rid, seq.uid, seq.prompt_len))
+        if prefilled:
+            self._admission.readmit(self._reuse.prefilled(self._bg, prefilled), time.perf_counter())
         prompt_tokens = take_prompt_tokens(self._bg)
         self._steps += 1
         memory = _memory() if self._steps % _MEMORY_EVERY == 1 or not self._seqs else None
+        cached, self._cached = tuple(self._cached), []
         return StepReport(
             memory=memory,
             tokens=tokens,
@@ -411,7 +441,9 @@ class Actor:
             failed=tuple(failed),
             prompt_tokens=prompt_tokens,
             step_seconds=time.perf_counter() - t0,
-            live=len(self._seqs) + len(self._admission.pending),
+            live=len(self._seqs) + len(self._admission.pending) + self._reuse.parked,
+            cached=cached,
+            prompt_cache=self._reuse.stats(),
         )
 
     def _tokens(self, responses: Sequence[Any]) -> tuple[TokenOut, ...]:
@@ -421,8 +453,8 @@ class Actor:
         for r in responses:
             seq = self._by_uid.get(r.uid)
             if seq is None:  # a retired row: its tokens are nobody's
-                if r.finish_reason is not None:
-                    self._retired.pop(r.uid, None)  # the generator dropped it itself
+                if r.finish_reason is not None and self._retired.pop(r.uid, None) is not None:
+                    self._reuse.dropped(r.uid, r.prompt_cache, r.all_tokens)  # the generator dropped it itself
                 continue
             seq.generated += 1
             reason: FinishReason | None = (
@@ -436,8 +468,11 @@ class Actor:
                 del self._seqs[seq.rid]
                 if seq.stage == "decode":
                     self._decoding -= 1
+                self._reuse.finished(r.uid, seq.prompt_len + seq.generated)
                 if r.finish_reason is None:  # still in the batch: retire it
                     self._retired[r.uid] = self._steps
+                else:
+                    self._reuse.dropped(r.uid, r.prompt_cache, r.all_tokens)
             if seq.sampling.logprobs:
                 want_logprobs.append((len(out), r, seq))
             out.append(TokenOut(seq.rid, r.token, reason))
@@ -474,12 +509,14 @@ class Actor:
         """A step raised: fail every live sequence, start a fresh generator, keep serving."""
         reason = f"generation step failed: {type(exc).__name__}: {exc}"
         failed = failed + [(rid, reason) for rid in self._seqs]
-        self._reset_batch()
-        return StepReport(failed=tuple(failed), live=0)
+        self._reset_batch(failed=True)
+        self._cached.clear()
+        return StepReport(failed=tuple(failed), live=len(self._admission.pending), prompt_cache=self._reuse.stats())
 
-    def _reset_batch(self) -> None:
+    def _reset_batch(self, *, failed: bool = False) -> None:
         """Forget every sequence and start a fresh generator: after a failed step, or the
         warm-up's rehearsal. A generator that fails to close is dropped all the same."""
+        self._admission.readmit(self._reuse.reset(failed=failed), time.perf_counter())
         self._seqs.clear()
         self._by_uid.clear()
         self._retired.clear()
