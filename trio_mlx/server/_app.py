@@ -57,6 +57,7 @@ def default_engine(settings: Settings) -> Engine:
         idle_release=settings.idle_release,
         cache_limit_gb=settings.cache_limit_gb,
         step_trace=settings.step_trace,
+        prompt_cache_gb=settings.prompt_cache_gb,
     )
 
 

@@ -1,0 +1,222 @@
+"""The prompt cache (actor/_prompt_cache.py): greedy tokens with a hit are a cold run's, in every
+stage mix, on the fp32 tiny model on the CPU; aborts and failures leave nothing half-written;
+the counts reach Usage, statistics, the OpenAI usage and /metrics."""
+
+from __future__ import annotations
+
+import threading
+
+import trio
+from app_server import CHAT, COMPLETIONS, serve
+from test_engine import collect, run, until
+
+import trio_mlx
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def ids(n: int, start: int = 0) -> list[int]:
+    """`n` prompt ids from the tiny model's ordinary tokens (past its specials)."""
+    return [5 + (start + 7 * i) % 400 for i in range(n)]
+
+
+# A cache-off engine's greedy tokens: the cold runs every hit is compared with.
+async def cold_runs(model, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
+    async with trio_mlx.open_engine(model, max_batch=16, prompt_cache_gb=0) as engine:
+        out = []
+        for prompt, n in jobs:
+            got, _, fin = await run(engine, prompt, max_tokens=n, **GREEDY)
+            assert fin.usage.cached_tokens == 0 and engine.statistics().prompt_cache_lookups == 0
+            out.append(got)
+        return out
+
+
+async def test_a_follow_up_turn_reuses_the_last_turn_and_its_answer(tiny_model_fp32):
+    system = ids(300)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8) as engine:
+        first, _, f1 = await run(engine, system, max_tokens=12, **GREEDY)
+        turn2 = system + first + ids(9, 3)
+        second, _, f2 = await run(engine, turn2, max_tokens=12, **GREEDY)
+        again, _, f3 = await run(engine, turn2, max_tokens=12, **GREEDY)
+        s = engine.statistics()
+    assert f1.usage.cached_tokens == 0
+    assert f2.usage.cached_tokens == len(system) + len(first)  # the whole last turn, answer included
+    assert f3.usage.cached_tokens == len(turn2) - 1  # the last prompt token always runs for its logits
+    assert (s.prompt_cache_lookups, s.prompt_cache_hits) == (3, 2)
+    assert s.prompt_cache_hit_tokens == f2.usage.cached_tokens + f3.usage.cached_tokens
+    # what was prefilled (a prompt's last token enters with its first decode step, uncounted):
+    # the first prompt, then only the new user turn, then nothing
+    assert s.prompt_tokens == (len(system) - 1) + (9 - 1) + 0
+    assert s.prompt_cache_bytes > 0 and s.prompt_cache_entries >= 1
+    assert [first, second, again] == await cold_runs(tiny_model_fp32, [(system, 12), (turn2, 12), (turn2, 12)])
+
+
+async def test_hits_and_misses_prefilled_together_and_a_hit_joining_a_decoding_batch(tiny_model_fp32):
+    shared = ids(200, 1)
+    prompts = [shared + ids(5 + i, 50 * i) for i in range(6)]
+    jobs = [(shared, 6)] + [(p, 10) for p in prompts] + [(ids(40, 9), 30)] + [(prompts[2] + ids(4), 8)]
+    expected = await cold_runs(tiny_model_fp32, jobs)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=16, prefill_batch=8) as engine:
+        warm, _, _ = await run(engine, shared, max_tokens=6, **GREEDY)
+        got: dict[int, tuple[list[int], int]] = {}
+
+        async def one(i: int, prompt: list[int], n: int) -> None:
+            out, _, fin = await run(engine, prompt, max_tokens=n, **GREEDY)
+            got[i] = (out, fin.usage.cached_tokens)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 7, *jobs[7])  # a long decode the others join: a miss
+            await until(lambda: engine.statistics().decoding == 1)
+            for i in range(1, 7):  # hits (on `shared`) and one miss, prefilled together
+                nursery.start_soon(one, i, *jobs[i])
+            await until(lambda: len(got) >= 6)
+            nursery.start_soon(one, 8, *jobs[8])  # a hit entering while the others decode
+    assert [warm] + [got[i][0] for i in range(1, 9)] == expected
+    assert got[7][1] == 0 and all(got[i][1] >= len(shared) for i in range(1, 7))
+    assert got[8][1] >= len(prompts[2])  # the conversation it continues (stored when it finished)
+
+
+async def test_a_hit_whose_entry_is_evicted_meanwhile_keeps_its_tokens(tiny_model_fp32):
+    """A bound that holds one entry (~550 bytes a token): every store evicts, while hits are in flight."""
+    convs = [ids(120, 40 * k) for k in range(4)]
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=16, prompt_cache_gb=100e3 / 1e9) as engine:
+        for c in convs:
+            await run(engine, c, max_tokens=4, **GREEDY)
+        got: dict[int, tuple[list[int], int]] = {}
+
+        async def one(k: int) -> None:
+            out, _, fin = await run(engine, convs[k] + ids(6, k), max_tokens=8, **GREEDY)
+            got[k] = (out, fin.usage.cached_tokens)
+
+        async with trio.open_nursery() as nursery:
+            for k in range(4):
+                nursery.start_soon(one, k)
+        s = engine.statistics()
+    assert s.prompt_cache_evictions >= 4 and s.prompt_cache_bytes <= 100e3
+    assert any(n for _, n in got.values())  # the last stored conversation hit at least
+    expected = await cold_runs(tiny_model_fp32, [(convs[k] + ids(6, k), 8) for k in range(4)])
+    assert [got[k][0] for k in range(4)] == expected
+
+
+async def test_identical_prompts_together_prefill_once(tiny_model_fp32):
+    """n > 1 (and users of one long prompt arriving together): the first prefills, the
+    others wait for it and reuse its prompt's KV."""
+    prompt = ids(150, 2)
+    (expected,) = await cold_runs(tiny_model_fp32, [(prompt, 8)])
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, prefill_batch=8) as engine:
+        streams = [engine.generate(prompt, max_tokens=8, **GREEDY) for _ in range(4)]
+        results = []
+        async with streams[0], streams[1], streams[2], streams[3]:
+            for st in streams:
+                results.append(await collect(st))
+        s = engine.statistics()
+    assert [r[0] for r in results] == [expected] * 4
+    assert sorted(r[2].usage.cached_tokens for r in results) == [0] + [len(prompt) - 1] * 3
+    assert s.prompt_tokens == len(prompt) - 1  # prefilled once (last tokens enter with decode steps)
+
+
+async def test_seeded_sampling_with_a_hit_is_the_cold_run(tiny_model_fp32):
+    prompt = ids(200, 5)
+    opts = dict(max_tokens=16, temperature=1.0, top_p=0.9, seed=77, ignore_eos=True)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, prompt_cache_gb=0) as engine:
+        cold, _, _ = await run(engine, prompt, **opts)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8) as engine:
+        await run(engine, prompt + ids(3), max_tokens=2, **GREEDY)  # stores the prompt and more
+        hit, _, fin = await run(engine, prompt, **opts)
+    assert fin.usage.cached_tokens == len(prompt) - 1
+    assert hit == cold
+
+
+async def test_an_abort_mid_prefill_leaves_no_entry(tiny_model_fp32):
+    long_prompt = ids(400, 8)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=2, prefill_batch=1, prefill_step=4) as engine:
+        stream = engine.generate(long_prompt, max_tokens=4, **GREEDY)
+        async with stream:
+            await until(lambda: stream.stage == "prefill")
+        await until(lambda: engine.statistics().active == 0, seconds=5)
+        assert engine.statistics().prompt_cache_entries == 0
+        out, _, fin = await run(engine, long_prompt, max_tokens=6, **GREEDY)
+    assert fin.usage.cached_tokens == 0
+    assert [out] == await cold_runs(tiny_model_fp32, [(long_prompt, 6)])
+
+
+async def test_an_abort_while_decoding_stores_its_prompt_but_not_its_answer(tiny_model_fp32):
+    prompt = ids(300, 11)  # long: stored as soon as it is prefilled
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4) as engine:
+        stream = engine.generate(prompt, max_tokens=500, **GREEDY)
+        produced: list[int] = []
+        async with stream:
+            async for ev in stream:
+                produced.extend(getattr(ev, "token_ids", ()))
+                if len(produced) >= 5:
+                    break
+        await until(lambda: engine.statistics().active == 0, seconds=5)
+        out, _, fin = await run(engine, prompt + produced + ids(2), max_tokens=6, **GREEDY)
+    assert fin.usage.cached_tokens == len(prompt)  # the prompt, none of the aborted answer
+    assert [out] == await cold_runs(tiny_model_fp32, [(prompt + produced + ids(2), 6)])
+
+
+async def test_a_failed_step_empties_the_cache_and_serving_goes_on(tiny_model_fp32):
+    armed = threading.Event()
+
+    def hook(stage: str) -> None:
+        if stage == "step" and armed.is_set():
+            armed.clear()
+            raise RuntimeError("injected step fault")
+
+    prompt = ids(300, 13)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4, fault_hook=hook) as engine:
+        await run(engine, prompt, max_tokens=3, **GREEDY)
+        assert engine.statistics().prompt_cache_entries == 1
+        async with engine.generate(prompt + ids(3), max_tokens=400, **GREEDY) as stream:
+            async for ev in stream:
+                if isinstance(ev, trio_mlx.Finished):
+                    assert ev.finish_reason == "error"
+                elif not armed.is_set():
+                    armed.set()  # fail the next step, while it decodes
+        s = engine.statistics()
+        assert s.step_failures == 1 and s.prompt_cache_entries == 0 and s.prompt_cache_bytes == 0
+        out, _, fin = await run(engine, prompt, max_tokens=5, **GREEDY)
+    assert fin.usage.cached_tokens == 0 and fin.finish_reason == "length"
+    assert [out] == await cold_runs(tiny_model_fp32, [(prompt, 5)])
+
+
+async def test_off_when_zero_and_through_the_process_actor(tiny_model_fp32):
+    prompt = ids(260, 17)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4, prompt_cache_gb=0) as engine:
+        for _ in range(2):
+            _, _, fin = await run(engine, prompt, max_tokens=3, **GREEDY)
+            assert fin.usage.cached_tokens == 0
+        assert engine.statistics().prompt_cache_lookups == 0
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4, actor="process") as engine:
+        await run(engine, prompt, max_tokens=3, **GREEDY)
+        _, _, fin = await run(engine, prompt, max_tokens=3, **GREEDY)
+        await until(lambda: engine.statistics().prompt_cache_hits == 1)
+        assert fin.usage.cached_tokens == len(prompt) - 1
+
+
+async def test_openai_usage_and_metrics_report_cached_tokens(tiny_model_fp32):
+    messages = [{"role": "system", "content": "You are terse. " * 60}, {"role": "user", "content": "hi"}]
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        body = {"messages": messages, "max_tokens": 4, "temperature": 0}
+        first = (await client.post(CHAT, json=body)).json()["usage"]
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+        second = (await client.post(CHAT, json=body)).json()["usage"]
+        assert second["prompt_tokens_details"]["cached_tokens"] == second["prompt_tokens"] - 1
+        lines = []
+        async with client.stream("POST", CHAT, json={**body, "stream": True,
+                                                     "stream_options": {"include_usage": True}}) as resp:
+            async for line in resp.aiter_lines():
+                lines.append(line)
+        import json
+
+        usage = [json.loads(ln[5:])["usage"] for ln in lines if ln.startswith("data: {") and '"usage":{' in ln]
+        assert usage and usage[-1]["prompt_tokens_details"]["cached_tokens"] == second["prompt_tokens"] - 1
+        text = (await client.post(COMPLETIONS, json={"prompt": "abc " * 100, "max_tokens": 2})).json()
+        assert text["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        metrics = (await client.get("/metrics")).text
+    values = {ln.split()[0]: float(ln.split()[1]) for ln in metrics.splitlines() if ln.startswith("trio_mlx_prompt_cache")}
+    assert values["trio_mlx_prompt_cache_lookups_total"] == 4
+    assert values["trio_mlx_prompt_cache_hits_total"] == 2
+    assert values["trio_mlx_prompt_cache_hit_tokens_total"] == 2 * (second["prompt_tokens"] - 1)
+    assert values["trio_mlx_prompt_cache_bytes"] > 0 and "trio_mlx_prompt_cache_evictions_total" in values
