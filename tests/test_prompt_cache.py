@@ -220,3 +220,99 @@ async def test_openai_usage_and_metrics_report_cached_tokens(tiny_model_fp32):
     assert values["trio_mlx_prompt_cache_hits_total"] == 2
     assert values["trio_mlx_prompt_cache_hit_tokens_total"] == 2 * (second["prompt_tokens"] - 1)
     assert values["trio_mlx_prompt_cache_bytes"] > 0 and "trio_mlx_prompt_cache_evictions_total" in values
+
+
+# -- the cache itself (no model): lookups, storing, eviction ---------------------------------
+
+
+def layers(tokens: list[int], n_layers: int = 2):
+    """A stand-in entry: one single-row KVCache per layer, a token's id in its key."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for layer in range(n_layers):
+        kv = KVCache()
+        kv.keys = mx.array([[[[float(t + layer)] * 4 for t in tokens]]])
+        kv.values = kv.keys * 2
+        kv.offset = len(tokens)
+        out.append(kv)
+    return out
+
+
+def test_lookups_take_the_longest_shared_prefix_and_never_the_last_token():
+    from trio_mlx.actor._prompt_cache import PromptCache
+
+    pc = PromptCache(1 << 20)
+    a = list(range(10, 30))
+    assert pc.store(a, layers(a))
+    assert pc.fetch([1, 2, 3]) == (None, 0)
+    caches, n = pc.fetch(a)  # all of it: but the last token must be prefilled for logits
+    assert n == len(a) - 1 and caches is not None and caches[0].offset == n
+    assert pc.fetch(a[:12] + [99])[1] == 12  # part of a longer entry
+    assert pc.fetch(a + [7, 8])[1] == len(a)  # an entry that is a prefix of the prompt
+    view = pc.fetch(a + [7])[0]
+    entry = pc._lru[tuple(a)]
+    assert view is not None and view[1].keys is entry.layers[1].keys  # shared, not copied
+    assert pc.stats()[:3] == (5, 4, (len(a) - 1) + 12 + len(a) + len(a))
+
+
+def test_an_entry_that_extends_another_replaces_it_and_a_held_prefix_is_not_stored_twice():
+    from trio_mlx.actor._prompt_cache import PromptCache
+
+    pc = PromptCache(1 << 20)
+    a = list(range(10, 30))
+    pc.store(a, layers(a))
+    longer = a + [5, 6, 7]
+    assert pc.store(longer, layers(longer))
+    assert len(pc) == 1 and pc.nbytes == sum(kv.keys.nbytes * 2 for kv in layers(longer))
+    assert not pc.store(a[:15], layers(a[:15]))  # the longer entry serves it already
+    assert len(pc) == 1 and pc.fetch(a[:15] + [1])[1] == 15
+    other = a[:5] + [300, 301, 302]
+    assert pc.store(other, layers(other))  # a branch: both kept
+    assert len(pc) == 2
+
+
+def test_the_byte_bound_evicts_least_recently_used_entries():
+    from trio_mlx.actor._prompt_cache import PromptCache
+
+    one = sum(kv.keys.nbytes * 2 for kv in layers(list(range(10))))
+    pc = PromptCache(2 * one)
+    entries = [[100 * k + i for i in range(10)] for k in range(1, 4)]
+    pc.store(entries[0], layers(entries[0]))
+    pc.store(entries[1], layers(entries[1]))
+    pc.fetch(entries[0])  # used: the second is now the oldest
+    pc.store(entries[2], layers(entries[2]))
+    assert len(pc) == 2 and pc.evictions == 1 and pc.nbytes == 2 * one
+    assert pc.fetch(entries[1])[1] == 0 and pc.fetch(entries[0])[1] == 9
+    big = list(range(500, 530))
+    assert not pc.store(big, layers(big))  # larger than the whole bound: never kept
+    assert PromptCache(0).store(big, layers(big)) is False and not PromptCache(0).enabled
+
+
+def test_memory_pressure_makes_the_cache_give_way(monkeypatch):
+    import mlx.core as mx
+
+    from trio_mlx.actor._prompt_cache import PromptCache
+
+    one = sum(kv.keys.nbytes * 2 for kv in layers(list(range(10))))
+    pc = PromptCache(10 * one, pressure_bytes=1000 * one)
+    for k in range(4):
+        pc.store([50 * k + i for i in range(1, 11)], layers([50 * k + i for i in range(1, 11)]))
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 999 * one)
+    assert pc.relieve() == 0 and len(pc) == 4
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 1002 * one)
+    assert pc.relieve() == 2 * one and len(pc) == 2 and pc.evictions == 2
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 5000 * one)
+    pc.relieve()
+    assert len(pc) == 0 and pc.nbytes == 0
+
+
+def test_the_default_bound_follows_the_device(monkeypatch):
+    from trio_mlx.actor import _prompt_cache
+
+    limit, pressure = _prompt_cache.budget(None)  # the CPU here: small, and no pressure mark
+    assert 0 < limit <= _prompt_cache.CPU_BYTES and pressure is None
+    assert _prompt_cache.budget(0) == (0, None) and _prompt_cache.budget(2.5)[0] == 2_500_000_000
+    monkeypatch.setattr(_prompt_cache, "_device_bytes", lambda: (80 << 30, True))
+    assert _prompt_cache.budget(None) == (int((80 << 30) * 0.2), int((80 << 30) * 0.9))

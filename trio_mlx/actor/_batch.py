@@ -119,7 +119,7 @@ def copy_rows(bg: Any, lengths: dict[int, int]) -> dict[int, tuple[list[Any], li
     ids whose KV row i holds (`GenerationBatch._step` appends each input as it is
     fed), so row i's content is `[_idx - len(tokens[i]), _idx)`.
     """
-    batch = getattr(bg, "_generation_batch", None)
+    batch: Any = getattr(bg, "_generation_batch", None)
     caches = list(getattr(batch, "prompt_cache", None) or ())
     if not lengths or not caches or any(type(c) is not BatchKVCache or c.keys is None for c in caches):
         return {}

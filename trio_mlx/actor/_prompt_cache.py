@@ -42,9 +42,11 @@ from mlx_lm.models.cache import KVCache, PromptTrie
 # cheap and the copy is not worth the churn.
 LONG_PROMPT = 256
 # A request waits for a prompt being prefilled beside it (n > 1, a shared system
-# prompt arriving together) when that would spare it at least this many tokens,
-# or half its prompt if shorter: then the shared part is computed once.
+# prompt arriving together) when that would spare it at least SHARE_MIN tokens, or
+# half its prompt if shorter, and never fewer than SHARE_FLOOR: then the shared part
+# is computed once. Below the floor a prefill costs less than the wait.
 SHARE_MIN = 256
+SHARE_FLOOR = 32
 # Without a setting: this share of the GPU's memory, and on the CPU this many bytes
 # at most (a sixteenth of RAM if less).
 GPU_SHARE = 0.2
@@ -101,7 +103,7 @@ def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 def share_floor(prompt_len: int) -> int:
     """Tokens a wait for a prompt prefilled beside it must spare to be worth it."""
-    return max(1, min(SHARE_MIN, prompt_len // 2))
+    return max(SHARE_FLOOR, min(SHARE_MIN, prompt_len // 2))
 
 
 class PromptCache:
@@ -322,7 +324,7 @@ class Reuse:
         from ._batch import copy_rows
 
         self.cache.relieve()
-        for uid, (layers, tokens) in copy_rows(bg, marked).items():
+        for layers, tokens in copy_rows(bg, marked).values():
             self.cache.store(tokens, layers)
         released: list[Any] = []
         for rid, _, _ in rows:

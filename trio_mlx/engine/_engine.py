@@ -169,7 +169,7 @@ class Engine:
         self._fault_hook = fault_hook
         if retire_steps < 0 or any(v is not None and not (math.isfinite(v) and v >= 0)
                                    for v in (idle_release, cache_limit_gb, prompt_cache_gb)):
-            raise ValueError("retire_steps, idle_release, cache_limit_gb and prompt_cache_gb must be >= 0")
+            raise ValueError("retire_steps, idle_release, prompt_cache_gb and cache_limit_gb must be >= 0")
         # Actor knobs passed through as they are (`ActorConfig` documents each).
         self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, idle_release=idle_release,
                                   cache_limit_gb=cache_limit_gb, step_trace=step_trace,
