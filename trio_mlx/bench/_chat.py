@@ -11,8 +11,11 @@ that a cache hit is judged against.
 
 Per turn it reports the time to first token (p50, p90, mean), the prompt's
 tokens and the cached ones (`usage.prompt_tokens_details.cached_tokens`, where
-the server reports them), and per level the output tokens/s and every failed
-request by reason. Texts are random words from a seeded generator, so the
+the server reports them), and per level the output tokens/s, every failed
+request by reason, and `last_vs_fresh`: the last turn's median TTFT over the
+fresh requests' (a prompt cache that works keeps it near 1 however long the
+conversation). `--warmup` requests go first, unmeasured (a server that loads its
+model or compiles kernels on its first request pays that there). Texts are random words from a seeded generator, so the
 same seed sends the same conversations to every server; the assistant's
 answers are whatever the server streams, resent as they came (as clients do).
 Any OpenAI-compatible chat endpoint works: trio_mlx (cache on or off) and
@@ -170,8 +173,10 @@ def level_stats(convs: Sequence[Conversation], duration: float, turns: int) -> d
         if t.error:
             errors[t.error] = errors.get(t.error, 0) + 1
     tokens = sum(t.output_tokens for t in everything)
+    last, fresh = by_turn[turns - 1]["ttft_ms"]["p50"], by_turn[-1]["ttft_ms"]["p50"]
     return {"conversations": len(convs), "requests": len(everything), "duration_s": duration,
             "output_tokens": tokens, "output_throughput": tokens / duration if duration else 0.0,
+            "last_vs_fresh": last / fresh if last and fresh else None,
             "errors": {"total": sum(errors.values()), "by_reason": errors}, "turns": by_turn}
 
 
@@ -189,6 +194,9 @@ async def run_levels(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]
             if not data:
                 raise SystemExit("trio-mlx bench chat: the server lists no model; pass --served-model-name")
             model = str(data[0]["id"])
+        for i in range(args.warmup):  # unmeasured; distinct from every conversation's text
+            rng = random.Random(10**6 + i)
+            await _request(client, [{"role": "user", "content": _words(rng, args.user_words)}], args, model, -1)
         levels = []
         for k, n in enumerate(args.conversations):
             convs = make_conversations(n, args.turns, args.system_words, args.user_words, args.seed + k)
@@ -209,8 +217,10 @@ def format_level(lv: dict[str, Any]) -> str:
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.0f}"
 
+    ratio = lv.get("last_vs_fresh")
     lines = [f"{lv['conversations']} conversations: {lv['output_throughput']:.1f} tok/s, "
-             f"{lv['errors']['total']} errors {lv['errors']['by_reason'] or ''}",
+             f"{lv['errors']['total']} errors {lv['errors']['by_reason'] or ''}"
+             + (f", last turn / fresh TTFT {ratio:.2f}x" if ratio else ""),
              "| turn | TTFT p50 ms | TTFT p90 ms | prompt tokens | cached tokens |",
              "|---|---|---|---|---|"]
     for t in lv["turns"]:
@@ -233,6 +243,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent first")
     p.add_argument("--served-model-name", help="the model id to send (default: the server's first)")
     p.add_argument("--client", choices=["raw", "httpx"], default="raw")
     p.add_argument("--label", help="the run's name in tables")
@@ -245,12 +256,13 @@ def main(argv: list[str]) -> int:
     import trio
 
     args = _parser().parse_args(argv)
-    if args.turns < 1 or not args.conversations or min(args.conversations) < 1:
-        raise SystemExit("trio-mlx bench chat: --turns and every --conversations level must be >= 1")
+    if args.turns < 1 or not args.conversations or min(args.conversations) < 1 or args.warmup < 0:
+        raise SystemExit("trio-mlx bench chat: --turns and every --conversations level must be >= 1, "
+                         "--warmup >= 0")
     model, levels = trio.run(run_levels, args)
     result = {"schema": SCHEMA, "label": args.label or args.url, "url": args.url, "model": model,
               "settings": {k: getattr(args, k) for k in ("turns", "system_words", "user_words",
-                                                          "max_tokens", "temperature", "seed")},
+                                                          "max_tokens", "temperature", "seed", "warmup")},
               "levels": levels}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
