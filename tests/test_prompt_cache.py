@@ -316,3 +316,18 @@ def test_the_default_bound_follows_the_device(monkeypatch):
     assert _prompt_cache.budget(0) == (0, None) and _prompt_cache.budget(2.5)[0] == 2_500_000_000
     monkeypatch.setattr(_prompt_cache, "_device_bytes", lambda: (80 << 30, True))
     assert _prompt_cache.budget(None) == (int((80 << 30) * 0.2), int((80 << 30) * 0.9))
+
+
+async def test_a_request_arriving_while_a_shared_prompt_prefills_finds_it(tiny_model_fp32):
+    """Users of one system prompt one after another: the second arrives while the first
+    prefills (short of the long-prompt mark, so stored only because the second shares it)."""
+    system = ids(180, 21)
+    first_prompt, second_prompt = system + ids(8, 1), system + ids(8, 2)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4, prefill_batch=1, prefill_step=16) as engine:
+        first = engine.generate(first_prompt, max_tokens=30, **GREEDY)
+        async with first:
+            await until(lambda: first.stage == "prefill")
+            out, _, fin = await run(engine, second_prompt, max_tokens=6, **GREEDY)
+            await collect(first)
+    assert fin.usage.cached_tokens >= len(system)
+    assert [out] == await cold_runs(tiny_model_fp32, [(second_prompt, 6)])

@@ -317,6 +317,7 @@ class Actor:
             match cmd:
                 case Submit():
                     admission.add(cmd, now)
+                    self._reuse.arrived(cmd)
                 case Abort(rid=rid):
                     if admission.drop(rid) or self._reuse.drop(rid):
                         continue

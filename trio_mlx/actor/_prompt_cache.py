@@ -248,6 +248,7 @@ class Reuse:
     def __init__(self, cache: PromptCache):
         self.cache = cache
         self._store_at_prefill: set[int] = set()  # rids whose prompt is stored when prefilled
+        self._prefilling: dict[int, tuple[int, ...]] = {}  # rid -> prompt, entered and not yet prefilled
         self._waiting: dict[int, list[Any]] = {}  # leader rid -> Submits waiting for its prefill
         self._parked: dict[int, int] = {}  # waiting rid -> its leader's rid
         self._finishing: dict[int, int] = {}  # uid of a finished row -> tokens to store
@@ -256,6 +257,22 @@ class Reuse:
     @property
     def parked(self) -> int:
         return len(self._parked)
+
+    def arrived(self, sub: Any) -> None:
+        """A request arrived while others prefill (it waits for them in admission): if one
+        of them shares enough of its prompt, that prompt is stored when prefilled, so the
+        newcomer finds it (users of one system prompt arriving one after another)."""
+        if not self._prefilling or not self.cache.enabled:
+            return
+        prompt = sub.prompt
+        floor = share_floor(len(prompt))
+        for rid, other in self._prefilling.items():
+            if rid in self._store_at_prefill:
+                continue
+            shared = _common(prompt, other, len(prompt) - 1)
+            if shared >= floor and shared - self.cache.longest(prompt)[1] >= floor:
+                self._store_at_prefill.add(rid)
+                return
 
     def split(self, subs: list[Any]) -> list[Any]:
         """The group's Submits that enter now; the others wait for an earlier one's prefill."""
@@ -292,6 +309,7 @@ class Reuse:
             kv, n = cache.fetch(s.prompt)
             caches.append(kv)
             counts.append(n)
+            self._prefilling[s.rid] = s.prompt
             if len(s.prompt) >= LONG_PROMPT:
                 self._store_at_prefill.add(s.rid)
         if not any(counts):
@@ -310,6 +328,7 @@ class Reuse:
     def left(self, rid: int) -> list[Any]:
         """A row left before its prefill was stored (aborted, failed): what waited for it."""
         self._store_at_prefill.discard(rid)
+        self._prefilling.pop(rid, None)
         waiting = self._waiting.pop(rid, [])
         for s in waiting:
             self._parked.pop(s.rid, None)
@@ -320,6 +339,8 @@ class Reuse:
         prompts marked for it; returns the Submits that waited for them."""
         marked = {uid: n for rid, uid, n in rows if rid in self._store_at_prefill}
         if not marked:
+            for rid, _, _ in rows:
+                self._prefilling.pop(rid, None)
             return []
         from ._batch import copy_rows
 
@@ -371,6 +392,7 @@ class Reuse:
         often memory). Returns the Submits that waited, to go back to admission."""
         self._finishing.clear()
         self._store_at_prefill.clear()
+        self._prefilling.clear()
         waiting = [s for subs in self._waiting.values() for s in subs]
         self._waiting.clear()
         self._parked.clear()
