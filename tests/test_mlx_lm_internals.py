@@ -189,24 +189,3 @@ def test_inserting_copied_kv_with_its_tokens_continues_as_a_cold_prompt(tiny_mod
     assert _batch.plain_kv(model)
     bg.close()
 
-
-def test_prompt_trie_finds_exact_shorter_and_longer_entries():
-    """`mlx_lm.models.cache.PromptTrie` (the trie of mlx_lm.server's LRUPromptCache), as
-    `actor._prompt_cache.PromptCache` uses it: `search`'s exact / shorter / longer /
-    common_prefix, `get`, `pop` and `pop_prefixes`."""
-    from mlx_lm.models.cache import PromptTrie
-
-    t = PromptTrie()
-    t.add(0, [1, 2, 3, 4], "long")
-    t.add(0, [1, 2], "short")
-    r = t.search(0, [1, 2, 3, 4])
-    assert r.exact == [1, 2, 3, 4]
-    r = t.search(0, [1, 2, 3, 9])
-    assert (r.exact, r.shorter, r.longer, r.common_prefix) == (None, [1, 2], [1, 2, 3, 4], 3)
-    r = t.search(0, [1, 2, 3])
-    assert (r.exact, r.longer, r.common_prefix) == (None, [1, 2, 3, 4], 3)
-    assert t.get(0, [1, 2]) == "short"
-    assert t.pop_prefixes(0, [1, 2, 3, 4]) == [(2, "short")]
-    assert t.search(0, [1, 2, 7]).shorter is None
-    assert t.pop(0, [1, 2, 3, 4]) == "long"
-    assert t.search(0, [1, 2, 3, 4]).common_prefix == 0

@@ -252,7 +252,7 @@ def test_lookups_take_the_longest_shared_prefix_and_never_the_last_token():
     assert pc.fetch(a[:12] + [99])[1] == 12  # part of a longer entry
     assert pc.fetch(a + [7, 8])[1] == len(a)  # an entry that is a prefix of the prompt
     view = pc.fetch(a + [7])[0]
-    entry = pc._lru[tuple(a)]
+    (entry,) = pc._lru.values()
     assert view is not None and view[1].keys is entry.layers[1].keys  # shared, not copied
     assert pc.stats()[:3] == (5, 4, (len(a) - 1) + 12 + len(a) + len(a))
 
@@ -331,3 +331,38 @@ async def test_a_request_arriving_while_a_shared_prompt_prefills_finds_it(tiny_m
             await collect(first)
     assert fin.usage.cached_tokens >= len(system)
     assert [out] == await cold_runs(tiny_model_fp32, [(second_prompt, 6)])
+
+
+def test_lookups_and_stores_agree_with_a_brute_force_search():
+    """Random conversations branching inside and across the 64-token blocks: every lookup
+    finds the longest prefix any entry shares (a plain scan says which), every entry that
+    another extends is gone, and the byte count is the entries' sum."""
+    import random
+
+    from trio_mlx.actor import _prompt_cache
+    from trio_mlx.actor._prompt_cache import PromptCache
+
+    rng = random.Random(5)
+    pc = PromptCache(1 << 30)
+    roots = [[rng.randrange(50) for _ in range(rng.randrange(1, 200))] for _ in range(3)]
+    for _ in range(150):
+        base = rng.choice(roots + [list(k) for k in pc.keys()])
+        cut = rng.randrange(0, len(base) + 1)
+        seq = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(0, 150))]
+        if rng.random() < 0.5 and len(seq) >= 2:
+            pc.store(seq, layers(seq, n_layers=1))
+        query = tuple(seq + [rng.randrange(50) for _ in range(rng.randrange(0, 3))])
+        if len(query) < 2:
+            continue
+
+        def shared(key: tuple[int, ...], q: tuple[int, ...] = query) -> int:
+            return _prompt_cache._common(q, key, len(q))
+
+        want = max((shared(k) for k in pc.keys()), default=0)
+        assert pc.longest(query)[1] == min(want, len(query) - 1)
+        keys = pc.keys()
+        assert not any(a != b and b[: len(a)] == a for a in keys for b in keys)  # no entry extends another
+        assert pc.nbytes == sum(e.nbytes for e in pc._lru.values())
+    assert len(pc) > 5 and max(len(k) for k in pc.keys()) > 3 * _prompt_cache.BLOCK
+    pc.clear()
+    assert pc.nbytes == 0 and not pc._index and not pc._ends

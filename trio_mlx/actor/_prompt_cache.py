@@ -9,18 +9,25 @@ that only the rest is prefilled. Bounded by bytes with LRU eviction, and the
 first thing to go under memory pressure. Lives on the actor thread: arrays
 never leave it.
 
-Built on mlx-lm's pieces: `PromptTrie` (the token trie of `mlx_lm.server`'s
-`LRUPromptCache`) finds the longest shared prefix, `KVCache` holds an entry,
-and `BatchGenerator` merges what it is given into its batch. `LRUPromptCache`
-itself does not fit the actor, for three reasons:
+Built on mlx-lm's pieces where they fit: an entry is one `KVCache` per layer,
+`_batch.copy_rows` cuts it out of the batch, and `BatchGenerator` merges what
+it is given into its batch. mlx_lm.server's `LRUPromptCache` (and its
+`PromptTrie`) does not fit the actor:
+- its trie looks for an entry longer than the prompt with a depth-first walk
+  that copies its path at every node: quadratic in the depth. Measured on this
+  project's CPU dev machine: 1.5-2.5 s for one lookup among 16 conversations of
+  8k tokens, on the actor thread, every admission. Here entries are indexed by
+  the hashes of their 64-token blocks, each chained to the one before (the
+  scheme of vLLM's prefix caching): a lookup hashes the prompt's blocks, walks
+  them while some entry shares them, then compares tokens within one block;
 - every hit deep-copies the entry (`copy.deepcopy`: for an 8k-token 1B entry,
-  256 MB per hit) and trims the copy; the generator only ever reads the caches
+  256 MB per hit) and trims the copy. The generator only ever reads the caches
   it is given (it merges them into fresh batch arrays), so here a hit is a
   `KVCache` that shares the entry's arrays with a shorter `offset`: a prefix of
   any entry costs nothing to hand out;
-- an exact hit returns no tokens left to prefill, which `BatchGenerator.insert`
+- an exact hit leaves no token to prefill, which `BatchGenerator.insert`
   refuses (the last prompt token must go through the model for its logits);
-- it bounds entries by count first and has no eviction counter or pressure hook.
+- it bounds entries by count first, and has no eviction counter or pressure hook.
 It keeps `LRUPromptCache`'s rule that an entry which extends another makes the
 shorter one redundant (both are served from the longer).
 """
@@ -28,13 +35,14 @@ shorter one redundant (both are served from the longer).
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, PromptTrie
+from mlx_lm.models.cache import KVCache
 
 # A prompt at least this long is stored as soon as it is prefilled, so that
 # requests arriving while it decodes (users of one system prompt) share it;
@@ -54,7 +62,10 @@ CPU_BYTES = 1 << 30
 # Under pressure: when MLX's active memory passes this share of the device's,
 # entries are evicted (oldest first) until it is back under or the cache is empty.
 PRESSURE_SHARE = 0.9
-_KEY = 0  # PromptTrie keys its tries by model; one model here
+# Entries are indexed by the chained hashes of their full blocks of this many tokens.
+BLOCK = 64
+# At most this many entries sharing a prompt's deepest indexed block are compared with it.
+_CANDIDATES = 256
 
 
 def _device_bytes() -> tuple[int, bool]:
@@ -87,15 +98,28 @@ def budget(gb: float | None) -> tuple[int, int | None]:
 
 @dataclass(slots=True)
 class _Entry:
+    eid: int
     key: tuple[int, ...]
     layers: list[Any]  # one KVCache per layer, batch 1, exactly len(key) tokens
     nbytes: int
+    blocks: list[int]  # the chained hashes of its full blocks
 
 
-def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """How many leading ids `a` and `b` share, counting at most `limit`."""
+def _block_hashes(tokens: tuple[int, ...], limit: int | None = None) -> list[int]:
+    """Chained hashes of the full `BLOCK`-token blocks of `tokens` (at most `limit`)."""
+    out: list[int] = []
+    h = 0
+    n = len(tokens) // BLOCK if limit is None else min(limit, len(tokens) // BLOCK)
+    for i in range(n):
+        h = hash((h, tokens[i * BLOCK : (i + 1) * BLOCK]))
+        out.append(h)
+    return out
+
+
+def _common(a: Sequence[int], b: Sequence[int], limit: int, start: int = 0) -> int:
+    """How many leading ids `a` and `b` share (known equal up to `start`), counting at most `limit`."""
     n = min(len(a), len(b), limit)
-    i = 0
+    i = start
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -112,8 +136,12 @@ class PromptCache:
     def __init__(self, max_bytes: int, pressure_bytes: int | None = None):
         self.max_bytes = max_bytes
         self.pressure_bytes = pressure_bytes
-        self._trie = PromptTrie()
-        self._lru: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
+        # Entries by id, least recently used first. Ids, not token tuples, key every map:
+        # a tuple is hashed anew at each use, 8k ids at a time.
+        self._lru: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
+        self._ids = itertools.count()
+        self._index: dict[int, dict[int, None]] = {}  # block hash -> ids of entries holding the block
+        self._ends: dict[int, dict[int, None]] = {}  # hash of an entry's last full block (0: none) -> ids
         self.nbytes = 0
         self.lookups = 0
         self.hits = 0
@@ -127,26 +155,48 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
+    def keys(self) -> list[tuple[int, ...]]:
+        """The entries' token ids, least recently used first."""
+        return [e.key for e in self._lru.values()]
+
     def stats(self) -> tuple[int, int, int, int, int, int]:
         """(lookups, hits, hit tokens, evictions, bytes held, entries)."""
         return self.lookups, self.hits, self.hit_tokens, self.evictions, self.nbytes, len(self._lru)
 
     # -- lookups -------------------------------------------------------------------
 
+    def _match(self, tokens: tuple[int, ...]) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest prefix with `tokens`, and its length: the prompt's
+        blocks are walked while some entry holds them, then the entries holding the last
+        one (the newest `_CANDIDATES`) are compared token by token within the next block."""
+        if not self._lru:
+            return None, 0
+        pool: Any = self._lru
+        base, h = 0, 0
+        for i in range(len(tokens) // BLOCK):
+            h = hash((h, tokens[i * BLOCK : (i + 1) * BLOCK]))
+            ids = self._index.get(h)
+            if not ids:
+                break
+            pool, base = ids, (i + 1) * BLOCK
+        best: tuple[_Entry | None, int] = (None, 0)
+        for eid in list(pool)[-_CANDIDATES:]:
+            entry = self._lru[eid]
+            n = _common(tokens, entry.key, len(tokens), base)
+            if n > best[1]:
+                best = (entry, n)
+        found = best[0]
+        if found is not None and found.key[:base] != tokens[:base]:
+            return None, 0  # the blocks' hashes collided (never seen; checked all the same)
+        return best
+
     def longest(self, prompt: Sequence[int]) -> tuple[_Entry | None, int]:
         """The entry sharing the longest prefix with `prompt` and how many of its tokens
         serve it: never the whole prompt (its last token must be prefilled for logits)."""
         if not self._lru or len(prompt) < 2:
             return None, 0
-        tokens = list(prompt)
-        res = self._trie.search(_KEY, tokens)
-        cap = len(tokens) - 1
-        best: tuple[_Entry | None, int] = (None, 0)
-        for key, usable in ((res.exact, cap), (res.shorter, len(res.shorter or ())),
-                            (res.longer, min(res.common_prefix, cap))):
-            if key is not None and usable > best[1]:
-                best = (self._trie.get(_KEY, key), min(usable, cap))
-        return best
+        entry, n = self._match(tuple(prompt))
+        return entry, min(n, len(prompt) - 1)
 
     def fetch(self, prompt: Sequence[int]) -> tuple[list[Any] | None, int]:
         """Caches holding the longest cached prefix of `prompt`, for
@@ -163,7 +213,7 @@ class PromptCache:
             return None, 0
         self.hits += 1
         self.hit_tokens += n
-        self._lru.move_to_end(entry.key)
+        self._lru.move_to_end(entry.eid)
         views = []
         for layer in entry.layers:
             kv = KVCache()
@@ -183,22 +233,43 @@ class PromptCache:
         nbytes = sum(kv.keys.nbytes + kv.values.nbytes for kv in layers)
         if nbytes > self.max_bytes:
             return False
-        ids = list(key)
-        res = self._trie.search(_KEY, ids)
-        if res.exact is None and res.longer is not None and res.common_prefix >= len(key):
-            self._lru.move_to_end(tuple(res.longer))  # a longer entry holds it already
+        holder, n = self._match(key)
+        if holder is not None and n == len(key) and len(holder.key) >= len(key):
+            self._lru.move_to_end(holder.eid)  # an entry holds it already
             return False
-        if (old := self._lru.pop(key, None)) is not None:
-            self.nbytes -= old.nbytes
-        entry = _Entry(key, layers, nbytes)
-        self._trie.add(_KEY, ids, entry)
-        self._lru[key] = entry
+        blocks = _block_hashes(key)
+        for eid in self._prefixes_of(key, blocks):
+            self._drop(eid)
+        entry = _Entry(next(self._ids), key, layers, nbytes, blocks)
+        self._lru[entry.eid] = entry
+        for h in blocks:
+            self._index.setdefault(h, {})[entry.eid] = None
+        self._ends.setdefault(blocks[-1] if blocks else 0, {})[entry.eid] = None
         self.nbytes += nbytes
-        for length, redundant in self._trie.pop_prefixes(_KEY, ids):
-            if self._lru.pop(key[:length], None) is not None:
-                self.nbytes -= redundant.nbytes
         self.shrink(self.max_bytes)
         return True
+
+    def _prefixes_of(self, key: tuple[int, ...], blocks: list[int]) -> list[int]:
+        """Entries that are proper prefixes of `key`: each shares all its full blocks with
+        it, so it ends where `key`'s blocks pass."""
+        out = []
+        for h in [0, *blocks]:
+            for eid in self._ends.get(h, ()):
+                other = self._lru[eid].key
+                if len(other) < len(key) and key[: len(other)] == other:
+                    out.append(eid)
+        return out
+
+    def _drop(self, eid: int) -> int:
+        entry = self._lru.pop(eid)
+        for table, hashes in ((self._index, entry.blocks), (self._ends, entry.blocks[-1:] or [0])):
+            for h in hashes:
+                ids = table[h]
+                del ids[eid]
+                if not ids:
+                    del table[h]
+        self.nbytes -= entry.nbytes
+        return entry.nbytes
 
     def shrink(self, max_bytes: int) -> int:
         """Evict the least recently used entries until at most `max_bytes` are held;
@@ -222,11 +293,8 @@ class PromptCache:
         self.shrink(-1)
 
     def _evict(self) -> int:
-        key, entry = self._lru.popitem(last=False)
-        self._trie.pop(_KEY, list(key))
-        self.nbytes -= entry.nbytes
         self.evictions += 1
-        return entry.nbytes
+        return self._drop(next(iter(self._lru)))
 
 
 class Reuse:
