@@ -117,9 +117,12 @@ def _block_hashes(tokens: tuple[int, ...], limit: int | None = None) -> list[int
 
 
 def _common(a: Sequence[int], b: Sequence[int], limit: int, start: int = 0) -> int:
-    """How many leading ids `a` and `b` share (known equal up to `start`), counting at most `limit`."""
+    """How many leading ids `a` and `b` (both tuples, or both lists) share, known equal up to
+    `start`, counting at most `limit`."""
     n = min(len(a), len(b), limit)
     i = start
+    while i + BLOCK <= n and a[i : i + BLOCK] == b[i : i + BLOCK]:  # a block at a time, in C
+        i += BLOCK
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -373,6 +376,7 @@ class Reuse:
             return None, None, [0] * len(subs)
         caches: list[Any] = []
         counts: list[int] = []
+        cache.relieve()  # before these prefill: under pressure the cache gives way first
         for s in subs:
             kv, n = cache.fetch(s.prompt)
             caches.append(kv)
