@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import trio
 from app_server import CHAT, COMPLETIONS, serve
 from test_engine import collect, run, until
@@ -31,9 +32,12 @@ async def cold_runs(model, jobs: list[tuple[list[int], int]]) -> list[list[int]]
         return out
 
 
-async def test_a_follow_up_turn_reuses_the_last_turn_and_its_answer(tiny_model_fp32):
+@pytest.mark.parametrize("retire_steps", [16, 0])
+async def test_a_follow_up_turn_reuses_the_last_turn_and_its_answer(tiny_model_fp32, retire_steps):
+    """Stored as the finished row leaves the batch (retired rows), or, with retire_steps 0,
+    from the cache the generator extracts itself when it ends the row."""
     system = ids(300)
-    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8) as engine:
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, retire_steps=retire_steps) as engine:
         first, _, f1 = await run(engine, system, max_tokens=12, **GREEDY)
         turn2 = system + first + ids(9, 3)
         second, _, f2 = await run(engine, turn2, max_tokens=12, **GREEDY)

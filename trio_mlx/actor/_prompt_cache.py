@@ -453,7 +453,10 @@ class Reuse:
         cut = []
         for kv in layers:
             c = KVCache()
-            c.keys, c.values, c.offset = kv.keys[..., :n, :], kv.values[..., :n, :], n
+            # contiguous copies: a slice would keep the whole extracted buffer alive
+            # while its bytes counted only the slice
+            c.keys, c.values = mx.contiguous(kv.keys[..., :n, :]), mx.contiguous(kv.values[..., :n, :])
+            c.offset = n
             cut.append(c)
         self.cache.relieve()
         self.cache.store(tokens[:n], cut)
