@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from trio_mlx.actor import ActorConfig, SamplingParams, Submit, _actor, _batch, _sampling
+from trio_mlx.actor import ActorConfig, SamplingParams, Submit, _actor, _batch, _prompt_cache, _sampling
 from trio_mlx.actor._actor import Actor
 
 
@@ -43,7 +43,8 @@ def _greedy(actor: Actor, prompt: tuple[int, ...], n: int) -> list[int]:
 def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Records every removal (rows kept, whether the padding was trimmed), sampler,
     processor list and logprobs call the actor makes."""
-    seen: dict[str, list[Any]] = {"removals": [], "samplers": [], "processors": [], "logprobs": []}
+    seen: dict[str, list[Any]] = {"removals": [], "samplers": [], "processors": [], "logprobs": [],
+                                  "stores": [], "hits": []}
     remove, sampler, processors = _batch.remove_rows, _sampling.make_sampler, _actor.make_processors
     add_logprobs = Actor._add_logprobs
 
@@ -68,6 +69,19 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
         seen["logprobs"].append(len(rows))
         add_logprobs(self, out, rows)
 
+    store, fetch = _prompt_cache.PromptCache.store, _prompt_cache.PromptCache.fetch
+
+    def spy_store(self: Any, tokens: Any, layers: Any) -> bool:
+        seen["stores"].append(store(self, tokens, layers))
+        return seen["stores"][-1]
+
+    def spy_fetch(self: Any, prompt: Any) -> Any:
+        got = fetch(self, prompt)
+        seen["hits"].append(got[1])
+        return got
+
+    monkeypatch.setattr(_prompt_cache.PromptCache, "store", spy_store)
+    monkeypatch.setattr(_prompt_cache.PromptCache, "fetch", spy_fetch)
     monkeypatch.setattr(_actor, "remove_rows", spy_remove)
     monkeypatch.setattr(_sampling, "make_sampler", spy_sampler)
     monkeypatch.setattr(_actor, "make_processors", spy_processors)
@@ -89,6 +103,9 @@ def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort
     assert any(sp.top_p < 1 and sp.top_k and sp.min_p for sp in sampled)
     assert max(visits["processors"]) == 3  # logit bias, repetition penalty, presence/frequency
     assert visits["logprobs"]
+    # the prompt cache's paths: a finished row copied out and stored, a row entering with it
+    assert True in visits["stores"] and max(visits["hits"]) > 0
+    assert not actor._reuse.cache.enabled  # and nothing of it stays
 
 
 @pytest.mark.parametrize("retire_steps", ["16", "0"])  # rows retired by the actor, or ended by the generator

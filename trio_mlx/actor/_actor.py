@@ -202,7 +202,10 @@ class Actor:
         The script: A (greedy) decodes; B (every sampling option, logprobs)
         and C (seeded) join it, padded; A finishes and retires; D enters, so
         A's row leaves with B and C kept, trimming the padding they share; C
-        is aborted; the rest finish and the batch runs dry.
+        is aborted; the rest finish and the batch runs dry. The prompt cache is
+        open meanwhile (and emptied after): A's prompt and answer are copied out
+        as its row leaves, and D, with A's prompt, enters with that KV. C's prompt
+        differs from B's, so that it does not wait for B's prefill.
         """
         admission = self._admission
         self._admission = Admission(0.0, self.config.prefill_batch)  # no waiting for company
@@ -214,11 +217,13 @@ class Actor:
         script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]] = [
             ([Submit(a, prompt, 8, SamplingParams(temperature=0.0), frozenset())], lambda n: n[a] >= 3),
             ([Submit(b, prompt, 12, every, frozenset()),
-              Submit(c, prompt, 12, SamplingParams(temperature=0.7, seed=0), frozenset())], lambda n: n[a] >= 8),
+              Submit(c, (token + 1,) + prompt[1:], 12, SamplingParams(temperature=0.7, seed=0), frozenset())],
+             lambda n: n[a] >= 8),
             ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
             ([Abort(c)], lambda n: not self._seqs),
         ]
         counts: collections.Counter[int] = collections.Counter()
+        self._open_cache()
         try:
             for commands, done in script:
                 failed = self._apply(commands)
@@ -234,6 +239,7 @@ class Actor:
                     raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
         finally:
             self._admission = admission
+            self._reuse = Reuse(PromptCache(0))
 
     def _free(self) -> None:
         """Drop every array on this thread and synchronize, so the process exits cleanly."""

@@ -206,7 +206,7 @@ class PromptCache:
         `BatchGenerator.insert(caches=...)`, and its length; (None, 0) on a miss.
 
         The caches share the entry's arrays (the generator only reads them: it merges
-        them into fresh batch arrays), so a hit copies nothing, and an entry evicted
+        them into fresh batch arrays), so a hit copies nothing here, and an entry evicted
         before the generator takes them stays alive until it has."""
         if not self.enabled:
             return None, 0
