@@ -119,9 +119,12 @@ async def test_identical_prompts_together_prefill_once(tiny_model_fp32):
     assert s.prompt_tokens == len(prompt) - 1  # prefilled once (last tokens enter with decode steps)
 
 
-async def test_seeded_sampling_with_a_hit_is_the_cold_run(tiny_model_fp32):
+async def test_seeded_sampling_and_penalties_with_a_hit_are_the_cold_run(tiny_model_fp32):
+    """A hit enters with the cached prompt ids too (`all_tokens`), so the penalties that
+    read the prompt (repetition) or skip it (presence, frequency) see what a cold run sees."""
     prompt = ids(200, 5)
-    opts = dict(max_tokens=16, temperature=1.0, top_p=0.9, seed=77, ignore_eos=True)
+    opts = dict(max_tokens=16, temperature=1.0, top_p=0.9, seed=77, ignore_eos=True,
+                repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3)
     async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, prompt_cache_gb=0) as engine:
         cold, _, _ = await run(engine, prompt, **opts)
     async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8) as engine:
