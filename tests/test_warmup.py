@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from trio_mlx.actor import ActorConfig, SamplingParams, Submit, _actor, _batch, _prompt_cache, _sampling
+from trio_mlx.actor import (
+    ActorConfig,
+    SamplingParams,
+    Submit,
+    _actor,
+    _batch,
+    _prompt_cache,
+    _sampling,
+)
 from trio_mlx.actor._actor import Actor
 
 

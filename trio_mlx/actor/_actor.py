@@ -337,7 +337,7 @@ class Actor:
                 case Shutdown():
                     return None
         assert self._bg is not None
-        subs = self._reuse.split(admission.due(now, self._decoding, len(self._seqs) > self._decoding))
+        subs = admission.due(now, self._decoding, len(self._seqs) > self._decoding)
         aborted = bool(removes)
         if self._retired and (removes or subs or self._retire_due()):
             removes.extend(self._retired)
@@ -347,6 +347,7 @@ class Actor:
             remove_rows(self._bg, removes)
             if aborted:
                 self._hook("removed")
+        subs = self._reuse.split(subs)  # after the removals: they may have stored what subs share
         self._inserted = len(subs)
         if not subs:
             return []

@@ -124,6 +124,7 @@ def copy_rows(bg: Any, lengths: dict[int, int]) -> dict[int, tuple[list[Any], li
     if not lengths or not caches or any(type(c) is not BatchKVCache or c.keys is None for c in caches):
         return {}
     out: dict[int, tuple[list[Any], list[int]]] = {}
+    arrays: list[Any] = []
     with mx.stream(bg.stream):
         for i, uid in enumerate(batch.uids):
             n = lengths.get(uid)
@@ -141,6 +142,8 @@ def copy_rows(bg: Any, lengths: dict[int, int]) -> dict[int, tuple[list[Any], li
                 kv.values = mx.contiguous(c.values[i : i + 1, :, start : start + n])
                 kv.offset = n
                 layers.append(kv)
-            mx.async_eval([(kv.keys, kv.values) for kv in layers])
+            arrays += [(kv.keys, kv.values) for kv in layers]
             out[uid] = (layers, list(held[:n]))
+        if arrays:
+            mx.async_eval(arrays)  # now, so that the batch's buffers are not held past the next step
     return out

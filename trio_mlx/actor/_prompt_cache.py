@@ -44,6 +44,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from ._batch import copy_rows
+
 # A prompt at least this long is stored as soon as it is prefilled, so that
 # requests arriving while it decodes (users of one system prompt) share it;
 # shorter ones are stored when they finish. Arbitrary: below it a prefill is
@@ -414,8 +416,6 @@ class Reuse:
             for rid, _, _ in rows:
                 self._prefilling.pop(rid, None)
             return []
-        from ._batch import copy_rows
-
         self.cache.relieve()
         for layers, tokens in copy_rows(bg, marked).values():
             self.cache.store(tokens, layers)
@@ -437,8 +437,6 @@ class Reuse:
         lengths = {uid: n for uid in uids if (n := self._finishing.pop(uid, None)) is not None}
         if not lengths:
             return
-        from ._batch import copy_rows
-
         self.cache.relieve()
         for layers, tokens in copy_rows(bg, lengths).values():
             self.cache.store(tokens, layers)
