@@ -5,11 +5,12 @@
 #   benchmarks/probes/prompt_cache.sh OUTDIR
 #
 # chat:     `trio-mlx bench chat` at CONVERSATIONS (1,8,64) conversations at once, each TURNS (4)
-#           turns: a shared system prompt (SYSTEM_WORDS, ~4.7 tokens a word with the test
-#           tokenizer: ~1.8k tokens), a new user turn (USER_WORDS: ~1.3k tokens) and the whole
-#           history resent every turn, so the last turn holds ~7.5k tokens (the 1B shape allows
-#           8192); then one fresh request per conversation with only a new user turn. Greedy,
-#           MAX_TOKENS (48) per answer. Servers in this order: trio_mlx cache on, cache off,
+#           turns: a shared system prompt (SYSTEM_WORDS 380: ~1.8k tokens, ~4.7 a random word
+#           with the test tokenizer), a new user turn (USER_WORDS 250: ~1.2k tokens) and the
+#           whole history resent every turn; a random model's answer of MAX_TOKENS (32) comes
+#           back as ~320 tokens (each sampled id decodes to "<|x12345|>"), so the last turn holds
+#           ~7.5k tokens (the 1B shape allows 8192); then one fresh request per conversation with
+#           only a new user turn. Greedy. Servers in this order: trio_mlx cache on, cache off,
 #           mlx_lm.server (--decode-concurrency 64, --prompt-cache-size 256: room for every
 #           conversation, as trio_mlx's PROMPT_CACHE_GB has).
 # distinct: `trio-mlx bench` at DISTINCT_CONCURRENCY (64) with random prompts (PROMPT_TOKENS 128,
@@ -67,8 +68,8 @@ chat() {  # LABEL [ARGS...]
   local label=$1
   shift
   "$py" -m trio_mlx.cli bench chat --url "$url" --conversations "${CONVERSATIONS:-1,8,64}" \
-    --turns "${TURNS:-4}" --system-words "${SYSTEM_WORDS:-380}" --user-words "${USER_WORDS:-280}" \
-    --max-tokens "${MAX_TOKENS:-48}" --timeout 300 --warmup 2 --label "$label" \
+    --turns "${TURNS:-4}" --system-words "${SYSTEM_WORDS:-380}" --user-words "${USER_WORDS:-250}" \
+    --max-tokens "${MAX_TOKENS:-32}" --timeout 300 --warmup 2 --label "$label" \
     --out "$out/chat-$label.json" "$@" || echo "($label: exit $?)" >&2
 }
 
@@ -141,7 +142,7 @@ if runs:
         if last.get("cache-on"):
             for other in ("cache-off", "mlx_lm"):
                 if last.get(other):
-                    print(f"- last turn: cache on is {last[other] / last['cache-on']:.1f}x faster to the first token than {other}")
+                    print(f"- last turn's TTFT, {other} / cache on: {last[other] / last['cache-on']:.2f}x")
             print()
 tps = defaultdict(list)
 for path in sorted(glob.glob(os.path.join(out, "distinct-*.json"))):
