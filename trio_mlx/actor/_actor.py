@@ -155,7 +155,8 @@ class Actor:
         return config
 
     def _open_cache(self) -> None:
-        """The prompt cache (`_prompt_cache.py`), from the warm actor on: warm-up stores nothing."""
+        """A fresh, empty prompt cache (`_prompt_cache.py`): once warm, and for the
+        warm-up's rehearsal (which drops its own after)."""
         limit, pressure = budget(self.config.prompt_cache_gb)
         if limit and not plain_kv(self._model):
             limit = 0  # its cache cannot be cut back to a prefix: no reuse (`_batch.plain_kv`)
