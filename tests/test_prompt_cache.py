@@ -373,3 +373,20 @@ def test_lookups_and_stores_agree_with_a_brute_force_search():
     assert len(pc) > 5 and max(len(k) for k in pc.keys()) > 3 * _prompt_cache.BLOCK
     pc.clear()
     assert pc.nbytes == 0 and not pc._index and not pc._ends
+
+
+async def test_under_memory_pressure_the_cache_gives_way_and_requests_are_served(tiny_model_fp32, monkeypatch):
+    """A pressure mark of one byte: any memory in use is pressure, so before every group
+    prefills the cache lets everything go; requests are served as cold ones."""
+    from trio_mlx.actor import _actor
+
+    monkeypatch.setattr(_actor, "budget", lambda gb: (1 << 30, 1))
+    prompt = ids(300, 23)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4) as engine:
+        first, _, _ = await run(engine, prompt, max_tokens=6, **GREEDY)
+        assert engine.statistics().prompt_cache_entries == 1
+        second, _, fin = await run(engine, prompt, max_tokens=6, **GREEDY)
+        s = engine.statistics()
+    assert fin.usage.cached_tokens == 0 and fin.finish_reason == "length"
+    assert s.prompt_cache_evictions >= 1 and s.prompt_cache_hits == 0
+    assert first == second
