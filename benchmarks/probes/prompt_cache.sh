@@ -2,8 +2,9 @@
 # The prompt cache on multi-turn chats: trio_mlx with its cache on, with it off, and
 # mlx_lm.server, on the same conversations; then distinct prompts, cache on and off.
 #
-#   benchmarks/probes/prompt_cache.sh OUTDIR
+#   benchmarks/probes/prompt_cache.sh OUTDIR [chat|distinct|both]
 #
+# (chat and distinct can run as two calls into one OUTDIR: the summary reads every result there)
 # chat:     `trio-mlx bench chat` at CONVERSATIONS (1,8,64) conversations at once, each TURNS (4)
 #           turns: a shared system prompt (SYSTEM_WORDS 380: ~1.8k tokens, ~4.7 a random word
 #           with the test tokenizer), a new user turn (USER_WORDS 250: ~1.2k tokens) and the
@@ -24,7 +25,8 @@
 #        SYSTEM_WORDS=30 USER_WORDS=10 MAX_TOKENS=4 DISTINCT_CONCURRENCY=2 PROMPT_TOKENS=16
 #        MAX_TOKENS_DISTINCT=8 ROUNDS=1 PROMPT_CACHE_GB=0.1 benchmarks/probes/prompt_cache.sh /tmp/pc
 set -euo pipefail
-out="${1:?usage: prompt_cache.sh OUTDIR}"
+out="${1:?usage: prompt_cache.sh OUTDIR [chat|distinct|both]}"
+what="${2:-both}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -81,24 +83,31 @@ distinct() {  # LABEL ROUND
 }
 
 gb="${PROMPT_CACHE_GB:-30}"
+chats=false; distincts=false
+[ "$what" != distinct ] && chats=true
+[ "$what" != chat ] && distincts=true
 trio_serve cache-on "$gb"
-chat cache-on
-distinct cache-on 1
+if $chats; then chat cache-on; fi
+if $distincts; then distinct cache-on 1; fi
 stop
 trio_serve cache-off 0
-chat cache-off
-distinct cache-off 1
+if $chats; then chat cache-off; fi
+if $distincts; then distinct cache-off 1; fi
 stop
-# mlx_lm.server loads the model on its first request (the bench's warm-up pays it); the request's
-# "model" must name the directory it was started with
-start mlx_lm /health "$py" -m mlx_lm.server --model "$dir" --host 127.0.0.1 --port "$port" \
-  --decode-concurrency 64 --prompt-concurrency 8 --prompt-cache-size 256 --max-tokens 4096
-chat mlx_lm --served-model-name "$dir"
-stop
-for ((r = 2; r <= ${ROUNDS:-2}; r++)); do  # the other order, so drift weighs on both sides
-  trio_serve "cache-off-$r" 0 && distinct cache-off "$r" && stop
-  trio_serve "cache-on-$r" "$gb" && distinct cache-on "$r" && stop
-done
+if $chats; then
+  # mlx_lm.server loads the model on its first request (the bench's warm-up pays it); the
+  # request's "model" must name the directory it was started with
+  start mlx_lm /health "$py" -m mlx_lm.server --model "$dir" --host 127.0.0.1 --port "$port" \
+    --decode-concurrency 64 --prompt-concurrency 8 --prompt-cache-size 256 --max-tokens 4096
+  chat mlx_lm --served-model-name "$dir"
+  stop
+fi
+if $distincts; then
+  for ((r = 2; r <= ${ROUNDS:-2}; r++)); do  # the other order, so drift weighs on both sides
+    trio_serve "cache-off-$r" 0 && distinct cache-off "$r" && stop
+    trio_serve "cache-on-$r" "$gb" && distinct cache-on "$r" && stop
+  done
+fi
 
 "$py" - "$out" <<'EOF' >"$out/summary.md"
 import glob, json, os, sys
