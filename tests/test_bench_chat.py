@@ -59,3 +59,16 @@ async def test_a_follow_up_turn_reports_the_cached_history_and_the_cache_off_rep
         assert turn["cached_tokens"] >= prev["prompt_tokens"]
     assert results[None]["last_vs_fresh"] is not None and results[None]["errors"]["total"] == 0
     assert "last turn / fresh TTFT" in _chat.format_level(results[None])
+
+
+def test_the_plot_draws_every_run(tmp_path):
+    def run(label: str, ms: float) -> dict:
+        turns = [{"turn": t, "ttft_ms": {"p50": ms * (i + 1), "p90": None, "mean": None}}
+                 for i, t in enumerate([1, 2, "fresh"])]
+        return {"label": label, "levels": [{"conversations": n, "turns": turns} for n in (1, 8)]}
+
+    for i, res in enumerate([run("cache on", 10.0), run("cache off", 50.0)]):
+        (tmp_path / f"{i}.json").write_text(json.dumps(res))
+    out = tmp_path / "chat.png"
+    assert _chat.main(["plot", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "-o", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000

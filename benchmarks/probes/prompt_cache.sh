@@ -19,8 +19,9 @@
 #           move when the cache cannot hit.
 # Knobs: MODEL_SHAPE=llama-3.2-1b DTYPE=bfloat16 PROMPT_CACHE_GB=30 PORT=8831 PYTHON=python3,
 #        and each size above. Results: OUTDIR/chat-*.json, OUTDIR/distinct-*.json, the servers'
-#        logs, and OUTDIR/summary.md. About 7 minutes on an H100 (a first start compiles kernels
-#        into MLX_PTX_CACHE_DIR, OUTDIR/ptx-cache by default: add a minute or two).
+#        logs, OUTDIR/summary.md and OUTDIR/chat-ttft.png (median TTFT per turn, per level).
+#        About 7 minutes on an H100 (a first start compiles kernels into MLX_PTX_CACHE_DIR,
+#        OUTDIR/ptx-cache by default: add a minute or two).
 # On the CPU, to see it run: MODEL_SHAPE=tiny DTYPE=float32 CONVERSATIONS=1,2 TURNS=2
 #        SYSTEM_WORDS=30 USER_WORDS=10 MAX_TOKENS=4 DISTINCT_CONCURRENCY=2 PROMPT_TOKENS=16
 #        MAX_TOKENS_DISTINCT=8 ROUNDS=1 PROMPT_CACHE_GB=0.1 benchmarks/probes/prompt_cache.sh /tmp/pc
@@ -167,4 +168,10 @@ if tps:
         ratio = sum(on) / sum(off) if on and off and sum(off) else float("nan")
         print(f"| {c} | {' / '.join(f'{x:,.0f}' for x in on)} | {' / '.join(f'{x:,.0f}' for x in off)} | {ratio:.3f} |")
 EOF
+charts=()
+for side in cache-on cache-off mlx_lm; do [ -f "$out/chat-$side.json" ] && charts+=("$out/chat-$side.json"); done
+if [ ${#charts[@]} -gt 0 ]; then
+  "$py" -m trio_mlx.cli bench chat plot "${charts[@]}" -o "$out/chat-ttft.png" >/dev/null \
+    && printf '\n![TTFT per turn](chat-ttft.png)\n' >>"$out/summary.md" || echo "(no plot)" >&2
+fi
 cat "$out/summary.md"

@@ -19,7 +19,8 @@ model or compiles kernels on its first request pays that there). Texts are rando
 same seed sends the same conversations to every server; the assistant's
 answers are whatever the server streams, resent as they came (as clients do).
 Any OpenAI-compatible chat endpoint works: trio_mlx (cache on or off) and
-mlx_lm.server side by side.
+mlx_lm.server side by side. `trio-mlx bench chat plot A.json [B.json ...] -o
+out.png` draws the runs' median TTFT per turn, one panel per level.
 """
 
 from __future__ import annotations
@@ -229,6 +230,36 @@ def format_level(lv: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_plot(results: Sequence[dict[str, Any]], out: str | Path) -> Path:
+    """Median TTFT per turn of each run (`--out` JSONs), one panel per level of conversations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({lv["conversations"] for res in results for lv in res["levels"]})
+    fig, axes = plt.subplots(1, len(levels), figsize=(4.5 * len(levels), 4), squeeze=False)
+    for ax, n in zip(axes[0], levels, strict=True):
+        for res in results:
+            for lv in res["levels"]:
+                if lv["conversations"] != n:
+                    continue
+                turns = [t for t in lv["turns"] if t["ttft_ms"]["p50"] is not None]
+                ax.plot([str(t["turn"]) for t in turns], [t["ttft_ms"]["p50"] for t in turns], marker="o",
+                        label=res.get("label") or res.get("url"))
+        ax.set_title(f"{n} conversation{'s' if n > 1 else ''} at once")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("TTFT p50 (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _parser() -> argparse.ArgumentParser:
     def ints(s: str) -> list[int]:
         return [int(x) for x in s.split(",") if x]
@@ -255,6 +286,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     import trio
 
+    if argv and argv[0] == "plot":
+        p = argparse.ArgumentParser(prog="trio-mlx bench chat plot", description=write_plot.__doc__)
+        p.add_argument("results", nargs="+", help="result JSON files of `trio-mlx bench chat --out`")
+        p.add_argument("-o", "--out", required=True, help="PNG to write")
+        a = p.parse_args(argv[1:])
+        print(write_plot([json.loads(Path(r).read_text()) for r in a.results], a.out))
+        return 0
     args = _parser().parse_args(argv)
     if args.turns < 1 or not args.conversations or min(args.conversations) < 1 or args.warmup < 0:
         raise SystemExit("trio-mlx bench chat: --turns and every --conversations level must be >= 1, "
