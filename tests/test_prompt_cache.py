@@ -195,7 +195,9 @@ async def test_off_when_zero_and_through_the_process_actor(tiny_model_fp32):
             _, _, fin = await run(engine, prompt, max_tokens=3, **GREEDY)
             assert fin.usage.cached_tokens == 0
         assert engine.statistics().prompt_cache_lookups == 0
-    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4, actor="process") as engine:
+        assert engine.info is not None and engine.info.prompt_cache_bytes == 0
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4, actor="process", prompt_cache_gb=0.25) as engine:
+        assert engine.info is not None and engine.info.prompt_cache_bytes == 250_000_000
         await run(engine, prompt, max_tokens=3, **GREEDY)
         _, _, fin = await run(engine, prompt, max_tokens=3, **GREEDY)
         await until(lambda: engine.statistics().prompt_cache_hits == 1)

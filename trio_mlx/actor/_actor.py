@@ -136,6 +136,7 @@ class Actor:
                 device=str(mx.default_device()),
                 load_seconds=time.perf_counter() - t0,
                 pid=os.getpid(),
+                prompt_cache_bytes=self._reuse.cache.max_bytes,
             )
             self._link.ready(info)
             self._loop()

@@ -143,3 +143,6 @@ class ActorInfo:
     device: str
     load_seconds: float
     pid: int = 0  # the process the actor runs in: the server's, or its own (actor="process")
+    # The prompt cache's bound in bytes; 0: off (set so, or the model's cache is not a plain
+    # KV cache per layer and cannot be cut back to a prefix).
+    prompt_cache_bytes: int = 0

@@ -203,10 +203,12 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             raise
         app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls))
         info = engine.info
-        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s)",
+        cache = info.prompt_cache_bytes if info else 0
+        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s), %s",
                  settings.served_model_name, info.model_type if info else "?",
                  engine.context_length, settings.max_batch, info.device if info else "?",
-                 engine.actor_mode, info.pid if info else "?")
+                 engine.actor_mode, info.pid if info else "?",
+                 f"prompt cache up to {cache / 1e9:.2f} GB" if cache else "prompt cache off")
 
     @app.after_serving
     async def stop_engine() -> None:
