@@ -323,8 +323,15 @@ def test_the_default_bound_follows_the_device(monkeypatch):
     limit, pressure = _prompt_cache.budget(None)  # the CPU here: small, and no pressure mark
     assert 0 < limit <= _prompt_cache.CPU_BYTES and pressure is None
     assert _prompt_cache.budget(0) == (0, None) and _prompt_cache.budget(2.5)[0] == 2_500_000_000
-    monkeypatch.setattr(_prompt_cache, "_device_bytes", lambda: (80 << 30, True))
+    mx = _prompt_cache.mx
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 80 << 30})  # CUDA's key
     assert _prompt_cache.budget(None) == (int((80 << 30) * 0.2), int((80 << 30) * 0.9))
+    # Apple silicon: memory shared with the system; pressure counts from Metal's working set
+    monkeypatch.setattr(mx, "device_info", lambda: {"memory_size": 64 << 30,
+                                                    "max_recommended_working_set_size": 48 << 30})
+    assert _prompt_cache.budget(None) == (int((64 << 30) * 0.2), int((48 << 30) * 0.9))
+    assert _prompt_cache.budget(0.5) == (500_000_000, int((48 << 30) * 0.9))
 
 
 async def test_a_request_arriving_while_a_shared_prompt_prefills_finds_it(tiny_model_fp32):

@@ -61,8 +61,9 @@ SHARE_FLOOR = 32
 # at most (a sixteenth of RAM if less).
 GPU_SHARE = 0.2
 CPU_BYTES = 1 << 30
-# Under pressure: when MLX's active memory passes this share of the device's,
-# entries are evicted (oldest first) until it is back under or the cache is empty.
+# Under pressure: when MLX's active memory passes this share of the device's (of
+# Metal's recommended working set on Apple silicon), entries are evicted (oldest
+# first) until it is back under or the cache is empty.
 PRESSURE_SHARE = 0.9
 # Entries are indexed by the chained hashes of their full blocks of this many tokens.
 BLOCK = 64
@@ -70,8 +71,9 @@ BLOCK = 64
 _CANDIDATES = 256
 
 
-def _device_bytes() -> tuple[int, bool]:
-    """(the device's memory in bytes, whether it is a GPU); RAM on the CPU."""
+def _device_bytes() -> tuple[int, int, bool]:
+    """(the device's memory in bytes, what MLX may use of it, whether it is a GPU): on
+    Apple silicon the second is Metal's recommended working set; RAM on the CPU."""
     gpu = mx.default_device().type == mx.DeviceType.gpu
     if gpu:
         try:
@@ -80,22 +82,25 @@ def _device_bytes() -> tuple[int, bool]:
             info = {}
         for key in ("memory_size", "total_memory"):
             if isinstance(info.get(key), int) and info[key] > 0:
-                return int(info[key]), True
+                working = info.get("max_recommended_working_set_size")
+                usable = working if isinstance(working, int) and 0 < working < info[key] else info[key]
+                return int(info[key]), int(usable), True
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), gpu
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 8 << 30, gpu
+        ram = 8 << 30
+    return ram, ram, gpu
 
 
 def budget(gb: float | None) -> tuple[int, int | None]:
     """(the cache's byte bound, the active-memory mark past which it gives way) for a
     setting of `gb` gigabytes (None: from the device's memory)."""
-    memory, gpu = _device_bytes()
+    memory, usable, gpu = _device_bytes()
     if gb is None:
         limit = int(memory * GPU_SHARE) if gpu else min(CPU_BYTES, memory // 16)
     else:
         limit = int(gb * 1e9)
-    return max(0, limit), int(memory * PRESSURE_SHARE) if gpu else None
+    return max(0, limit), int(usable * PRESSURE_SHARE) if gpu else None
 
 
 @dataclass(slots=True)
