@@ -253,31 +253,34 @@ def test_lookups_take_the_longest_shared_prefix_and_never_the_last_token():
     from trio_mlx.actor._prompt_cache import PromptCache
 
     pc = PromptCache(1 << 20)
-    a = list(range(10, 30))
+    a = list(range(10, 110))  # 100 tokens: one whole 64-token block and a part
     assert pc.store(a, layers(a))
     assert pc.fetch([1, 2, 3]) == (None, 0)
     caches, n = pc.fetch(a)  # all of it: but the last token must be prefilled for logits
     assert n == len(a) - 1 and caches is not None and caches[0].offset == n
-    assert pc.fetch(a[:12] + [99])[1] == 12  # part of a longer entry
+    assert pc.fetch(a[:70] + [999])[1] == 70  # part of a longer entry
+    assert pc.fetch(a[:40] + [999] * 60)[1] == 0  # less than a whole block: a miss
     assert pc.fetch(a + [7, 8])[1] == len(a)  # an entry that is a prefix of the prompt
     view = pc.fetch(a + [7])[0]
     (entry,) = pc._lru.values()
     assert view is not None and view[1].keys is entry.layers[1].keys  # shared, not copied
-    assert pc.stats()[:3] == (5, 4, (len(a) - 1) + 12 + len(a) + len(a))
+    assert pc.stats()[:3] == (6, 4, (len(a) - 1) + 70 + len(a) + len(a))
+    short = list(range(200, 250))
+    assert not pc.store(short, layers(short))  # shorter than a block: never stored
 
 
 def test_an_entry_that_extends_another_replaces_it_and_a_held_prefix_is_not_stored_twice():
     from trio_mlx.actor._prompt_cache import PromptCache
 
     pc = PromptCache(1 << 20)
-    a = list(range(10, 30))
+    a = list(range(10, 110))
     pc.store(a, layers(a))
     longer = a + [5, 6, 7]
     assert pc.store(longer, layers(longer))
     assert len(pc) == 1 and pc.nbytes == sum(kv.keys.nbytes * 2 for kv in layers(longer))
-    assert not pc.store(a[:15], layers(a[:15]))  # the longer entry serves it already
-    assert len(pc) == 1 and pc.fetch(a[:15] + [1])[1] == 15
-    other = a[:5] + [300, 301, 302]
+    assert not pc.store(a[:80], layers(a[:80]))  # the longer entry serves it already
+    assert len(pc) == 1 and pc.fetch(a[:80] + [1])[1] == 80
+    other = a[:70] + [300, 301, 302]
     assert pc.store(other, layers(other))  # a branch: both kept
     assert len(pc) == 2
 
@@ -285,16 +288,16 @@ def test_an_entry_that_extends_another_replaces_it_and_a_held_prefix_is_not_stor
 def test_the_byte_bound_evicts_least_recently_used_entries():
     from trio_mlx.actor._prompt_cache import PromptCache
 
-    one = sum(kv.keys.nbytes * 2 for kv in layers(list(range(10))))
+    one = sum(kv.keys.nbytes * 2 for kv in layers(list(range(64))))
     pc = PromptCache(2 * one)
-    entries = [[100 * k + i for i in range(10)] for k in range(1, 4)]
+    entries = [[1000 * k + i for i in range(64)] for k in range(1, 4)]
     pc.store(entries[0], layers(entries[0]))
     pc.store(entries[1], layers(entries[1]))
     pc.fetch(entries[0])  # used: the second is now the oldest
     pc.store(entries[2], layers(entries[2]))
     assert len(pc) == 2 and pc.evictions == 1 and pc.nbytes == 2 * one
-    assert pc.fetch(entries[1])[1] == 0 and pc.fetch(entries[0])[1] == 9
-    big = list(range(500, 530))
+    assert pc.fetch(entries[1])[1] == 0 and pc.fetch(entries[0])[1] == 63
+    big = list(range(5000, 5000 + 3 * 64))
     assert not pc.store(big, layers(big))  # larger than the whole bound: never kept
     assert PromptCache(0).store(big, layers(big)) is False and not PromptCache(0).enabled
 
@@ -304,10 +307,10 @@ def test_memory_pressure_makes_the_cache_give_way(monkeypatch):
 
     from trio_mlx.actor._prompt_cache import PromptCache
 
-    one = sum(kv.keys.nbytes * 2 for kv in layers(list(range(10))))
+    one = sum(kv.keys.nbytes * 2 for kv in layers(list(range(64))))
     pc = PromptCache(10 * one, pressure_bytes=1000 * one)
     for k in range(4):
-        pc.store([50 * k + i for i in range(1, 11)], layers([50 * k + i for i in range(1, 11)]))
+        pc.store([1000 * k + i for i in range(64)], layers([1000 * k + i for i in range(64)]))
     monkeypatch.setattr(mx, "get_active_memory", lambda: 999 * one)
     assert pc.relieve() == 0 and len(pc) == 4
     monkeypatch.setattr(mx, "get_active_memory", lambda: 1002 * one)
@@ -365,7 +368,7 @@ def test_lookups_and_stores_agree_with_a_brute_force_search():
         base = rng.choice(roots + [list(k) for k in pc.keys()])
         cut = rng.randrange(0, len(base) + 1)
         seq = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(0, 150))]
-        if rng.random() < 0.5 and len(seq) >= 2:
+        if rng.random() < 0.5:
             pc.store(seq, layers(seq, n_layers=1))
         query = tuple(seq + [rng.randrange(50) for _ in range(rng.randrange(0, 3))])
         if len(query) < 2:
@@ -375,9 +378,11 @@ def test_lookups_and_stores_agree_with_a_brute_force_search():
             return _prompt_cache._common(q, key, len(q))
 
         want = max((shared(k) for k in pc.keys()), default=0)
+        want = want if want >= _prompt_cache.BLOCK else 0  # whole blocks or nothing
         assert pc.longest(query)[1] == min(want, len(query) - 1)
         keys = pc.keys()
         assert not any(a != b and b[: len(a)] == a for a in keys for b in keys)  # no entry extends another
+        assert all(len(k) >= _prompt_cache.BLOCK for k in keys)
         assert pc.nbytes == sum(e.nbytes for e in pc._lru.values())
     assert len(pc) > 5 and max(len(k) for k in pc.keys()) > 3 * _prompt_cache.BLOCK
     pc.clear()

@@ -56,7 +56,7 @@ LONG_PROMPT = 256
 # half its prompt if shorter, and never fewer than SHARE_FLOOR: then the shared part
 # is computed once. Below the floor a prefill costs less than the wait.
 SHARE_MIN = 256
-SHARE_FLOOR = 32
+SHARE_FLOOR = 64  # one BLOCK: a lookup finds whole blocks or nothing
 # Without a setting: this share of the GPU's memory, and on the CPU this many bytes
 # at most (a sixteenth of RAM if less).
 GPU_SHARE = 0.2
@@ -66,6 +66,9 @@ CPU_BYTES = 1 << 30
 # first) until it is back under or the cache is empty.
 PRESSURE_SHARE = 0.9
 # Entries are indexed by the chained hashes of their full blocks of this many tokens.
+# A prompt shares at least one whole block with an entry or misses, and nothing
+# shorter than a block is stored: so many short entries (cheap to prefill anyway)
+# cannot make every lookup and store scan them all.
 BLOCK = 64
 # At most this many entries sharing a prompt's deepest indexed block are compared with it.
 _CANDIDATES = 256
@@ -151,7 +154,7 @@ class PromptCache:
         self._lru: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         self._ids = itertools.count()
         self._index: dict[int, dict[int, None]] = {}  # block hash -> ids of entries holding the block
-        self._ends: dict[int, dict[int, None]] = {}  # hash of an entry's last full block (0: none) -> ids
+        self._ends: dict[int, dict[int, None]] = {}  # hash of an entry's last full block -> ids
         self.nbytes = 0
         self.lookups = 0
         self.hits = 0
@@ -178,10 +181,11 @@ class PromptCache:
     def _match(self, tokens: tuple[int, ...]) -> tuple[_Entry | None, int]:
         """The entry sharing the longest prefix with `tokens`, and its length: the prompt's
         blocks are walked while some entry holds them, then the entries holding the last
-        one (the newest `_CANDIDATES`) are compared token by token within the next block."""
+        one (the newest `_CANDIDATES`) are compared token by token within the next block.
+        (None, 0) when no entry holds the prompt's first block."""
         if not self._lru:
             return None, 0
-        pool: Any = self._lru
+        pool: Any = None
         base, h = 0, 0
         for i in range(len(tokens) // BLOCK):
             h = hash((h, tokens[i * BLOCK : (i + 1) * BLOCK]))
@@ -189,8 +193,10 @@ class PromptCache:
             if not ids:
                 break
             pool, base = ids, (i + 1) * BLOCK
+        if pool is None:
+            return None, 0
         best: tuple[_Entry | None, int] = (None, 0)
-        for eid in list(pool)[-_CANDIDATES:]:
+        for eid in itertools.islice(reversed(pool), _CANDIDATES):  # the newest
             entry = self._lru[eid]
             n = _common(tokens, entry.key, len(tokens), base)
             if n > best[1]:
@@ -237,7 +243,7 @@ class PromptCache:
         """Keep `layers` (one single-row `KVCache` per layer holding exactly `tokens`) as
         an entry; returns whether it was kept. An entry that a longer one already holds is
         not; entries it extends are dropped (a prefix of an entry is served from it)."""
-        if not self.enabled or len(tokens) < 2:
+        if not self.enabled or len(tokens) < BLOCK:
             return False
         key = tuple(tokens)
         nbytes = sum(kv.keys.nbytes + kv.values.nbytes for kv in layers)
@@ -254,7 +260,7 @@ class PromptCache:
         self._lru[entry.eid] = entry
         for h in blocks:
             self._index.setdefault(h, {})[entry.eid] = None
-        self._ends.setdefault(blocks[-1] if blocks else 0, {})[entry.eid] = None
+        self._ends.setdefault(blocks[-1], {})[entry.eid] = None
         self.nbytes += nbytes
         self.shrink(self.max_bytes)
         return True
@@ -263,7 +269,7 @@ class PromptCache:
         """Entries that are proper prefixes of `key`: each shares all its full blocks with
         it, so it ends where `key`'s blocks pass."""
         out = []
-        for h in [0, *blocks]:
+        for h in blocks:
             for eid in self._ends.get(h, ()):
                 other = self._lru[eid].key
                 if len(other) < len(key) and key[: len(other)] == other:
@@ -272,7 +278,7 @@ class PromptCache:
 
     def _drop(self, eid: int) -> int:
         entry = self._lru.pop(eid)
-        for table, hashes in ((self._index, entry.blocks), (self._ends, entry.blocks[-1:] or [0])):
+        for table, hashes in ((self._index, entry.blocks), (self._ends, entry.blocks[-1:])):
             for h in hashes:
                 ids = table[h]
                 del ids[eid]
