@@ -375,7 +375,7 @@ def test_lookups_and_stores_agree_with_a_brute_force_search():
             continue
 
         def shared(key: tuple[int, ...], q: tuple[int, ...] = query) -> int:
-            return _prompt_cache._common(q, key, len(q))
+            return _prompt_cache.common_prefix(q, key, len(q))
 
         want = max((shared(k) for k in pc.keys()), default=0)
         want = want if want >= _prompt_cache.BLOCK else 0  # whole blocks or nothing

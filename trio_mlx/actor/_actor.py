@@ -32,7 +32,7 @@ from .. import models
 from ._admission import Admission
 from ._batch import batch_rows, plain_kv, remove_rows, take_prompt_tokens
 from ._link import ActorLink
-from ._prompt_cache import PromptCache, Reuse, budget
+from ._prompt_cache import PromptCache, budget
 from ._protocol import (
     Abort,
     ActorConfig,
@@ -45,6 +45,7 @@ from ._protocol import (
     Submit,
     TokenOut,
 )
+from ._reuse import Reuse
 from ._sampling import SamplerCache, make_processors
 from ._trace import StepTrace
 from ._warmup import WARMUP_PROMPT, warm_up
