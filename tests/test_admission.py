@@ -180,8 +180,10 @@ async def test_a_group_enters_only_after_the_last_one_prefilled(tiny_model_fp32,
     """Arrivals one step apart never prefill in consecutive steps: the generator
     would otherwise top up its prompt batch every step (groups of 7 and 1...)."""
     opts = dict(temperature=0, ignore_eos=True)
+    # No prompt cache: the arrivals share their first tokens, and a hit's prefill of one
+    # token runs with its first decode step, so its group's prefill would not show in the trace.
     async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, max_batch=16, prefill_batch=4,
-                              admit_window=0.0) as (engine, trace):
+                              admit_window=0.0, prompt_cache_gb=0) as (engine, trace):
         async with engine.generate("a long one", max_tokens=600, **opts) as first:
             await _first_token(first)
             async with trio.open_nursery() as nursery:

@@ -39,3 +39,36 @@ async def test_each_turn_resends_the_growing_conversation(tiny_model_fp32, tmp_p
     out = tmp_path / "chat.json"
     out.write_text(json.dumps({"levels": levels}))
     assert "| fresh |" in _chat.format_level(levels[0])
+
+
+async def test_a_follow_up_turn_reports_the_cached_history_and_the_cache_off_reports_none(tiny_model_fp32):
+    args = _chat._parser().parse_args(
+        ["--url", "http://unused", "--conversations", "2", "--turns", "3", "--system-words", "40",
+         "--user-words", "8", "--max-tokens", "4", "--timeout", "60", "--warmup", "1", "--quiet"])
+    results = {}
+    for gb in (None, 0.0):
+        async with serve(tiny_model_fp32, max_batch=8, prompt_cache_gb=gb) as server:
+            args.url = server.url
+            _, (lv,) = await _chat.run_levels(args)
+            results[gb] = lv
+            assert server.engine.statistics().requests_submitted == 2 * 4 + 1  # the warm-up too
+    on, off = results[None]["turns"], results[0.0]["turns"]
+    assert all(t["cached_tokens"] == 0 for t in off)
+    # every follow-up turn finds at least the last turn's prompt (its system prompt and history)
+    for prev, turn in zip(on[:2], on[1:3], strict=True):
+        assert turn["cached_tokens"] >= prev["prompt_tokens"]
+    assert results[None]["last_vs_fresh"] is not None and results[None]["errors"]["total"] == 0
+    assert "last turn / fresh TTFT" in _chat.format_level(results[None])
+
+
+def test_the_plot_draws_every_run(tmp_path):
+    def run(label: str, ms: float) -> dict:
+        turns = [{"turn": t, "ttft_ms": {"p50": ms * (i + 1), "p90": None, "mean": None}}
+                 for i, t in enumerate([1, 2, "fresh"])]
+        return {"label": label, "levels": [{"conversations": n, "turns": turns} for n in (1, 8)]}
+
+    for i, res in enumerate([run("cache on", 10.0), run("cache off", 50.0)]):
+        (tmp_path / f"{i}.json").write_text(json.dumps(res))
+    out = tmp_path / "chat.png"
+    assert _chat.main(["plot", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "-o", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000

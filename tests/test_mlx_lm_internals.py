@@ -104,3 +104,88 @@ def test_batch_rows_is_the_decoding_batch_size(tiny_model_fp32):
     bg.remove(uids[:1])
     assert _batch.batch_rows(bg) == 2
     bg.close()
+
+
+def test_copy_rows_copies_what_the_stock_extract_does_without_reading_the_padding(tiny_model_fp32):
+    """`actor._batch.copy_rows` relies on `BatchKVCache` keeping rows right-aligned at `_idx`
+    and on `GenerationBatch.tokens[i]` listing the ids whose KV row i holds: each copy must
+    equal mlx_lm's `BatchKVCache.extract` (which reads the padding), cut to the asked length,
+    after inserts of unequal prompts, removals that trim the padding, and decode steps."""
+    import random
+
+    import mlx.core as mx
+
+    model, config = _models.load_model(tiny_model_fp32)
+    vocab = int(config["vocab_size"])
+    rng = random.Random(3)
+    bg = BatchGenerator(model, max_tokens=10**6, completion_batch_size=16, prefill_batch_size=4)
+    live: list[int] = []
+    checked = 0
+    for round_ in range(3):
+        live += bg.insert([[rng.randrange(3, vocab) for _ in range(rng.randrange(2, 30))] for _ in range(4)])
+        for _ in range(3 + round_):
+            bg.next()
+        batch = bg._generation_batch
+        wanted = {uid: len(batch.tokens[i]) - (i % 3) for i, uid in enumerate(batch.uids)}
+        copies = _batch.copy_rows(bg, wanted)
+        assert set(copies) == set(batch.uids)
+        for i, uid in enumerate(batch.uids):
+            layers, tokens = copies[uid]
+            n = wanted[uid]
+            assert tokens == batch.tokens[i][:n]
+            for kv, stock in zip(layers, [c.extract(i) for c in batch.prompt_cache], strict=True):
+                assert kv.offset == n and kv.keys.shape[2] == n
+                assert mx.array_equal(kv.keys, stock.keys[..., :n, :]).item()
+                assert mx.array_equal(kv.values, stock.values[..., :n, :]).item()
+                checked += 1
+        _batch.remove_rows(bg, live[:2])  # the oldest: trims the shared padding
+        live = live[2:]
+    assert checked >= 2 * 8
+    bg.close()
+
+
+def test_inserting_copied_kv_with_its_tokens_continues_as_a_cold_prompt(tiny_model_fp32):
+    """`BatchGenerator.insert(caches=..., all_tokens=...)`: a row entered with a prefix's KV
+    (a `KVCache` that shares the copy's arrays, cut short by its `offset`) and only the rest of
+    its prompt generates a cold row's greedy tokens; the caches given are only read (the
+    prompt cache hands out its entries' arrays), and `tokens` holds the whole prompt."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    model, _ = _models.load_model(tiny_model_fp32)
+    prompt = [5 + (7 * i) % 300 for i in range(60)]
+
+    def greedy(bg, uid, n):
+        out = []
+        while len(out) < n:
+            for r in bg.next()[1]:
+                if r.uid == uid:
+                    out.append(r.token)
+        return out
+
+    cold = BatchGenerator(model, max_tokens=10**6, completion_batch_size=4, prefill_batch_size=4)
+    (uid,) = cold.insert([prompt + [9, 10, 11]])
+    expected = greedy(cold, uid, 8)
+    cold.close()
+
+    bg = BatchGenerator(model, max_tokens=10**6, completion_batch_size=4, prefill_batch_size=4)
+    (first,) = bg.insert([prompt + [44, 45]])
+    greedy(bg, first, 2)
+    (layers, tokens), = _batch.copy_rows(bg, {first: len(prompt)}).values()
+    mx.eval([(kv.keys, kv.values) for kv in layers])
+    before = [(mx.array(kv.keys), mx.array(kv.values)) for kv in layers]
+    views = []
+    for kv in layers:
+        v = KVCache()
+        v.keys, v.values, v.offset = kv.keys, kv.values, len(prompt) - 5
+        views.append(v)
+    rest = (prompt + [9, 10, 11])[len(prompt) - 5 :]
+    (uid,) = bg.insert([rest], caches=[views], all_tokens=[prompt[: len(prompt) - 5]])
+    assert greedy(bg, uid, 8) == expected
+    idx = bg._generation_batch.uids.index(uid)
+    assert bg._generation_batch.tokens[idx][: len(prompt) + 3] == prompt + [9, 10, 11]
+    for kv, (k, v) in zip(layers, before, strict=True):  # the given arrays were not written
+        assert mx.array_equal(kv.keys, k).item() and mx.array_equal(kv.values, v).item()
+    assert _batch.plain_kv(model)
+    bg.close()
+

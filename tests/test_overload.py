@@ -57,7 +57,11 @@ async def test_a_burst_is_shed_at_once_and_the_server_recovers(tiny_model_fp32):
             # the shed requests never reached the actor: engine-side and actor-side counts
             assert s2.requests_submitted - s1.requests_submitted == len(ok)
             assert s2.requests_rejected - s1.requests_rejected == len(shed)
-            assert s2.prompt_tokens - s1.prompt_tokens == len(ok) * prefill_per_request
+            # (a prompt is prefilled or, the same prompt again, served from the prompt cache)
+            prefilled = s2.prompt_tokens - s1.prompt_tokens
+            cached = s2.prompt_cache_hit_tokens - s1.prompt_cache_hit_tokens
+            assert prefilled + cached == len(ok) * prefill_per_request
+            assert s2.prompt_cache_lookups - s1.prompt_cache_lookups == len(ok)
             assert s2.generated_tokens - s1.generated_tokens == len(ok) * TOKENS
             assert s2.queued == s2.active == 0
             # and /metrics says the same

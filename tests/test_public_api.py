@@ -48,6 +48,21 @@ def test_tool_call_delta_is_the_shape_openai_streams():
     assert trio_mlx.ToolCalls in typing.get_args(trio_mlx.engine.Event)  # whole calls stay
 
 
+def test_the_event_records_fields():
+    """The fields of the public records are API too: a change here is a deliberate one."""
+    import dataclasses
+
+    def names(cls: type) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    assert names(trio_mlx.Usage) == ["prompt_tokens", "completion_tokens", "cached_tokens"]
+    assert trio_mlx.Usage(3, 2).cached_tokens == 0 and trio_mlx.Usage(3, 2).total_tokens == 5
+    assert names(trio_mlx.Finished) == ["finish_reason", "usage", "error", "stop"]
+    assert names(trio_mlx.EngineStatistics)[-6:] == [
+        "prompt_cache_lookups", "prompt_cache_hits", "prompt_cache_hit_tokens",
+        "prompt_cache_evictions", "prompt_cache_bytes", "prompt_cache_entries"]
+
+
 def test_errors_share_one_base():
     for name in EXPECTED:
         obj = getattr(trio_mlx, name)

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from trio_mlx.actor import ActorConfig, SamplingParams, Submit, _actor, _batch, _sampling
+from trio_mlx.actor import (
+    ActorConfig,
+    SamplingParams,
+    Submit,
+    _actor,
+    _batch,
+    _prompt_cache,
+    _sampling,
+)
 from trio_mlx.actor._actor import Actor
 
 
@@ -43,7 +51,8 @@ def _greedy(actor: Actor, prompt: tuple[int, ...], n: int) -> list[int]:
 def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Records every removal (rows kept, whether the padding was trimmed), sampler,
     processor list and logprobs call the actor makes."""
-    seen: dict[str, list[Any]] = {"removals": [], "samplers": [], "processors": [], "logprobs": [], "masks": []}
+    seen: dict[str, list[Any]] = {"removals": [], "samplers": [], "processors": [], "logprobs": [], "masks": [],
+                                  "stores": [], "hits": []}
     remove, sampler, processors = _batch.remove_rows, _sampling.make_sampler, _actor.make_processors
     add_logprobs = Actor._add_logprobs
 
@@ -75,6 +84,20 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
             return out
 
     monkeypatch.setattr(_actor, "GrammarProcessor", SpyGrammar)
+
+    store, fetch = _prompt_cache.PromptCache.store, _prompt_cache.PromptCache.fetch
+
+    def spy_store(self: Any, tokens: Any, layers: Any) -> bool:
+        seen["stores"].append(store(self, tokens, layers))
+        return seen["stores"][-1]
+
+    def spy_fetch(self: Any, prompt: Any) -> Any:
+        got = fetch(self, prompt)
+        seen["hits"].append(got[1])
+        return got
+
+    monkeypatch.setattr(_prompt_cache.PromptCache, "store", spy_store)
+    monkeypatch.setattr(_prompt_cache.PromptCache, "fetch", spy_fetch)
     monkeypatch.setattr(_actor, "remove_rows", spy_remove)
     monkeypatch.setattr(_sampling, "make_sampler", spy_sampler)
     monkeypatch.setattr(_actor, "make_processors", spy_processors)
@@ -98,6 +121,9 @@ def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort
     assert visits["logprobs"]
     # a grammar-masked row, masking the model's logits without error
     assert len(visits["masks"]) >= 2 and all(error is None for _, error in visits["masks"])
+    # the prompt cache's paths: a finished row copied out and stored, a row entering with it
+    assert True in visits["stores"] and max(visits["hits"]) > 0
+    assert not actor._reuse.cache.enabled  # and nothing of it stays
 
 
 @pytest.mark.parametrize("retire_steps", ["16", "0"])  # rows retired by the actor, or ended by the generator

@@ -31,9 +31,10 @@ from mlx_lm.generate import BatchGenerator
 
 from .. import models
 from ._admission import Admission
-from ._batch import batch_rows, remove_rows, take_prompt_tokens
+from ._batch import batch_rows, plain_kv, remove_rows, take_prompt_tokens
 from ._constrain import GrammarProcessor, json_string_grammar, model_vocab
 from ._link import ActorLink
+from ._prompt_cache import PromptCache, budget
 from ._protocol import (
     Abort,
     ActorConfig,
@@ -47,6 +48,7 @@ from ._protocol import (
     Submit,
     TokenOut,
 )
+from ._reuse import Reuse
 from ._sampling import SamplerCache, make_processors
 from ._trace import StepTrace
 from ._warmup import WARMUP_PROMPT, warm_up
@@ -121,6 +123,8 @@ class Actor:
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
         self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
+        self._reuse = Reuse(PromptCache(0))  # the prompt cache, off until warm (`_open_cache`)
+        self._cached: list[tuple[int, int]] = []  # (rid, prompt tokens from the cache) this step
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -140,6 +144,7 @@ class Actor:
                          else "one short prompt")
                 self._warmup()
                 log.info("warm-up done in %.2f s", time.perf_counter() - t1)
+            self._open_cache()
             info = ActorInfo(
                 model_type=str(config.get("model_type", "unknown")),
                 context_length=self._context,
@@ -148,6 +153,7 @@ class Actor:
                 device=str(mx.default_device()),
                 load_seconds=time.perf_counter() - t0,
                 pid=os.getpid(),
+                prompt_cache_bytes=self._reuse.cache.max_bytes,
             )
             self._link.ready(info)
             self._loop()
@@ -169,6 +175,14 @@ class Actor:
     def _load_weights(self) -> tuple[Any, dict[str, Any]]:
         """(model, config); a distributed rank loads its shard instead (`_distributed.py`)."""
         return models.load_model(self.config.model_path)
+
+    def _open_cache(self) -> None:
+        """A fresh, empty prompt cache (`_prompt_cache.py`): once warm, and for the
+        warm-up's rehearsal (which drops its own after)."""
+        limit, pressure = budget(self.config.prompt_cache_gb)
+        if limit and not plain_kv(self._model):
+            limit = 0  # its cache cannot be cut back to a prefix: no reuse (`_batch.plain_kv`)
+        self._reuse = Reuse(PromptCache(limit, pressure))
 
     def _hook(self, stage: str) -> None:
         if self.config.fault_hook is not None:
@@ -213,7 +227,10 @@ class Actor:
         tokenizer's grammar vocabulary built now rather than at the first
         constrained request) join it, padded; A finishes and retires; D enters, so
         A's row leaves with B and C kept, trimming the padding they share; C
-        is aborted; the rest finish and the batch runs dry.
+        is aborted; the rest finish and the batch runs dry. The prompt cache is
+        open meanwhile (and emptied after): A's prompt and answer are copied out
+        as its row leaves, and D, with A's prompt, enters with that KV. C's prompt
+        differs from B's, so that it does not wait for B's prefill.
         """
         admission = self._admission
         self._admission = Admission(0.0, self.config.prefill_batch)  # no waiting for company
@@ -225,12 +242,14 @@ class Actor:
         script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]] = [
             ([Submit(a, prompt, 8, SamplingParams(temperature=0.0), frozenset())], lambda n: n[a] >= 3),
             ([Submit(b, prompt, 12, every, frozenset()),
-              Submit(c, prompt, 12, SamplingParams(temperature=0.7, seed=0), frozenset(), self._warm_grammar())],
+              Submit(c, (token + 1,) + prompt[1:], 12, SamplingParams(temperature=0.7, seed=0), frozenset(),
+                     self._warm_grammar())],
              lambda n: n[a] >= 8),
             ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
             ([Abort(c)], lambda n: not self._seqs),
         ]
         counts: collections.Counter[int] = collections.Counter()
+        self._open_cache()
         try:
             for commands, done in script:
                 failed = self._apply(commands)
@@ -246,6 +265,7 @@ class Actor:
                     raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
         finally:
             self._admission = admission
+            self._reuse = Reuse(PromptCache(0))
 
     def _warm_grammar(self) -> Grammar | None:
         """The rehearsal's grammar, if this model's tokenizer takes constrained decoding."""
@@ -262,6 +282,7 @@ class Actor:
         self._admission.pending.clear()
         self._samplers.clear()
         self._retired.clear()
+        self._reuse.reset(failed=True)
         try:
             if self._bg is not None:
                 self._bg.close()
@@ -336,11 +357,16 @@ class Actor:
             match cmd:
                 case Submit():
                     admission.add(cmd, now)
+                    self._reuse.arrived(cmd)
                 case Abort(rid=rid):
-                    if not admission.drop(rid) and (seq := self._seqs.pop(rid, None)):
+                    if admission.drop(rid) or self._reuse.drop(rid):
+                        continue
+                    if seq := self._seqs.pop(rid, None):
                         del self._by_uid[seq.uid]
                         if seq.stage == "decode":
                             self._decoding -= 1
+                        else:
+                            admission.readmit(self._reuse.left(rid), now)  # waited for its prefill
                         removes.append(seq.uid)
                 case Shutdown():
                     return None
@@ -351,17 +377,24 @@ class Actor:
             removes.extend(self._retired)
             self._retired.clear()
         if removes:
+            self._reuse.leaving(self._bg, removes)  # finished rows' KV, before it goes
             remove_rows(self._bg, removes)
             if aborted:
                 self._hook("removed")
+        subs = self._reuse.split(subs)  # after the removals: they may have stored what subs share
         subs, grammars, failed = self._grammars(subs)
+        for rid, _ in failed:  # what waited for a row that never entered goes back to admission
+            admission.readmit(self._reuse.left(rid), now)
         self._inserted = len(subs)
         if not subs:
             return failed
+        caches, cached_ids, cached = self._reuse.lookup(subs)
         try:
             uids = self._bg.insert(
-                [list(s.prompt) for s in subs],
+                [list(s.prompt[n:]) for s, n in zip(subs, cached, strict=True)],
                 max_tokens=[s.max_tokens + self._slack(s) for s in subs],
+                caches=caches,
+                all_tokens=cached_ids,
                 samplers=[self._samplers.get(s.sampling) for s in subs],
                 logits_processors=[
                     make_processors(s.sampling, len(s.prompt), self._context) + ([g] if g else [])
@@ -369,11 +402,15 @@ class Actor:
                 ],
             )
         except Exception as exc:  # bad input that slipped past validation
+            for s in subs:
+                admission.readmit(self._reuse.left(s.rid), now)
             return failed + [(s.rid, f"insert failed: {exc}") for s in subs]
-        for s, uid, g in zip(subs, uids, grammars, strict=True):
+        for s, uid, n, g in zip(subs, uids, cached, grammars, strict=True):
             seq = _Seq(s.rid, uid, len(s.prompt), s.sampling, s.max_tokens, s.stop_token_ids, grammar=g)
             self._seqs[s.rid] = seq
             self._by_uid[uid] = seq
+            if n:
+                self._cached.append((s.rid, n))
         return failed
 
     def _grammars(
@@ -443,9 +480,11 @@ class Actor:
             failed = failed + self._failed_rows
             self._failed_rows = []
         if self._retired and not self._seqs:  # the batch ran dry: nothing left to overlap
+            self._reuse.leaving(self._bg, list(self._retired))
             remove_rows(self._bg, list(self._retired))
             self._retired.clear()
         prefilling, decoding, prompt_tokens = [], [], 0
+        prefilled: list[tuple[int, int, int]] = []
         for pr in prompt_responses:
             seq = self._by_uid.get(pr.uid)
             if seq is None:
@@ -457,9 +496,13 @@ class Actor:
                 seq.stage = "decode"
                 self._decoding += 1
                 decoding.append(seq.rid)
+                prefilled.append((seq.rid, seq.uid, seq.prompt_len))
+        if prefilled:
+            self._admission.readmit(self._reuse.prefilled(self._bg, prefilled), time.perf_counter())
         prompt_tokens = take_prompt_tokens(self._bg)
         self._steps += 1
         memory = _memory() if self._steps % _MEMORY_EVERY == 1 or not self._seqs else None
+        cached, self._cached = tuple(self._cached), []
         return StepReport(
             memory=memory,
             tokens=tokens,
@@ -468,7 +511,9 @@ class Actor:
             failed=tuple(failed),
             prompt_tokens=prompt_tokens,
             step_seconds=time.perf_counter() - t0,
-            live=len(self._seqs) + len(self._admission.pending),
+            live=len(self._seqs) + len(self._admission.pending) + self._reuse.parked,
+            cached=cached,
+            prompt_cache=self._reuse.stats(),
         )
 
     def _tokens(self, responses: Sequence[Any]) -> tuple[TokenOut, ...]:
@@ -478,8 +523,8 @@ class Actor:
         for r in responses:
             seq = self._by_uid.get(r.uid)
             if seq is None:  # a retired row: its tokens are nobody's
-                if r.finish_reason is not None:
-                    self._retired.pop(r.uid, None)  # the generator dropped it itself
+                if r.finish_reason is not None and self._retired.pop(r.uid, None) is not None:
+                    self._reuse.dropped(r.uid, r.prompt_cache, r.all_tokens)  # the generator dropped it itself
                 continue
             seq.generated += 1
             reason: FinishReason | None = (
@@ -499,8 +544,12 @@ class Actor:
                 del self._seqs[seq.rid]
                 if seq.stage == "decode":
                     self._decoding -= 1
+                if reason != "error":  # a failed request leaves nothing in the cache
+                    self._reuse.finished(r.uid, seq.prompt_len + seq.generated)
                 if r.finish_reason is None:  # still in the batch: retire it
                     self._retired[r.uid] = self._steps
+                else:
+                    self._reuse.dropped(r.uid, r.prompt_cache, r.all_tokens)
             if reason == "error":
                 continue  # reported in the step's `failed`
             if seq.sampling.logprobs:
@@ -539,12 +588,14 @@ class Actor:
         """A step raised: fail every live sequence, start a fresh generator, keep serving."""
         reason = f"generation step failed: {type(exc).__name__}: {exc}"
         failed = failed + [(rid, reason) for rid in self._seqs]
-        self._reset_batch()
-        return StepReport(failed=tuple(failed), live=0)
+        self._reset_batch(failed=True)
+        self._cached.clear()
+        return StepReport(failed=tuple(failed), live=len(self._admission.pending), prompt_cache=self._reuse.stats())
 
-    def _reset_batch(self) -> None:
+    def _reset_batch(self, *, failed: bool = False) -> None:
         """Forget every sequence and start a fresh generator: after a failed step, or the
         warm-up's rehearsal. A generator that fails to close is dropped all the same."""
+        self._admission.readmit(self._reuse.reset(failed=failed), time.perf_counter())
         self._seqs.clear()
         self._by_uid.clear()
         self._retired.clear()

@@ -64,6 +64,12 @@ class Admission:
     def add(self, sub: Submit, now: float) -> None:
         self.pending.setdefault(sub.rid, (now, sub))
 
+    def readmit(self, subs: list[Submit], now: float) -> None:
+        """Sequences already admitted once that waited (for a prompt prefilled beside them:
+        `_prompt_cache.Reuse`) go back first in line, with no window left to wait."""
+        if subs:
+            self.pending = {**{s.rid: (now - self.window, s) for s in subs}, **self.pending}
+
     def drop(self, rid: int) -> bool:
         return self.pending.pop(rid, None) is not None
 

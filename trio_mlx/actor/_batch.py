@@ -2,7 +2,9 @@
 
 mlx-lm 0.32 offers no public way to do what the actor needs here: remove rows
 without a host round trip per layer, read the decoding batch's row count for
-the step trace, or read and reset the prompt-token counter per step. Each
+the step trace, read and reset the prompt-token counter per step, or copy a
+decoding row's KV out for the prompt cache without a host round trip per
+layer (`copy_rows`). Each
 helper names the private attribute it relies on; tests/test_mlx_lm_internals.py
 pins each behaviour, so an mlx-lm upgrade that changes one fails there first.
 """
@@ -13,7 +15,7 @@ import functools
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 
 def batch_rows(bg: Any) -> int:
@@ -96,3 +98,52 @@ class _KeepRows:
                 c.keys, c.values = c.keys[..., shift:, :], c.values[..., shift:, :]
             c._idx -= shift
 
+
+
+def plain_kv(model: Any) -> bool:
+    """Whether the model's cache is a plain `KVCache` per layer: the only kind the prompt
+    cache stores (`copy_rows` relies on its layout; rotating and state-space caches
+    cannot be cut back to a prefix)."""
+    return all(type(c) is KVCache for c in make_prompt_cache(model))
+
+
+def copy_rows(bg: Any, lengths: dict[int, int]) -> dict[int, tuple[list[Any], list[int]]]:
+    """Copies of decoding rows' KV: for each uid in `lengths` found in the decoding batch,
+    one `KVCache` per layer holding the row's first `n` tokens, and the token ids they
+    hold (`(caches, tokens)`). Lazy: evaluated with the next step.
+
+    mlx_lm's `BatchGenerator.extract_cache` (and `BatchKVCache.extract`) reads the
+    batch's left padding back to the host in every layer. It needs none: a
+    `BatchKVCache` keeps its rows right-aligned at `_idx` (left padding, with right
+    padding rolled away in `finalize`), and the decoding batch's `tokens[i]` lists the
+    ids whose KV row i holds (`GenerationBatch._step` appends each input as it is
+    fed), so row i's content is `[_idx - len(tokens[i]), _idx)`.
+    """
+    batch: Any = getattr(bg, "_generation_batch", None)
+    caches = list(getattr(batch, "prompt_cache", None) or ())
+    if not lengths or not caches or any(type(c) is not BatchKVCache or c.keys is None for c in caches):
+        return {}
+    out: dict[int, tuple[list[Any], list[int]]] = {}
+    arrays: list[Any] = []
+    with mx.stream(bg.stream):
+        for i, uid in enumerate(batch.uids):
+            n = lengths.get(uid)
+            if n is None:
+                continue
+            held = batch.tokens[i]
+            n = min(n, len(held))
+            if n <= 0:
+                continue
+            layers = []
+            for c in caches:
+                start = c._idx - len(held)
+                kv = KVCache()
+                kv.keys = mx.contiguous(c.keys[i : i + 1, :, start : start + n])
+                kv.values = mx.contiguous(c.values[i : i + 1, :, start : start + n])
+                kv.offset = n
+                layers.append(kv)
+            arrays += [(kv.keys, kv.values) for kv in layers]
+            out[uid] = (layers, list(held[:n]))
+        if arrays:
+            mx.async_eval(arrays)  # now, so that the batch's buffers are not held past the next step
+    return out

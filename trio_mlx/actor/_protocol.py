@@ -62,6 +62,9 @@ class ActorConfig:
     idle_release: float | None = None
     # The most freed-buffer memory MLX keeps for reuse, in GB; None: MLX's own.
     cache_limit_gb: float | None = None
+    # The prompt cache's bound in GB (`_prompt_cache.py`): None: from the device's memory
+    # (a fifth of a GPU's, at most 1 GB on the CPU); 0: off.
+    prompt_cache_gb: float | None = None
     # A file the actor appends one line per step to (`_trace.StepTrace`); None: no trace.
     step_trace: str | None = None
     # Test-only: called on the actor thread with a stage name ("load", "loop",
@@ -143,6 +146,9 @@ class StepReport:
     step_seconds: float = 0.0
     live: int = 0  # sequences in the BatchGenerator after this step
     memory: tuple[int, int, int] | None = None  # MLX (active, peak, cache) bytes, read now and then
+    cached: tuple[tuple[int, int], ...] = ()  # (rid, prompt tokens taken from the prompt cache), on entry
+    # The prompt cache's (lookups, hits, hit tokens, evictions, bytes held, entries), when they changed.
+    prompt_cache: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,3 +162,6 @@ class ActorInfo:
     device: str
     load_seconds: float
     pid: int = 0  # the process the actor runs in: the server's, or its own (actor="process")
+    # The prompt cache's bound in bytes; 0: off (set so, or the model's cache is not a plain
+    # KV cache per layer and cannot be cut back to a prefix).
+    prompt_cache_bytes: int = 0

@@ -11,12 +11,16 @@ that a cache hit is judged against.
 
 Per turn it reports the time to first token (p50, p90, mean), the prompt's
 tokens and the cached ones (`usage.prompt_tokens_details.cached_tokens`, where
-the server reports them), and per level the output tokens/s and every failed
-request by reason. Texts are random words from a seeded generator, so the
+the server reports them), and per level the output tokens/s, every failed
+request by reason, and `last_vs_fresh`: the last turn's median TTFT over the
+fresh requests' (a prompt cache that works keeps it near 1 however long the
+conversation). `--warmup` requests go first, unmeasured (a server that loads its
+model or compiles kernels on its first request pays that there). Texts are random words from a seeded generator, so the
 same seed sends the same conversations to every server; the assistant's
 answers are whatever the server streams, resent as they came (as clients do).
 Any OpenAI-compatible chat endpoint works: trio_mlx (cache on or off) and
-mlx_lm.server side by side.
+mlx_lm.server side by side. `trio-mlx bench chat plot A.json [B.json ...] -o
+out.png` draws the runs' median TTFT per turn, one panel per level.
 """
 
 from __future__ import annotations
@@ -170,8 +174,10 @@ def level_stats(convs: Sequence[Conversation], duration: float, turns: int) -> d
         if t.error:
             errors[t.error] = errors.get(t.error, 0) + 1
     tokens = sum(t.output_tokens for t in everything)
+    last, fresh = by_turn[turns - 1]["ttft_ms"]["p50"], by_turn[-1]["ttft_ms"]["p50"]
     return {"conversations": len(convs), "requests": len(everything), "duration_s": duration,
             "output_tokens": tokens, "output_throughput": tokens / duration if duration else 0.0,
+            "last_vs_fresh": last / fresh if last and fresh else None,
             "errors": {"total": sum(errors.values()), "by_reason": errors}, "turns": by_turn}
 
 
@@ -189,6 +195,9 @@ async def run_levels(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]
             if not data:
                 raise SystemExit("trio-mlx bench chat: the server lists no model; pass --served-model-name")
             model = str(data[0]["id"])
+        for i in range(args.warmup):  # unmeasured; distinct from every conversation's text
+            rng = random.Random(10**6 + i)
+            await _request(client, [{"role": "user", "content": _words(rng, args.user_words)}], args, model, -1)
         levels = []
         for k, n in enumerate(args.conversations):
             convs = make_conversations(n, args.turns, args.system_words, args.user_words, args.seed + k)
@@ -209,14 +218,46 @@ def format_level(lv: dict[str, Any]) -> str:
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.0f}"
 
+    ratio = lv.get("last_vs_fresh")
     lines = [f"{lv['conversations']} conversations: {lv['output_throughput']:.1f} tok/s, "
-             f"{lv['errors']['total']} errors {lv['errors']['by_reason'] or ''}",
+             f"{lv['errors']['total']} errors {lv['errors']['by_reason'] or ''}"
+             + (f", last turn / fresh TTFT {ratio:.2f}x" if ratio else ""),
              "| turn | TTFT p50 ms | TTFT p90 ms | prompt tokens | cached tokens |",
              "|---|---|---|---|---|"]
     for t in lv["turns"]:
         lines.append(f"| {t['turn']} | {f(t['ttft_ms']['p50'])} | {f(t['ttft_ms']['p90'])} | "
                      f"{f(t['prompt_tokens'])} | {f(t['cached_tokens'])} |")
     return "\n".join(lines) + "\n"
+
+
+def write_plot(results: Sequence[dict[str, Any]], out: str | Path) -> Path:
+    """Median TTFT per turn of each run (`--out` JSONs), one panel per level of conversations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({lv["conversations"] for res in results for lv in res["levels"]})
+    fig, axes = plt.subplots(1, len(levels), figsize=(4.5 * len(levels), 4), squeeze=False)
+    for ax, n in zip(axes[0], levels, strict=True):
+        for res in results:
+            for lv in res["levels"]:
+                if lv["conversations"] != n:
+                    continue
+                turns = [t for t in lv["turns"] if t["ttft_ms"]["p50"] is not None]
+                ax.plot([str(t["turn"]) for t in turns], [t["ttft_ms"]["p50"] for t in turns], marker="o",
+                        label=res.get("label") or res.get("url"))
+        ax.set_title(f"{n} conversation{'s' if n > 1 else ''} at once")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("TTFT p50 (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -233,6 +274,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent first")
     p.add_argument("--served-model-name", help="the model id to send (default: the server's first)")
     p.add_argument("--client", choices=["raw", "httpx"], default="raw")
     p.add_argument("--label", help="the run's name in tables")
@@ -244,13 +286,21 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     import trio
 
+    if argv and argv[0] == "plot":
+        p = argparse.ArgumentParser(prog="trio-mlx bench chat plot", description=write_plot.__doc__)
+        p.add_argument("results", nargs="+", help="result JSON files of `trio-mlx bench chat --out`")
+        p.add_argument("-o", "--out", required=True, help="PNG to write")
+        a = p.parse_args(argv[1:])
+        print(write_plot([json.loads(Path(r).read_text()) for r in a.results], a.out))
+        return 0
     args = _parser().parse_args(argv)
-    if args.turns < 1 or not args.conversations or min(args.conversations) < 1:
-        raise SystemExit("trio-mlx bench chat: --turns and every --conversations level must be >= 1")
+    if args.turns < 1 or not args.conversations or min(args.conversations) < 1 or args.warmup < 0:
+        raise SystemExit("trio-mlx bench chat: --turns and every --conversations level must be >= 1, "
+                         "--warmup >= 0")
     model, levels = trio.run(run_levels, args)
     result = {"schema": SCHEMA, "label": args.label or args.url, "url": args.url, "model": model,
               "settings": {k: getattr(args, k) for k in ("turns", "system_words", "user_words",
-                                                          "max_tokens", "temperature", "seed")},
+                                                          "max_tokens", "temperature", "seed", "warmup")},
               "levels": levels}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

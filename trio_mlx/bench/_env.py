@@ -2,7 +2,7 @@
 
 `trio-mlx bench --engine` and the ceiling run MLX in the bench's own process; the
 environment that tunes a server's actor (TRIO_MLX_RETIRE_STEPS, _IDLE_RELEASE,
-_CACHE_LIMIT_GB, _STEP_TRACE) tunes theirs, through the server's one parser.
+_CACHE_LIMIT_GB, _STEP_TRACE, _PROMPT_CACHE_GB) tunes theirs, through the server's one parser.
 """
 
 from __future__ import annotations
@@ -16,4 +16,5 @@ def actor_knobs() -> dict[str, Any]:
 
     s = Settings.from_env()
     return {"retire_steps": s.retire_steps, "idle_release": s.idle_release,
-            "cache_limit_gb": s.cache_limit_gb, "step_trace": s.step_trace}
+            "cache_limit_gb": s.cache_limit_gb, "step_trace": s.step_trace,
+            "prompt_cache_gb": s.prompt_cache_gb}

@@ -110,6 +110,7 @@ class _Request:
     recv: trio.MemoryReceiveChannel[Any]
     stage: str = "queued"
     ended: trio.Event = field(default_factory=trio.Event)  # set when the engine is done with it
+    cached: int = 0  # prompt tokens the actor took from its prompt cache
 
 
 @dataclass
@@ -126,6 +127,11 @@ class _Counters:
     aborts_by_stage: collections.Counter[str] = field(default_factory=collections.Counter)
     aborts_by_cause: collections.Counter[str] = field(default_factory=collections.Counter)
     step_failures: int = 0
+
+
+# EngineStatistics' names for the actor's prompt cache figures (StepReport.prompt_cache), in order.
+_PROMPT_CACHE_FIELDS = ("prompt_cache_lookups", "prompt_cache_hits", "prompt_cache_hit_tokens",
+                        "prompt_cache_evictions", "prompt_cache_bytes", "prompt_cache_entries")
 
 
 class Engine:
@@ -150,6 +156,7 @@ class Engine:
         idle_release: float | None = None,
         cache_limit_gb: float | None = None,
         step_trace: str | None = None,
+        prompt_cache_gb: float | None = None,
     ):
         if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
@@ -172,12 +179,13 @@ class Engine:
         self._warmup = warmup
         self._switch_interval = switch_interval
         self._fault_hook = fault_hook
-        if retire_steps < 0 or (idle_release is not None and not idle_release >= 0) or (
-                cache_limit_gb is not None and not cache_limit_gb >= 0):
-            raise ValueError("retire_steps, idle_release and cache_limit_gb must be >= 0")
+        if retire_steps < 0 or any(v is not None and not (math.isfinite(v) and v >= 0)
+                                   for v in (idle_release, cache_limit_gb, prompt_cache_gb)):
+            raise ValueError("retire_steps, idle_release, prompt_cache_gb and cache_limit_gb must be >= 0")
         # Actor knobs passed through as they are (`ActorConfig` documents each).
         self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, idle_release=idle_release,
-                                  cache_limit_gb=cache_limit_gb, step_trace=step_trace)
+                                  cache_limit_gb=cache_limit_gb, step_trace=step_trace,
+                                  prompt_cache_gb=prompt_cache_gb)
 
         self.state = "created"
         self.info: ActorInfo | None = None
@@ -192,6 +200,7 @@ class Engine:
         self._c = _Counters()
         self._last_progress: float | None = None
         self._memory: tuple[int, int, int] = (0, 0, 0)  # MLX (active, peak, cache) bytes, as the actor reads them
+        self._prompt_cache: tuple[int, ...] = (0, 0, 0, 0, 0, 0)  # the actor's prompt cache figures
         self._actor_error: BaseException | None = None
         self._inbox_send: trio.MemorySendChannel[Command] | None = None
         self._inbox_recv: trio.MemoryReceiveChannel[Command] | None = None
@@ -371,7 +380,12 @@ class Engine:
         self._live = report.live
         if report.memory is not None:
             self._memory = report.memory
+        if report.prompt_cache is not None:
+            self._prompt_cache = report.prompt_cache
         requests = self._requests
+        for rid, n in report.cached:
+            if (req := requests.get(rid)) is not None:
+                req.cached = n
         for rid in report.prefilling:
             if (req := requests.get(rid)) is not None:
                 self._set_stage(req, "prefill")
@@ -511,6 +525,7 @@ class Engine:
             cache_memory_bytes=self._memory[2],
             step_failures=self._c.step_failures,
             seconds_since_step=since,
+            **dict(zip(_PROMPT_CACHE_FIELDS, self._prompt_cache, strict=True)),
         )
 
     def generate(
@@ -917,7 +932,8 @@ class RequestStream:
             if self._called and reason == "stop":
                 reason = "tool_calls"
         self._pending.append(
-            Finished(reason, Usage(len(self.prompt_tokens), self.completion_tokens), error, stop)  # type: ignore[arg-type]
+            Finished(reason, Usage(len(self.prompt_tokens), self.completion_tokens,  # type: ignore[arg-type]
+                                   self._req.cached if self._req is not None else 0), error, stop)
         )
         self._done = True
         if self._recv is not None:
@@ -934,7 +950,8 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
 
     Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
     switch_interval, actor ("thread" or "process"), admit_window, and the actor knobs
-    retire_steps, idle_release, cache_limit_gb, step_trace (see `Engine`, `ActorConfig`)."""
+    retire_steps, idle_release, cache_limit_gb, step_trace, prompt_cache_gb (see `Engine`,
+    `ActorConfig`)."""
     engine = Engine(model, **options)
     try:
         async with trio.open_nursery() as nursery:

@@ -21,8 +21,12 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """Token counts of one request; `cached_tokens` of the prompt's came from the prompt
+    cache (not prefilled again)."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -121,3 +125,11 @@ class EngineStatistics:
     peak_memory_bytes: int = 0
     cache_memory_bytes: int = 0  # freed MLX buffers kept for reuse: resident, but not a leak
     seconds_since_step: float | None = None
+    # The actor's prompt cache: lookups made, hits, prompt tokens served from it, entries
+    # evicted, bytes and entries held now.
+    prompt_cache_lookups: int = 0
+    prompt_cache_hits: int = 0
+    prompt_cache_hit_tokens: int = 0
+    prompt_cache_evictions: int = 0
+    prompt_cache_bytes: int = 0
+    prompt_cache_entries: int = 0

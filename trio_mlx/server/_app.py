@@ -69,6 +69,7 @@ def _engine_options(settings: Settings) -> dict[str, Any]:
         idle_release=settings.idle_release,
         cache_limit_gb=settings.cache_limit_gb,
         step_trace=settings.step_trace,
+        prompt_cache_gb=settings.prompt_cache_gb,
     )
 
 
@@ -223,10 +224,12 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             raise
         app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls))
         info = engine.info
-        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s)",
+        cache = info.prompt_cache_bytes if info else 0
+        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s), %s",
                  settings.served_model_name, info.model_type if info else "?",
                  engine.context_length, settings.max_batch, info.device if info else "?",
-                 _actor_name(engine), info.pid if info else "?")
+                 _actor_name(engine), info.pid if info else "?",
+                 f"prompt cache up to {cache / 1e9:.2f} GB" if cache else "prompt cache off")
         if engine.group is not None:
             log.info("distributed: %s", engine.group.describe())
 

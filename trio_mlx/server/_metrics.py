@@ -5,7 +5,8 @@ Two sources, neither of which costs anything per token:
   gets each completion request's `RequestRecord` once, when it ends; other
   routes are counted once per response (`observe_route`);
 - per scrape: `_EngineCollector` reads `engine.statistics()` (queue, stages,
-  decode steps, aborts, MLX memory, state) when /metrics is fetched.
+  decode steps, aborts, the prompt cache, MLX memory, state) when /metrics is
+  fetched.
 
 Every app has its own `CollectorRegistry`, never prometheus_client's global
 one, so several apps in one process (tests) do not collide.
@@ -150,6 +151,19 @@ class _EngineCollector:
             for key in (*known, *sorted(set(counts) - set(known))):
                 aborts.add_metric([key], float(counts.get(key, 0)))
             yield aborts
+        for name, attr, doc in (
+            ("prompt_cache_lookups", "prompt_cache_lookups", "prompts looked up in the prompt cache"),
+            ("prompt_cache_hits", "prompt_cache_hits", "lookups that found a cached prefix"),
+            ("prompt_cache_hit_tokens", "prompt_cache_hit_tokens", "prompt tokens served from the prompt "
+             "cache instead of prefilled"),
+            ("prompt_cache_evictions", "prompt_cache_evictions", "prompt cache entries evicted (its byte "
+             "bound, memory pressure, a failed step)"),
+        ):
+            yield CounterMetricFamily(PREFIX + name, doc, value=num(attr))
+        yield GaugeMetricFamily(PREFIX + "prompt_cache_bytes", "bytes of KV the prompt cache holds",
+                                value=num("prompt_cache_bytes"))
+        yield GaugeMetricFamily(PREFIX + "prompt_cache_entries", "entries the prompt cache holds",
+                                value=num("prompt_cache_entries"))
         yield GaugeMetricFamily(PREFIX + "mlx_active_memory_bytes", "MLX memory in use (read every few "
                                 "dozen steps)", value=num("active_memory_bytes"))
         yield GaugeMetricFamily(PREFIX + "mlx_peak_memory_bytes", "MLX peak memory", value=num("peak_memory_bytes"))

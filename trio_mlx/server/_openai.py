@@ -366,16 +366,19 @@ def now() -> int:
     return int(time.time())
 
 
-def usage_dict(usage: Usage) -> dict[str, int]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    return total_usage([usage])
 
 
-def total_usage(usages: Sequence[Usage]) -> dict[str, int]:
-    """n choices share one prompt: it is counted once, completions are summed."""
+def total_usage(usages: Sequence[Usage]) -> dict[str, Any]:
+    """n choices share one prompt: it is counted once, completions are summed. Its
+    `cached_tokens` (OpenAI's `prompt_tokens_details`) are the fewest any choice took from
+    the prompt cache: the first choice's prompt is the one the others reuse."""
     prompt = usages[0].prompt_tokens if usages else 0
     completion = sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = min((u.cached_tokens for u in usages), default=0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _lp(value: float) -> float:

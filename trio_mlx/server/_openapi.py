@@ -34,10 +34,15 @@ class ErrorResponse(_Doc):
     error: ErrorDetail
 
 
+class PromptTokensDetails(_Doc):
+    cached_tokens: int  # prompt tokens served from the prompt cache, not prefilled again
+
+
 class UsageInfo(_Doc):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CalledFunction(_Doc):

@@ -96,6 +96,11 @@ class Settings:
     cache_limit_gb: float | None = field(default=None, metadata=_doc(
         "the most freed-buffer memory (GB) MLX keeps for reuse; unset: MLX's own limit (on CUDA "
         "80 percent of the device per process), so set it where processes share a GPU"))
+    prompt_cache_gb: float | None = field(default=None, metadata=_doc(
+        "the most memory (GB) the prompt cache holds: the KV of earlier prompts and answers, "
+        "reused by requests that start alike (a chat's next turn, a shared system prompt); "
+        "least recently used entries go first, and all of it before a request would run out of "
+        "memory; unset: a fifth of a GPU's memory, at most 1 GB on the CPU; 0: off"))
     step_trace: str | None = field(default=None, metadata=_doc(
         "append one tab-separated line per actor step (times, batch sizes) to this file"))
     distributed: str | None = field(default=None, metadata=_doc(
@@ -122,7 +127,7 @@ class Settings:
             zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
-        for name in ("idle_release", "cache_limit_gb"):
+        for name in ("idle_release", "cache_limit_gb", "prompt_cache_gb"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
