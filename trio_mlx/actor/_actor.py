@@ -132,6 +132,7 @@ class Actor:
                 device=str(mx.default_device()),
                 load_seconds=time.perf_counter() - t0,
                 pid=os.getpid(),
+                blas="" if self._gpu else models.cpu_blas_status().description,
             )
             self._link.ready(info)
             self._loop()

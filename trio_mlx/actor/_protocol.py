@@ -137,3 +137,4 @@ class ActorInfo:
     device: str
     load_seconds: float
     pid: int = 0  # the process the actor runs in: the server's, or its own (actor="process")
+    blas: str = ""  # on the CPU: which BLAS runs MLX's matmuls (models/_cpu_blas.py)

@@ -202,10 +202,11 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             raise
         app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls))
         info = engine.info
-        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s)",
+        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s%s, %s actor (pid %s)",
                  settings.served_model_name, info.model_type if info else "?",
                  engine.context_length, settings.max_batch, info.device if info else "?",
-                 engine.actor_mode, info.pid if info else "?")
+                 f" with {info.blas}" if info and info.blas else "", engine.actor_mode,
+                 info.pid if info else "?")
 
     @app.after_serving
     async def stop_engine() -> None:
