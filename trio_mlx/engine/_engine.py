@@ -64,6 +64,7 @@ _THREAD_TOKENIZE_CHARS = 4096
 # decode); 20 ms is a few decode steps of a small model.
 ADMIT_WINDOW = 0.02
 MAX_STOP_STRINGS = 16
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_TOP_LOGPROBS = 20
 
 
@@ -138,6 +139,7 @@ class Engine:
         idle_release: float | None = None,
         cache_limit_gb: float | None = None,
         step_trace: str | None = None,
+        sampling_defaults: Mapping[str, Any] | None = None,
     ):
         if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
@@ -166,6 +168,18 @@ class Engine:
         # Actor knobs passed through as they are (`ActorConfig` documents each).
         self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, idle_release=idle_release,
                                   cache_limit_gb=cache_limit_gb, step_trace=step_trace)
+
+        if sampling_defaults is not None:  # a bad default fails here, not in every request
+            if unknown := set(sampling_defaults) - set(SAMPLING_DEFAULT_KEYS):
+                raise ValueError(f"sampling_defaults takes {SAMPLING_DEFAULT_KEYS}, not {sorted(unknown)}")
+            try:
+                _validate(sampling_defaults, None)
+            except InvalidRequestError as exc:
+                raise ValueError(f"sampling_defaults: {exc}") from None
+        self._sampling_override = sampling_defaults
+        # What a request that leaves a sampling option out gets: the model's
+        # generation_config.json (as vLLM does), unless `sampling_defaults` was given.
+        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
 
         self.state = "created"
         self.info: ActorInfo | None = None
@@ -202,6 +216,8 @@ class Engine:
             )
             self.model_path = path
             self.tokenizer = await trio.to_thread.run_sync(models.load_tokenizer, path)
+            if self._sampling_override is None:
+                self.sampling_defaults = models.sampling_defaults(path)
         except BaseException:
             self.state = "closed"
             self._actor_done.set()
@@ -485,11 +501,11 @@ class Engine:
         prompt: str | Sequence[int],
         *,
         max_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logit_bias: Mapping[int, float] | None = None,
@@ -500,7 +516,9 @@ class Engine:
         logprobs: bool = False,
         top_logprobs: int = 0,
     ) -> RequestStream:
-        """Stream a completion of `prompt` (text, or token ids)."""
+        """Stream a completion of `prompt` (text, or token ids). A sampling option left
+        out (None) takes the model's default (`sampling_defaults`), else no effect
+        (temperature 1, top_p 1, top_k 0, min_p 0, repetition_penalty 1)."""
         opts = dict(locals())
         del opts["self"], opts["prompt"]
         return RequestStream(self, ("text", prompt, None), opts)
@@ -538,7 +556,8 @@ class Engine:
 
     async def _prepare(self, source: tuple[str, Any, Any], opts: dict[str, Any]) -> tuple[list[int], int, SamplingParams, frozenset[int], tuple[str, ...]]:
         self._check_open()
-        sampling, stop_strings, stop_ids, ignore_eos = _validate(opts, self.info)
+        given = {k: v for k, v in opts.items() if v is not None}  # a request's own values win
+        sampling, stop_strings, stop_ids, ignore_eos = _validate({**self.sampling_defaults, **given}, self.info)
         kind, value, template_kwargs = source
         size = _rough_size(value)
         if size > _THREAD_TOKENIZE_CHARS:
@@ -782,8 +801,9 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
     start its GPU actor and yield the ready `Engine`; close it on exit.
 
     Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
-    switch_interval, actor ("thread" or "process"), admit_window, and the actor knobs
-    retire_steps, idle_release, cache_limit_gb, step_trace (see `Engine`, `ActorConfig`)."""
+    switch_interval, actor ("thread" or "process"), admit_window, sampling_defaults (None:
+    the model's generation_config.json), and the actor knobs retire_steps,
+    idle_release, cache_limit_gb, step_trace (see `Engine`, `ActorConfig`)."""
     engine = Engine(model, **options)
     try:
         async with trio.open_nursery() as nursery:

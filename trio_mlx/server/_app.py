@@ -57,6 +57,7 @@ def default_engine(settings: Settings) -> Engine:
         idle_release=settings.idle_release,
         cache_limit_gb=settings.cache_limit_gb,
         step_trace=settings.step_trace,
+        sampling_defaults=None if settings.generation_config == "auto" else {},
     )
 
 
@@ -207,6 +208,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                  engine.context_length, settings.max_batch, info.device if info else "?",
                  f" with {info.blas}" if info and info.blas else "", engine.actor_mode,
                  info.pid if info else "?")
+        log.info("sampling defaults (generation_config %s): %s", settings.generation_config,
+                 ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()) or "none")
 
     @app.after_serving
     async def stop_engine() -> None:
@@ -236,7 +239,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     def model_card() -> dict[str, Any]:
         engine = app.engine
         return {"id": settings.served_model_name, "object": "model", "created": started_at,
-                "owned_by": "trio_mlx", "context_length": engine.context_length if engine else None}
+                "owned_by": "trio_mlx", "context_length": engine.context_length if engine else None,
+                # what a request that leaves these out samples with (the model's generation_config.json)
+                "sampling_defaults": dict(engine.sampling_defaults) if engine else None}
 
     @app.get("/v1/models")
     async def list_models() -> Response:
