@@ -48,7 +48,7 @@ from ..actor import (
     TokenOut,
 )
 from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, Usage
-from ._text import StopMatcher, normalize_messages
+from ._text import HeldLogprobs, StopMatcher, keep_leading_space, normalize_messages
 
 log = logging.getLogger("trio_mlx.engine")
 
@@ -684,6 +684,9 @@ class RequestStream:
         self._stop_ids = stop_ids
         self._stopper = StopMatcher(stop_strings)
         self._detok = engine.tokenizer.detokenizer
+        if self._source[0] == "text":  # a completion continues the prompt: " Paris" after "is"
+            keep_leading_space(self._detok)
+        self._held_logprobs = HeldLogprobs()
         self._hidden = engine._special_ids
         self._req = engine._submit(prompt, max_tokens, sampling, stop_ids)
         self._recv = self._req.recv
@@ -741,9 +744,12 @@ class RequestStream:
         lps: list[TokenLogprob] | None = [] if self._sampling.logprobs else None
         text: list[str] = []
         detok, stopper = self._detok, self._stopper
+        held = self._held_logprobs  # logprobs go out with their text (stop strings hold both)
         for item in batch:
             if isinstance(item, _Terminal):
                 text.append(stopper.flush())
+                if lps is not None:
+                    lps += held.rest()
                 self._emit(text, ids, lps)
                 self._end(item.finish_reason, error=item.error)
                 return
@@ -751,26 +757,32 @@ class RequestStream:
             tok = item.token
             self.completion_tokens += 1
             ids.append(tok)
-            if lps is not None and item.logprob is not None:
-                lps.append(self._logprob(item))
             ends_on_stop_token = item.finish_reason == "stop" and tok in self._stop_ids
+            if lps is not None and item.logprob is not None and not ends_on_stop_token:
+                held.token(self._logprob(item))
             if not ends_on_stop_token and tok not in self._hidden:
                 detok.add_token(tok)
             if item.finish_reason is not None:
                 detok.finalize()
-            segment = detok.last_segment
+            segment = released = detok.last_segment
             if stopper:
-                segment, matched = stopper.feed(segment)
+                released, matched = stopper.feed(segment)
                 if matched is not None:
-                    text.append(segment)
+                    text.append(released)
+                    if lps is not None:
+                        lps += held.text(segment, released)  # the stop string's tokens stay out
                     self._emit(text, ids, lps)
                     if self._req is not None:
                         self._engine._abort(self._req, "stop_string")
                     self._end("stop", stop=matched)
                     return
-            text.append(segment)
+            text.append(released)
+            if lps is not None:
+                lps += held.text(segment, released)
             if item.finish_reason is not None:
                 text.append(stopper.flush())
+                if lps is not None:
+                    lps += held.rest()
                 self._emit(text, ids, lps)
                 self._end(item.finish_reason, stop=tok if ends_on_stop_token else None)
                 return
