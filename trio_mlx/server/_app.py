@@ -240,6 +240,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         engine = app.engine
         return {"id": settings.served_model_name, "object": "model", "created": started_at,
                 "owned_by": "trio_mlx", "context_length": engine.context_length if engine else None,
+                "root": str(engine.model_path) if engine and engine.model_path else None,  # as vLLM
                 # what a request that leaves these out samples with (the model's generation_config.json)
                 "sampling_defaults": dict(engine.sampling_defaults) if engine else None}
 

@@ -106,6 +106,7 @@ class ModelCard(_Doc):
     created: int
     owned_by: str
     context_length: int | None
+    root: str | None = Field(None, description="the model directory the server loaded")
     sampling_defaults: dict[str, float] | None = Field(
         None, description="what a request that leaves temperature, top_p, top_k, min_p or "
         "repetition_penalty out samples with: the model's generation_config.json")
