@@ -104,7 +104,8 @@ def _install() -> BlasStatus:
     handle = ctypes.CDLL(str(copy), mode=ctypes.RTLD_GLOBAL)
     bound = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
     if bound != ctypes.cast(handle.cblas_sgemm, ctypes.c_void_p).value:
-        return BlasStatus(False, "reference BLAS (cblas_sgemm resolves elsewhere in this process)")
+        # Another library loaded earlier with RTLD_GLOBAL exports it: MLX binds to that one.
+        return BlasStatus(False, "a BLAS loaded earlier in this process (not trio_mlx's OpenBLAS)")
     _handle = handle
     if not any(os.environ.get(v) for v in _THREAD_VARS):
         handle.scipy_openblas_set_num_threads(1)
