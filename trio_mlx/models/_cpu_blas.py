@@ -19,8 +19,9 @@ Anything missing or failing leaves the reference BLAS in place, and `status()`
 says why: not Linux, not the CPU wheel, mlx imported first, the packages
 absent, `TRIO_MLX_CPU_BLAS=reference`. OpenBLAS runs one thread unless
 `OPENBLAS_NUM_THREADS` (or `OMP_NUM_THREADS`) says otherwise: on the 2-core box
-two threads made prefill 6x slower, their spinning workers fighting MLX's own
-stream thread for the cores. `OPENBLAS_CORETYPE` from the environment is
+two threads made decode ~7x slower (each of a step's ~200 single-row matmuls
+pays a hand-off to the second thread) for ~15% faster prompts, and on a busy
+box both 5-10x slower (BENCHMARKS.md, "Linux CPU"). `OPENBLAS_CORETYPE` from the environment is
 honoured (OpenBLAS reads it itself) and named in the status line, since an old
 setting (`Haswell`, `Prescott`) silently picks slower kernels.
 
