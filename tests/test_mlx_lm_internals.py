@@ -189,3 +189,25 @@ def test_inserting_copied_kv_with_its_tokens_continues_as_a_cold_prompt(tiny_mod
     assert _batch.plain_kv(model)
     bg.close()
 
+
+def test_keep_leading_space_reaches_both_of_mlx_lms_trimming_detokenizers(tiny_model_fp32):
+    # engine/_text.py's keep_leading_space relies on these two hooks of mlx_lm's detokenizers.
+    import inspect
+
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+    from trio_mlx.engine._text import keep_leading_space
+
+    assert "trim_space" in inspect.signature(SPMStreamingDetokenizer.__init__).parameters
+    tok = _models.load_tokenizer(tiny_model_fp32)
+    detok = tok.detokenizer
+    assert isinstance(detok, BPEStreamingDetokenizer)
+    ids = tok.encode(" the fox")
+    for keep, expected in ((False, "the fox"), (True, " the fox")):
+        detok.reset()
+        if keep:
+            keep_leading_space(detok)
+        for i in ids:
+            detok.add_token(i)
+        detok.finalize()
+        assert detok.text == expected

@@ -47,7 +47,13 @@ def test_embedded_default_answers_paris(embedded_model: Path) -> None:
     assert "Paris" in text
 
 
-def test_embedded_config_keeps_the_gguf_quantization(embedded_model: Path) -> None:
+@pytest.fixture(scope="module")
+def packed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _models.ensure_embedded_model(tmp_path_factory.mktemp("packed"), dequantize=False)
+
+
+def test_embedded_config_keeps_the_gguf_quantization(packed_model: Path) -> None:
+    embedded_model = packed_model
     config = json.loads((embedded_model / "config.json").read_text())
     quant = config["quantization"]
     assert quant["model.embed_tokens"] == {"group_size": 32, "bits": 8}  # Q8_0 in the Q4_1 file
@@ -59,6 +65,22 @@ def test_embedded_config_keeps_the_gguf_quantization(embedded_model: Path) -> No
     weights = mx.load(str(embedded_model / "model.safetensors"))
     assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.uint32
     assert "lm_head.weight" not in weights
+
+
+def test_the_dequantized_variant_computes_what_the_packed_one_does(
+    packed_model: Path, tmp_path: Path
+) -> None:
+    plain = _models.ensure_embedded_model(tmp_path, dequantize=True)
+    assert plain.parent == tmp_path and plain.name != packed_model.name  # a variant of its own
+    config = json.loads((plain / "config.json").read_text())
+    assert "quantization" not in config
+    weights = mx.load(str(plain / "model.safetensors"))
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float32
+    assert weights["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert not any(k.endswith((".scales", ".biases")) for k in weights)
+    tokens = mx.array([[1, 9707, 28, 957, 314, 253, 2016, 30]])
+    logits = [_models.load_model(p)[0](tokens) for p in (packed_model, plain)]
+    assert mx.allclose(logits[0], logits[1], atol=1e-3).item()  # the same math, unpacked
 
 
 def test_embedded_tokenizer_matches_smollm2(embedded_model: Path) -> None:
@@ -117,8 +139,8 @@ def test_concurrent_conversions_agree_on_one_directory(tmp_path: Path) -> None:
         "from trio_mlx.models import _models\n"
         "cache, sync = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])\n"
         "convert = _models._convert_into\n"
-        "def convert_then_wait(*args):\n"
-        "    convert(*args)\n"
+        "def convert_then_wait(*args, **kwargs):\n"
+        "    convert(*args, **kwargs)\n"
         "    (sync / sys.argv[3]).touch()\n"
         "    deadline = time.monotonic() + 30\n"
         "    while len(list(sync.iterdir())) < 2 and time.monotonic() < deadline:\n"

@@ -154,6 +154,7 @@ class Actor:
                 load_seconds=time.perf_counter() - t0,
                 pid=os.getpid(),
                 prompt_cache_bytes=self._reuse.cache.max_bytes,
+                blas="" if self._gpu else models.cpu_blas_status().description,
             )
             self._link.ready(info)
             self._loop()

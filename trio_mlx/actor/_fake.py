@@ -96,7 +96,11 @@ class FakeActor:
                 else "length" if seq.generated >= sub.max_tokens else None)
             if reason is not None:
                 del seqs[rid]
-            out.append(TokenOut(rid, token, reason))
+            if sub.sampling.logprobs:  # the fake model is certain of every token
+                top = ((token, 0.0),) if sub.sampling.top_logprobs else ()
+                out.append(TokenOut(rid, token, reason, 0.0, top))
+            else:
+                out.append(TokenOut(rid, token, reason))
         return StepReport(tokens=tuple(out), prefilling=tuple(new), decoding=tuple(new),
                           prompt_tokens=sum(len(seqs[r].sub.prompt) for r in new if r in seqs),
                           live=len(seqs))

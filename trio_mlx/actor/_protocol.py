@@ -165,3 +165,4 @@ class ActorInfo:
     # The prompt cache's bound in bytes; 0: off (set so, or the model's cache is not a plain
     # KV cache per layer and cannot be cut back to a prefix).
     prompt_cache_bytes: int = 0
+    blas: str = ""  # on the CPU: which BLAS runs MLX's matmuls (models/_cpu_blas.py)

@@ -154,6 +154,26 @@ def _ordinary_ids(tokenizer: Any) -> list[int]:
     return [i for i, e in zip(ids, again, strict=True) if list(e) == [i]]
 
 
+def model_from_server(url: str, timeout: float) -> tuple[str, str]:
+    """(a model reference to load the tokenizer from, the served id), from GET /v1/models:
+    the card's `root` (the directory the server loaded, as vLLM names it) when it exists
+    here, else its id (the embedded default's, or a hub id, resolves as such)."""
+    import httpx
+
+    try:
+        resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=min(timeout, 30.0))
+        resp.raise_for_status()
+        card = (resp.json().get("data") or [None])[0]
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise SystemExit(f"trio-mlx bench: no --model given and {url}/v1/models failed: {exc}") from None
+    if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+        raise SystemExit(f"trio-mlx bench: {url}/v1/models names no model; pass --model")
+    root = card.get("root")
+    if isinstance(root, str) and Path(root).is_dir():
+        return root, card["id"]
+    return card["id"], card["id"]
+
+
 def warmup_count(args: argparse.Namespace) -> int:
     """Warm-up requests: --warmup, else 2 over HTTP and LIMIT_WARMUP in-process."""
     if args.warmup is not None:
@@ -451,6 +471,10 @@ def _csv(kind: type) -> Callable[[str], list[Any]]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trio-mlx bench",
+        usage="%(prog)s (--url URL | --limit | --engine) [--model MODEL] [options]\n"
+        "       %(prog)s plot A.json [B.json ...] -o OUT.png\n"
+        "       %(prog)s table A.json [B.json ...] [--ceiling C.json] [-o OUT.md]\n"
+        "       %(prog)s chat --url URL [options]",
         description="Load-test an OpenAI-compatible endpoint (--url) or the raw BatchGenerator "
         "ceiling (--limit). Also: `trio-mlx bench plot A.json [B.json ...] -o out.png` and "
         "`trio-mlx bench table A.json [B.json ...] [--ceiling C.json]`; multi-turn conversations "
@@ -466,8 +490,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --engine: run the engine's GPU actor on a thread or in a child process")  # fmt: skip
     p.add_argument("--admit-window", type=float, default=ADMIT_WINDOW, metavar="SECONDS",
                    help="with --engine: the engine's admit_window (default: %(default)s, the engine's own)")  # fmt: skip
-    p.add_argument("--model", required=True,
-                   help="model path or reference: its tokenizer makes the prompts (and --limit runs it)")  # fmt: skip
+    p.add_argument("--model",
+                   help="model path or reference: its tokenizer makes the prompts (and --limit runs it); "
+                   "with --url, default: what the server's GET /v1/models names")  # fmt: skip
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--client", choices=("raw", "httpx"), default="raw",
                    help="HTTP client: raw (trio sockets, least CPU per token) or httpx")  # fmt: skip
@@ -560,6 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit and args.endpoint == "chat":
         print("note: --limit feeds the chat-templated token ids", file=sys.stderr)
 
+    if args.model is None:
+        if not args.url:
+            raise SystemExit("trio-mlx bench: --limit and --engine need --model")
+        args.model, served = model_from_server(args.url, args.timeout)
+        args.served_model_name = args.served_model_name or served
     tokenizer = load_tokenizer(args.model)
     plan = levels_and_counts(args)
     total = sum(n for _, _, n in plan)

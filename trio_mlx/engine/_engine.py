@@ -60,7 +60,7 @@ from ._events import (
     Usage,
 )
 from ._structure import NO_STRUCTURE, Structure, check_structure, compile_structure
-from ._text import StopMatcher, normalize_messages
+from ._text import HeldLogprobs, StopMatcher, keep_leading_space, normalize_messages
 
 log = logging.getLogger("trio_mlx.engine")
 
@@ -76,6 +76,7 @@ _THREAD_TOKENIZE_CHARS = 4096
 # decode); 20 ms is a few decode steps of a small model.
 ADMIT_WINDOW = 0.02
 MAX_STOP_STRINGS = 16
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_TOP_LOGPROBS = 20
 
 
@@ -157,6 +158,7 @@ class Engine:
         cache_limit_gb: float | None = None,
         step_trace: str | None = None,
         prompt_cache_gb: float | None = None,
+        sampling_defaults: Mapping[str, Any] | None = None,
     ):
         if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
@@ -186,6 +188,18 @@ class Engine:
         self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, idle_release=idle_release,
                                   cache_limit_gb=cache_limit_gb, step_trace=step_trace,
                                   prompt_cache_gb=prompt_cache_gb)
+
+        if sampling_defaults is not None:  # a bad default fails here, not in every request
+            if unknown := set(sampling_defaults) - set(SAMPLING_DEFAULT_KEYS):
+                raise ValueError(f"sampling_defaults takes {SAMPLING_DEFAULT_KEYS}, not {sorted(unknown)}")
+            try:
+                _validate(sampling_defaults, None)
+            except InvalidRequestError as exc:
+                raise ValueError(f"sampling_defaults: {exc}") from None
+        self._sampling_override = sampling_defaults
+        # What a request that leaves a sampling option out gets: the model's
+        # generation_config.json (as vLLM does), unless `sampling_defaults` was given.
+        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
 
         self.state = "created"
         self.info: ActorInfo | None = None
@@ -232,6 +246,8 @@ class Engine:
             log.info("resolved to %s in %.2f s; loading the tokenizer", path, t1 - t0)
             self.tokenizer = await trio.to_thread.run_sync(models.load_tokenizer, path)
             log.info("tokenizer loaded in %.2f s", trio.current_time() - t1)
+            if self._sampling_override is None:
+                self.sampling_defaults = models.sampling_defaults(path)
         except BaseException:
             self.state = "closed"
             self._actor_done.set()
@@ -533,11 +549,11 @@ class Engine:
         prompt: str | Sequence[int],
         *,
         max_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logit_bias: Mapping[int, float] | None = None,
@@ -551,7 +567,9 @@ class Engine:
     ) -> RequestStream:
         """Stream a completion of `prompt` (text, or token ids). `response_format`
         (OpenAI's: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
-        {"schema": ..., "strict": ...}}) holds the output to it, token by token."""
+        {"schema": ..., "strict": ...}}) holds the output to it, token by token. A sampling
+        option left out (None) takes the model's default (`sampling_defaults`), else no
+        effect (temperature 1, top_p 1, top_k 0, min_p 0, repetition_penalty 1)."""
         opts = dict(locals())
         del opts["self"], opts["prompt"]
         return RequestStream(self, ("text", prompt, None), opts)
@@ -627,7 +645,8 @@ class Engine:
 
     async def _prepare(self, source: tuple[str, Any, Any], opts: dict[str, Any]) -> tuple[list[int], int, SamplingParams, frozenset[int], tuple[str, ...]]:
         self._check_open()
-        sampling, stop_strings, stop_ids, ignore_eos = _validate(opts, self.info)
+        given = {k: v for k, v in opts.items() if v is not None}  # a request's own values win
+        sampling, stop_strings, stop_ids, ignore_eos = _validate({**self.sampling_defaults, **given}, self.info)
         kind, value, template_kwargs = source
         size = _rough_size(value)
         if size > _THREAD_TOKENIZE_CHARS:
@@ -780,6 +799,9 @@ class RequestStream:
         self._stop_ids = stop_ids
         self._stopper = StopMatcher(stop_strings)
         self._detok = engine.tokenizer.detokenizer
+        if self._source[0] == "text":  # a completion continues the prompt: " Paris" after "is"
+            keep_leading_space(self._detok)
+        self._held_logprobs = HeldLogprobs()
         self._hidden = engine._special_ids
         self._req = engine._submit(prompt, max_tokens, sampling, stop_ids, grammar)
         self._recv = self._req.recv
@@ -848,9 +870,12 @@ class RequestStream:
         lps: list[TokenLogprob] | None = [] if self._sampling.logprobs else None
         text: list[str] = []
         detok, stopper = self._detok, self._stopper
+        held = self._held_logprobs  # logprobs go out with their text (stop strings hold both)
         for item in batch:
             if isinstance(item, _Terminal):
                 text.append(stopper.flush())
+                if lps is not None:
+                    lps += held.rest()
                 self._emit(text, ids, lps)
                 self._end(item.finish_reason, error=item.error)
                 return
@@ -858,26 +883,32 @@ class RequestStream:
             tok = item.token
             self.completion_tokens += 1
             ids.append(tok)
-            if lps is not None and item.logprob is not None:
-                lps.append(self._logprob(item))
             ends_on_stop_token = item.finish_reason == "stop" and tok in self._stop_ids
+            if lps is not None and item.logprob is not None and not ends_on_stop_token:
+                held.token(self._logprob(item))
             if not ends_on_stop_token and tok not in self._hidden:
                 detok.add_token(tok)
             if item.finish_reason is not None:
                 detok.finalize()
-            segment = detok.last_segment
+            segment = released = detok.last_segment
             if stopper:
-                segment, matched = stopper.feed(segment)
+                released, matched = stopper.feed(segment)
                 if matched is not None:
-                    text.append(segment)
+                    text.append(released)
+                    if lps is not None:
+                        lps += held.text(segment, released)  # the stop string's tokens stay out
                     self._emit(text, ids, lps)
                     if self._req is not None:
                         self._engine._abort(self._req, "stop_string")
                     self._end("stop", stop=matched)
                     return
-            text.append(segment)
+            text.append(released)
+            if lps is not None:
+                lps += held.text(segment, released)
             if item.finish_reason is not None:
                 text.append(stopper.flush())
+                if lps is not None:
+                    lps += held.rest()
                 self._emit(text, ids, lps)
                 self._end(item.finish_reason, stop=tok if ends_on_stop_token else None)
                 return
@@ -949,9 +980,9 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
     start its GPU actor and yield the ready `Engine`; close it on exit.
 
     Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
-    switch_interval, actor ("thread" or "process"), admit_window, and the actor knobs
-    retire_steps, idle_release, cache_limit_gb, step_trace, prompt_cache_gb (see `Engine`,
-    `ActorConfig`)."""
+    switch_interval, actor ("thread" or "process"), admit_window, sampling_defaults (None:
+    the model's generation_config.json), and the actor knobs retire_steps, idle_release,
+    cache_limit_gb, step_trace, prompt_cache_gb (see `Engine`, `ActorConfig`)."""
     engine = Engine(model, **options)
     try:
         async with trio.open_nursery() as nursery:

@@ -1,11 +1,13 @@
 """Text-side helpers that run on the trio side, never on the actor thread.
 
-Stop-string matching across token boundaries, and normalising OpenAI-style
-message content into what chat templates expect. Pure Python: no MLX here.
+Stop-string matching across token boundaries, logprobs kept in step with the
+text they belong to, the leading space of a completion, and normalising
+OpenAI-style message content into what chat templates expect. Pure Python: no MLX here.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -52,6 +54,54 @@ class StopMatcher:
     def flush(self) -> str:
         held, self._held = self._held, ""
         return held
+
+
+class HeldLogprobs:
+    """Per-token logprobs held back with their text, so that they match the content sent.
+
+    A token's entry is recorded at the offset where its text starts in the
+    detokenized stream (`token`), and goes out once released text reaches past
+    that offset (`text(produced, released)`: what the detokenizer made and what
+    the stop matcher let out of it). Entries whose text a stop string swallowed
+    are never released; `rest()` releases all that is left at a normal end.
+    """
+
+    __slots__ = ("_held", "_produced", "_released")
+
+    def __init__(self) -> None:
+        self._held: collections.deque[tuple[int, Any]] = collections.deque()
+        self._produced = 0
+        self._released = 0
+
+    def token(self, logprob: Any) -> None:
+        self._held.append((self._produced, logprob))
+
+    def text(self, produced: str, released: str) -> list[Any]:
+        self._produced += len(produced)
+        self._released += len(released)
+        out = []
+        while self._held and self._held[0][0] < self._released:
+            out.append(self._held.popleft()[1])
+        return out
+
+    def rest(self) -> list[Any]:
+        out = [lp for _, lp in self._held]
+        self._held.clear()
+        return out
+
+
+def keep_leading_space(detokenizer: Any) -> None:
+    """Make mlx_lm's streaming detokenizer keep the first token's leading space.
+
+    Its BPE and SentencePiece detokenizers drop it (right at the start of a
+    chat answer); a completion continues its prompt, so " Paris" after "The
+    capital of France is" keeps the space, as `tokenizer.decode` gives it.
+    Pinned by tests/test_mlx_lm_internals.py.
+    """
+    if hasattr(detokenizer, "trim_space"):  # SPMStreamingDetokenizer's own switch
+        detokenizer.trim_space = False
+    elif hasattr(detokenizer, "_maybe_trim_space"):  # BPEStreamingDetokenizer: no switch
+        detokenizer._maybe_trim_space = lambda text: text
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

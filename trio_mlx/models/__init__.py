@@ -4,7 +4,14 @@ build random-weight test models, and load a model or its tokenizer.
 With `actor/`, the only package that imports MLX; the engine imports it lazily
 (when it loads a tokenizer), the actor when it loads the weights.
 """
+# ruff: noqa: E402
 
+from . import _cpu_blas
+
+_cpu_blas.install()  # before anything imports mlx.core: it must bind to OpenBLAS first
+cpu_blas_status = _cpu_blas.status  # which BLAS runs MLX's CPU matmuls, in words
+
+from ._cpu_blas import BlasStatus as BlasStatus
 from ._models import CHATML_TEMPLATE as CHATML_TEMPLATE
 from ._models import EMBEDDED_DEFAULT as EMBEDDED_DEFAULT
 from ._models import build_test_model as build_test_model
@@ -16,3 +23,4 @@ from ._models import load_model as load_model
 from ._models import load_tokenizer as load_tokenizer
 from ._models import model_config_for_shape as model_config_for_shape
 from ._models import resolve_model as resolve_model
+from ._models import sampling_defaults as sampling_defaults

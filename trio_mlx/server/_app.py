@@ -70,6 +70,7 @@ def _engine_options(settings: Settings) -> dict[str, Any]:
         cache_limit_gb=settings.cache_limit_gb,
         step_trace=settings.step_trace,
         prompt_cache_gb=settings.prompt_cache_gb,
+        sampling_defaults=None if settings.generation_config == "auto" else {},
     )
 
 
@@ -225,11 +226,14 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls))
         info = engine.info
         cache = info.prompt_cache_bytes if info else 0
-        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s), %s",
+        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s%s, %s actor (pid %s), %s",
                  settings.served_model_name, info.model_type if info else "?",
                  engine.context_length, settings.max_batch, info.device if info else "?",
-                 _actor_name(engine), info.pid if info else "?",
+                 f" with {info.blas}" if info and info.blas else "", _actor_name(engine),
+                 info.pid if info else "?",
                  f"prompt cache up to {cache / 1e9:.2f} GB" if cache else "prompt cache off")
+        log.info("sampling defaults (generation_config %s): %s", settings.generation_config,
+                 ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()) or "none")
         if engine.group is not None:
             log.info("distributed: %s", engine.group.describe())
 
@@ -261,7 +265,10 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     def model_card() -> dict[str, Any]:
         engine = app.engine
         return {"id": settings.served_model_name, "object": "model", "created": started_at,
-                "owned_by": "trio_mlx", "context_length": engine.context_length if engine else None}
+                "owned_by": "trio_mlx", "context_length": engine.context_length if engine else None,
+                "root": str(engine.model_path) if engine and engine.model_path else None,  # as vLLM
+                # what a request that leaves these out samples with (the model's generation_config.json)
+                "sampling_defaults": dict(engine.sampling_defaults) if engine else None}
 
     @app.get("/v1/models")
     async def list_models() -> Response:

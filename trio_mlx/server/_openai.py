@@ -225,8 +225,8 @@ class _Sampling(_Strict):
             value = getattr(self, name)
             if value is not None:
                 opts[name] = value
-        if self.top_k is not None and self.top_k > 0:
-            opts["top_k"] = self.top_k
+        if self.top_k is not None:
+            opts["top_k"] = max(self.top_k, 0)  # -1 (vLLM's "off") overrides a model default too
         if self.logit_bias:
             opts["logit_bias"] = self.logit_bias  # the engine checks the ids
         if self.ignore_eos:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from ._openai import ChatCompletionRequest, CompletionRequest
@@ -144,6 +144,10 @@ class ModelCard(_Doc):
     created: int
     owned_by: str
     context_length: int | None
+    root: str | None = Field(None, description="the model directory the server loaded")
+    sampling_defaults: dict[str, float] | None = Field(
+        None, description="what a request that leaves temperature, top_p, top_k, min_p or "
+        "repetition_penalty out samples with: the model's generation_config.json")
 
 
 class ModelList(_Doc):

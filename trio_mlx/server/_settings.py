@@ -58,6 +58,10 @@ class Settings:
         "where the GPU actor runs: 'thread' (a dedicated thread of the server's process) or "
         "'process' (a child process with its own GIL, so HTTP work does not slow decoding: "
         "the highest throughput at the top of concurrency; ~1-2 s more to start)"))
+    generation_config: str = field(default="auto", metadata=_doc(
+        "sampling defaults for requests that leave temperature, top_p, top_k, min_p or "
+        "repetition_penalty out: 'auto' takes the model's generation_config.json (as vLLM "
+        "does), 'none' the neutral values (temperature 1, top_p 1, ...)"))
     drain_timeout: float = field(default=20.0, metadata=_doc(
         "seconds in-flight requests may run on after SIGTERM before they are ended"))
     stall_timeout: float = field(default=30.0, metadata=_doc(
@@ -131,6 +135,8 @@ class Settings:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.actor not in ("thread", "process"):
             raise ValueError(f"actor must be 'thread' or 'process', got {self.actor!r}")
         if self.distributed not in (None, "tensor", "pipeline"):
