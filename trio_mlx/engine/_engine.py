@@ -48,6 +48,7 @@ from ..actor import (
     TokenOut,
 )
 from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, Usage
+from ._prompt import ChatEncoder
 from ._text import StopMatcher, normalize_messages
 
 log = logging.getLogger("trio_mlx.engine")
@@ -171,6 +172,7 @@ class Engine:
         self.info: ActorInfo | None = None
         self.model_path: os.PathLike[str] | None = None
         self.tokenizer: Any = None
+        self._chat: ChatEncoder | None = None
         self._special_ids: frozenset[int] = frozenset()
         self._eos_ids: frozenset[int] = frozenset()
         self._requests: dict[int, _Request] = {}
@@ -521,13 +523,12 @@ class Engine:
         tok = self.tokenizer
         if kind == "chat":
             messages = normalize_messages(value)
-            try:
-                text = tok.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-                )
+            if self._chat is None or self._chat.tokenizer is not tok:
+                self._chat = ChatEncoder(tok)
+            try:  # client text tokenized as text: no forged control tokens (engine/_prompt.py)
+                return self._chat.encode(messages, template_kwargs)
             except Exception as exc:
                 raise InvalidRequestError(f"the chat template failed: {exc}", param="messages") from exc
-            return list(tok.encode(text, add_special_tokens=False))
         if isinstance(value, str):
             return list(tok.encode(value))
         ids = list(value)
