@@ -15,6 +15,7 @@ through `exchange()`, which the actor calls once per step; no locks.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import math
 import os
@@ -48,7 +49,7 @@ from ..actor import (
     TokenOut,
 )
 from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, Usage
-from ._prompt import ChatEncoder
+from ._prompt import ChatEncoder, max_token_chars, prompt_chars
 from ._text import StopMatcher, normalize_messages
 
 log = logging.getLogger("trio_mlx.engine")
@@ -56,10 +57,16 @@ log = logging.getLogger("trio_mlx.engine")
 # One GPU, one actor: every engine in a process shares this limiter (rule 1).
 _GPU_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_gpu_limiter")
 _TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_tokenizer_limiter")
+_BIG_TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_big_tokenizer_limiter")
 # Prompts longer than this many characters are tokenized in a worker thread so
 # the event loop keeps serving; shorter ones cost less than the thread hop.
 # The number is a judgement call, not a measurement.
 _THREAD_TOKENIZE_CHARS = 4096
+# Prompts longer than this (a long document, not a chat turn) take a lane of their own, one at
+# a time, so a few of them never keep ordinary long prompts waiting; at most
+# _BIG_TOKENIZE_WAITING of them wait (more: 429). Judgement calls.
+_BIG_TOKENIZE_CHARS = 256 * 1024
+_BIG_TOKENIZE_WAITING = 8
 # Seconds a new request may wait to join a decoding batch together with others
 # (`actor/_admission.py` says why, and how the wait shrinks when few sequences
 # decode); 20 ms is a few decode steps of a small model.
@@ -73,6 +80,14 @@ def gpu_limiter() -> trio.CapacityLimiter:
         return _GPU_LIMITER.get()
     except LookupError:
         _GPU_LIMITER.set(limiter := trio.CapacityLimiter(1))
+        return limiter
+
+
+def _big_tokenizer_limiter() -> trio.CapacityLimiter:
+    try:
+        return _BIG_TOKENIZER_LIMITER.get()
+    except LookupError:
+        _BIG_TOKENIZER_LIMITER.set(limiter := trio.CapacityLimiter(1))
         return limiter
 
 
@@ -173,6 +188,8 @@ class Engine:
         self.model_path: os.PathLike[str] | None = None
         self.tokenizer: Any = None
         self._chat: ChatEncoder | None = None
+        self._max_token_chars = 0  # 0: no cheap size bound (engine/_prompt.py)
+        self._big_waiting = 0
         self._special_ids: frozenset[int] = frozenset()
         self._eos_ids: frozenset[int] = frozenset()
         self._requests: dict[int, _Request] = {}
@@ -208,6 +225,7 @@ class Engine:
             self.state = "closed"
             self._actor_done.set()
             raise
+        self._max_token_chars = max_token_chars(self.tokenizer)
         self._special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()) or ())
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids or ())
         if self._switch_interval is not None:
@@ -518,6 +536,40 @@ class Engine:
         Takes the same keyword options as `generate()`."""
         return RequestStream(self, ("chat", messages, chat_template_kwargs), options)
 
+    def _check_size_bound(self, kind: str, chars: int, max_tokens: Any) -> None:
+        """Refuse a prompt that cannot fit before tokenizing it: a text of C characters is at
+        least C / (the longest token's characters) tokens. Tokenizing 16 MB costs ~25 s of CPU
+        and a gigabyte; this costs nothing."""
+        if not chars or not self._max_token_chars or not self.context_length:
+            return
+        floor = -(-chars // self._max_token_chars)
+        want = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 1
+        if floor + want > self.context_length:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {self.context_length} tokens; the prompt "
+                f"has {chars} characters, at least {floor} tokens, and {want} more were requested",
+                param="messages" if kind == "chat" else "prompt",
+            )
+
+    async def _tokenize_big(self, kind: str, value: Any, template_kwargs: Any) -> list[int]:
+        """Very long prompts are tokenized in a lane of their own (one at a time, a few waiting),
+        so that they never hold up the ordinary ones; memory goes back to the system after."""
+        if self._big_waiting >= _BIG_TOKENIZE_WAITING:
+            raise QueueFullError(f"too many very long prompts ({self._big_waiting}) are waiting to be "
+                                 "tokenized; retry shortly", retry_after=5.0)
+
+        def job() -> list[int]:
+            try:
+                return self.encode_prompt(kind, value, template_kwargs)
+            finally:
+                _trim_memory()
+
+        self._big_waiting += 1
+        try:
+            return await trio.to_thread.run_sync(job, limiter=_big_tokenizer_limiter())
+        finally:
+            self._big_waiting -= 1
+
     def encode_prompt(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Prompt -> token ids (synchronous; may be slow for long prompts)."""
         tok = self.tokenizer
@@ -541,8 +593,11 @@ class Engine:
         self._check_open()
         sampling, stop_strings, stop_ids, ignore_eos = _validate(opts, self.info)
         kind, value, template_kwargs = source
-        size = _rough_size(value)
-        if size > _THREAD_TOKENIZE_CHARS:
+        size = prompt_chars(kind, value)
+        self._check_size_bound(kind, size, opts.get("max_tokens"))
+        if size > _BIG_TOKENIZE_CHARS:
+            prompt = await self._tokenize_big(kind, value, template_kwargs)
+        elif size > _THREAD_TOKENIZE_CHARS:
             prompt = await trio.to_thread.run_sync(
                 self.encode_prompt, kind, value, template_kwargs, limiter=_tokenizer_limiter()
             )
@@ -564,12 +619,13 @@ class Engine:
         return prompt, max_tokens, sampling, stops, stop_strings
 
 
-def _rough_size(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, Sequence) and value and isinstance(value[0], Mapping):
-        return sum(len(str(m.get("content", ""))) for m in value if isinstance(m, Mapping))
-    return 0
+def _trim_memory() -> None:
+    """Hand freed heap memory back to the system (glibc keeps it otherwise): after a prompt of
+    megabytes, the process's resident size returns to where it was."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
 
 
 def _number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False) -> Any:

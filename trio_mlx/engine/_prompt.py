@@ -124,3 +124,35 @@ def _map_strings(value: Any, fn: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_map_strings(v, fn) for v in value)
     return value
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for: the longest vocabulary entry. A byte-level
+    entry has one character per byte and a SentencePiece one per character (byte-fallback
+    entries like `<0xE2>` are longer than their byte), so this bounds what a token covers
+    from above, and a text of C characters is at least C / max_token_chars tokens."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        vocab = hf.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary map: no bound
+        return 0
+    return max((len(k) for k in vocab), default=0)
+
+
+def prompt_chars(kind: str, value: Any) -> int:
+    """Characters of client text in a prompt (chat contents, or the text prompt), read without
+    copying: what the cheap bound against the context counts. Token-id prompts count 0."""
+    if kind == "text":
+        return len(value) if isinstance(value, str) else 0
+    total = 0
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        for msg in value:
+            content = msg.get("content") if isinstance(msg, Mapping) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, Sequence):
+                for part in content:
+                    text = part.get("text") if isinstance(part, Mapping) else None
+                    if isinstance(text, str):
+                        total += len(text)
+    return total

@@ -23,7 +23,7 @@ from werkzeug.exceptions import HTTPException
 
 from .._errors import ModelLoadError
 from ..engine import Engine
-from . import _exit, _workers
+from . import _exit, _intake, _workers
 from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id
 from ._completions import Completions
 from ._guest import GuestBridge, native_trio
@@ -200,7 +200,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                     lock_holder=holder, others_may_serve=settings.allow_multiple_workers)
             log.error("trio_mlx could not start: %s", exc)
             raise
-        app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls))
+        app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls, _intake.trimmer))
         info = engine.info
         log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s)",
                  settings.served_model_name, info.model_type if info else "?",
@@ -335,9 +335,11 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     return Response(dumps(obj), status=status, headers=headers, content_type="application/json")
 
 
-def _run_in(scope: trio.CancelScope, fn: Callable[[], Any]) -> Callable[[], Any]:
+def _run_in(scope: trio.CancelScope, *fns: Callable[[], Any]) -> Callable[[], Any]:
     async def run() -> None:
         with scope:
-            await fn()
+            async with trio.open_nursery() as nursery:
+                for fn in fns:
+                    nursery.start_soon(fn)
 
     return run

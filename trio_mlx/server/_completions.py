@@ -42,6 +42,7 @@ from ._asgi import (
     send_response,
     wait_disconnect,
 )
+from ._intake import parse_request
 from ._openai import (
     DONE,
     PING,
@@ -55,7 +56,6 @@ from ._openai import (
     error_from_exception,
     new_id,
     now,
-    parse_json,
 )
 from ._records import CHAT_PATH, RequestRecord, ServerHost
 
@@ -141,12 +141,10 @@ class Completions:
         if ctype is not None and ctype.split(b";")[0].strip().lower() != b"application/json":
             raise HTTPError(400, "Content-Type must be application/json", code="invalid_content_type")
         body = await read_body(scope, receive, settings.max_body_bytes)
-        obj = parse_json(body)
-        if not isinstance(obj, dict):
-            raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
-        req: ChatCompletionRequest | CompletionRequest = (
-            ChatCompletionRequest if chat else CompletionRequest
-        ).model_validate(obj)
+        req: ChatCompletionRequest | CompletionRequest = await parse_request(  # _intake.py: bounds first
+            body, ChatCompletionRequest if chat else CompletionRequest, max_messages=settings.max_messages,
+            context_length=app.engine.context_length if app.engine is not None else 0)
+        del body
         req.check(settings.max_n)
         if req.model is not None and req.model != settings.served_model_name:
             raise HTTPError(404, f"the model {req.model!r} does not exist; this server serves "

@@ -80,6 +80,9 @@ class Settings:
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc(
         "largest request body accepted; larger ones get 413"))
     max_n: int = field(default=16, metadata=_doc("largest n (choices per request) accepted"))
+    max_messages: int = field(default=4096, metadata=_doc(
+        "most messages a chat request may have (and never more than the context has tokens); "
+        "counted before they are validated"))
     startup_timeout: float = field(default=600.0, metadata=_doc(
         "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve)"))
     access_log: bool = field(default=True, metadata=_doc(
@@ -101,7 +104,7 @@ class Settings:
     log_level: str = field(default="info", metadata=_doc("debug, info, warning or error"))
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "prefill_batch", "prefill_step", "max_n"):
+        for name in ("max_batch", "prefill_batch", "prefill_step", "max_n", "max_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_queue", "max_body_bytes", "port", "retire_steps"):
