@@ -183,7 +183,7 @@ async def open_raw(port: int, path: str, body: Any = None, *, method: str | None
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     await sock.connect(("127.0.0.1", port))
     data = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
-    head = {"Host": "x", "Content-Length": str(len(data)), **({"Content-Type": "application/json"}
+    head = {"Host": "127.0.0.1", "Content-Length": str(len(data)), **({"Content-Type": "application/json"}
                                                               if body is not None else {}), **(headers or {})}
     lines = [f"{method or ('GET' if body is None else 'POST')} {path} HTTP/1.1",
              *(f"{k}: {v}" for k, v in head.items()), "", ""]

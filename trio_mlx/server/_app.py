@@ -24,8 +24,9 @@ from werkzeug.exceptions import HTTPException
 from .._errors import ModelLoadError
 from ..engine import Engine
 from . import _exit, _intake, _workers
-from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id
+from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id, send_error
 from ._completions import Completions
+from ._guard import check_host
 from ._guest import GuestBridge, native_trio
 from ._logs import request_done
 from ._metrics import Metrics
@@ -119,6 +120,11 @@ class TrioMLXApp(QuartTrio):
         """The ASGI app proper, on trio (the guest run's, under an asyncio server)."""
         if scope["type"] == "http":
             try:
+                try:
+                    check_host(scope, self.settings.allowed_hosts)  # DNS rebinding (_guard.py)
+                except HTTPError as error:
+                    await send_error(send, error, [])
+                    return
                 if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
                     await self.completions(scope, receive, send)
                 else:

@@ -42,6 +42,7 @@ from ._asgi import (
     send_response,
     wait_disconnect,
 )
+from ._guard import require_json
 from ._intake import parse_request
 from ._openai import (
     DONE,
@@ -137,9 +138,7 @@ class Completions:
             raise HTTPError(405, f"method {scope['method']} is not allowed on {scope['path']}",
                             code="method_not_allowed", headers=[("Allow", "POST, OPTIONS")])
         check_api_key(header(scope, b"authorization"), settings.api_key)
-        ctype = header(scope, b"content-type")
-        if ctype is not None and ctype.split(b";")[0].strip().lower() != b"application/json":
-            raise HTTPError(400, "Content-Type must be application/json", code="invalid_content_type")
+        require_json(scope)  # no preflight-free cross-origin POSTs (_guard.py)
         body = await read_body(scope, receive, settings.max_body_bytes)
         req: ChatCompletionRequest | CompletionRequest = await parse_request(  # _intake.py: bounds first
             body, ChatCompletionRequest if chat else CompletionRequest, max_messages=settings.max_messages,

@@ -77,6 +77,10 @@ class Settings:
         "require 'Authorization: Bearer <key>' on /v1/* when set", secret=True))
     cors_origins: tuple[str, ...] = field(default=(), metadata=_doc(
         "comma-separated origins allowed by CORS ('*' for any); empty: no CORS headers"))
+    allowed_hosts: tuple[str, ...] = field(default=(), metadata=_doc(
+        "comma-separated Host names accepted on connections over loopback besides localhost, "
+        "127.0.0.0/8 and [::1] ('.example.com': the domain and its subdomains; '*': any), "
+        "for a local reverse proxy; others get 403 (DNS rebinding)"))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc(
         "largest request body accepted; larger ones get 413"))
     max_n: int = field(default=16, metadata=_doc("largest n (choices per request) accepted"))
