@@ -84,6 +84,9 @@ async def serve(model: Any, *, factory: Callable[[Settings], Engine] | None = No
     # and it starts faster). The process actor has its own tests.
     settings.setdefault("actor", "thread")
     app = create_app(Settings(model=str(model), **settings), engine_factory=factory)
+    fatal: list[str] = []
+    app.on_fatal = fatal.append  # type: ignore[method-assign]  # a broken engine must not end pytest
+    app.fatal = fatal  # type: ignore[attr-defined]
     config = hypercorn_config(app.settings) if access_log else Config()
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 5.0

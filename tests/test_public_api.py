@@ -9,6 +9,7 @@ EXPECTED = {
     "Engine",
     "EngineBrokenError",
     "EngineClosedError",
+    "EngineRestartingError",
     "EngineStatistics",
     "Finished",
     "InvalidRequestError",

@@ -14,6 +14,7 @@ docs/design.md walks one request through them.
 from ._errors import ContextLengthExceededError as ContextLengthExceededError
 from ._errors import EngineBrokenError as EngineBrokenError
 from ._errors import EngineClosedError as EngineClosedError
+from ._errors import EngineRestartingError as EngineRestartingError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import ModelLoadError as ModelLoadError
 from ._errors import QueueFullError as QueueFullError

@@ -32,6 +32,7 @@ from .._errors import (
     ContextLengthExceededError,
     EngineBrokenError,
     EngineClosedError,
+    EngineRestartingError,
     InvalidRequestError,
     ModelLoadError,
     QueueFullError,
@@ -50,6 +51,7 @@ from ..actor import (
 )
 from ._events import EngineStatistics, Event, Finished, TextDelta, TokenLogprob, Usage
 from ._prompt import ChatEncoder, max_token_chars, prompt_chars
+from ._supervise import RestartBudget
 from ._text import StopMatcher, normalize_messages
 
 log = logging.getLogger("trio_mlx.engine")
@@ -130,6 +132,7 @@ class _Counters:
     aborts_by_stage: collections.Counter[str] = field(default_factory=collections.Counter)
     aborts_by_cause: collections.Counter[str] = field(default_factory=collections.Counter)
     step_failures: int = 0
+    restarts: int = 0
 
 
 class Engine:
@@ -154,6 +157,9 @@ class Engine:
         idle_release: float | None = None,
         cache_limit_gb: float | None = None,
         step_trace: str | None = None,
+        restart_limit: int = 0,
+        restart_window: float = 300.0,
+        restart_backoff: float = 1.0,
     ):
         if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
@@ -204,6 +210,9 @@ class Engine:
         self._inbox_recv: trio.MemoryReceiveChannel[Command] | None = None
         self._ready_or_dead = trio.Event()
         self._actor_done = trio.Event()
+        self._broken = trio.Event()
+        self._stop_restarting = trio.Event()
+        self._restarts = RestartBudget(restart_limit, restart_window, restart_backoff)
         self._idle = trio.Event()
 
     # -- lifecycle -------------------------------------------------------------
@@ -259,35 +268,69 @@ class Engine:
                 f"{type(error).__name__}: {error}"
             ) from error
 
+    async def _run_one_actor(self, config: Any) -> None:
+        """One actor's life: from starting it until it stops or dies."""
+        if self.actor_mode == "process":
+            from ..actor import run_actor_process
+
+            await run_actor_process(config, ready=self.ready, deliver=self.deliver,
+                                    wait_commands=self.wait_commands)
+        else:
+            from ..actor import Actor, ThreadLink
+
+            factory: Any = Actor if self.actor_mode == "thread" else self.actor_mode
+            actor = factory(config, ThreadLink(self))
+            await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
+
     async def _run_actor(self, config: Any) -> None:
+        """Run the actor; one that dies while serving is started again within the restart
+        budget (`engine/_supervise.py`), and past it the engine is broken."""
         try:
-            if self.actor_mode == "process":
-                from ..actor import run_actor_process
-
-                await run_actor_process(config, ready=self.ready, deliver=self.deliver,
-                                        wait_commands=self.wait_commands)
-            else:
-                from ..actor import Actor, ThreadLink
-
-                factory: Any = Actor if self.actor_mode == "thread" else self.actor_mode
-                actor = factory(config, ThreadLink(self))
-                await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
+            while True:
+                try:
+                    await self._run_one_actor(config)
+                    return  # it stopped: a shutdown
+                except trio.Cancelled:
+                    raise
+                except BaseException as exc:
+                    self._actor_error = exc
+                    if not isinstance(exc, Exception):
+                        raise
+                    if self.state not in ("ready", "restarting"):
+                        if self.state == "draining":
+                            log.error("the GPU actor died while draining: %s: %s", type(exc).__name__, exc)
+                        return  # a failed first start (run() raises it), or the end of a drain
+                # Died while serving: every request in flight ends now (rule 8), then a restart.
+                error = self._actor_error
+                self._fail_all(_Terminal("error", "the GPU actor died"))
+                delay = self._restarts.next_delay(trio.current_time())
+                if delay is None:
+                    log.error("the GPU actor died (%s: %s); %s", type(error).__name__, error,
+                              "restarts are off: the engine is broken" if not self._restarts.limit else
+                              f"{self._restarts.limit} restarts within {self._restarts.window:g} s already: "
+                              "the engine is broken")
+                    self.state = "broken"
+                    return
+                log.warning("the GPU actor died (%s: %s); starting a new one in %.1f s (restart %d)",
+                            type(error).__name__, error, delay, self._c.restarts + 1,
+                            exc_info=error if self.actor_mode != "process" else None)  # a child: no traceback
+                self.state = "restarting"
+                self._c.restarts += 1
+                # Commands for the dead actor (aborts of the requests just failed) go with it.
+                self._inbox_send, self._inbox_recv = trio.open_memory_channel(math.inf)
+                with trio.move_on_after(delay):
+                    await self._stop_restarting.wait()
+                if self.state != "restarting":
+                    return  # aclose() came meanwhile
         except trio.Cancelled:
             # The engine's own task was cancelled (the server is going down):
             # the actor noticed, freed its state and returned. Not a death.
             self.state = "closed"
             raise
-        except BaseException as exc:
-            self._actor_error = exc
-            if self.state == "ready" or self.state == "draining":
-                log.exception("the GPU actor died; the engine is broken")
-                self.state = "broken"
-            if not isinstance(exc, Exception):
-                raise
         finally:
-            if self.state not in ("broken", "closed") and self._actor_error is None:
-                self.state = "closed"
-            elif self.state == "starting":
+            if self.state == "broken":
+                self._broken.set()
+            elif self.state != "closed":
                 self.state = "closed"
             reason = "the engine closed" if self.state == "closed" else "the GPU actor died"
             self._fail_all(_Terminal("error" if self.state == "broken" else "abort", reason))
@@ -296,10 +339,26 @@ class Engine:
             self._ready_or_dead.set()
             self._actor_done.set()
 
+    @property
+    def restart_budget(self) -> RestartBudget:
+        return self._restarts
+
+    @property
+    def actor_error(self) -> BaseException | None:
+        """Why the last actor died, if one did."""
+        return self._actor_error
+
+    async def wait_broken(self) -> None:
+        """Return when the engine is broken: its actor died and no restart is left."""
+        await self._broken.wait()
+
     async def aclose(self, *, drain_timeout: float = 0.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to `drain_timeout`
         seconds, end the rest with finish_reason "abort", stop the actor."""
-        if self.state == "ready":
+        if self.state == "restarting":  # nothing in flight; stop the restart
+            self.state = "draining"
+            self._stop_restarting.set()
+        elif self.state == "ready":
             self.state = "draining"
             if self._requests and drain_timeout > 0:
                 with trio.move_on_after(drain_timeout):
@@ -316,7 +375,10 @@ class Engine:
 
     def ready(self, info: ActorInfo) -> None:
         self.info = info
-        self.state = "ready"
+        if self.state in ("starting", "restarting"):  # not "draining": a restart that aclose() met
+            if self.state == "restarting":
+                log.info("the new GPU actor is ready (pid %s)", info.pid)
+            self.state = "ready"
         self._last_progress = trio.current_time()
         self._ready_or_dead.set()
 
@@ -436,6 +498,8 @@ class Engine:
             return
         if self.state == "broken":
             raise EngineBrokenError(f"the GPU actor died: {self._actor_error!r}")
+        if self.state == "restarting":
+            raise EngineRestartingError("the GPU actor is being restarted after a failure; retry shortly")
         if self.state in ("created", "starting"):
             raise EngineClosedError("the engine is not ready yet")
         raise EngineClosedError("the engine is shutting down" if self.state == "draining" else "the engine is closed")
@@ -497,6 +561,7 @@ class Engine:
             peak_memory_bytes=self._memory[1],
             cache_memory_bytes=self._memory[2],
             step_failures=self._c.step_failures,
+            actor_restarts=self._c.restarts,
             seconds_since_step=since,
         )
 

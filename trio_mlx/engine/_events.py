@@ -55,7 +55,7 @@ Event = TextDelta | Finished
 class EngineStatistics:
     """A snapshot of the engine, as `engine.statistics()` returns it."""
 
-    state: Literal["starting", "ready", "draining", "closed", "broken"]
+    state: Literal["starting", "ready", "restarting", "draining", "closed", "broken"]
     queued: int
     prefilling: int
     decoding: int
@@ -76,3 +76,4 @@ class EngineStatistics:
     peak_memory_bytes: int = 0
     cache_memory_bytes: int = 0  # freed MLX buffers kept for reuse: resident, but not a leak
     seconds_since_step: float | None = None
+    actor_restarts: int = 0  # actors started again after one died (engine/_supervise.py)

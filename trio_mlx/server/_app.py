@@ -10,8 +10,10 @@ before Quart sees the request. Every error body has OpenAI's shape.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -58,6 +60,9 @@ def default_engine(settings: Settings) -> Engine:
         idle_release=settings.idle_release,
         cache_limit_gb=settings.cache_limit_gb,
         step_trace=settings.step_trace,
+        restart_limit=settings.restart_limit,
+        restart_window=settings.restart_window,
+        restart_backoff=settings.restart_backoff,
     )
 
 
@@ -139,6 +144,20 @@ class TrioMLXApp(QuartTrio):
             return  # start_engine logged it in one line; its traceback says nothing more
         super().log_exception(exc_info)
 
+    def on_fatal(self, reason: str) -> None:
+        """The server cannot serve on (the engine is broken): end the process, non-zero.
+        `trio-mlx serve` replaces this with a drain and exit 1 (`_serve.py`); under another
+        ASGI server the process exits 1 a second from now (the requests in flight have
+        already ended), whatever its supervisor would report."""
+        log.critical("%s; exiting", reason)
+
+        async def bye() -> None:
+            await trio.sleep(1.0)
+            logging.shutdown()
+            os._exit(1)
+
+        self.nursery.start_soon(bye)
+
     def ready_engine(self) -> Engine:
         """The engine, for admitting a request; 503 while there is none yet."""
         if self.engine is None:
@@ -206,7 +225,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                     lock_holder=holder, others_may_serve=settings.allow_multiple_workers)
             log.error("trio_mlx could not start: %s", exc)
             raise
-        app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls, _intake.trimmer))
+        app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls, _intake.trimmer,
+                                       partial(_exit_when_broken, app, engine)))
         info = engine.info
         log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s, %s actor (pid %s)",
                  settings.served_model_name, info.model_type if info else "?",
@@ -267,6 +287,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         if stats.state in ("broken", "closed"):
             body["status"] = stats.state
             return json_response(body, 503)
+        if stats.state == "restarting":  # alive, and recovering by itself: not a liveness failure
+            body.update(status="restarting", actor_restarts=stats.actor_restarts)
+            return json_response(body)
         since = stats.seconds_since_step
         if since is not None and since > settings.watchdog_seconds:
             body.update(status="stalled", seconds_since_step=round(since, 3))
@@ -276,9 +299,13 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     @app.get("/ready")
     @app.get("/health/ready")
     async def ready() -> Response:
-        """Readiness: 200 once the model is loaded and warm, 503 before and while draining."""
+        """Readiness: 200 once the model is loaded and warm, 503 before, while the actor restarts,
+        and while draining."""
         state = app.engine.state if app.engine is not None else "starting"
-        return json_response({"status": "ready" if state == "ready" else state}, 200 if state == "ready" else 503)
+        if state == "ready":
+            return json_response({"status": "ready"})
+        retry = {"Retry-After": "5"} if state in ("starting", "restarting") else None
+        return json_response({"status": state}, 503, retry)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -329,6 +356,15 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         return json_response(error.payload(), 500)
 
     return app
+
+
+async def _exit_when_broken(app: TrioMLXApp, engine: Engine) -> None:
+    """An engine past its restart budget serves nothing more: stop the server, non-zero, so
+    that the process supervisor (systemd, Kubernetes) takes over (engine/_supervise.py)."""
+    await engine.wait_broken()
+    budget = engine.restart_budget
+    app.on_fatal(f"the GPU actor died and was not restarted (restart limit {budget.limit} "
+                 f"within {budget.window:g} s): {engine.actor_error!r}")
 
 
 def _release(app: TrioMLXApp) -> None:

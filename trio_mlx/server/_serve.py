@@ -83,12 +83,21 @@ def hypercorn_config(settings: Settings) -> Any:
 
 
 async def serve(app: Any, config: Any) -> bool:
-    """Serve until SIGTERM/SIGINT, then drain. Returns False if a second signal cut the drain."""
+    """Serve until SIGTERM/SIGINT, then drain. Returns False if a second signal cut the drain,
+    or the engine broke for good (its actor died past the restart budget)."""
     import hypercorn.trio
     import trio
 
     stop = trio.Event()
     forced = False
+
+    def fatal(reason: str) -> None:  # the engine is broken past its restart budget (_app.py)
+        nonlocal forced
+        log.critical("%s; stopping (exit 1)", reason)
+        forced = True
+        stop.set()
+
+    app.on_fatal = fatal
 
     async def on_signals(signals: Any, cancel: trio.CancelScope) -> None:
         nonlocal forced

@@ -58,6 +58,14 @@ class Settings:
         "where the GPU actor runs: 'thread' (a dedicated thread of the server's process) or "
         "'process' (a child process with its own GIL, so HTTP work does not slow decoding: "
         "the highest throughput at the top of concurrency; ~1-2 s more to start)"))
+    restart_limit: int = field(default=3, metadata=_doc(
+        "times a GPU actor that died is started again within restart_window seconds; past it the "
+        "server exits non-zero for its supervisor to act; 0: never (exit at the first death)"))
+    restart_window: float = field(default=300.0, metadata=_doc(
+        "seconds over which restart_limit counts restarts"))
+    restart_backoff: float = field(default=1.0, metadata=_doc(
+        "seconds before the first restart; each further one within restart_window waits twice "
+        "as long (at most 30)"))
     drain_timeout: float = field(default=20.0, metadata=_doc(
         "seconds in-flight requests may run on after SIGTERM before they are ended"))
     stall_timeout: float = field(default=30.0, metadata=_doc(
@@ -111,13 +119,13 @@ class Settings:
         for name in ("max_batch", "prefill_batch", "prefill_step", "max_n", "max_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue", "max_body_bytes", "port", "retire_steps"):
+        for name in ("max_queue", "max_body_bytes", "port", "retire_steps", "restart_limit"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",
-                     "stream_interval", "max_event_rate", "admit_window"):
+                     "stream_interval", "max_event_rate", "admit_window", "restart_window", "restart_backoff"):
             value = getattr(self, name)
-            zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window")  # drain 0: end in-flight at once
+            zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window", "restart_backoff")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
         for name in ("idle_release", "cache_limit_gb"):
