@@ -11,6 +11,7 @@ This module only re-exports. The layers, each a subpackage whose imports point d
 docs/design.md walks one request through them.
 """
 
+from . import _fdlimit
 from ._errors import ContextLengthExceededError as ContextLengthExceededError
 from ._errors import EngineBrokenError as EngineBrokenError
 from ._errors import EngineClosedError as EngineClosedError
@@ -30,3 +31,5 @@ from .engine import Usage as Usage
 from .engine import open_engine as open_engine
 
 __version__ = "0.1.0"
+
+_fdlimit.install()  # before anything imports mlx-lm, which would lower the open-file limit

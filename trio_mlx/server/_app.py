@@ -25,7 +25,7 @@ from werkzeug.exceptions import HTTPException
 
 from .._errors import ModelLoadError
 from ..engine import Engine
-from . import _exit, _intake, _workers
+from . import _connections, _exit, _intake, _workers
 from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id, send_error
 from ._completions import Completions
 from ._guard import check_host
@@ -202,6 +202,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.serving_lock = None
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        BODY_TIMEOUT=settings.body_timeout,
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=settings.drain_timeout + SHUTDOWN_MARGIN,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
@@ -211,6 +212,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
     @app.before_serving
     async def start_engine() -> None:
+        _connections.raise_soft_limit()  # every connection is a descriptor (_connections.py)
+        _connections.quiet_accept_errors()
         try:
             if not settings.allow_multiple_workers:
                 app.serving_lock = _workers.acquire(settings)

@@ -139,7 +139,7 @@ class Completions:
                             code="method_not_allowed", headers=[("Allow", "POST, OPTIONS")])
         check_api_key(header(scope, b"authorization"), settings.api_key)
         require_json(scope)  # no preflight-free cross-origin POSTs (_guard.py)
-        body = await read_body(scope, receive, settings.max_body_bytes)
+        body = await read_body(scope, receive, settings.max_body_bytes, settings.body_timeout)
         req: ChatCompletionRequest | CompletionRequest = await parse_request(  # _intake.py: bounds first
             body, ChatCompletionRequest if chat else CompletionRequest, max_messages=settings.max_messages,
             context_length=app.engine.context_length if app.engine is not None else 0)

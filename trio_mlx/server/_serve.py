@@ -74,6 +74,7 @@ def hypercorn_config(settings: Settings) -> Any:
     config.graceful_timeout = settings.drain_timeout + SHUTDOWN_MARGIN
     config.shutdown_timeout = settings.drain_timeout + 2 * SHUTDOWN_MARGIN
     config.startup_timeout = settings.startup_timeout
+    config.backlog = settings.backlog
     config.accesslog = logging.getLogger("hypercorn.access") if settings.access_log else None
     # One line per request, ending with its X-Request-Id (see _logs.py for the duplicate it drops).
     config.logger_class = AccessLogger
@@ -137,13 +138,23 @@ def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
     from hypercorn.utils import LifespanFailureError, LifespanTimeoutError
 
     from ._app import create_app
+    from ._connections import (
+        capped_connections,
+        connection_cap,
+        quiet_accept_errors,
+        raise_soft_limit,
+    )
 
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("settings: %s", settings.public())
     app = create_app(settings, engine_factory=engine_factory)
+    cap = connection_cap(settings.max_connections)
+    quiet_accept_errors()
+    log.info("at most %d open connections (open-file limit %d)", cap, raise_soft_limit()[0])
     try:
-        clean = trio.run(serve, app, hypercorn_config(settings))
+        with capped_connections(cap):
+            clean = trio.run(serve, app, hypercorn_config(settings))
     except BaseException as exc:  # noqa: BLE001 - sorted below; the process ends here
         failure = _startup_failure(exc, (LifespanFailureError, LifespanTimeoutError))
         if failure is not None:

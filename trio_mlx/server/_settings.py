@@ -89,6 +89,14 @@ class Settings:
         "comma-separated Host names accepted on connections over loopback besides localhost, "
         "127.0.0.0/8 and [::1] ('.example.com': the domain and its subdomains; '*': any), "
         "for a local reverse proxy; others get 403 (DNS rebinding)"))
+    max_connections: int = field(default=0, metadata=_doc(
+        "most open connections (trio-mlx serve); more are answered 503 and closed at once; "
+        "0: the open-file limit (raised to its hard limit at startup) less a reserve"))
+    backlog: int = field(default=2048, metadata=_doc(
+        "the listen queue (trio-mlx serve): connections the kernel holds before the server "
+        "accepts them (capped by net.core.somaxconn)"))
+    body_timeout: float = field(default=20.0, metadata=_doc(
+        "seconds a client may take to send its whole request body (408 after)"))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc(
         "largest request body accepted; larger ones get 413"))
     max_n: int = field(default=16, metadata=_doc("largest n (choices per request) accepted"))
@@ -116,14 +124,14 @@ class Settings:
     log_level: str = field(default="info", metadata=_doc("debug, info, warning or error"))
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "prefill_batch", "prefill_step", "max_n", "max_messages"):
+        for name in ("max_batch", "prefill_batch", "prefill_step", "max_n", "max_messages", "backlog"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue", "max_body_bytes", "port", "retire_steps", "restart_limit"):
+        for name in ("max_queue", "max_body_bytes", "port", "retire_steps", "restart_limit", "max_connections"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",
-                     "stream_interval", "max_event_rate", "admit_window", "restart_window", "restart_backoff"):
+                     "stream_interval", "max_event_rate", "admit_window", "restart_window", "restart_backoff", "body_timeout"):
             value = getattr(self, name)
             zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window", "restart_backoff")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
