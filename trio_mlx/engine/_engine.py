@@ -514,6 +514,9 @@ class Engine:
                 f"too many requests are waiting ({self.max_queue}); retry shortly",
                 retry_after=max(1.0, self.mean_step_seconds * max_tokens / 4),
             )
+        if not self._requests and not self._live:
+            # The watchdog counts from the first work after idle, not from the last step before it.
+            self._last_progress = trio.current_time()
         rid = self._next_rid = self._next_rid + 1
         send, recv = trio.open_memory_channel[Any](max_tokens + 2)
         req = _Request(rid, send, recv)
@@ -810,6 +813,11 @@ class RequestStream:
         """"queued", "prefill", "decode" or "done"."""
         req = self._req
         return req.stage if req is not None and req.rid in self._engine._requests else "done"
+
+    @property
+    def unread(self) -> int:
+        """Tokens the engine has delivered that this stream's reader has not taken yet."""
+        return self._recv.statistics().current_buffer_used if self._recv is not None and not self._done else 0
 
     async def wait_ended(self) -> None:
         """Return once the request has ended (at once if it has): for a reader that

@@ -28,7 +28,7 @@ from ..engine import Engine
 from . import _connections, _exit, _intake, _workers
 from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id, send_error
 from ._completions import Completions
-from ._guard import check_host
+from ._guard import check_framing, check_host
 from ._guest import GuestBridge, native_trio
 from ._logs import request_done
 from ._metrics import Metrics
@@ -127,6 +127,7 @@ class TrioMLXApp(QuartTrio):
             try:
                 try:
                     check_host(scope, self.settings.allowed_hosts)  # DNS rebinding (_guard.py)
+                    check_framing(scope)
                 except HTTPError as error:
                     await send_error(send, error, [])
                     return
@@ -303,9 +304,12 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     @app.get("/health/ready")
     async def ready() -> Response:
         """Readiness: 200 once the model is loaded and warm, 503 before, while the actor restarts,
-        and while draining."""
+        while draining, and while the actor is stalled (as /health says)."""
         state = app.engine.state if app.engine is not None else "starting"
         if state == "ready":
+            since = app.engine.statistics().seconds_since_step if app.engine is not None else None
+            if since is not None and since > settings.watchdog_seconds:
+                return json_response({"status": "stalled", "seconds_since_step": round(since, 3)}, 503)
             return json_response({"status": "ready"})
         retry = {"Retry-After": "5"} if state in ("starting", "restarting") else None
         return json_response({"status": state}, 503, retry)

@@ -249,6 +249,7 @@ class Completions:
     async def watch_stalls(self) -> None:
         """Abort every stream whose client has not taken a chunk for stall_timeout seconds."""
         stall = self.app.settings.stall_timeout
+        most = self.app.settings.max_unread_tokens
         period = min(1.0, stall / 4)  # the check's resolution; arbitrary
         while True:
             await trio.sleep(period)
@@ -258,6 +259,12 @@ class Completions:
                 if since is not None and t - since > stall:
                     log.warning("request %s: the client took no data for %.1f s; aborting it",
                                 pump.rec.request_id, t - since)
+                    pump.abort("stall")
+                elif since is not None and most and (unread := sum(s.unread for s in pump.streams)) > most:
+                    # Its socket is full and its tokens pile up in memory: bound them (stall_timeout
+                    # alone would let a fast model buffer thousands of tokens for a client gone quiet).
+                    log.warning("request %s: the client is %d tokens behind; aborting it",
+                                pump.rec.request_id, unread)
                     pump.abort("stall")
 
 

@@ -80,3 +80,12 @@ def require_json(scope: Scope) -> None:
     if ctype is None or ctype.split(b";")[0].strip().lower() != b"application/json":
         raise HTTPError(415, "the request body must be JSON, sent with 'Content-Type: application/json'",
                         code="unsupported_media_type")
+
+
+def check_framing(scope: Scope) -> None:
+    """400, closing the connection, for a request with both Content-Length and Transfer-Encoding:
+    RFC 9112 section 6.3 says such a message may be a smuggling attempt, and the server must
+    close the connection after answering it."""
+    if header(scope, b"content-length") is not None and header(scope, b"transfer-encoding") is not None:
+        raise HTTPError(400, "a request may not have both Content-Length and Transfer-Encoding",
+                        code="invalid_framing", headers=[("Connection", "close")])

@@ -70,6 +70,9 @@ class Settings:
         "seconds in-flight requests may run on after SIGTERM before they are ended"))
     stall_timeout: float = field(default=30.0, metadata=_doc(
         "seconds a streaming client may stop reading before its request is aborted"))
+    max_unread_tokens: int = field(default=2048, metadata=_doc(
+        "tokens a streaming client that stopped reading (its socket full) may fall behind before "
+        "its request is aborted as stalled, whatever stall_timeout says; 0: only the timeout"))
     watchdog_seconds: float = field(default=30.0, metadata=_doc(
         "/health turns 503 when work is pending and no decode step completed for this long"))
     ping_interval: float = field(default=10.0, metadata=_doc(
@@ -127,7 +130,8 @@ class Settings:
         for name in ("max_batch", "prefill_batch", "prefill_step", "max_n", "max_messages", "backlog"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue", "max_body_bytes", "port", "retire_steps", "restart_limit", "max_connections"):
+        for name in ("max_queue", "max_body_bytes", "port", "retire_steps", "restart_limit", "max_connections",
+                     "max_unread_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",
