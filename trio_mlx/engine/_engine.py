@@ -316,6 +316,7 @@ class Engine:
                             exc_info=error if self.actor_mode != "process" else None)  # a child: no traceback
                 self.state = "restarting"
                 self._c.restarts += 1
+                self._live, self._memory = 0, (0, 0, 0)  # the dead actor's; the new one reports its own
                 # Commands for the dead actor (aborts of the requests just failed) go with it.
                 self._inbox_send, self._inbox_recv = trio.open_memory_channel(math.inf)
                 with trio.move_on_after(delay):

@@ -215,6 +215,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     async def start_engine() -> None:
         _connections.raise_soft_limit()  # every connection is a descriptor (_connections.py)
         _connections.quiet_accept_errors()
+        _intake.return_large_allocations()
         try:
             if not settings.allow_multiple_workers:
                 app.serving_lock = _workers.acquire(settings)

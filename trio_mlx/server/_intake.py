@@ -10,8 +10,10 @@ other request for seconds. So:
 - bodies over `LARGE_BODY` bytes are parsed and validated in a worker thread,
   one at a time (`_LIMITER`), so the event loop waits for at most one of them
   at a time instead of running them all;
-- after a large body the process hands freed heap memory back to the system
-  (`trim_soon`), so resident memory returns to its level before it.
+- large allocations get pages of their own (`return_large_allocations`: a
+  fixed glibc mmap threshold), and after a large body the process hands
+  freed heap memory back to the system (`trim_soon`), so resident memory
+  returns to its level before it.
 """
 
 from __future__ import annotations
@@ -88,6 +90,21 @@ async def trimmer(delay: float = 1.0) -> None:
         await wanted.wait()
         await trio.sleep(delay)
         await trio.to_thread.run_sync(malloc_trim)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+# Allocations at least this large get pages of their own (mmap), handed back to the system when
+# freed. glibc's own threshold starts at 128 KiB but rises after large frees (up to 32 MiB), after
+# which a megabytes-long body's memory stays in the heap. Judgement: well above any SSE chunk.
+MMAP_THRESHOLD = 256 * 1024
+
+
+def return_large_allocations() -> None:
+    """Fix glibc's mmap threshold, so that a large body's memory goes back once freed."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except (AttributeError, OSError):  # not glibc
+        pass
 
 
 def malloc_trim() -> None:
