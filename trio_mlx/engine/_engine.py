@@ -913,8 +913,9 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
     start its GPU actor and yield the ready `Engine`; close it on exit.
 
     Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
-    switch_interval, actor ("thread" or "process"), admit_window, and the actor knobs
-    retire_steps, idle_release, cache_limit_gb, step_trace (see `Engine`, `ActorConfig`)."""
+    switch_interval, actor ("thread" or "process"), admit_window, the actor knobs
+    retire_steps, idle_release, cache_limit_gb, step_trace (see `Engine`, `ActorConfig`), and
+    restart_limit, restart_window, restart_backoff (a dead actor restarted: `_supervise.py`)."""
     engine = Engine(model, **options)
     try:
         async with trio.open_nursery() as nursery:
