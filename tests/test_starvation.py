@@ -120,3 +120,50 @@ async def test_memory_taken_by_a_large_body_comes_back(tiny_model_fp32: Path) ->
         await trio.sleep(1.5)  # the trimmer runs a second after the last large body
         grown = rss() - before
         assert grown < 20_000_000, grown
+
+
+class SlowBigEngine(CountingEngine):
+    """Tokenizing a very long prompt takes a second (a stand-in for megabytes of text)."""
+
+    def encode_prompt(self, kind: str, value: Any, template_kwargs: Any = None) -> list[int]:
+        if len(json.dumps(value)) > 6000:
+            import time
+
+            time.sleep(1.0)
+        return super().encode_prompt(kind, value, template_kwargs)
+
+
+def slow_big(settings: Settings) -> Engine:
+    engine = SlowBigEngine(settings.model, max_batch=settings.max_batch, warmup=False)
+    engine.encoded = []
+    return engine
+
+
+async def test_very_long_prompts_have_a_lane_of_their_own(tiny_model_fp32: Path, monkeypatch) -> None:
+    """With the lane's threshold lowered to fit the tiny model's context: while very long prompts
+    are tokenized one at a time (a second each), an ordinary long prompt is served at once, and
+    very long ones past the lane's few waiting places get 429."""
+    from trio_mlx.engine import _engine
+
+    monkeypatch.setattr(_engine, "_BIG_TOKENIZE_CHARS", 6000)
+    monkeypatch.setattr(_engine, "_BIG_TOKENIZE_WAITING", 2)
+    async with serve(tiny_model_fp32, factory=slow_big) as server, server.client(timeout=30) as client:
+        big = {"prompt": "ab " * 2500, "max_tokens": 1}  # 7,500 characters
+        results: list[int] = []
+
+        async def send_big() -> None:
+            results.append((await client.post(COMPLETIONS, json=big)).status_code)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(send_big)
+            await trio.sleep(0.3)
+            t0 = trio.current_time()
+            r = await client.post(COMPLETIONS, json={"prompt": "cd " * 1500, "max_tokens": 1})  # 4,500: threaded
+            ordinary = trio.current_time() - t0
+            # tokenized, then judged by its real length (the tiny model's context is 1024 tokens)
+            assert r.status_code in (200, 400), r.text
+        assert ordinary < 1.0, ordinary  # not behind the very long ones (2 s of them)
+        # two very long ones tokenized in turn (then judged by length), two refused: the lane was full
+        assert sorted(results) == [400, 400, 429, 429], results
+        assert len(server.engine.encoded) == 3  # type: ignore[attr-defined]
