@@ -71,6 +71,8 @@ async def test_a_body_must_say_it_is_json(tiny_model_fp32: Path) -> None:
                 r = await client.post(path, content=raw, headers=headers)
                 err = assert_error(r, 415, code="unsupported_media_type")
                 assert "application/json" in err["message"]
+                # the body was not read: the connection cannot carry another request, and says so
+                assert r.headers.get("connection") == "close", r.headers
         stats = server.engine.statistics()
         assert stats.requests_submitted == 0  # none of them reached the engine
         for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON"):

@@ -42,7 +42,7 @@ from ._asgi import (
     send_response,
     wait_disconnect,
 )
-from ._guard import require_json
+from ._guard import BODY_READ, require_json, unread_body_close
 from ._intake import parse_request
 from ._openai import (
     DONE,
@@ -109,7 +109,8 @@ class Completions:
                 log.exception("request %s failed before it started", rec.request_id)
             rec.status, rec.outcome = error.status, "error"
             app.observe(rec)
-            await send_error(send, error, extra)
+            told = any(k.lower() == "connection" for k, _ in error.headers)
+            await send_error(send, error, [*extra, *([] if told else unread_body_close(scope))])
             return
         rec.admitted = trio.current_time()
         rec.prompt_tokens = len(streams[0].prompt_tokens)
@@ -140,6 +141,7 @@ class Completions:
         check_api_key(header(scope, b"authorization"), settings.api_key)
         require_json(scope)  # no preflight-free cross-origin POSTs (_guard.py)
         body = await read_body(scope, receive, settings.max_body_bytes, settings.body_timeout)
+        scope[BODY_READ] = True
         req: ChatCompletionRequest | CompletionRequest = await parse_request(  # _intake.py: bounds first
             body, ChatCompletionRequest if chat else CompletionRequest, max_messages=settings.max_messages,
             context_length=app.engine.context_length if app.engine is not None else 0)

@@ -89,3 +89,19 @@ def check_framing(scope: Scope) -> None:
     if header(scope, b"content-length") is not None and header(scope, b"transfer-encoding") is not None:
         raise HTTPError(400, "a request may not have both Content-Length and Transfer-Encoding",
                         code="invalid_framing", headers=[("Connection", "close")])
+
+
+# Set in the ASGI scope once a request's body has been read whole.
+BODY_READ = "trio_mlx.body_read"
+
+
+def unread_body_close(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """`Connection: close` for an answer sent before the request's body was read (a 415, 401,
+    405...): the server will not read the rest, so the connection cannot carry another request,
+    and a keep-alive client must be told rather than find it closed under its next request."""
+    if scope.get(BODY_READ):
+        return []
+    length = header(scope, b"content-length")
+    if header(scope, b"transfer-encoding") is not None or (length is not None and length.strip() not in (b"", b"0")):
+        return [(b"connection", b"close")]
+    return []
