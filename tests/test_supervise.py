@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 from app_server import CHAT, HELLO, assert_error, engine_factory, scrape, serve, until, until_answer
-from test_app_process import SERVE, alive, start
+from test_app_process import ENV, SERVE, alive, start
 from test_faults import SEQUENCES, assert_all_ended_with, run_mix
 
 from trio_mlx.engine._supervise import RestartBudget
@@ -145,6 +145,31 @@ async def test_a_killed_actor_process_is_restarted_then_past_the_budget_the_serv
                 await p.proc.wait()
             assert p.proc.returncode == 1, p.text
             assert "restart limit 1" in p.text and "Traceback" not in p.text
+        finally:
+            if p.proc.returncode is None:
+                p.proc.kill()
+            nursery.cancel_scope.cancel()
+
+
+async def test_under_hypercorn_past_the_budget_the_server_exits_non_zero(tiny_model_fp32: Path) -> None:
+    """`hypercorn trio_mlx.app:app` (a supervisor and one worker): with restarts off, a killed actor
+    ends the server non-zero, although hypercorn's supervisor would exit 0 on its own."""
+    from test_app_process import HYPERCORN
+
+    env = {**ENV, "TRIO_MLX_MODEL": str(tiny_model_fp32), "TRIO_MLX_WARMUP": "0", "TRIO_MLX_ACTOR": "process",
+           "TRIO_MLX_RESTART_LIMIT": "0"}
+    async with trio.open_nursery() as nursery:
+        p = await start(nursery, [*HYPERCORN, "-k", "trio", "-b", "127.0.0.1:0", "trio_mlx.app:app"], env=env)
+        try:
+            with trio.fail_after(60):
+                await p.has_url.wait()
+            async with httpx.AsyncClient(base_url=p.url or "", timeout=30) as client:
+                actor = (await client.get("/health")).json()["actor_pid"]
+            os.kill(actor, signal.SIGKILL)
+            with trio.fail_after(30):
+                await p.proc.wait()
+            assert p.proc.returncode != 0, p.text
+            assert "restart limit 0" in p.text
         finally:
             if p.proc.returncode is None:
                 p.proc.kill()

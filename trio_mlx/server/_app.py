@@ -10,7 +10,6 @@ before Quart sees the request. Every error body has OpenAI's shape.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -149,13 +148,13 @@ class TrioMLXApp(QuartTrio):
         """The server cannot serve on (the engine is broken): end the process, non-zero.
         `trio-mlx serve` replaces this with a drain and exit 1 (`_serve.py`); under another
         ASGI server the process exits 1 a second from now (the requests in flight have
-        already ended), whatever its supervisor would report."""
+        already ended), and hypercorn's supervisor, which would exit 0, is stopped (`_exit.py`)."""
         log.critical("%s; exiting", reason)
 
         async def bye() -> None:
             await trio.sleep(1.0)
             logging.shutdown()
-            os._exit(1)
+            _exit.exit_failed(self.asgi_server, reason)
 
         self.nursery.start_soon(bye)
 
