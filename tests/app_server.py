@@ -84,6 +84,9 @@ async def serve(model: Any, *, factory: Callable[[Settings], Engine] | None = No
     # and it starts faster). The process actor has its own tests.
     settings.setdefault("actor", "thread")
     app = create_app(Settings(model=str(model), **settings), engine_factory=factory)
+    fatal: list[str] = []
+    app.on_fatal = fatal.append  # type: ignore[method-assign]  # a broken engine must not end pytest
+    app.fatal = fatal  # type: ignore[attr-defined]
     config = hypercorn_config(app.settings) if access_log else Config()
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 5.0
@@ -183,7 +186,7 @@ async def open_raw(port: int, path: str, body: Any = None, *, method: str | None
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     await sock.connect(("127.0.0.1", port))
     data = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
-    head = {"Host": "x", "Content-Length": str(len(data)), **({"Content-Type": "application/json"}
+    head = {"Host": "127.0.0.1", "Content-Length": str(len(data)), **({"Content-Type": "application/json"}
                                                               if body is not None else {}), **(headers or {})}
     lines = [f"{method or ('GET' if body is None else 'POST')} {path} HTTP/1.1",
              *(f"{k}: {v}" for k, v in head.items()), "", ""]

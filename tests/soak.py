@@ -33,6 +33,17 @@ less what the prompt cache holds on purpose (`trio_mlx_prompt_cache_bytes`;
 both readings leave it out), is exact, so it must come back to its warm-up level within --mlx-tolerance
 (1 MiB: a tiny model's KV cache alone is 128 KB a sequence). `run()` returns the report (`report["failures"]` is empty
 when all held); `main()` prints it as JSON and exits 1 on any failure.
+
+`--hostile` mixes attacks into the same soak, against a process actor:
+huge prompts (megabytes of text: each must be refused with 400
+`context_length_exceeded`), slow bodies (sent in pieces, answered whole; or
+never finished: 408 after `--body-timeout`), and `--kill-actor N` SIGKILLs of
+the actor process mid-soak. Requests in flight at a kill end with an error
+(counted `cut_by_kill`, deliberately cut); well-behaved clients retry the 503
+(`Retry-After`) the server answers while the new actor loads; every other
+request must be served whole (0 lost), the server must be ready again within
+`--restart-within` seconds of each kill, and its memory must come back as in
+the plain soak.
 """
 
 from __future__ import annotations
@@ -64,6 +75,9 @@ GREEDY_TOKENS = 24
 VOCAB = range(5, 500)  # token ids the tiny model has (vocab 512), clear of its special ids
 # All the server may log at WARNING or above during a soak; anything else fails it.
 EXPECTED_WARNING = re.compile(r"the client took no data for .* aborting it")
+# With --hostile, the actor kills' own lines: the death, and each request it ended.
+EXPECTED_KILL_LINE = re.compile(r"the GPU actor died \(ActorProcessError: the actor process exited with signal 9\)"
+                                r"|failed on the engine: the GPU actor died")
 INVALID: list[tuple[str, bytes, str]] = [
     (CHAT, b'{"messages": [', "application/json"),
     (TEXT, b'{"prompt": "\xff\xfe"}', "application/json"),
@@ -97,6 +111,12 @@ class Options:
     deadline: float = 900.0  # seconds the whole soak may take: it always stops by itself
     access_log: bool = False
     server_log: str | None = None  # also write the server's log to this file
+    hostile: bool = False  # mix in huge prompts, slow bodies and actor kills (a process actor)
+    huge: float = 0.04  # with --hostile: share of clients sending a prompt of megabytes
+    slow_body: float = 0.06  # with --hostile: share sending their body slowly (a third never finish)
+    kill_actor: int = 1  # with --hostile: SIGKILLs of the actor process during the soak
+    body_timeout: float = 5.0  # with --hostile: the server's --body-timeout
+    restart_within: float = 20.0  # with --hostile: seconds a killed actor may take to serve again
 
 
 @dataclass
@@ -109,11 +129,31 @@ class Tally:
     completion_tokens: int = 0
     greedy: dict[str, set[str]] = field(default_factory=dict)
     chat_prompt_tokens: set[int] = field(default_factory=set)
+    kills: Kills | None = None  # with --hostile: when the actor was killed and when it served again
 
     def fail(self, what: str) -> None:
         self.outcomes["failed"] += 1
         if len(self.failures) < 30:
             self.failures.append(what[:500])
+
+
+@dataclass
+class Kills:
+    """Actor kills: a request in flight at one may end with an error (deliberately cut)."""
+
+    at: list[float] = field(default_factory=list)
+    back: list[float] = field(default_factory=list)  # /ready 200 again
+
+    def cut(self, started: float, ended: float) -> bool:
+        """Whether a request that ran from `started` to `ended` met a kill or its restart."""
+        for i, t in enumerate(self.at):
+            back = self.back[i] if i < len(self.back) else math.inf
+            if started <= back + 0.5 and ended >= t:
+                return True
+        return False
+
+    def restarting(self) -> bool:
+        return len(self.back) < len(self.at)
 
 
 # ---- a minimal HTTP/1.1 client on trio sockets (h11): it can misbehave on purpose ----------------
@@ -177,6 +217,20 @@ async def fetch(port: int, method: str, path: str, body: bytes = b"", content_ty
         conn.close()
 
 
+async def fetch_retrying(port: int, path: str, body: bytes, tally: Tally,
+                         content_type: str = "application/json") -> Response:
+    """A POST that, while a killed actor restarts, retries the 503 as a client should."""
+    while True:
+        started = trio.current_time()
+        r = await fetch(port, "POST", path, body, content_type)
+        if r.status == 503 and tally.kills is not None and b"service_unavailable" in r.body and (
+                tally.kills.restarting() or tally.kills.cut(started, trio.current_time())):
+            tally.outcomes["restarting_503"] += 1
+            await trio.sleep(0.2)
+            continue
+        return r
+
+
 def sse_data(body: bytes) -> list[Any]:
     """The `data:` payloads of an SSE body, JSON-decoded ("[DONE]" as is); comments skipped."""
     assert body.endswith(b"\n\n"), body[-200:]
@@ -212,6 +266,12 @@ def plan(opts: Options, count: int, rng: random.Random) -> list[tuple[str, dict[
             out.append(("stall", {}))
         elif x < opts.hangup + opts.stall + opts.invalid:
             out.append(("invalid", {"case": rng.randrange(len(INVALID))}))
+        elif opts.hostile and x < opts.hangup + opts.stall + opts.invalid + opts.huge:
+            out.append(("huge", {"chars": rng.randint(1, 4) * 1_000_000, "chat": rng.random() < 0.7}))
+        elif opts.hostile and x < opts.hangup + opts.stall + opts.invalid + opts.huge + opts.slow_body:
+            out.append(("slow_body", {"finish": rng.random() < 0.67, "pieces": rng.randint(2, 6),
+                                      "max_tokens": rng.randint(1, 24),
+                                      "prompt": [rng.choice(VOCAB) for _ in range(rng.randint(3, 60))]}))
         else:
             greedy = rng.random() < 0.25
             n = 2 if not greedy and rng.random() < 0.15 else 1
@@ -244,8 +304,15 @@ def ok_body(p: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 async def well_behaved(port: int, p: dict[str, Any], tally: Tally) -> None:
     path, body = ok_body(p)
-    r = await fetch(port, "POST", path, dumps(body))
     where = f"{path} {json.dumps(body)[:200]}"
+    started = trio.current_time()
+    r = await fetch_retrying(port, path, dumps(body), tally)  # a 503 while the new actor loads: again
+    if tally.kills is not None and tally.kills.cut(started, trio.current_time()) and (
+            (r.status == 500 and b"generation_failed" in r.body)
+            or (r.status == 200 and b'"code":"generation_failed"' in r.body.replace(b" ", b""))):
+        tally.outcomes["cut_by_kill_500" if r.status == 500 else "cut_by_kill_stream"] += 1
+        tally.outcomes["ok_cut_by_kill"] += 1
+        return
     if r.status != 200:
         return tally.fail(f"{where}: HTTP {r.status} {r.body[:300]!r}")
     n, want = p["n"], p["max_tokens"]
@@ -289,11 +356,16 @@ async def hang_up(port: int, p: dict[str, Any], tally: Tally) -> None:
     tokens = {"queued": 200, "prefill": 100, "decode": 400}[p["moment"]]  # prompt + tokens fit in 1024
     body: dict[str, Any] = {"prompt": p["prompt"], "max_tokens": tokens, "ignore_eos": True, "stream": p["stream"]}
     conn = await Conn.open(port)
+    started = trio.current_time()
     try:
         await conn.send("POST", TEXT, dumps(body))
         if p["moment"] == "decode" and p["stream"]:
             seen = 0
             head = await conn.event()
+            if tally.kills is not None and tally.kills.cut(started, trio.current_time()) and \
+                    isinstance(head, h11.Response) and head.status_code == 503:
+                tally.outcomes["hangup_during_kill"] += 1
+                return
             if not isinstance(head, h11.Response) or head.status_code != 200:
                 return tally.fail(f"hang-up stream got {head}")
             while seen < p["events"]:
@@ -305,6 +377,8 @@ async def hang_up(port: int, p: dict[str, Any], tally: Tally) -> None:
             await trio.sleep(p["delay"])  # the client's own behaviour: it waits this long, then leaves
     finally:
         conn.close()
+    if tally.kills is not None and tally.kills.cut(started, trio.current_time()):
+        tally.outcomes["hangup_during_kill"] += 1  # it may have had a 500 or 503 it never read
     tally.outcomes["hung_up"] += 1
 
 
@@ -319,6 +393,7 @@ async def stall(port: int, tally: Tally, hold: float) -> None:
             "top_logprobs": 20}
     conn = await Conn.open(port, rcvbuf=4096)
     raw = b""
+    started = trio.current_time()
     try:
         await conn.send("POST", CHAT, dumps(body))
         await trio.sleep(hold)
@@ -327,6 +402,10 @@ async def stall(port: int, tally: Tally, hold: float) -> None:
                 raw += chunk
     finally:
         conn.close()
+    if tally.kills is not None and tally.kills.cut(started, trio.current_time()):
+        tally.outcomes["stall_during_kill"] += 1  # the kill may have ended it first
+        if raw.startswith(b"HTTP/1.1 503") or b"generation_failed" in raw:
+            return  # it arrived while the actor restarted, or the kill ended it (error, then [DONE])
     if not raw.startswith(b"HTTP/1.1 200") or b"data: [DONE]" in raw:
         return tally.fail(f"a stalled reader's stream was not cut by the server: {raw[:60]!r}...{raw[-100:]!r}")
     tally.outcomes["stall_reaped"] += 1
@@ -334,7 +413,7 @@ async def stall(port: int, tally: Tally, hold: float) -> None:
 
 async def invalid(port: int, p: dict[str, Any], tally: Tally) -> None:
     path, body, content_type = INVALID[p["case"]]
-    r = await fetch(port, "POST", path, body, content_type)
+    r = await fetch_retrying(port, path, body, tally, content_type)
     try:
         assert 400 <= r.status < 500, r.status
         err = json.loads(r.body)["error"]
@@ -342,6 +421,75 @@ async def invalid(port: int, p: dict[str, Any], tally: Tally) -> None:
     except (AssertionError, KeyError, ValueError) as exc:
         return tally.fail(f"invalid body {body[:80]!r}: HTTP {r.status} {r.body[:200]!r} ({exc})")
     tally.outcomes["rejected"] += 1
+
+
+async def huge(port: int, p: dict[str, Any], tally: Tally) -> None:
+    """Megabytes of text: refused from its length, before tokenizing (server/_intake.py)."""
+    text = "word " * (p["chars"] // 5)
+    path, body = (CHAT, {"messages": [{"role": "user", "content": text}]}) if p["chat"] else (TEXT, {"prompt": text})
+    r = await fetch_retrying(port, path, dumps({**body, "max_tokens": 4}), tally)
+    if r.status != 400 or b"context_length_exceeded" not in r.body:
+        return tally.fail(f"a prompt of {p['chars']} characters: HTTP {r.status} {r.body[:200]!r}")
+    tally.outcomes["huge_rejected"] += 1
+
+
+async def slow_body(port: int, p: dict[str, Any], tally: Tally, body_timeout: float) -> None:
+    """A body sent in pieces, 0.2 s apart: answered whole. Or never finished: 408 after the body timeout."""
+    body = dumps({"prompt": p["prompt"], "max_tokens": p["max_tokens"], "ignore_eos": True})
+    conn = await Conn.open(port)
+    started = trio.current_time()
+    try:
+        head = (f"POST {TEXT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        await conn.sock.send(head)
+        cut = [len(body) * i // p["pieces"] for i in range(p["pieces"] + 1)]
+        pieces = [body[a:b] for a, b in zip(cut, cut[1:], strict=False)]
+        if not p["finish"]:
+            pieces = pieces[:-1]
+        for piece in pieces:
+            await trio.sleep(0.2)
+            await conn.sock.send(piece)
+        raw = b""
+        with trio.fail_after(body_timeout + 20):
+            while chunk := await conn.sock.recv(1 << 16):
+                raw += chunk
+    finally:
+        conn.close()
+    status = raw[9:12]
+    if p["finish"]:
+        if status == b"503" and tally.kills is not None and tally.kills.cut(started, trio.current_time()):
+            tally.outcomes["restarting_503"] += 1  # not retried: one request of this kind is enough
+            return
+        if tally.kills is not None and tally.kills.cut(started, trio.current_time()) and b"generation_failed" in raw:
+            tally.outcomes["cut_by_kill_500"] += 1
+            return
+        if status != b"200" or f'"completion_tokens":{p["max_tokens"]}'.encode() not in raw.replace(b" ", b""):
+            return tally.fail(f"a slow body sent whole: {raw[:300]!r}")
+        tally.outcomes["slow_body_served"] += 1
+    else:
+        if status != b"408":
+            return tally.fail(f"a body never finished: {raw[:300]!r}")
+        tally.outcomes["slow_body_timed_out"] += 1
+
+
+async def kill_actor(port: int, tally: Tally, when: Any, within: float) -> None:
+    """When `when()` says so, SIGKILL the actor process, then wait for /ready 200 again."""
+    assert tally.kills is not None
+    while not when():  # noqa: ASYNC110 - a condition on the clients' progress, polled
+        await trio.sleep(0.05)
+    pid = json.loads((await fetch(port, "GET", "/health")).body)["actor_pid"]
+    os.kill(pid, signal.SIGKILL)
+    tally.kills.at.append(trio.current_time())
+    with trio.move_on_after(within):
+        while True:  # ready again with a new actor (the server needs a moment to see the death)
+            r = await fetch(port, "GET", "/health")
+            if r.status == 200 and json.loads(r.body).get("actor_pid") not in (None, pid) and \
+                    (await fetch(port, "GET", "/ready")).status == 200:
+                break
+            await trio.sleep(0.05)
+        tally.kills.back.append(trio.current_time())
+        return
+    tally.fail(f"the server was not ready again {within} s after the actor was killed")
 
 
 async def run_mix(port: int, opts: Options, items: list[tuple[str, dict[str, Any]]], tally: Tally) -> None:
@@ -358,6 +506,10 @@ async def run_mix(port: int, opts: Options, items: list[tuple[str, dict[str, Any
                         await hang_up(port, p, tally)
                     elif kind == "stall":
                         await stall(port, tally, opts.stall_hold or max(3.0, 6 * opts.stall_timeout))
+                    elif kind == "huge":
+                        await huge(port, p, tally)
+                    elif kind == "slow_body":
+                        await slow_body(port, p, tally, opts.body_timeout)
                     else:
                         await invalid(port, p, tally)
             except (OSError, trio.TooSlowError, h11.ProtocolError, AssertionError) as exc:
@@ -377,6 +529,7 @@ class ServerProcess:
         self.log = b""
         self.port: int | None = None
         self.up = trio.Event()
+        self.thread_actor = True  # MLX's buffer cache is in this process (else the actor's)
         self.caches: list[int] = []  # MLX's buffer cache at each steady_rss()
         self.active: list[int] = []  # MLX's memory in use at each steady_rss()
 
@@ -411,25 +564,32 @@ class ServerProcess:
 
     async def idle(self, within: float = 30.0) -> dict[str, list[tuple[dict[str, str], float]]]:
         """Poll /metrics until nothing is queued, active or streaming; return that scrape."""
-        with trio.fail_after(within):
+        names = ("trio_mlx_queue_depth", "trio_mlx_active_sequences", "trio_mlx_open_streams")
+        m: dict[str, list[tuple[dict[str, str], float]]] = {}
+        with trio.move_on_after(within):
             while True:
                 m = await self.metrics()
-                if all(value(m, name) == 0 for name in ("trio_mlx_queue_depth", "trio_mlx_active_sequences",
-                                                        "trio_mlx_open_streams")) and \
+                if all(value(m, name) == 0 for name in names) and \
                         sum(v for _, v in m["trio_mlx_requests_in_engine"]) == 0:
                     return m
                 await trio.sleep(0.05)
+        left = {name: value(m, name) for name in names} | {
+            "in_engine": m.get("trio_mlx_requests_in_engine"), "state": m.get("trio_mlx_engine_state")}
+        raise AssertionError(f"the server was not idle {within} s after the clients finished: {left}")
 
     async def steady_rss(self) -> int:
         """Resident memory once idle, less MLX's buffer cache (freed buffers it keeps for reuse,
         6-13 MB after a soak step with the tiny model, depending on the shapes last used: noise
         as large as the leaks looked for); the median of five reads over half a second."""
         m = await self.idle()
+        if not self.thread_actor:  # --hostile: large bodies' memory goes back a second after the last
+            await trio.sleep(1.5)
         cache = int(value(m, "trio_mlx_mlx_cache_memory_bytes"))
         kept = int(value(m, "trio_mlx_prompt_cache_bytes"))  # the prompt cache's entries: held on purpose
+        held = cache + kept if self.thread_actor else 0  # a process actor's are in its child
         reads = []
         for _ in range(5):
-            reads.append(self.rss() - cache - kept)
+            reads.append(self.rss() - held)
             await trio.sleep(0.1)
         self.caches.append(cache)
         self.active.append(int(value(m, "trio_mlx_mlx_active_memory_bytes")) - kept)
@@ -444,7 +604,9 @@ def server_command(model: str, opts: Options) -> list[str]:
     return [sys.executable, "-m", "trio_mlx.cli", "serve", model, "--port", "0",
             "--stall-timeout", str(opts.stall_timeout), "--max-batch", str(opts.max_batch),
             "--prefill-batch", "2", "--prefill-step", "16", "--ping-interval", "1", "--drain-timeout", "5",
-            "--access-log" if opts.access_log else "--no-access-log", "--log-level", "info"]
+            "--access-log" if opts.access_log else "--no-access-log", "--log-level", "info",
+            *(["--actor", "process", "--body-timeout", str(opts.body_timeout), "--restart-limit",
+               str(opts.kill_actor + 1), "--restart-backoff", "0.5"] if opts.hostile else [])]
 
 
 # ---- the soak ---------------------------------------------------------------------------------
@@ -474,13 +636,26 @@ async def run(opts: Options) -> dict[str, Any]:
                         await server.up.wait()
                     assert server.port is not None
                     warm, soak = Tally(), Tally()
+                    server.thread_actor = not opts.hostile
+                    if opts.hostile:
+                        soak.kills = Kills()
                     await run_mix(server.port, opts, warm_items, warm)
                     rss_warm = await server.steady_rss()
                     t_soak = trio.current_time()
                     rss_timeline, idle_seconds = [rss_warm], 0.0
                     part = math.ceil(len(soak_items) / max(1, opts.rss_samples))
-                    for i in range(0, len(soak_items), part):  # RSS after each part: a leak climbs
-                        await run_mix(server.port, opts, soak_items[i:i + part], soak)
+                    parts = range(0, len(soak_items), part)
+                    for k, i in enumerate(parts):  # RSS after each part: a leak climbs
+                        kills = opts.kill_actor if opts.hostile else 0
+                        share = kills // len(parts) + (1 if k < kills % len(parts) else 0)
+                        async with trio.open_nursery() as mix:
+                            for j in range(share):  # at evenly spread moments of this part
+                                mark = sum(soak.planned.values()) + (j + 1) * min(part, len(soak_items) - i) \
+                                    // (share + 1)
+                                mix.start_soon(kill_actor, server.port, soak,
+                                               lambda mark=mark: sum(soak.planned.values()) >= mark,
+                                               opts.restart_within)
+                            await run_mix(server.port, opts, soak_items[i:i + part], soak)
                         t_idle = trio.current_time()
                         rss_timeline.append(await server.steady_rss())
                         idle_seconds += trio.current_time() - t_idle
@@ -515,23 +690,35 @@ def judge(opts: Options, warm: Tally, soak: Tally, m: Any, rss_warm: int, rss_af
     for labels, v in m.get("trio_mlx_requests_total", []):
         if labels["endpoint"] in (CHAT, TEXT) and v:
             statuses[labels["status"]] += int(v)
-    if any(s.startswith("5") for s in statuses):
-        failures.append(f"5xx answers: {dict(statuses)}")
+    # 5xx only from the kills: 500 for requests in flight, 503 while the new actor loaded; a client that
+    # hung up or stalled across a kill may have had one it never read.
+    unread = both.outcomes["hangup_during_kill"] + both.outcomes["stall_during_kill"]
+    if not both.outcomes["cut_by_kill_500"] <= statuses["500"] <= both.outcomes["cut_by_kill_500"] + unread \
+            or not both.outcomes["restarting_503"] <= statuses["503"] <= both.outcomes["restarting_503"] + unread \
+            or any(s.startswith("5") and s not in ("500", "503") for s in statuses):
+        failures.append(f"5xx answers: {dict(statuses)}; requests cut by a kill {both.outcomes['cut_by_kill_500']}, "
+                        f"503s while restarting {both.outcomes['restarting_503']}, unread {unread}")
     fourxx = sum(v for s, v in statuses.items() if s.startswith("4"))
-    if fourxx != both.planned["invalid"]:
-        failures.append(f"{fourxx} 4xx answers for {both.planned['invalid']} invalid bodies")
+    expected_4xx = both.planned["invalid"] + both.outcomes["huge_rejected"] + both.outcomes["slow_body_timed_out"]
+    if fourxx != expected_4xx:
+        failures.append(f"{fourxx} 4xx answers for {both.planned['invalid']} invalid bodies, "
+                        f"{both.outcomes['huge_rejected']} huge prompts, {both.outcomes['slow_body_timed_out']} "
+                        "unfinished bodies")
     stalls = value(m, "trio_mlx_aborts_by_cause_total", cause="stall")
-    if stalls != both.outcomes["stall_reaped"]:
-        failures.append(f"{stalls} stall aborts for {both.outcomes['stall_reaped']} reaped readers")
+    reaped = both.outcomes["stall_reaped"]
+    if not reaped - both.outcomes["stall_during_kill"] <= stalls <= reaped:
+        failures.append(f"{stalls} stall aborts for {reaped} reaped readers")
     for t in (warm, soak):
         for key, texts in t.greedy.items():
             if len(texts) != 1:
                 failures.append(f"greedy {key!r} gave {len(texts)} different answers")
     if len(warm.chat_prompt_tokens | soak.chat_prompt_tokens) > 1:
         failures.append(f"one chat prompt, several prompt_tokens: {warm.chat_prompt_tokens | soak.chat_prompt_tokens}")
+    expected = EXPECTED_KILL_LINE if soak.kills is not None else None
     bad_lines = [line for line in log.splitlines()
-                 if re.search(r"\b(ERROR|CRITICAL|Traceback)\b", line)
-                 or (" WARNING " in line and not EXPECTED_WARNING.search(line))]
+                 if not (expected is not None and expected.search(line)) and (
+                     re.search(r"\b(ERROR|CRITICAL|Traceback)\b", line)
+                     or (" WARNING " in line and not EXPECTED_WARNING.search(line)))]
     if bad_lines:
         failures.append("unexpected log lines: " + " | ".join(bad_lines[:5]))
     if rc != 0:
@@ -544,8 +731,19 @@ def judge(opts: Options, warm: Tally, soak: Tally, m: Any, rss_warm: int, rss_af
         failures.append(f"RSS grew {growth:.1%} (> {opts.rss_tolerance:.0%}): {rss_warm} -> {rss_after} bytes")
     stage = {s: int(value(m, "trio_mlx_aborts_by_stage_total", stage=s)) for s in ("queued", "prefill", "decode")}
     cause = {labels["cause"]: int(v) for labels, v in m.get("trio_mlx_aborts_by_cause_total", []) if v}
+    lost = both.planned["ok"] - both.outcomes["completed"] - both.outcomes["ok_cut_by_kill"]
+    hostile: dict[str, Any] = {}
+    if soak.kills is not None:
+        restart = [round(b - a, 2) for a, b in zip(soak.kills.at, soak.kills.back, strict=False)]
+        if len(restart) != opts.kill_actor:
+            failures.append(f"{opts.kill_actor} kills planned, {len(soak.kills.at)} made, {len(restart)} recovered")
+        if lost:
+            failures.append(f"{lost} well-behaved requests neither completed nor were cut by a kill")
+        hostile = {"actor_kills": len(soak.kills.at), "serving_again_after_seconds": restart,
+                   "lost_requests": lost, "actor_restarts": int(value(m, "trio_mlx_actor_restarts_total"))}
     return {
         "failures": failures,
+        **hostile,
         "planned": dict(both.planned),
         "client_outcomes": dict(both.outcomes),
         "http_statuses": dict(statuses),

@@ -15,7 +15,7 @@ async def open_request(port: int, path: str, body: dict, *, rcvbuf: int | None =
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     await sock.connect(("127.0.0.1", port))
     data = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\n\r\n").encode()
     await sock.send(head + data)
     return sock

@@ -32,7 +32,7 @@ async def test_400_bad_bodies(tiny_model_fp32):
         assert_error(await client.post(CHAT, content=deep, headers=json_ct), 400, code="invalid_json")
         assert_error(await client.post(CHAT, content=b"messages=hi",
                                        headers={"content-type": "application/x-www-form-urlencoded"}),
-                     400, code="invalid_content_type")
+                     415, code="unsupported_media_type")
 
 
 async def test_400_schema_violations_name_their_parameter(tiny_model_fp32):

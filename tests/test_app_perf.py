@@ -34,7 +34,7 @@ import json, sys, trio
 
 async def one(port, body, stats):
     stream = await trio.open_tcp_stream("127.0.0.1", port)
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     await stream.send_all(head + body)
     buf = bytearray()

@@ -11,9 +11,11 @@ This module only re-exports. The layers, each a subpackage whose imports point d
 docs/design.md walks one request through them.
 """
 
+from . import _fdlimit
 from ._errors import ContextLengthExceededError as ContextLengthExceededError
 from ._errors import EngineBrokenError as EngineBrokenError
 from ._errors import EngineClosedError as EngineClosedError
+from ._errors import EngineRestartingError as EngineRestartingError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import ModelLoadError as ModelLoadError
 from ._errors import QueueFullError as QueueFullError
@@ -32,3 +34,5 @@ from .engine import Usage as Usage
 from .engine import open_engine as open_engine
 
 __version__ = "0.1.0"
+
+_fdlimit.install()  # before anything imports mlx-lm, which would lower the open-file limit

@@ -47,3 +47,7 @@ class EngineClosedError(TrioMLXError):
 
 class EngineBrokenError(TrioMLXError):
     """The GPU actor died; the engine serves nothing more."""
+
+
+class EngineRestartingError(EngineClosedError):
+    """The GPU actor died and a new one is starting; retry shortly."""

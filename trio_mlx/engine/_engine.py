@@ -15,6 +15,7 @@ through `exchange()`, which the actor calls once per step; no locks.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import math
 import os
@@ -31,6 +32,7 @@ from .._errors import (
     ContextLengthExceededError,
     EngineBrokenError,
     EngineClosedError,
+    EngineRestartingError,
     InvalidRequestError,
     ModelLoadError,
     QueueFullError,
@@ -59,7 +61,9 @@ from ._events import (
     ToolCalls,
     Usage,
 )
+from ._prompt import ChatEncoder, max_token_chars, prompt_chars
 from ._structure import NO_STRUCTURE, Structure, check_structure, compile_structure
+from ._supervise import RestartBudget
 from ._text import HeldLogprobs, StopMatcher, keep_leading_space, normalize_messages
 
 log = logging.getLogger("trio_mlx.engine")
@@ -67,10 +71,16 @@ log = logging.getLogger("trio_mlx.engine")
 # One GPU, one actor: every engine in a process shares this limiter (rule 1).
 _GPU_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_gpu_limiter")
 _TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_tokenizer_limiter")
+_BIG_TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_big_tokenizer_limiter")
 # Prompts longer than this many characters are tokenized in a worker thread so
 # the event loop keeps serving; shorter ones cost less than the thread hop.
 # The number is a judgement call, not a measurement.
 _THREAD_TOKENIZE_CHARS = 4096
+# Prompts longer than this (a long document, not a chat turn) take a lane of their own, one at
+# a time, so a few of them never keep ordinary long prompts waiting; at most
+# _BIG_TOKENIZE_WAITING of them wait (more: 429). Judgement calls.
+_BIG_TOKENIZE_CHARS = 256 * 1024
+_BIG_TOKENIZE_WAITING = 8
 # Seconds a new request may wait to join a decoding batch together with others
 # (`actor/_admission.py` says why, and how the wait shrinks when few sequences
 # decode); 20 ms is a few decode steps of a small model.
@@ -85,6 +95,14 @@ def gpu_limiter() -> trio.CapacityLimiter:
         return _GPU_LIMITER.get()
     except LookupError:
         _GPU_LIMITER.set(limiter := trio.CapacityLimiter(1))
+        return limiter
+
+
+def _big_tokenizer_limiter() -> trio.CapacityLimiter:
+    try:
+        return _BIG_TOKENIZER_LIMITER.get()
+    except LookupError:
+        _BIG_TOKENIZER_LIMITER.set(limiter := trio.CapacityLimiter(1))
         return limiter
 
 
@@ -128,6 +146,7 @@ class _Counters:
     aborts_by_stage: collections.Counter[str] = field(default_factory=collections.Counter)
     aborts_by_cause: collections.Counter[str] = field(default_factory=collections.Counter)
     step_failures: int = 0
+    restarts: int = 0
 
 
 # EngineStatistics' names for the actor's prompt cache figures (StepReport.prompt_cache), in order.
@@ -159,6 +178,9 @@ class Engine:
         step_trace: str | None = None,
         prompt_cache_gb: float | None = None,
         sampling_defaults: Mapping[str, Any] | None = None,
+        restart_limit: int = 0,
+        restart_window: float = 300.0,
+        restart_backoff: float = 1.0,
     ):
         if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
@@ -205,6 +227,9 @@ class Engine:
         self.info: ActorInfo | None = None
         self.model_path: os.PathLike[str] | None = None
         self.tokenizer: Any = None
+        self._chat: ChatEncoder | None = None
+        self._max_token_chars = 0  # 0: no cheap size bound (engine/_prompt.py)
+        self._big_waiting = 0
         self._special_ids: frozenset[int] = frozenset()
         self._eos_ids: frozenset[int] = frozenset()
         self._requests: dict[int, _Request] = {}
@@ -223,6 +248,9 @@ class Engine:
         self.group: Any = None
         self._ready_or_dead = trio.Event()
         self._actor_done = trio.Event()
+        self._broken = trio.Event()
+        self._stop_restarting = trio.Event()
+        self._restarts = RestartBudget(restart_limit, restart_window, restart_backoff)
         self._idle = trio.Event()
 
     # -- lifecycle -------------------------------------------------------------
@@ -252,6 +280,7 @@ class Engine:
             self.state = "closed"
             self._actor_done.set()
             raise
+        self._max_token_chars = max_token_chars(self.tokenizer)
         self._special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()) or ())
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids or ())
         if self._switch_interval is not None:
@@ -285,35 +314,70 @@ class Engine:
                 f"{type(error).__name__}: {error}"
             ) from error
 
+    async def _run_one_actor(self, config: Any) -> None:
+        """One actor's life: from starting it until it stops or dies."""
+        if self.actor_mode == "process":
+            from ..actor import run_actor_process
+
+            await run_actor_process(config, ready=self.ready, deliver=self.deliver,
+                                    wait_commands=self.wait_commands)
+        else:
+            from ..actor import Actor, ThreadLink
+
+            factory: Any = Actor if self.actor_mode == "thread" else self.actor_mode
+            actor = factory(config, ThreadLink(self))
+            await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
+
     async def _run_actor(self, config: Any) -> None:
+        """Run the actor; one that dies while serving is started again within the restart
+        budget (`engine/_supervise.py`), and past it the engine is broken."""
         try:
-            if self.actor_mode == "process":
-                from ..actor import run_actor_process
-
-                await run_actor_process(config, ready=self.ready, deliver=self.deliver,
-                                        wait_commands=self.wait_commands)
-            else:
-                from ..actor import Actor, ThreadLink
-
-                factory: Any = Actor if self.actor_mode == "thread" else self.actor_mode
-                actor = factory(config, ThreadLink(self))
-                await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
+            while True:
+                try:
+                    await self._run_one_actor(config)
+                    return  # it stopped: a shutdown
+                except trio.Cancelled:
+                    raise
+                except BaseException as exc:
+                    self._actor_error = exc
+                    if not isinstance(exc, Exception):
+                        raise
+                    if self.state not in ("ready", "restarting"):
+                        if self.state == "draining":
+                            log.error("the GPU actor died while draining: %s: %s", type(exc).__name__, exc)
+                        return  # a failed first start (run() raises it), or the end of a drain
+                # Died while serving: every request in flight ends now (rule 8), then a restart.
+                error = self._actor_error
+                self._fail_all(_Terminal("error", "the GPU actor died"))
+                delay = self._restarts.next_delay(trio.current_time())
+                if delay is None:
+                    log.error("the GPU actor died (%s: %s); %s", type(error).__name__, error,
+                              "restarts are off: the engine is broken" if not self._restarts.limit else
+                              f"{self._restarts.limit} restarts within {self._restarts.window:g} s already: "
+                              "the engine is broken")
+                    self.state = "broken"
+                    return
+                log.warning("the GPU actor died (%s: %s); starting a new one in %.1f s (restart %d)",
+                            type(error).__name__, error, delay, self._c.restarts + 1,
+                            exc_info=error if self.actor_mode != "process" else None)  # a child: no traceback
+                self.state = "restarting"
+                self._c.restarts += 1
+                self._live, self._memory = 0, (0, 0, 0)  # the dead actor's; the new one reports its own
+                # Commands for the dead actor (aborts of the requests just failed) go with it.
+                self._inbox_send, self._inbox_recv = trio.open_memory_channel(math.inf)
+                with trio.move_on_after(delay):
+                    await self._stop_restarting.wait()
+                if self.state != "restarting":
+                    return  # aclose() came meanwhile
         except trio.Cancelled:
             # The engine's own task was cancelled (the server is going down):
             # the actor noticed, freed its state and returned. Not a death.
             self.state = "closed"
             raise
-        except BaseException as exc:
-            self._actor_error = exc
-            if self.state == "ready" or self.state == "draining":
-                log.exception("the GPU actor died; the engine is broken")
-                self.state = "broken"
-            if not isinstance(exc, Exception):
-                raise
         finally:
-            if self.state not in ("broken", "closed") and self._actor_error is None:
-                self.state = "closed"
-            elif self.state == "starting":
+            if self.state == "broken":
+                self._broken.set()
+            elif self.state != "closed":
                 self.state = "closed"
             reason = "the engine closed" if self.state == "closed" else "the GPU actor died"
             self._fail_all(_Terminal("error" if self.state == "broken" else "abort", reason))
@@ -333,10 +397,26 @@ class Engine:
         self._fail_all(_Terminal("error", reason))
         self._ready_or_dead.set()
 
+    @property
+    def restart_budget(self) -> RestartBudget:
+        return self._restarts
+
+    @property
+    def actor_error(self) -> BaseException | None:
+        """Why the last actor died, if one did."""
+        return self._actor_error
+
+    async def wait_broken(self) -> None:
+        """Return when the engine is broken: its actor died and no restart is left."""
+        await self._broken.wait()
+
     async def aclose(self, *, drain_timeout: float = 0.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to `drain_timeout`
         seconds, end the rest with finish_reason "abort", stop the actor."""
-        if self.state == "ready":
+        if self.state == "restarting":  # nothing in flight; stop the restart
+            self.state = "draining"
+            self._stop_restarting.set()
+        elif self.state == "ready":
             self.state = "draining"
             if self._requests and drain_timeout > 0:
                 with trio.move_on_after(drain_timeout):
@@ -353,7 +433,10 @@ class Engine:
 
     def ready(self, info: ActorInfo) -> None:
         self.info = info
-        self.state = "ready"
+        if self.state in ("starting", "restarting"):  # not "draining": a restart that aclose() met
+            if self.state == "restarting":
+                log.info("the new GPU actor is ready (pid %s)", info.pid)
+            self.state = "ready"
         self._last_progress = trio.current_time()
         self._ready_or_dead.set()
 
@@ -478,6 +561,8 @@ class Engine:
             return
         if self.state == "broken":
             raise EngineBrokenError(f"the GPU actor died: {self._actor_error!r}")
+        if self.state == "restarting":
+            raise EngineRestartingError("the GPU actor is being restarted after a failure; retry shortly")
         if self.state in ("created", "starting"):
             raise EngineClosedError("the engine is not ready yet")
         raise EngineClosedError("the engine is shutting down" if self.state == "draining" else "the engine is closed")
@@ -493,6 +578,9 @@ class Engine:
                 f"too many requests are waiting ({self.max_queue}); retry shortly",
                 retry_after=max(1.0, self.mean_step_seconds * max_tokens / 4),
             )
+        if not self._requests and not self._live:
+            # The watchdog counts from the first work after idle, not from the last step before it.
+            self._last_progress = trio.current_time()
         rid = self._next_rid = self._next_rid + 1
         send, recv = trio.open_memory_channel[Any](max_tokens + 2)
         req = _Request(rid, send, recv)
@@ -540,6 +628,7 @@ class Engine:
             peak_memory_bytes=self._memory[1],
             cache_memory_bytes=self._memory[2],
             step_failures=self._c.step_failures,
+            actor_restarts=self._c.restarts,
             seconds_since_step=since,
             **dict(zip(_PROMPT_CACHE_FIELDS, self._prompt_cache, strict=True)),
         )
@@ -602,6 +691,40 @@ class Engine:
             options["response_format"] = response_format
         return RequestStream(self, ("chat", messages, chat_template_kwargs), options)
 
+    def _check_size_bound(self, kind: str, chars: int, max_tokens: Any) -> None:
+        """Refuse a prompt that cannot fit before tokenizing it: a text of C characters is at
+        least C / (the longest token's characters) tokens. Tokenizing 16 MB costs ~25 s of CPU
+        and a gigabyte; this costs nothing."""
+        if not chars or not self._max_token_chars or not self.context_length:
+            return
+        floor = -(-chars // self._max_token_chars)
+        want = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 1
+        if floor + want > self.context_length:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {self.context_length} tokens; the prompt "
+                f"has {chars} characters, at least {floor} tokens, and {want} more were requested",
+                param="messages" if kind == "chat" else "prompt",
+            )
+
+    async def _tokenize_big(self, kind: str, value: Any, template_kwargs: Any) -> list[int]:
+        """Very long prompts are tokenized in a lane of their own (one at a time, a few waiting),
+        so that they never hold up the ordinary ones; memory goes back to the system after."""
+        if self._big_waiting >= _BIG_TOKENIZE_WAITING:
+            raise QueueFullError(f"too many very long prompts ({self._big_waiting}) are waiting to be "
+                                 "tokenized; retry shortly", retry_after=5.0)
+
+        def job() -> list[int]:
+            try:
+                return self.encode_prompt(kind, value, template_kwargs)
+            finally:
+                _trim_memory()
+
+        self._big_waiting += 1
+        try:
+            return await trio.to_thread.run_sync(job, limiter=_big_tokenizer_limiter())
+        finally:
+            self._big_waiting -= 1
+
     def encode_prompt(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Prompt -> token ids (synchronous; may be slow for long prompts)."""
         tok = self.tokenizer
@@ -611,13 +734,12 @@ class Engine:
                 from ._tools import template_messages  # llguidance loads with it: only when needed
 
                 messages = template_messages(messages)
-            try:
-                text = tok.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-                )
+            if self._chat is None or self._chat.tokenizer is not tok:
+                self._chat = ChatEncoder(tok)
+            try:  # client text tokenized as text: no forged control tokens (engine/_prompt.py)
+                return self._chat.encode(messages, template_kwargs)
             except Exception as exc:
                 raise InvalidRequestError(f"the chat template failed: {exc}", param="messages") from exc
-            return list(tok.encode(text, add_special_tokens=False))
         if isinstance(value, str):
             return list(tok.encode(value))
         ids = list(value)
@@ -648,8 +770,11 @@ class Engine:
         given = {k: v for k, v in opts.items() if v is not None}  # a request's own values win
         sampling, stop_strings, stop_ids, ignore_eos = _validate({**self.sampling_defaults, **given}, self.info)
         kind, value, template_kwargs = source
-        size = _rough_size(value)
-        if size > _THREAD_TOKENIZE_CHARS:
+        size = prompt_chars(kind, value)
+        self._check_size_bound(kind, size, opts.get("max_tokens"))
+        if size > _BIG_TOKENIZE_CHARS:
+            prompt = await self._tokenize_big(kind, value, template_kwargs)
+        elif size > _THREAD_TOKENIZE_CHARS:
             prompt = await trio.to_thread.run_sync(
                 self.encode_prompt, kind, value, template_kwargs, limiter=_tokenizer_limiter()
             )
@@ -671,12 +796,13 @@ class Engine:
         return prompt, max_tokens, sampling, stops, stop_strings
 
 
-def _rough_size(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, Sequence) and value and isinstance(value[0], Mapping):
-        return sum(len(str(m.get("content", ""))) for m in value if isinstance(m, Mapping))
-    return 0
+def _trim_memory() -> None:
+    """Hand freed heap memory back to the system (glibc keeps it otherwise): after a prompt of
+    megabytes, the process's resident size returns to where it was."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
 
 
 def _number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False) -> Any:
@@ -837,6 +963,11 @@ class RequestStream:
         req = self._req
         return req.stage if req is not None and req.rid in self._engine._requests else "done"
 
+    @property
+    def unread(self) -> int:
+        """Tokens the engine has delivered that this stream's reader has not taken yet."""
+        return self._recv.statistics().current_buffer_used if self._recv is not None and not self._done else 0
+
     async def wait_ended(self) -> None:
         """Return once the request has ended (at once if it has): for a reader that
         paces itself, so that a stream's last tokens and its end are never held back."""
@@ -981,8 +1112,9 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
 
     Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
     switch_interval, actor ("thread" or "process"), admit_window, sampling_defaults (None:
-    the model's generation_config.json), and the actor knobs retire_steps, idle_release,
-    cache_limit_gb, step_trace, prompt_cache_gb (see `Engine`, `ActorConfig`)."""
+    the model's generation_config.json), the actor knobs retire_steps, idle_release,
+    cache_limit_gb, step_trace, prompt_cache_gb (see `Engine`, `ActorConfig`), and
+    restart_limit, restart_window, restart_backoff (a dead actor restarted: `_supervise.py`)."""
     engine = Engine(model, **options)
     try:
         async with trio.open_nursery() as nursery:

@@ -104,7 +104,7 @@ Event = TextDelta | ToolCallDelta | ToolCalls | Finished
 class EngineStatistics:
     """A snapshot of the engine, as `engine.statistics()` returns it."""
 
-    state: Literal["starting", "ready", "draining", "closed", "broken"]
+    state: Literal["starting", "ready", "restarting", "draining", "closed", "broken"]
     queued: int
     prefilling: int
     decoding: int
@@ -133,3 +133,4 @@ class EngineStatistics:
     prompt_cache_evictions: int = 0
     prompt_cache_bytes: int = 0
     prompt_cache_entries: int = 0
+    actor_restarts: int = 0  # actors started again after one died (engine/_supervise.py)

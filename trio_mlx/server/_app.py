@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -23,9 +24,10 @@ from werkzeug.exceptions import HTTPException
 
 from .._errors import ModelLoadError
 from ..engine import Engine
-from . import _exit, _workers
-from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id
+from . import _connections, _exit, _intake, _workers
+from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id, send_error
 from ._completions import Completions
+from ._guard import check_framing, check_host
 from ._guest import GuestBridge, native_trio
 from ._logs import request_done
 from ._metrics import Metrics
@@ -71,6 +73,9 @@ def _engine_options(settings: Settings) -> dict[str, Any]:
         step_trace=settings.step_trace,
         prompt_cache_gb=settings.prompt_cache_gb,
         sampling_defaults=None if settings.generation_config == "auto" else {},
+        restart_limit=settings.restart_limit,
+        restart_window=settings.restart_window,
+        restart_backoff=settings.restart_backoff,
     )
 
 
@@ -139,6 +144,12 @@ class TrioMLXApp(QuartTrio):
         """The ASGI app proper, on trio (the guest run's, under an asyncio server)."""
         if scope["type"] == "http":
             try:
+                try:
+                    check_host(scope, self.settings.allowed_hosts)  # DNS rebinding (_guard.py)
+                    check_framing(scope)
+                except HTTPError as error:
+                    await send_error(send, error, [])
+                    return
                 if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
                     await self.completions(scope, receive, send)
                 elif (api := self.wire_apis.get(scope["path"])) is not None:
@@ -154,6 +165,20 @@ class TrioMLXApp(QuartTrio):
         if isinstance(exc_info[1], ModelLoadError):
             return  # start_engine logged it in one line; its traceback says nothing more
         super().log_exception(exc_info)
+
+    def on_fatal(self, reason: str) -> None:
+        """The server cannot serve on (the engine is broken): end the process, non-zero.
+        `trio-mlx serve` replaces this with a drain and exit 1 (`_serve.py`); under another
+        ASGI server the process exits 1 a second from now (the requests in flight have
+        already ended), and hypercorn's supervisor, which would exit 0, is stopped (`_exit.py`)."""
+        log.critical("%s; exiting", reason)
+
+        async def bye() -> None:
+            await trio.sleep(1.0)
+            logging.shutdown()
+            _exit.exit_failed(self.asgi_server, reason)
+
+        self.nursery.start_soon(bye)
 
     def ready_engine(self) -> Engine:
         """The engine, for admitting a request; 503 while there is none yet."""
@@ -200,6 +225,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.serving_lock = None
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        BODY_TIMEOUT=settings.body_timeout,
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=settings.drain_timeout + SHUTDOWN_MARGIN,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
@@ -209,6 +235,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
     @app.before_serving
     async def start_engine() -> None:
+        _connections.raise_soft_limit()  # every connection is a descriptor (_connections.py)
+        _connections.quiet_accept_errors()
+        _intake.return_large_allocations()
         try:
             if not settings.allow_multiple_workers:
                 app.serving_lock = _workers.acquire(settings)
@@ -223,7 +252,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                     lock_holder=holder, others_may_serve=settings.allow_multiple_workers)
             log.error("trio_mlx could not start: %s", exc)
             raise
-        app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls))
+        app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls, _intake.trimmer,
+                                       partial(_exit_when_broken, app, engine)))
         info = engine.info
         cache = info.prompt_cache_bytes if info else 0
         log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s%s, %s actor (pid %s), %s",
@@ -296,6 +326,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         if stats.state in ("broken", "closed"):
             body["status"] = stats.state
             return json_response(body, 503)
+        if stats.state == "restarting":  # alive, and recovering by itself: not a liveness failure
+            body.update(status="restarting", actor_restarts=stats.actor_restarts)
+            return json_response(body)
         since = stats.seconds_since_step
         if since is not None and since > settings.watchdog_seconds:
             body.update(status="stalled", seconds_since_step=round(since, 3))
@@ -305,9 +338,16 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     @app.get("/ready")
     @app.get("/health/ready")
     async def ready() -> Response:
-        """Readiness: 200 once the model is loaded and warm, 503 before and while draining."""
+        """Readiness: 200 once the model is loaded and warm, 503 before, while the actor restarts,
+        while draining, and while the actor is stalled (as /health says)."""
         state = app.engine.state if app.engine is not None else "starting"
-        return json_response({"status": "ready" if state == "ready" else state}, 200 if state == "ready" else 503)
+        if state == "ready":
+            since = app.engine.statistics().seconds_since_step if app.engine is not None else None
+            if since is not None and since > settings.watchdog_seconds:
+                return json_response({"status": "stalled", "seconds_since_step": round(since, 3)}, 503)
+            return json_response({"status": "ready"})
+        retry = {"Retry-After": "5"} if state in ("starting", "restarting") else None
+        return json_response({"status": state}, 503, retry)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -369,6 +409,15 @@ def wire_apis() -> dict[str, WireAPI]:
             responses.RESPONSES_PATH: responses.ResponsesAPI()}
 
 
+async def _exit_when_broken(app: TrioMLXApp, engine: Engine) -> None:
+    """An engine past its restart budget serves nothing more: stop the server, non-zero, so
+    that the process supervisor (systemd, Kubernetes) takes over (engine/_supervise.py)."""
+    await engine.wait_broken()
+    budget = engine.restart_budget
+    app.on_fatal(f"the GPU actor died and was not restarted (restart limit {budget.limit} "
+                 f"within {budget.window:g} s): {engine.actor_error!r}")
+
+
 def _release(app: TrioMLXApp) -> None:
     if app.serving_lock is not None:
         app.serving_lock.release()
@@ -379,9 +428,11 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     return Response(dumps(obj), status=status, headers=headers, content_type="application/json")
 
 
-def _run_in(scope: trio.CancelScope, fn: Callable[[], Any]) -> Callable[[], Any]:
+def _run_in(scope: trio.CancelScope, *fns: Callable[[], Any]) -> Callable[[], Any]:
     async def run() -> None:
         with scope:
-            await fn()
+            async with trio.open_nursery() as nursery:
+                for fn in fns:
+                    nursery.start_soon(fn)
 
     return run

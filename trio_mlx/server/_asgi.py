@@ -22,8 +22,8 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 RawHeaders = list[tuple[bytes, bytes]]
 
-# How long a client may take to send its request body. Arbitrary, as Quart's BODY_TIMEOUT.
-BODY_TIMEOUT = 60.0
+# How long a client may take to send its request body, unless told (the body_timeout setting).
+BODY_TIMEOUT = 20.0
 JSON_HEADERS: RawHeaders = [(b"content-type", b"application/json")]
 CORS_ALLOW_HEADERS = (b"authorization, content-type, x-request-id, openai-organization, openai-project, "
                       b"x-api-key, anthropic-version, anthropic-beta")
@@ -106,14 +106,14 @@ def encode_headers(headers: Iterable[tuple[str, str]]) -> RawHeaders:
     return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole request body; 413 past `limit` bytes, 408 if it takes too long."""
+async def read_body(scope: Scope, receive: Receive, limit: int, seconds: float = BODY_TIMEOUT) -> bytes:
+    """The whole request body; 413 past `limit` bytes, 408 if it takes over `seconds`."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    with trio.move_on_after(BODY_TIMEOUT) as timer:
+    with trio.move_on_after(seconds) as timer:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":

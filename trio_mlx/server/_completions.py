@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import trio
 
@@ -47,6 +47,8 @@ from ._asgi import (
     send_response,
     wait_disconnect,
 )
+from ._guard import BODY_READ, require_json, unread_body_close
+from ._intake import parse_request
 from ._openai import (
     DONE,
     PING,
@@ -60,13 +62,13 @@ from ._openai import (
     error_from_exception,
     new_id,
     now,
-    parse_json,
 )
 from ._records import CHAT_PATH, RequestRecord, ServerHost
 
 if TYPE_CHECKING:
-    from ._settings import Settings
+    pass
 
+T = TypeVar("T")
 log = logging.getLogger("trio_mlx.http")
 # The longest pause between two events of one stream that adaptive pacing may
 # impose: coarser than this reads as a stall to a person watching. Judgement.
@@ -133,7 +135,8 @@ class Completions:
                 log.exception("request %s failed before it started", rec.request_id)
             rec.status, rec.outcome = error.status, "error"
             app.observe(rec)
-            await send_error(send, error, extra)
+            told = any(k.lower() == "connection" for k, _ in error.headers)
+            await send_error(send, error, [*extra, *([] if told else unread_body_close(scope))])
             return
         rec.admitted = trio.current_time()
         rec.prompt_tokens = len(streams[0].prompt_tokens)
@@ -158,10 +161,8 @@ class Completions:
         self, scope: Scope, receive: Receive, chat: bool, rec: RequestRecord
     ) -> tuple[ChatCompletionRequest | CompletionRequest, list[RequestStream]]:
         app, settings = self.app, self.app.settings
-        obj = await read_json_request(scope, receive, settings)
-        req: ChatCompletionRequest | CompletionRequest = (
-            ChatCompletionRequest if chat else CompletionRequest
-        ).model_validate(obj)
+        req: ChatCompletionRequest | CompletionRequest = await read_json_request(
+            scope, receive, app, (ChatCompletionRequest if chat else CompletionRequest).model_validate)
         req.check(settings.max_n)
         if req.model is not None and req.model != settings.served_model_name:
             raise HTTPError(404, f"the model {req.model!r} does not exist; this server serves "
@@ -277,6 +278,7 @@ class Completions:
     async def watch_stalls(self) -> None:
         """Abort every stream whose client has not taken a chunk for stall_timeout seconds."""
         stall = self.app.settings.stall_timeout
+        most = self.app.settings.max_unread_tokens
         period = min(1.0, stall / 4)  # the check's resolution; arbitrary
         while True:
             await trio.sleep(period)
@@ -287,25 +289,30 @@ class Completions:
                     log.warning("request %s: the client took no data for %.1f s; aborting it",
                                 pump.rec.request_id, t - since)
                     pump.abort("stall")
+                elif since is not None and most and (unread := sum(s.unread for s in pump.streams)) > most:
+                    # Its socket is full and its tokens pile up in memory: bound them (stall_timeout
+                    # alone would let a fast model buffer thousands of tokens for a client gone quiet).
+                    log.warning("request %s: the client is %d tokens behind; aborting it",
+                                pump.rec.request_id, unread)
+                    pump.abort("stall")
 
 
-async def read_json_request(scope: Scope, receive: Receive, settings: Settings, *,
-                            accept_x_api_key: bool = False) -> dict[str, Any]:
-    """A POST's JSON object body, after the method, API key and content type checks (every
-    generation endpoint's first steps, whatever its API)."""
+async def read_json_request(scope: Scope, receive: Receive, app: ServerHost, into: Callable[[dict[str, Any]], T],
+                            *, accept_x_api_key: bool = False) -> T:
+    """A POST's JSON object body, after the method, API key and content type checks, turned
+    `into` the API's request (every generation endpoint's first steps, whatever its API):
+    cheap bounds first, a large body off the event loop (`_intake.py`)."""
+    settings = app.settings
     if scope["method"] != "POST":
         raise HTTPError(405, f"method {scope['method']} is not allowed on {scope['path']}",
                         code="method_not_allowed", headers=[("Allow", "POST, OPTIONS")])
     check_api_key(header(scope, b"authorization"), settings.api_key,
                   x_api_key=header(scope, b"x-api-key"), accept_x_api_key=accept_x_api_key)
-    ctype = header(scope, b"content-type")
-    if ctype is not None and ctype.split(b";")[0].strip().lower() != b"application/json":
-        raise HTTPError(400, "Content-Type must be application/json", code="invalid_content_type")
-    body = await read_body(scope, receive, settings.max_body_bytes)
-    obj = parse_json(body)
-    if not isinstance(obj, dict):
-        raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
-    return obj
+    require_json(scope)  # no preflight-free cross-origin POSTs (_guard.py)
+    body = await read_body(scope, receive, settings.max_body_bytes, settings.body_timeout)
+    scope[BODY_READ] = True
+    return await parse_request(body, into, max_messages=settings.max_messages,
+                               context_length=app.engine.context_length if app.engine is not None else 0)
 
 
 def _record_finish(rec: RequestRecord, fins: list[Finished]) -> None:

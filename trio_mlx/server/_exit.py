@@ -37,7 +37,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 STARTUP_FAILURE = 3  # gunicorn's WORKER_BOOT_ERROR and uvicorn's STARTUP_FAILURE
 # Supervisors that exit 0 after a worker failed at startup (see above).
@@ -93,3 +93,15 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except OSError:
         pass  # gone already (another worker got there first)
+
+
+def exit_failed(server: ServerInfo, message: str) -> NoReturn:
+    """The app cannot serve on (its engine broke for good): write `message` and end the process
+    with 1, whatever server runs it. Under hypercorn's supervisor, which would exit 0 once its
+    worker is gone (above), the supervisor gets SIGKILL first, so that the exit status says it."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid == os.getppid() and server.name == "hypercorn" and not server.reload:
+        _signal(os.getppid(), signal.SIGKILL)
+    os._exit(1)

@@ -24,7 +24,7 @@ from prometheus_client.exposition import choose_encoder
 from ._records import GENERATION_PATHS, RequestRecord, ServerHost
 
 PREFIX = "trio_mlx_"
-STATES = ("starting", "ready", "draining", "closed", "broken")
+STATES = ("starting", "ready", "restarting", "draining", "closed", "broken")
 STAGES = ("queued", "prefill", "decode")
 # The causes the engine counts (EngineStatistics.aborts_by_cause), listed so each series
 # exists at 0 before its first abort (a rate() over a series that appears later misses it).
@@ -134,6 +134,7 @@ class _EngineCollector:
             ("engine_generated_tokens", "generated_tokens", "tokens the actor generated, aborted requests included"),
             ("decode_steps", "decode_steps", "decode steps that produced tokens"),
             ("step_failures", "step_failures", "sequences ended by a failed generation step"),
+            ("actor_restarts", "actor_restarts", "GPU actors started again after one died"),
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=num(attr))
         yield CounterMetricFamily(PREFIX + "decode_step_seconds", "time spent in decode steps (with "

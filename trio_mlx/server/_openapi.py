@@ -228,7 +228,8 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
 
 def _errors(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
     text = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model or URL",
-            405: "method not allowed", 413: "body too large", 429: "queue full (see Retry-After)",
+            403: "Host not allowed (a loopback connection naming another host)",
+            405: "method not allowed", 413: "body too large", 415: "body not sent as application/json", 429: "queue full (see Retry-After)",
             500: "internal error", 503: "not ready, draining, or broken (see Retry-After)"}
     return {str(s): {"description": text[s], "content": _json(model)} for s in statuses}
 
@@ -256,7 +257,7 @@ def _completion_op(summary: str, request: type[BaseModel], whole: type[BaseModel
             "200": {"description": f"a {whole.__name__}, or with stream=true server-sent events: "
                                    f"`data: <{chunk.__name__}>` ... then `data: [DONE]`",
                     "content": {**_json(whole), "text/event-stream": {"schema": _SSE_EVENT}}},
-            **_errors(400, 401, 404, 413, 429, 500, 503),
+            **_errors(400, 401, 403, 404, 413, 415, 429, 500, 503),
         },
     }}
 

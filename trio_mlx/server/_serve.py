@@ -94,6 +94,7 @@ def hypercorn_config(settings: Settings) -> Any:
     config.graceful_timeout = settings.drain_timeout + SHUTDOWN_MARGIN
     config.shutdown_timeout = settings.drain_timeout + 2 * SHUTDOWN_MARGIN
     config.startup_timeout = settings.startup_timeout
+    config.backlog = settings.backlog
     config.accesslog = logging.getLogger("hypercorn.access") if settings.access_log else None
     # One line per request, ending with its X-Request-Id (see _logs.py for the duplicate it drops).
     config.logger_class = AccessLogger
@@ -103,12 +104,21 @@ def hypercorn_config(settings: Settings) -> Any:
 
 
 async def serve(app: Any, config: Any) -> bool:
-    """Serve until SIGTERM/SIGINT, then drain. Returns False if a second signal cut the drain."""
+    """Serve until SIGTERM/SIGINT, then drain. Returns False if a second signal cut the drain,
+    or the engine broke for good (its actor died past the restart budget)."""
     import hypercorn.trio
     import trio
 
     stop = trio.Event()
     forced = False
+
+    def fatal(reason: str) -> None:  # the engine is broken past its restart budget (_app.py)
+        nonlocal forced
+        log.critical("%s; stopping (exit 1)", reason)
+        forced = True
+        stop.set()
+
+    app.on_fatal = fatal
 
     async def on_signals(signals: Any, cancel: trio.CancelScope) -> None:
         nonlocal forced
@@ -158,6 +168,12 @@ def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
     from hypercorn.utils import LifespanFailureError, LifespanTimeoutError
 
     from ._app import create_app
+    from ._connections import (
+        capped_connections,
+        connection_cap,
+        quiet_accept_errors,
+        raise_soft_limit,
+    )
 
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -178,8 +194,12 @@ def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
                 settings.model, cache_dir=settings.cache_dir, backend=settings.distributed_backend,
                 timeout=settings.distributed_timeout, startup_timeout=settings.startup_timeout)
     app = create_app(settings, engine_factory=engine_factory)
+    cap = connection_cap(settings.max_connections)
+    quiet_accept_errors()
+    log.info("at most %d open connections (open-file limit %d)", cap, raise_soft_limit()[0])
     try:
-        clean = trio.run(serve, app, hypercorn_config(settings))
+        with capped_connections(cap):
+            clean = trio.run(serve, app, hypercorn_config(settings))
     except BaseException as exc:  # noqa: BLE001 - sorted below; the process ends here
         failure = _startup_failure(exc, (LifespanFailureError, LifespanTimeoutError))
         if failure is not None:

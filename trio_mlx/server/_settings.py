@@ -62,10 +62,21 @@ class Settings:
         "sampling defaults for requests that leave temperature, top_p, top_k, min_p or "
         "repetition_penalty out: 'auto' takes the model's generation_config.json (as vLLM "
         "does), 'none' the neutral values (temperature 1, top_p 1, ...)"))
+    restart_limit: int = field(default=3, metadata=_doc(
+        "times a GPU actor that died is started again within restart_window seconds; past it the "
+        "server exits non-zero for its supervisor to act; 0: never (exit at the first death)"))
+    restart_window: float = field(default=300.0, metadata=_doc(
+        "seconds over which restart_limit counts restarts"))
+    restart_backoff: float = field(default=1.0, metadata=_doc(
+        "seconds before the first restart; each further one within restart_window waits twice "
+        "as long (at most 30)"))
     drain_timeout: float = field(default=20.0, metadata=_doc(
         "seconds in-flight requests may run on after SIGTERM before they are ended"))
     stall_timeout: float = field(default=30.0, metadata=_doc(
         "seconds a streaming client may stop reading before its request is aborted"))
+    max_unread_tokens: int = field(default=2048, metadata=_doc(
+        "tokens a streaming client that stopped reading (its socket full) may fall behind before "
+        "its request is aborted as stalled, whatever stall_timeout says; 0: only the timeout"))
     watchdog_seconds: float = field(default=30.0, metadata=_doc(
         "/health turns 503 when work is pending and no decode step completed for this long"))
     ping_interval: float = field(default=10.0, metadata=_doc(
@@ -81,9 +92,24 @@ class Settings:
         "require 'Authorization: Bearer <key>' on /v1/* when set", secret=True))
     cors_origins: tuple[str, ...] = field(default=(), metadata=_doc(
         "comma-separated origins allowed by CORS ('*' for any); empty: no CORS headers"))
+    allowed_hosts: tuple[str, ...] = field(default=(), metadata=_doc(
+        "comma-separated Host names accepted on connections over loopback besides localhost, "
+        "127.0.0.0/8 and [::1] ('.example.com': the domain and its subdomains; '*': any), "
+        "for a local reverse proxy; others get 403 (DNS rebinding)"))
+    max_connections: int = field(default=0, metadata=_doc(
+        "most open connections (trio-mlx serve); more are answered 503 and closed at once; "
+        "0: the open-file limit (raised to its hard limit at startup) less a reserve"))
+    backlog: int = field(default=2048, metadata=_doc(
+        "the listen queue (trio-mlx serve): connections the kernel holds before the server "
+        "accepts them (capped by net.core.somaxconn)"))
+    body_timeout: float = field(default=20.0, metadata=_doc(
+        "seconds a client may take to send its whole request body (408 after)"))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc(
         "largest request body accepted; larger ones get 413"))
     max_n: int = field(default=16, metadata=_doc("largest n (choices per request) accepted"))
+    max_messages: int = field(default=4096, metadata=_doc(
+        "most messages a chat request may have (and never more than the context has tokens); "
+        "counted before they are validated"))
     startup_timeout: float = field(default=600.0, metadata=_doc(
         "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve)"))
     access_log: bool = field(default=True, metadata=_doc(
@@ -119,16 +145,17 @@ class Settings:
     log_level: str = field(default="info", metadata=_doc("debug, info, warning or error"))
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "prefill_batch", "prefill_step", "max_n"):
+        for name in ("max_batch", "prefill_batch", "prefill_step", "max_n", "max_messages", "backlog"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue", "max_body_bytes", "port", "retire_steps"):
+        for name in ("max_queue", "max_body_bytes", "port", "retire_steps", "restart_limit", "max_connections",
+                     "max_unread_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",
-                     "stream_interval", "max_event_rate", "admit_window"):
+                     "stream_interval", "max_event_rate", "admit_window", "restart_window", "restart_backoff", "body_timeout"):
             value = getattr(self, name)
-            zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window")  # drain 0: end in-flight at once
+            zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window", "restart_backoff")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
         for name in ("idle_release", "cache_limit_gb", "prompt_cache_gb"):

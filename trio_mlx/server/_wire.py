@@ -111,8 +111,7 @@ async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Rec
     gen: ApiCall | None = None
     body = b""
     try:
-        obj = await read_json_request(scope, receive, settings, accept_x_api_key=api.accept_x_api_key)
-        call = api.parse(obj)
+        call = await read_json_request(scope, receive, app, api.parse, accept_x_api_key=api.accept_x_api_key)
         if call.model is not None and call.model != settings.served_model_name:
             raise HTTPError(404, f"the model {call.model!r} does not exist; this server serves "
                             f"{settings.served_model_name!r}", param="model", code="model_not_found")

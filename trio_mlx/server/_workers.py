@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -100,8 +101,7 @@ def acquire(settings: Settings) -> ServingLock:
     if (held := _held.get(key)) is not None:
         held.users += 1
         return ServingLock(path)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = _open_lock(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -123,6 +123,47 @@ def acquire(settings: Settings) -> ServingLock:
     os.pwrite(fd, f"{os.getpid()} {os.getppid()}".encode(), 0)
     _held[key] = _Held(fd, 1)
     return ServingLock(path)
+
+
+class UnsafeLockError(TrioMLXError):
+    """The lock's directory or file is not this user's own (another user could plant a link)."""
+
+
+def _open_lock(path: Path) -> int:
+    """Open (creating) the lock file safely: `$TMPDIR` is shared with every local user, so the
+    directory must be a real directory of this user's, mode 0700 (made so if it is looser), and
+    the lock a regular file of this user's, opened without following a link: a link planted at
+    the lock's path would otherwise have the server write its pid into the link's target."""
+    uid = os.getuid()
+    try:
+        os.mkdir(path.parent, 0o700)
+    except FileExistsError:
+        pass
+    nofollow = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | nofollow)
+    except OSError as exc:
+        raise UnsafeLockError(f"the serving lock's directory {str(path.parent)!r} is not a directory "
+                              f"of this user's ({exc.strerror}); remove it") from None
+    try:
+        st = os.fstat(dfd)
+        if st.st_uid != uid:
+            raise UnsafeLockError(f"the serving lock's directory {str(path.parent)!r} belongs to uid "
+                                  f"{st.st_uid}, not to this user ({uid}); remove it")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(dfd, 0o700)
+        try:
+            fd = os.open(path.name, os.O_RDWR | os.O_CREAT | nofollow, 0o600, dir_fd=dfd)
+        except OSError as exc:
+            raise UnsafeLockError(f"could not open the serving lock {str(path)!r} ({exc.strerror}): "
+                                  "a link there is refused; remove it") from None
+    finally:
+        os.close(dfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+        os.close(fd)
+        raise UnsafeLockError(f"the serving lock {str(path)!r} is not a file of this user's; remove it")
+    return fd
 
 
 def _holder(fd: int) -> tuple[int, int]:

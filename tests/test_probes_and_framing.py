@@ -1,0 +1,116 @@
+"""Smaller hardening: the watchdog after idle, readiness while stalled, ambiguous framing, the listen
+backlog, and a bound on what a client that stopped reading leaves buffered. A real hypercorn on
+127.0.0.1 each time."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from app_server import (
+    CHAT,
+    COMPLETIONS,
+    HELLO,
+    engine_factory,
+    open_raw,
+    read_response,
+    serve,
+    until,
+    until_answer,
+)
+
+from trio_mlx.server._serve import build_parser, hypercorn_config, settings_from_args
+from trio_mlx.server._settings import Settings
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_health_counts_from_the_first_work_after_idle(tiny_model_fp32: Path) -> None:
+    slow = threading.Event()
+
+    def hook(stage: str) -> None:
+        if stage == "step" and slow.is_set():
+            time.sleep(0.15)
+
+    async with serve(tiny_model_fp32, watchdog_seconds=0.3, factory=engine_factory(fault_hook=hook)) as server, \
+            server.client() as client:
+        r = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 2})
+        assert r.status_code == 200
+        await trio.sleep(0.6)  # idle for twice the watchdog
+        slow.set()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(client.post, CHAT, json={"messages": HELLO, "max_tokens": 4}))
+            await until(lambda: server.engine.statistics().queued + server.engine.statistics().prefilling
+                        + server.engine.statistics().decoding > 0)
+            r = await client.get("/health")
+            assert r.status_code == 200, r.text  # before: "stalled", counting the idle time
+            assert (await client.get("/ready")).status_code == 200
+        slow.clear()
+
+
+async def test_ready_is_503_while_health_says_stalled(tiny_model_fp32: Path) -> None:
+    stall, release = threading.Event(), threading.Event()
+
+    def hook(stage: str) -> None:
+        if stage == "step" and stall.is_set():
+            release.wait(10)
+
+    async with serve(tiny_model_fp32, watchdog_seconds=0.3, factory=engine_factory(fault_hook=hook)) as server, \
+            server.client() as client:
+        try:
+            async with trio.open_nursery() as nursery:
+                stall.set()
+                nursery.start_soon(partial(client.post, COMPLETIONS, json={"prompt": "x", "max_tokens": 3}))
+                await until_answer(lambda: client.get("/health"), lambda r: r.status_code == 503)
+                r = await client.get("/ready")
+                assert r.status_code == 503 and r.json()["status"] == "stalled", r.text
+                stall.clear()
+                release.set()
+            await until_answer(lambda: client.get("/ready"), lambda r: r.status_code == 200)
+        finally:
+            release.set()
+
+
+async def test_content_length_with_transfer_encoding_is_refused_and_closed(tiny_model_fp32: Path) -> None:
+    async with serve(tiny_model_fp32) as server:
+        body = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        sock = await open_raw(server.port, COMPLETIONS, chunked,
+                              headers={"Content-Length": str(len(chunked)), "Transfer-Encoding": "chunked"})
+        raw = await read_response(sock)
+        assert raw.startswith(b"HTTP/1.1 400") and b"invalid_framing" in raw, raw[:300]
+        assert b"connection: close" in raw.lower()
+        with trio.fail_after(5):
+            while await sock.recv(65536):  # the server closes the connection (RFC 9112, 6.3)
+                pass
+        sock.close()
+        # a plain request on a fresh connection is served
+        sock = await open_raw(server.port, COMPLETIONS, body)
+        assert (await read_response(sock)).startswith(b"HTTP/1.1 200")
+        sock.close()
+
+
+def test_the_listen_backlog_is_a_setting_with_a_larger_default() -> None:
+    assert hypercorn_config(Settings()).backlog == 2048  # hypercorn's own: 100
+    args = build_parser().parse_args(["--backlog", "4096"])
+    assert hypercorn_config(settings_from_args(args)).backlog == 4096
+
+
+async def test_a_client_that_stops_reading_is_cut_once_far_enough_behind(tiny_model_fp32: Path) -> None:
+    records: list[Any] = []
+    async with serve(tiny_model_fp32, stall_timeout=30, max_unread_tokens=64) as server:
+        server.app.observers.append(records.append)
+        body = {"messages": HELLO, "max_tokens": 900, "ignore_eos": True, "stream": True, "logprobs": True,
+                "top_logprobs": 20}
+        sock = await open_raw(server.port, CHAT, body, rcvbuf=4096)
+        t0 = trio.current_time()
+        await until(lambda: any(r.outcome == "stall" for r in records), within=15)
+        assert trio.current_time() - t0 < 10  # long before the 30 s stall timeout
+        assert server.engine.statistics().aborts_by_cause.get("stall") == 1
+        sock.close()

@@ -1,0 +1,176 @@
+"""A GPU actor that dies is started again (engine/_supervise.py), within a budget.
+
+In-process (the thread actor, its loop made to raise through the fault hook) and as a real
+`trio-mlx serve` process whose actor process is SIGKILLed: every request in flight ends at
+once with an error (rule 8); while the new actor loads, /ready and new requests get 503 with
+Retry-After and /health stays 200 ("restarting"); then the server serves again. Past the
+restart budget the engine is broken and `trio-mlx serve` exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from app_server import CHAT, HELLO, assert_error, engine_factory, scrape, serve, until, until_answer
+from test_app_process import ENV, SERVE, alive, start
+from test_faults import SEQUENCES, assert_all_ended_with, run_mix
+
+from trio_mlx.engine._supervise import RestartBudget
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def dying_hook() -> tuple[threading.Event, Any]:
+    """Slows steps; once armed, the actor's loop raises (outside a step's recovery): it dies."""
+    armed = threading.Event()
+
+    def hook(stage: str) -> None:
+        if stage == "step":
+            time.sleep(0.003)
+        if stage == "loop" and armed.is_set():
+            armed.clear()
+            raise RuntimeError("injected actor death")
+
+    return armed, hook
+
+
+def test_the_budget_backs_off_and_runs_out() -> None:
+    b = RestartBudget(limit=3, window=100.0, backoff=1.0)
+    assert [b.next_delay(t) for t in (0, 1, 2)] == [1.0, 2.0, 4.0]
+    assert b.next_delay(3) is None  # 3 within 100 s
+    assert b.next_delay(101) == 4.0  # the first one left the window
+    assert RestartBudget(limit=0).next_delay(0) is None
+    capped = RestartBudget(limit=10, backoff=10)
+    assert [capped.next_delay(i) for i in range(4)] == [10, 20, 30, 30]
+
+
+async def test_a_dead_thread_actor_is_restarted_and_the_server_serves_again(tiny_model_fp32: Path) -> None:
+    armed, hook = dying_hook()
+    factory = engine_factory(fault_hook=hook, restart_limit=2, restart_backoff=1.0)
+    async with serve(tiny_model_fp32, max_batch=2, prefill_batch=2, factory=factory) as server, \
+            server.client() as client:
+        engine = server.engine
+        results: dict[str, Any] = {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_mix, client, results)
+            await until(lambda: (s := engine.statistics()).decoding == 2
+                        and s.queued + s.prefilling == SEQUENCES - 2)
+            armed.set()
+            t0 = trio.current_time()
+        assert trio.current_time() - t0 < 2.0  # every waiter ended at once, queued or decoding
+        assert_all_ended_with(results, 500, "generation_failed")
+        # restarting: not ready, new requests 503 with Retry-After, alive
+        r = await client.get("/ready")
+        assert r.status_code == 503 and r.json()["status"] == "restarting" and r.headers["retry-after"]
+        r = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 2})
+        assert_error(r, 503, code="service_unavailable")
+        assert int(r.headers["retry-after"]) > 0
+        r = await client.get("/health")
+        assert r.status_code == 200 and r.json()["status"] == "restarting"
+        # then ready again, and serving whole answers
+        await until_answer(lambda: client.get("/ready"), lambda r: r.status_code == 200, within=20)
+        r = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 5, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        stats = engine.statistics()
+        assert stats.actor_restarts == 1 and stats.state == "ready" and stats.queued == stats.active == 0
+        m = await scrape(client)
+        assert m.value("trio_mlx_actor_restarts_total") == 1
+        assert m.value("trio_mlx_engine_state", state="ready") == 1
+        assert server.app.fatal == []  # type: ignore[attr-defined]
+
+
+async def test_past_the_budget_the_engine_is_broken_and_the_server_gives_up(tiny_model_fp32: Path) -> None:
+    armed, hook = dying_hook()
+    factory = engine_factory(fault_hook=hook, restart_limit=1, restart_backoff=0.1)
+    async with serve(tiny_model_fp32, factory=factory) as server, server.client() as client:
+        engine = server.engine
+        armed.set()
+        r = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 50, "ignore_eos": True})
+        assert_error(r, 500, code="generation_failed")
+        await until(lambda: engine.state == "ready", within=20)
+        armed.set()
+        r = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 50, "ignore_eos": True})
+        assert_error(r, 500, code="generation_failed")
+        await until(lambda: engine.state == "broken")
+        await until(lambda: bool(server.app.fatal))  # type: ignore[attr-defined]
+        assert "restart limit 1" in server.app.fatal[0]  # type: ignore[attr-defined]
+        assert_error(await client.post(CHAT, json={"messages": HELLO}), 503, code="engine_broken")
+        assert (await client.get("/health")).status_code == 503
+
+
+async def test_a_killed_actor_process_is_restarted_then_past_the_budget_the_server_exits_1(
+        tiny_model_fp32: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        p = await start(nursery, [*SERVE, str(tiny_model_fp32), "--port", "0", "--no-warmup", "--actor",
+                                  "process", "--no-access-log", "--restart-limit", "1",
+                                  "--restart-backoff", "0.5"])
+        try:
+            with trio.fail_after(60):
+                await p.has_url.wait()
+            async with httpx.AsyncClient(base_url=p.url or "", timeout=30) as client:
+                first = (await client.get("/health")).json()["actor_pid"]
+                assert first != p.proc.pid
+                out: dict[str, Any] = {}
+
+                async def long() -> None:
+                    out["r"] = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 800,
+                                                             "ignore_eos": True})
+
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(long)
+                    await trio.sleep(0.5)
+                    os.kill(first, signal.SIGKILL)
+                    t0 = trio.current_time()
+                assert trio.current_time() - t0 < 2.0
+                assert_error(out["r"], 500, code="generation_failed")
+                r = await client.get("/ready")
+                assert r.status_code == 503 and r.headers["retry-after"], r.text
+                t0 = trio.current_time()
+                await until_answer(lambda: client.get("/ready"), lambda r: r.status_code == 200, within=30)
+                print(f"serving again {trio.current_time() - t0:.2f} s after the kill")
+                second = (await client.get("/health")).json()["actor_pid"]
+                assert second != first and alive(second)
+                r = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 4, "ignore_eos": True})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+                os.kill(second, signal.SIGKILL)  # the budget (1 restart in 300 s) is spent
+            with trio.fail_after(30):
+                await p.proc.wait()
+            assert p.proc.returncode == 1, p.text
+            assert "restart limit 1" in p.text and "Traceback" not in p.text
+        finally:
+            if p.proc.returncode is None:
+                p.proc.kill()
+            nursery.cancel_scope.cancel()
+
+
+async def test_under_hypercorn_past_the_budget_the_server_exits_non_zero(tiny_model_fp32: Path) -> None:
+    """`hypercorn trio_mlx.app:app` (a supervisor and one worker): with restarts off, a killed actor
+    ends the server non-zero, although hypercorn's supervisor would exit 0 on its own."""
+    from test_app_process import HYPERCORN
+
+    env = {**ENV, "TRIO_MLX_MODEL": str(tiny_model_fp32), "TRIO_MLX_WARMUP": "0", "TRIO_MLX_ACTOR": "process",
+           "TRIO_MLX_RESTART_LIMIT": "0"}
+    async with trio.open_nursery() as nursery:
+        p = await start(nursery, [*HYPERCORN, "-k", "trio", "-b", "127.0.0.1:0", "trio_mlx.app:app"], env=env)
+        try:
+            with trio.fail_after(60):
+                await p.has_url.wait()
+            async with httpx.AsyncClient(base_url=p.url or "", timeout=30) as client:
+                actor = (await client.get("/health")).json()["actor_pid"]
+            os.kill(actor, signal.SIGKILL)
+            with trio.fail_after(30):
+                await p.proc.wait()
+            assert p.proc.returncode != 0, p.text
+            assert "restart limit 0" in p.text
+        finally:
+            if p.proc.returncode is None:
+                p.proc.kill()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,158 @@
+"""Chat prompts to token ids, with what the client wrote tokenized as text.
+
+A chat template renders the conversation into one string, and the tokenizer
+turns every special-token string in it (`<|im_end|>`, `<|start_header_id|>`,
+...) into its control id. Tokenized naively, a user message containing
+`<|im_end|>\n<|im_start|>system\n...` becomes exactly the ids of a genuine
+system turn. So every string the client supplied (message contents, roles,
+names, tool calls, tool definitions, template arguments) has its
+special-token strings swapped for placeholder characters before the template
+runs; the rendered text is cut at the placeholders, the template's own text
+is tokenized with special tokens parsed, and each placeholder is tokenized as
+the text it stands for with special tokens split (`split_special_tokens`, the
+HF tokenizers' option). This is the placeholder scheme vLLM and sglang
+adopted for the same attack; filters such as `trim` act on the placeholders as
+on the text (they are not whitespace). There is no switch to turn it off:
+`/v1/completions` takes a raw prompt, special tokens included, for clients
+that want to write the markup themselves.
+
+Only tokens the tokenizer marks special are split; added tokens that are not
+special (`<tool_call>`, `<think>` in many families) are ordinary vocabulary
+the model also emits as text, and an assistant turn sent back in history must
+tokenize as it was generated. Where no client string contains a special-token
+string (nearly always) the prompt is rendered and tokenized in one piece,
+exactly as before.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# Placeholders come from Unicode's supplementary private use area A: never
+# produced by tokenizers or templates, and skipped when a client string uses one.
+_PUA_START = 0xF0000
+_PUA_END = 0xFFFFD
+_PRIVATE = re.compile("[\U000F0000-\U0010FFFF]")
+
+
+class ChatEncoder:
+    """Renders and tokenizes chat prompts for one tokenizer (mlx-lm's TokenizerWrapper)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        self._hf = hf
+        specials: set[str] = set(getattr(hf, "all_special_tokens", None) or ())
+        for added in (getattr(hf, "added_tokens_decoder", None) or {}).values():
+            if getattr(added, "special", False) and getattr(added, "content", ""):
+                specials.add(added.content)
+        specials.discard("")
+        self.specials = tuple(sorted(specials, key=len, reverse=True))  # longest first
+        self._find = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
+
+    def encode(self, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any] | None) -> list[int]:
+        """Apply the chat template (with the generation prompt) and tokenize."""
+        tok = self.tokenizer
+        kwargs = dict(template_kwargs or {})
+        literal: dict[str, str] = {}
+        if self._find is not None and (_any_string(messages, self._find) or _any_string(kwargs, self._find)):
+            literal = self._placeholders(messages, kwargs)
+            swap = {text: ch for ch, text in literal.items()}
+            find = self._find
+            messages = _map_strings(messages, lambda s: find.sub(lambda m: swap[m.group()], s))
+            kwargs = _map_strings(kwargs, lambda s: find.sub(lambda m: swap[m.group()], s))
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        if not literal:
+            return list(tok.encode(text, add_special_tokens=False))
+        ids: list[int] = []
+        cut = re.compile("[" + "".join(literal) + "]")
+        at = 0
+        for m in cut.finditer(text):
+            if m.start() > at:
+                ids += self._hf.encode(text[at:m.start()], add_special_tokens=False)
+            ids += self._hf.encode(literal[m.group()], add_special_tokens=False, split_special_tokens=True)
+            at = m.end()
+        if at < len(text):
+            ids += self._hf.encode(text[at:], add_special_tokens=False)
+        return ids
+
+    def _placeholders(self, *values: Any) -> dict[str, str]:
+        """A private-use character for each special-token string, none already in use."""
+        used: set[str] = set()
+        template = getattr(self._hf, "chat_template", None)
+        for s in [*_strings(values), *(template.values() if isinstance(template, dict) else [template or ""])]:
+            used.update(_PRIVATE.findall(s))
+        out: dict[str, str] = {}
+        code = _PUA_START
+        for special in self.specials:
+            while chr(code) in used:
+                code += 1
+            if code > _PUA_END:  # pragma: no cover - tens of thousands of special tokens
+                raise RuntimeError("no placeholder characters left")
+            out[chr(code)] = special
+            code += 1
+        return out
+
+
+def _strings(value: Any) -> list[str]:
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, Mapping):
+            stack.extend(k for k in v if isinstance(k, str))
+            stack.extend(v.values())
+        elif isinstance(v, Sequence) and not isinstance(v, (bytes, bytearray)):
+            stack.extend(v)
+    return out
+
+
+def _any_string(value: Any, pattern: re.Pattern[str]) -> bool:
+    return any(pattern.search(s) for s in _strings(value))
+
+
+def _map_strings(value: Any, fn: Any) -> Any:
+    """`value` with `fn` applied to every string in it (dict keys too), containers copied."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {(fn(k) if isinstance(k, str) else k): _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(v, fn) for v in value)
+    return value
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for: the longest vocabulary entry. A byte-level
+    entry has one character per byte and a SentencePiece one per character (byte-fallback
+    entries like `<0xE2>` are longer than their byte), so this bounds what a token covers
+    from above, and a text of C characters is at least C / max_token_chars tokens."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        vocab = hf.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary map: no bound
+        return 0
+    return max((len(k) for k in vocab), default=0)
+
+
+def prompt_chars(kind: str, value: Any) -> int:
+    """Characters of client text in a prompt (chat contents, or the text prompt), read without
+    copying: what the cheap bound against the context counts. Token-id prompts count 0."""
+    if kind == "text":
+        return len(value) if isinstance(value, str) else 0
+    total = 0
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        for msg in value:
+            content = msg.get("content") if isinstance(msg, Mapping) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, Sequence):
+                for part in content:
+                    text = part.get("text") if isinstance(part, Mapping) else None
+                    if isinstance(text, str):
+                        total += len(text)
+    return total

@@ -1,0 +1,167 @@
+"""File descriptors: the open-file limit, a cap on connections, and a quiet accept loop.
+
+Every connection is a file descriptor. With the limit reached, `accept()`
+fails with EMFILE: new clients hang in the listen queue while trio's accept
+loop logs an ERROR with a traceback ten times a second, and the model's own
+files, pipes and sockets can fail to open. So:
+
+- at startup the soft open-file limit is raised to the hard one (importing
+  mlx-lm no longer lowers either: `trio_mlx/_fdlimit.py`);
+- `trio-mlx serve` caps concurrent connections below it (`max_connections`;
+  by default the soft limit less a reserve for everything else): a
+  connection over the cap is answered at once with 503 and `Retry-After`
+  and closed, instead of holding a descriptor until the limit breaks accept;
+- accept errors are logged once per `AcceptErrorFilter.interval` seconds with
+  the count suppressed, not ten times a second.
+
+The cap wraps hypercorn's per-connection handler (`hypercorn.trio.run.TCPServer`,
+the name its trio worker calls for each accepted stream): hypercorn has no
+connection limit of its own. `tests/test_connections.py` pins that name.
+Under other ASGI servers use theirs (uvicorn `--limit-concurrency`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import trio
+
+try:
+    import resource
+except ImportError:  # pragma: no cover - Windows
+    resource = None  # type: ignore[assignment]
+
+log = logging.getLogger("trio_mlx.serve")
+
+# Descriptors kept back from connections: model files, the actor's pipes, log files, the
+# tokenizer's threads, a few hundred would do. Judgement.
+RESERVE = 256
+ACCEPT_LOGGER = "trio.serve_listeners"
+
+
+def raise_soft_limit() -> tuple[int, int]:
+    """Lift the soft open-file limit to the hard one; returns (soft, hard) as they are after."""
+    if resource is None:  # pragma: no cover
+        return (0, 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft, hard
+
+
+def connection_cap(configured: int) -> int:
+    """The connection cap: `configured`, or when 0 the soft open-file limit (raised to the
+    hard one) less RESERVE and a tenth, but at least 16."""
+    soft, _ = raise_soft_limit()
+    if configured:
+        return configured
+    return max(16, int((soft - RESERVE) * 0.9)) if soft else 1 << 20
+
+
+def _refusal(retry_after: int) -> bytes:
+    body = (b'{"error": {"message": "the server has too many open connections; retry shortly", '
+            b'"type": "server_error", "param": null, "code": "too_many_connections"}}')
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"retry-after: %d\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % (retry_after, len(body)) + body)
+
+
+class ConnectionGate:
+    """Counts hypercorn's connections; refuses those over `limit`."""
+
+    def __init__(self, limit: int, *, log_every: float = 10.0):
+        self.limit = limit
+        self.open = 0
+        self.refused = 0
+        self._log_every = log_every
+        self._logged_at = -math.inf
+        self._unlogged = 0
+
+    def wrap(self, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """`handler` (hypercorn's TCPServer class), counted and capped."""
+
+        async def capped(app: Any, config: Any, context: Any, state: Any, stream: Any) -> None:
+            if self.open >= self.limit:
+                self._refuse()
+                # Answer, then read what the client sent before closing: closing a socket with
+                # unread data resets it, and the client may lose the answer. At most a second.
+                with trio.move_on_after(1.0):
+                    try:
+                        await stream.send_all(_refusal(1))
+                        if hasattr(stream, "send_eof"):
+                            await stream.send_eof()
+                        while await stream.receive_some(65536):
+                            pass
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        pass
+                return  # trio.serve_listeners closes the stream
+            self.open += 1
+            try:
+                await handler(app, config, context, state, stream)
+            finally:
+                self.open -= 1
+
+        return capped
+
+    def _refuse(self) -> None:
+        self.refused += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at >= self._log_every:
+            log.warning("%d open connections, the cap (max_connections): refused %d new one(s) with 503",
+                        self.open, self._unlogged)
+            self._logged_at, self._unlogged = now, 0
+
+
+@contextmanager
+def capped_connections(limit: int) -> Iterator[ConnectionGate]:
+    """While inside, hypercorn's trio worker caps its connections at `limit`."""
+    import hypercorn.trio.run as run
+
+    gate = ConnectionGate(limit)
+    original = run.TCPServer
+    run.TCPServer = gate.wrap(original)  # type: ignore[assignment,misc]
+    try:
+        yield gate
+    finally:
+        run.TCPServer = original  # type: ignore[misc]
+
+
+class AcceptErrorFilter(logging.Filter):
+    """Lets one accept-loop error through per `interval` seconds, without its traceback,
+    saying how many were dropped since."""
+
+    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.interval = interval
+        self._clock = clock
+        self._last = -math.inf
+        self._dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self._clock()
+        if now - self._last < self.interval:
+            self._dropped += 1
+            return False
+        if self._dropped:
+            record.msg = f"{record.msg} ({self._dropped} more like it in the last {self.interval:g} s)"
+        record.exc_info = None
+        record.exc_text = None
+        self._last, self._dropped = now, 0
+        return True
+
+
+def quiet_accept_errors() -> None:
+    """Install the filter on trio's accept loop logger, once."""
+    logger = logging.getLogger(ACCEPT_LOGGER)
+    if not any(isinstance(f, AcceptErrorFilter) for f in logger.filters):
+        logger.addFilter(AcceptErrorFilter())
