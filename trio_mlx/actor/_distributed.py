@@ -62,9 +62,12 @@ from mlx_lm.generate import generation_stream
 from .._errors import ModelLoadError
 from ._actor import Actor
 from ._admission import Admission
+from ._batch import plain_kv
 from ._group import GroupError, GroupStatus
 from ._link import ActorLink
+from ._prompt_cache import PromptCache, budget
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, StepReport, Submit
+from ._reuse import Reuse
 
 log = logging.getLogger("trio_mlx.distributed")
 
@@ -258,9 +261,79 @@ def fingerprint(path: Path) -> str:
     return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()[:16]
 
 
-def hello(config: ActorConfig, mode: str) -> tuple[Any, ...]:
-    """Rank 0's first message: the mode, the model's fingerprint and the batching knobs."""
-    return ("hello", mode, fingerprint(config.model_path), {k: getattr(config, k) for k in _KNOBS})
+def hello(config: ActorConfig, mode: str, cache_bytes: int) -> tuple[Any, ...]:
+    """Rank 0's first message: the mode, the model's fingerprint, the batching knobs and
+    the prompt cache's bound in bytes (`group_cache_budget`)."""
+    return ("hello", mode, fingerprint(config.model_path), {k: getattr(config, k) for k in _KNOBS}, cache_bytes)
+
+
+def group_cache_budget(config: ActorConfig, mode: str) -> tuple[int, int | None]:
+    """Rank 0's (prompt cache bound, pressure mark) for the group; every rank takes the bound.
+
+    The bound is rank 0's, sent in bytes: without a setting it comes from a device's
+    memory, which may differ from host to host. Each rank's entries hold its own shard of
+    the KV, and with tensor parallelism those weigh the same on every rank (each holds
+    1/N of the KV heads, and `load_shard` checks they divide), so byte-bounded eviction
+    evicts alike; every step's state check compares the bytes held all the same.
+    Pipeline parallelism gives each rank a different run of layers, so the bytes (and
+    what a byte bound evicts) would differ: no prompt cache there.
+    """
+    limit, pressure = budget(config.prompt_cache_gb)
+    return (limit, pressure) if mode == "tensor" else (0, None)
+
+
+class GroupCache(PromptCache):
+    """The prompt cache of a group's rank: relieved under memory pressure only when rank 0
+    decides it, once per step.
+
+    Pressure is read from a rank's own device (MLX's active memory), so each rank would
+    evict at a different moment, and then hit different prefixes, prefill different
+    lengths and sum mismatched batches. Instead the store's own `relieve` calls (before a
+    lookup, before each store: `_reuse.py`) do nothing; rank 0 calls `relieve_step` at the
+    start of each step and sends how many entries it evicted, oldest first, and every
+    other rank evicts that many of its own (`evict`), before anything else of the step:
+    their entries are the same, in the same LRU order, so the same ones go. Everything
+    else the cache decides (hits, stores, the byte bound's evictions) depends only on
+    the tokens and on the bytes held, equal on every rank."""
+
+    def relieve(self) -> int:
+        return 0
+
+    def relieve_step(self) -> int:
+        """Rank 0: relieve memory pressure now; returns the number of entries evicted."""
+        before = self.evictions
+        super().relieve()
+        return self.evictions - before
+
+    def evict(self, count: int) -> None:
+        """Another rank: evict the `count` least recently used entries, as rank 0 did."""
+        for _ in range(count):
+            if not len(self):
+                raise GroupError(f"rank 0 evicted {count} prompt cache entries, this rank holds fewer")
+            self._evict()
+
+
+class GroupReuse(Reuse):
+    """Rank 0's `Reuse`: notes the rows an arrival marked to be stored when prefilled
+    (`Reuse.arrived`), which the other ranks cannot see, to send them with the step."""
+
+    def __init__(self, cache: PromptCache):
+        super().__init__(cache)
+        self.marks: list[int] = []
+
+    def arrived(self, sub: Any) -> int | None:
+        rid = super().arrived(sub)
+        if rid is not None:
+            self.marks.append(rid)
+        return rid
+
+
+def open_group_cache(model: Any, limit: int, pressure: int | None, leader: bool) -> Reuse:
+    """A rank's prompt cache (the actor's `_open_cache`, with the group's bound)."""
+    if limit and not plain_kv(model):
+        limit = 0  # as on one device: a cache that cannot be cut to a prefix is not reused
+    cache = GroupCache(limit, pressure)
+    return GroupReuse(cache) if leader else Reuse(cache)
 
 
 def load_shard(path: Path, mode: str, group: Any) -> tuple[Any, dict[str, Any]]:
@@ -366,12 +439,16 @@ class LeaderActor(Actor):
         self._mirroring = False
         self._stopped = False
         self._digest = 0
+        self._cache_bytes, self._pressure = group_cache_budget(config, mode)
+        self._evicted = 0  # prompt cache entries evicted under pressure, not yet sent
+        self._marks: list[int] = []  # rows marked to be stored when prefilled, not yet sent
 
     def run(self) -> None:
         try:
             with self._watch.guard("starting the group", self._startup):
                 self._status.set_all("loading", leader="loading")
-                self._channel.send(hello(self.config, self._mode), self._startup, "greeting the followers")
+                self._channel.send(hello(self.config, self._mode, self._cache_bytes), self._startup,
+                                   "greeting the followers")
             super().run()
         except GroupError as exc:
             self._watch.fail(str(exc))
@@ -394,6 +471,9 @@ class LeaderActor(Actor):
     def _warmup(self) -> None:
         with self._failing(), self._watch.guard("warming up", self._startup):
             super()._warmup()
+
+    def _open_cache(self) -> None:
+        self._reuse = open_group_cache(self._model, self._cache_bytes, self._pressure, leader=True)
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
@@ -436,18 +516,30 @@ class LeaderActor(Actor):
         admission = self._admission
         assert isinstance(admission, RecordingAdmission)
         admission.admitted.clear()
+        reuse = self._reuse
+        # The step's pressure relief, decided here alone and replayed (`GroupCache`): first,
+        # as a follower applies it first.
+        if isinstance(reuse.cache, GroupCache):
+            self._evicted += reuse.cache.relieve_step()
         # What a follower must hold before it applies the step (it checks, and fails the
         # group if it is out of step rather than sum the wrong batches): the counts of
-        # steps, sequences and retired rows, and the tokens the last step sampled.
-        state = (self._steps, len(self._seqs), len(self._retired), self._digest)
+        # steps, sequences and retired rows, the tokens the last step sampled, and the
+        # prompt cache's counters (lookups, hits, hit tokens, evictions, bytes, entries).
+        state = (self._steps, len(self._seqs), len(self._retired), self._digest, reuse.cache.stats())
         with self._watch.guard("a batch change", self._timeout):
             failed = super()._apply(commands)
             if failed is None:
                 self._send(("stop",))
                 return None
+            if isinstance(reuse, GroupReuse) and reuse.marks:
+                self._marks += reuse.marks
+                reuse.marks.clear()
             aborts = tuple(c.rid for c in commands if isinstance(c, Abort))
             if aborts or admission.admitted or self._seqs:  # else no step follows: nothing to send
-                self._send(("step", aborts, tuple(admission.admitted), state))
+                # (A step that sends nothing changed the cache by its relief alone: no row
+                # entered, left or stepped. Its evictions and marks go with the next message.)
+                self._send(("step", aborts, tuple(admission.admitted), state, self._evicted, tuple(self._marks)))
+                self._evicted, self._marks = 0, []
         return failed
 
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
