@@ -346,8 +346,8 @@ def test_memory_pressure_is_relieved_once_a_step_on_rank_0_and_replayed(monkeypa
     import mlx.core as mx
     from test_prompt_cache import layers
 
-    from trio_mlx.actor._distributed import GroupCache
     from trio_mlx.actor._group import GroupError
+    from trio_mlx.actor._group_cache import GroupCache
 
     one = sum(kv.keys.nbytes * 2 for kv in layers(list(range(64))))
     leader, follower = GroupCache(10 * one, pressure_bytes=1000 * one), GroupCache(10 * one)
@@ -370,7 +370,7 @@ def test_memory_pressure_is_relieved_once_a_step_on_rank_0_and_replayed(monkeypa
 def test_what_an_arrival_marks_on_rank_0_is_marked_on_every_rank() -> None:
     """An arrival that shares a prompt being prefilled marks that prompt to be stored
     when prefilled; arrivals reach rank 0 only, so it sends the marks with the step."""
-    from trio_mlx.actor._distributed import GroupCache, GroupReuse
+    from trio_mlx.actor._group_cache import GroupCache, GroupReuse
     from trio_mlx.actor._protocol import SamplingParams, Submit
     from trio_mlx.actor._reuse import Reuse
 

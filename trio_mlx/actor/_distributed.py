@@ -29,6 +29,12 @@ batch, so the followers replay rank 0's steps:
   on every rank once loaded, seeded requests own their keys, and retirement
   depends only on tokens and step counts: the ranks' batches stay identical
   and their sampled tokens agree, without sending a token.
+- Every rank keeps its own prompt cache (its shard of each entry's KV), and
+  makes the same cache decisions from the same rows; the two that would come
+  from what only rank 0 sees (memory pressure, read from a rank's own device;
+  the store marks of arrivals, which reach rank 0 only) are made on rank 0
+  and ride in the step's message (`_group_cache.py`). The step check
+  compares the cache's counters too.
 - Idle, rank 0 sends a heartbeat every `BEAT` seconds, so a follower's wait
   for the next message is bounded too.
 
@@ -62,12 +68,10 @@ from mlx_lm.generate import generation_stream
 from .._errors import ModelLoadError
 from ._actor import Actor
 from ._admission import Admission
-from ._batch import plain_kv
 from ._group import GroupError, GroupStatus
+from ._group_cache import GroupCache, GroupReuse, group_cache_budget, open_group_cache
 from ._link import ActorLink
-from ._prompt_cache import PromptCache, budget
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, StepReport, Submit
-from ._reuse import Reuse
 
 log = logging.getLogger("trio_mlx.distributed")
 
@@ -265,75 +269,6 @@ def hello(config: ActorConfig, mode: str, cache_bytes: int) -> tuple[Any, ...]:
     """Rank 0's first message: the mode, the model's fingerprint, the batching knobs and
     the prompt cache's bound in bytes (`group_cache_budget`)."""
     return ("hello", mode, fingerprint(config.model_path), {k: getattr(config, k) for k in _KNOBS}, cache_bytes)
-
-
-def group_cache_budget(config: ActorConfig, mode: str) -> tuple[int, int | None]:
-    """Rank 0's (prompt cache bound, pressure mark) for the group; every rank takes the bound.
-
-    The bound is rank 0's, sent in bytes: without a setting it comes from a device's
-    memory, which may differ from host to host. Each rank's entries hold its own shard of
-    the KV, and with tensor parallelism those weigh the same on every rank (each holds
-    1/N of the KV heads, and `load_shard` checks they divide), so byte-bounded eviction
-    evicts alike; every step's state check compares the bytes held all the same.
-    Pipeline parallelism gives each rank a different run of layers, so the bytes (and
-    what a byte bound evicts) would differ: no prompt cache there.
-    """
-    limit, pressure = budget(config.prompt_cache_gb)
-    return (limit, pressure) if mode == "tensor" else (0, None)
-
-
-class GroupCache(PromptCache):
-    """The prompt cache of a group's rank: relieved under memory pressure only when rank 0
-    decides it, once per step.
-
-    Pressure is read from a rank's own device (MLX's active memory), so each rank would
-    evict at a different moment, and then hit different prefixes, prefill different
-    lengths and sum mismatched batches. Instead the store's own `relieve` calls (before a
-    lookup, before each store: `_reuse.py`) do nothing; rank 0 calls `relieve_step` at the
-    start of each step and sends how many entries it evicted, oldest first, and every
-    other rank evicts that many of its own (`evict`), before anything else of the step:
-    their entries are the same, in the same LRU order, so the same ones go. Everything
-    else the cache decides (hits, stores, the byte bound's evictions) depends only on
-    the tokens and on the bytes held, equal on every rank."""
-
-    def relieve(self) -> int:
-        return 0
-
-    def relieve_step(self) -> int:
-        """Rank 0: relieve memory pressure now; returns the number of entries evicted."""
-        before = self.evictions
-        super().relieve()
-        return self.evictions - before
-
-    def evict(self, count: int) -> None:
-        """Another rank: evict the `count` least recently used entries, as rank 0 did."""
-        for _ in range(count):
-            if not len(self):
-                raise GroupError(f"rank 0 evicted {count} prompt cache entries, this rank holds fewer")
-            self._evict()
-
-
-class GroupReuse(Reuse):
-    """Rank 0's `Reuse`: notes the rows an arrival marked to be stored when prefilled
-    (`Reuse.arrived`), which the other ranks cannot see, to send them with the step."""
-
-    def __init__(self, cache: PromptCache):
-        super().__init__(cache)
-        self.marks: list[int] = []
-
-    def arrived(self, sub: Any) -> int | None:
-        rid = super().arrived(sub)
-        if rid is not None:
-            self.marks.append(rid)
-        return rid
-
-
-def open_group_cache(model: Any, limit: int, pressure: int | None, leader: bool) -> Reuse:
-    """A rank's prompt cache (the actor's `_open_cache`, with the group's bound)."""
-    if limit and not plain_kv(model):
-        limit = 0  # as on one device: a cache that cannot be cut to a prefix is not reused
-    cache = GroupCache(limit, pressure)
-    return GroupReuse(cache) if leader else Reuse(cache)
 
 
 def load_shard(path: Path, mode: str, group: Any) -> tuple[Any, dict[str, Any]]:

@@ -30,16 +30,15 @@ from ._actor import Actor
 from ._distributed import (
     BEAT,
     Channel,
-    GroupCache,
     Watchdog,
     fingerprint,
     init_group,
     load_shard,
-    open_group_cache,
     seed_all,
     token_digest,
 )
 from ._group import GroupError
+from ._group_cache import GroupCache, open_group_cache
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, StepReport, Submit
 
 log = logging.getLogger("trio_mlx.follower")
