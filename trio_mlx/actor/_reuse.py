@@ -7,6 +7,7 @@ a row leaving the batch, an abort, a failed step.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -81,7 +82,7 @@ class Reuse:
                 return rid
         return None
 
-    def mark(self, rids: Any) -> None:
+    def mark(self, rids: Iterable[int]) -> None:
         """A follower rank of a distributed group: store these rows' prompts when prefilled,
         as rank 0's `arrived` decided (the arrivals themselves reach rank 0 only)."""
         self._store_at_prefill.update(rids)
