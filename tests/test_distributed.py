@@ -6,7 +6,10 @@ the single-device engine's, alone (a long prompt too) and in a batch of 8; an
 abort mid-decode frees the row on both ranks (before every step rank 1 checks
 it holds rank 0's counts and sampled rank 0's tokens, and fails the group if
 not); a seeded request
-reproduces; stop strings and n > 1 hold; a follower that dies, or hangs,
+reproduces; stop strings and n > 1 hold; prompt cache hits (a follow-up turn, a
+shared prefix) give the single device's tokens and report cached tokens, with
+both ranks' caches in step; a json_schema response matches the single
+device's and validates; a follower that dies, or hangs,
 ends the in-flight stream with an error event and every rank exits within
 the bound; SIGTERM to rank 0 stops both ranks with status 0.
 """
@@ -37,6 +40,14 @@ PROMPTS = ["Hello, world!", "The capital of France is", "Once upon a time", "Num
            "Rain, snow, wind", "Streaming servers send", "What colors!", "Please tell me a story"]
 # Long enough that its submit overflows the message's first buffer (a second collective).
 LONG = "Numbers: " + " ".join(str(i % 97) for i in range(150))
+# A follow-up turn resends LONG and its answer (`reference` adds it); two prompts
+# sharing a long prefix that nothing cached holds yet.
+SHARED = "Rules: " + " ".join(f"r{i % 89}" for i in range(120))
+SHARED_PROMPTS = [SHARED + " first", SHARED + " second"]
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+JSON_MESSAGES = [{"role": "user", "content": "Who are you?"}]
 MAX_TOKENS = 12
 TIMEOUT = 3.0  # --distributed-timeout in these tests
 
@@ -128,16 +139,23 @@ def complete(client: httpx.Client, url: str, prompt: str, **options: object) -> 
 def reference(tiny_model_fp32: Path) -> dict[str, str]:
     """Greedy text of every prompt from the single-device engine."""
 
+    async def text(events: trio_mlx.RequestStream) -> str:
+        pieces = []
+        async with events:
+            async for ev in events:
+                if isinstance(ev, trio_mlx.TextDelta):
+                    pieces.append(ev.text)
+        return "".join(pieces)
+
     async def run() -> dict[str, str]:
         out: dict[str, str] = {}
         async with trio_mlx.open_engine(tiny_model_fp32, warmup=False) as engine:
-            for prompt in [*PROMPTS, LONG]:
-                text = []
-                async with engine.generate(prompt, max_tokens=MAX_TOKENS, temperature=0) as events:
-                    async for ev in events:
-                        if isinstance(ev, trio_mlx.TextDelta):
-                            text.append(ev.text)
-                out[prompt] = "".join(text)
+            for prompt in [*PROMPTS, LONG, *SHARED_PROMPTS]:
+                out[prompt] = await text(engine.generate(prompt, max_tokens=MAX_TOKENS, temperature=0))
+            follow = out["follow-up"] = LONG + out[LONG] + " 3 4 5"
+            out[follow] = await text(engine.generate(follow, max_tokens=MAX_TOKENS, temperature=0))
+            out["json"] = await text(engine.chat(JSON_MESSAGES, response_format=JSON_FORMAT, max_tokens=40,
+                                                 temperature=0))
         return out
 
     return trio.run(run)
@@ -205,6 +223,37 @@ def test_seeded_requests_reproduce_and_stop_strings_and_n_hold(group: Group, ref
         cut = complete(client, group.url, PROMPTS[2], stop=[stop])["choices"][0]
         assert cut["finish_reason"] == "stop" and cut["text"] == full[:full.index(stop)]
         assert client.get(group.url + "/health").json()["group"]["error"] is None
+
+
+def test_prompt_cache_hits_and_json_schema_give_the_single_devices_tokens(group: Group, reference: dict) -> None:
+    """Every rank keeps the same prompt cache: rank 1 compares its counters (lookups,
+    hits, hit tokens, evictions, bytes, entries) with rank 0's before every step, so a
+    rank that hit a different prefix would fail the group instead of matching here."""
+    with httpx.Client() as client:
+        complete(client, group.url, LONG)  # (the first test sent it too; either way it is stored now)
+        follow = reference["follow-up"]
+        out = complete(client, group.url, follow)
+        assert out["choices"][0]["text"] == reference[follow]
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # whole blocks of LONG
+        # n = 2 of a prompt nothing holds yet: the second choice waits for the first's
+        # prefill (`Reuse.split`, decided alike on both ranks) and enters with its KV.
+        both = complete(client, group.url, SHARED_PROMPTS[0], n=2)
+        assert [c["text"] for c in both["choices"]] == [reference[SHARED_PROMPTS[0]]] * 2
+        # Another prompt with that prefix finds it.
+        other = complete(client, group.url, SHARED_PROMPTS[1])
+        assert other["choices"][0]["text"] == reference[SHARED_PROMPTS[1]]
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+        body = {"messages": JSON_MESSAGES, "response_format": JSON_FORMAT, "max_tokens": 40, "temperature": 0}
+        r = client.post(group.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["message"]["content"]
+        assert content == reference["json"]
+        person = json.loads(content)
+        assert isinstance(person["name"], str) and isinstance(person["age"], int), person
+        metrics = client.get(group.url + "/metrics").text
+        assert client.get(group.url + "/health").json()["group"]["error"] is None
+    hits = re.search(r"^trio_mlx_prompt_cache_hits_total (\S+)", metrics, re.M)
+    assert hits and float(hits.group(1)) >= 3, metrics
 
 
 def test_sigterm_to_rank_0_drains_and_stops_every_rank(group: Group) -> None:
@@ -289,3 +338,49 @@ def test_distributed_settings_are_checked_before_anything_loads(tiny_model_fp32:
     alone = subprocess.run([*serve, "--distributed", "tensor"], capture_output=True, text=True, timeout=60, env=env)
     assert alone.returncode == 2, alone.stderr
     assert "mlx.launch" in alone.stderr and "Running on" not in alone.stderr
+
+
+def test_memory_pressure_is_relieved_once_a_step_on_rank_0_and_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank reads its own device's memory: in a group only rank 0 decides to evict,
+    and the other ranks evict the same entries (the same count, oldest first)."""
+    import mlx.core as mx
+    from test_prompt_cache import layers
+
+    from trio_mlx.actor._group import GroupError
+    from trio_mlx.actor._group_cache import GroupCache
+
+    one = sum(kv.keys.nbytes * 2 for kv in layers(list(range(64))))
+    leader, follower = GroupCache(10 * one, pressure_bytes=1000 * one), GroupCache(10 * one)
+    entries = [[1000 * k + i for i in range(64)] for k in range(4)]
+    for cache in (leader, follower):
+        for e in entries:
+            cache.store(e, layers(e))
+        cache.fetch(entries[0])  # used: the second is now the oldest
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 1002 * one)
+    assert leader.relieve() == 0 and len(leader) == 4  # the store's own calls: nothing, on any rank
+    evicted = leader.relieve_step()
+    assert evicted == 2 and len(leader) == 2
+    follower.evict(evicted)
+    assert follower.keys() == leader.keys() == [tuple(entries[3]), tuple(entries[0])]
+    assert follower.stats() == leader.stats()
+    with pytest.raises(GroupError, match="holds fewer"):
+        follower.evict(3)
+
+
+def test_what_an_arrival_marks_on_rank_0_is_marked_on_every_rank() -> None:
+    """An arrival that shares a prompt being prefilled marks that prompt to be stored
+    when prefilled; arrivals reach rank 0 only, so it sends the marks with the step."""
+    from trio_mlx.actor._group_cache import GroupCache, GroupReuse
+    from trio_mlx.actor._protocol import SamplingParams, Submit
+    from trio_mlx.actor._reuse import Reuse
+
+    def sub(rid: int, prompt: tuple[int, ...]) -> Submit:
+        return Submit(rid, prompt, 4, SamplingParams(temperature=0.0), frozenset())
+
+    leader, follower = GroupReuse(GroupCache(1 << 30)), Reuse(GroupCache(1 << 30))
+    first = tuple(range(150))  # shorter than LONG_PROMPT: stored when prefilled only if marked
+    for reuse in (leader, follower):
+        reuse.lookup([sub(1, first)])
+    assert leader.arrived(sub(2, (*first[:140], 7, 8, 9))) == 1 and leader.marks == [1]
+    follower.mark(leader.marks)
+    assert follower._store_at_prefill == leader._store_at_prefill == {1}

@@ -29,6 +29,12 @@ batch, so the followers replay rank 0's steps:
   on every rank once loaded, seeded requests own their keys, and retirement
   depends only on tokens and step counts: the ranks' batches stay identical
   and their sampled tokens agree, without sending a token.
+- Every rank keeps its own prompt cache (its shard of each entry's KV), and
+  makes the same cache decisions from the same rows; the two that would come
+  from what only rank 0 sees (memory pressure, read from a rank's own device;
+  the store marks of arrivals, which reach rank 0 only) are made on rank 0
+  and ride in the step's message (`_group_cache.py`). The step check
+  compares the cache's counters too.
 - Idle, rank 0 sends a heartbeat every `BEAT` seconds, so a follower's wait
   for the next message is bounded too.
 
@@ -63,6 +69,7 @@ from .._errors import ModelLoadError
 from ._actor import Actor
 from ._admission import Admission
 from ._group import GroupError, GroupStatus
+from ._group_cache import GroupCache, GroupReuse, group_cache_budget, open_group_cache
 from ._link import ActorLink
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, StepReport, Submit
 
@@ -258,9 +265,10 @@ def fingerprint(path: Path) -> str:
     return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()[:16]
 
 
-def hello(config: ActorConfig, mode: str) -> tuple[Any, ...]:
-    """Rank 0's first message: the mode, the model's fingerprint and the batching knobs."""
-    return ("hello", mode, fingerprint(config.model_path), {k: getattr(config, k) for k in _KNOBS})
+def hello(config: ActorConfig, mode: str, cache_bytes: int) -> tuple[Any, ...]:
+    """Rank 0's first message: the mode, the model's fingerprint, the batching knobs and
+    the prompt cache's bound in bytes (`group_cache_budget`)."""
+    return ("hello", mode, fingerprint(config.model_path), {k: getattr(config, k) for k in _KNOBS}, cache_bytes)
 
 
 def load_shard(path: Path, mode: str, group: Any) -> tuple[Any, dict[str, Any]]:
@@ -366,12 +374,16 @@ class LeaderActor(Actor):
         self._mirroring = False
         self._stopped = False
         self._digest = 0
+        self._cache_bytes, self._pressure = group_cache_budget(config, mode)
+        self._evicted = 0  # prompt cache entries evicted under pressure, not yet sent
+        self._marks: list[int] = []  # rows marked to be stored when prefilled, not yet sent
 
     def run(self) -> None:
         try:
             with self._watch.guard("starting the group", self._startup):
                 self._status.set_all("loading", leader="loading")
-                self._channel.send(hello(self.config, self._mode), self._startup, "greeting the followers")
+                self._channel.send(hello(self.config, self._mode, self._cache_bytes), self._startup,
+                                   "greeting the followers")
             super().run()
         except GroupError as exc:
             self._watch.fail(str(exc))
@@ -394,6 +406,9 @@ class LeaderActor(Actor):
     def _warmup(self) -> None:
         with self._failing(), self._watch.guard("warming up", self._startup):
             super()._warmup()
+
+    def _open_cache(self) -> None:
+        self._reuse = open_group_cache(self._model, self._cache_bytes, self._pressure, leader=True)
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
@@ -436,18 +451,30 @@ class LeaderActor(Actor):
         admission = self._admission
         assert isinstance(admission, RecordingAdmission)
         admission.admitted.clear()
+        reuse = self._reuse
+        # The step's pressure relief, decided here alone and replayed (`GroupCache`): first,
+        # as a follower applies it first.
+        if isinstance(reuse.cache, GroupCache):
+            self._evicted += reuse.cache.relieve_step()
         # What a follower must hold before it applies the step (it checks, and fails the
         # group if it is out of step rather than sum the wrong batches): the counts of
-        # steps, sequences and retired rows, and the tokens the last step sampled.
-        state = (self._steps, len(self._seqs), len(self._retired), self._digest)
+        # steps, sequences and retired rows, the tokens the last step sampled, and the
+        # prompt cache's counters (lookups, hits, hit tokens, evictions, bytes, entries).
+        state = (self._steps, len(self._seqs), len(self._retired), self._digest, reuse.cache.stats())
         with self._watch.guard("a batch change", self._timeout):
             failed = super()._apply(commands)
             if failed is None:
                 self._send(("stop",))
                 return None
+            if isinstance(reuse, GroupReuse) and reuse.marks:
+                self._marks += reuse.marks
+                reuse.marks.clear()
             aborts = tuple(c.rid for c in commands if isinstance(c, Abort))
             if aborts or admission.admitted or self._seqs:  # else no step follows: nothing to send
-                self._send(("step", aborts, tuple(admission.admitted), state))
+                # (A step that sends nothing changed the cache by its relief alone: no row
+                # entered, left or stepped. Its evictions and marks go with the next message.)
+                self._send(("step", aborts, tuple(admission.admitted), state, self._evicted, tuple(self._marks)))
+                self._evicted, self._marks = 0, []
         return failed
 
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:

@@ -38,6 +38,7 @@ from ._distributed import (
     token_digest,
 )
 from ._group import GroupError
+from ._group_cache import GroupCache, open_group_cache
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, StepReport, Submit
 
 log = logging.getLogger("trio_mlx.follower")
@@ -58,6 +59,10 @@ class _ReplayAdmission:
 
     def drop(self, rid: int) -> bool:
         return False
+
+    def readmit(self, subs: list[Submit], now: float) -> None:
+        """Requests that waited for a prompt prefilled beside them (`_reuse.Reuse.split`)
+        are released: rank 0 readmits its own and sends them again when they enter."""
 
     def due(self, now: float, decoding: int, prefilling: bool) -> list[Submit]:
         subs, self._next = self._next, []
@@ -90,10 +95,11 @@ class FollowerActor(Actor):
     """The actor on a rank other than 0 (module docstring)."""
 
     def __init__(self, config: ActorConfig, *, group: Any, mode: str, channel: Channel, watchdog: Watchdog,
-                 timeout: float, startup_timeout: float):
+                 timeout: float, startup_timeout: float, cache_bytes: int = 0):
         super().__init__(config, _NoLink())
         self._group, self._mode, self._channel, self._watch = group, mode, channel, watchdog
         self._timeout, self._startup = timeout, startup_timeout
+        self._cache_bytes = cache_bytes  # rank 0's prompt cache bound
         self.rank = group.rank()
 
     def run(self) -> None:
@@ -102,6 +108,7 @@ class FollowerActor(Actor):
                 self._load()
                 if self.config.warmup:
                     self._warmup()
+                self._open_cache()
             log.info("rank %d of %d (pid %d): following rank 0 (%s parallel, shard loaded)",
                      self.rank, self._group.size(), os.getpid(), self._mode)
             self._follow()
@@ -115,6 +122,10 @@ class FollowerActor(Actor):
         model, config = load_shard(self.config.model_path, self._mode, self._group)
         seed_all(self._channel, False, self._startup)
         return model, config
+
+    def _open_cache(self) -> None:
+        # Rank 0's bound; no pressure relief of its own: rank 0 decides it (`GroupCache`).
+        self._reuse = open_group_cache(self._model, self._cache_bytes, None, leader=False)
 
     def _follow(self) -> None:
         replay = self._admission = _ReplayAdmission()  # type: ignore[assignment]
@@ -133,15 +144,20 @@ class FollowerActor(Actor):
                     last_step = float("inf")
                 continue
             elif message[0] == "step":
-                _, aborts, subs, state = message
-                mine = (self._steps, len(self._seqs), len(self._retired), digest)
+                _, aborts, subs, state, evicted, marks = message
+                cache = self._reuse.cache
+                if evicted:  # rank 0's pressure relief, before anything else of the step, as there
+                    assert isinstance(cache, GroupCache)
+                    cache.evict(evicted)
+                mine = (self._steps, len(self._seqs), len(self._retired), digest, cache.stats())
                 if mine != state:
                     raise GroupError(f"rank {self.rank} is out of step with rank 0: (steps, sequences, retired "
-                                     f"rows, last tokens' digest) {mine} against {state}")
+                                     f"rows, last tokens' digest, prompt cache counters) {mine} against {state}")
             else:
                 raise GroupError(f"a follower got an unknown message {message[0]!r}")
             with self._watch.guard("a decode step", self._timeout):
                 replay.replay(subs)
+                self._reuse.mark(marks)  # what rank 0's arrivals marked, as they did there
                 failed = self._apply([Abort(rid) for rid in aborts])
                 stepped = bool(self._seqs)  # as rank 0 counts it
                 report = self._step(failed or [])
@@ -169,7 +185,7 @@ def follower_main(model: str | None, *, cache_dir: str | None, backend: str, tim
         message = channel.recv(startup_timeout, "waiting for rank 0 to start")
         if not (isinstance(message, tuple) and message[:1] == ("hello",)):
             raise GroupError(f"expected rank 0's greeting, got {message!r}")
-        _, mode, leader_print, knobs = message
+        _, mode, leader_print, knobs, cache_bytes = message
         problem = None
         try:
             path = models.resolve_model(model, cache_dir=cache_dir)
@@ -186,7 +202,7 @@ def follower_main(model: str | None, *, cache_dir: str | None, backend: str, tim
             return 1
         config = ActorConfig(model_path=path, **knobs)
         FollowerActor(config, group=group, mode=mode, channel=channel, watchdog=watchdog,
-                      timeout=timeout, startup_timeout=startup_timeout).run()
+                      timeout=timeout, startup_timeout=startup_timeout, cache_bytes=cache_bytes).run()
     except GroupError as exc:
         log.error("rank %d: the group failed: %s", rank, exc)
         return 1

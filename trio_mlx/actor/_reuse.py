@@ -7,6 +7,7 @@ a row leaving the batch, an abort, a failed step.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -62,12 +63,14 @@ class Reuse:
     def parked(self) -> int:
         return len(self._parked)
 
-    def arrived(self, sub: Any) -> None:
+    def arrived(self, sub: Any) -> int | None:
         """A request arrived while others prefill (it waits for them in admission): if one
         of them shares enough of its prompt, that prompt is stored when prefilled, so the
-        newcomer finds it (users of one system prompt arriving one after another)."""
+        newcomer finds it (users of one system prompt arriving one after another). Returns
+        the rid so marked, if any: a distributed group's rank 0 sends it to the other ranks,
+        which see no arrivals (`mark`)."""
         if not self._prefilling or not self.cache.enabled:
-            return
+            return None
         prompt = sub.prompt
         floor = share_floor(len(prompt))
         for rid, other in self._prefilling.items():
@@ -76,7 +79,13 @@ class Reuse:
             shared = common_prefix(prompt, other, len(prompt) - 1)
             if shared >= floor and shared - self.cache.longest(prompt)[1] >= floor:
                 self._store_at_prefill.add(rid)
-                return
+                return rid
+        return None
+
+    def mark(self, rids: Iterable[int]) -> None:
+        """A follower rank of a distributed group: store these rows' prompts when prefilled,
+        as rank 0's `arrived` decided (the arrivals themselves reach rank 0 only)."""
+        self._store_at_prefill.update(rids)
 
     def split(self, subs: list[Any]) -> list[Any]:
         """The group's Submits that enter now; the others wait for an earlier one's prefill."""
