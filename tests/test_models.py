@@ -355,3 +355,13 @@ def test_cli(tmp_path: Path, embedded_model: Path, capsys: pytest.CaptureFixture
     assert "exists" in capsys.readouterr().err
     assert _models.main(["default", "--cache-dir", str(embedded_model.parent)]) == 0
     assert capsys.readouterr().out.strip() == str(embedded_model)
+
+
+def test_the_embedded_default_converts_to_float32_on_a_gpu_too(monkeypatch):
+    """bfloat16 scales and activations flipped the README question's answer on an H100
+    (greedy "L'Étoile, ..." instead of "The capital of France is Paris."): the embedded
+    default converts with float32 on every device, as on the CPU."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(_models.mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert _models._default_dtype() == "float32"

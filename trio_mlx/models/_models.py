@@ -247,9 +247,12 @@ def ensure_embedded_model(
 
 
 def _default_dtype() -> str:
-    # On the CPU backend a 4-bit matmul with fp16 scales is ~35x slower than with
-    # fp32, and fp16 flipped the embedded model's first answer token there.
-    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+    # float32 on every device. On the CPU backend a 4-bit matmul with fp16 scales is ~35x
+    # slower than with fp32, and fp16 flipped the embedded model's first answer token there;
+    # on an H100 (2026-11-24) bfloat16 flipped it too: greedy, "What is the capital of
+    # France?" began "L'Étoile, la Marseillaise" where float16 and float32 answered "The
+    # capital of France is Paris." A 135M model's activations cost little in float32.
+    return "float32"
 
 
 @contextlib.contextmanager
