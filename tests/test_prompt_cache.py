@@ -320,6 +320,24 @@ def test_memory_pressure_makes_the_cache_give_way(monkeypatch):
     assert len(pc) == 0 and pc.nbytes == 0
 
 
+def test_memory_pressure_hands_mlxs_buffer_cache_back_first(monkeypatch):
+    """Freed buffers MLX keeps count against the mark: past it they go back (clear_cache),
+    even with no entry held (the prompt cache off), before any entry is evicted."""
+    import mlx.core as mx
+
+    from trio_mlx.actor._prompt_cache import PromptCache
+
+    cleared: list[int] = []
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(1))
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 600)
+    monkeypatch.setattr(mx, "get_cache_memory", lambda: 300)
+    off = PromptCache(0, pressure_bytes=1000)
+    assert off.relieve() == 0 and not cleared  # 900 of 1000: no pressure
+    monkeypatch.setattr(mx, "get_cache_memory", lambda: 500)
+    assert off.relieve() == 0 and cleared == [1]  # 1100: the buffer cache goes back
+    assert PromptCache(0, pressure_bytes=None).relieve() == 0 and cleared == [1]  # the CPU: no mark
+
+
 def test_the_default_bound_follows_the_device(monkeypatch):
     from trio_mlx.actor import _prompt_cache
 

@@ -590,6 +590,7 @@ class Actor:
         reason = f"generation step failed: {type(exc).__name__}: {exc}"
         failed = failed + [(rid, reason) for rid in self._seqs]
         self._reset_batch(failed=True)
+        mx.clear_cache()  # what the failed step left allocated goes back (it may have run out)
         self._cached.clear()
         return StepReport(failed=tuple(failed), live=len(self._admission.pending), prompt_cache=self._reuse.stats())
 

@@ -281,10 +281,21 @@ class PromptCache:
     def relieve(self) -> int:
         """Under memory pressure (MLX's active memory past the pressure mark) evict
         until the excess is let go or the cache is empty: the cache gives way before
-        requests fail. Returns the bytes let go."""
-        if self.pressure_bytes is None or not self._lru:
+        requests fail. Returns the bytes let go.
+
+        First, if MLX's buffer cache (freed buffers it keeps for reuse) takes memory past
+        the mark too, it is handed back: MLX's CUDA allocator does not reclaim it by itself
+        when an allocation fails. (It is not enough for every load: on an H100, 1B,
+        2026-11-24, 64 conversations of 3-7.5k tokens still ran out of memory in a prefill
+        step with it, the prompt cache on or off; BENCHMARKS.md, "Prompt cache".)"""
+        if self.pressure_bytes is None:
             return 0
-        over = mx.get_active_memory() - self.pressure_bytes
+        active = mx.get_active_memory()
+        if active + mx.get_cache_memory() > self.pressure_bytes:
+            mx.clear_cache()
+        if not self._lru:
+            return 0
+        over = active - self.pressure_bytes
         return self.shrink(max(0, self.nbytes - over)) if over > 0 else 0
 
     def clear(self) -> None:
