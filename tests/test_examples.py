@@ -4,6 +4,7 @@ The openai SDK comes with the `examples` extra, which scripts/serve.sh installs.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -34,7 +35,8 @@ def server(tiny_model_fp32) -> Iterator[ServerProcess]:
 
 
 def test_every_example_is_covered_here() -> None:
-    covered = {"openai_client.py", "sse_client.py", "chat_stream.py", "concurrent_streams.py"}
+    covered = {"openai_client.py", "sse_client.py", "chat_stream.py", "concurrent_streams.py",
+               "tools_and_json.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == covered
 
 
@@ -60,3 +62,13 @@ def test_concurrent_streams(tiny_model_fp32) -> None:
     out = run("concurrent_streams.py", str(tiny_model_fp32), env={})
     assert "(cancelled by the client)" in out or "(abort" in out or "cancelled" in out, out
     assert re.search(r"\d+ requests, \d+ aborted, \d+ tokens in \d+ decode steps", out), out
+
+
+def test_tools_and_json(tool_model_fp32) -> None:
+    """On a model whose template has tools: a JSON answer in the schema, then a tool call."""
+    out = run("tools_and_json.py", str(tool_model_fp32), env={})
+    answer = ast.literal_eval(out.split("JSON answer:", 1)[1].splitlines()[0].strip())  # a printed dict
+    assert set(answer) == {"city", "country", "population"}, out
+    assert re.search(r"tool call \S+: get_weather\(\{.*\}\)", out), out
+    # a random model's arguments may run to max_tokens: the grammar closes them ("length")
+    assert re.search(r"finish_reason: (tool_calls|length)", out), out

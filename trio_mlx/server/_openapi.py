@@ -274,7 +274,7 @@ def _api_op(summary: str, request: type[BaseModel], whole: type[BaseModel], even
         "summary": summary,
         "requestBody": {"required": True, "content": _json(request)},
         "responses": {"200": {"description": description, "content": content},
-                      **_errors(400, 401, 404, 413, 429, 500, 503, model=error)},
+                      **_errors(400, 401, 403, 404, 413, 415, 429, 500, 503, model=error)},
     }}
 
 
