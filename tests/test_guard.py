@@ -73,6 +73,10 @@ async def test_a_body_must_say_it_is_json(tiny_model_fp32: Path) -> None:
                 assert "application/json" in err["message"]
                 # the body was not read: the connection cannot carry another request, and says so
                 assert r.headers.get("connection") == "close", r.headers
+            for path in ("/v1/messages", "/v1/responses"):  # the other APIs refuse it alike
+                r = await client.post(path, content=raw, headers=headers)
+                assert r.status_code == 415 and "application/json" in r.text, (path, r.text)
+                assert r.headers.get("connection") == "close", (path, r.headers)
         stats = server.engine.statistics()
         assert stats.requests_submitted == 0  # none of them reached the engine
         for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON"):

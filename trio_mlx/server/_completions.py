@@ -130,13 +130,7 @@ class Completions:
             app.observe(rec)
             return
         except Exception as exc:
-            error = error_from_exception(exc)
-            if not isinstance(exc, (HTTPError, TrioMLXError)) and error.status >= 500:
-                log.exception("request %s failed before it started", rec.request_id)
-            rec.status, rec.outcome = error.status, "error"
-            app.observe(rec)
-            told = any(k.lower() == "connection" for k, _ in error.headers)
-            await send_error(send, error, [*extra, *([] if told else unread_body_close(scope))])
+            await refuse(app, scope, send, exc, rec, extra)
             return
         rec.admitted = trio.current_time()
         rec.prompt_tokens = len(streams[0].prompt_tokens)
@@ -295,6 +289,19 @@ class Completions:
                     log.warning("request %s: the client is %d tokens behind; aborting it",
                                 pump.rec.request_id, unread)
                     pump.abort("stall")
+
+
+async def refuse(app: ServerHost, scope: Scope, send: Send, exc: Exception, rec: RequestRecord,
+                 extra: Sequence[tuple[bytes, bytes]], render: Callable[[HTTPError], bytes] | None = None) -> None:
+    """A request that failed before it started: its error (in its API's shape: `render`),
+    recorded; `Connection: close` when its body was not read (`_guard.unread_body_close`)."""
+    error = error_from_exception(exc)
+    if not isinstance(exc, (HTTPError, TrioMLXError)) and error.status >= 500:
+        log.exception("request %s failed before it started", rec.request_id)
+    rec.status, rec.outcome = error.status, "error"
+    app.observe(rec)
+    told = any(k.lower() == "connection" for k, _ in error.headers)
+    await send_error(send, error, [*extra, *([] if told else unread_body_close(scope))], render)
 
 
 async def read_json_request(scope: Scope, receive: Receive, app: ServerHost, into: Callable[[dict[str, Any]], T],

@@ -18,7 +18,7 @@ from typing import Any, Protocol, cast
 
 import trio
 
-from .._errors import InvalidRequestError, TrioMLXError
+from .._errors import InvalidRequestError
 from ..engine import Engine, RequestStream
 from ._asgi import (
     JSON_HEADERS,
@@ -33,8 +33,8 @@ from ._asgi import (
     send_error,
     send_response,
 )
-from ._completions import Completions, StreamEncoder, read_json_request
-from ._openai import ChoiceResult, HTTPError, error_from_exception, new_id
+from ._completions import Completions, StreamEncoder, read_json_request, refuse
+from ._openai import ChoiceResult, HTTPError, new_id
 from ._records import RequestRecord
 
 log = logging.getLogger("trio_mlx.http")
@@ -127,12 +127,7 @@ async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Rec
         app.observe(rec)
         return
     except Exception as exc:
-        error = error_from_exception(exc)
-        if not isinstance(exc, (HTTPError, TrioMLXError)) and error.status >= 500:
-            log.exception("request %s failed before it started", rec.request_id)
-        rec.status, rec.outcome = error.status, "error"
-        app.observe(rec)
-        await send_error(send, error, extra, api.error_body)
+        await refuse(app, scope, send, exc, rec, extra, api.error_body)
         return
     if stream is None or gen is None:  # answered without generating
         rec.status, rec.ended = 200, trio.current_time()
