@@ -7,7 +7,7 @@ import anthropic
 import pytest
 import trio
 from app_server import engine_factory, serve, slow_steps, until
-from test_app_cancel import open_request
+from test_app_cancel import assert_disconnects_free_the_slot, open_request
 
 MESSAGES = "/v1/messages"
 USER = [{"role": "user", "content": "Hello there"}]
@@ -147,22 +147,8 @@ async def test_x_api_key_or_bearer(tiny_model_fp32):
 
 
 async def test_disconnect_mid_stream_frees_the_slot(tiny_model_fp32):
-    records = []
-    async with serve(tiny_model_fp32, factory=engine_factory(fault_hook=slow_steps(0.005))) as server:
-        server.app.observers.append(records.append)
-        engine = server.engine
-        for stream in (True, False):
-            before = engine.statistics().aborts_by_stage.get("decode", 0)
-            body = {"model": "model", "max_tokens": 900, "messages": USER, "stream": stream, "ignore_eos": True}
-            sock = await open_request(server.port, MESSAGES, body)
-            await until(lambda: engine.statistics().decoding == 1 and engine.statistics().generated_tokens > 0)
-            sock.close()
-            await until(lambda: engine.statistics().active == 0, within=5)
-            assert engine.statistics().aborts_by_stage["decode"] == before + 1
-        await until(lambda: len(records) == 2)
-        assert [r.outcome for r in records] == ["disconnect", "disconnect"]
-        assert [r.endpoint for r in records] == [MESSAGES, MESSAGES]
-        assert not server.app.completions.streams
+    body = {"model": "model", "max_tokens": 900, "messages": USER, "ignore_eos": True}
+    await assert_disconnects_free_the_slot(tiny_model_fp32, MESSAGES, body)
 
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city", "input_schema": {

@@ -50,6 +50,26 @@ async def test_disconnect_mid_prefill_frees_the_slot(tiny_model_fp32):
             assert (await client.post(COMPLETIONS, json={"prompt": "after", "max_tokens": 2})).status_code == 200
 
 
+async def assert_disconnects_free_the_slot(model, path: str, body: dict) -> None:
+    """A client that hangs up mid-decode on `path`, streamed and not: its row leaves at the
+    decode stage, the request is recorded as a disconnect, and no stream is left behind
+    (the other wire APIs' tests call this)."""
+    records: list = []
+    async with serve(model, factory=engine_factory(fault_hook=slow_steps(0.005))) as server:
+        server.app.observers.append(records.append)
+        engine = server.engine
+        for stream in (True, False):
+            before = engine.statistics().aborts_by_stage.get("decode", 0)
+            sock = await open_request(server.port, path, {**body, "stream": stream})
+            await until(lambda: engine.statistics().decoding == 1 and engine.statistics().generated_tokens > 0)
+            sock.close()
+            await until(lambda: engine.statistics().active == 0, within=5)
+            assert engine.statistics().aborts_by_stage["decode"] == before + 1
+        await until(lambda: len(records) == 2)
+        assert [(r.endpoint, r.outcome) for r in records] == [(path, "disconnect")] * 2
+        assert not server.app.completions.streams
+
+
 async def test_disconnect_mid_decode_frees_the_slot_within_a_step(tiny_model_fp32):
     factory = engine_factory(fault_hook=slow_steps(0.005))
     async with serve(tiny_model_fp32, factory=factory) as server:
