@@ -93,30 +93,29 @@ def client(server) -> Iterator[httpx.Client]:
         yield c
 
 
-def assert_openai_error(r: httpx.Response | Any, *, allow_ok: bool = False) -> None:
-    """Not a 5xx; unless it is a 200, an OpenAI-shaped error body."""
+def _client_error_body(r: httpx.Response | Any, allow_ok: bool) -> dict[str, Any] | None:
+    """Not a 5xx; the JSON body of a 4xx, with no traceback in it (None for an allowed 2xx)."""
     status = r.status_code
     assert status < 500, (status, r.text[:500])
     if allow_ok and status < 300:
-        return
+        return None
     assert 400 <= status < 500, (status, r.text[:300])
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
     assert "Traceback" not in r.text
+    return r.json()
+
+
+def assert_openai_error(r: httpx.Response | Any, *, allow_ok: bool = False) -> None:
+    """Not a 5xx; unless it is a 200, an OpenAI-shaped error body."""
+    if (body := _client_error_body(r, allow_ok)) is not None:
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
 
 
 def assert_anthropic_error(r: httpx.Response | Any, *, allow_ok: bool = False) -> None:
     """Not a 5xx; unless it is a 200, an Anthropic-shaped error body (the /v1/messages endpoints)."""
-    status = r.status_code
-    assert status < 500, (status, r.text[:500])
-    if allow_ok and status < 300:
-        return
-    assert 400 <= status < 500, (status, r.text[:300])
-    body = r.json()
-    assert set(body) == {"type", "error"} and body["type"] == "error", body
-    assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
-    assert "Traceback" not in r.text
+    if (body := _client_error_body(r, allow_ok)) is not None:
+        assert set(body) == {"type", "error"} and body["type"] == "error", body
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
 
 
 # ---- schemathesis, from the server's own OpenAPI document -------------------------------------
