@@ -268,3 +268,52 @@ def test_admit_window_is_validated():
         trio_mlx.Engine(None, admit_window=-1.0)
     with pytest.raises(ValueError, match="admit_window"):
         trio_mlx.Engine(None, admit_window=float("inf"))
+
+
+async def test_long_prompts_prefill_in_chunks_that_bound_attention_scratch(tiny_model_fp32, tmp_path, monkeypatch):
+    """The prefill chunk shrinks as prompts x context grows (`_batch.prefill_chunk`), so
+    that a prefill step's attention scores stay within ATTENTION_SCRATCH; the tokens are
+    those of an unbounded prefill. On an H100, 8 long prompts beside 64 decoding rows ran
+    out of memory in chunks of 2048 (benchmarks/2026-11-24-h100/prefill-memory/)."""
+    from trio_mlx.actor import _batch
+
+    prompts = [[5 + (7 * i + 13 * k) % 400 for i in range(600)] for k in range(4)]
+    opts = dict(temperature=0, ignore_eos=True, max_tokens=6)
+
+    async def serve_all(scratch: int) -> tuple[list[list[int]], list[dict[str, float]]]:
+        monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", scratch)
+        out: list[list[int]] = [[] for _ in prompts]
+        trace = tmp_path / f"trace-{scratch}.tsv"
+        async with trio_mlx.open_engine(tiny_model_fp32, step_trace=str(trace), max_batch=8, prefill_batch=4,
+                                        prefill_step=1024, prompt_cache_gb=0) as engine:
+            async def one(k: int) -> None:
+                async with engine.generate(prompts[k], **opts) as events:
+                    async for ev in events:
+                        if isinstance(ev, trio_mlx.TextDelta):
+                            out[k].extend(ev.token_ids)
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    for k in range(len(prompts)):
+                        nursery.start_soon(one, k)
+        return out, _trace(trace)
+
+    # the tiny model has 4 heads: 5 MB of float32 scores hold 128 tokens of 4 prompts of 600
+    bounded, rows = await serve_all(5_000_000)
+    unbounded, rows_unbounded = await serve_all(1 << 40)
+    assert bounded == unbounded and all(len(t) == 6 for t in bounded)
+    assert max(r["prompt_tokens"] for r in rows_unbounded) >= 599  # one step took a whole prompt
+    per_step = [r["prompt_tokens"] for r in rows if r["prompt_tokens"]]
+    assert max(per_step) <= 512 and sum(per_step) == 4 * 599  # each prompt's last token enters with decode
+    assert len(per_step) >= 5
+
+
+def test_the_prefill_chunk_follows_prompts_context_and_heads():
+    from trio_mlx.actor._batch import prefill_chunk
+
+    gib = 1 << 30
+    assert prefill_chunk(2048, 1, 1200, 32, 4 * gib) == 2048  # one prompt of a chat: untouched
+    assert prefill_chunk(2048, 8, 7500, 32, 4 * gib) == 512  # eight long ones: the H100's failure
+    assert prefill_chunk(2048, 8, 8192, 32, 1 << 20) == 128  # never under 128
+    assert prefill_chunk(100, 8, 8192, 32, 1 << 20) == 100  # nor over the configured step
+    assert prefill_chunk(2048, 0, 0, 32, 4 * gib) == 2048

@@ -143,3 +143,16 @@ def test_the_cpu_warm_up_is_one_short_sequence(tiny_model_fp32, visits):
     actor = _loaded(tiny_model_fp32, gpu=False)
     actor._warmup()
     assert visits["removals"] == visits["samplers"] == visits["logprobs"] == visits["masks"] == []
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_on_cuda_the_rehearsal_prefills_a_long_prompt_and_a_hit_on_it(tiny_model_fp32, visits, monkeypatch, cuda):
+    """CUDA compiles kernels for the first long prompt (0.8-1.1 s each for the first long
+    turns of a chat on an H100): the rehearsal prefills one in full chunks beside a long
+    context, stores it, and enters a prompt extending it."""
+    monkeypatch.setattr(_actor.mx.cuda, "is_available", lambda: cuda)
+    actor = _loaded(tiny_model_fp32, gpu=True)
+    actor._warmup()
+    long = min(actor._context - 80, 2 * actor.config.prefill_step + 64)  # 944 of the tiny model's 1024
+    assert (max(visits["hits"]) >= long) == cuda
+    assert not actor._reuse.cache.enabled and not actor._seqs

@@ -2,9 +2,10 @@
 # The prompt cache on multi-turn chats: trio_mlx with its cache on, with it off, and
 # mlx_lm.server, on the same conversations; then distinct prompts, cache on and off.
 #
-#   benchmarks/probes/prompt_cache.sh OUTDIR [chat|distinct|both]
+#   benchmarks/probes/prompt_cache.sh OUTDIR [chat|distinct|both|trio-chat|mlx-chat]
 #
-# (chat and distinct can run as two calls into one OUTDIR: the summary reads every result there)
+# (chat and distinct can run as two calls into one OUTDIR: the summary reads every result there;
+# trio-chat and mlx-chat split chat in two: trio_mlx's sides, then mlx_lm.server's)
 # chat:     `trio-mlx bench chat` at CONVERSATIONS (1,8,64) conversations at once, each TURNS (4)
 #           turns: a shared system prompt (SYSTEM_WORDS 380: ~1.8k tokens, ~4.7 a random word
 #           with the test tokenizer), a new user turn (USER_WORDS 250: ~1.2k tokens) and the
@@ -84,18 +85,26 @@ distinct() {  # LABEL ROUND
 }
 
 gb="${PROMPT_CACHE_GB:-30}"
-chats=false; distincts=false
-[ "$what" != distinct ] && chats=true
-[ "$what" != chat ] && distincts=true
-trio_serve cache-on "$gb"
-if $chats; then chat cache-on; fi
-if $distincts; then distinct cache-on 1; fi
-stop
-trio_serve cache-off 0
-if $chats; then chat cache-off; fi
-if $distincts; then distinct cache-off 1; fi
-stop
-if $chats; then
+chats=false; distincts=false; trio=true; mlx=false
+case "$what" in
+  chat) chats=true; mlx=true ;;
+  distinct) distincts=true ;;
+  both) chats=true; mlx=true; distincts=true ;;
+  trio-chat) chats=true ;;
+  mlx-chat) chats=true; mlx=true; trio=false ;;
+  *) echo "unknown: $what" >&2; exit 2 ;;
+esac
+if $trio; then
+  trio_serve cache-on "$gb"
+  if $chats; then chat cache-on; fi
+  if $distincts; then distinct cache-on 1; fi
+  stop
+  trio_serve cache-off 0
+  if $chats; then chat cache-off; fi
+  if $distincts; then distinct cache-off 1; fi
+  stop
+fi
+if $mlx; then
   # mlx_lm.server loads the model on its first request (the bench's warm-up pays it); the
   # request's "model" must name the directory it was started with
   start mlx_lm /health "$py" -m mlx_lm.server --model "$dir" --host 127.0.0.1 --port "$port" \

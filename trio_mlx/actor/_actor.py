@@ -31,7 +31,14 @@ from mlx_lm.generate import BatchGenerator
 
 from .. import models
 from ._admission import Admission
-from ._batch import batch_rows, plain_kv, remove_rows, take_prompt_tokens
+from ._batch import (
+    batch_rows,
+    plain_kv,
+    prefill_chunk,
+    remove_rows,
+    set_prefill_chunk,
+    take_prompt_tokens,
+)
 from ._constrain import GrammarProcessor, json_string_grammar, model_vocab
 from ._link import ActorLink
 from ._prompt_cache import PromptCache, budget
@@ -111,6 +118,7 @@ class Actor:
         self._bg: BatchGenerator | None = None
         self._context = 0
         self._vocab = 0
+        self._heads = 0  # attention heads, for the prefill chunk (`_batch.prefill_chunk`)
         self._steps = 0
         self._seqs: dict[int, _Seq] = {}  # rid -> seq
         self._by_uid: dict[int, _Seq] = {}
@@ -167,6 +175,7 @@ class Actor:
         self._model, config = self._load_weights()
         self._context = models.context_length(config)
         self._vocab = int(config.get("vocab_size", 0))
+        self._heads = int(config.get("num_attention_heads") or config.get("n_heads") or 0)
         self._bg = self._new_generator()
         self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
         release = self.config.idle_release
@@ -249,6 +258,18 @@ class Actor:
             ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
             ([Abort(c)], lambda n: not self._seqs),
         ]
+        if mx.cuda.is_available() and (long := min(self._context - 80, 2 * self.config.prefill_step + 64)) > 2 * length:
+            # A long prompt, in full chunks and beside a long context, stored as it is
+            # prefilled, then a prompt that extends it (a hit): on an H100 the first long
+            # prompts of a chat paid 0.8-1.1 s each for the kernels they compiled
+            # (benchmarks/2026-11-24-h100/prefill-memory/), where 1.2k-token prompts take 0.1 s.
+            e, f = -5, -6
+            story = (token,) * long
+            script += [
+                ([Submit(e, story, 2, SamplingParams(temperature=0.0), frozenset())], lambda n: n[e] >= 2),
+                ([Submit(f, story + (token + 1,) * 64, 2, SamplingParams(temperature=0.0), frozenset())],
+                 lambda n: n[f] >= 2),
+            ]
         counts: collections.Counter[int] = collections.Counter()
         self._open_cache()
         try:
@@ -473,6 +494,8 @@ class Actor:
         t0 = time.perf_counter()
         try:
             self._hook("step")
+            if len(self._seqs) > self._decoding:
+                self._cut_prefill()
             prompt_responses, generation_responses = self._bg.next()
             tokens = self._tokens(generation_responses)
         except Exception as exc:
@@ -516,6 +539,11 @@ class Actor:
             cached=cached,
             prompt_cache=self._reuse.stats(),
         )
+
+    def _cut_prefill(self) -> None:
+        """Bound the next prefill step's attention scratch by the prompts in the batch."""
+        prompts = [s.prompt_len for s in self._seqs.values() if s.stage != "decode"]
+        set_prefill_chunk(self._bg, prefill_chunk(self.config.prefill_step, len(prompts), max(prompts), self._heads))
 
     def _tokens(self, responses: Sequence[Any]) -> tuple[TokenOut, ...]:
         out: list[TokenOut] = []

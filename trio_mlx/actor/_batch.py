@@ -147,3 +147,32 @@ def copy_rows(bg: Any, lengths: dict[int, int]) -> dict[int, tuple[list[Any], li
         if arrays:
             mx.async_eval(arrays)  # now, so that the batch's buffers are not held past the next step
     return out
+
+
+# The bytes one prefill step's attention scores may take. Where MLX has no fused kernel for
+# a prefill's attention (its CUDA and CPU backends, with the padding mask a batched prefill
+# carries), it materializes rows x heads x chunk x context scores: on an H100, 8 prompts of
+# 3-7.5k tokens in chunks of 2048 beside 64 decoding rows ran out of memory at the first
+# turns of 64 long conversations, and chunks of 512 served them all
+# (benchmarks/2026-11-24-h100/prefill-memory/). A constant, not a share of the device's
+# memory: every rank of a distributed group must cut its prompts alike.
+ATTENTION_SCRATCH = 4 << 30
+_CHUNK_ROUND = 128
+
+
+def prefill_chunk(step: int, rows: int, context: int, heads: int, scratch: int | None = None) -> int:
+    """The prefill chunk (tokens per prompt per step) for `rows` prompts of up to `context`
+    tokens: `step`, cut so that float32 scores for `heads` heads fit `scratch` bytes
+    (ATTENTION_SCRATCH); a multiple of 128 (few distinct shapes to compile), never under 128."""
+    scratch = ATTENTION_SCRATCH if scratch is None else scratch
+    if rows <= 0 or context <= 0 or heads <= 0:
+        return step
+    fit = scratch // (4 * rows * heads * context)
+    return min(step, max(_CHUNK_ROUND, fit // _CHUNK_ROUND * _CHUNK_ROUND))
+
+
+def set_prefill_chunk(bg: Any, tokens: int) -> None:
+    """Cut the prompts `bg` prefills next into chunks of `tokens` (`bg.prefill_step_size`,
+    read at every step; the prompt batch's own chunking, at the configured step, only
+    splits what is longer)."""
+    bg.prefill_step_size = tokens
