@@ -2,7 +2,7 @@
 # experiment: prompt cache, 64 long conversations (OOM?) under prefill settings; c=1 trace
 set -uo pipefail
 out="$1"; shift
-mkdir -p "$out"; cd "$(dirname "$0")/.."
+mkdir -p "$out"; cd "$(dirname "$0")/../../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=python3; port=8831; dir=/root/model-1b; url=http://127.0.0.1:$port
 [ -d "$dir" ] || $py -m trio_mlx.cli model build "$dir" --shape llama-3.2-1b --dtype bfloat16 --seed 0 >/dev/null

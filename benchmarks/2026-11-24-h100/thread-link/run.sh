@@ -2,7 +2,7 @@
 # experiment: thread actor with the synchronous link, the ahead link, and the process actor
 set -uo pipefail
 out="$1"; shift; order=("$@")
-mkdir -p "$out"; cd "$(dirname "$0")/.."
+mkdir -p "$out"; cd "$(dirname "$0")/../../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=python3; port=8821; dir=/root/model-1b
 [ -d "$dir" ] || $py -m trio_mlx.cli model build "$dir" --shape llama-3.2-1b --dtype bfloat16 --seed 0 >/dev/null
@@ -11,7 +11,7 @@ i=0
 for v in "${order[@]}"; do
   i=$((i+1))
   actor=thread; extra=()
-  case $v in ahead) extra=(env TRIO_MLX_EXPERIMENT_LINK=ahead);; process) actor=process;; esac
+  case $v in ahead) extra=(env TRIO_MLX_EXPERIMENT_LINK=ahead);; process) actor=process;; sw*) extra=(env TRIO_MLX_EXPERIMENT_SWITCH=0.${v#sw});; esac
   t0=$(date +%s)
   env TRIO_MLX_STEP_TRACE="$out/trace-$v-$i.tsv" "${extra[@]}" $py -m trio_mlx.cli serve --model "$dir" --port $port --max-batch 256 --actor $actor --no-access-log >"$out/$v-$i.log" 2>&1 &
   pid=$!
@@ -19,7 +19,7 @@ for v in "${order[@]}"; do
   echo "$v-$i ready after $(( $(date +%s)-t0 )) s"
   $py -m trio_mlx.cli bench --url http://127.0.0.1:$port --model "$dir" --concurrency ${CONC:-64,256} --prompt-tokens 128 --max-tokens 128 --timeout 120 --requests-multiple 4 --warmup 8 --label $v --out "$out/links-$v-$i.json" --quiet --server-pid $pid || echo "bench exit $?"
   kill -TERM $pid; for ((k=0;k<40;k++)); do kill -0 $pid 2>/dev/null || break; sleep 0.5; done; kill -KILL $pid 2>/dev/null; wait $pid 2>/dev/null
-  gzip -f "$out/trace-$v-$i.tsv" 2>/dev/null
+  gzip -f "$out/trace-$v-$i.tsv" 2>/dev/null; rm -f "$out/trace-$v-$i.tsv.gz"
   $py - "$out/links-$v-$i.json" <<'PY'
 import json,sys
 for lv in json.load(open(sys.argv[1]))["levels"]:
