@@ -340,13 +340,13 @@ def test_distributed_settings_are_checked_before_anything_loads(tiny_model_fp32:
     assert "mlx.launch" in alone.stderr and "Running on" not in alone.stderr
 
 
-def test_memory_pressure_is_relieved_once_a_step_on_rank_0_and_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_memory_pressure_is_counted_on_rank_0_and_evicted_alike_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank reads its own device's memory: in a group only rank 0 decides to evict,
-    and the other ranks evict the same entries (the same count, oldest first)."""
+    counting the oldest entries that free the excess when it decides a step, and every
+    rank, rank 0 too, evicts that many when it applies the step, a step later."""
     import mlx.core as mx
     from test_prompt_cache import layers
 
-    from trio_mlx.actor._group import GroupError
     from trio_mlx.actor._group_cache import GroupCache
 
     one = sum(kv.keys.nbytes * 2 for kv in layers(list(range(64))))
@@ -358,13 +358,15 @@ def test_memory_pressure_is_relieved_once_a_step_on_rank_0_and_replayed(monkeypa
         cache.fetch(entries[0])  # used: the second is now the oldest
     monkeypatch.setattr(mx, "get_active_memory", lambda: 1002 * one)
     assert leader.relieve() == 0 and len(leader) == 4  # the store's own calls: nothing, on any rank
-    evicted = leader.relieve_step()
-    assert evicted == 2 and len(leader) == 2
-    follower.evict(evicted)
+    evicted = leader.pressure_count()
+    assert evicted == 2 and len(leader) == 4  # counted, not evicted: that is the step's to do
+    for cache in (leader, follower):
+        cache.evict(evicted)
     assert follower.keys() == leader.keys() == [tuple(entries[3]), tuple(entries[0])]
     assert follower.stats() == leader.stats()
-    with pytest.raises(GroupError, match="holds fewer"):
-        follower.evict(3)
+    for cache in (leader, follower):  # fewer than counted (the byte bound took some since): all go
+        cache.evict(3)
+    assert len(leader) == len(follower) == 0 and follower.stats() == leader.stats()
 
 
 def test_what_an_arrival_marks_on_rank_0_is_marked_on_every_rank() -> None:
@@ -382,5 +384,8 @@ def test_what_an_arrival_marks_on_rank_0_is_marked_on_every_rank() -> None:
     for reuse in (leader, follower):
         reuse.lookup([sub(1, first)])
     assert leader.arrived(sub(2, (*first[:140], 7, 8, 9))) == 1 and leader.marks == [1]
-    follower.mark(leader.marks)
+    assert leader.arrived(sub(3, (*first[:140], 6))) == 1 and leader.marks == [1]  # once
+    assert leader._store_at_prefill == set()  # not yet: when the step that carries it is applied
+    for reuse in (leader, follower):
+        reuse.mark(leader.marks)
     assert follower._store_at_prefill == leader._store_at_prefill == {1}
