@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -256,6 +257,40 @@ def test_prompt_cache_hits_and_json_schema_give_the_single_devices_tokens(group:
     assert hits and float(hits.group(1)) >= 3, metrics
 
 
+def test_aborts_landing_while_their_insert_is_in_flight_keep_the_ranks_in_step(group: Group,
+                                                                                reference: dict) -> None:
+    """Rank 0 sends a step's commands one step ahead of applying them: requests dropped as
+    soon as they are sent are aborted while queued, while their admission is on its way,
+    or once they entered, beside rows that decode on. Rank 1 checks before every step that
+    it holds rank 0's counts and sampled its tokens, so any of these that split the ranks
+    would fail the group rather than pass."""
+    def decode(prompt: str) -> str:
+        with httpx.Client() as client:
+            return complete(client, group.url, prompt, max_tokens=24)["choices"][0]["text"]
+
+    def drop(i: int) -> None:
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.Client() as client, client.stream("POST", group.url + "/v1/completions", json=body,
+                                                     timeout=60) as r:
+            assert r.status_code == 200  # leaving the block disconnects: the request is aborted
+
+    def aborts() -> float:
+        metrics = httpx.get(group.url + "/metrics").text
+        return sum(map(float, re.findall(r"^trio_mlx_aborts_by_stage_total\{[^}]*\} (\S+)", metrics, re.M)))
+
+    before = aborts()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(decode, p) for p in PROMPTS[:2]]
+        list(pool.map(drop, range(8)))
+        texts = [f.result() for f in running]
+    assert all(t.startswith(reference[p]) for t, p in zip(texts, PROMPTS[:2], strict=True)), texts
+    with httpx.Client() as client:
+        assert complete(client, group.url, PROMPTS[2])["choices"][0]["text"] == reference[PROMPTS[2]]
+        health = client.get(group.url + "/health").json()
+        assert health["group"]["error"] is None and health["status"] == "ok", health
+    assert aborts() - before == 8
+
+
 def test_sigterm_to_rank_0_drains_and_stops_every_rank(group: Group) -> None:
     """Runs after the other tests of the module's group: it ends the group."""
     with httpx.Client() as client:
@@ -389,3 +424,76 @@ def test_what_an_arrival_marks_on_rank_0_is_marked_on_every_rank() -> None:
     for reuse in (leader, follower):
         reuse.mark(leader.marks)
     assert follower._store_at_prefill == leader._store_at_prefill == {1}
+
+
+class _Script:
+    """An actor's link that plays a fixed list of command batches, one per exchange, then
+    shuts the actor down once nothing is live; it collects every token."""
+
+    def __init__(self, script: list[list[Any]]):
+        self.script = list(script)
+        self.tokens: dict[int, list[int]] = {}
+        self.failed: list[Any] = []
+
+    def ready(self, info: Any) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def exchange(self, report: Any) -> list[Any]:
+        from trio_mlx.actor._protocol import Shutdown
+
+        for t in report.tokens:
+            self.tokens.setdefault(t.rid, []).append(t.token)
+        self.failed += report.failed
+        if self.script:
+            return self.script.pop(0)
+        return [] if report.live else [Shutdown()]
+
+    def wait_commands(self, timeout: float | None = None) -> list[Any]:
+        from trio_mlx.actor._protocol import StepReport
+
+        return self.exchange(StepReport())
+
+
+def test_rank_0_applies_each_steps_commands_a_step_after_it_sends_them(tiny_model_fp32: Path) -> None:
+    """Rank 0 alone (a group of one: its collectives are its own): a group admitted in one
+    exchange and an abort of one of its rows in the next, decided while that row's insert
+    was still on its way; the message carrying the abort follows the one admitting it,
+    the row aborted never finishes, and the other gives the single device's tokens."""
+    import mlx.core as mx
+
+    from trio_mlx.actor._actor import Actor
+    from trio_mlx.actor._distributed import LeaderActor
+    from trio_mlx.actor._group import GroupStatus
+    from trio_mlx.actor._protocol import Abort, ActorConfig, SamplingParams, Submit
+
+    greedy = SamplingParams(temperature=0.0)
+    kept, dropped = Submit(2, tuple(range(50, 90)), 8, greedy, frozenset()), \
+        Submit(1, tuple(range(3, 40)), 8, greedy, frozenset())
+    config = ActorConfig(model_path=tiny_model_fp32, warmup=False)
+    alone = _Script([[kept]])
+    Actor(config, alone).run()
+
+    script = _Script([[dropped, kept], [Abort(1)]])
+    group = mx.distributed.init()
+    assert group.size() == 1
+    actor = LeaderActor(config, script, group=group, mode="tensor", status=GroupStatus(mode="tensor"),
+                        timeout=30, startup_timeout=60, on_failure=None)
+    sent: list[tuple[Any, ...]] = []
+    post = actor._channel.post
+
+    def spy(message: Any, bound: float, what: str = "") -> bytes:
+        sent.append(message)
+        if message[1]:  # the abort of row 1, decided before its insert was applied
+            assert 1 not in actor._seqs and actor._ahead is not None and [s.rid for s in actor._ahead[1]] == [1, 2]
+        return post(message, bound)
+
+    actor._channel.post = spy  # type: ignore[method-assign]
+    actor.run()
+    assert [m[0] for m in sent[:2]] == ["step", "step"]
+    assert [s.rid for s in sent[0][2]] == [1, 2] and sent[0][1] == ()
+    assert sent[1][1] == (1,) and sent[1][2] == ()
+    assert script.tokens[2] == alone.tokens[2] and len(alone.tokens[2]) == 8
+    assert len(script.tokens.get(1, [])) < 8 and not script.failed
