@@ -11,24 +11,25 @@ own collectives (an all-reduce after the attention and after the MLP of
 every layer) need every rank to run the same forward passes on the same
 batch, so the followers replay rank 0's steps:
 
-- Once per step, after applying the step's commands, rank 0 sends what took
-  effect (the aborts and the submits admission let in, each with its
-  sampling parameters and seed) through the group itself (`Channel`, one
-  `all_sum` of a small byte buffer, as mlx_lm.server shares its requests).
-  Admission's decision is made once, on rank 0, from its clocks; a follower
-  never decides anything. A step with no commands still sends its message: a
-  follower cannot otherwise know that no commands are coming, and it must run
-  the step's forward pass in step with rank 0 (the cost is one small
-  all-reduce per step; docs/distributed.md estimates it). The message also
-  carries rank 0's counts and a digest of the tokens it sampled last step,
-  which the follower checks against its own.
-- Every rank then applies the same inserts and removals to its own
-  `BatchGenerator` (the actor's own `_apply`, with a replaying admission on
-  the followers) and runs the same `next()`. All ranks see the same logits
-  (each all-reduce gives every rank the same sum), the PRNG is seeded alike
-  on every rank once loaded, seeded requests own their keys, and retirement
-  depends only on tokens and step counts: the ranks' batches stay identical
-  and their sampled tokens agree, without sending a token.
+- Once per step, rank 0 decides the next step's commands (the aborts and the
+  submits admission lets in, each with its sampling parameters and seed) and
+  sends them through the group itself (`Channel`, one `all_sum` of a small
+  byte buffer, as mlx_lm.server shares its requests), one step ahead of
+  applying them (`LeaderActor` says why). Admission's decision is made once,
+  on rank 0, from its clocks; a follower never decides anything. A step with
+  no commands still sends its message: a follower cannot otherwise know that
+  no commands are coming, and it must run the step's forward pass in step
+  with rank 0 (the cost is one small all-reduce per step; docs/distributed.md
+  estimates it). The message also carries rank 0's counts and a digest of
+  the tokens it sampled last, which the follower checks against its own.
+- Every rank, rank 0 included, then applies the message to its own
+  `BatchGenerator` through the same `apply_step` (the actor's own `_apply`,
+  with an admission that replays rank 0's decision) and runs the same
+  `next()`. All ranks see the same logits (each all-reduce gives every rank
+  the same sum), the PRNG is seeded alike on every rank once loaded, seeded
+  requests own their keys, and retirement depends only on tokens and step
+  counts: the ranks' batches stay identical and their sampled tokens agree,
+  without sending a token.
 - Every rank keeps its own prompt cache (its shard of each entry's KV), and
   makes the same cache decisions from the same rows; the two that would come
   from what only rank 0 sees (memory pressure, read from a rank's own device;
@@ -550,6 +551,7 @@ class LeaderActor(Actor):
         """The actor's loop (`Actor._loop`), with each step's commands decided one step
         ahead (the class docstring)."""
         report, link, real = StepReport(), self._link, self._real
+        self._digest = 0  # as a follower starts (the warm-up's rehearsal stepped here, not counted)
         trace_path = self.config.step_trace
         trace = StepTrace(trace_path) if trace_path else None
         clock = time.perf_counter

@@ -4,10 +4,11 @@
 `follower_main` on the process's main thread. It waits for rank 0's greeting
 (the mode, the model's fingerprint, the batching knobs), checks it holds the
 same model, loads its shard through mlx-lm, warms up exactly as rank 0 does,
-and then loops: one message from rank 0 per step (`_distributed.Channel`), the
-step's aborts and admitted submits applied through the actor's own `_apply`
-(admission replays rank 0's decision), and the same `BatchGenerator.next()`.
-Its tokens are nobody's: rank 0 delivers the same ones.
+and then loops: one message from rank 0 per step (`_distributed.Channel`),
+received a step ahead of the step it is for, its aborts and admitted submits
+applied through `_distributed.apply_step` as rank 0 applies them (admission
+replays rank 0's decision), and the same `BatchGenerator.next()`. Its tokens
+are nobody's: rank 0 delivers the same ones.
 
 A follower never decides to stop by itself: rank 0's "stop" (its SIGTERM
 drain ended, or its actor left) ends it with status 0; Ctrl-C is ignored, as
@@ -104,7 +105,12 @@ class FollowerActor(Actor):
 
     def _follow(self) -> None:
         path = self.config.step_trace  # rank 0's, with this rank's number: its own trace
-        trace = StepTrace(f"{path}.rank{self.rank}") if path else None
+        trace = None
+        if path:
+            try:
+                trace = StepTrace(f"{path}.rank{self.rank}")
+            except OSError as exc:  # rank 0's path need not exist on this rank's host
+                log.warning("rank %d writes no step trace: %s", self.rank, exc)
         try:
             self._follow_steps(trace)
         finally:
