@@ -497,3 +497,47 @@ def test_rank_0_applies_each_steps_commands_a_step_after_it_sends_them(tiny_mode
     assert sent[1][1] == (1,) and sent[1][2] == ()
     assert script.tokens[2] == alone.tokens[2] and len(alone.tokens[2]) == 8
     assert len(script.tokens.get(1, [])) < 8 and not script.failed
+
+
+def test_a_shutdown_with_a_group_on_its_way_runs_the_step_a_follower_runs_before_it_stops(
+        tiny_model_fp32: Path) -> None:
+    """A follower queues its receive of "stop" ahead of the step that applies what it
+    holds, and runs that step before it reads it: rank 0 must run it too, or the
+    follower would wait forever in that step's all-reduces. The admitted prompt is long:
+    its message's tail goes after that step."""
+    import mlx.core as mx
+
+    from trio_mlx.actor._distributed import LeaderActor
+    from trio_mlx.actor._group import GroupStatus
+    from trio_mlx.actor._protocol import ActorConfig, SamplingParams, Shutdown, Submit
+
+    long = Submit(7, tuple(3 + i % 400 for i in range(600)), 4, SamplingParams(temperature=0.0), frozenset())
+    script = _Script([[long], [Shutdown()]])
+    actor = LeaderActor(ActorConfig(model_path=tiny_model_fp32, warmup=False), script,
+                        group=mx.distributed.init(), mode="tensor", status=GroupStatus(mode="tensor"),
+                        timeout=30, startup_timeout=60, on_failure=None)
+    calls: list[tuple[str, Any]] = []
+    channel = actor._channel
+    post, post_tail, send = channel.post, channel.post_tail, channel.send
+
+    def spy_post(message: Any, bound: float, what: str = "") -> bytes:
+        tail = post(message, bound)
+        calls.append(("post", (message[0], [s.rid for s in message[2]], len(tail))))
+        return tail
+
+    def spy_tail(tail: bytes, bound: float) -> None:
+        calls.append(("tail", actor._steps))
+        post_tail(tail, bound)
+
+    def spy_send(message: Any, bound: float, what: str = "") -> None:
+        calls.append(("send", (message[0], actor._steps)))
+        send(message, bound, what)
+
+    channel.post, channel.post_tail, channel.send = spy_post, spy_tail, spy_send  # type: ignore[method-assign]
+    actor.run()
+    [(_, (kind, rids, tail))] = [c for c in calls if c[0] == "post"]
+    assert kind == "step" and rids == [7] and tail > 0 and ("tail", 0) in calls
+    sends = [c[1] for c in calls if c[0] in ("send", "tail")]
+    assert ("stop", 0) in sends  # "stop" went before the step that inserts row 7...
+    assert actor._steps == 1  # ...and that step ran after it, as on a follower
+    assert not script.failed
