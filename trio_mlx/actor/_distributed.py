@@ -649,6 +649,11 @@ class LeaderActor(Actor):
             report = dataclasses.replace(report, live=report.live + len(self._ahead[1]))
         return report
 
+    def _free(self) -> None:
+        # It waits for the last step's collectives: bounded, as every other wait on the group.
+        with self._watch.guard("stopping", self._timeout):
+            super()._free()
+
     def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
         # A single device starts a fresh generator and serves on; a group cannot
         # know that every rank failed the same step, so its batches may differ.
