@@ -16,7 +16,10 @@
 # per side and level, and tp / single; then, from the step traces (<shape>-<side>-<round>.trace,
 # rank 1's beside it as .trace.rank1), the median decode step and a follower's median wait for
 # rank 0's message at each batch width). Knobs: PORT=8831 NCCL_PORT=12345 PYTHON=python3;
-# BACKEND=ring (RING_PORT=32323) runs it on two CPU processes instead, as a dry run.
+# BACKEND=ring (RING_PORT=32323) runs it on two CPU processes instead, as a dry run. Then, per
+# shape, benchmarks/probes/probe_dist_exchange.py (the per-step message's cost on the raw decode
+# steps: none / sent just before its step / a step ahead) into OUTDIR/<shape>-exchange.txt and the
+# summary; EXCHANGE=0 skips it.
 # Time: ~2 min to build the 8B model, then ~1-2 min per run: ~25 min for 2 shapes x 2 rounds;
 # one shape and one round (SHAPES=llama-3.2-1b ROUNDS=1) fits a 10-minute command.
 set -euo pipefail
@@ -107,6 +110,10 @@ for shape in ${SHAPES:-llama-3.2-1b llama-3.1-8b}; do
     if ((r % 2)); then order=(single tp mlx_lm); else order=(mlx_lm tp single); fi
     for side in "${order[@]}"; do run "$shape" "$side" "$r"; done
   done
+  if [ "${EXCHANGE:-1}" = 1 ]; then  # the per-step message alone, no server (~1-2 min)
+    timeout 600 "$launch" "${group[@]}" -- "$py" benchmarks/probes/probe_dist_exchange.py "$out/$shape" \
+      >"$out/$shape-exchange.txt" 2>&1 || echo "($shape exchange probe: exit $?)" >&2
+  fi
 done
 
 "$py" - "$out" <<'EOF' >"$out/summary.md"
@@ -154,4 +161,7 @@ for path in sorted(glob.glob(os.path.join(out, "*.trace"))):
         wait = f"{med([x[1] for x in theirs[w]]) * 1e3:.2f}" if theirs.get(w) else "-"
         print(f"| {os.path.basename(path)[:-6]} | {w} | {len(v)} | {med([x[0] for x in v]) * 1e3:.2f} | {wait} |")
 EOF
+for f in "$out"/*-exchange.txt; do
+  if [ -f "$f" ]; then { echo; echo '```'; grep -v '^\[' "$f"; echo '```'; } >>"$out/summary.md"; fi
+done
 cat "$out/summary.md"

@@ -33,7 +33,9 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.utils import sharded_load
 
-group = mx.distributed.init(strict=True)
+from trio_mlx.actor._distributed import init_group
+
+group, backend = init_group()  # the backend mlx.launch set up, as trio-mlx serve picks it
 model, _ = sharded_load(sys.argv[1], tensor_group=group)
 lead = group.rank() == 0
 widths = [int(w) for w in os.environ.get("WIDTHS", "1,8,64").split(",")]
@@ -92,6 +94,6 @@ with mx.stream(generation_stream):
     waits = mx.distributed.all_sum(mx.array([results[k][1] for k in results]), group=group) / (group.size() - 1)
 mx.eval(waits)  # on every rank: a collective only one rank evaluates never completes
 if lead:
-    print(f"{group.size()} ranks, {sys.argv[1]}: median ms a step (a follower's median wait for its message)")
+    print(f"{group.size()} ranks over {backend}, {sys.argv[1]}: median ms a step (a follower's median wait for its message)")
     for (mode, w), (step, _), wait in zip(results, results.values(), np.array(waits).tolist(), strict=True):
         print(f"  width {w:3d}  {mode:6s}  {step:7.2f} ms  ({wait:.2f} ms)")
