@@ -75,14 +75,14 @@ def _ring_ports() -> int:
 class Group:
     """`mlx.launch --backend ring -n 2 -- trio-mlx serve MODEL --distributed tensor` and its log."""
 
-    def __init__(self, model: Path, log: Path, *extra: str):
+    def __init__(self, model: Path, log: Path, *extra: str, env: dict[str, str] | None = None):
         self.log_path = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ring_ports()), "--",
                sys.executable, "-m", "trio_mlx.cli", "serve", str(model), "--distributed", "tensor",
                "--port", "0", "--distributed-timeout", str(TIMEOUT), "--drain-timeout", "5",
                "--allow-multiple-workers", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT,
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env or ENV, cwd=ROOT,
                                      start_new_session=True)
         self.url = self._wait_for(rb"Running on (http://\S+)", 60).decode()
         self.follower = int(self._wait_for(rb"rank 1 of 2 \(pid (\d+)\)", 10))
@@ -162,9 +162,31 @@ def reference(tiny_model_fp32: Path) -> dict[str, str]:
     return trio.run(run)
 
 
+# Every rank of the module's group warms up as on a GPU: the warm-up's rehearsal serves a
+# short script through the actor's own steps (`Actor._rehearse`), which a rank must not
+# count into what it compares with rank 0 once serving.
+GPU_WARMUP = """
+import trio_mlx.actor._actor as actor
+
+_load = actor.Actor._load
+
+
+def _as_on_a_gpu(self):
+    config = _load(self)
+    self._gpu = True
+    return config
+
+
+actor.Actor._load = _as_on_a_gpu
+"""
+
+
 @pytest.fixture(scope="module")
 def group(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory):
-    g = Group(tiny_model_fp32, tmp_path_factory.mktemp("group") / "launch.log")
+    site = tmp_path_factory.mktemp("gpu-warmup")
+    (site / "sitecustomize.py").write_text(GPU_WARMUP)  # imported at start by every rank
+    env = {**ENV, "PYTHONPATH": str(site) + os.pathsep + ENV["PYTHONPATH"]}
+    g = Group(tiny_model_fp32, tmp_path_factory.mktemp("group") / "launch.log", env=env)
     try:
         yield g
     finally:
@@ -182,6 +204,7 @@ def test_greedy_tokens_equal_the_single_device_alone_and_in_a_batch_of_8(group: 
         texts = list(pool.map(lambda p: complete(client, group.url, p)["choices"][0]["text"], PROMPTS))
     assert texts == [reference[p] for p in PROMPTS]
     assert "distributed: 2 ranks over ring, tensor parallel" in group.text()
+    assert "warming up (every prefill group size, then a rehearsal)" in group.text()
 
 
 def test_an_abort_mid_decode_frees_the_row_on_both_ranks(group: Group, reference: dict) -> None:
