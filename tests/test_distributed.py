@@ -11,7 +11,11 @@ shared prefix) give the single device's tokens and report cached tokens, with
 both ranks' caches in step; a json_schema response matches the single
 device's and validates; a follower that dies, or hangs,
 ends the in-flight stream with an error event and every rank exits within
-the bound; SIGTERM to rank 0 stops both ranks with status 0.
+the bound; SIGTERM to rank 0 stops both ranks with status 0. Rank 0 sends each
+step's commands a step ahead of applying them: requests dropped as soon as
+sent keep the ranks in step, and rank 0 alone (a group of one, scripted) sends
+an abort decided while its row's insert is on its way in the next message and
+runs the step a follower runs before it reads "stop".
 """
 
 from __future__ import annotations
