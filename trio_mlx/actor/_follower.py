@@ -127,7 +127,9 @@ class FollowerActor(Actor):
         last_step = time.monotonic()
         digest = 0
         clock = time.perf_counter
-        mine = state_of(self, digest)  # this rank's state before the step the message follows
+        # This rank's state where rank 0 took the one the next message carries: before
+        # applying the message held (none, at first).
+        mine = state_of(self, digest)
         t0 = clock()
         message = channel.recv(bound)
         while True:
