@@ -11,7 +11,11 @@ shared prefix) give the single device's tokens and report cached tokens, with
 both ranks' caches in step; a json_schema response matches the single
 device's and validates; a follower that dies, or hangs,
 ends the in-flight stream with an error event and every rank exits within
-the bound; SIGTERM to rank 0 stops both ranks with status 0.
+the bound; SIGTERM to rank 0 stops both ranks with status 0. Rank 0 sends each
+step's commands a step ahead of applying them: requests dropped as soon as
+sent keep the ranks in step, and rank 0 alone (a group of one, scripted) sends
+an abort decided while its row's insert is on its way in the next message and
+runs the step a follower runs before it reads "stop".
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -74,14 +79,14 @@ def _ring_ports() -> int:
 class Group:
     """`mlx.launch --backend ring -n 2 -- trio-mlx serve MODEL --distributed tensor` and its log."""
 
-    def __init__(self, model: Path, log: Path, *extra: str):
+    def __init__(self, model: Path, log: Path, *extra: str, env: dict[str, str] | None = None):
         self.log_path = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ring_ports()), "--",
                sys.executable, "-m", "trio_mlx.cli", "serve", str(model), "--distributed", "tensor",
                "--port", "0", "--distributed-timeout", str(TIMEOUT), "--drain-timeout", "5",
                "--allow-multiple-workers", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT,
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env or ENV, cwd=ROOT,
                                      start_new_session=True)
         self.url = self._wait_for(rb"Running on (http://\S+)", 60).decode()
         self.follower = int(self._wait_for(rb"rank 1 of 2 \(pid (\d+)\)", 10))
@@ -161,9 +166,31 @@ def reference(tiny_model_fp32: Path) -> dict[str, str]:
     return trio.run(run)
 
 
+# Every rank of the module's group warms up as on a GPU: the warm-up's rehearsal serves a
+# short script through the actor's own steps (`Actor._rehearse`), which a rank must not
+# count into what it compares with rank 0 once serving.
+GPU_WARMUP = """
+import trio_mlx.actor._actor as actor
+
+_load = actor.Actor._load
+
+
+def _as_on_a_gpu(self):
+    config = _load(self)
+    self._gpu = True
+    return config
+
+
+actor.Actor._load = _as_on_a_gpu
+"""
+
+
 @pytest.fixture(scope="module")
 def group(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory):
-    g = Group(tiny_model_fp32, tmp_path_factory.mktemp("group") / "launch.log")
+    site = tmp_path_factory.mktemp("gpu-warmup")
+    (site / "sitecustomize.py").write_text(GPU_WARMUP)  # imported at start by every rank
+    env = {**ENV, "PYTHONPATH": str(site) + os.pathsep + ENV["PYTHONPATH"]}
+    g = Group(tiny_model_fp32, tmp_path_factory.mktemp("group") / "launch.log", env=env)
     try:
         yield g
     finally:
@@ -181,6 +208,7 @@ def test_greedy_tokens_equal_the_single_device_alone_and_in_a_batch_of_8(group: 
         texts = list(pool.map(lambda p: complete(client, group.url, p)["choices"][0]["text"], PROMPTS))
     assert texts == [reference[p] for p in PROMPTS]
     assert "distributed: 2 ranks over ring, tensor parallel" in group.text()
+    assert "warming up (every prefill group size, then a rehearsal)" in group.text()
 
 
 def test_an_abort_mid_decode_frees_the_row_on_both_ranks(group: Group, reference: dict) -> None:
@@ -254,6 +282,40 @@ def test_prompt_cache_hits_and_json_schema_give_the_single_devices_tokens(group:
         assert client.get(group.url + "/health").json()["group"]["error"] is None
     hits = re.search(r"^trio_mlx_prompt_cache_hits_total (\S+)", metrics, re.M)
     assert hits and float(hits.group(1)) >= 3, metrics
+
+
+def test_aborts_landing_while_their_insert_is_in_flight_keep_the_ranks_in_step(group: Group,
+                                                                                reference: dict) -> None:
+    """Rank 0 sends a step's commands one step ahead of applying them: requests dropped as
+    soon as they are sent are aborted while queued, while their admission is on its way,
+    or once they entered, beside rows that decode on. Rank 1 checks before every step that
+    it holds rank 0's counts and sampled its tokens, so any of these that split the ranks
+    would fail the group rather than pass."""
+    def decode(prompt: str) -> str:
+        with httpx.Client() as client:
+            return complete(client, group.url, prompt, max_tokens=24)["choices"][0]["text"]
+
+    def drop(i: int) -> None:
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.Client() as client, client.stream("POST", group.url + "/v1/completions", json=body,
+                                                     timeout=60) as r:
+            assert r.status_code == 200  # leaving the block disconnects: the request is aborted
+
+    def aborts() -> float:
+        metrics = httpx.get(group.url + "/metrics").text
+        return sum(map(float, re.findall(r"^trio_mlx_aborts_by_stage_total\{[^}]*\} (\S+)", metrics, re.M)))
+
+    before = aborts()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(decode, p) for p in PROMPTS[:2]]
+        list(pool.map(drop, range(8)))
+        texts = [f.result() for f in running]
+    assert all(t.startswith(reference[p]) for t, p in zip(texts, PROMPTS[:2], strict=True)), texts
+    with httpx.Client() as client:
+        assert complete(client, group.url, PROMPTS[2])["choices"][0]["text"] == reference[PROMPTS[2]]
+        health = client.get(group.url + "/health").json()
+        assert health["group"]["error"] is None and health["status"] == "ok", health
+    assert aborts() - before == 8
 
 
 def test_sigterm_to_rank_0_drains_and_stops_every_rank(group: Group) -> None:
@@ -340,13 +402,13 @@ def test_distributed_settings_are_checked_before_anything_loads(tiny_model_fp32:
     assert "mlx.launch" in alone.stderr and "Running on" not in alone.stderr
 
 
-def test_memory_pressure_is_relieved_once_a_step_on_rank_0_and_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_memory_pressure_is_counted_on_rank_0_and_evicted_alike_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank reads its own device's memory: in a group only rank 0 decides to evict,
-    and the other ranks evict the same entries (the same count, oldest first)."""
+    counting the oldest entries that free the excess when it decides a step, and every
+    rank, rank 0 too, evicts that many when it applies the step, a step later."""
     import mlx.core as mx
     from test_prompt_cache import layers
 
-    from trio_mlx.actor._group import GroupError
     from trio_mlx.actor._group_cache import GroupCache
 
     one = sum(kv.keys.nbytes * 2 for kv in layers(list(range(64))))
@@ -358,13 +420,15 @@ def test_memory_pressure_is_relieved_once_a_step_on_rank_0_and_replayed(monkeypa
         cache.fetch(entries[0])  # used: the second is now the oldest
     monkeypatch.setattr(mx, "get_active_memory", lambda: 1002 * one)
     assert leader.relieve() == 0 and len(leader) == 4  # the store's own calls: nothing, on any rank
-    evicted = leader.relieve_step()
-    assert evicted == 2 and len(leader) == 2
-    follower.evict(evicted)
+    evicted = leader.pressure_count()
+    assert evicted == 2 and len(leader) == 4  # counted, not evicted: that is the step's to do
+    for cache in (leader, follower):
+        cache.evict(evicted)
     assert follower.keys() == leader.keys() == [tuple(entries[3]), tuple(entries[0])]
     assert follower.stats() == leader.stats()
-    with pytest.raises(GroupError, match="holds fewer"):
-        follower.evict(3)
+    for cache in (leader, follower):  # fewer than counted (the byte bound took some since): all go
+        cache.evict(3)
+    assert len(leader) == len(follower) == 0 and follower.stats() == leader.stats()
 
 
 def test_what_an_arrival_marks_on_rank_0_is_marked_on_every_rank() -> None:
@@ -382,5 +446,125 @@ def test_what_an_arrival_marks_on_rank_0_is_marked_on_every_rank() -> None:
     for reuse in (leader, follower):
         reuse.lookup([sub(1, first)])
     assert leader.arrived(sub(2, (*first[:140], 7, 8, 9))) == 1 and leader.marks == [1]
-    follower.mark(leader.marks)
+    assert leader.arrived(sub(3, (*first[:140], 6))) == 1 and leader.marks == [1]  # once
+    assert leader._store_at_prefill == set()  # not yet: when the step that carries it is applied
+    for reuse in (leader, follower):
+        reuse.mark(leader.marks)
     assert follower._store_at_prefill == leader._store_at_prefill == {1}
+
+
+class _Script:
+    """An actor's link that plays a fixed list of command batches, one per exchange, then
+    shuts the actor down once nothing is live; it collects every token."""
+
+    def __init__(self, script: list[list[Any]]):
+        self.script = list(script)
+        self.tokens: dict[int, list[int]] = {}
+        self.failed: list[Any] = []
+
+    def ready(self, info: Any) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def exchange(self, report: Any) -> list[Any]:
+        from trio_mlx.actor._protocol import Shutdown
+
+        for t in report.tokens:
+            self.tokens.setdefault(t.rid, []).append(t.token)
+        self.failed += report.failed
+        if self.script:
+            return self.script.pop(0)
+        return [] if report.live else [Shutdown()]
+
+    def wait_commands(self, timeout: float | None = None) -> list[Any]:
+        from trio_mlx.actor._protocol import StepReport
+
+        return self.exchange(StepReport())
+
+
+def test_rank_0_applies_each_steps_commands_a_step_after_it_sends_them(tiny_model_fp32: Path) -> None:
+    """Rank 0 alone (a group of one: its collectives are its own): a group admitted in one
+    exchange and an abort of one of its rows in the next, decided while that row's insert
+    was still on its way; the message carrying the abort follows the one admitting it,
+    the row aborted never finishes, and the other gives the single device's tokens."""
+    import mlx.core as mx
+
+    from trio_mlx.actor._actor import Actor
+    from trio_mlx.actor._distributed import LeaderActor
+    from trio_mlx.actor._group import GroupStatus
+    from trio_mlx.actor._protocol import Abort, ActorConfig, SamplingParams, Submit
+
+    greedy = SamplingParams(temperature=0.0)
+    kept, dropped = Submit(2, tuple(range(50, 90)), 8, greedy, frozenset()), \
+        Submit(1, tuple(range(3, 40)), 8, greedy, frozenset())
+    config = ActorConfig(model_path=tiny_model_fp32, warmup=False)
+    alone = _Script([[kept]])
+    Actor(config, alone).run()
+
+    script = _Script([[dropped, kept], [Abort(1)]])
+    group = mx.distributed.init()
+    assert group.size() == 1
+    actor = LeaderActor(config, script, group=group, mode="tensor", status=GroupStatus(mode="tensor"),
+                        timeout=30, startup_timeout=60, on_failure=None)
+    sent: list[tuple[Any, ...]] = []
+    post = actor._channel.post
+
+    def spy(message: Any, bound: float, what: str = "") -> bytes:
+        sent.append(message)
+        if message[1]:  # the abort of row 1, decided before its insert was applied
+            assert 1 not in actor._seqs and actor._ahead is not None and [s.rid for s in actor._ahead[1]] == [1, 2]
+        return post(message, bound)
+
+    actor._channel.post = spy  # type: ignore[method-assign]
+    actor.run()
+    assert [m[0] for m in sent[:2]] == ["step", "step"]
+    assert [s.rid for s in sent[0][2]] == [1, 2] and sent[0][1] == ()
+    assert sent[1][1] == (1,) and sent[1][2] == ()
+    assert script.tokens[2] == alone.tokens[2] and len(alone.tokens[2]) == 8
+    assert len(script.tokens.get(1, [])) < 8 and not script.failed
+
+
+def test_a_shutdown_with_a_group_on_its_way_runs_the_step_a_follower_runs_before_it_stops(
+        tiny_model_fp32: Path) -> None:
+    """A follower queues its receive of "stop" ahead of the step that applies what it
+    holds, and runs that step before it reads it: rank 0 must run it too, or the
+    follower would wait forever in that step's all-reduces. The admitted prompt is long:
+    its message's tail goes after that step."""
+    import mlx.core as mx
+
+    from trio_mlx.actor._distributed import LeaderActor
+    from trio_mlx.actor._group import GroupStatus
+    from trio_mlx.actor._protocol import ActorConfig, SamplingParams, Shutdown, Submit
+
+    long = Submit(7, tuple(3 + i % 400 for i in range(600)), 4, SamplingParams(temperature=0.0), frozenset())
+    script = _Script([[long], [Shutdown()]])
+    actor = LeaderActor(ActorConfig(model_path=tiny_model_fp32, warmup=False), script,
+                        group=mx.distributed.init(), mode="tensor", status=GroupStatus(mode="tensor"),
+                        timeout=30, startup_timeout=60, on_failure=None)
+    calls: list[tuple[str, Any]] = []
+    channel = actor._channel
+    post, post_tail, send = channel.post, channel.post_tail, channel.send
+
+    def spy_post(message: Any, bound: float, what: str = "") -> bytes:
+        tail = post(message, bound)
+        calls.append(("post", (message[0], [s.rid for s in message[2]], len(tail))))
+        return tail
+
+    def spy_tail(tail: bytes, bound: float) -> None:
+        calls.append(("tail", actor._steps))
+        post_tail(tail, bound)
+
+    def spy_send(message: Any, bound: float, what: str = "") -> None:
+        calls.append(("send", (message[0], actor._steps)))
+        send(message, bound, what)
+
+    channel.post, channel.post_tail, channel.send = spy_post, spy_tail, spy_send  # type: ignore[method-assign]
+    actor.run()
+    [(_, (kind, rids, tail))] = [c for c in calls if c[0] == "post"]
+    assert kind == "step" and rids == [7] and tail > 0 and ("tail", 0) in calls
+    sends = [c[1] for c in calls if c[0] in ("send", "tail")]
+    assert ("stop", 0) in sends  # "stop" went before the step that inserts row 7...
+    assert actor._steps == 1  # ...and that step ran after it, as on a follower
+    assert not script.failed

@@ -13,9 +13,15 @@
 # each driven by `trio-mlx bench` at CONCURRENCY (1,8,64), PROMPT_TOKENS=128, MAX_TOKENS=128,
 # greedy, streamed /v1/completions. Order per round: single, tp, mlx_lm, then reversed.
 # Results: OUTDIR/<shape>-<side>-<round>.json and OUTDIR/summary.md (output tok/s and TTFT p50
-# per side and level, and tp / single). Knobs: PORT=8831 NCCL_PORT=12345 PYTHON=python3;
-# BACKEND=ring (RING_PORT=32323) runs it on two CPU processes instead, as a dry run.
-# Time: ~2 min to build the 8B model, then ~1-2 min per run: ~25 min for 2 shapes x 2 rounds.
+# per side and level, and tp / single; then, from the step traces (<shape>-<side>-<round>.trace,
+# rank 1's beside it as .trace.rank1), the median decode step and a follower's median wait for
+# rank 0's message at each batch width). Knobs: PORT=8831 NCCL_PORT=12345 PYTHON=python3;
+# BACKEND=ring (RING_PORT=32323) runs it on two CPU processes instead, as a dry run. Then, per
+# shape, benchmarks/probes/probe_dist_exchange.py (the per-step message's cost on the raw decode
+# steps: none / sent just before its step / a step ahead) into OUTDIR/<shape>-exchange.txt and the
+# summary; EXCHANGE=0 skips it.
+# Time: ~2 min to build the 8B model, then ~1-2 min per run: ~25 min for 2 shapes x 2 rounds;
+# one shape and one round (SHAPES=llama-3.2-1b ROUNDS=1) fits a 10-minute command.
 set -euo pipefail
 out="${1:?usage: distributed.sh OUTDIR}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"
@@ -55,7 +61,15 @@ start() {  # NAME COMMAND...: start in a process group of its own, wait until it
   return 1
 }
 
-stop() {  # SIGTERM the whole group (the launcher and every rank), then make sure
+stop() {  # SIGTERM trio_mlx's rank 0 (it drains and stops every rank: their step traces are
+  # written out), then the whole group (the launcher and every rank), then make sure
+  local leader
+  leader="$(curl -sf --max-time 2 "http://127.0.0.1:$port/health" | "$py" -c \
+    'import json, sys; print(json.load(sys.stdin).get("actor_pid") or "")' 2>/dev/null || true)"
+  if [ -n "$leader" ]; then
+    kill -TERM "$leader" 2>/dev/null || true
+    for ((i = 0; i < 60; i++)); do kill -0 "$server_pgid" 2>/dev/null || break; sleep 0.5; done
+  fi
   kill -TERM -- "-$server_pgid" 2>/dev/null || true
   for ((i = 0; i < 90; i++)); do kill -0 "$server_pgid" 2>/dev/null || break; sleep 0.5; done
   kill -KILL -- "-$server_pgid" 2>/dev/null || true
@@ -76,9 +90,10 @@ run() {  # SHAPE SIDE ROUND
   local shape=$1 side=$2 r=$3 dir="$out/$1"
   case "$side" in
     single) start "$shape-$side-$r" env CUDA_VISIBLE_DEVICES=0 "$py" -m trio_mlx.cli serve "$dir" --port "$port" \
-              --max-batch 64 --no-access-log ;;
+              --max-batch 64 --no-access-log --step-trace "$out/$shape-$side-$r.trace" ;;
     tp) start "$shape-$side-$r" "$launch" "${group[@]}" -- \
-          "$py" -m trio_mlx.cli serve "$dir" --port "$port" --max-batch 64 --no-access-log --distributed tensor ;;
+          "$py" -m trio_mlx.cli serve "$dir" --port "$port" --max-batch 64 --no-access-log --distributed tensor \
+          --step-trace "$out/$shape-$side-$r.trace" ;;
     mlx_lm) start "$shape-$side-$r" "$launch" "${group[@]}" -- \
               "$py" -m mlx_lm.server --model "$dir" --port "$port" ;;
   esac
@@ -95,6 +110,10 @@ for shape in ${SHAPES:-llama-3.2-1b llama-3.1-8b}; do
     if ((r % 2)); then order=(single tp mlx_lm); else order=(mlx_lm tp single); fi
     for side in "${order[@]}"; do run "$shape" "$side" "$r"; done
   done
+  if [ "${EXCHANGE:-1}" = 1 ]; then  # the per-step message alone, no server (~1-2 min)
+    timeout 600 "$launch" "${group[@]}" -- "$py" benchmarks/probes/probe_dist_exchange.py "$out/$shape" \
+      >"$out/$shape-exchange.txt" 2>&1 || echo "($shape exchange probe: exit $?)" >&2
+  fi
 done
 
 "$py" - "$out" <<'EOF' >"$out/summary.md"
@@ -121,5 +140,28 @@ for shape in sorted({s for s, _ in tps}):
         cells.append(f"{sum(p) / sum(s):.2f}" if sum(s) and p else "-")
         print(f"| {c} | " + " | ".join(cells) + " |")
     print()
+print("Median plain decode step (ms: trace rows with no insert, at a width held 20 steps or more) and, for")
+print("tp, rank 1's median wait for rank 0's message (ms): what is left of the command exchange per step.\n")
+print("| run | width | steps | step (ms) | rank 1 waits (ms) |\n|---|---|---|---|---|")
+def steps(path):
+    out = {}
+    try:
+        rows = [l.rstrip("\n").split("\t") for l in open(path)]
+    except OSError:
+        return out
+    rows = [list(map(float, r)) for r in rows if r and r[0] != "t"]
+    for a, b in zip(rows, rows[1:]):
+        if b[3] == 0 and b[8] == a[8] and b[8] > 0:
+            out.setdefault(int(b[8]), []).append((b[0] - a[0], b[1]))
+    return out
+med = lambda v: sorted(v)[len(v) // 2]
+for path in sorted(glob.glob(os.path.join(out, "*.trace"))):
+    mine, theirs = steps(path), steps(path + ".rank1")
+    for w, v in sorted((w, v) for w, v in mine.items() if len(v) >= 20):  # a steady width
+        wait = f"{med([x[1] for x in theirs[w]]) * 1e3:.2f}" if theirs.get(w) else "-"
+        print(f"| {os.path.basename(path)[:-6]} | {w} | {len(v)} | {med([x[0] for x in v]) * 1e3:.2f} | {wait} |")
 EOF
+for f in "$out"/*-exchange.txt; do
+  if [ -f "$f" ]; then { echo; echo '```'; grep -v '^\[' "$f"; echo '```'; } >>"$out/summary.md"; fi
+done
 cat "$out/summary.md"

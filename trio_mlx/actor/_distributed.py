@@ -11,24 +11,25 @@ own collectives (an all-reduce after the attention and after the MLP of
 every layer) need every rank to run the same forward passes on the same
 batch, so the followers replay rank 0's steps:
 
-- Once per step, after applying the step's commands, rank 0 sends what took
-  effect (the aborts and the submits admission let in, each with its
-  sampling parameters and seed) through the group itself (`Channel`, one
-  `all_sum` of a small byte buffer, as mlx_lm.server shares its requests).
-  Admission's decision is made once, on rank 0, from its clocks; a follower
-  never decides anything. A step with no commands still sends its message: a
-  follower cannot otherwise know that no commands are coming, and it must run
-  the step's forward pass in step with rank 0 (the cost is one small
-  all-reduce per step; docs/distributed.md estimates it). The message also
-  carries rank 0's counts and a digest of the tokens it sampled last step,
-  which the follower checks against its own.
-- Every rank then applies the same inserts and removals to its own
-  `BatchGenerator` (the actor's own `_apply`, with a replaying admission on
-  the followers) and runs the same `next()`. All ranks see the same logits
-  (each all-reduce gives every rank the same sum), the PRNG is seeded alike
-  on every rank once loaded, seeded requests own their keys, and retirement
-  depends only on tokens and step counts: the ranks' batches stay identical
-  and their sampled tokens agree, without sending a token.
+- Once per step, rank 0 decides the next step's commands (the aborts and the
+  submits admission lets in, each with its sampling parameters and seed) and
+  sends them through the group itself (`Channel`, one `all_sum` of a small
+  byte buffer, as mlx_lm.server shares its requests), one step ahead of
+  applying them (`LeaderActor` says why). Admission's decision is made once,
+  on rank 0, from its clocks; a follower never decides anything. A step with
+  no commands still sends its message: a follower cannot otherwise know that
+  no commands are coming, and it must run the step's forward pass in step
+  with rank 0 (the cost is one small all-reduce per step; docs/distributed.md
+  estimates it). The message also carries rank 0's counts and a digest of
+  the tokens it sampled last, which the follower checks against its own.
+- Every rank, rank 0 included, then applies the message to its own
+  `BatchGenerator` through the same `apply_step` (the actor's own `_apply`,
+  with an admission that replays rank 0's decision) and runs the same
+  `next()`. All ranks see the same logits (each all-reduce gives every rank
+  the same sum), the PRNG is seeded alike on every rank once loaded, seeded
+  requests own their keys, and retirement depends only on tokens and step
+  counts: the ranks' batches stay identical and their sampled tokens agree,
+  without sending a token.
 - Every rank keeps its own prompt cache (its shard of each entry's KV), and
   makes the same cache decisions from the same rows; the two that would come
   from what only rank 0 sees (memory pressure, read from a rank's own device;
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -68,10 +70,12 @@ from mlx_lm.generate import generation_stream
 from .._errors import ModelLoadError
 from ._actor import Actor
 from ._admission import Admission
+from ._batch import batch_rows
 from ._group import GroupError, GroupStatus
 from ._group_cache import GroupCache, GroupReuse, group_cache_budget, open_group_cache
 from ._link import ActorLink
-from ._protocol import Abort, ActorConfig, ActorInfo, Command, StepReport, Submit
+from ._protocol import Abort, ActorConfig, ActorInfo, Command, Shutdown, StepReport, Submit
+from ._trace import StepTrace
 
 log = logging.getLogger("trio_mlx.distributed")
 
@@ -86,7 +90,7 @@ EXIT_GRACE = 2.0
 _LENGTH = struct.Struct(">I")
 # The ActorConfig fields rank 0 hands its followers: batching must match on every rank.
 _KNOBS = ("max_batch", "prefill_batch", "prefill_step", "warmup", "admit_window", "retire_steps",
-          "idle_release", "cache_limit_gb")
+          "idle_release", "cache_limit_gb", "step_trace")
 
 
 def _env_backend() -> str:
@@ -193,9 +197,16 @@ class Channel:
 
     A message is a pickle (rank 0 and its followers trust each other as
     mlx_lm.server's ranks do) in a fixed buffer of `INLINE` bytes, summed with
-    the followers' zeros by one `all_sum`; a longer one sends its rest in a
-    second. Collectives run on the model's stream, so every rank issues all of
-    its collectives, the model's and these, in one order.
+    the followers' zeros by one `all_sum`; a longer one sends its rest (the
+    tail) in a second. Collectives run on the model's stream, so every rank
+    issues all of its collectives, the model's and these, in one order.
+
+    The step messages are pipelined (`LeaderActor`): rank 0 queues a step's
+    message (`post`) ahead of the step before it, and a follower queues its
+    receive (`expect`) at the same point of its stream and reads it (`take`)
+    once that step is built. A follower learns a tail's length only from the
+    head, so a tail goes one step later on both sides: rank 0 queues it after
+    that step (`post_tail`), a follower when it reads the head.
     """
 
     def __init__(self, group: Any, watchdog: Watchdog, status: GroupStatus | None = None):
@@ -207,16 +218,15 @@ class Channel:
         with self._watch.guard(what, bound):
             try:
                 # On the stream the BatchGenerator runs the model on (mlx-lm's thread-local
-                # generation stream), behind the step it computes ahead: on any other stream
-                # this collective could reach the group before or after the model's own,
-                # differently on each rank, and sum the wrong buffers. (The ring backend
-                # cannot split the group into a communicator of its own.)
+                # generation stream): on any other stream this collective could reach the
+                # group before or after the model's own, differently on each rank, and sum
+                # the wrong buffers. (The ring backend cannot split the group into a
+                # communicator of its own.)
                 with mx.stream(generation_stream):
                     out = mx.distributed.all_sum(data, group=self._group)
                 if not wait:
-                    # Rank 0 knows what it sent: it queues the collective behind the step in
-                    # flight and goes on building the next one (a failure surfaces in that
-                    # step, under its own guard).
+                    # Queued behind the work on the stream; a failure surfaces where it is
+                    # read (a follower's `take`), or in rank 0's next step, under its guard.
                     mx.async_eval(out)
                     return out
                 mx.eval(out)
@@ -226,25 +236,50 @@ class Channel:
             self._status.contact()
         return out
 
-    def send(self, message: Any, bound: float, what: str = "sending commands to the followers",
-             wait: bool = True) -> None:
-        """Send `message` (None: an empty one) to every other rank; with `wait` False, only
-        queue it on the stream (rank 0's per-step messages)."""
+    def _pack(self, message: Any) -> tuple[mx.array, bytes]:
+        """(the head buffer, the tail: what did not fit in it)."""
         payload = b"" if message is None else pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         buf = bytearray(INLINE)
         _LENGTH.pack_into(buf, 0, len(payload))
         head = INLINE - _LENGTH.size
         buf[_LENGTH.size:_LENGTH.size + min(head, len(payload))] = payload[:head]
-        self._sum(mx.array(np.frombuffer(bytes(buf), dtype=np.uint8)), what, bound, wait)
-        if len(payload) > head:
-            self._sum(mx.array(np.frombuffer(payload[head:], dtype=np.uint8)), what, bound, wait)
         if self._status is not None:
             self._status.messages += 1
             self._status.message_bytes += len(payload)
+        return mx.array(np.frombuffer(bytes(buf), dtype=np.uint8)), payload[head:]
 
-    def recv(self, bound: float, what: str = "waiting for rank 0") -> Any:
-        """The next message (None for an empty one)."""
-        out = bytes(np.array(self._sum(mx.zeros(INLINE, dtype=mx.uint8), what, bound)))
+    def send(self, message: Any, bound: float, what: str = "sending commands to the followers") -> None:
+        """Send `message` (None: an empty one) to every other rank and wait until it went."""
+        head, tail = self._pack(message)
+        self._sum(head, what, bound)
+        if tail:
+            self._sum(mx.array(np.frombuffer(tail, dtype=np.uint8)), what, bound)
+
+    def post(self, message: Any, bound: float, what: str = "sending a step to the followers") -> bytes:
+        """Queue `message`'s head on the stream without waiting; returns its tail (b"": none),
+        which the caller queues with `post_tail` after the step it queued this before."""
+        head, tail = self._pack(message)
+        self._sum(head, what, bound, wait=False)
+        return tail
+
+    def post_tail(self, tail: bytes, bound: float) -> None:
+        self._sum(mx.array(np.frombuffer(tail, dtype=np.uint8)), "sending a step to the followers", bound,
+                  wait=False)
+
+    def expect(self, bound: float) -> mx.array:
+        """A follower: queue the receive of rank 0's next message's head (read it with `take`)."""
+        return self._sum(mx.zeros(INLINE, dtype=mx.uint8), "waiting for rank 0", bound, wait=False)
+
+    def take(self, posted: mx.array, bound: float, what: str = "waiting for rank 0") -> Any:
+        """The message whose head `expect` queued (None for an empty one); its tail, if any,
+        is received now."""
+        with self._watch.guard(what, bound):
+            try:
+                out = bytes(np.array(posted))
+            except RuntimeError as exc:
+                raise GroupError(f"{what}: {exc}") from exc
+        if self._status is not None:
+            self._status.contact()
         (n,) = _LENGTH.unpack_from(out)
         if n == 0:
             return None
@@ -253,6 +288,10 @@ class Channel:
         if n > head:
             payload += bytes(np.array(self._sum(mx.zeros(n - head, dtype=mx.uint8), what, bound)))
         return pickle.loads(payload)
+
+    def recv(self, bound: float, what: str = "waiting for rank 0") -> Any:
+        """The next message (None for an empty one), waited for now."""
+        return self.take(self.expect(bound), bound, what)
 
     def agree(self, ok: bool, bound: float) -> int:
         """How many ranks are not ok (every rank calls this at the same point)."""
@@ -320,17 +359,75 @@ def token_digest(report: StepReport) -> int:
     return hash(tuple(t.token for t in report.tokens))
 
 
-class RecordingAdmission(Admission):
-    """Rank 0's admission, unchanged, noting the group each step lets in (the followers replay it)."""
+Step = tuple[tuple[int, ...], tuple[Submit, ...], int, tuple[int, ...]]  # (aborts, admitted, evicted, marks)
 
-    def __init__(self, window: float, batch: int):
-        super().__init__(window, batch)
-        self.admitted: list[Submit] = []
+
+def state_of(actor: Actor, digest: int) -> tuple[Any, ...]:
+    """What every rank must hold at the same point of its steps (it is compared with rank
+    0's before each step, and the group fails if it differs rather than sum the wrong
+    batches): the counts of steps, sequences and retired rows, the tokens the last step
+    sampled, and the prompt cache's counters (lookups, hits, hit tokens, evictions, bytes,
+    entries)."""
+    return (actor._steps, len(actor._seqs), len(actor._retired), digest, actor._reuse.cache.stats())
+
+
+class Replay:
+    """The admission a step applies on every rank: exactly the group rank 0 let in.
+
+    On a follower it is the only admission; rank 0 holds the queue, its own
+    `Admission` (`real`), which decides, and the step that applies the decision
+    (one step later, `LeaderActor`) replays it like a follower's: what the actor's
+    `_apply` and `_step` give back to admission (requests that waited for a prompt
+    prefilled beside them, finished rows) goes to `real` there, and nowhere on a
+    follower (rank 0 sends them again when they enter)."""
+
+    def __init__(self, real: Admission | None = None):
+        self.real = real
+        self._next: list[Submit] = []
+
+    @property
+    def pending(self) -> dict[int, Any]:
+        return self.real.pending if self.real is not None else {}
+
+    def replay(self, subs: Sequence[Submit]) -> None:
+        self._next = list(subs)
+
+    def add(self, sub: Submit, now: float) -> None:  # pragma: no cover - a step never carries a bare submit
+        raise GroupError("a step applied a submit outside an admitted group")
+
+    def drop(self, rid: int) -> bool:
+        # Rank 0: a request readmitted since the abort was decided (it waited for a prefill
+        # that ended in between) leaves the queue; it is nowhere else on any rank.
+        return self.real.drop(rid) if self.real is not None else False
+
+    def readmit(self, subs: list[Submit], now: float) -> None:
+        if self.real is not None:
+            self.real.readmit(subs, now)
 
     def due(self, now: float, decoding: int, prefilling: bool) -> list[Submit]:
-        subs = super().due(now, decoding, prefilling)
-        self.admitted.extend(subs)
+        subs, self._next = self._next, []
         return subs
+
+    def finished(self, now: float, count: int) -> None:
+        if self.real is not None:
+            self.real.finished(now, count)
+
+    def hold(self, now: float) -> float:
+        return self.real.hold(now) if self.real is not None else 0.0
+
+
+def apply_step(actor: Actor, replay: Replay, step: Step | None) -> list[tuple[int, str]]:
+    """Apply one step's message to `actor`'s batch, alike on every rank: rank 0's pressure
+    relief first (it evicted nothing itself), the rows its arrivals marked to be stored
+    when prefilled, the aborts, the admitted group. Returns the inserts that failed."""
+    aborts, subs, evicted, marks = step or ((), (), 0, ())
+    cache = actor._reuse.cache
+    if evicted:
+        assert isinstance(cache, GroupCache)
+        cache.evict(evicted)
+    replay.replay(subs)
+    actor._reuse.mark(marks)
+    return actor._apply([Abort(rid) for rid in aborts]) or []
 
 
 class _BeatingLink:
@@ -360,23 +457,37 @@ class _BeatingLink:
 
 
 class LeaderActor(Actor):
-    """Rank 0's actor: the usual actor, loading its shard and sending each step's commands
-    to the followers (module docstring)."""
+    """Rank 0's actor: the usual actor, loading its shard and deciding each step's commands
+    one step ahead of applying them, so that they reach the followers before they build
+    that step.
+
+    A follower must hold a step's commands before it builds the step's forward pass,
+    and the message travels on the model's stream (`Channel`), behind whatever the
+    stream is computing. Sent just before the step, it would reach a follower only when
+    the previous step finished, and the follower would build each step while its device
+    idled: a single device overlaps that host work with the previous step (the
+    BatchGenerator computes one step ahead). So rank 0 decides a step's commands (its
+    admission, the aborts, pressure relief, the rows its arrivals mark) and queues their
+    message ahead of the step before it; then every rank, rank 0 included, applies
+    them one step later through the same `apply_step`. A follower queues its receive at
+    the same point of its stream and reads the message once it has built the step in
+    between, by when it has arrived. The price is one step of latency (a decode step,
+    milliseconds) on admissions and aborts.
+    """
 
     def __init__(self, config: ActorConfig, link: ActorLink, *, group: Any, mode: str, status: GroupStatus,
                  timeout: float, startup_timeout: float, on_failure: Callable[[str], None] | None):
         super().__init__(config, _BeatingLink(link, self._beat))
-        self._admission = RecordingAdmission(config.admit_window, config.prefill_batch)
         self._group, self._mode, self._status = group, mode, status
         self._timeout, self._startup = timeout, startup_timeout
         self._watch = Watchdog(on_failure, grace=EXIT_GRACE, status=status)
         self._channel = Channel(group, self._watch, status)
-        self._mirroring = False
+        self._real = self._admission  # the queue and the decisions; `_loop` steps through a Replay
+        self._replay = Replay(self._real)
         self._stopped = False
         self._digest = 0
         self._cache_bytes, self._pressure = group_cache_budget(config, mode)
-        self._evicted = 0  # prompt cache entries evicted under pressure, not yet sent
-        self._marks: list[int] = []  # rows marked to be stored when prefilled, not yet sent
+        self._ahead: Step | None = None  # sent, not yet applied (None: nothing to apply)
 
     def run(self) -> None:
         try:
@@ -421,72 +532,127 @@ class LeaderActor(Actor):
             raise
 
     def _loop(self) -> None:
-        self._mirroring = True
+        self._admission = self._replay  # type: ignore[assignment]
         try:
             with self._failing():
-                super()._loop()
+                self._pipeline()
         except GroupError:
             raise
         except BaseException:
             if not self._stopped and not self._watch.failed:
                 # The actor is leaving for another reason (cancelled): stop the followers too.
-                with contextlib.suppress(GroupError):
-                    self._send(("stop",))
+                with contextlib.suppress(Exception), self._failing():
+                    self._stop_group()
             raise
         finally:
-            self._mirroring = False
+            self._admission = self._real
+
+    def _pipeline(self) -> None:
+        """The actor's loop (`Actor._loop`), with each step's commands decided one step
+        ahead (the class docstring)."""
+        report, link, real = StepReport(), self._link, self._real
+        self._digest = 0  # as a follower starts (the warm-up's rehearsal stepped here, not counted)
+        trace_path = self.config.step_trace
+        trace = StepTrace(trace_path) if trace_path else None
+        clock = time.perf_counter
+        try:
+            while True:
+                link.check()
+                self._hook("loop")
+                t0 = clock()
+                commands = link.exchange(report)
+                if not commands and not self._seqs and self._ahead is None:
+                    if not real.pending:
+                        commands = self._idle()
+                    elif hold := real.hold(clock()):  # held for company: sleep, not spin
+                        commands = link.wait_commands(hold)
+                t1 = clock()
+                state = state_of(self, self._digest)  # before the step applies what it holds
+                step = self._decide(commands)
+                if step is None:  # Shutdown
+                    self._stop_group()
+                    return
+                if not (any(step[:2]) or self._ahead or self._seqs):
+                    report = self._step([])  # nothing entered, left or steps: nothing to send
+                    continue
+                tail = self._channel.post(("step", step[0], step[1], state, step[2], step[3]), self._timeout)
+                ahead, self._ahead = self._ahead, (step if any(step) else None)
+                with self._watch.guard("a batch change", self._timeout):
+                    failed = apply_step(self, self._replay, ahead)
+                report = self._step(failed)
+                if tail:  # after the step, as a follower receives it (`Channel`)
+                    self._channel.post_tail(tail, self._timeout)
+                if trace is not None:
+                    trace.write(t1, t1 - t0, report, self._inserted, len(self._retired), batch_rows(self._bg))
+        finally:
+            if trace is not None:
+                trace.close()
+
+    def _decide(self, commands: Sequence[Command]) -> Step | None:
+        """The next step's commands, decided here alone (None: Shutdown): the engine's
+        submits join the queue and admission picks the group that enters; aborts of
+        queued requests leave it, the others go to every rank; memory pressure is relieved
+        (`GroupCache.pressure_count`); an arrival marks a prompt being prefilled to be
+        stored (`GroupReuse`). Nothing of the batch changes here: `apply_step` does that,
+        a step later, on every rank."""
+        real, reuse = self._real, self._reuse
+        now = time.perf_counter()
+        aborts: list[int] = []
+        for cmd in commands:
+            match cmd:
+                case Submit():
+                    real.add(cmd, now)
+                    reuse.arrived(cmd)
+                case Abort(rid=rid):
+                    if not real.drop(rid):
+                        aborts.append(rid)
+                case Shutdown():
+                    return None
+        ahead = self._ahead
+        # A group sent but not applied yet is as good as prefilling: one group at a time.
+        prefilling = len(self._seqs) > self._decoding or bool(ahead and ahead[1])
+        admitted = tuple(real.due(now, self._decoding, prefilling))
+        cache = reuse.cache
+        evicted = cache.pressure_count() if isinstance(cache, GroupCache) else 0
+        marks: tuple[int, ...] = ()
+        if isinstance(reuse, GroupReuse) and reuse.marks:
+            marks = tuple(reuse.marks)
+            reuse.marks.clear()
+        return tuple(aborts), admitted, evicted, marks
+
+    def _stop_group(self) -> None:
+        """Tell the followers to stop, then apply and step what they hold with them: each has
+        queued its receive of "stop" ahead of that step, and runs it before it reads it."""
+        self._send(("stop",))
+        ahead, self._ahead = self._ahead, None
+        with self._watch.guard("stopping the group", self._timeout):
+            failed = apply_step(self, self._replay, ahead)
+            self._step(failed)
 
     def _send(self, message: Any) -> None:
-        self._channel.send(message, self._timeout, wait=message[0] != "step")
-        if message is not None and message[0] == "stop":
+        self._channel.send(message, self._timeout)
+        if message[0] == "stop":
             self._stopped = True
             self._status.set_all("stopped")
 
     def _beat(self) -> None:
         self._send(("beat",))
 
-    def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None:
-        if not self._mirroring:
-            return super()._apply(commands)
-        admission = self._admission
-        assert isinstance(admission, RecordingAdmission)
-        admission.admitted.clear()
-        reuse = self._reuse
-        # The step's pressure relief, decided here alone and replayed (`GroupCache`): first,
-        # as a follower applies it first.
-        if isinstance(reuse.cache, GroupCache):
-            self._evicted += reuse.cache.relieve_step()
-        # What a follower must hold before it applies the step (it checks, and fails the
-        # group if it is out of step rather than sum the wrong batches): the counts of
-        # steps, sequences and retired rows, the tokens the last step sampled, and the
-        # prompt cache's counters (lookups, hits, hit tokens, evictions, bytes, entries).
-        state = (self._steps, len(self._seqs), len(self._retired), self._digest, reuse.cache.stats())
-        with self._watch.guard("a batch change", self._timeout):
-            failed = super()._apply(commands)
-            if failed is None:
-                self._send(("stop",))
-                return None
-            if isinstance(reuse, GroupReuse) and reuse.marks:
-                self._marks += reuse.marks
-                reuse.marks.clear()
-            aborts = tuple(c.rid for c in commands if isinstance(c, Abort))
-            if aborts or admission.admitted or self._seqs:  # else no step follows: nothing to send
-                # (A step that sends nothing changed the cache by its relief alone: no row
-                # entered, left or stepped. Its evictions and marks go with the next message.)
-                self._send(("step", aborts, tuple(admission.admitted), state, self._evicted, tuple(self._marks)))
-                self._evicted, self._marks = 0, []
-        return failed
-
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
-        if not self._mirroring:
-            return super()._step(failed)
-        stepped = bool(self._seqs)  # else no next(), and no message told the followers to step
+        stepped = bool(self._seqs)  # else no next() (on any rank)
         with self._watch.guard("a decode step", self._timeout):
             report = super()._step(failed)
         if stepped:
             self._digest = token_digest(report)
-        self._status.contact()  # the step's collectives (and the message before it) completed
+            self._status.contact()  # the step's collectives (and the message before it) completed
+        if self._ahead is not None and self._ahead[1]:  # admitted, entering with the next step
+            report = dataclasses.replace(report, live=report.live + len(self._ahead[1]))
         return report
+
+    def _free(self) -> None:
+        # It waits for the last step's collectives: bounded, as every other wait on the group.
+        with self._watch.guard("stopping", self._timeout):
+            super()._free()
 
     def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
         # A single device starts a fresh generator and serves on; a group cannot

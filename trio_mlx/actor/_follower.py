@@ -4,10 +4,11 @@
 `follower_main` on the process's main thread. It waits for rank 0's greeting
 (the mode, the model's fingerprint, the batching knobs), checks it holds the
 same model, loads its shard through mlx-lm, warms up exactly as rank 0 does,
-and then loops: one message from rank 0 per step (`_distributed.Channel`), the
-step's aborts and admitted submits applied through the actor's own `_apply`
-(admission replays rank 0's decision), and the same `BatchGenerator.next()`.
-Its tokens are nobody's: rank 0 delivers the same ones.
+and then loops: one message from rank 0 per step (`_distributed.Channel`),
+received a step ahead of the step it is for, its aborts and admitted submits
+applied through `_distributed.apply_step` as rank 0 applies them (admission
+replays rank 0's decision), and the same `BatchGenerator.next()`. Its tokens
+are nobody's: rank 0 delivers the same ones.
 
 A follower never decides to stop by itself: rank 0's "stop" (its SIGTERM
 drain ended, or its actor left) ends it with status 0; Ctrl-C is ignored, as
@@ -27,52 +28,26 @@ import mlx.core as mx
 
 from .. import models
 from ._actor import Actor
+from ._batch import batch_rows
 from ._distributed import (
     BEAT,
     Channel,
+    Replay,
     Watchdog,
+    apply_step,
     fingerprint,
     init_group,
     load_shard,
     seed_all,
+    state_of,
     token_digest,
 )
 from ._group import GroupError
-from ._group_cache import GroupCache, open_group_cache
-from ._protocol import Abort, ActorConfig, ActorInfo, Command, StepReport, Submit
+from ._group_cache import open_group_cache
+from ._protocol import ActorConfig, ActorInfo, Command, StepReport
+from ._trace import StepTrace
 
 log = logging.getLogger("trio_mlx.follower")
-
-
-class _ReplayAdmission:
-    """A follower's admission: exactly the group rank 0 let in this step, nothing else."""
-
-    def __init__(self) -> None:
-        self.pending: dict[int, Any] = {}  # never holds anything: rank 0 holds the queue
-        self._next: list[Submit] = []
-
-    def replay(self, subs: tuple[Submit, ...]) -> None:
-        self._next = list(subs)
-
-    def add(self, sub: Submit, now: float) -> None:  # pragma: no cover - rank 0 never sends a bare submit
-        raise GroupError("a follower got a submit outside an admitted group")
-
-    def drop(self, rid: int) -> bool:
-        return False
-
-    def readmit(self, subs: list[Submit], now: float) -> None:
-        """Requests that waited for a prompt prefilled beside them (`_reuse.Reuse.split`)
-        are released: rank 0 readmits its own and sends them again when they enter."""
-
-    def due(self, now: float, decoding: int, prefilling: bool) -> list[Submit]:
-        subs, self._next = self._next, []
-        return subs
-
-    def finished(self, now: float, count: int) -> None:
-        pass
-
-    def hold(self, now: float) -> float:
-        return 0.0
 
 
 class _NoLink:
@@ -116,7 +91,8 @@ class FollowerActor(Actor):
             self._watch.fail(str(exc))  # exits now: the cleanup below may wait on the broken group
             raise
         finally:
-            self._free()
+            with self._watch.guard("stopping", self._timeout):  # it waits for the last step's collectives
+                self._free()
 
     def _load_weights(self) -> tuple[Any, dict[str, Any]]:
         model, config = load_shard(self.config.model_path, self._mode, self._group)
@@ -128,42 +104,64 @@ class FollowerActor(Actor):
         self._reuse = open_group_cache(self._model, self._cache_bytes, None, leader=False)
 
     def _follow(self) -> None:
-        replay = self._admission = _ReplayAdmission()  # type: ignore[assignment]
+        path = self.config.step_trace  # rank 0's, with this rank's number: its own trace
+        trace = None
+        if path:
+            try:
+                trace = StepTrace(f"{path}.rank{self.rank}")
+            except OSError as exc:  # rank 0's path need not exist on this rank's host
+                log.warning("rank %d writes no step trace: %s", self.rank, exc)
+        try:
+            self._follow_steps(trace)
+        finally:
+            if trace is not None:
+                trace.close()
+
+    def _follow_steps(self, trace: StepTrace | None) -> None:
+        """Rank 0's steps, one message each, pipelined as rank 0 sends them (`LeaderActor`):
+        the receive of the next message is queued on the stream before this step, and
+        read once this step is built (by then it has come: the stream has run the step
+        before), so this rank builds each step while its device runs the previous one."""
+        replay = self._admission = Replay()  # type: ignore[assignment]
+        channel, bound = self._channel, BEAT + self._timeout
         last_step = time.monotonic()
         digest = 0
+        clock = time.perf_counter
+        # This rank's state where rank 0 took the one the next message carries: before
+        # applying the message held (none, at first).
+        mine = state_of(self, digest)
+        t0 = clock()
+        message = channel.recv(bound)
         while True:
-            message = self._channel.recv(BEAT + self._timeout)
-            if message is None:
-                raise GroupError("a follower got an empty message")
-            if message[0] == "stop":
+            t1 = clock()
+            kind = message[0] if isinstance(message, tuple) and message else None
+            if kind == "stop":
                 log.info("rank %d: rank 0 stopped the group", self.rank)
                 return
-            elif message[0] == "beat":
-                if self._idle_release and not self._seqs and time.monotonic() - last_step > self._idle_release:
-                    mx.clear_cache()  # idle as rank 0 is: hand the buffer cache back, once
-                    last_step = float("inf")
-                continue
-            elif message[0] == "step":
+            if kind == "step":
                 _, aborts, subs, state, evicted, marks = message
-                cache = self._reuse.cache
-                if evicted:  # rank 0's pressure relief, before anything else of the step, as there
-                    assert isinstance(cache, GroupCache)
-                    cache.evict(evicted)
-                mine = (self._steps, len(self._seqs), len(self._retired), digest, cache.stats())
                 if mine != state:
                     raise GroupError(f"rank {self.rank} is out of step with rank 0: (steps, sequences, retired "
                                      f"rows, last tokens' digest, prompt cache counters) {mine} against {state}")
-            else:
-                raise GroupError(f"a follower got an unknown message {message[0]!r}")
-            with self._watch.guard("a decode step", self._timeout):
-                replay.replay(subs)
-                self._reuse.mark(marks)  # what rank 0's arrivals marked, as they did there
-                failed = self._apply([Abort(rid) for rid in aborts])
-                stepped = bool(self._seqs)  # as rank 0 counts it
-                report = self._step(failed or [])
-                if stepped:
-                    digest = token_digest(report)
-            last_step = time.monotonic()
+            elif kind != "beat":
+                raise GroupError(f"a follower got an unknown message {message!r}")
+            mine = state_of(self, digest)
+            posted = channel.expect(bound)  # the next message, ahead of this step on the stream
+            if kind == "step":
+                with self._watch.guard("a decode step", self._timeout):
+                    failed = apply_step(self, replay, (aborts, subs, evicted, marks))
+                    stepped = bool(self._seqs)  # as rank 0 counts it
+                    report = self._step(failed)
+                    if stepped:
+                        digest = token_digest(report)
+                        last_step = time.monotonic()
+                if trace is not None:  # exchange_s: the wait for the message that led to this step
+                    trace.write(t1, t1 - t0, report, self._inserted, len(self._retired), batch_rows(self._bg))
+            elif self._idle_release and not self._seqs and time.monotonic() - last_step > self._idle_release:
+                mx.clear_cache()  # idle as rank 0 is: hand the buffer cache back, once
+                last_step = float("inf")
+            t0 = clock()
+            message = channel.take(posted, bound)
 
     def _add_logprobs(self, out: list[Any], rows: list[Any]) -> None:
         pass  # rank 0 reports them; a follower's tokens are nobody's

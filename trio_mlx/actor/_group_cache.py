@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
+
 from ._batch import plain_kv
-from ._group import GroupError
 from ._prompt_cache import PromptCache, budget
 from ._protocol import ActorConfig
 from ._reuse import Reuse
@@ -42,33 +43,44 @@ class GroupCache(PromptCache):
     Pressure is read from a rank's own device (MLX's active memory), so each rank would
     evict at a different moment, and then hit different prefixes, prefill different
     lengths and sum mismatched batches. Instead the store's own `relieve` calls (before a
-    lookup, before each store: `_reuse.py`) do nothing; rank 0 calls `relieve_step` at the
-    start of each step and sends how many entries it evicted, oldest first, and every
-    other rank evicts that many of its own (`evict`), before anything else of the step:
-    their entries are the same, in the same LRU order, so the same ones go. Everything
-    else the cache decides (hits, stores, the byte bound's evictions) depends only on
-    the tokens and on the bytes held, equal on every rank."""
+    lookup, before each store: `_reuse.py`) do nothing; rank 0 counts, when it decides a
+    step (`pressure_count`), how many of the oldest entries would let the excess go, and
+    every rank, rank 0 too, evicts that many (`evict`) when it applies the step, before
+    anything else of it: their entries are the same, in the same LRU order, so the same
+    ones go. Everything else the cache decides (hits, stores, the byte bound's evictions)
+    depends only on the tokens and on the bytes held, equal on every rank."""
 
     def relieve(self) -> int:
         return 0
 
-    def relieve_step(self) -> int:
-        """Rank 0: relieve memory pressure now; returns the number of entries evicted."""
-        before = self.evictions
-        super().relieve()
-        return self.evictions - before
+    def pressure_count(self) -> int:
+        """Rank 0: how many of the least recently used entries must go to let the memory
+        past the pressure mark go (as `PromptCache.relieve` would evict); evicts nothing."""
+        if self.pressure_bytes is None:
+            return 0
+        active = mx.get_active_memory()
+        if active + mx.get_cache_memory() > self.pressure_bytes:
+            mx.clear_cache()  # what `relieve` does first; the buffer cache is no entry
+        over = active - self.pressure_bytes
+        count = 0
+        for entry in self._lru.values():
+            if over <= 0:
+                break
+            over -= entry.nbytes
+            count += 1
+        return count
 
     def evict(self, count: int) -> None:
-        """Another rank: evict the `count` least recently used entries, as rank 0 did."""
-        for _ in range(count):
-            if not len(self):
-                raise GroupError(f"rank 0 evicted {count} prompt cache entries, this rank holds fewer")
+        """Every rank: evict the `count` least recently used entries (all, if it holds fewer:
+        the byte bound may have let some go since rank 0 counted, alike on every rank)."""
+        for _ in range(min(count, len(self))):
             self._evict()
 
 
 class GroupReuse(Reuse):
     """Rank 0's `Reuse`: notes the rows an arrival marked to be stored when prefilled
-    (`Reuse.arrived`), which the other ranks cannot see, to send them with the step."""
+    (`Reuse.arrived`), which the other ranks cannot see, to send them with the step; the
+    mark takes effect on every rank, rank 0 too, when the step is applied (`mark`)."""
 
     def __init__(self, cache: PromptCache):
         super().__init__(cache)
@@ -77,7 +89,9 @@ class GroupReuse(Reuse):
     def arrived(self, sub: Any) -> int | None:
         rid = super().arrived(sub)
         if rid is not None:
-            self.marks.append(rid)
+            self._store_at_prefill.discard(rid)  # not yet: with the step, as on every rank
+            if rid not in self.marks:
+                self.marks.append(rid)
         return rid
 
 

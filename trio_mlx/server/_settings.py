@@ -132,7 +132,8 @@ class Settings:
         "least recently used entries go first, and all of it before a request would run out of "
         "memory; unset: a fifth of a GPU's memory, at most 1 GB on the CPU; 0: off"))
     step_trace: str | None = field(default=None, metadata=_doc(
-        "append one tab-separated line per actor step (times, batch sizes) to this file"))
+        "append one tab-separated line per actor step (times, batch sizes) to this file; the other "
+        "ranks of a distributed group append theirs to FILE.rankN on their own hosts"))
     distributed: str | None = field(default=None, metadata=_doc(
         "serve one model sharded over the ranks mlx.launch started: 'tensor' (every rank holds a "
         "slice of each layer) or 'pipeline' (each rank a run of layers; only families whose mlx-lm "
