@@ -43,7 +43,9 @@ class Settings:
     port: int = field(default=8000, metadata=_doc("port to bind (trio-mlx serve); 0 picks a free one"))
     max_batch: int = field(default=64, metadata=_doc("most sequences decoded together"))
     prefill_batch: int = field(default=8, metadata=_doc("most prompts prefilled together (at most max_batch)"))
-    prefill_step: int = field(default=2048, metadata=_doc("prompt tokens processed per prefill step"))
+    prefill_step: int = field(default=2048, metadata=_doc(
+        "most tokens of a prompt processed per prefill step (fewer when many long prompts prefill "
+        "together, so that one step's attention fits 4 GiB)"))
     admit_window: float = field(default=ADMIT_WINDOW, metadata=_doc(
         "seconds a new request may wait to join a decoding batch together with others (fewer, "
         "larger admissions: each one slows the next decode steps), in full once prefill_batch "
