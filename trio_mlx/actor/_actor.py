@@ -323,7 +323,9 @@ class Actor:
         # while the GPU computes the next step (async_eval). A fire-and-forget
         # handover (run_sync_soon + a command queue) was measured on an H100
         # and lost: faster at c=1, but 0.62x instead of 0.91x of the raw
-        # BatchGenerator at c=256 and 5x the TTFT at c=8 (benchmarks/2026-11-22-h100/thread-actor/README.md).
+        # BatchGenerator at c=256 and 5x the TTFT at c=8 (benchmarks/2026-11-22-h100/thread-actor/README.md);
+        # handing reports over one step ahead, waiting only for the loop to take the last one
+        # in, served the same as this (benchmarks/2026-11-24-h100/thread-link/README.md).
         report, link = StepReport(), self._link
         trace_path = self.config.step_trace
         trace = StepTrace(trace_path) if trace_path else None
@@ -333,12 +335,7 @@ class Actor:
                 link.check()
                 self._hook("loop")  # outside the step's recovery: a fault here kills the actor
                 t0 = clock()
-                commands = link.exchange(report)
-                if not commands and not self._seqs:
-                    if not self._admission.pending:
-                        commands = self._idle()
-                    elif hold := self._admission.hold(clock()):  # held for company: sleep, not spin
-                        commands = link.wait_commands(hold)
+                commands = self._next_commands(report, bool(self._seqs), self._admission)
                 t1 = clock()
                 failed = self._apply(commands)
                 if failed is None:
@@ -349,6 +346,19 @@ class Actor:
         finally:
             if trace is not None:
                 trace.close()
+
+    def _next_commands(self, report: StepReport, busy: bool, admission: Admission) -> list[Command]:
+        """Hand the last step's report over and take the commands; with no work (not
+        `busy`), wait for more: blocked while idle, or asleep while `admission` holds
+        arrivals for company (sleep, not spin)."""
+        link = self._link
+        commands = link.exchange(report)
+        if not commands and not busy:
+            if not admission.pending:
+                commands = self._idle()
+            elif hold := admission.hold(time.perf_counter()):
+                commands = link.wait_commands(hold)
+        return commands
 
     def _idle(self) -> list[Command]:
         """Nothing to do: block for commands, handing MLX's buffer cache back if

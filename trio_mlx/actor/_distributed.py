@@ -560,12 +560,7 @@ class LeaderActor(Actor):
                 link.check()
                 self._hook("loop")
                 t0 = clock()
-                commands = link.exchange(report)
-                if not commands and not self._seqs and self._ahead is None:
-                    if not real.pending:
-                        commands = self._idle()
-                    elif hold := real.hold(clock()):  # held for company: sleep, not spin
-                        commands = link.wait_commands(hold)
+                commands = self._next_commands(report, bool(self._seqs) or self._ahead is not None, real)
                 t1 = clock()
                 state = state_of(self, self._digest)  # before the step applies what it holds
                 step = self._decide(commands)
