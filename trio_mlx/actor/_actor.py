@@ -335,25 +335,38 @@ class Actor:
                 link.check()
                 self._hook("loop")  # outside the step's recovery: a fault here kills the actor
                 t0 = clock()
-                commands = self._next_commands(report, bool(self._seqs), self._admission)
+                commands = self._next_commands(report)
                 t1 = clock()
-                failed = self._apply(commands)
-                if failed is None:
+                turn = self._turn(commands)
+                if turn is None:
                     return  # Shutdown
-                report = self._step(failed)
+                report = turn
                 if trace is not None:
                     trace.write(t1, t1 - t0, report, self._inserted, len(self._retired), batch_rows(self._bg))
         finally:
             if trace is not None:
                 trace.close()
 
-    def _next_commands(self, report: StepReport, busy: bool, admission: Admission) -> list[Command]:
-        """Hand the last step's report over and take the commands; with no work (not
-        `busy`), wait for more: blocked while idle, or asleep while `admission` holds
-        arrivals for company (sleep, not spin)."""
-        link = self._link
+    def _turn(self, commands: Sequence[Command]) -> StepReport | None:
+        """One turn of the loop: apply the commands, run the step; None at Shutdown."""
+        failed = self._apply(commands)
+        return None if failed is None else self._step(failed)
+
+    def _busy(self) -> bool:
+        """Whether there is work without new commands."""
+        return bool(self._seqs)
+
+    def _arrivals(self) -> Admission:
+        """The admission that holds the arrivals waiting to enter."""
+        return self._admission
+
+    def _next_commands(self, report: StepReport) -> list[Command]:
+        """Hand the last step's report over and take the commands; with no work, wait
+        for more: blocked while idle, or asleep while admission holds arrivals for
+        company (sleep, not spin)."""
+        link, admission = self._link, self._arrivals()
         commands = link.exchange(report)
-        if not commands and not busy:
+        if not commands and not self._busy():
             if not admission.pending:
                 commands = self._idle()
             elif hold := admission.hold(time.perf_counter()):

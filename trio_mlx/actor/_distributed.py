@@ -70,12 +70,10 @@ from mlx_lm.generate import generation_stream
 from .._errors import ModelLoadError
 from ._actor import Actor
 from ._admission import Admission
-from ._batch import batch_rows
 from ._group import GroupError, GroupStatus
 from ._group_cache import GroupCache, GroupReuse, group_cache_budget, open_group_cache
 from ._link import ActorLink
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, Shutdown, StepReport, Submit
-from ._trace import StepTrace
 
 log = logging.getLogger("trio_mlx.distributed")
 
@@ -535,7 +533,8 @@ class LeaderActor(Actor):
         self._admission = self._replay  # type: ignore[assignment]
         try:
             with self._failing():
-                self._pipeline()
+                self._digest = 0  # as a follower starts (the warm-up's rehearsal stepped here, not counted)
+                super()._loop()
         except GroupError:
             raise
         except BaseException:
@@ -547,41 +546,30 @@ class LeaderActor(Actor):
         finally:
             self._admission = self._real
 
-    def _pipeline(self) -> None:
-        """The actor's loop (`Actor._loop`), with each step's commands decided one step
+    def _busy(self) -> bool:
+        return bool(self._seqs) or self._ahead is not None
+
+    def _arrivals(self) -> Admission:
+        return self._real
+
+    def _turn(self, commands: Sequence[Command]) -> StepReport | None:
+        """The actor's turn (`Actor._turn`), with each step's commands decided one step
         ahead (the class docstring)."""
-        report, link, real = StepReport(), self._link, self._real
-        self._digest = 0  # as a follower starts (the warm-up's rehearsal stepped here, not counted)
-        trace_path = self.config.step_trace
-        trace = StepTrace(trace_path) if trace_path else None
-        clock = time.perf_counter
-        try:
-            while True:
-                link.check()
-                self._hook("loop")
-                t0 = clock()
-                commands = self._next_commands(report, bool(self._seqs) or self._ahead is not None, real)
-                t1 = clock()
-                state = state_of(self, self._digest)  # before the step applies what it holds
-                step = self._decide(commands)
-                if step is None:  # Shutdown
-                    self._stop_group()
-                    return
-                if not (any(step[:2]) or self._ahead or self._seqs):
-                    report = self._step([])  # nothing entered, left or steps: nothing to send
-                    continue
-                tail = self._channel.post(("step", step[0], step[1], state, step[2], step[3]), self._timeout)
-                ahead, self._ahead = self._ahead, (step if any(step) else None)
-                with self._watch.guard("a batch change", self._timeout):
-                    failed = apply_step(self, self._replay, ahead)
-                report = self._step(failed)
-                if tail:  # after the step, as a follower receives it (`Channel`)
-                    self._channel.post_tail(tail, self._timeout)
-                if trace is not None:
-                    trace.write(t1, t1 - t0, report, self._inserted, len(self._retired), batch_rows(self._bg))
-        finally:
-            if trace is not None:
-                trace.close()
+        state = state_of(self, self._digest)  # before the step applies what it holds
+        step = self._decide(commands)
+        if step is None:  # Shutdown
+            self._stop_group()
+            return None
+        if not (any(step[:2]) or self._ahead or self._seqs):
+            return self._step([])  # nothing entered, left or steps: nothing to send
+        tail = self._channel.post(("step", step[0], step[1], state, step[2], step[3]), self._timeout)
+        ahead, self._ahead = self._ahead, (step if any(step) else None)
+        with self._watch.guard("a batch change", self._timeout):
+            failed = apply_step(self, self._replay, ahead)
+        report = self._step(failed)
+        if tail:  # after the step, as a follower receives it (`Channel`)
+            self._channel.post_tail(tail, self._timeout)
+        return report
 
     def _decide(self, commands: Sequence[Command]) -> Step | None:
         """The next step's commands, decided here alone (None: Shutdown): the engine's
