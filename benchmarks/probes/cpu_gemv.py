@@ -19,6 +19,8 @@ import argparse
 import ctypes
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 from trio_mlx import models
 from trio_mlx.models import _cpu_blas, _cpu_decode
@@ -32,7 +34,6 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=8)
     a = p.parse_args()
     import mlx.core as mx
-    import numpy as np
 
     def rate(f: Callable[[], object], nbytes: int) -> float:
         f()
@@ -40,6 +41,15 @@ def main() -> None:
         for _ in range(a.reps):
             f()
         return nbytes / ((time.process_time() - c0) / a.reps) / 1e9
+
+    def products(x: Any, ws: list[Any]) -> None:
+        mx.eval([x @ w.T for w in ws])
+
+    def calls(x: Any, layers: list[Any]) -> None:
+        mx.eval([layer(x) for layer in layers])
+
+    def quantized(x: Any, qs: list[Any], bits: int) -> None:
+        mx.eval([mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=bits) for q in qs])
 
     print(models.cpu_blas_status().description, f"x of {a.rows} row(s); GB of weights per CPU second")
     print(f"{'N x K':>10} {'f32':>6} {'blocks':>6} {'bf16':>6} {'f16':>6} {'q8':>6} {'q4':>6} {'sgemv':>6}")
@@ -49,34 +59,36 @@ def main() -> None:
         x = mx.random.normal((a.rows, k), key=mx.random.key(10**6))
         mx.eval(ws, x)
         f32 = n * k * 4 * copies
-        row = [rate(lambda: mx.eval([x @ w.T for w in ws]), f32)]
+        row = [rate(partial(products, x, ws), f32)]
         lins = []
         for w in ws:
             lin = _cpu_decode.RowBlockLinear(k, n, bias=False)
             lin.weight = w
             lins.append(lin)
-        row.append(rate(lambda: mx.eval([lin(x) for lin in lins]), f32))
+        row.append(rate(partial(calls, x, lins), f32))
         for dtype in (mx.bfloat16, mx.float16):
             wd, xd = [w.astype(dtype) for w in ws], x.astype(dtype)
             mx.eval(wd, xd)
-            row.append(rate(lambda: mx.eval([xd @ w.T for w in wd]), f32 // 2))  # noqa: B023
+            row.append(rate(partial(products, xd, wd), f32 // 2))
         for bits in (8, 4):
             qs = [mx.quantize(w, group_size=64, bits=bits) for w in ws]
             mx.eval(qs)
             nbytes = sum(part.nbytes for q in qs for part in q)
-            row.append(rate(lambda: mx.eval([mx.quantized_matmul(  # noqa: B023
-                x, *q, transpose=True, group_size=64, bits=bits) for q in qs]), nbytes))  # noqa: B023
-        row.append(_sgemv_rate(ws, n, k, rate, np) if a.rows == 1 else float("nan"))
+            row.append(rate(partial(quantized, x, qs, bits), nbytes))
+        row.append(_sgemv_rate(ws, n, k, rate) if a.rows == 1 else float("nan"))
         print(f"{n:>5}x{k:<4} " + " ".join(f"{r:6.1f}" for r in row))
 
 
-def _sgemv_rate(ws: list, n: int, k: int, rate: Callable, np: object) -> float:
+def _sgemv_rate(ws: list[Any], n: int, k: int, rate: Callable[..., float]) -> float:
+    """OpenBLAS's own sgemv on the same matrices (NaN without trio_mlx's OpenBLAS)."""
+    import numpy as np
+
     handle = _cpu_blas._handle
     if handle is None:
         return float("nan")
-    mats = [np.array(w) for w in ws]  # type: ignore[attr-defined]
-    xv = np.ones(k, np.float32)  # type: ignore[attr-defined]
-    yv = np.zeros(n, np.float32)  # type: ignore[attr-defined]
+    mats = [np.array(w) for w in ws]
+    xv = np.ones(k, np.float32)
+    yv = np.zeros(n, np.float32)
     ptr = ctypes.c_void_p
 
     def run() -> None:
