@@ -18,19 +18,23 @@ made them; a layer they do not fit keeps its own `__call__`):
    with a float32 matrix of more than `BLOCK_ROWS` rows is therefore the
    concatenation of products with equal row blocks of at most `BLOCK_ROWS`
    rows: views of the weight (row slices of a row-major matrix share its
-   buffer, so nothing is copied), the same dot products element for element.
-   Two rows or more, and every prompt, keep one matmul.
+   buffer, so nothing is copied), the same dot products up to float32
+   rounding (the kernels sum in another order: ~1e-6 apart). Two rows or
+   more, and every prompt, keep one matmul.
 2. RMSNorm as one compiled function (`CompiledRMSNorm`, float32 inputs):
-   `mx.fast.rms_norm` has no CPU kernel and runs as ~7 separate ops.
-3. RoPE of a one-token step as one compiled function (`DecodeRoPE`): MLX's
-   CPU `mx.fast.rope` costs 70-80 us a call, 200 with the per-row offsets
-   of mlx-lm's `BatchKVCache`, for 12 heads of 64 values. Longer inputs
-   (prompts) keep `mx.fast.rope`.
+   on the CPU `mx.fast.rms_norm` cost 30-85 us a call for 576 values, the
+   compiled formula ~13 (the same floats here).
+3. RoPE of a one-token step as one compiled function (`DecodeRoPE`), with
+   `mx.fast.rope`'s own arithmetic (the same floats): MLX's CPU
+   `mx.fast.rope` cost 70-80 us a call for 9 heads of 64 values, ~200 with
+   the per-row offsets of mlx-lm's `BatchKVCache`; the compiled one ~40.
+   Longer inputs (prompts) keep `mx.fast.rope`.
 
-Together: 13.4 -> ~19.5 decode tokens per CPU second on the embedded default,
-prompts unchanged (BENCHMARKS.md, "Linux CPU"). MLX compiles (2) and (3)
-with the system's C++ compiler the first time; without `g++` it runs them as
-separate ops, about as fast as what they replace.
+Together: ~13 -> 18.4-19.5 decode tokens per CPU second on the embedded
+default, prompts unchanged, the same greedy tokens (BENCHMARKS.md, "Linux
+CPU"). MLX compiles (2) and (3) with the system's C++ compiler the first
+time; without `g++` it runs them as separate ops, about as fast as what they
+replace.
 """
 
 from __future__ import annotations
