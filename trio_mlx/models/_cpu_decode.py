@@ -3,10 +3,11 @@ swaps layers for CPU-only versions (`install`, called by `models.load_model` on 
 
 Measured on the embedded default (float32, OpenBLAS, 2-core AMD EPYC VM,
 2026-11-24; `benchmarks/probes/cpu_gemv.py` and `cpu_forward.py`), a one-token
-step cost ~74 ms of CPU: ~58 in matmuls, ~13 in the other ~40 ops a layer, ~3
-building the graph. Three swaps, each a subclass put in place with
-`__class__` (the parameters, their names and every other path stay as mlx_lm
-made them; a layer they do not fit keeps its own `__call__`):
+step cost ~74 ms of CPU: ~58 in matmuls, ~11-13 in the layers' other ops
+(norms, RoPE, attention, residuals), ~3-4 building the graph. Three swaps,
+each a subclass put in place with `__class__` (the parameters, their names
+and every other path stay as mlx_lm made them; a layer they do not fit keeps
+its own `__call__`):
 
 1. One-row matmuls in row blocks (`RowBlockLinear`, `RowBlockEmbedding`,
    with OpenBLAS only). MLX's CPU matmul calls `cblas_sgemm` for every
@@ -30,11 +31,11 @@ made them; a layer they do not fit keeps its own `__call__`):
    the per-row offsets of mlx-lm's `BatchKVCache`; the compiled one ~40.
    Longer inputs (prompts) keep `mx.fast.rope`.
 
-Together: ~13 -> 18.4-19.5 decode tokens per CPU second on the embedded
-default, prompts unchanged, the same greedy tokens (BENCHMARKS.md, "Linux
-CPU"). MLX compiles (2) and (3) with the system's C++ compiler the first
-time; without `g++` it runs them as separate ops, about as fast as what they
-replace.
+Together: ~13 -> ~18 decode tokens per CPU second on the embedded default
+(15.5 -> 20.9 tok/s served on the idle 2-core box), prompts unchanged, the
+same greedy tokens (BENCHMARKS.md, "Linux CPU"). MLX compiles (2) and (3)
+with the system's C++ compiler the first time; without `g++` it runs them as
+separate ops, about as fast as what they replace.
 """
 
 from __future__ import annotations

@@ -574,7 +574,8 @@ def _write_random_weights(
 
 
 def load_model(path: os.PathLike[str]) -> tuple[Any, dict[str, Any]]:
-    """(model, config) via mlx_lm; call it on the thread that will run the model."""
+    """(model, config) via mlx_lm, with `_cpu_decode`'s layer swaps when MLX runs on the
+    CPU; call it on the thread that will run the model."""
     from mlx_lm.utils import load_model as mlx_load_model
 
     with _map_errors(f"could not load the model at {str(path)!r}"):
