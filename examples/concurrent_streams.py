@@ -24,12 +24,15 @@ QUESTIONS = [
 ]
 
 
-async def ask(engine: trio_mlx.Engine, i: int, answers: dict[int, str]) -> None:
+async def ask(engine: trio_mlx.Engine, i: int, answers: dict[int, str],
+              give_up: trio.CancelScope | None = None) -> None:
     text = []
     async with engine.chat([{"role": "user", "content": QUESTIONS[i]}], max_tokens=48, temperature=0) as events:
         async for event in events:
             if isinstance(event, trio_mlx.TextDelta):
                 text.append(event.text)
+                if give_up is not None and len(text) == 3:
+                    give_up.cancel()  # seen enough: leaving the stream aborts its sequence
             else:
                 answers[i] = f"{''.join(text).strip()!r} ({event.finish_reason})"
 
@@ -40,11 +43,12 @@ async def main(model: str | None) -> None:
         async with trio.open_nursery() as nursery:
             for i in range(len(QUESTIONS)):
                 if i == 4:
-                    # This one gives up after 50 ms: leaving its cancel scope
-                    # aborts its sequence on the actor.
+                    # This one gives up after its first three pieces of text:
+                    # cancelling its scope aborts its sequence on the actor.
+                    # (A deadline, `trio.move_on_after(seconds)`, works alike.)
                     async def impatient(i: int = i) -> None:
-                        with trio.move_on_after(0.05):
-                            await ask(engine, i, answers)
+                        with trio.CancelScope() as scope:
+                            await ask(engine, i, answers, give_up=scope)
                         answers.setdefault(i, "(cancelled by the client)")
 
                     nursery.start_soon(impatient)

@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 
 from .._errors import ModelLoadError
-from . import _cpu_blas
+from . import _cpu_blas, _cpu_decode
 from ._cache import default_cache_dir
 
 log = logging.getLogger("trio_mlx.models")
@@ -574,11 +574,15 @@ def _write_random_weights(
 
 
 def load_model(path: os.PathLike[str]) -> tuple[Any, dict[str, Any]]:
-    """(model, config) via mlx_lm; call it on the thread that will run the model."""
+    """(model, config) via mlx_lm, with `_cpu_decode`'s layer swaps when MLX runs on the
+    CPU; call it on the thread that will run the model."""
     from mlx_lm.utils import load_model as mlx_load_model
 
     with _map_errors(f"could not load the model at {str(path)!r}"):
-        return mlx_load_model(pathlib.Path(path))
+        model, config = mlx_load_model(pathlib.Path(path))
+    if mx.default_device() == mx.cpu:  # ~1.45x decode tokens per CPU second (its docstring)
+        _cpu_decode.install(model, row_blocks=_cpu_blas.status().optimized)
+    return model, config
 
 
 def load_tokenizer(path: os.PathLike[str]) -> Any:
