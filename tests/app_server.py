@@ -94,12 +94,18 @@ async def serve(model: Any, *, factory: Callable[[Settings], Engine] | None = No
         config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(hypercorn.trio.serve, app, config, shutdown_trigger=stop.wait))
-        try:
-            yield Server(app, binds[0], stop)
-        finally:
-            stop.set()
+    try:
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(partial(hypercorn.trio.serve, app, config, shutdown_trigger=stop.wait))
+            try:
+                yield Server(app, binds[0], stop)
+            finally:
+                stop.set()
+    finally:
+        # A failing test cancels hypercorn before its lifespan shutdown releases the serving
+        # lock, and the lock would then refuse every later test's server process for the model.
+        if app.serving_lock is not None:
+            app.serving_lock.release()
 
 
 async def until(pred: Callable[[], bool], within: float = 10.0) -> None:

@@ -21,6 +21,7 @@ from app_server import (
     open_raw,
     read_response,
     serve,
+    slow_steps,
     until,
     until_answer,
 )
@@ -104,7 +105,11 @@ def test_the_listen_backlog_is_a_setting_with_a_larger_default() -> None:
 
 async def test_a_client_that_stops_reading_is_cut_once_far_enough_behind(tiny_model_fp32: Path) -> None:
     records: list[Any] = []
-    async with serve(tiny_model_fp32, stall_timeout=30, max_unread_tokens=64) as server:
+    # Steps of at least 5 ms: the 900 tokens take 4.5 s or more, so the request is still
+    # decoding when the server cuts it (on a fast CPU the tiny model finished them first,
+    # and there was nothing left to abort).
+    async with serve(tiny_model_fp32, factory=engine_factory(fault_hook=slow_steps(0.005)),
+                     stall_timeout=30, max_unread_tokens=64) as server:
         server.app.observers.append(records.append)
         body = {"messages": HELLO, "max_tokens": 900, "ignore_eos": True, "stream": True, "logprobs": True,
                 "top_logprobs": 20}
