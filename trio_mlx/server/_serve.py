@@ -164,17 +164,6 @@ def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
         print(f"trio-mlx serve: {exc}", file=sys.stderr)
         return 2
 
-    import trio
-    from hypercorn.utils import LifespanFailureError, LifespanTimeoutError
-
-    from ._app import create_app
-    from ._connections import (
-        capped_connections,
-        connection_cap,
-        quiet_accept_errors,
-        raise_soft_limit,
-    )
-
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("%s", describe_settings(settings))
@@ -190,9 +179,26 @@ def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
             print(f"trio-mlx serve: {exc}", file=sys.stderr)
             return 2
         if group.rank() != 0:
-            return _distributed.run_follower(
+            _distributed.leave(_distributed.run_follower(
                 settings.model, cache_dir=settings.cache_dir, backend=settings.distributed_backend,
-                timeout=settings.distributed_timeout, startup_timeout=settings.startup_timeout)
+                timeout=settings.distributed_timeout, startup_timeout=settings.startup_timeout))
+        _distributed.leave(_serve_app(settings, engine_factory))
+    return _serve_app(settings, engine_factory)
+
+
+def _serve_app(settings: Settings, engine_factory: Any) -> int:
+    """Serve HTTP until stopped; the process's exit status."""
+    import trio
+    from hypercorn.utils import LifespanFailureError, LifespanTimeoutError
+
+    from ._app import create_app
+    from ._connections import (
+        capped_connections,
+        connection_cap,
+        quiet_accept_errors,
+        raise_soft_limit,
+    )
+
     app = create_app(settings, engine_factory=engine_factory)
     cap = connection_cap(settings.max_connections)
     quiet_accept_errors()
