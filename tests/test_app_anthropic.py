@@ -8,6 +8,7 @@ import pytest
 import trio
 from app_server import engine_factory, serve, slow_steps, until
 from test_app_cancel import assert_disconnects_free_the_slot, open_request
+from tool_schemas import ASK, WEATHER_DESCRIPTION, search_parameters, weather_parameters
 
 MESSAGES = "/v1/messages"
 USER = [{"role": "user", "content": "Hello there"}]
@@ -151,13 +152,8 @@ async def test_disconnect_mid_stream_frees_the_slot(tiny_model_fp32):
     await assert_disconnects_free_the_slot(tiny_model_fp32, MESSAGES, body)
 
 
-WEATHER = {"name": "get_weather", "description": "The weather in a city", "input_schema": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}}
-SEARCH = {"name": "search", "input_schema": {"type": "object", "properties": {"q": {"type": "string", "maxLength": 12}},
-                                             "required": ["q"]}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"name": "get_weather", "description": WEATHER_DESCRIPTION, "input_schema": weather_parameters(20)}
+SEARCH = {"name": "search", "input_schema": search_parameters(closed=False)}
 
 
 def tool_round_trip(url: str) -> dict:

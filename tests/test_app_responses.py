@@ -12,15 +12,13 @@ import pytest
 import trio
 from app_server import assert_error, engine_factory, serve, slow_steps
 from test_app_cancel import assert_disconnects_free_the_slot
+from tool_schemas import ASK_TEXT, WEATHER_DESCRIPTION, search_parameters, weather_parameters
 
 RESPONSES = "/v1/responses"
-ASK = "What is the weather in Paris?"
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}}
-SEARCH = {"type": "function", "name": "search", "parameters": {
-    "type": "object", "properties": {"q": {"type": "string", "maxLength": 12}}, "required": ["q"]}}
+ASK = ASK_TEXT
+WEATHER = {"type": "function", "name": "get_weather", "description": WEATHER_DESCRIPTION,
+           "parameters": weather_parameters(20)}
+SEARCH = {"type": "function", "name": "search", "parameters": search_parameters(closed=False)}
 
 
 def sdk(url: str) -> openai.OpenAI:

@@ -18,34 +18,15 @@ import pytest
 import trio
 from app_server import CHAT, COMPLETIONS, assert_error, serve, until
 from pydantic import BaseModel, Field
+from tool_schemas import ASK, WEATHER_DESCRIPTION, chat_tool, search_parameters, weather_parameters
 
 from trio_mlx.server._openapi import ChatCompletionChunk
 
 pytestmark = pytest.mark.timeout(90)
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 16},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-SEARCH = {
-    "type": "function",
-    "function": {"name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string", "maxLength": 12}},
-                                                  "required": ["q"], "additionalProperties": False}},
-}
+WEATHER = chat_tool("get_weather", weather_parameters(16), WEATHER_DESCRIPTION)
+SEARCH = chat_tool("search", search_parameters(closed=True))
 TOOLS = [WEATHER, SEARCH]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ITEM = {
     "type": "object",
     "properties": {

@@ -14,35 +14,16 @@ from typing import Any
 import jsonschema
 import pytest
 import trio
+from tool_schemas import ASK, WEATHER_DESCRIPTION, chat_tool, search_parameters, weather_parameters
 
 import trio_mlx
 from trio_mlx import Finished, InvalidRequestError, TextDelta, ToolCall, ToolCallDelta, ToolCalls
 
 pytestmark = pytest.mark.timeout(90)
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-SEARCH = {
-    "type": "function",
-    "function": {"name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string", "maxLength": 12}},
-                                                  "required": ["q"]}},
-}
+WEATHER = chat_tool("get_weather", weather_parameters(20), WEATHER_DESCRIPTION)
+SEARCH = chat_tool("search", search_parameters(closed=False))
 TOOLS = [WEATHER, SEARCH]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 PERSON = {
     "type": "object",
     "properties": {

@@ -20,6 +20,7 @@ from batch_driver import Row, run_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.tool_parsers import json_tools, qwen3_coder
+from tool_schemas import WEATHER_DESCRIPTION, chat_tool, weather_parameters
 
 from trio_mlx import models
 from trio_mlx._errors import InvalidRequestError
@@ -27,35 +28,10 @@ from trio_mlx.engine import _tools
 
 pytestmark = pytest.mark.timeout(120)
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "parameters": {
-            "type": "object",
-            "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
-            "required": ["query"],
-        },
-    },
-}
-NOOP = {"type": "function", "function": {"name": "noop"}}
+WEATHER = chat_tool("get_weather", weather_parameters(30, unit=True), WEATHER_DESCRIPTION)
+SEARCH = chat_tool("search", {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+                            "required": ["query"]})
+NOOP = chat_tool("noop")
 TOOLS = [WEATHER, SEARCH, NOOP]
 MARKUP = ("<tool_call>", "</tool_call>")
 
