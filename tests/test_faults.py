@@ -103,21 +103,25 @@ async def test_a_failed_step_ends_every_request_in_the_batch_then_the_server_rec
         assert failed == len(MIX)
 
 
+async def die_under_the_mix(engine: Any, client: Any, armed: trio.Event) -> None:
+    """Run MIX with 2 sequences decoding and the rest queued or prefilling, then set `armed`
+    (a fault hook kills the actor): every waiter, queued or decoding, ends at once with 500."""
+    results: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_mix, client, results)
+        await until(lambda: (s := engine.statistics()).decoding == 2
+                    and s.queued + s.prefilling == SEQUENCES - 2)
+        armed.set()
+        t0 = trio.current_time()
+    assert trio.current_time() - t0 < 2.0
+    assert_all_ended_with(results, 500, "generation_failed")
+
 async def test_an_actor_death_ends_every_waiter_at_once_and_health_turns_503(tiny_model_fp32):
     armed, hook = armed_hook("loop")
     # max_batch 2: most of the mix waits in the queue when the actor dies
     async with serve(tiny_model_fp32, max_batch=2, prefill_batch=2, factory=engine_factory(fault_hook=hook)) \
             as server, server.client() as client:
-        engine = server.engine
-        results: dict[str, Any] = {}
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_mix, client, results)
-            await until(lambda: (s := engine.statistics()).decoding == 2
-                        and s.queued + s.prefilling == SEQUENCES - 2)
-            armed.set()
-            t0 = trio.current_time()
-        assert trio.current_time() - t0 < 2.0  # every waiter, queued or decoding, ended promptly
-        assert_all_ended_with(results, 500, "generation_failed")
+        await die_under_the_mix(server.engine, client, armed)
         r = await client.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "broken"
         assert (await client.get("/ready")).status_code == 503

@@ -21,7 +21,7 @@ import pytest
 import trio
 from app_server import CHAT, HELLO, assert_error, engine_factory, scrape, serve, until, until_answer
 from test_app_process import ENV, SERVE, alive, start
-from test_faults import SEQUENCES, assert_all_ended_with, run_mix
+from test_faults import die_under_the_mix
 
 from trio_mlx.engine._supervise import RestartBudget
 
@@ -58,15 +58,7 @@ async def test_a_dead_thread_actor_is_restarted_and_the_server_serves_again(tiny
     async with serve(tiny_model_fp32, max_batch=2, prefill_batch=2, factory=factory) as server, \
             server.client() as client:
         engine = server.engine
-        results: dict[str, Any] = {}
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_mix, client, results)
-            await until(lambda: (s := engine.statistics()).decoding == 2
-                        and s.queued + s.prefilling == SEQUENCES - 2)
-            armed.set()
-            t0 = trio.current_time()
-        assert trio.current_time() - t0 < 2.0  # every waiter ended at once, queued or decoding
-        assert_all_ended_with(results, 500, "generation_failed")
+        await die_under_the_mix(engine, client, armed)
         # restarting: not ready, new requests 503 with Retry-After, alive
         r = await client.get("/ready")
         assert r.status_code == 503 and r.json()["status"] == "restarting" and r.headers["retry-after"]
