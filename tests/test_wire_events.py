@@ -64,6 +64,13 @@ def mock(body: bytes, sse: bool) -> httpx2.Client:
         lambda request: httpx2.Response(200, content=body, headers={"content-type": ctype})))
 
 
+def anthropic_stream(body: bytes) -> tuple[list[Any], Any]:
+    """The Anthropic SDK's stream helper over `body`: its events, and the message it rebuilds."""
+    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
+    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
+        return list(s), s.get_final_message()
+
+
 TOOLS = [{"name": "get_weather", "input_schema": {"type": "object"}}]
 
 
@@ -81,10 +88,7 @@ def test_anthropic_whole_and_streamed_with_thinking_text_and_a_tool_call():
     assert whole.stop_reason == "tool_use" and whole.usage.input_tokens == 11 and whole.usage.output_tokens == 9
 
     body = stream_body(call.encoder("msg_1", "m", 11), SCRIPT)
-    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
-    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
-        events = list(s)
-        final = s.get_final_message()
+    events, final = anthropic_stream(body)
     assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
     starts = [e.content_block.type for e in events if e.type == "content_block_start"]
     assert starts == ["thinking", "text", "tool_use"]
@@ -97,15 +101,11 @@ def test_anthropic_text_only_ends_at_max_tokens_and_errors_have_its_shape():
     assert [b.type for b in whole.content] == ["text"] and whole.stop_reason == "max_tokens"
     enc = call.encoder("msg_1", "m", 5)
     body = stream_body(enc, TEXT_ONLY)
-    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
-    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
-        assert s.get_final_message().model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+    assert anthropic_stream(body)[1].model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
     # An empty answer still has one (empty) text block, as the whole response does.
     empty = [Finished("stop", Usage(5, 1))]
     body = stream_body(call.encoder("msg_1", "m", 5), empty)
-    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
-    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
-        final = s.get_final_message()
+    _, final = anthropic_stream(body)
     assert [(b.type, b.text) for b in final.content] == [("text", "")] and final.stop_reason == "end_turn"
     error = call.encoder("msg_1", "m", 5).error(HTTPError(500, "boom"))
     assert error.startswith(b"event: error\ndata: ")
@@ -172,10 +172,7 @@ def test_anthropic_streams_a_call_in_input_json_fragments():
     call = anthropic_call(tools=TOOLS)
     whole = Message.model_validate(json.loads(call.whole("msg_1", "m", result_of(STREAMED))))
     body = stream_body(call.encoder("msg_1", "m", 11), STREAMED)
-    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
-    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
-        events = list(s)
-        final = s.get_final_message()
+    events, final = anthropic_stream(body)
     assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
     assert final.content[2].input == {"city": "Paris"} and final.stop_reason == "tool_use"
     starts = [e.content_block for e in events if e.type == "content_block_start"]
@@ -188,10 +185,7 @@ def test_anthropic_streams_a_call_in_input_json_fragments():
 
 def test_anthropic_a_refused_streamed_call_closes_and_its_text_follows():
     body = stream_body(anthropic_call(tools=TOOLS).encoder("msg_1", "m", 11), REFUSED)
-    client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
-    with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
-        events = list(s)
-        final = s.get_final_message()
+    events, final = anthropic_stream(body)
     assert [b.type for b in final.content] == ["text", "tool_use", "text"]
     assert final.content[2].text == '{"city": }}' and final.stop_reason == "end_turn"
     assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1, 2]
