@@ -190,6 +190,46 @@ def test_inserting_copied_kv_with_its_tokens_continues_as_a_cold_prompt(tiny_mod
     bg.close()
 
 
+def test_causal_prefill_is_the_array_masks_prefill_where_no_row_is_left_padded(tiny_model_fp32, monkeypatch):
+    """`actor._batch.CausalPrefill` relies on mlx_lm's models taking their mask from layer 0's
+    `make_mask` and on `BatchKVCache` keeping left padding only: with none, "causal" must
+    give the array mask's logits (a cached prefix included); with some, the array mask
+    stays; the override never outlives the call."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, config = _models.load_model(tiny_model_fp32)
+    layers = int(config["num_hidden_layers"])
+    wrapped = _batch.CausalPrefill(model)
+    assert wrapped.layers is model.layers  # what the BatchGenerator reads of the model
+    masks: list[str] = []
+    sdpa = llama.scaled_dot_product_attention
+
+    def spy(queries, *args, **kwargs):
+        mask = kwargs.get("mask")
+        masks.append(mask if isinstance(mask, str) else type(mask).__name__)
+        return sdpa(queries, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", spy)
+
+    def run(forward, padding: list[int]) -> mx.array:
+        caches = [BatchKVCache(padding) for _ in range(layers)]
+        rows = len(padding)
+        forward(mx.array([[5 + (7 * i + r) % 400 for i in range(40)] for r in range(rows)]), cache=caches)
+        out = forward(mx.array([[9 + (3 * i + r) % 400 for i in range(24)] for r in range(rows)]), cache=caches)
+        assert "make_mask" not in vars(caches[0])
+        mx.eval(out)
+        return out
+
+    for padding in ([0, 0], [0, 5]):
+        base = run(model, padding)
+        masks.clear()
+        got = run(wrapped, padding)
+        assert mx.array_equal(base, got).item()
+        assert set(masks) == ({"causal"} if padding == [0, 0] else {"array"}) and len(masks) == 2 * layers
+
+
 def test_keep_leading_space_reaches_both_of_mlx_lms_trimming_detokenizers(tiny_model_fp32):
     # engine/_text.py's keep_leading_space relies on these two hooks of mlx_lm's detokenizers.
     import inspect

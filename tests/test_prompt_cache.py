@@ -81,9 +81,12 @@ async def test_hits_and_misses_prefilled_together_and_a_hit_joining_a_decoding_b
 
 
 async def test_a_hit_whose_entry_is_evicted_meanwhile_keeps_its_tokens(tiny_model_fp32):
-    """A bound that holds one entry (~550 bytes a token): every store evicts, while hits are in flight."""
+    """A bound that holds one entry (~550 bytes a token): every store evicts, while hits are in
+    flight. (A prefill step of 32 keeps the hit's entry in use: misses among hits cached more
+    than a step wait for the next group, `Reuse.even`.)"""
     convs = [ids(120, 40 * k) for k in range(4)]
-    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=16, prompt_cache_gb=100e3 / 1e9) as engine:
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=16, prefill_step=32,
+                                    prompt_cache_gb=100e3 / 1e9) as engine:
         for c in convs:
             await run(engine, c, max_tokens=4, **GREEDY)
         got: dict[int, tuple[list[int], int]] = {}
@@ -100,6 +103,61 @@ async def test_a_hit_whose_entry_is_evicted_meanwhile_keeps_its_tokens(tiny_mode
     assert any(n for _, n in got.values())  # the last stored conversation hit at least
     expected = await cold_runs(tiny_model_fp32, [(convs[k] + ids(6, k), 8) for k in range(4)])
     assert [got[k][0] for k in range(4)] == expected
+
+
+@pytest.fixture
+def prefill_masks(monkeypatch):
+    """The mask of every prefill attention (more than one query) the llama model computes."""
+    from mlx_lm.models import llama
+
+    seen: list[str] = []
+    sdpa = llama.scaled_dot_product_attention
+
+    def spy(queries, *args, **kwargs):
+        if queries.shape[2] > 1:
+            mask = kwargs.get("mask")
+            seen.append(mask if isinstance(mask, str) else type(mask).__name__)
+        return sdpa(queries, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize("step", [2048, 48])
+async def test_hits_of_different_lengths_enter_evened_out_and_prefill_unpadded(tiny_model_fp32, prefill_masks,
+                                                                                 step):
+    """Two follow-ups cached to lengths 30 tokens apart and a fresh prompt arrive as one group.
+    With the default step the longer hit is cut back to the shorter and the fresh prompt's
+    zero evens them all out; with a step of 48 the two hits enter together (cut to the
+    shorter) and the fresh prompt waits for the next group. Either way no prefill row is
+    left-padded (every prefill attention gets mask="causal", the fused kernel on a GPU),
+    and every row's tokens are a cold run's."""
+    shared = ids(200, 1)
+    a, b = shared + ids(60, 3), shared + ids(90, 5)
+    fresh = ids(150, 11)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=16, prefill_batch=8, prefill_step=step) as engine:
+        answer_a, _, _ = await run(engine, a, max_tokens=6, **GREEDY)
+        answer_b, _, _ = await run(engine, b, max_tokens=6, **GREEDY)
+        jobs = [(a + answer_a + ids(20, 7), 8), (b + answer_b + ids(25, 9), 8), (fresh, 8), (ids(40, 9), 40)]
+        got: dict[int, tuple[list[int], int]] = {}
+
+        async def one(i: int) -> None:
+            out, _, fin = await run(engine, jobs[i][0], max_tokens=jobs[i][1], **GREEDY)
+            got[i] = (out, fin.usage.cached_tokens)
+
+        prefill_masks.clear()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 3)  # a long decode the group joins (arrivals then wait for company)
+            await until(lambda: engine.statistics().decoding == 1)
+            for i in range(3):
+                nursery.start_soon(one, i)
+    shorter = len(a) + len(answer_a)
+    if step == 2048:
+        assert [got[i][1] for i in range(3)] == [0, 0, 0]
+    else:
+        assert [got[i][1] for i in range(3)] == [shorter, shorter, 0]
+    assert prefill_masks and set(prefill_masks) == {"causal"}
+    assert [got[i][0] for i in range(4)] == await cold_runs(tiny_model_fp32, jobs)
 
 
 async def test_identical_prompts_together_prefill_once(tiny_model_fp32):

@@ -91,8 +91,8 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
         seen["stores"].append(store(self, tokens, layers))
         return seen["stores"][-1]
 
-    def spy_fetch(self: Any, prompt: Any) -> Any:
-        got = fetch(self, prompt)
+    def spy_fetch(self: Any, prompt: Any, limit: Any = None) -> Any:
+        got = fetch(self, prompt, limit)
         seen["hits"].append(got[1])
         return got
 

@@ -32,6 +32,7 @@ from mlx_lm.generate import BatchGenerator
 from .. import models
 from ._admission import Admission
 from ._batch import (
+    CausalPrefill,
     batch_rows,
     plain_kv,
     prefill_chunk,
@@ -200,7 +201,7 @@ class Actor:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            self._model,
+            CausalPrefill(self._model),  # type: ignore[arg-type]  # called and read as the model
             max_tokens=1,
             completion_batch_size=self.config.max_batch,
             prefill_batch_size=self.config.prefill_batch,
@@ -427,6 +428,8 @@ class Actor:
             if aborted:
                 self._hook("removed")
         subs = self._reuse.split(subs)  # after the removals: they may have stored what subs share
+        subs, later = self._reuse.even(subs, self.config.prefill_step)
+        admission.readmit(later, now)
         subs, grammars, failed = self._grammars(subs)
         for rid, _ in failed:  # what waited for a row that never entered goes back to admission
             admission.readmit(self._reuse.left(rid), now)

@@ -2,9 +2,10 @@
 
 mlx-lm 0.32 offers no public way to do what the actor needs here: remove rows
 without a host round trip per layer, read the decoding batch's row count for
-the step trace, read and reset the prompt-token counter per step, or copy a
+the step trace, read and reset the prompt-token counter per step, copy a
 decoding row's KV out for the prompt cache without a host round trip per
-layer (`copy_rows`). Each
+layer (`copy_rows`), or give a prefill without padding the fused attention
+(`CausalPrefill`). Each
 helper names the private attribute it relies on; tests/test_mlx_lm_internals.py
 pins each behaviour, so an mlx-lm upgrade that changes one fails there first.
 """
@@ -176,3 +177,50 @@ def set_prefill_chunk(bg: Any, tokens: int) -> None:
     read at every step; the prompt batch's own chunking, at the configured step, only
     splits what is longer)."""
     bg.prefill_step_size = tokens
+
+
+class CausalPrefill:
+    """The model as the BatchGenerator calls it: a prefill step whose rows carry no left
+    padding gets `mask="causal"` instead of the array mask mlx_lm builds.
+
+    `BatchKVCache.make_mask` always returns an array (the rows' left padding), and
+    MLX 0.32's CUDA backend has no fused attention for a prefill with an array mask: it
+    materializes the scores. With no left padding the causal mask is the same mask
+    (right padding needs none: pads come after every real token), and "causal" takes
+    the fused kernel. On an H100 (1B, bf16; benchmarks/probes/probe_prefill_mask.py)
+    a 1,500-token prompt behind a 6,000-token cached prefix prefilled in 17 ms against
+    77, eight rows of 512 behind 6,000 in 30 ms against 188, a fresh 2,048 in 15 ms
+    against 29, with the same logits. A group without left padding is every group of
+    fresh prompts and every group whose cached prefixes are evened out
+    (`_reuse.Reuse.even`). Decode steps (one token a row) are left as they are.
+    """
+
+    __slots__ = ("_model",)
+
+    def __init__(self, model: Any):
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:  # the BatchGenerator reads `layers`, `make_cache`
+        return getattr(self._model, name)
+
+    def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
+        first: Any = cache[0] if cache else None
+        if inputs.shape[1] > 1 and type(first) is BatchKVCache and not any(_host_list(first.left_padding)):
+            vars(first)["make_mask"] = functools.partial(_causal_mask, first)  # the mask comes from layer 0
+            try:
+                return self._model(inputs, cache=cache, **kwargs)
+            finally:
+                vars(first).pop("make_mask", None)
+        return self._model(inputs, cache=cache, **kwargs)
+
+
+def _host_list(a: Any) -> list[int]:
+    """An evaluated (or host-built) array's values: the prompt batch's left padding is one,
+    built from a list when the batch forms and evaluated with every prefill chunk."""
+    return list(a.tolist())
+
+
+def _causal_mask(cache: Any, n: int, return_array: bool = False, **kwargs: Any) -> Any:
+    if return_array or kwargs.get("window_size"):
+        return BatchKVCache.make_mask(cache, n, return_array=return_array, **kwargs)
+    return "causal"

@@ -197,8 +197,8 @@ class PromptCache:
         entry, n = self._match(tuple(prompt))
         return entry, min(n, len(prompt) - 1)
 
-    def fetch(self, prompt: Sequence[int]) -> tuple[list[Any] | None, int]:
-        """Caches holding the longest cached prefix of `prompt`, for
+    def fetch(self, prompt: Sequence[int], limit: int | None = None) -> tuple[list[Any] | None, int]:
+        """Caches holding the longest cached prefix of `prompt` (at most `limit` tokens), for
         `BatchGenerator.insert(caches=...)`, and its length; (None, 0) on a miss.
 
         The caches share the entry's arrays (the generator only reads them: it merges
@@ -208,6 +208,8 @@ class PromptCache:
             return None, 0
         self.lookups += 1
         entry, n = self.longest(prompt)
+        if limit is not None:
+            n = min(n, limit)
         if entry is None or n <= 0:
             return None, 0
         self.hits += 1
