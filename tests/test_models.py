@@ -328,6 +328,22 @@ def test_padded_vocab_decodes_every_id(tmp_path: Path) -> None:
     assert "<|x650|>" in detok.text and detok.text.endswith("<|x699|>")
 
 
+def test_spelled_padding_encodes_a_random_models_answer_back_to_its_ids(tmp_path: Path) -> None:
+    """The multi-turn bench's model: an answer of padding ids, resent inside the chat
+    template, tokenizes back to exactly those ids (so a prompt cache can find it)."""
+    _models._write_test_tokenizer(tmp_path, vocab_size=2048, model_max_length=64, spelled_padding=True)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    tokenizer = _models.load_tokenizer(tmp_path)
+    answer = [1500, 700, 2047, 512, 512, 1999]
+    text = tokenizer.decode(answer)
+    assert tokenizer.encode(text, add_special_tokens=False) == answer
+    turn = [{"role": "user", "content": "hello there"}]
+    prompt = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True)
+    follow_up = tokenizer.apply_chat_template(
+        turn + [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}], tokenize=True)
+    assert follow_up[: len(prompt) + len(answer)] == list(prompt) + answer
+
+
 def test_context_length_reads_the_usual_keys() -> None:
     assert _models.context_length({"max_position_embeddings": 2048}) == 2048
     assert _models.context_length({"n_positions": 1024}) == 1024

@@ -6,14 +6,15 @@
 #
 # (chat and distinct can run as two calls into one OUTDIR: the summary reads every result there;
 # trio-chat and mlx-chat split chat in two: trio_mlx's sides, then mlx_lm.server's)
-# chat:     `trio-mlx bench chat` at CONVERSATIONS (1,8,64) conversations at once, each TURNS (4)
+# chat:     `trio-mlx bench chat` at CONVERSATIONS (1,8,64) conversations at once, each TURNS (5)
 #           turns: a shared system prompt (SYSTEM_WORDS 380: ~1.8k tokens, ~4.7 a random word
-#           with the test tokenizer), a new user turn (USER_WORDS 250: ~1.2k tokens) and the
-#           whole history resent every turn; a random model's answer of MAX_TOKENS (32) comes
-#           back as ~320 tokens (each sampled id decodes to "<|x12345|>"), so the last turn holds
-#           ~7.5k tokens (the 1B shape allows 8192); then one fresh request per conversation with
-#           only a new user turn. Greedy. Servers in this order: trio_mlx cache on, cache off,
-#           mlx_lm.server (--decode-concurrency 64, --prompt-cache-size 256: room for every
+#           with the test tokenizer), a new user turn (USER_WORDS 230: ~1.1k tokens) and the
+#           whole history resent every turn, the answers (MAX_TOKENS, 32) as they came; the
+#           model is built with --spelled-padding, so an answer's text tokenizes back to the ids
+#           the model sampled, as a real model's does, and a follow-up's new tokens are its user
+#           turn; the last turn holds ~7.5k tokens (the 1B shape allows 8192); then one fresh
+#           request per conversation with only a new user turn. Greedy. Servers in this order:
+#           trio_mlx cache on, cache off, mlx_lm.server (--decode-concurrency 64, --prompt-cache-size 256: room for every
 #           conversation, as trio_mlx's PROMPT_CACHE_GB has).
 # distinct: `trio-mlx bench` at DISTINCT_CONCURRENCY (64) with random prompts (PROMPT_TOKENS 128,
 #           MAX_TOKENS_DISTINCT 128): cache on, off, off, on (ROUNDS=2), the figures that must not
@@ -37,7 +38,7 @@ port="${PORT:-8831}"
 url="http://127.0.0.1:$port"
 dir="$out/model"
 [ -d "$dir" ] || "$py" -m trio_mlx.cli model build "$dir" --shape "${MODEL_SHAPE:-llama-3.2-1b}" \
-  --dtype "${DTYPE:-bfloat16}" --seed 0 >/dev/null
+  --dtype "${DTYPE:-bfloat16}" --seed 0 --spelled-padding >/dev/null
 export MLX_PTX_CACHE_DIR="${MLX_PTX_CACHE_DIR:-$out/ptx-cache}"
 server_pid=""
 trap '[ -n "$server_pid" ] && kill -KILL "$server_pid" 2>/dev/null || true' EXIT
@@ -72,7 +73,7 @@ chat() {  # LABEL [ARGS...]
   local label=$1
   shift
   "$py" -m trio_mlx.cli bench chat --url "$url" --conversations "${CONVERSATIONS:-1,8,64}" \
-    --turns "${TURNS:-4}" --system-words "${SYSTEM_WORDS:-380}" --user-words "${USER_WORDS:-250}" \
+    --turns "${TURNS:-5}" --system-words "${SYSTEM_WORDS:-380}" --user-words "${USER_WORDS:-230}" \
     --max-tokens "${MAX_TOKENS:-32}" --timeout 300 --warmup 2 --label "$label" \
     --out "$out/chat-$label.json" "$@" || echo "($label: exit $?)" >&2
 }

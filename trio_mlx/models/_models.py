@@ -456,7 +456,7 @@ def _train_tokenizer(vocab_size: int = 512) -> Any:
 def _write_tokenizer(
     out: pathlib.Path, *, tokenizer: Any, chat_template: str, bos: str | None,
     eos: str | None, unk: str | None = None, pad: str | None = None, add_bos: bool = False,
-    model_max_length: int, vocab_size: int = 0,
+    model_max_length: int, vocab_size: int = 0, spelled_padding: bool = False,
 ) -> None:
     """tokenizer.json (padded up to `vocab_size`) and tokenizer_config.json."""
     from tokenizers import processors
@@ -469,9 +469,17 @@ def _write_tokenizer(
     data = json.loads(tokenizer.to_str())
     # Padding ids are plain BPE entries that no merge reaches: encoding never
     # yields them, but any id a random model samples decodes (to "<|x123|>").
-    # As added tokens instead, 128k of them made loading 7x slower (4.9 s).
-    for i in range(tokenizer.get_vocab_size(with_added_tokens=True), vocab_size):
+    # As added tokens instead (`spelled_padding`), the text encodes back to the
+    # same ids, as a real model's answers do: a chat bench's follow-ups then find
+    # the answers they resend in the prompt cache. 128k of them make loading
+    # slower (4.9 s against 0.7), so only benchmarks ask for them.
+    first = tokenizer.get_vocab_size(with_added_tokens=True)
+    for i in range(first, vocab_size):
         data["model"]["vocab"][f"<|x{i}|>"] = i
+    if spelled_padding:
+        data["added_tokens"] += [
+            {"id": i, "content": f"<|x{i}|>", "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": False} for i in range(first, vocab_size)]
     _write_json(out / "tokenizer.json", data)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": chat_template,
@@ -503,7 +511,8 @@ def model_config_for_shape(shape: str, *, dtype: str = "float32") -> dict[str, A
 
 
 def _write_test_tokenizer(
-    out: pathlib.Path, *, vocab_size: int, model_max_length: int, tools: bool = False
+    out: pathlib.Path, *, vocab_size: int, model_max_length: int, tools: bool = False,
+    spelled_padding: bool = False,
 ) -> None:
     from tokenizers import AddedToken
 
@@ -513,16 +522,18 @@ def _write_test_tokenizer(
     _write_tokenizer(
         out, tokenizer=tokenizer, chat_template=TOOLS_TEMPLATE if tools else CHATML_TEMPLATE,
         bos="<|im_start|>", eos="<|im_end|>", unk="<|endoftext|>", pad="<|endoftext|>",
-        model_max_length=model_max_length, vocab_size=vocab_size,
+        model_max_length=model_max_length, vocab_size=vocab_size, spelled_padding=spelled_padding,
     )
 
 
 def build_test_model(
     out_dir: os.PathLike[str], *, shape: str = "tiny", dtype: str = "float32", seed: int = 0,
-    quantize_bits: int | None = None, tools: bool = False,
+    quantize_bits: int | None = None, tools: bool = False, spelled_padding: bool = False,
 ) -> pathlib.Path:
     """Write a deterministic random-weight llama (real BPE tokenizer, ChatML) to `out_dir`.
-    With `tools`, its chat template renders tools and tool calls (`TOOLS_TEMPLATE`)."""
+    With `tools`, its chat template renders tools and tool calls (`TOOLS_TEMPLATE`); with
+    `spelled_padding`, the ids past the tokenizer's own (which a random model samples)
+    encode back from their text (`_write_tokenizer`)."""
     config = model_config_for_shape(shape, dtype=dtype)
     if quantize_bits not in (None, 4, 8):
         raise ValueError(f"quantize_bits must be None, 4 or 8, not {quantize_bits!r}")
@@ -530,7 +541,7 @@ def build_test_model(
     with _atomic_dir(final, exist_ok=False) as tmp:
         positions = config["max_position_embeddings"]
         _write_test_tokenizer(tmp, vocab_size=config["vocab_size"], model_max_length=positions,
-                              tools=tools)
+                              tools=tools, spelled_padding=spelled_padding)
         config = _write_random_weights(tmp, config, seed=seed, bits=quantize_bits)
         _write_json(tmp / "config.json", config)
     return final
@@ -654,13 +665,18 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--bits", type=int, choices=[4, 8], help="quantize (group size 64)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--tools", action="store_true", help="a chat template with tool calling")
+    build.add_argument("--spelled-padding", action="store_true",
+                       help="make the ids a random model samples past the tokenizer's own encode back "
+                            "from their text, as a real model's answers do (for multi-turn benchmarks; "
+                            "loading takes seconds longer)")
     args = parser.parse_args(argv)
     try:
         if args.command == "default":
             path = ensure_embedded_model(args.cache_dir)
         else:
             path = build_test_model(args.out, shape=args.shape, dtype=args.dtype,
-                                    seed=args.seed, quantize_bits=args.bits, tools=args.tools)
+                                    seed=args.seed, quantize_bits=args.bits, tools=args.tools,
+                                    spelled_padding=args.spelled_padding)
     except (ModelLoadError, OSError) as exc:
         print(f"trio-mlx model: {exc}", file=sys.stderr)
         return 1
