@@ -54,9 +54,10 @@ async def test_a_follow_up_turn_reports_the_cached_history_and_the_cache_off_rep
             assert server.engine.statistics().requests_submitted == 2 * 4 + 1  # the warm-up too
     on, off = results[None]["turns"], results[0.0]["turns"]
     assert all(t["cached_tokens"] == 0 for t in off)
-    # every follow-up turn finds at least the last turn's prompt (its system prompt and history)
+    # every follow-up turn finds the last turn's prompt (its system prompt and history), but for
+    # what evening out a group's hits to its shortest takes off (`Reuse.even`: here a few tokens)
     for prev, turn in zip(on[:2], on[1:3], strict=True):
-        assert turn["cached_tokens"] >= prev["prompt_tokens"]
+        assert turn["cached_tokens"] >= 0.9 * prev["prompt_tokens"]
     assert results[None]["last_vs_fresh"] is not None and results[None]["errors"]["total"] == 0
     assert "last turn / fresh TTFT" in _chat.format_level(results[None])
 
