@@ -2,10 +2,11 @@
 # The prompt cache on multi-turn chats: trio_mlx with its cache on, with it off, and
 # mlx_lm.server, on the same conversations; then distinct prompts, cache on and off.
 #
-#   benchmarks/probes/prompt_cache.sh OUTDIR [chat|distinct|both|trio-chat|mlx-chat]
+#   benchmarks/probes/prompt_cache.sh OUTDIR [chat|distinct|both|trio-chat|trio-on|trio-off|mlx-chat]
 #
 # (chat and distinct can run as two calls into one OUTDIR: the summary reads every result there;
-# trio-chat and mlx-chat split chat in two: trio_mlx's sides, then mlx_lm.server's)
+# trio-chat and mlx-chat split chat in two: trio_mlx's sides, then mlx_lm.server's; trio-on and
+# trio-off split trio-chat)
 # chat:     `trio-mlx bench chat` at CONVERSATIONS (1,8,64) conversations at once, each TURNS (5)
 #           turns: a shared system prompt (SYSTEM_WORDS 380: ~1.8k tokens, ~4.7 a random word
 #           with the test tokenizer), a new user turn (USER_WORDS 230: ~1.1k tokens) and the
@@ -86,20 +87,24 @@ distinct() {  # LABEL ROUND
 }
 
 gb="${PROMPT_CACHE_GB:-30}"
-chats=false; distincts=false; trio=true; mlx=false
+chats=false; distincts=false; trio=true; mlx=false; on=true; off=true
 case "$what" in
   chat) chats=true; mlx=true ;;
   distinct) distincts=true ;;
   both) chats=true; mlx=true; distincts=true ;;
   trio-chat) chats=true ;;
+  trio-on) chats=true; off=false ;;
+  trio-off) chats=true; on=false ;;
   mlx-chat) chats=true; mlx=true; trio=false ;;
   *) echo "unknown: $what" >&2; exit 2 ;;
 esac
-if $trio; then
+if $trio && $on; then
   trio_serve cache-on "$gb"
   if $chats; then chat cache-on; fi
   if $distincts; then distinct cache-on 1; fi
   stop
+fi
+if $trio && $off; then
   trio_serve cache-off 0
   if $chats; then chat cache-off; fi
   if $distincts; then distinct cache-off 1; fi
