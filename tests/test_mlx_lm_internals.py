@@ -228,43 +228,6 @@ def test_causal_prefill_is_the_array_masks_prefill_where_no_row_is_left_padded(t
         got = run(wrapped, padding)
         assert mx.array_equal(base, got).item()
         assert set(masks) == ({"causal"} if padding == [0, 0] else {"array"}) and len(masks) == 2 * layers
-    # with a grain (CUDA's), an unpadded step runs padded on the right to a multiple of it and
-    # its KV is trimmed back: the same logits, and the same KV for the next step
-    base = run(model, [0, 0])
-    masks.clear()
-    got = run(_batch.CausalPrefill(model, grain=16), [0, 0])
-    assert got.shape == base.shape and mx.allclose(base, got, atol=1e-4).item()
-    assert set(masks) == {"causal"}
-
-
-def test_a_grained_prefill_generates_what_the_stock_one_does(tiny_model_fp32):
-    """A BatchGenerator over `CausalPrefill(model, grain)`: prompts of different lengths
-    (mlx_lm's own right padding, rolled away after), hits on a cached prefix, chunked
-    prompts: every greedy token is the stock generator's."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
-
-    model, _ = _models.load_model(tiny_model_fp32)
-
-    def tokens(forward) -> dict[int, list[int]]:
-        bg = BatchGenerator(forward, max_tokens=12, completion_batch_size=8, prefill_batch_size=4,
-                            prefill_step_size=32)
-        prompts = [[5 + (7 * i + r) % 400 for i in range(n)] for r, n in enumerate((45, 45, 70))]
-        uids = bg.insert(prompts)
-        out: dict[int, list[int]] = {}
-        while len(out) < 3 or any(len(v) < 12 for v in out.values()):
-            _step_tokens(bg, out)
-        # a hit: a prefix's KV, prefilled alone, then the rest of the prompt
-        prefix = prompts[2][:48]
-        cache = [KVCache() for _ in model.layers]
-        model(mx.array([prefix]), cache=cache)
-        (hit,) = bg.insert([prompts[2][48:] + [9, 9, 9]], caches=[cache], all_tokens=[prefix])
-        while len(out.get(hit, [])) < 12:
-            _step_tokens(bg, out)
-        return {k: out[k] for k in [*uids, hit]}
-
-    stock = tokens(model)
-    assert list(tokens(_batch.CausalPrefill(model, grain=16)).values()) == list(stock.values())
 
 
 def test_keep_leading_space_reaches_both_of_mlx_lms_trimming_detokenizers(tiny_model_fp32):

@@ -88,12 +88,6 @@ class _Seq:
 
 
 
-# On CUDA, prefill steps without padding run in multiples of this many tokens and hits are
-# cut to it, so that their attention shapes recur (`_batch.CausalPrefill`); the prefill
-# chunk is a multiple of it too (`_batch.prefill_chunk`).
-PREFILL_GRAIN = 128
-
-
 def apply_cache_limit(gb: float | None) -> None:
     """Bound MLX's buffer cache at `gb` gigabytes (None: MLX's own limit).
 
@@ -133,7 +127,6 @@ class Actor:
         self._retired: dict[int, int] = {}  # uid -> step it finished in; rows still in the batch
         self._retire_steps = config.retire_steps
         self._gpu = False  # set in run(), once the device is known
-        self._grain = 0  # prefill shapes in multiples of it (`_batch.CausalPrefill`): on CUDA
         self._idle_release: float | None = None  # likewise
         self._admission = Admission(config.admit_window, config.prefill_batch)
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
@@ -184,9 +177,8 @@ class Actor:
         self._context = models.context_length(config)
         self._vocab = int(config.get("vocab_size", 0))
         self._heads = int(config.get("num_attention_heads") or config.get("n_heads") or 0)
-        self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
-        self._grain = PREFILL_GRAIN if gpu and mx.cuda.is_available() else 0
         self._bg = self._new_generator()
+        self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
         release = self.config.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
         return config
@@ -209,7 +201,7 @@ class Actor:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            CausalPrefill(self._model, self._grain),  # type: ignore[arg-type]  # called and read as the model
+            CausalPrefill(self._model),  # type: ignore[arg-type]  # called and read as the model
             max_tokens=1,
             completion_batch_size=self.config.max_batch,
             prefill_batch_size=self.config.prefill_batch,
@@ -444,7 +436,7 @@ class Actor:
         self._inserted = len(subs)
         if not subs:
             return failed
-        caches, cached_ids, cached = self._reuse.lookup(subs, self._grain or 1)
+        caches, cached_ids, cached = self._reuse.lookup(subs)
         try:
             uids = self._bg.insert(
                 [list(s.prompt[n:]) for s, n in zip(subs, cached, strict=True)],

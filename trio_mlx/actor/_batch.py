@@ -193,22 +193,12 @@ class CausalPrefill:
     against 29, with the same logits. A group without left padding is every group of
     fresh prompts and every group whose cached prefixes are evened out
     (`_reuse.Reuse.even`). Decode steps (one token a row) are left as they are.
-
-    With `grain` (on CUDA), such a prefill step is also padded on the right to a
-    multiple of `grain` tokens, and the padding's KV trimmed off again after it. MLX
-    builds a cuDNN graph for every attention shape it meets (query and key lengths
-    among its key), 65-110 ms each on an H100 against 0.6 ms to run one again
-    (benchmarks/probes/probe_new_shapes.py), and every chat turn has lengths of its
-    own. With chunks and cached prefixes in multiples of `grain` (the prefill chunk is
-    a multiple of 128, `Reuse.lookup` cuts hits to the grain), shapes recur. The
-    padding's logits are never read: a prefill step's output is not used.
     """
 
-    __slots__ = ("_model", "grain")
+    __slots__ = ("_model",)
 
-    def __init__(self, model: Any, grain: int = 0):
+    def __init__(self, model: Any):
         self._model = model
-        self.grain = grain
 
     def __getattr__(self, name: str) -> Any:  # the BatchGenerator reads `layers`, `make_cache`
         return getattr(self._model, name)
@@ -216,20 +206,11 @@ class CausalPrefill:
     def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
         first: Any = cache[0] if cache else None
         if inputs.shape[1] > 1 and type(first) is BatchKVCache and not any(_host_list(first.left_padding)):
-            n = inputs.shape[1]
-            extra = -n % self.grain if self.grain else 0
-            if extra:
-                inputs = mx.concatenate([inputs, mx.zeros((inputs.shape[0], extra), dtype=inputs.dtype)], axis=1)
             vars(first)["make_mask"] = functools.partial(_causal_mask, first)  # the mask comes from layer 0
             try:
-                out = self._model(inputs, cache=cache, **kwargs)
+                return self._model(inputs, cache=cache, **kwargs)
             finally:
                 vars(first).pop("make_mask", None)
-            if extra:
-                for c in cache:
-                    c.trim(extra)
-                out = out[:, :n]
-            return out
         return self._model(inputs, cache=cache, **kwargs)
 
 
