@@ -228,6 +228,68 @@ def test_causal_prefill_is_the_array_masks_prefill_where_no_row_is_left_padded(t
         got = run(wrapped, padding)
         assert mx.array_equal(base, got).item()
         assert set(masks) == ({"causal"} if padding == [0, 0] else {"array"}) and len(masks) == 2 * layers
+    # on the shape grid (CUDA's) an unpadded step runs padded on the right to a power of two
+    # and its KV is trimmed back: the same logits, and the same KV for the next step
+    base = run(model, [0, 0])
+    masks.clear()
+    got = run(_batch.CausalPrefill(model, grid=True), [0, 0])
+    assert got.shape == base.shape and mx.allclose(base, got, atol=1e-4).item()
+    assert set(masks) == {"causal"}
+
+
+def test_a_grid_prefill_generates_what_the_stock_one_does(tiny_model_fp32):
+    """A BatchGenerator over `CausalPrefill(model, grid=True)`: prompts of different lengths
+    (mlx_lm's own right padding, rolled away after), a hit on a cached prefix, chunked
+    prompts: every greedy token is the stock generator's, and no cache keeps the override."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    model, _ = _models.load_model(tiny_model_fp32)
+
+    def tokens(forward) -> dict[int, list[int]]:
+        bg = BatchGenerator(forward, max_tokens=12, completion_batch_size=8, prefill_batch_size=4,
+                            prefill_step_size=256)
+        prompts = [[5 + (7 * i + r) % 400 for i in range(n)] for r, n in enumerate((45, 45, 300))]
+        uids = bg.insert(prompts)
+        out: dict[int, list[int]] = {}
+        while len(out) < 3 or any(len(v) < 12 for v in out.values()):
+            _step_tokens(bg, out)
+        # a hit: a prefix's KV, prefilled alone, then the rest of the prompt
+        prefix = prompts[2][:48]
+        cache = [KVCache() for _ in model.layers]
+        model(mx.array([prefix]), cache=cache)
+        (hit,) = bg.insert([prompts[2][48:] + [9, 9, 9]], caches=[cache], all_tokens=[prefix])
+        while len(out.get(hit, [])) < 12:
+            _step_tokens(bg, out)
+        assert not any("update_and_fetch" in vars(c) for c in bg._generation_batch.prompt_cache)
+        return {k: out[k] for k in [*uids, hit]}
+
+    stock = tokens(model)
+    assert list(tokens(_batch.CausalPrefill(model, grid=True)).values()) == list(stock.values())
+
+
+def test_the_warm_up_runs_every_grid_shape_once(tiny_model_fp32, monkeypatch):
+    """`_warmup.prebuild_prefill` runs, for one row, each grid query length behind each
+    multiple of the stride that fits the limit, through the grid-prefilling model."""
+    from mlx_lm.models import llama
+
+    from trio_mlx.actor._warmup import prebuild_prefill
+
+    model, config = _models.load_model(tiny_model_fp32)
+    shapes: list[tuple[int, int, int]] = []
+    sdpa = llama.scaled_dot_product_attention
+
+    def spy(queries, keys, *args, **kwargs):
+        shapes.append((queries.shape[0], queries.shape[2], keys.shape[2]))
+        return sdpa(queries, keys, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", spy)
+    layers = int(config["num_hidden_layers"])
+    ran = prebuild_prefill(_batch.CausalPrefill(model, grid=True), layers, 1, 400, [128, 256], 128)
+    seen = sorted(set(shapes))
+    assert ran == 5
+    assert seen == [(1, 128, 128), (1, 128, 256), (1, 128, 384), (1, 256, 256), (1, 256, 384)]
+    assert len(shapes) == layers * (ran + 2)  # and the two strides that built the context
 
 
 def test_keep_leading_space_reaches_both_of_mlx_lms_trimming_detokenizers(tiny_model_fp32):

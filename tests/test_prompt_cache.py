@@ -503,3 +503,36 @@ async def test_a_constrained_request_with_a_hit_gives_the_cold_runs_tokens(tiny_
         warm = await twice(engine)
     assert [c[:2] for c in cold] == [w[:2] for w in warm]
     assert cold[1][2] == 0 and warm[0][2] == 0 and warm[1][2] >= len(prompt) - 1
+
+
+async def test_on_the_shape_grid_hits_are_cut_to_its_prefix_and_prefills_run_padded(tiny_model_fp32, monkeypatch):
+    """The shape grid (`actor._batch.CausalPrefill`; CUDA's, forced here with a prefix grain
+    of 64): a follow-up's hit is cut to a multiple of the grain, every prefill attention
+    runs a power-of-two query of at least 128 over contiguous keys of the cached prefix
+    plus that query, and every token is the cold run's."""
+    from mlx_lm.models import llama
+
+    from trio_mlx.actor import _actor
+
+    monkeypatch.setattr(_actor, "prefill_grid", lambda: True)
+    monkeypatch.setattr(_actor, "GRID_PREFIX", 64)
+    shapes: list[tuple[int, int]] = []
+    sdpa = llama.scaled_dot_product_attention
+
+    def spy(queries, keys, *args, **kwargs):
+        if queries.shape[2] > 1:
+            shapes.append((queries.shape[2], keys.shape[2]))
+        return sdpa(queries, keys, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", spy)
+    system = ids(300)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, warmup=False) as engine:
+        first, _, f1 = await run(engine, system, max_tokens=12, **GREEDY)
+        turn2 = system + first + ids(9, 3)
+        shapes.clear()
+        second, _, f2 = await run(engine, turn2, max_tokens=12, **GREEDY)
+    held = len(system) + len(first)
+    assert f2.usage.cached_tokens == held // 64 * 64 > 0
+    new = len(turn2) - 1 - f2.usage.cached_tokens  # the last prompt token enters with the first decode step
+    assert shapes and set(shapes) == {(128, f2.usage.cached_tokens + 128)} and new <= 128
+    assert [first, second] == await cold_runs(tiny_model_fp32, [(system, 12), (turn2, 12)])

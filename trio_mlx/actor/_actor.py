@@ -32,10 +32,14 @@ from mlx_lm.generate import BatchGenerator
 from .. import models
 from ._admission import Admission
 from ._batch import (
+    GRID_PREBUILD,
+    GRID_PREFIX,
     CausalPrefill,
     batch_rows,
+    grid_sizes,
     plain_kv,
     prefill_chunk,
+    prefill_grid,
     remove_rows,
     set_prefill_chunk,
     take_prompt_tokens,
@@ -59,7 +63,7 @@ from ._protocol import (
 from ._reuse import Reuse
 from ._sampling import SamplerCache, make_processors
 from ._trace import StepTrace
-from ._warmup import WARMUP_PROMPT, warm_up
+from ._warmup import WARMUP_PROMPT, prebuild_prefill, warm_up
 
 log = logging.getLogger("trio_mlx.actor")  # stages of startup; from any thread, through logging
 
@@ -127,6 +131,7 @@ class Actor:
         self._retired: dict[int, int] = {}  # uid -> step it finished in; rows still in the batch
         self._retire_steps = config.retire_steps
         self._gpu = False  # set in run(), once the device is known
+        self._grid = False  # prefill on the shape grid (`_batch.CausalPrefill`): on CUDA
         self._idle_release: float | None = None  # likewise
         self._admission = Admission(config.admit_window, config.prefill_batch)
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
@@ -177,8 +182,9 @@ class Actor:
         self._context = models.context_length(config)
         self._vocab = int(config.get("vocab_size", 0))
         self._heads = int(config.get("num_attention_heads") or config.get("n_heads") or 0)
-        self._bg = self._new_generator()
         self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
+        self._grid = prefill_grid() and plain_kv(self._model)
+        self._bg = self._new_generator()
         release = self.config.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
         return config
@@ -201,7 +207,7 @@ class Actor:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            CausalPrefill(self._model),  # type: ignore[arg-type]  # called and read as the model
+            CausalPrefill(self._model, self._grid),  # type: ignore[arg-type]  # called and read as the model
             max_tokens=1,
             completion_batch_size=self.config.max_batch,
             prefill_batch_size=self.config.prefill_batch,
@@ -217,6 +223,13 @@ class Actor:
         length = max(1, min(WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
         token = 1 if self._vocab > 1 else 0
         warm_up(self._bg, token, length, self.config.prefill_batch if gpu else 1)
+        if self._grid:
+            t0 = time.perf_counter()
+            with mx.stream(self._bg.stream):
+                ran = prebuild_prefill(CausalPrefill(self._model, grid=True), len(self._model.layers), token,
+                                       min(self._context, GRID_PREBUILD), grid_sizes(self.config.prefill_step),
+                                       GRID_PREFIX)
+            log.info("ran %d prefill shapes of the grid in %.2f s", ran, time.perf_counter() - t0)
         if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens
             self._rehearse(token, length)
         self._reset_batch()
@@ -436,7 +449,7 @@ class Actor:
         self._inserted = len(subs)
         if not subs:
             return failed
-        caches, cached_ids, cached = self._reuse.lookup(subs)
+        caches, cached_ids, cached = self._reuse.lookup(subs, GRID_PREFIX if self._grid else 1)
         try:
             uids = self._bg.insert(
                 [list(s.prompt[n:]) for s, n in zip(subs, cached, strict=True)],

@@ -4,9 +4,8 @@ mlx-lm 0.32 offers no public way to do what the actor needs here: remove rows
 without a host round trip per layer, read the decoding batch's row count for
 the step trace, read and reset the prompt-token counter per step, copy a
 decoding row's KV out for the prompt cache without a host round trip per
-layer (`copy_rows`), or give a prefill without padding the fused attention
-(`CausalPrefill`). Each
-helper names the private attribute it relies on; tests/test_mlx_lm_internals.py
+layer (`copy_rows`), or give a prefill without padding the fused attention, on
+shapes that recur (`CausalPrefill`). Each helper names the private attribute it relies on; tests/test_mlx_lm_internals.py
 pins each behaviour, so an mlx-lm upgrade that changes one fails there first.
 """
 
@@ -164,12 +163,15 @@ _CHUNK_ROUND = 128
 def prefill_chunk(step: int, rows: int, context: int, heads: int, scratch: int | None = None) -> int:
     """The prefill chunk (tokens per prompt per step) for `rows` prompts of up to `context`
     tokens: `step`, cut so that float32 scores for `heads` heads fit `scratch` bytes
-    (ATTENTION_SCRATCH); a multiple of 128 (few distinct shapes to compile), never under 128."""
+    (ATTENTION_SCRATCH); when cut, a power of two (few distinct shapes to compile, and
+    on the shape grid: `CausalPrefill`), never under 128."""
     scratch = ATTENTION_SCRATCH if scratch is None else scratch
     if rows <= 0 or context <= 0 or heads <= 0:
         return step
     fit = scratch // (4 * rows * heads * context)
-    return min(step, max(_CHUNK_ROUND, fit // _CHUNK_ROUND * _CHUNK_ROUND))
+    if fit >= step:
+        return step
+    return min(step, max(_CHUNK_ROUND, 1 << (max(fit, 1).bit_length() - 1)))
 
 
 def set_prefill_chunk(bg: Any, tokens: int) -> None:
@@ -177,6 +179,36 @@ def set_prefill_chunk(bg: Any, tokens: int) -> None:
     read at every step; the prompt batch's own chunking, at the configured step, only
     splits what is longer)."""
     bg.prefill_step_size = tokens
+
+
+# On CUDA, where MLX builds a cuDNN attention graph for every new prefill shape (see
+# `CausalPrefill`), an unpadded prefill step's query runs padded to a power of two of at
+# least GRID_MIN tokens and cached prefixes are cut to multiples of GRID_PREFIX, so that
+# the shapes a server meets are few and recur; warm-up builds them up to
+# GRID_PREBUILD tokens of context (`_warmup.prebuild_prefill`).
+GRID_MIN = 128
+GRID_PREFIX = 1024
+GRID_PREBUILD = 8192
+
+
+def prefill_grid() -> bool:
+    """Whether prefills run on the shape grid: on CUDA, whose fused attention builds a
+    graph for every shape it meets (`CausalPrefill`); Metal's and the CPU's do not."""
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+
+
+def grid_length(n: int) -> int:
+    """The query length an unpadded prefill step of `n` tokens runs at on the grid."""
+    return max(GRID_MIN, 1 << (n - 1).bit_length())
+
+
+def grid_sizes(step: int) -> list[int]:
+    """Every query length on the grid up to a prefill step of `step` tokens."""
+    out, n = [], GRID_MIN
+    while n <= grid_length(step):
+        out.append(n)
+        n *= 2
+    return out
 
 
 class CausalPrefill:
@@ -193,25 +225,58 @@ class CausalPrefill:
     against 29, with the same logits. A group without left padding is every group of
     fresh prompts and every group whose cached prefixes are evened out
     (`_reuse.Reuse.even`). Decode steps (one token a row) are left as they are.
+
+    With `grid` (on CUDA), such a step also runs on the shape grid: its tokens padded on
+    the right to `grid_length` (the padding's KV trimmed off again after; a prefill
+    step's logits are never read), and its keys and values handed to the attention as
+    contiguous arrays. MLX 0.32.4 builds a cuDNN graph for every prefill attention it
+    meets, keyed by the query's and keys' shapes and strides; on an H100 the first call
+    of a shape took 45-110 ms and the same again 0.6 ms, and a whole-model prefill of a
+    new shape 65-110 ms against 10 (benchmarks/probes/probe_new_shapes.py,
+    probe_contiguous_kv.py). Every chat turn has lengths of its own, so each paid that
+    build. Keys sliced out of a KV buffer carry the buffer's length in their strides,
+    which depends on the cache's history; a contiguous copy's strides follow its shape
+    alone, so a shape built once (in warm-up) is found again.
     """
 
-    __slots__ = ("_model",)
+    __slots__ = ("_model", "grid")
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, grid: bool = False):
         self._model = model
+        self.grid = grid
 
     def __getattr__(self, name: str) -> Any:  # the BatchGenerator reads `layers`, `make_cache`
         return getattr(self._model, name)
 
     def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
         first: Any = cache[0] if cache else None
-        if inputs.shape[1] > 1 and type(first) is BatchKVCache and not any(_host_list(first.left_padding)):
-            vars(first)["make_mask"] = functools.partial(_causal_mask, first)  # the mask comes from layer 0
-            try:
-                return self._model(inputs, cache=cache, **kwargs)
-            finally:
-                vars(first).pop("make_mask", None)
-        return self._model(inputs, cache=cache, **kwargs)
+        if not (inputs.shape[1] > 1 and type(first) is BatchKVCache and not any(_host_list(first.left_padding))):
+            return self._model(inputs, cache=cache, **kwargs)
+        grid = self.grid and all(type(c) is BatchKVCache for c in cache)
+        n = inputs.shape[1]
+        extra = grid_length(n) - n if grid else 0
+        if extra:
+            inputs = mx.concatenate([inputs, mx.zeros((inputs.shape[0], extra), dtype=inputs.dtype)], axis=1)
+        vars(first)["make_mask"] = functools.partial(_causal_mask, first)  # the mask comes from layer 0
+        if grid:
+            for c in cache:
+                vars(c)["update_and_fetch"] = functools.partial(_contiguous_fetch, c)
+        try:
+            out = self._model(inputs, cache=cache, **kwargs)
+        finally:
+            for c in cache:
+                vars(c).pop("make_mask", None)
+                vars(c).pop("update_and_fetch", None)
+        if extra:
+            for c in cache:
+                c.trim(extra)
+            out = out[:, :n]
+        return out
+
+
+def _contiguous_fetch(cache: Any, keys: Any, values: Any) -> tuple[Any, Any]:
+    k, v = BatchKVCache.update_and_fetch(cache, keys, values)
+    return mx.contiguous(k), mx.contiguous(v)
 
 
 def _host_list(a: Any) -> list[int]:

@@ -127,17 +127,18 @@ class Reuse:
         return ([s for s, n in zip(subs, held, strict=True) if n >= floor],
                 [s for s, n in zip(subs, held, strict=True) if n < floor])
 
-    def lookup(self, subs: list[Any]) -> tuple[list[Any] | None, list[list[int]] | None, list[int]]:
+    def lookup(self, subs: list[Any], grain: int = 1) -> tuple[list[Any] | None, list[list[int]] | None, list[int]]:
         """For `BatchGenerator.insert`: the caches and cached token ids of each Submit
         (None when the cache holds nothing for any), and the cached counts: all of one
-        length, the group's shortest hit (`even`), so that no row is left-padded."""
+        length, the group's shortest hit (`even`), so that no row is left-padded, cut to a
+        multiple of `grain` (on CUDA, `_batch.GRID_PREFIX`: the shape grid)."""
         cache = self.cache
         if not cache.enabled:
             return None, None, [0] * len(subs)
         caches: list[Any] = []
         counts: list[int] = []
         cache.relieve()  # before these prefill: under pressure the cache gives way first
-        limit = min(cache.longest(s.prompt)[1] for s in subs)
+        limit = min(cache.longest(s.prompt)[1] for s in subs) // grain * grain
         for s in subs:
             kv, n = cache.fetch(s.prompt, limit)
             caches.append(kv)

@@ -42,3 +42,35 @@ def _step_until(bg: Any, done: Callable[[dict[int, int]], bool], uids: list[int]
             return
     raise RuntimeError(f"warm-up: no progress after 64 steps ({generated})")
 
+
+
+def prebuild_prefill(forward: Any, layers: int, token: int, limit: int, sizes: list[int], stride: int) -> int:
+    """Run, once each, the prefill shapes of the grid (`_batch.CausalPrefill`) that fit in
+    `limit` tokens of context, for one row: a query of each length in `sizes` behind every
+    multiple of `stride` tokens already cached. Returns how many shapes it ran.
+
+    On CUDA, MLX builds a cuDNN graph for every prefill attention shape it meets, 45-110
+    ms each on an H100 (benchmarks/probes/probe_new_shapes.py), and a chat's turns would
+    otherwise pay one each. `forward` is the grid-prefilling model, so the shapes (and
+    the contiguous keys' strides) are the ones live prefills make. Groups of several rows
+    meet their shapes live, and these recur: the grid is coarse.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    caches = [BatchKVCache([0]) for _ in range(layers)]
+    ran, cached = 0, 0
+    while True:
+        for q in sizes:
+            if cached + q > limit:
+                break
+            forward(mx.full((1, q), token, dtype=mx.int32), cache=caches)
+            mx.eval([a for c in caches for a in (c.keys, c.values)])
+            for c in caches:
+                c.trim(q)
+            ran += 1
+        if cached + stride + min(sizes) > limit:  # no query would fit behind one more stride
+            return ran
+        forward(mx.full((1, stride), token, dtype=mx.int32), cache=caches)
+        mx.eval([a for c in caches for a in (c.keys, c.values)])
+        cached += stride
