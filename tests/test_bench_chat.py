@@ -41,13 +41,16 @@ async def test_each_turn_resends_the_growing_conversation(tiny_model_fp32, tmp_p
     assert "| fresh |" in _chat.format_level(levels[0])
 
 
+STEP = 32
+
+
 async def test_a_follow_up_turn_reports_the_cached_history_and_the_cache_off_reports_none(tiny_model_fp32):
     args = _chat._parser().parse_args(
         ["--url", "http://unused", "--conversations", "2", "--turns", "3", "--system-words", "40",
          "--user-words", "8", "--max-tokens", "4", "--timeout", "60", "--warmup", "1", "--quiet"])
     results = {}
     for gb in (None, 0.0):
-        async with serve(tiny_model_fp32, max_batch=8, prompt_cache_gb=gb) as server:
+        async with serve(tiny_model_fp32, max_batch=8, prompt_cache_gb=gb, prefill_step=STEP) as server:
             args.url = server.url
             _, (lv,) = await _chat.run_levels(args)
             results[gb] = lv
@@ -55,9 +58,10 @@ async def test_a_follow_up_turn_reports_the_cached_history_and_the_cache_off_rep
     on, off = results[None]["turns"], results[0.0]["turns"]
     assert all(t["cached_tokens"] == 0 for t in off)
     # every follow-up turn finds the last turn's prompt (its system prompt and history), but for
-    # what evening out a group's hits to its shortest takes off (`Reuse.even`: here a few tokens)
+    # what evening out a group's hits takes off: the two conversations' turns drift apart, and
+    # `Reuse.even` cuts a hit at most one prefill step (STEP) back to the group's shortest
     for prev, turn in zip(on[:2], on[1:3], strict=True):
-        assert turn["cached_tokens"] >= 0.9 * prev["prompt_tokens"]
+        assert turn["cached_tokens"] >= prev["prompt_tokens"] - STEP
     assert results[None]["last_vs_fresh"] is not None and results[None]["errors"]["total"] == 0
     assert "last turn / fresh TTFT" in _chat.format_level(results[None])
 
