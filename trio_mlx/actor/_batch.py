@@ -185,9 +185,12 @@ def set_prefill_chunk(bg: Any, tokens: int) -> None:
 # `CausalPrefill`), an unpadded prefill step's query runs padded to a power of two of at
 # least GRID_MIN tokens and cached prefixes are cut to multiples of GRID_PREFIX, so that
 # the shapes a server meets are few and recur; warm-up builds them up to
-# GRID_PREBUILD tokens of context (`_warmup.prebuild_prefill`).
+# GRID_PREBUILD tokens of context (`_warmup.prebuild_prefill`). A prefix grain of 512
+# against 1,024: twice the shapes to build (76, 6.3-6.6 s for the 1B on an H100, against
+# 39 in 2.3-4.0 s), and at 8 chat conversations the turns whose cut left one more chunk
+# took 685-759 ms against 889-934 (benchmarks/2026-11-24-h100/prefill-grid/).
 GRID_MIN = 128
-GRID_PREFIX = 1024
+GRID_PREFIX = 512
 GRID_PREBUILD = 8192
 
 
