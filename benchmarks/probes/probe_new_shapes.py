@@ -11,25 +11,13 @@ mask, a write into a preallocated KV buffer, and the whole model's prefill.
 """
 import statistics
 import sys
-import time
 
 import mlx.core as mx
+from gpu_timing import load, timed  # benchmarks/probes/, the script's folder
 from mlx_lm.models.cache import KVCache
 
-from trio_mlx.models import load_model
-
-model, config = load_model(sys.argv[1])
-layers = int(config["num_hidden_layers"])
-vocab = int(config["vocab_size"])
+model, layers, vocab = load(sys.argv[1])
 dt = mx.bfloat16
-
-
-def timed(fn):
-    mx.synchronize()
-    t0 = time.perf_counter()
-    mx.eval(fn())
-    mx.synchronize()
-    return 1e3 * (time.perf_counter() - t0)
 
 
 w = mx.random.normal((2048, 8192)).astype(dt)

@@ -1,0 +1,22 @@
+"""Shared by the GPU probes run as scripts (probe_new_shapes.py, probe_contiguous_kv.py): the
+model under test and a timer that waits for the device on both sides of the call."""
+import time
+
+import mlx.core as mx
+
+from trio_mlx.models import load_model
+
+
+def load(path: str):
+    """(model, layers, vocabulary size) of the model directory at `path`."""
+    model, config = load_model(path)
+    return model, int(config["num_hidden_layers"]), int(config["vocab_size"])
+
+
+def timed(fn) -> float:
+    """Milliseconds to build and evaluate `fn()`'s result, the device idle before and after."""
+    mx.synchronize()
+    t0 = time.perf_counter()
+    mx.eval(fn())
+    mx.synchronize()
+    return 1e3 * (time.perf_counter() - t0)
