@@ -5,8 +5,9 @@ without a host round trip per layer, read the decoding batch's row count for
 the step trace, read and reset the prompt-token counter per step, copy a
 decoding row's KV out for the prompt cache without a host round trip per
 layer (`copy_rows`), or give a prefill without padding the fused attention, on
-shapes that recur (`CausalPrefill`). Each helper names the private attribute it relies on; tests/test_mlx_lm_internals.py
-pins each behaviour, so an mlx-lm upgrade that changes one fails there first.
+shapes that recur (`CausalPrefill`). Each helper names the private attribute it
+relies on; tests/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
+upgrade that changes one fails there first.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ class CausalPrefill:
     contiguous arrays. MLX 0.32.4 builds a cuDNN graph for every prefill attention it
     meets, keyed by the query's and keys' shapes and strides; on an H100 the first call
     of a shape took 45-110 ms and the same again 0.6 ms, and a whole-model prefill of a
-    new shape 65-110 ms against 10 (benchmarks/probes/probe_new_shapes.py,
+    new shape 67-215 ms against 10-18 (benchmarks/probes/probe_new_shapes.py,
     probe_contiguous_kv.py). Every chat turn has lengths of its own, so each paid that
     build. Keys sliced out of a KV buffer carry the buffer's length in their strides,
     which depends on the cache's history; a contiguous copy's strides follow its shape
