@@ -26,9 +26,16 @@ def test_environment_variables_are_parsed_strictly():
     assert s.model_name is None and s.public()["api_key"] == "***"
     for var, value in [("TRIO_MLX_MAX_BATCH", "many"), ("TRIO_MLX_WARMUP", "perhaps"),
                        ("TRIO_MLX_STALL_TIMEOUT", "0"), ("TRIO_MLX_MAX_BATCH", "0"),
-                       ("TRIO_MLX_PING_INTERVAL", "nan"), ("TRIO_MLX_LOG_LEVEL", "loud")]:
+                       ("TRIO_MLX_PING_INTERVAL", "nan"), ("TRIO_MLX_LOG_LEVEL", "loud"),
+                       ("TRIO_MLX_PROMPT_CACHE_DISK_GB", "-1")]:
         with pytest.raises(ValueError, match=var.removeprefix("TRIO_MLX_").lower() + "|" + var):
             Settings.from_env({var: value})
+
+
+def test_the_prompt_caches_disk_tier_needs_a_single_rank():
+    assert Settings.from_env({"TRIO_MLX_PROMPT_CACHE_DISK_GB": "2"}).prompt_cache_disk_gb == 2.0
+    with pytest.raises(ValueError, match="prompt_cache_disk_gb needs a single rank"):
+        Settings(prompt_cache_disk_gb=2.0, distributed="tensor")
 
 
 def test_served_model_name():

@@ -4,6 +4,7 @@ the counts reach Usage, statistics, the OpenAI usage and /metrics."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -536,3 +537,59 @@ async def test_on_the_shape_grid_hits_are_cut_to_its_prefix_and_prefills_run_pad
     new = len(turn2) - 1 - f2.usage.cached_tokens  # the last prompt token enters with the first decode step
     assert shapes and set(shapes) == {(128, f2.usage.cached_tokens + 128)} and new <= 128
     assert [first, second] == await cold_runs(tiny_model_fp32, [(system, 12), (turn2, 12)])
+
+
+@pytest.mark.parametrize("actor", ["thread", "process"])
+async def test_a_restarted_engine_reads_its_entries_back_from_disk(tiny_model_fp32, tmp_path, actor):
+    """The disk tier (`actor/_disk_cache.py`): a clean stop writes the entries under
+    cache_dir/prompt-cache/<model>, the next start reads them back, and a follow-up after
+    the restart finds the last turn, with the cold run's tokens. A broken file there is
+    dropped, and the start goes on. The process actor writes from its own process."""
+    system = ids(300)
+    options = dict(max_batch=8, cache_dir=tmp_path, prompt_cache_disk_gb=1.0, actor=actor)
+    async with trio_mlx.open_engine(tiny_model_fp32, **options) as engine:
+        first, _, _ = await run(engine, system, max_tokens=12, **GREEDY)
+    (where,) = (tmp_path / "prompt-cache").iterdir()
+    assert sorted(f.suffix for f in where.iterdir()) == [".json", ".safetensors"]
+    (where / "broken.safetensors").write_bytes(b"not a cache")
+    outside = tmp_path / "keep.safetensors"
+    outside.write_bytes(b"not the cache's")
+    order = json.loads((where / "order.json").read_text())
+    (where / "order.json").write_text(json.dumps(["../../keep.safetensors", *order]))  # never followed
+    turn2 = system + first + ids(9, 3)
+    async with trio_mlx.open_engine(tiny_model_fp32, **options) as engine:
+        second, _, fin = await run(engine, turn2, max_tokens=12, **GREEDY)
+    assert fin.usage.cached_tokens == len(system) + len(first)
+    assert not (where / "broken.safetensors").exists() and outside.exists()
+    assert second == (await cold_runs(tiny_model_fp32, [(turn2, 12)]))[0]
+    # off by default, and another model reads another folder
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, cache_dir=tmp_path) as engine:
+        _, _, fin = await run(engine, turn2, max_tokens=2, **GREEDY)
+    assert fin.usage.cached_tokens == 0
+    from trio_mlx.actor._disk_cache import folder
+
+    assert folder(tmp_path / "prompt-cache", tiny_model_fp32) == where != folder(tmp_path / "prompt-cache", tmp_path)
+
+
+def test_the_disk_tier_keeps_the_newest_entries_that_fit_its_bound(tmp_path):
+    """Written newest first while they fit the disk bound, read back newest first while they
+    fit the cache's, in the order they were used."""
+    from trio_mlx.actor._disk_cache import load, save
+    from trio_mlx.actor._prompt_cache import PromptCache
+
+    cache = PromptCache(1 << 30)
+    entries = [tuple(ids(100 + 10 * i, 50 * i)) for i in range(3)]
+    for key in entries:
+        assert cache.store(key, layers(list(key)))
+    cache.fetch(entries[0])  # used last: the newest
+    sizes = {e.key: e.nbytes for e in cache.entries()}
+    assert save(cache, tmp_path, sizes[entries[0]] + sizes[entries[2]]) == 2
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    back = PromptCache(1 << 30)
+    assert load(back, tmp_path, 2) == 2
+    assert back.keys() == [entries[2], entries[0]]
+    newest = tmp_path / json.loads((tmp_path / "order.json").read_text())[-1]
+    small = PromptCache(newest.stat().st_size)  # room for the newest file only
+    assert load(small, tmp_path, 2) == 1 and small.keys() == [entries[0]]
+    assert load(PromptCache(1 << 30), tmp_path, 3) == 0  # a model of another depth: nothing fits
+    assert list(tmp_path.glob("*.safetensors")) == []  # and what does not fit the model is dropped

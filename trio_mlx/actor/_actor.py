@@ -24,12 +24,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from .. import models
+from . import _disk_cache as disk_cache
 from ._admission import Admission
 from ._batch import (
     GRID_PREBUILD,
@@ -159,6 +161,7 @@ class Actor:
                 self._warmup()
                 log.info("warm-up done in %.2f s", time.perf_counter() - t1)
             self._open_cache()
+            self._load_disk()
             info = ActorInfo(
                 model_type=str(config.get("model_type", "unknown")),
                 context_length=self._context,
@@ -172,6 +175,7 @@ class Actor:
             )
             self._link.ready(info)
             self._loop()
+            self._save_disk()  # a clean stop (Shutdown): keep the cache's newest entries
         finally:
             self._free()
 
@@ -200,6 +204,31 @@ class Actor:
         if limit and not plain_kv(self._model):
             limit = 0  # its cache cannot be cut back to a prefix: no reuse (`_batch.plain_kv`)
         self._reuse = Reuse(PromptCache(limit, pressure))
+
+    def _disk_folder(self) -> Path | None:
+        """Where the prompt cache's disk tier keeps this model's entries; None when off."""
+        c = self.config
+        if not c.prompt_cache_disk or not c.prompt_cache_disk_gb or not self._reuse.cache.enabled:
+            return None
+        return disk_cache.folder(Path(c.prompt_cache_disk), Path(c.model_path))
+
+    def _load_disk(self) -> None:
+        if (where := self._disk_folder()) is not None:
+            t0 = time.perf_counter()
+            n = disk_cache.load(self._reuse.cache, where, len(self._model.layers))
+            log.info("prompt cache: read %d entries (%.1f MB) from %s in %.2f s", n,
+                     self._reuse.cache.nbytes / 1e6, where, time.perf_counter() - t0)
+
+    def _save_disk(self) -> None:
+        if (where := self._disk_folder()) is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            n = disk_cache.save(self._reuse.cache, where, int(self.config.prompt_cache_disk_gb * 1e9))
+        except Exception as exc:  # a full or read-only disk: the stop goes on
+            log.warning("prompt cache: could not write %s (%s)", where, exc)
+            return
+        log.info("prompt cache: wrote %d entries to %s in %.2f s", n, where, time.perf_counter() - t0)
 
     def _hook(self, stage: str) -> None:
         if self.config.fault_hook is not None:

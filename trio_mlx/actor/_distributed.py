@@ -519,6 +519,9 @@ class LeaderActor(Actor):
     def _open_cache(self) -> None:
         self._reuse = open_group_cache(self._model, self._cache_bytes, self._pressure, leader=True)
 
+    def _disk_folder(self) -> Path | None:
+        return None  # no disk tier: every rank holds its own shard of the prompt cache, in lockstep
+
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
         """A GroupError fails the group here, before the actor's cleanup (which may wait on

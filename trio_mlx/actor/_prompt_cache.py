@@ -151,6 +151,10 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
+    def entries(self) -> list[_Entry]:
+        """The entries, least recently used first (the disk tier writes them)."""
+        return list(self._lru.values())
+
     def keys(self) -> list[tuple[int, ...]]:
         """The entries' token ids, least recently used first."""
         return [e.key for e in self._lru.values()]

@@ -65,6 +65,10 @@ class ActorConfig:
     # The prompt cache's bound in GB (`_prompt_cache.py`): None: from the device's memory
     # (a fifth of a GPU's, at most 1 GB on the CPU); 0: off.
     prompt_cache_gb: float | None = None
+    # The prompt cache's disk tier (`_disk_cache.py`): the folder its entries are kept
+    # under across restarts, and the most KV (GB) written there; None or 0: off.
+    prompt_cache_disk: str | None = None
+    prompt_cache_disk_gb: float = 0.0
     # A file the actor appends one line per step to (`_trace.StepTrace`); None: no trace.
     step_trace: str | None = None
     # Test-only: called on the actor thread with a stage name ("load", "loop",

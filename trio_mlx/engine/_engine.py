@@ -19,6 +19,7 @@ import ctypes
 import logging
 import math
 import os
+import pathlib
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -177,6 +178,7 @@ class Engine:
         cache_limit_gb: float | None = None,
         step_trace: str | None = None,
         prompt_cache_gb: float | None = None,
+        prompt_cache_disk_gb: float = 0.0,
         sampling_defaults: Mapping[str, Any] | None = None,
         restart_limit: int = 0,
         restart_window: float = 300.0,
@@ -206,6 +208,9 @@ class Engine:
         if retire_steps < 0 or any(v is not None and not (math.isfinite(v) and v >= 0)
                                    for v in (idle_release, cache_limit_gb, prompt_cache_gb)):
             raise ValueError("retire_steps, idle_release, prompt_cache_gb and cache_limit_gb must be >= 0")
+        if not (math.isfinite(prompt_cache_disk_gb) and prompt_cache_disk_gb >= 0):
+            raise ValueError(f"prompt_cache_disk_gb must be a finite number >= 0, not {prompt_cache_disk_gb!r}")
+        self._prompt_cache_disk_gb = prompt_cache_disk_gb
         # Actor knobs passed through as they are (`ActorConfig` documents each).
         self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, idle_release=idle_release,
                                   cache_limit_gb=cache_limit_gb, step_trace=step_trace,
@@ -296,6 +301,9 @@ class Engine:
             warmup=self._warmup,
             admit_window=self.admit_window,
             fault_hook=self._fault_hook,
+            prompt_cache_disk=str(pathlib.Path(self._cache_dir or models.default_cache_dir()) / "prompt-cache")
+            if self._prompt_cache_disk_gb else None,
+            prompt_cache_disk_gb=self._prompt_cache_disk_gb,
             **self._actor_tuning,
         )
         async with trio.open_nursery() as nursery:
@@ -1113,7 +1121,7 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
     Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
     switch_interval, actor ("thread" or "process"), admit_window, sampling_defaults (None:
     the model's generation_config.json), the actor knobs retire_steps, idle_release,
-    cache_limit_gb, step_trace, prompt_cache_gb (see `Engine`, `ActorConfig`), and
+    cache_limit_gb, step_trace, prompt_cache_gb, prompt_cache_disk_gb (see `Engine`, `ActorConfig`), and
     restart_limit, restart_window, restart_backoff (a dead actor restarted: `_supervise.py`)."""
     engine = Engine(model, **options)
     try:

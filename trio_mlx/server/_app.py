@@ -72,6 +72,7 @@ def _engine_options(settings: Settings) -> dict[str, Any]:
         cache_limit_gb=settings.cache_limit_gb,
         step_trace=settings.step_trace,
         prompt_cache_gb=settings.prompt_cache_gb,
+        prompt_cache_disk_gb=settings.prompt_cache_disk_gb,
         sampling_defaults=None if settings.generation_config == "auto" else {},
         restart_limit=settings.restart_limit,
         restart_window=settings.restart_window,

@@ -133,6 +133,10 @@ class Settings:
         "reused by requests that start alike (a chat's next turn, a shared system prompt); "
         "least recently used entries go first, and all of it before a request would run out of "
         "memory; unset: a fifth of a GPU's memory, at most 1 GB on the CPU; 0: off"))
+    prompt_cache_disk_gb: float = field(default=0.0, metadata=_doc(
+        "the most KV (GB) the prompt cache keeps on disk across restarts, under cache_dir/prompt-cache: "
+        "written when the server stops cleanly (newest entries first), read back after warm-up; "
+        "0: off; not with distributed"))
     step_trace: str | None = field(default=None, metadata=_doc(
         "append one tab-separated line per actor step (times, batch sizes) to this file; the other "
         "ranks of a distributed group append theirs to FILE.rankN on their own hosts"))
@@ -161,6 +165,8 @@ class Settings:
             zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window", "restart_backoff")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
+        if not (math.isfinite(self.prompt_cache_disk_gb) and self.prompt_cache_disk_gb >= 0):
+            raise ValueError(f"prompt_cache_disk_gb must be a finite number >= 0, got {self.prompt_cache_disk_gb}")
         for name in ("idle_release", "cache_limit_gb", "prompt_cache_gb"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
@@ -175,6 +181,9 @@ class Settings:
             raise ValueError(f"distributed_backend must be any, ring, jaccl, mpi or nccl, got {self.distributed_backend!r}")
         if not (math.isfinite(self.distributed_timeout) and self.distributed_timeout > 0):
             raise ValueError(f"distributed_timeout must be a finite number > 0, got {self.distributed_timeout}")
+        if self.distributed and self.prompt_cache_disk_gb:
+            raise ValueError("prompt_cache_disk_gb needs a single rank: each rank of a distributed group "
+                             "holds its own shard of the prompt cache")
         if self.distributed and self.actor != "thread":
             raise ValueError("distributed needs actor 'thread': rank 0's collectives run on its actor thread")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

@@ -1,0 +1,115 @@
+"""The prompt cache's disk tier: a restarted server finds its prompt cache's newest entries
+(long system prompts, conversations) warm instead of prefilling them again.
+
+Opt-in (`prompt_cache_disk_gb`). Entries are written when the actor stops cleanly and
+read back after warm-up, both on the actor thread: arrays never leave it, and writing
+while serving would stall decode steps for as long as the disk takes. One file per
+entry, written with mlx-lm's `save_prompt_cache` (safetensors, the token ids in its
+metadata) and read with `load_prompt_cache`, under a folder named by the model's identity
+(its resolved path, config.json, and its weight files' names, sizes and times), so that
+no model reads another's KV. A file that does not load, or does not hold one single-row
+`KVCache` per layer of exactly its tokens, is skipped and removed: a broken file never
+stops a start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+
+from ._prompt_cache import PromptCache
+
+log = logging.getLogger("trio_mlx.actor")
+SUFFIX = ".safetensors"
+ORDER = "order.json"  # the entries' file names, least recently used first
+_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
+
+
+def folder(base: Path, model_path: Path) -> Path:
+    """The folder under `base` that holds `model_path`'s entries."""
+    h = hashlib.sha256(str(model_path.resolve()).encode())
+    config = model_path / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for f in sorted(model_path.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return base / h.hexdigest()[:24]
+
+
+def _name(tokens: tuple[int, ...]) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:32] + SUFFIX
+
+
+def save(cache: PromptCache, where: Path, max_bytes: int) -> int:
+    """Write the cache's most recently used entries, up to `max_bytes` of KV, into `where`,
+    and their order (ORDER, oldest first); files of entries no longer kept are removed.
+    Returns how many it holds."""
+    where.mkdir(parents=True, exist_ok=True)
+    kept: list[Any] = []
+    total = 0
+    for entry in reversed(cache.entries()):  # the newest first
+        if total + entry.nbytes <= max_bytes:
+            kept.append(entry)
+            total += entry.nbytes
+    names = []
+    for entry in reversed(kept):  # oldest first
+        name = _name(entry.key)
+        names.append(name)
+        path = where / name
+        if not path.is_file():
+            tmp = where / ("tmp-" + name)
+            save_prompt_cache(str(tmp), entry.layers, {"tokens": json.dumps(entry.key)})
+            os.replace(tmp, path)
+    tmp = where / (ORDER + ".tmp")
+    tmp.write_text(json.dumps(names))
+    os.replace(tmp, where / ORDER)
+    for f in where.glob("*" + SUFFIX):
+        if f.name not in names:
+            f.unlink(missing_ok=True)
+    return len(kept)
+
+
+def load(cache: PromptCache, where: Path, layers: int) -> int:
+    """Read `where`'s entries into `cache`, the newest that fit its bound, stored oldest
+    first (so that the cache's order is the one written); returns how many it took."""
+    if not where.is_dir() or not cache.enabled:
+        return 0
+    try:
+        order = [n for n in json.loads((where / ORDER).read_text()) if isinstance(n, str) and _NAME.fullmatch(n)]
+    except (OSError, ValueError, TypeError):  # only names this module writes: never a path elsewhere
+        order = []
+    listed = set(order)
+    files = [where / n for n in order if (where / n).is_file()]
+    files = [f for f in sorted(where.glob("*" + SUFFIX)) if f.name not in listed] + files
+    fit: list[Path] = []
+    total = 0
+    for f in reversed(files):  # the newest first
+        size = f.stat().st_size
+        if total + size > cache.max_bytes:
+            break
+        fit.append(f)
+        total += size
+    taken = 0
+    for f in reversed(fit):
+        try:
+            kv, meta = load_prompt_cache(str(f), return_metadata=True)
+            tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
+            if len(kv) != layers or any(type(c) is not KVCache or c.keys is None or c.keys.shape[0] != 1
+                                        or c.offset != len(tokens) or c.keys.shape[2] != len(tokens) for c in kv):
+                raise ValueError("not one single-row KVCache per layer of its tokens")
+            mx.eval([a for c in kv for a in (c.keys, c.values)])
+        except Exception as exc:  # a broken or foreign file: skipped, and gone
+            log.warning("prompt cache: dropping %s (%s)", f.name, exc)
+            f.unlink(missing_ok=True)
+            continue
+        taken += cache.store(tokens, kv)
+    return taken
