@@ -43,7 +43,6 @@ def _step_until(bg: Any, done: Callable[[dict[int, int]], bool], uids: list[int]
     raise RuntimeError(f"warm-up: no progress after 64 steps ({generated})")
 
 
-
 def prebuild_prefill(forward: Any, layers: int, token: int, limit: int, sizes: list[int], stride: int) -> int:
     """Run, once each, the prefill shapes of the grid (`_batch.CausalPrefill`) that fit in
     `limit` tokens of context, for one row: a query of each length in `sizes` behind every

@@ -206,10 +206,9 @@ class Engine:
         self._switch_interval = switch_interval
         self._fault_hook = fault_hook
         if retire_steps < 0 or any(v is not None and not (math.isfinite(v) and v >= 0)
-                                   for v in (idle_release, cache_limit_gb, prompt_cache_gb)):
-            raise ValueError("retire_steps, idle_release, prompt_cache_gb and cache_limit_gb must be >= 0")
-        if not (math.isfinite(prompt_cache_disk_gb) and prompt_cache_disk_gb >= 0):
-            raise ValueError(f"prompt_cache_disk_gb must be a finite number >= 0, not {prompt_cache_disk_gb!r}")
+                                   for v in (idle_release, cache_limit_gb, prompt_cache_gb, prompt_cache_disk_gb)):
+            raise ValueError("retire_steps, idle_release, prompt_cache_gb, prompt_cache_disk_gb and cache_limit_gb "
+                             "must be >= 0")
         self._prompt_cache_disk_gb = prompt_cache_disk_gb
         # Actor knobs passed through as they are (`ActorConfig` documents each).
         self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, idle_release=idle_release,

@@ -165,9 +165,7 @@ class Settings:
             zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window", "restart_backoff")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
-        if not (math.isfinite(self.prompt_cache_disk_gb) and self.prompt_cache_disk_gb >= 0):
-            raise ValueError(f"prompt_cache_disk_gb must be a finite number >= 0, got {self.prompt_cache_disk_gb}")
-        for name in ("idle_release", "cache_limit_gb", "prompt_cache_gb"):
+        for name in ("idle_release", "cache_limit_gb", "prompt_cache_gb", "prompt_cache_disk_gb"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
