@@ -172,6 +172,7 @@ async def test_arrivals_during_decode_are_inserted_together(tiny_model_fp32, tmp
                     assert (await _drain(third)).finish_reason == "length"
             assert first.stage == "decode"
     rows = _trace(trace)
+    assert min(r["cpu_s"] for r in rows) >= 0 and sum(r["cpu_s"] for r in rows) > 0  # the actor thread's CPU
     inserted = [int(r["inserted"]) for r in rows if r["inserted"]]
     assert inserted == [1, 2], inserted  # the long one alone, then second and third in one step
 

@@ -341,6 +341,7 @@ def test_limit_mode_on_the_tiny_model(tiny_model: Path, tmp_path: Path, monkeypa
     assert sum(r["generated"] for r in rows) == 2 * 6 * 8
     assert sum(r["inserted"] for r in rows) == 2 * 6
     assert sum(r["prompt_tokens"] for r in rows) > 0 and max(r["rows"] for r in rows) == 4
+    assert min(r["cpu_s"] for r in rows) >= 0 and sum(r["cpu_s"] for r in rows) > 0  # the stepping thread's
 
 
 def test_engine_mode_runs_the_same_prompts_through_the_channel_api(tiny_model: Path, tmp_path: Path) -> None:

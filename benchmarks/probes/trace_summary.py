@@ -4,7 +4,8 @@
 
 Each row of a trace is one step (see `_actor._StepTrace`). Per concurrency
 level (a steady decode step's row count, rounded up to 1/8/32/64/128/256),
-prints for the server: the median decode step, the time between steps spent
+prints for the server: the median decode step, its loop's period, exchange and
+CPU (the turn from one decode step to the next), the time between steps spent
 outside `next()` and the exchange (the actor's own work: inserting, removing
 rows), split into steps that removed rows and the rest; and, given the
 ceiling's trace, its median decode step at the same level. A server whose
@@ -20,8 +21,8 @@ import sys
 
 LEVELS = (1, 8, 32, 64, 128, 256)
 # the columns read here, by the names of the trace's own header line (`_StepTrace.HEADER`)
-T, EXCHANGE, NEXT, INSERTED, GENERATED, PROMPT, LIVE, RETIRED = (
-    "t", "exchange_s", "next_s", "inserted", "generated", "prompt_tokens", "live", "retired")
+T, EXCHANGE, NEXT, INSERTED, GENERATED, PROMPT, LIVE, RETIRED, CPU = (
+    "t", "exchange_s", "next_s", "inserted", "generated", "prompt_tokens", "live", "retired", "cpu_s")
 
 
 def load(path: str) -> list[dict[str, float]]:
@@ -50,6 +51,25 @@ def decode_steps(trace: list[dict[str, float]]) -> dict[int, list[float]]:
     return out
 
 
+def decode_loops(trace: list[dict[str, float]]) -> dict[int, dict[str, list[float]]]:
+    """The same plain decode steps seen as turns of the actor's loop, ms by level: the
+    period (this step's start to the next's), the exchange before it, and the stepping
+    thread's CPU over the turn (traces that have it). CPU well below the period is a
+    turn that waited (for the GPU, the event loop or the GIL)."""
+    out: dict[int, dict[str, list[float]]] = {}
+    for a, b in zip(trace, trace[1:], strict=False):
+        if a[PROMPT] or a[INSERTED] or not a[GENERATED] or b[T] - a[T] > 1.0:
+            continue
+        lv = level(a[GENERATED])
+        if a[GENERATED] >= 0.9 * lv:
+            d = out.setdefault(lv, {})
+            d.setdefault("period", []).append((b[T] - a[T]) * 1e3)
+            d.setdefault("exchange", []).append(b[EXCHANGE] * 1e3)
+            if CPU in b:
+                d.setdefault("cpu", []).append(b[CPU] * 1e3)
+    return out
+
+
 def own_work(trace: list[dict[str, float]]) -> dict[int, dict[str, list[float]]]:
     """ms between one step's `next()` and the next step's, less the exchange, by level and
     by whether the actor removed rows before the step (retired rows were waiting)."""
@@ -67,7 +87,7 @@ def own_work(trace: list[dict[str, float]]) -> dict[int, dict[str, list[float]]]
 def main() -> None:
     server = load(sys.argv[1])
     ceiling = decode_steps(load(sys.argv[2])) if len(sys.argv) > 2 else {}
-    steps, work = decode_steps(server), own_work(server)
+    steps, work, loops = decode_steps(server), own_work(server), decode_loops(server)
     for lv in LEVELS:
         if lv not in steps:
             continue
@@ -75,6 +95,8 @@ def main() -> None:
         if lv in ceiling:
             ratio = statistics.median(steps[lv]) / statistics.median(ceiling[lv])
             line += f" (ceiling {statistics.median(ceiling[lv]):.2f}, x{ratio:.2f})"
+        for kind, ms in loops.get(lv, {}).items():
+            line += f"; {kind} p50 {statistics.median(ms):.2f}"
         for kind, ms in sorted(work.get(lv, {}).items()):
             line += f"; {kind}: {len(ms)} steps, p50 {statistics.median(ms):.2f} ms, {sum(ms) / 1e3:.2f} s"
         print(line)

@@ -3,6 +3,8 @@ finding where a step's time goes. The ceiling of `trio-mlx bench --limit` writes
 
 from __future__ import annotations
 
+import time
+
 from ._protocol import StepReport
 
 
@@ -10,13 +12,16 @@ class StepTrace:
     """One line per step: wall time, seconds waiting on the engine (the exchange),
     seconds in `BatchGenerator.next()`, sequences inserted this step, tokens
     generated, prompt tokens prefilled, live sequences, finished sequences
-    whose rows are still in the batch (retired), and the decoding batch's rows."""
+    whose rows are still in the batch (retired), the decoding batch's rows, and the
+    stepping thread's CPU seconds since the last line (beside the wall time, it tells
+    a step that computed from one that waited: for the GPU, or for the GIL)."""
 
-    HEADER = "t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\tretired\trows\n"
+    HEADER = "t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\tretired\trows\tcpu_s\n"
 
     def __init__(self, path: str):
         self._f = open(path, "a", buffering=1 << 16)  # closed in close()
         self._f.write(self.HEADER)
+        self._cpu: float | None = None  # the stepping thread's, from its first line on
 
     def write(self, t: float, exchange: float, report: StepReport, inserted: int, retired: int,
               rows: int) -> None:
@@ -26,8 +31,10 @@ class StepTrace:
     def row(self, t: float, exchange: float, next_s: float, inserted: int, generated: int,
             prompt_tokens: int, live: int, retired: int, rows: int) -> None:
         """One line, whoever steps (the ceiling of `trio-mlx bench --limit` writes these too)."""
+        now = time.thread_time()
+        cpu, self._cpu = (now if self._cpu is None else self._cpu), now
         self._f.write(f"{t:.6f}\t{exchange:.6f}\t{next_s:.6f}\t{inserted}\t{generated}\t"
-                      f"{prompt_tokens}\t{live}\t{retired}\t{rows}\n")
+                      f"{prompt_tokens}\t{live}\t{retired}\t{rows}\t{now - cpu:.6f}\n")
 
     def close(self) -> None:
         self._f.close()
