@@ -468,6 +468,9 @@ class _Script:
     def check(self) -> None:
         pass
 
+    def built(self) -> None:
+        pass
+
     def exchange(self, report: Any) -> list[Any]:
         from trio_mlx.actor._protocol import Shutdown
 

@@ -193,8 +193,8 @@ async def test_max_batch_caps_the_decoding_batch_whatever_the_prefill_batch(tiny
             nursery.start_soon(watch)
             for p in PROMPTS[:3]:
                 nursery.start_soon(functools.partial(run, engine, p, max_tokens=40, ignore_eos=True))
-            await until(lambda: engine.statistics().decoding == 2)
-            assert engine.statistics().queued == 1
+            # the third waits while two decode (it may reach the engine after they start)
+            await until(lambda: engine.statistics().decoding == 2 and engine.statistics().queued == 1)
             await until(lambda: engine.statistics().requests_finished == 3, seconds=30)
             nursery.cancel_scope.cancel()
         assert widest == 2

@@ -223,11 +223,12 @@ async def test_an_abort_while_decoding_stores_its_prompt_but_not_its_answer(tiny
 
 
 async def test_a_failed_step_empties_the_cache_and_serving_goes_on(tiny_model_fp32):
-    armed = threading.Event()
+    armed, fired = threading.Event(), threading.Event()
 
     def hook(stage: str) -> None:
-        if stage == "step" and armed.is_set():
-            armed.clear()
+        # once: tokens the reader takes after the failed step must not arm it again
+        if stage == "step" and armed.is_set() and not fired.is_set():
+            fired.set()
             raise RuntimeError("injected step fault")
 
     prompt = ids(300, 13)

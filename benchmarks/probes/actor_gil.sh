@@ -2,8 +2,10 @@
 # Thread actor against process actor, with the step traces kept: where a thread actor's
 # turns lose time (docs/design.md, rule 7). On a GPU host, from the repository root:
 #
-#   benchmarks/probes/actor_gil.sh OUT [thread|process ...]
+#   benchmarks/probes/actor_gil.sh OUT RUN...
 #
+# A RUN is `thread` or `process`, or NAME:ACTOR[:VAR=VALUE...] for a run named NAME
+# with environment variables of its own (an experiment's switch).
 # Builds the 1B shape (bf16) under /root/model-1b unless there, runs
 # probe_step_python.py (how long a decode step holds the GIL) unless PROBE=0, then
 # serves with each actor in the order given and loads it with `trio-mlx bench`
@@ -21,9 +23,11 @@ if [ "${PROBE:-1}" = 1 ]; then
   grep '^rows' "$out/probe_step_python.txt" | tee -a "$out/summary.txt"
 fi
 i=0
-for actor in "${order[@]}"; do
-  i=$((i+1)); name="$actor-$i"; t0=$(date +%s)
-  TRIO_MLX_STEP_TRACE="$out/trace-$name.tsv" $py -m trio_mlx.cli serve --model "$dir" --port $port \
+for run in "${order[@]}"; do
+  IFS=: read -r -a parts <<<"$run"
+  if [ ${#parts[@]} -gt 1 ]; then label=${parts[0]}; actor=${parts[1]}; envs=("${parts[@]:2}"); else label=$run; actor=$run; envs=(); fi
+  i=$((i+1)); name="$label-$i"; t0=$(date +%s)
+  env "${envs[@]}" TRIO_MLX_STEP_TRACE="$out/trace-$name.tsv" $py -m trio_mlx.cli serve --model "$dir" --port $port \
     --max-batch 256 --actor "$actor" --no-access-log >"$out/$name.log" 2>&1 &
   pid=$!
   for ((k=0;k<600;k++)); do curl -sf -o /dev/null --max-time 2 http://127.0.0.1:$port/ready && break; kill -0 $pid || break; sleep 0.5; done

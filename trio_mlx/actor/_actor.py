@@ -236,7 +236,7 @@ class Actor:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            CausalPrefill(self._model, self._grid),  # type: ignore[arg-type]  # called and read as the model
+            CausalPrefill(self._model, self._grid, self._link and self._link.built),  # type: ignore[arg-type]  # called and read as the model
             max_tokens=1,
             completion_batch_size=self.config.max_batch,
             prefill_batch_size=self.config.prefill_batch,
@@ -410,6 +410,7 @@ class Actor:
         link, admission = self._link, self._arrivals()
         commands = link.exchange(report)
         if not commands and not self._busy():
+            link.built()  # no step to build: the event loop need not wait for one
             if not admission.pending:
                 commands = self._idle()
             elif hold := admission.hold(time.perf_counter()):
@@ -557,6 +558,7 @@ class Actor:
 
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
         if not self._seqs:
+            self._link.built()  # likewise
             return StepReport(failed=tuple(failed), live=len(self._admission.pending), memory=_memory())
         assert self._bg is not None
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ upgrade that changes one fails there first.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -241,18 +242,28 @@ class CausalPrefill:
     build. Keys sliced out of a KV buffer carry the buffer's length in their strides,
     which depends on the cache's history; a contiguous copy's strides follow its shape
     alone, so a shape built once (in warm-up) is found again.
+
+    `built`, if given, is called as each forward returns: the step's graph is built, and
+    what is left of the step waits on the device (`_link.ThreadLink`).
     """
 
-    __slots__ = ("_model", "grid")
+    __slots__ = ("_model", "grid", "_built")
 
-    def __init__(self, model: Any, grid: bool = False):
+    def __init__(self, model: Any, grid: bool = False, built: Callable[[], None] | None = None):
         self._model = model
         self.grid = grid
+        self._built = built
 
     def __getattr__(self, name: str) -> Any:  # the BatchGenerator reads `layers`, `make_cache`
         return getattr(self._model, name)
 
     def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
+        out = self._forward(inputs, cache, **kwargs)
+        if self._built is not None:
+            self._built()
+        return out
+
+    def _forward(self, inputs: Any, cache: Any, **kwargs: Any) -> Any:
         first: Any = cache[0] if cache else None
         if not (inputs.shape[1] > 1 and type(first) is BatchKVCache and not any(_host_list(first.left_padding))):
             return self._model(inputs, cache=cache, **kwargs)

@@ -444,6 +444,9 @@ class _BeatingLink:
     def check(self) -> None:
         self._link.check()
 
+    def built(self) -> None:
+        self._link.built()
+
     def wait_commands(self, timeout: float | None = None) -> list[Command]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -65,6 +65,9 @@ class _NoLink:
     def check(self) -> None:
         pass
 
+    def built(self) -> None:
+        pass
+
 
 class FollowerActor(Actor):
     """The actor on a rank other than 0 (module docstring)."""

@@ -145,6 +145,9 @@ class PipeLink:
     def check(self) -> None:
         pass  # cancellation reaches the child as Shutdown or end of file
 
+    def built(self) -> None:
+        pass  # the event loop has a GIL of its own
+
     def died(self, exc: BaseException) -> None:
         try:
             self._write(("died", type(exc).__name__, str(exc)))

@@ -8,8 +8,9 @@ entry, then iterate `TextDelta` events and one terminal `Finished`. Leaving
 the `async with` early, for any reason, sends an abort the actor applies
 before its next decode step.
 
-All registry state lives on the trio thread and is touched by the actor only
-through `exchange()`, which the actor calls once per step; no locks.
+All registry state lives on the trio thread; the actor's link reaches it there
+(`deliver()` with each step's report, `drain_commands()` for what the actor is
+to apply), never from the actor's thread; no locks.
 """
 
 from __future__ import annotations
@@ -247,6 +248,9 @@ class Engine:
         self._actor_error: BaseException | None = None
         self._inbox_send: trio.MemorySendChannel[Command] | None = None
         self._inbox_recv: trio.MemoryReceiveChannel[Command] | None = None
+        # Called on the trio thread after each command queued for the actor: a thread actor's
+        # link takes commands as they come (`actor._link.ThreadLink`); None otherwise.
+        self.on_command: Callable[[], None] | None = None
         # A distributed group's status (`actor/_group.GroupStatus`) when this engine is rank 0
         # of one (`engine/_distributed.py`); None on a single device.
         self.group: Any = None
@@ -333,7 +337,10 @@ class Engine:
 
             factory: Any = Actor if self.actor_mode == "thread" else self.actor_mode
             actor = factory(config, ThreadLink(self))
-            await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
+            try:
+                await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
+            finally:
+                self.on_command = None  # that link's actor is gone: a new one brings its own
 
     async def _run_actor(self, config: Any) -> None:
         """Run the actor; one that dies while serving is started again within the restart
@@ -429,11 +436,10 @@ class Engine:
                 with trio.move_on_after(drain_timeout):
                     await self._idle.wait()
             self._fail_all(_Terminal("abort", "the server is shutting down"))
-            if self._inbox_send is not None:
-                try:
-                    self._inbox_send.send_nowait(Shutdown())
-                except trio.ClosedResourceError:
-                    pass
+            try:
+                self._to_actor(Shutdown())
+            except trio.ClosedResourceError:
+                pass
         await self._actor_done.wait()
 
     # -- called by the actor, on the trio thread -------------------------------
@@ -453,9 +459,10 @@ class Engine:
             first = await self._inbox_recv.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             return [Shutdown()]
-        return [first, *self._drain_inbox()]
+        return [first, *self.drain_commands()]
 
-    def _drain_inbox(self) -> list[Command]:
+    def drain_commands(self) -> list[Command]:
+        """The commands queued for the actor, taken out of the inbox (a Shutdown once it is closed)."""
         assert self._inbox_recv is not None
         out: list[Command] = []
         while True:
@@ -466,11 +473,6 @@ class Engine:
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 out.append(Shutdown())
                 return out
-
-    def exchange(self, report: StepReport) -> list[Command]:
-        """Deliver one step's events and collect new commands: the one crossing per step."""
-        self.deliver(report)
-        return self._drain_inbox()
 
     def deliver(self, report: StepReport) -> None:
         """Hand one step's tokens to their requests; update stages and counters."""
@@ -557,11 +559,18 @@ class Engine:
         self._c.aborts += 1
         self._c.aborts_by_stage[req.stage] += 1
         self._c.aborts_by_cause[cause] += 1
-        if self._inbox_send is not None:
-            try:
-                self._inbox_send.send_nowait(Abort(req.rid))
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                pass
+        try:
+            self._to_actor(Abort(req.rid))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def _to_actor(self, command: Command) -> None:
+        """Queue a command for the actor, and tell its link (`on_command`) if it listens."""
+        if self._inbox_send is None:
+            return
+        self._inbox_send.send_nowait(command)
+        if self.on_command is not None:
+            self.on_command()
 
     def _check_open(self) -> None:
         if self.state == "ready":
@@ -596,7 +605,7 @@ class Engine:
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._c.submitted += 1
         assert self._inbox_send is not None
-        self._inbox_send.send_nowait(Submit(rid, tuple(prompt), max_tokens, sampling, stops, grammar))
+        self._to_actor(Submit(rid, tuple(prompt), max_tokens, sampling, stops, grammar))
         return req
 
     # -- public API ------------------------------------------------------------
