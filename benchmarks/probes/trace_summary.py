@@ -39,14 +39,20 @@ def level(rows: float) -> int:
     return LEVELS[min(bisect.bisect_left(LEVELS, rows), len(LEVELS) - 1)]
 
 
+def plain_decode(r: dict[str, float]) -> int | None:
+    """The level of a plain decode step (no prompt tokens, no insertion) whose batch is
+    near its level's width; None for any other step."""
+    if r[PROMPT] or r[INSERTED] or not r[GENERATED]:
+        return None
+    lv = level(r[GENERATED])
+    return lv if r[GENERATED] >= 0.9 * lv else None
+
+
 def decode_steps(trace: list[dict[str, float]]) -> dict[int, list[float]]:
     """Plain decode steps with the batch near its level's width: ms by level."""
     out: dict[int, list[float]] = {}
     for r in trace:
-        if r[PROMPT] or r[INSERTED] or not r[GENERATED]:
-            continue
-        lv = level(r[GENERATED])
-        if r[GENERATED] >= 0.9 * lv:
+        if (lv := plain_decode(r)) is not None:
             out.setdefault(lv, []).append(r[NEXT] * 1e3)
     return out
 
@@ -58,10 +64,7 @@ def decode_loops(trace: list[dict[str, float]]) -> dict[int, dict[str, list[floa
     turn that waited (for the GPU, the event loop or the GIL)."""
     out: dict[int, dict[str, list[float]]] = {}
     for a, b in zip(trace, trace[1:], strict=False):
-        if a[PROMPT] or a[INSERTED] or not a[GENERATED] or b[T] - a[T] > 1.0:
-            continue
-        lv = level(a[GENERATED])
-        if a[GENERATED] >= 0.9 * lv:
+        if (lv := plain_decode(a)) is not None and b[T] - a[T] <= 1.0:
             d = out.setdefault(lv, {})
             d.setdefault("period", []).append((b[T] - a[T]) * 1e3)
             d.setdefault("exchange", []).append(b[EXCHANGE] * 1e3)

@@ -74,12 +74,14 @@ class ThreadLink:
     taken the one before, so the loop is never more than a step behind. Its commands
     come through `on_command`: when the engine queues one (on the trio thread), the
     link drains the engine's inbox into a deque the actor reads between steps, as the
-    process actor reads its pipe, once the loop has run its current tasks. Measured on an H100 (1B, c=256, rounds in opposite
-    orders; benchmarks/2026-11-24-h100/thread-gil/): with one synchronous crossing per
-    step the thread actor served 0.77 of the process actor's tokens, with the wait for
-    the build 0.83-0.87, and with both the wait and the report handed over ahead 0.93;
-    handing reports over ahead without the wait had served what the synchronous
-    crossing did (benchmarks/2026-11-24-h100/thread-link/).
+    process actor reads its pipe, once the loop has run its current tasks.
+
+    Measured on an H100 (1B, c=256, rounds in opposite orders;
+    benchmarks/2026-11-24-h100/thread-gil/): with one synchronous crossing per step the
+    thread actor served 0.77-0.79 of the process actor's tokens, with the wait for the
+    build 0.83-0.87, and with this link 0.84-0.93 (two machines); handing reports over
+    ahead without the wait had served what the synchronous crossing did
+    (benchmarks/2026-11-24-h100/thread-link/).
     """
 
     def __init__(self, port: ActorPort):
@@ -92,18 +94,14 @@ class ThreadLink:
         self._failure: BaseException | None = None  # what the engine raised taking it in
         self._commands: deque[Command] = deque()  # filled on the trio thread, read on the actor's
         self._arrived = threading.Event()
-        self._flush_due = False
         port.on_command = self._on_command
 
     def _on_command(self) -> None:
         """On the trio thread, as the engine queues a command: hand over, once the loop's
         current tasks have run, whatever they queued (arrivals of one moment enter together)."""
-        if not self._flush_due:
-            self._flush_due = True
-            self._token.run_sync_soon(self._flush)
+        self._token.run_sync_soon(self._flush, idempotent=True)  # one flush for the lot
 
     def _flush(self) -> None:
-        self._flush_due = False
         self._commands.extend(self._port.drain_commands())
         self._arrived.set()
 
