@@ -309,6 +309,42 @@ async def test_long_prompts_prefill_in_chunks_that_bound_attention_scratch(tiny_
     assert len(per_step) >= 5
 
 
+async def test_on_the_shape_grid_unpadded_prompts_prefill_whole(tiny_model_fp32, tmp_path, monkeypatch):
+    """On the shape grid (CUDA's, forced here), a prefill step without left padding takes
+    the fused attention, which materializes no scores: the actor leaves its chunk whole
+    whatever ATTENTION_SCRATCH says (`_batch.CausalPrefill` bounds the padded steps), and
+    the tokens are the bounded run's."""
+    from trio_mlx.actor import _actor, _batch
+
+    prompts = [[5 + (7 * i + 13 * k) % 400 for i in range(600)] for k in range(4)]
+    opts = dict(temperature=0, ignore_eos=True, max_tokens=6)
+    monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", 5_000_000)
+
+    async def serve_all(grid: bool) -> tuple[list[list[int]], list[dict[str, float]]]:
+        monkeypatch.setattr(_actor, "prefill_grid", lambda: grid)
+        out: list[list[int]] = [[] for _ in prompts]
+        trace = tmp_path / f"trace-{grid}.tsv"
+        async with trio_mlx.open_engine(tiny_model_fp32, step_trace=str(trace), max_batch=8, prefill_batch=4,
+                                        prefill_step=1024, prompt_cache_gb=0, warmup=False) as engine:
+            async def one(k: int) -> None:
+                async with engine.generate(prompts[k], **opts) as events:
+                    async for ev in events:
+                        if isinstance(ev, trio_mlx.TextDelta):
+                            out[k].extend(ev.token_ids)
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    for k in range(len(prompts)):
+                        nursery.start_soon(one, k)
+        return out, _trace(trace)
+
+    on_grid, rows = await serve_all(True)
+    cut, rows_cut = await serve_all(False)
+    assert on_grid == cut and all(len(t) == 6 for t in on_grid)
+    assert max(r["prompt_tokens"] for r in rows_cut) <= 512
+    assert max(r["prompt_tokens"] for r in rows) == 4 * 599  # all four whole, in one step
+
+
 def test_the_prefill_chunk_follows_prompts_context_and_heads():
     from trio_mlx.actor._batch import prefill_chunk
 
@@ -318,3 +354,12 @@ def test_the_prefill_chunk_follows_prompts_context_and_heads():
     assert prefill_chunk(2048, 8, 8192, 32, 1 << 20) == 128  # never under 128
     assert prefill_chunk(100, 8, 8192, 32, 1 << 20) == 100  # nor over the configured step
     assert prefill_chunk(2048, 0, 0, 32, 4 * gib) == 2048
+
+
+def test_the_grid_pads_a_query_to_a_power_of_two_then_to_a_multiple_of_512():
+    from trio_mlx.actor._batch import grid_length, grid_sizes
+
+    assert [grid_length(n) for n in (1, 128, 129, 300, 512)] == [128, 128, 256, 512, 512]
+    assert [grid_length(n) for n in (513, 1024, 1351, 2048)] == [1024, 1024, 1536, 2048]  # a chat turn: 1,536
+    assert grid_sizes(2048) == [128, 256, 512, 1024, 1536, 2048]
+    assert grid_sizes(1000) == [128, 256, 512, 1024]

@@ -237,14 +237,62 @@ def test_causal_prefill_is_the_array_masks_prefill_where_no_row_is_left_padded(t
     assert set(masks) == {"causal"}
 
 
-def test_a_grid_prefill_generates_what_the_stock_one_does(tiny_model_fp32):
+def test_on_the_grid_a_left_padded_prefill_runs_in_chunks_its_scores_allow(tiny_model_fp32, monkeypatch):
+    """A prefill step with left padding (mlx_lm's array mask: MLX materializes its scores) on
+    the grid, where the actor leaves chunks whole: `CausalPrefill` runs it in chunks that
+    `prefill_chunk` allows for its heads, and the KV and the next step's logits are the
+    unchunked step's."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, config = _models.load_model(tiny_model_fp32)
+    layers, heads = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+    queries: list[int] = []
+    sdpa = llama.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        queries.append(q.shape[2])
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", spy)
+    # 2 rows x 4 heads x 600 keys x 4 bytes: 2 MB of scores hold 200 query tokens, cut to 128
+    monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", 2_000_000)
+
+    def run(forward) -> tuple[mx.array, list[mx.array]]:
+        caches = [BatchKVCache([0, 5]) for _ in range(layers)]
+        forward(mx.array([[5 + (7 * i + r) % 400 for i in range(40)] for r in range(2)]), cache=caches)
+        forward(mx.array([[9 + (3 * i + r) % 400 for i in range(500)] for r in range(2)]), cache=caches)
+        out = forward(mx.array([[11, 12], [13, 14]]), cache=caches)
+        mx.eval(out)
+        return out, [c.keys[..., : c._idx, :] for c in caches]
+
+    base, base_keys = run(model)
+    queries.clear()
+    got, keys = run(_batch.CausalPrefill(model, grid=True, heads=heads))
+    assert queries == [40] * layers + [128] * 3 * layers + [116] * layers + [2] * layers
+    assert mx.allclose(base, got, atol=1e-4).item()
+    assert all(mx.allclose(a, b, atol=1e-4).item() for a, b in zip(base_keys, keys, strict=True))
+
+
+def test_a_grid_prefill_generates_what_the_stock_one_does(tiny_model_fp32, monkeypatch):
     """A BatchGenerator over `CausalPrefill(model, grid=True)`: prompts of different lengths
     (mlx_lm's own right padding, rolled away after), a hit on a cached prefix, chunked
-    prompts: every greedy token is the stock generator's, and no cache keeps the override."""
+    prompts: every greedy token is the stock generator's, and no cache keeps the override.
+    A prefill step of several rows calls MLX's fused attention one row at a time (the
+    one-row shapes warm-up builds), and the function is MLX's own again after."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
     model, _ = _models.load_model(tiny_model_fp32)
+    rows: list[tuple[int, int]] = []  # (rows, query length) of each fused attention call
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def spy(queries, *args, **kwargs):
+        rows.append((queries.shape[0], queries.shape[2]))
+        return sdpa(queries, *args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
 
     def tokens(forward) -> dict[int, list[int]]:
         bg = BatchGenerator(forward, max_tokens=12, completion_batch_size=8, prefill_batch_size=4,
@@ -265,7 +313,11 @@ def test_a_grid_prefill_generates_what_the_stock_one_does(tiny_model_fp32):
         return {k: out[k] for k in [*uids, hit]}
 
     stock = tokens(model)
+    assert {n for n, q in rows if q > 1} == {1, 3}  # stock: the three prompts in one call, then the hit
+    rows.clear()
     assert list(tokens(_batch.CausalPrefill(model, grid=True)).values()) == list(stock.values())
+    assert {n for n, q in rows if q > 1} == {1} and 3 in {n for n, q in rows if q == 1}  # decode steps stay one call
+    assert mx.fast.scaled_dot_product_attention is spy
 
 
 def test_the_warm_up_runs_every_grid_shape_once(tiny_model_fp32, monkeypatch):

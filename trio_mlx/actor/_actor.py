@@ -236,7 +236,7 @@ class Actor:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            CausalPrefill(self._model, self._grid, self._link and self._link.built),  # type: ignore[arg-type]  # called and read as the model
+            CausalPrefill(self._model, self._grid, self._link and self._link.built, self._heads),  # type: ignore[arg-type]  # called and read as the model
             max_tokens=1,
             completion_batch_size=self.config.max_batch,
             prefill_batch_size=self.config.prefill_batch,
@@ -611,7 +611,10 @@ class Actor:
         )
 
     def _cut_prefill(self) -> None:
-        """Bound the next prefill step's attention scratch by the prompts in the batch."""
+        """Bound the next prefill step's attention scratch by the prompts in the batch; on the
+        shape grid the model does, for the steps that materialize scores (`CausalPrefill`)."""
+        if self._grid:
+            return
         prompts = [s.prompt_len for s in self._seqs.values() if s.stage != "decode"]
         set_prefill_chunk(self._bg, prefill_chunk(self.config.prefill_step, len(prompts), max(prompts), self._heads))
 

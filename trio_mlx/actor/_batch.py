@@ -184,14 +184,21 @@ def set_prefill_chunk(bg: Any, tokens: int) -> None:
 
 
 # On CUDA, where MLX builds a cuDNN attention graph for every new prefill shape (see
-# `CausalPrefill`), an unpadded prefill step's query runs padded to a power of two of at
-# least GRID_MIN tokens and cached prefixes are cut to multiples of GRID_PREFIX, so that
-# the shapes a server meets are few and recur; warm-up builds them up to
-# GRID_PREBUILD tokens of context (`_warmup.prebuild_prefill`). A prefix grain of 512
-# against 1,024: twice the shapes to build (76, 6.3-6.6 s for the 1B on an H100, against
-# 39 in 2.3-4.0 s), and at 8 chat conversations the turns whose cut left one more chunk
-# took 685-759 ms against 889-934 (benchmarks/2026-11-24-h100/prefill-grid/).
+# `CausalPrefill`), an unpadded prefill step's query runs padded on the right to a power
+# of two of at least GRID_MIN tokens, and above GRID_QUERY to a multiple of it; cached
+# prefixes are cut to multiples of GRID_PREFIX, so that the shapes a server meets are few
+# and recur; warm-up builds them for one row up to GRID_PREBUILD tokens of context
+# (`_warmup.prebuild_prefill`), and a step of several rows runs its attention one row at a
+# time, on those shapes. A prefix grain of 512 against 1,024: twice the shapes to build
+# (76, 6.3-6.6 s for the 1B on an H100, against 39 in 2.3-4.0 s), and at 8 chat
+# conversations the turns whose cut left one more chunk took 685-759 ms against 889-934
+# (benchmarks/2026-11-24-h100/prefill-grid/). A query grain of 512 above 512 rather than
+# powers of two: a chat turn's ~1,350 new tokens run as 1,536, not 2,048 (25% fewer
+# tokens through the MLP). The probe of groups of 2-8 such follow-ups gave 88 ms against
+# 107 on one H100 and 97 against 93 on another; the chat benchmark, with the changes of
+# benchmarks/2026-11-24-h100/row-attention/ together, is where it shows.
 GRID_MIN = 128
+GRID_QUERY = 512
 GRID_PREFIX = 512
 GRID_PREBUILD = 8192
 
@@ -204,6 +211,8 @@ def prefill_grid() -> bool:
 
 def grid_length(n: int) -> int:
     """The query length an unpadded prefill step of `n` tokens runs at on the grid."""
+    if n > GRID_QUERY:
+        return -(-n // GRID_QUERY) * GRID_QUERY
     return max(GRID_MIN, 1 << (n - 1).bit_length())
 
 
@@ -212,7 +221,7 @@ def grid_sizes(step: int) -> list[int]:
     out, n = [], GRID_MIN
     while n <= grid_length(step):
         out.append(n)
-        n *= 2
+        n = 2 * n if n < GRID_QUERY else n + GRID_QUERY
     return out
 
 
@@ -241,18 +250,36 @@ class CausalPrefill:
     probe_contiguous_kv.py). Every chat turn has lengths of its own, so each paid that
     build. Keys sliced out of a KV buffer carry the buffer's length in their strides,
     which depends on the cache's history; a contiguous copy's strides follow its shape
-    alone, so a shape built once (in warm-up) is found again.
+    alone, so a shape built once (in warm-up) is found again. Warm-up builds one row's
+    shapes; a step of several rows (a group of follow-ups entering together) would meet
+    a new graph for each row count, so its attention runs one row at a time on those:
+    `mx.fast.scaled_dot_product_attention` is swapped for `_row_attention`, the same
+    function per row, while the forward runs (mlx_lm's models call it through
+    `models.base.scaled_dot_product_attention`, with no hook of their own). On two
+    H100s (1B; benchmarks/probes/probe_row_attention.py) groups of 2-8 follow-ups behind
+    4-6k cached tokens, at lengths met the first time, took 114 / 97 ms to their first
+    tokens against 198 / 122 (medians), and 115 / 93 against 107 / 93 at lengths met
+    before.
+
+    On the grid a step that takes the fused attention materializes no scores, so the
+    actor leaves its chunk whole (`prefill_chunk` bounds materialized scores); a step
+    with left padding (a prompt joining one whose prefill is under way) does, and is
+    run here in chunks that `prefill_chunk` allows for `heads`. At 8 chat conversations
+    on an H100, a group of 7 follow-ups behind 6k cached tokens was cut to chunks of
+    512 and took 4 steps (45-50 ms each, then 119) to prefill; whole, one of 150-178 ms.
 
     `built`, if given, is called as each forward returns: the step's graph is built, and
     what is left of the step waits on the device (`_link.ThreadLink`).
     """
 
-    __slots__ = ("_model", "grid", "_built")
+    __slots__ = ("_model", "grid", "_built", "_heads")
 
-    def __init__(self, model: Any, grid: bool = False, built: Callable[[], None] | None = None):
+    def __init__(self, model: Any, grid: bool = False, built: Callable[[], None] | None = None,
+                 heads: int = 0):
         self._model = model
         self.grid = grid
         self._built = built
+        self._heads = heads
 
     def __getattr__(self, name: str) -> Any:  # the BatchGenerator reads `layers`, `make_cache`
         return getattr(self._model, name)
@@ -265,8 +292,10 @@ class CausalPrefill:
 
     def _forward(self, inputs: Any, cache: Any, **kwargs: Any) -> Any:
         first: Any = cache[0] if cache else None
-        if not (inputs.shape[1] > 1 and type(first) is BatchKVCache and not any(_host_list(first.left_padding))):
+        if not (inputs.shape[1] > 1 and type(first) is BatchKVCache):
             return self._model(inputs, cache=cache, **kwargs)
+        if any(_host_list(first.left_padding)):
+            return self._padded(inputs, cache, **kwargs)
         grid = self.grid and all(type(c) is BatchKVCache for c in cache)
         n = inputs.shape[1]
         extra = grid_length(n) - n if grid else 0
@@ -276,9 +305,13 @@ class CausalPrefill:
         if grid:
             for c in cache:
                 vars(c)["update_and_fetch"] = functools.partial(_contiguous_fetch, c)
+        sdpa = mx.fast.scaled_dot_product_attention
+        if grid and inputs.shape[0] > 1:
+            mx.fast.scaled_dot_product_attention = functools.partial(_row_attention, sdpa)
         try:
             out = self._model(inputs, cache=cache, **kwargs)
         finally:
+            mx.fast.scaled_dot_product_attention = sdpa
             for c in cache:
                 vars(c).pop("make_mask", None)
                 vars(c).pop("update_and_fetch", None)
@@ -287,6 +320,32 @@ class CausalPrefill:
                 c.trim(extra)
             out = out[:, :n]
         return out
+
+    def _padded(self, inputs: Any, cache: Any, **kwargs: Any) -> Any:
+        """A step with left padding: mlx_lm's array mask, whose scores MLX materializes; on
+        the grid, in chunks whose scores fit `ATTENTION_SCRATCH` (off the grid the actor
+        has cut the step already)."""
+        rows, n = inputs.shape[0], inputs.shape[1]
+        chunk = prefill_chunk(n, rows, cache[0]._idx + n, self._heads) if self.grid and self._heads else n
+        if chunk >= n:
+            return self._model(inputs, cache=cache, **kwargs)
+        outs: list[Any] = []
+        for i in range(0, n, chunk):
+            if outs:  # as mlx_lm's own chunks: the cache evaluated, the scores freed, between them
+                mx.eval([a for c in cache for a in c.state])
+            outs.append(self._model(inputs[:, i : i + chunk], cache=cache, **kwargs))
+        return mx.concatenate(outs, axis=1)
+
+
+def _row_attention(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
+                   mask: Any = None, **kwargs: Any) -> Any:
+    """`sdpa` (MLX's fused attention) one row at a time, for a causal prefill of several
+    rows: the same result, on one-row shapes (what warm-up builds). Anything else goes
+    through as one call."""
+    if queries.shape[0] == 1 or queries.shape[2] == 1 or not (isinstance(mask, str) and mask == "causal"):
+        return sdpa(queries, keys, values, scale=scale, mask=mask, **kwargs)
+    return mx.concatenate([sdpa(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], scale=scale, mask=mask,
+                                **kwargs) for i in range(queries.shape[0])], axis=0)
 
 
 def _contiguous_fetch(cache: Any, keys: Any, values: Any) -> tuple[Any, Any]:
