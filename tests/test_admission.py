@@ -271,6 +271,28 @@ def test_admit_window_is_validated():
         trio_mlx.Engine(None, admit_window=float("inf"))
 
 
+_LONG_PROMPTS = [[5 + (7 * i + 13 * k) % 400 for i in range(600)] for k in range(4)]
+
+
+async def _serve_long_prompts(model: Path, trace: Path, **options: Any) -> tuple[list[list[int]], list[dict[str, float]]]:
+    """_LONG_PROMPTS at once (greedy, 6 tokens each; prefill batch 4, steps of 1024, no
+    prompt cache): each one's tokens, and the step trace."""
+    out: list[list[int]] = [[] for _ in _LONG_PROMPTS]
+    async with trio_mlx.open_engine(model, step_trace=str(trace), max_batch=8, prefill_batch=4, prefill_step=1024,
+                                    prompt_cache_gb=0, **options) as engine:
+        async def one(k: int) -> None:
+            async with engine.generate(_LONG_PROMPTS[k], temperature=0, ignore_eos=True, max_tokens=6) as events:
+                async for ev in events:
+                    if isinstance(ev, trio_mlx.TextDelta):
+                        out[k].extend(ev.token_ids)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for k in range(len(_LONG_PROMPTS)):
+                    nursery.start_soon(one, k)
+    return out, _trace(trace)
+
+
 async def test_long_prompts_prefill_in_chunks_that_bound_attention_scratch(tiny_model_fp32, tmp_path, monkeypatch):
     """The prefill chunk shrinks as prompts x context grows (`_batch.prefill_chunk`), so
     that a prefill step's attention scores stay within ATTENTION_SCRATCH; the tokens are
@@ -278,30 +300,11 @@ async def test_long_prompts_prefill_in_chunks_that_bound_attention_scratch(tiny_
     out of memory in chunks of 2048 (benchmarks/2026-11-24-h100/prefill-memory/)."""
     from trio_mlx.actor import _batch
 
-    prompts = [[5 + (7 * i + 13 * k) % 400 for i in range(600)] for k in range(4)]
-    opts = dict(temperature=0, ignore_eos=True, max_tokens=6)
-
-    async def serve_all(scratch: int) -> tuple[list[list[int]], list[dict[str, float]]]:
-        monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", scratch)
-        out: list[list[int]] = [[] for _ in prompts]
-        trace = tmp_path / f"trace-{scratch}.tsv"
-        async with trio_mlx.open_engine(tiny_model_fp32, step_trace=str(trace), max_batch=8, prefill_batch=4,
-                                        prefill_step=1024, prompt_cache_gb=0) as engine:
-            async def one(k: int) -> None:
-                async with engine.generate(prompts[k], **opts) as events:
-                    async for ev in events:
-                        if isinstance(ev, trio_mlx.TextDelta):
-                            out[k].extend(ev.token_ids)
-
-            with trio.fail_after(60):
-                async with trio.open_nursery() as nursery:
-                    for k in range(len(prompts)):
-                        nursery.start_soon(one, k)
-        return out, _trace(trace)
-
     # the tiny model has 4 heads: 5 MB of float32 scores hold 128 tokens of 4 prompts of 600
-    bounded, rows = await serve_all(5_000_000)
-    unbounded, rows_unbounded = await serve_all(1 << 40)
+    monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", 5_000_000)
+    bounded, rows = await _serve_long_prompts(tiny_model_fp32, tmp_path / "bounded.tsv")
+    monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", 1 << 40)
+    unbounded, rows_unbounded = await _serve_long_prompts(tiny_model_fp32, tmp_path / "unbounded.tsv")
     assert bounded == unbounded and all(len(t) == 6 for t in bounded)
     assert max(r["prompt_tokens"] for r in rows_unbounded) >= 599  # one step took a whole prompt
     per_step = [r["prompt_tokens"] for r in rows if r["prompt_tokens"]]
@@ -316,30 +319,11 @@ async def test_on_the_shape_grid_unpadded_prompts_prefill_whole(tiny_model_fp32,
     the tokens are the bounded run's."""
     from trio_mlx.actor import _actor, _batch
 
-    prompts = [[5 + (7 * i + 13 * k) % 400 for i in range(600)] for k in range(4)]
-    opts = dict(temperature=0, ignore_eos=True, max_tokens=6)
     monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", 5_000_000)
-
-    async def serve_all(grid: bool) -> tuple[list[list[int]], list[dict[str, float]]]:
-        monkeypatch.setattr(_actor, "prefill_grid", lambda: grid)
-        out: list[list[int]] = [[] for _ in prompts]
-        trace = tmp_path / f"trace-{grid}.tsv"
-        async with trio_mlx.open_engine(tiny_model_fp32, step_trace=str(trace), max_batch=8, prefill_batch=4,
-                                        prefill_step=1024, prompt_cache_gb=0, warmup=False) as engine:
-            async def one(k: int) -> None:
-                async with engine.generate(prompts[k], **opts) as events:
-                    async for ev in events:
-                        if isinstance(ev, trio_mlx.TextDelta):
-                            out[k].extend(ev.token_ids)
-
-            with trio.fail_after(60):
-                async with trio.open_nursery() as nursery:
-                    for k in range(len(prompts)):
-                        nursery.start_soon(one, k)
-        return out, _trace(trace)
-
-    on_grid, rows = await serve_all(True)
-    cut, rows_cut = await serve_all(False)
+    monkeypatch.setattr(_actor, "prefill_grid", lambda: True)
+    on_grid, rows = await _serve_long_prompts(tiny_model_fp32, tmp_path / "grid.tsv", warmup=False)
+    monkeypatch.setattr(_actor, "prefill_grid", lambda: False)
+    cut, rows_cut = await _serve_long_prompts(tiny_model_fp32, tmp_path / "cut.tsv", warmup=False)
     assert on_grid == cut and all(len(t) == 6 for t in on_grid)
     assert max(r["prompt_tokens"] for r in rows_cut) <= 512
     assert max(r["prompt_tokens"] for r in rows) == 4 * 599  # all four whole, in one step
