@@ -195,7 +195,7 @@ def set_prefill_chunk(bg: Any, tokens: int) -> None:
 # (benchmarks/2026-11-24-h100/prefill-grid/). A query grain of 512 above 512 rather than
 # powers of two: a chat turn's ~1,350 new tokens run as 1,536, not 2,048 (25% fewer
 # tokens through the MLP). The probe of groups of 2-8 such follow-ups gave 88 ms against
-# 107 on one H100 and 97 against 93 on another; the chat benchmark, with the changes of
+# 107 in one run on an H100 and 97 against 93 in another; the chat benchmark, with the changes of
 # benchmarks/2026-11-24-h100/row-attention/ together, is where it shows.
 GRID_MIN = 128
 GRID_QUERY = 512
@@ -255,8 +255,8 @@ class CausalPrefill:
     a new graph for each row count, so its attention runs one row at a time on those:
     `mx.fast.scaled_dot_product_attention` is swapped for `_row_attention`, the same
     function per row, while the forward runs (mlx_lm's models call it through
-    `models.base.scaled_dot_product_attention`, with no hook of their own). On two
-    H100s (1B; benchmarks/probes/probe_row_attention.py) groups of 2-8 follow-ups behind
+    `models.base.scaled_dot_product_attention`, with no hook of their own). In two runs
+    on an H100 (1B; benchmarks/probes/probe_row_attention.py) groups of 2-8 follow-ups behind
     4-6k cached tokens, at lengths met the first time, took 114 / 97 ms to their first
     tokens against 198 / 122 (medians), and 115 / 93 against 107 / 93 at lengths met
     before.
