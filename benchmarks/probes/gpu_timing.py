@@ -1,5 +1,6 @@
-"""Shared by the GPU probes run as scripts (probe_new_shapes.py, probe_contiguous_kv.py): the
-model under test and a timer that waits for the device on both sides of the call."""
+"""Shared by the GPU probes run as scripts (probe_new_shapes.py, probe_contiguous_kv.py,
+probe_row_attention.py, probe_step_python.py): the model under test and a timer that waits
+for the device on both sides of the call."""
 import time
 
 import mlx.core as mx

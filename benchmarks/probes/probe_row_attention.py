@@ -7,9 +7,10 @@ a group of several follow-ups that enter together meets its own shapes live, and
 backend builds a cuDNN attention graph for each (45-110 ms for one row). Times each `next()`
 of a BatchGenerator over the grid-prefilling model until every row of a group of B rows has
 its first token, the rows cached alike (as `_reuse.Reuse.even` leaves them), for:
-- `stock`: the model as it is, one attention call for the group;
-- `rows`: the attention called once per row (`mx.fast.scaled_dot_product_attention`
-  wrapped here), so every call has a one-row shape that warm-up built;
+- `stock`: the attention called once for the group (`_batch._row_attention` replaced
+  here by a single call);
+- `rows`: the attention called once per row, as `actor/_batch.CausalPrefill` does, so
+  every call has a one-row shape that warm-up built;
 and two query grids: powers of two (`pow2`) and multiples of 512 above 512 (`q512`).
 Each (B, prefix, new) is run twice with other tokens: `first`, then `again`.
 """
@@ -18,39 +19,32 @@ import sys
 import time
 
 import mlx.core as mx
+from gpu_timing import load  # benchmarks/probes/, the script's folder
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache
 
 import trio_mlx.actor._batch as batch
 from trio_mlx.actor._batch import GRID_PREFIX, CausalPrefill
 from trio_mlx.actor._warmup import prebuild_prefill
-from trio_mlx.models import load_model
 
-model, config = load_model(sys.argv[1])
-vocab = int(config["vocab_size"])
-layers = len(model.layers)
-SDPA = mx.fast.scaled_dot_product_attention
-mode = {"rows": False}
+model, layers, vocab = load(sys.argv[1])
+row_attention = batch._row_attention
 
 
-def sdpa(q, k, v, *, scale, mask=None, sinks=None):
-    if not mode["rows"] or q.shape[0] == 1 or q.shape[2] == 1 or not isinstance(mask, str):
-        return SDPA(q, k, v, scale=scale, mask=mask, sinks=sinks)
-    return mx.concatenate([SDPA(q[i : i + 1], k[i : i + 1], v[i : i + 1], scale=scale, mask=mask, sinks=sinks)
-                           for i in range(q.shape[0])], axis=0)
+def one_call(sdpa, queries, keys, values, **kwargs):
+    return sdpa(queries, keys, values, **kwargs)
 
 
-mx.fast.scaled_dot_product_attention = sdpa
-pow2 = batch.grid_length
+q512 = batch.grid_length  # the grid as the actor runs it
 
 
-def q512(n: int) -> int:
-    return pow2(n) if n <= 512 else -(-n // 512) * 512
+def pow2(n: int) -> int:  # the grid before it: powers of two all the way
+    return max(batch.GRID_MIN, 1 << (n - 1).bit_length())
 
 
 grid = CausalPrefill(model, grid=True)
 t0 = time.perf_counter()
-print("prebuilt", prebuild_prefill(grid, layers, 1, 8192, [128, 256, 512, 1024, 1536, 2048], GRID_PREFIX),
+print("prebuilt", prebuild_prefill(grid, layers, 1, 8192, batch.grid_sizes(2048), GRID_PREFIX),
       f"one-row shapes in {time.perf_counter() - t0:.2f} s", flush=True)
 bg = BatchGenerator(grid, max_tokens=2, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=2048)
 
@@ -81,7 +75,7 @@ def group(rows: int, prefix: int, new: int, seed: int) -> list[float]:
 totals: dict[str, list[float]] = {}
 for name, rows_mode, grid_fn in (("stock pow2", False, pow2), ("rows pow2", True, pow2),
                                  ("rows q512", True, q512), ("stock q512", False, q512)):
-    mode["rows"] = rows_mode
+    batch._row_attention = row_attention if rows_mode else one_call
     batch.grid_length = grid_fn
     for rows in (2, 4, 8):
         for prefix, new in ((4096, 1350), (6144, 1351)):

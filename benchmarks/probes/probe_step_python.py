@@ -18,9 +18,8 @@ import sys
 import time
 
 import mlx.core as mx
+from gpu_timing import load  # benchmarks/probes/, the script's folder
 from mlx_lm.generate import BatchGenerator
-
-from trio_mlx.models import load_model
 
 RELEASING = ("eval", "async_eval", "synchronize")  # mlx.core functions that drop the GIL
 released = [0.0]  # seconds inside them (and inside array.tolist / item), on this thread
@@ -43,8 +42,7 @@ for name in ("tolist", "item"):
 
 path = sys.argv[1]
 widths = [int(a) for a in sys.argv[2:]] or [64, 256]
-model, config = load_model(path)
-vocab = int(config["vocab_size"])
+model, _, vocab = load(path)
 rng = random.Random(0)
 
 
