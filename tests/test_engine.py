@@ -177,7 +177,8 @@ async def test_abort_while_queued_never_runs_the_sequence(tiny_model_fp32):
             assert queued.completion_tokens == 0
 
 
-async def test_max_batch_caps_the_decoding_batch_whatever_the_prefill_batch(tiny_model_fp32):
+@pytest.mark.parametrize("staggered", [False, True])
+async def test_max_batch_caps_the_decoding_batch_whatever_the_prefill_batch(tiny_model_fp32, staggered):
     # BatchGenerator widens its batch to prefill_batch_size (8 by default); the engine clamps it.
     async with trio_mlx.open_engine(tiny_model_fp32, max_batch=2) as engine:
         assert engine.prefill_batch == 2
@@ -191,10 +192,18 @@ async def test_max_batch_caps_the_decoding_batch_whatever_the_prefill_batch(tiny
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch)
-            for p in PROMPTS[:3]:
+            for i, p in enumerate(PROMPTS[:3]):
                 nursery.start_soon(functools.partial(run, engine, p, max_tokens=40, ignore_eos=True))
-            # the third waits while two decode (it may reach the engine after they start)
-            await until(lambda: engine.statistics().decoding == 2 and engine.statistics().queued == 1)
+                if staggered and i == 0:
+                    await until(lambda: engine.statistics().decoding == 1)
+            # The third waits while two decode. Arriving while the second prefills beside one
+            # decoding row, it joins the prompt batch (mlx_lm counts free rows against the decoding
+            # batch alone) and waits there, prefilled, not queued.
+            def third_waits() -> bool:
+                s = engine.statistics()
+                return s.decoding == 2 and s.queued + s.prefilling == 1
+
+            await until(third_waits)
             await until(lambda: engine.statistics().requests_finished == 3, seconds=30)
             nursery.cancel_scope.cancel()
         assert widest == 2
