@@ -472,7 +472,15 @@ def _write_tokenizer(
     # As added tokens instead (`spelled_padding`), the text encodes back to the
     # same ids, as a real model's answers do: a chat bench's follow-ups then find
     # the answers they resend in the prompt cache. 128k of them make loading
-    # slower (4.9 s against 0.7), so only benchmarks ask for them.
+    # slower (4.9 s against 0.7), so only benchmarks ask for them. They slow a
+    # server's start far more: llguidance reads added tokens in superlinear time
+    # (on the 2-core CPU machine its LLTokenizer took 0.9 s with 16k of them and
+    # 73 s with all 128k; the grammar vocabulary, `_constrain.model_vocab`, 50 s
+    # against 1.4 s without them), and the warm-up builds that vocabulary
+    # (`actor._actor._warm_grammar`): on the H100 host a
+    # 1B-shape server with them took 99-213 s from the start of its warm-up to
+    # ready (the servers' logs in benchmarks/2026-11-24-h100/row-attention/),
+    # against 11-12 s without them.
     first = tokenizer.get_vocab_size(with_added_tokens=True)
     for i in range(first, vocab_size):
         data["model"]["vocab"][f"<|x{i}|>"] = i
