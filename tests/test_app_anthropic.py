@@ -240,3 +240,43 @@ async def test_a_client_that_stops_reading_is_cut_by_the_stall_watchdog(tiny_mod
         sock.close()
         r = await client.post(MESSAGES, json={"model": "model", "max_tokens": 2, "messages": USER})
         assert r.status_code == 200 and not server.app.completions.streams
+
+
+async def test_a_final_assistant_turn_is_a_prefill_the_answer_continues(tiny_model_fp32):
+    """Anthropic's prefill: the answer continues the trailing assistant text (no end of turn,
+    no new assistant header), holds only the continuation, and is counted the same way."""
+    prefilled = [*USER, {"role": "assistant", "content": "Sure, the answer is"}]
+
+    def call(url: str) -> tuple[anthropic.types.Message, int]:
+        client = sdk(url)
+        msg = client.messages.create(model="model", max_tokens=6, messages=prefilled,
+                                     extra_body={**GREEDY, "ignore_eos": True})
+        return msg, client.messages.count_tokens(model="model", messages=prefilled).input_tokens
+
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        msg, counted = await trio.to_thread.run_sync(call, server.url)
+        engine = server.engine
+        prompt = engine.encode_prompt("chat", prefilled, {"continue_final_message": True})
+        closed = engine.encode_prompt("chat", prefilled)
+        # The same ids as a raw completion: the model continues exactly that text.
+        r = await client.post("/v1/completions", json={"model": "model", "prompt": prompt, "max_tokens": 6,
+                                                       "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        completion = r.json()["choices"][0]["text"]
+
+        async def refused(messages, **extra) -> str:
+            r = await client.post(MESSAGES, json={"model": "model", "max_tokens": 4, "messages": messages, **extra})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["type"] == "invalid_request_error"
+            return r.json()["error"]["message"]
+
+        assert "trailing whitespace" in await refused([*USER, {"role": "assistant", "content": "Sure "}])
+        call_block = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+        assert "text only" in await refused([*USER, {"role": "assistant", "content": [call_block]}])
+        schema = {"type": "object"}
+        assert "mid-message" in await refused(
+            prefilled, output_config={"format": {"type": "json_schema", "schema": schema}})
+    text = engine.tokenizer.decode(prompt)
+    assert text.endswith("assistant\nSure, the answer is") and len(prompt) < len(closed)
+    assert msg.usage.input_tokens == len(prompt) == counted
+    assert msg.content[0].text == completion and msg.usage.output_tokens == 6

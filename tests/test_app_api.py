@@ -148,3 +148,25 @@ async def test_stop_strings_and_concurrent_requests(tiny_model_fp32):
             for i in range(16):
                 nursery.start_soon(one, i)
         assert results == [7] * 16
+
+
+async def test_chat_continue_final_message_continues_the_assistants_text(tiny_model_fp32):
+    """vLLM's extension: the last message, the assistant's, is continued rather than answered,
+    streamed or not; without an assistant message last it is a 400."""
+    messages = [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "My pick is"}]
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        engine = server.engine
+        prompt = engine.encode_prompt("chat", messages, {"continue_final_message": True})
+        body = chat_body(messages=messages, max_tokens=5, ignore_eos=True, temperature=0, continue_final_message=True)
+        r = await client.post(CHAT, json=body)
+        assert r.status_code == 200, r.text
+        whole = r.json()
+        r = await client.post(COMPLETIONS, json={"model": "model", "prompt": prompt, "max_tokens": 5,
+                                                 "temperature": 0, "ignore_eos": True})
+        completion = r.json()["choices"][0]["text"]
+        r = await client.post(CHAT, json=chat_body(max_tokens=2, continue_final_message=True))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "assistant" in r.json()["error"]["message"]
+    assert engine.tokenizer.decode(prompt).endswith("assistant\nMy pick is")
+    assert whole["usage"]["prompt_tokens"] == len(prompt)
+    assert whole["choices"][0]["message"]["content"] == completion

@@ -688,6 +688,7 @@ class Engine:
         parallel_tool_calls: bool = True,
         response_format: Mapping[str, Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
         **options: Any,
     ) -> RequestStream:
         """Stream the assistant's reply to `messages` (the model's chat template applies).
@@ -698,7 +699,13 @@ class Engine:
         `parallel_tool_calls` (False: at most one call, where enforced). Calls come as
         `ToolCalls` events and the request ends with finish_reason "tool_calls";
         while a call is written, `ToolCallDelta`s stream its name and arguments
-        (JSON call formats; docs/engine.md)."""
+        (JSON call formats; docs/engine.md). With `continue_final_message` the last message,
+        the assistant's, is continued rather than answered (a prefill, as vLLM's option of
+        that name and Anthropic's trailing assistant turn): the reply holds only the
+        continuation; it cannot be held to a grammar (response_format, tool_choice
+        "required" or named), which would start mid-message."""
+        if continue_final_message:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "continue_final_message": True}
         if tools is not None or tool_choice is not None:
             options.update(tools=tools, tool_choice=tool_choice)
         if not parallel_tool_calls:
@@ -746,6 +753,10 @@ class Engine:
         tok = self.tokenizer
         if kind == "chat":
             messages = normalize_messages(value)
+            if (template_kwargs or {}).get("continue_final_message") and (
+                    not messages or messages[-1].get("role") != "assistant"):
+                raise InvalidRequestError("continue_final_message needs the last message to be the "
+                                          "assistant's, to continue", param="messages")
             if any(m.get("tool_calls") for m in messages):
                 from ._tools import template_messages  # llguidance loads with it: only when needed
 
@@ -770,15 +781,18 @@ class Engine:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> int:
         """The prompt tokens `chat()` would submit for these messages and tools, without
         submitting anything (Anthropic's count_tokens). Tokenizes in a worker thread."""
         self._check_open()
         options = {"tools": tools, "tool_choice": tool_choice} if tools is not None else {}
         structure = check_structure(self.tokenizer, options, chat=True)
+        kwargs = structure.template_kwargs()
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         prompt = await trio.to_thread.run_sync(
-            self.encode_prompt, "chat", messages, structure.template_kwargs() or None,
-            limiter=_tokenizer_limiter())
+            self.encode_prompt, "chat", messages, kwargs or None, limiter=_tokenizer_limiter())
         return len(prompt)
 
     async def _prepare(self, source: tuple[str, Any, Any], opts: dict[str, Any]) -> tuple[list[int], int, SamplingParams, frozenset[int], tuple[str, ...]]:
@@ -928,7 +942,12 @@ class RequestStream:
             grammar = await compile_structure(engine.tokenizer, engine.model_path, structure)
         else:
             grammar = self._prepared[1]
+        continuing = kind == "chat" and bool((template_kwargs or {}).get("continue_final_message"))
         if grammar is not None:
+            if continuing:
+                raise InvalidRequestError("a continued message (continue_final_message, a prefill) cannot be "
+                                          "held to response_format or a required tool_choice: the grammar "
+                                          "would start mid-message", param="messages")
             from ._grammar import check_max_tokens
 
             check_max_tokens(grammar, max_tokens)
@@ -941,7 +960,7 @@ class RequestStream:
         self._stop_ids = stop_ids
         self._stopper = StopMatcher(stop_strings)
         self._detok = engine.tokenizer.detokenizer
-        if self._source[0] == "text":  # a completion continues the prompt: " Paris" after "is"
+        if self._source[0] == "text" or continuing:  # a continuation: " Paris" after "is"
             keep_leading_space(self._detok)
         self._held_logprobs = HeldLogprobs()
         self._hidden = engine._special_ids

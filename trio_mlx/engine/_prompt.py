@@ -53,9 +53,13 @@ class ChatEncoder:
         self._find = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
 
     def encode(self, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any] | None) -> list[int]:
-        """Apply the chat template (with the generation prompt) and tokenize."""
+        """Apply the chat template (with the generation prompt) and tokenize. With
+        `continue_final_message` among `template_kwargs` (transformers' own argument of that
+        name), the final message is left open for the model to continue, with no generation
+        prompt after it: an assistant turn's prefill."""
         tok = self.tokenizer
         kwargs = dict(template_kwargs or {})
+        cont = bool(kwargs.pop("continue_final_message", False))
         literal: dict[str, str] = {}
         if self._find is not None and (_any_string(messages, self._find) or _any_string(kwargs, self._find)):
             literal = self._placeholders(messages, kwargs)
@@ -63,7 +67,9 @@ class ChatEncoder:
             find = self._find
             messages = _map_strings(messages, lambda s: find.sub(lambda m: swap[m.group()], s))
             kwargs = _map_strings(kwargs, lambda s: find.sub(lambda m: swap[m.group()], s))
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        if cont:
+            kwargs["continue_final_message"] = True
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not cont, **kwargs)
         if not literal:
             return list(tok.encode(text, add_special_tokens=False))
         ids: list[int] = []

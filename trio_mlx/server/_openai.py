@@ -257,6 +257,9 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
         '"json_schema": {"name", "schema", "strict"}}: enforced token by token')
+    continue_final_message: bool = Field(
+        False, description="an extension (vLLM's): continue the last message, the assistant's, rather than "
+        "answer it (a prefill); the reply holds only the continuation")
     # Accepted only in their no-op forms; anything else changes semantics -> 400.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -292,6 +295,8 @@ class ChatCompletionRequest(_Sampling):
             opts["parallel_tool_calls"] = False
         if self.response_format is not None:
             opts["response_format"] = self.response_format
+        if self.continue_final_message:
+            opts["continue_final_message"] = True
         return opts
 
 

@@ -102,6 +102,22 @@ class _Conversation(_Strict):
         """The conversation in OpenAI's shape, for `engine.chat`."""
         return chat_messages(self.system, self.messages)
 
+    def prefill(self) -> bool:
+        """Whether the conversation ends with an assistant turn: Anthropic's prefill, which
+        the answer continues (`engine.chat`'s continue_final_message). Checked as Anthropic
+        checks it: text only, with no trailing whitespace."""
+        last = self.messages[-1]
+        if last.role != "assistant":
+            return False
+        param = f"messages.{len(self.messages) - 1}.content"
+        blocks = [Block(type="text", text=last.content)] if isinstance(last.content, str) else last.content
+        if any(b.type == "tool_use" for b in blocks):
+            raise _bad(param, "a final assistant turn (a prefill) may hold text only, not tool_use")
+        text = "".join(b.text or "" for b in blocks if b.type == "text")
+        if text != text.rstrip():
+            raise _bad(param, "final assistant content cannot end with trailing whitespace")
+        return True
+
     def tool_options(self) -> dict[str, Any]:
         """`engine.chat`'s tools, tool_choice and parallel_tool_calls."""
         tools, choice = chat_tools(self.tools), chat_tool_choice(self.tool_choice, self.tools)

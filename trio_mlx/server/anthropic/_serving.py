@@ -55,6 +55,8 @@ class MessagesCall:
         # Translated here, so that a bad request gets its 400 before the engine sees it.
         self.messages = req.chat_messages()
         self.structure = req.structure()
+        if req.prefill():
+            self.structure["continue_final_message"] = True
         self.clamped = False  # max_tokens did not fit beside the prompt: the context's end is the limit
 
     async def start(self, engine: Engine) -> RequestStream:
@@ -107,11 +109,13 @@ class CountTokensCall:
         self.model: str | None = req.model
         self.messages = req.chat_messages()
         self.tools = req.tool_options()
+        self.prefill = req.prefill()
 
     async def respond(self, engine: Engine) -> bytes:
         try:
             n = await engine.count_chat_tokens(self.messages, tools=self.tools.get("tools"),
-                                               tool_choice=self.tools.get("tool_choice"))
+                                               tool_choice=self.tools.get("tool_choice"),
+                                               continue_final_message=self.prefill)
         except InvalidRequestError as exc:
             raise renamed(exc, ENGINE_NAMES) from None
         return dumps({"input_tokens": n})
