@@ -329,6 +329,35 @@ def test_lookups_take_the_longest_shared_prefix_and_never_the_last_token():
     assert not pc.store(short, layers(short))  # shorter than a block: never stored
 
 
+def test_an_admission_looks_each_prompt_up_once_until_the_entries_change(monkeypatch):
+    """Split, even, lookup and fetch each ask for a prompt's longest hit: the walk over its
+    blocks runs once per prompt, again only after an entry is stored or dropped."""
+    from trio_mlx.actor._prompt_cache import PromptCache
+    from trio_mlx.actor._protocol import SamplingParams, Submit
+    from trio_mlx.actor._reuse import Reuse
+
+    pc = PromptCache(1 << 22)
+    a = tuple(range(10, 300))
+    assert pc.store(a, layers(a))
+    walks = []
+    match = pc._match
+    monkeypatch.setattr(pc, "_match", lambda tokens: walks.append(len(tokens)) or match(tokens))
+    subs = [Submit(rid, a[:n] + (7, 8), 4, SamplingParams(), frozenset()) for rid, n in ((1, 200), (2, 230))]
+    reuse = Reuse(pc)
+    subs = reuse.split(subs)
+    subs, later = reuse.even(subs, 64)
+    caches, _, counts = reuse.lookup(subs)
+    assert later == [] and caches is not None and counts == [200, 200]  # evened out to the shortest hit
+    assert len(walks) == 2
+    assert pc.longest(subs[1].prompt)[1] == 230 and len(walks) == 2  # remembered
+    assert pc.longest(list(subs[1].prompt))[1] == 230 and len(walks) == 3  # a list may change: walked
+    b = a[:230] + (5,) * 100
+    assert pc.store(b, layers(b))  # a new entry: what was remembered is walked again
+    assert pc.longest(subs[0].prompt)[1] == 200 and len(walks) == 5  # the store walked, then the lookup
+    pc.clear()
+    assert pc.longest(subs[0].prompt) == (None, 0)
+
+
 def test_an_entry_that_extends_another_replaces_it_and_a_held_prefix_is_not_stored_twice():
     from trio_mlx.actor._prompt_cache import PromptCache
 
