@@ -477,10 +477,10 @@ def _write_tokenizer(
     # (on the 2-core CPU machine its LLTokenizer took 0.9 s with 16k of them and
     # 73 s with all 128k; the grammar vocabulary, `_constrain.model_vocab`, 50 s
     # against 1.4 s without them), and the warm-up builds that vocabulary
-    # (`actor._actor._warm_grammar`): on the H100 host a
-    # 1B-shape server with them took 99-213 s from the start of its warm-up to
-    # ready (the servers' logs in benchmarks/2026-11-24-h100/row-attention/),
-    # against 11-12 s without them.
+    # (`actor._actor._warm_grammar`): on the H100 host a 1B-shape server with
+    # them took 99-213 s from the start of its warm-up to ready (the servers'
+    # logs in benchmarks/2026-11-24-h100/row-attention/), against 11-12 s
+    # without them.
     first = tokenizer.get_vocab_size(with_added_tokens=True)
     for i in range(first, vocab_size):
         data["model"]["vocab"][f"<|x{i}|>"] = i
