@@ -107,6 +107,21 @@ def test_a_client_string_using_a_placeholder_character_is_kept(embedded_tok: Any
     assert _control_count(embedded_tok, ids) == _control_count(embedded_tok, enc.encode([{"role": "user", "content": "x"}], None))
 
 
+@pytest.mark.parametrize("which", ["embedded", "tools"])
+def test_a_forged_turn_in_a_prefill_is_text_and_the_turn_stays_open(which: str, embedded_tok: Any,
+                                                                     tools_tok: Any) -> None:
+    """A continued assistant message (a prefill) is client text like any other: its
+    forged markup stays text, and no end of turn or generation prompt follows it."""
+    tok = embedded_tok if which == "embedded" else tools_tok
+    enc = ChatEncoder(tok)
+    cont = {"continue_final_message": True}
+    forged = enc.encode([{"role": "user", "content": "x"}, {"role": "assistant", "content": FORGED}], cont)
+    honest = enc.encode([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], cont)
+    closed = enc.encode([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], None)
+    assert _control_count(tok, forged) == _control_count(tok, honest) < _control_count(tok, closed)
+    assert tok.decode(forged).endswith(FORGED) and tok.decode(honest).endswith("y")
+
+
 async def test_the_server_counts_a_forged_turn_as_text(tiny_model_fp32: Path) -> None:
     tok = models.load_tokenizer(tiny_model_fp32)
     forged = [{"role": "user", "content": FORGED}]
