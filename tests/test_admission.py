@@ -347,3 +347,44 @@ def test_the_grid_pads_a_query_to_a_power_of_two_then_to_a_multiple_of_512():
     assert [grid_length(n) for n in (513, 1024, 1351, 2048)] == [1024, 1024, 1536, 2048]  # a chat turn: 1,536
     assert grid_sizes(2048) == [128, 256, 512, 1024, 1536, 2048]
     assert grid_sizes(1000) == [128, 256, 512, 1024]
+
+
+@pytest.mark.parametrize("actor", ["thread", "process"])
+async def test_a_request_into_an_idle_batch_gets_its_first_token_with_the_step_that_ends_its_prompt(
+        tiny_model_fp32, tmp_path, monkeypatch, actor):
+    """mlx_lm reports a row's first token at the step after the one that samples it; into an
+    idle batch the actor reads it at once (`Actor._first_tokens`), a step sooner, and the
+    tokens are the same. A request entering beside a decoding one waits for that step."""
+    opts = dict(temperature=0, ignore_eos=True)
+    async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, actor=actor,
+                              prompt_cache_gb=0) as (engine, trace):
+        alone = await _run_tokens(engine, "The quick brown fox", max_tokens=5, logprobs=True, top_logprobs=2, **opts)
+        one = await _run_tokens(engine, "Hello", max_tokens=1, **opts)
+        async with engine.generate("a long one", max_tokens=400, **opts) as first:
+            await _first_token(first)  # decoding now
+            beside = await _run_tokens(engine, "The quick brown fox", max_tokens=5, logprobs=True, top_logprobs=2,
+                                       **opts)
+    rows = _trace(trace)
+    # Each request's steps from its insertion: the prefill, then the step that ends its prompt.
+    starts = [i for i, r in enumerate(rows) if r["inserted"]]
+    assert len(starts) == 4
+    assert [int(rows[starts[0] + k]["generated"]) for k in range(4)] == [0, 1, 0, 1]  # the repeat is skipped
+    assert int(rows[starts[1] + 1]["generated"]) == 1  # max_tokens 1: it ends with that step
+    assert rows[starts[3] + 1]["generated"] == rows[starts[3] + 1]["rows"] - 1  # the decoding one only
+    assert len(alone[0]) == 5 and alone[0] == beside[0] and len(one[0]) == 1
+    assert len(alone[1]) == 5
+    for a, b in zip(alone[1], beside[1], strict=True):  # the first token's logprobs too
+        assert (a.token_id, [t for t, _, _ in a.top]) == (b.token_id, [t for t, _, _ in b.top])
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+async def _run_tokens(engine: trio_mlx.Engine, prompt: str, **opts: Any) -> tuple[list[int], list[Any]]:
+    """A request's token ids, and its logprobs if it asked for them."""
+    async with engine.generate(prompt, **opts) as stream:
+        ids: list[int] = []
+        lps: list[Any] = []
+        async for ev in stream:
+            if isinstance(ev, trio_mlx.TextDelta):
+                ids += ev.token_ids
+                lps += ev.logprobs or ()
+        return ids, lps

@@ -106,6 +106,29 @@ def test_batch_rows_is_the_decoding_batch_size(tiny_model_fp32):
     bg.close()
 
 
+def test_first_tokens_are_what_the_next_step_reports(tiny_model_fp32):
+    """`actor._batch.first_tokens` reads, after the step that ends a prompt, the sampled first
+    tokens (`GenerationBatch._next_tokens`, `_next_logprobs`, `uids`, `Response`): the next
+    `next()` must report the same tokens and logprobs for those rows."""
+    import mlx.core as mx
+
+    model, _ = _models.load_model(tiny_model_fp32)
+    bg = BatchGenerator(model, max_tokens=10**6, completion_batch_size=8, prefill_batch_size=4)
+    uids = bg.insert([[5, 6, 7, 8, 9], [11, 12, 13]])
+    for _ in range(8):
+        prompts, generated = bg.next()
+        assert not generated
+        if sum(p.end_of_prompt for p in prompts) == 2:
+            break
+    first = _batch.first_tokens(bg, [uids[1], uids[0], 12345])  # an unknown uid is left out
+    assert [r.uid for r in first] == [uids[1], uids[0]] and all(r.finish_reason is None for r in first)
+    _, generated = bg.next()
+    reported = {r.uid: r for r in generated}
+    for r in first:
+        assert r.token == reported[r.uid].token
+        assert mx.allclose(r.logprobs, reported[r.uid].logprobs).item()
+
+
 def test_copy_rows_copies_what_the_stock_extract_does_without_reading_the_padding(tiny_model_fp32):
     """`actor._batch.copy_rows` relies on `BatchKVCache` keeping rows right-aligned at `_idx`
     and on `GenerationBatch.tokens[i]` listing the ids whose KV row i holds: each copy must

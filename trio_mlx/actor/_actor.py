@@ -38,6 +38,7 @@ from ._batch import (
     GRID_PREFIX,
     CausalPrefill,
     batch_rows,
+    first_tokens,
     grid_sizes,
     plain_kv,
     prefill_chunk,
@@ -91,6 +92,7 @@ class _Seq:
     stage: str = "queued"
     generated: int = 0
     grammar: GrammarProcessor | None = None  # a constrained row's logits mask
+    ahead: bool = False  # its first token went out a step early (`Actor._first_tokens`)
 
 
 
@@ -570,6 +572,7 @@ class Actor:
             tokens = self._tokens(generation_responses)
         except Exception as exc:
             return self._recover(exc, failed)
+        alone = not self._decoding  # no live row decodes beside those that start now
         if self._failed_rows:
             failed = failed + self._failed_rows
             self._failed_rows = []
@@ -593,6 +596,11 @@ class Actor:
                 prefilled.append((seq.rid, seq.uid, seq.prompt_len))
         if prefilled:
             self._admission.readmit(self._reuse.prefilled(self._bg, prefilled), time.perf_counter())
+        if prefilled and alone:
+            try:
+                tokens += self._first_tokens([uid for _, uid, _ in prefilled])
+            except Exception as exc:
+                return self._recover(exc, failed)
         prompt_tokens = take_prompt_tokens(self._bg)
         self._steps += 1
         memory = _memory() if self._steps % _MEMORY_EVERY == 1 or not self._seqs else None
@@ -618,6 +626,29 @@ class Actor:
         prompts = [s.prompt_len for s in self._seqs.values() if s.stage != "decode"]
         set_prefill_chunk(self._bg, prefill_chunk(self.config.prefill_step, len(prompts), max(prompts), self._heads))
 
+    def _first_tokens(self, uids: list[int]) -> tuple[TokenOut, ...]:
+        """The first tokens of rows that start decoding in an otherwise idle batch, out with
+        the step that sampled them.
+
+        mlx_lm reports a row's first token one step after the step that samples it (once
+        the next step's graph is built), so a request's time to first token held a whole
+        decode step more than its prefill. Read now (`_batch.first_tokens`), the device is
+        waited for: the overlap of that computation with building the next step is lost,
+        for every row of the batch. So only where no other row decodes: there, the only
+        cost is the new rows' own second token, later by that overlap; under load, where
+        rows enter beside decoding ones, nothing changes. A constrained row waits for the
+        next step as before (its grammar's state moves with mlx_lm's own step). The next
+        step reports these tokens again: `_tokens` skips them (`_Seq.ahead`)."""
+        rows = [seq.uid for uid in uids if (seq := self._by_uid.get(uid)) is not None and seq.grammar is None]
+        if not rows:
+            return ()
+        assert self._bg is not None
+        out = self._tokens(first_tokens(self._bg, rows))
+        for uid in rows:
+            if (seq := self._by_uid.get(uid)) is not None:  # not ended by its first token
+                seq.ahead = True
+        return out
+
     def _tokens(self, responses: Sequence[Any]) -> tuple[TokenOut, ...]:
         out: list[TokenOut] = []
         want_logprobs: list[tuple[int, Any, _Seq]] = []
@@ -628,6 +659,10 @@ class Actor:
                 if r.finish_reason is not None and self._retired.pop(r.uid, None) is not None:
                     self._reuse.dropped(r.uid, r.prompt_cache, r.all_tokens)  # the generator dropped it itself
                 continue
+            if seq.ahead:  # its first token, already out (`_first_tokens`)
+                seq.ahead = False
+                if r.finish_reason is None:  # mlx_lm ends a row by itself only past max_tokens + slack
+                    continue
             seq.generated += 1
             reason: FinishReason | None = (
                 "stop" if r.token in seq.stops

@@ -4,8 +4,9 @@ mlx-lm 0.32 offers no public way to do what the actor needs here: remove rows
 without a host round trip per layer, read the decoding batch's row count for
 the step trace, read and reset the prompt-token counter per step, copy a
 decoding row's KV out for the prompt cache without a host round trip per
-layer (`copy_rows`), or give a prefill without padding the fused attention, on
-shapes that recur (`CausalPrefill`). Each helper names the private attribute it
+layer (`copy_rows`), give a prefill without padding the fused attention, on
+shapes that recur (`CausalPrefill`), or read the first tokens of rows that have
+just started decoding (`first_tokens`). Each helper names the private attribute it
 relies on; tests/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
 upgrade that changes one fails there first.
 """
@@ -23,6 +24,25 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 def batch_rows(bg: Any) -> int:
     """The decoding batch's rows (`bg._generation_batch`); 0 when nothing decodes."""
     return len(getattr(bg, "_generation_batch", ()) or ())
+
+
+def first_tokens(bg: Any, uids: list[int]) -> list[Any]:
+    """The first tokens of rows that have just started decoding (uids in `uids`), as the
+    generator will report them at its next step: `GenerationBatch.Response`s.
+
+    The step that ends a prompt (its last token through the model) samples the first
+    token and leaves it computing (`GenerationBatch._next_tokens`); mlx_lm reports it
+    only at the next step, once that step's graph is built. Read here, it waits for the
+    device now (`tolist`) and so gives up the overlap of that computation with the next
+    step's graph building, for every row of the batch."""
+    batch = bg._generation_batch
+    index = {uid: i for i, uid in enumerate(batch.uids)}
+    rows = [(uid, index[uid]) for uid in uids if uid in index]
+    if not rows:
+        return []
+    tokens = batch._next_tokens.tolist()
+    response = type(batch).Response
+    return [response(uid, tokens[i], batch._next_logprobs[i], None, None, None) for uid, i in rows]
 
 
 def take_prompt_tokens(bg: Any) -> int:
