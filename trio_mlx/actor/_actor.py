@@ -639,7 +639,7 @@ class Actor:
         rows enter beside decoding ones, nothing changes. A constrained row waits for the
         next step as before (its grammar's state moves with mlx_lm's own step). The next
         step reports these tokens again: `_tokens` skips them (`_Seq.ahead`)."""
-        rows = [seq.uid for uid in uids if (seq := self._by_uid.get(uid)) is not None and seq.grammar is None]
+        rows = [uid for uid in uids if (seq := self._by_uid.get(uid)) is not None and seq.grammar is None]
         if not rows:
             return ()
         assert self._bg is not None
