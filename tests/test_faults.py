@@ -177,3 +177,21 @@ async def test_a_stalled_step_turns_health_503_and_back_to_200(tiny_model_fp32):
             assert events[-3]["choices"][0]["finish_reason"] == "length"
         finally:
             release.set()
+
+
+async def test_a_stalled_status_reports_more_seconds_than_the_watchdog(tiny_model_fp32):
+    """Just past the watchdog (0.3002 s against 0.3), /health and /ready say "stalled" with a
+    figure past it too: rounded to the millisecond it would read 0.3, no more than the watchdog."""
+    import dataclasses
+
+    async with serve(tiny_model_fp32, watchdog_seconds=0.3) as server, server.client() as client:
+        engine = server.engine
+        stats = engine.statistics
+        engine.statistics = lambda: dataclasses.replace(stats(), seconds_since_step=0.3002)  # type: ignore[method-assign]
+        try:
+            for path in ("/health", "/ready"):
+                r = await client.get(path)
+                assert r.status_code == 503 and r.json()["status"] == "stalled", r.text
+                assert r.json()["seconds_since_step"] > 0.3, r.text
+        finally:
+            del engine.statistics

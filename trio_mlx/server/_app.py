@@ -10,6 +10,7 @@ before Quart sees the request. Every error body has OpenAI's shape.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -332,7 +333,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             return json_response(body)
         since = stats.seconds_since_step
         if since is not None and since > settings.watchdog_seconds:
-            body.update(status="stalled", seconds_since_step=round(since, 3))
+            body.update(status="stalled", seconds_since_step=_stalled_for(since))
             return json_response(body, 503)
         return json_response(body)
 
@@ -345,7 +346,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         if state == "ready":
             since = app.engine.statistics().seconds_since_step if app.engine is not None else None
             if since is not None and since > settings.watchdog_seconds:
-                return json_response({"status": "stalled", "seconds_since_step": round(since, 3)}, 503)
+                return json_response({"status": "stalled", "seconds_since_step": _stalled_for(since)}, 503)
             return json_response({"status": "ready"})
         retry = {"Retry-After": "5"} if state in ("starting", "restarting") else None
         return json_response({"status": state}, 503, retry)
@@ -437,3 +438,10 @@ def _run_in(scope: trio.CancelScope, *fns: Callable[[], Any]) -> Callable[[], An
                     nursery.start_soon(fn)
 
     return run
+
+
+def _stalled_for(since: float) -> float:
+    """Seconds since the last step, for a "stalled" answer: rounded up to the millisecond, so
+    that the figure is past the watchdog whenever the status says so (0.3002 s would round
+    to 0.3, no more than a watchdog of 0.3)."""
+    return math.ceil(since * 1000) / 1000
