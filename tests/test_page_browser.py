@@ -122,6 +122,10 @@ def test_streams_stops_continues_and_keeps_settings_over_a_reload(server, page):
     page.wait_for_selector("body[data-state=idle]")
     assert page.inner_text(".msg.assistant .meta").startswith("stopped")
     wait_until(lambda: health(server)["decoding"] == 0, 3, "the server still decodes the stopped answer")
+    # The abort frees the slot at once; the request's record is counted as its handler unwinds,
+    # a moment later.
+    wait_until(lambda: metric(server, "trio_mlx_request_outcomes_total", endpoint=CHAT, outcome="disconnect") >= 1,
+               3, "the disconnect was never counted")
     assert metric(server, "trio_mlx_request_outcomes_total", endpoint=CHAT, outcome="disconnect") == 1
     after = metric(server, "trio_mlx_engine_generated_tokens_total")
     assert after < generated + 40  # it stopped within a few steps, not after 400 tokens
