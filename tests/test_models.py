@@ -344,6 +344,29 @@ def test_spelled_padding_encodes_a_random_models_answer_back_to_its_ids(tmp_path
     assert follow_up[: len(prompt) + len(answer)] == list(prompt) + answer
 
 
+def test_spelled_padding_spells_a_bounded_range_and_greedy_decoding_stays_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only SPELLED padding ids become added tokens (llguidance reads them in quadratic
+    time), and the weights silence the rest, so that greedy decoding samples the
+    tokenizer's own ids and spelled ones, never an id whose text would not encode back."""
+    monkeypatch.setitem(_models._SHAPES, "tiny", {**_models._SHAPES["tiny"], "vocab_size": 2048})
+    monkeypatch.setattr(_models, "SPELLED", 256)
+    path = _models.build_test_model(tmp_path / "m", spelled_padding=True)
+    added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    assert [t["id"] for t in added if t["content"].startswith("<|x")] == list(range(512, 768))
+    model, tokenizer = mlx_lm.load(str(path))
+    ids = tokenizer.encode(_models._CORPUS[:400])
+    answer = []
+    for _ in range(48):
+        token = int(mx.argmax(model(mx.array([ids + answer]))[0, -1]).item())
+        answer.append(token)
+    assert max(answer) < 768 and min(answer) >= 3  # no silenced id, no special one
+    assert any(t >= 512 for t in answer)  # the spelled ids are sampled
+    spelled = [t for t in answer if t >= 512]
+    assert tokenizer.encode(tokenizer.decode(spelled), add_special_tokens=False) == spelled
+
+
 def test_context_length_reads_the_usual_keys() -> None:
     assert _models.context_length({"max_position_embeddings": 2048}) == 2048
     assert _models.context_length({"n_positions": 1024}) == 1024

@@ -12,8 +12,9 @@
 #           with the test tokenizer), a new user turn (USER_WORDS 230: ~1.1k tokens) and the
 #           whole history resent every turn, the answers (MAX_TOKENS, 32) as they came; the
 #           model is built with --spelled-padding, so an answer's text tokenizes back to the ids
-#           the model sampled, as a real model's does, and a follow-up's new tokens are its user
-#           turn; the last turn holds ~7.5k tokens (the 1B shape allows 8192); then one fresh
+#           the model sampled, as a real model's does (but for the few of its tokenizer's own
+#           512 that it samples beside 16k spelled ones), and a follow-up's new tokens are its
+#           user turn; the last turn holds ~7.5k tokens (the 1B shape allows 8192); then one fresh
 #           request per conversation with only a new user turn. Greedy. Servers in this order:
 #           trio_mlx cache on, cache off, mlx_lm.server (--decode-concurrency 64, --prompt-cache-size 256: room for every
 #           conversation, as trio_mlx's PROMPT_CACHE_GB has).

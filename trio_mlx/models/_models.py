@@ -63,6 +63,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
+SPELLED = 16384  # padding ids spelled as added tokens, with `spelled_padding` (_write_tokenizer)
 # ChatML with tools in the Hermes / Qwen2.5 format: tool signatures in the system
 # turn, calls as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
 # mlx-lm recognizes it (its `json_tools` parser) by "<tool_call>" and "tool_call.name".
@@ -457,8 +458,9 @@ def _write_tokenizer(
     out: pathlib.Path, *, tokenizer: Any, chat_template: str, bos: str | None,
     eos: str | None, unk: str | None = None, pad: str | None = None, add_bos: bool = False,
     model_max_length: int, vocab_size: int = 0, spelled_padding: bool = False,
-) -> None:
-    """tokenizer.json (padded up to `vocab_size`) and tokenizer_config.json."""
+) -> int:
+    """tokenizer.json (padded up to `vocab_size`) and tokenizer_config.json; returns the
+    id past those a random model may sample (the rest are silenced in its weights)."""
     from tokenizers import processors
 
     if add_bos and bos is not None:
@@ -471,23 +473,26 @@ def _write_tokenizer(
     # yields them, but any id a random model samples decodes (to "<|x123|>").
     # As added tokens instead (`spelled_padding`), the text encodes back to the
     # same ids, as a real model's answers do: a chat bench's follow-ups then find
-    # the answers they resend in the prompt cache. 128k of them make loading
-    # slower (4.9 s against 0.7), so only benchmarks ask for them. They slow a
-    # server's start far more: llguidance reads added tokens in superlinear time
-    # (on the 2-core CPU machine its LLTokenizer took 0.9 s with 16k of them and
-    # 73 s with all 128k; the grammar vocabulary, `_constrain.model_vocab`, 50 s
-    # against 1.4 s without them), and the warm-up builds that vocabulary
-    # (`actor._actor._warm_grammar`): on the H100 host a 1B-shape server with
-    # them took 99-213 s from the start of its warm-up to ready (the servers'
-    # logs in benchmarks/2026-11-24-h100/row-attention/), against 11-12 s
-    # without them.
+    # the answers they resend in the prompt cache. Only the first SPELLED of them
+    # are spelled, and the model's weights silence the rest (`_write_random_weights`),
+    # so that greedy decoding samples only those and the tokenizer's own ids. All
+    # 128k of the 1B shape would cost a server's start over a minute: llguidance
+    # reads added tokens in quadratic time (its LLTokenizer took 0.04 s with 4k of
+    # them, 0.44 s with 16k, 2.0 s with 32k and 73 s with 128k on the 2-core CPU
+    # machine), and the warm-up builds its vocabulary (`actor._actor._warm_grammar`):
+    # 1.1 s with 16k, 50 s with 128k; with 128k a 1B-shape server took 99-213 s from
+    # the start of its warm-up to ready on the H100 host (the servers' logs in
+    # benchmarks/2026-11-24-h100/row-attention/), against 11-12 s without them.
+    # Beside 16k spelled ids the model samples its tokenizer's own 512 now and then,
+    # and two of those side by side may encode back otherwise: of random 32-token
+    # answers 77% encode back exactly (95% with 128k spelled).
     first = tokenizer.get_vocab_size(with_added_tokens=True)
     for i in range(first, vocab_size):
         data["model"]["vocab"][f"<|x{i}|>"] = i
     if spelled_padding:
         data["added_tokens"] += [
             {"id": i, "content": f"<|x{i}|>", "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": False} for i in range(first, vocab_size)]
+             "normalized": False, "special": False} for i in range(first, _spelled_end(first, vocab_size))]
     _write_json(out / "tokenizer.json", data)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": chat_template,
@@ -496,6 +501,12 @@ def _write_tokenizer(
         "clean_up_tokenization_spaces": False,
     }
     _write_json(out / "tokenizer_config.json", {k: v for k, v in config.items() if v is not None})
+    return _spelled_end(first, vocab_size) if spelled_padding else vocab_size
+
+
+def _spelled_end(first: int, vocab_size: int) -> int:
+    """The id past the last spelled padding id, of a tokenizer whose own ids end at `first`."""
+    return min(vocab_size, first + SPELLED)
 
 
 def _write_json(path: pathlib.Path, data: Any) -> None:
@@ -521,13 +532,13 @@ def model_config_for_shape(shape: str, *, dtype: str = "float32") -> dict[str, A
 def _write_test_tokenizer(
     out: pathlib.Path, *, vocab_size: int, model_max_length: int, tools: bool = False,
     spelled_padding: bool = False,
-) -> None:
+) -> int:
     from tokenizers import AddedToken
 
     extra = _TOOL_TOKENS if tools else []
     tokenizer = _train_tokenizer(min(vocab_size, 512) - len(extra))
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra])
-    _write_tokenizer(
+    return _write_tokenizer(
         out, tokenizer=tokenizer, chat_template=TOOLS_TEMPLATE if tools else CHATML_TEMPLATE,
         bos="<|im_start|>", eos="<|im_end|>", unk="<|endoftext|>", pad="<|endoftext|>",
         model_max_length=model_max_length, vocab_size=vocab_size, spelled_padding=spelled_padding,
@@ -548,15 +559,15 @@ def build_test_model(
     final = pathlib.Path(out_dir)
     with _atomic_dir(final, exist_ok=False) as tmp:
         positions = config["max_position_embeddings"]
-        _write_test_tokenizer(tmp, vocab_size=config["vocab_size"], model_max_length=positions,
-                              tools=tools, spelled_padding=spelled_padding)
-        config = _write_random_weights(tmp, config, seed=seed, bits=quantize_bits)
+        sampled = _write_test_tokenizer(tmp, vocab_size=config["vocab_size"], model_max_length=positions,
+                                        tools=tools, spelled_padding=spelled_padding)
+        config = _write_random_weights(tmp, config, seed=seed, bits=quantize_bits, sampled=sampled)
         _write_json(tmp / "config.json", config)
     return final
 
 
 def _write_random_weights(
-    out: pathlib.Path, config: dict[str, Any], *, seed: int, bits: int | None
+    out: pathlib.Path, config: dict[str, Any], *, seed: int, bits: int | None, sampled: int,
 ) -> dict[str, Any]:
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.models import llama
@@ -576,8 +587,10 @@ def _write_random_weights(
             value = mx.random.normal(param.shape, dtype=dtype, scale=scale, key=key)
         if name == "model.embed_tokens.weight":
             # Zero rows give the special tokens logit 0 against ~500 random ones, so
-            # greedy decoding never stops on EOS by chance: max_tokens is exact.
+            # greedy decoding never stops on EOS by chance: max_tokens is exact; so
+            # it never samples the ids from `sampled` on either (see _write_tokenizer).
             value[: len(_SPECIALS)] = 0
+            value[sampled:] = 0
         mx.eval(value)  # one tensor at a time keeps the peak low for the big shapes
         new.append((name, value))
     model.update(tree_unflatten(new))
@@ -674,9 +687,10 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--tools", action="store_true", help="a chat template with tool calling")
     build.add_argument("--spelled-padding", action="store_true",
-                       help="make the ids a random model samples past the tokenizer's own encode back "
-                            "from their text, as a real model's answers do (for multi-turn benchmarks; "
-                            "loading takes seconds longer)")
+                       help="make 16k ids past the tokenizer's own encode back from their text, and "
+                            "greedy decoding sample only those and the tokenizer's own, so that a "
+                            "random model's answers tokenize back as a real model's do (for multi-turn "
+                            "benchmarks)")
     args = parser.parse_args(argv)
     try:
         if args.command == "default":
