@@ -10,7 +10,8 @@ outside `next()` and the exchange (the actor's own work: inserting, removing
 rows), split into steps that removed rows and the rest; and, given the
 ceiling's trace, its median decode step at the same level. A server whose
 decode steps run slower than the ceiling's at the same level lost to the
-host, not to its scheduling. Traces may be gzipped.
+host, not to its scheduling. Then every step's time by kind (prefill, insert,
+removal, decode), whatever its level. Traces may be gzipped.
 """
 from __future__ import annotations
 
@@ -87,6 +88,24 @@ def own_work(trace: list[dict[str, float]]) -> dict[int, dict[str, list[float]]]
     return out
 
 
+def step_kinds(trace: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Every step's time by kind, whatever its level: a step that took prompt tokens
+    (`prefill`: mlx_lm runs the decoding rows' step in it too), inserted rows
+    (`insert`), removed retired ones (`removal`), or only decoded (`decode`).
+    Values: [steps, seconds in `next()`, seconds of the stepping thread's CPU]."""
+    out: dict[str, list[float]] = {}
+    for r in trace:
+        if not (r[GENERATED] or r[PROMPT]):
+            continue  # an empty turn: an idle actor's
+        kind = ("prefill" if r[PROMPT] else "insert" if r[INSERTED] else
+                "removal" if r[RETIRED] else "decode")
+        k = out.setdefault(kind, [0, 0.0, 0.0])
+        k[0] += 1
+        k[1] += r[NEXT]
+        k[2] += r.get(CPU, 0.0)
+    return out
+
+
 def main() -> None:
     server = load(sys.argv[1])
     ceiling = decode_steps(load(sys.argv[2])) if len(sys.argv) > 2 else {}
@@ -103,6 +122,11 @@ def main() -> None:
         for kind, ms in sorted(work.get(lv, {}).items()):
             line += f"; {kind}: {len(ms)} steps, p50 {statistics.median(ms):.2f} ms, {sum(ms) / 1e3:.2f} s"
         print(line)
+    kinds = step_kinds(server)
+    total = sum(k[1] for k in kinds.values()) or 1.0
+    print("steps by kind: " + "; ".join(
+        f"{kind} {int(n)} steps, {s:.2f} s ({s / total:.0%}), mean {1e3 * s / n:.1f} ms, cpu {c:.2f} s"
+        for kind, (n, s, c) in sorted(kinds.items())))
 
 
 if __name__ == "__main__":
