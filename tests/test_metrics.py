@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import prometheus_client
 from app_server import (
     CHAT,
@@ -16,6 +18,7 @@ from app_server import (
 from test_app_cancel import open_request
 
 from trio_mlx import Engine
+from trio_mlx.server._request_trace import RequestTrace
 
 
 async def test_requests_tokens_latencies_and_engine_gauges(tiny_model_fp32):
@@ -139,3 +142,39 @@ async def test_metrics_answer_while_the_model_loads(tiny_model_fp32):
     assert "trio_mlx_queue_depth 0.0" in text
     body, content_type = app.metrics.render("application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
+
+
+async def test_the_request_trace_lines_requests_up_with_the_step_trace(tiny_model_fp32, tmp_path):
+    """--step-trace FILE: the server writes FILE.requests, one line per completion request,
+    on the step trace's clock (arrival), with its intake, first token and end after it,
+    and its prompt, cached and completion tokens as its usage said."""
+    steps = tmp_path / "steps.tsv"
+    prompt = [(i * 7) % 400 + 3 for i in range(300)]
+    t0 = time.perf_counter()
+    async with serve(tiny_model_fp32, step_trace=str(steps)) as server, server.client() as client:
+        usages = []
+        for _ in range(2):  # the second finds the first's prompt in the prompt cache
+            r = await client.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+            usages.append(r.json()["usage"])
+        async with client.stream("POST", CHAT, json=chat_body(max_tokens=3, ignore_eos=True, stream=True)) as resp:
+            assert b"[DONE]" in b"".join([c async for c in resp.aiter_raw()])
+        await until(lambda: not server.app.completions.streams)  # the stream's record is observed
+    t1 = time.perf_counter()
+    header, *lines = (tmp_path / "steps.tsv.requests").read_text().splitlines()
+    assert header == RequestTrace.HEADER.rstrip("\n")
+    rows = [dict(zip(header.split("\t"), line.split("\t"), strict=True)) for line in lines]
+    assert [r["endpoint"] for r in rows] == [COMPLETIONS, COMPLETIONS, CHAT]
+    for r in rows:
+        assert t0 < float(r["arrived"]) < t1
+        assert 0 < float(r["intake_s"]) <= float(r["ttft_s"]) <= float(r["e2e_s"])
+        assert r["outcome"] == "ok" and r["request_id"].startswith(("cmpl-", "chatcmpl-"))
+    for r, usage in zip(rows, usages, strict=False):
+        assert int(r["prompt_tokens"]) == usage["prompt_tokens"] == len(prompt)
+        assert int(r["cached_tokens"]) == usage["prompt_tokens_details"]["cached_tokens"]
+        assert int(r["completion_tokens"]) == 4
+    assert int(rows[1]["cached_tokens"]) > 0 and int(rows[2]["completion_tokens"]) == 3
+    # one clock: the step that took the first request in came after its arrival and before its end
+    step_rows = [line.split("\t") for line in steps.read_text().splitlines()[1:]]
+    first_in = next(float(s[0]) for s in step_rows if int(s[3]) > 0)
+    arrived = float(rows[0]["arrived"])
+    assert arrived < first_in < arrived + float(rows[0]["e2e_s"])

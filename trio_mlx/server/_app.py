@@ -35,6 +35,7 @@ from ._metrics import Metrics
 from ._openai import HTTPError, dumps, new_id, unavailable
 from ._pages import add_pages
 from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord
+from ._request_trace import RequestTrace, request_trace_path
 from ._settings import Settings
 from ._wire import WireAPI, serve_api
 
@@ -125,6 +126,7 @@ class TrioMLXApp(QuartTrio):
     wire_apis: dict[str, WireAPI]
     metrics: Metrics
     serving_lock: _workers.ServingLock | None
+    request_trace: RequestTrace | None  # with the step trace (`_request_trace.py`)
     # Called with every completion request's record when it ends (sync, must be quick).
     observers: list[Callable[[RequestRecord], None]]
 
@@ -225,6 +227,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.metrics = Metrics(app)
     app.observers.append(app.metrics.observe)
     app.serving_lock = None
+    app.request_trace = None
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
         BODY_TIMEOUT=settings.body_timeout,
@@ -245,6 +248,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                 app.serving_lock = _workers.acquire(settings)
             engine = app.engine = make_engine(settings)
             await app.nursery.start(engine.run)
+            if settings.step_trace:
+                app.request_trace = RequestTrace(request_trace_path(settings.step_trace))
+                app.observers.append(app.request_trace.observe)
         except BaseException as exc:
             _release(app)
             if isinstance(exc, Exception):  # where the server would not exit non-zero, exit (_exit.py)
@@ -276,6 +282,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         finally:
             watchdog.cancel()
             _release(app)
+            if app.request_trace is not None:
+                app.request_trace.close()
 
     @app.before_request
     async def authenticate() -> None:

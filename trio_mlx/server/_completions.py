@@ -327,6 +327,7 @@ def _record_finish(rec: RequestRecord, fins: list[Finished]) -> None:
     rec.completion_tokens = sum(f.usage.completion_tokens for f in fins)
     if fins:
         rec.prompt_tokens = fins[0].usage.prompt_tokens
+        rec.cached_tokens = fins[0].usage.cached_tokens
 
 
 def _terminal_error(fin: Finished | None, rec: RequestRecord) -> HTTPError:

@@ -47,6 +47,7 @@ class RequestRecord:
     first_token: float | None = None
     ended: float | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, from the prompt cache
     completion_tokens: int = 0
     finish_reasons: tuple[str, ...] = ()
     # "ok", "error" (4xx/5xx before streaming), "disconnect", "stall", "cancelled",

@@ -138,8 +138,9 @@ class Settings:
         "written when the server stops cleanly (newest entries first), read back after warm-up; "
         "0: off; not with distributed"))
     step_trace: str | None = field(default=None, metadata=_doc(
-        "append one tab-separated line per actor step (times, batch sizes) to this file; the other "
-        "ranks of a distributed group append theirs to FILE.rankN on their own hosts"))
+        "append one tab-separated line per actor step (times, batch sizes) to this file, and one per "
+        "completion request (arrival, intake, first token, end, tokens) to FILE.requests on the same "
+        "clock; the other ranks of a distributed group append their steps to FILE.rankN on their own hosts"))
     distributed: str | None = field(default=None, metadata=_doc(
         "serve one model sharded over the ranks mlx.launch started: 'tensor' (every rank holds a "
         "slice of each layer) or 'pipeline' (each rank a run of layers; only families whose mlx-lm "
