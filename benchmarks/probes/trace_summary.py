@@ -11,7 +11,9 @@ rows), split into steps that removed rows and the rest; and, given the
 ceiling's trace, its median decode step at the same level. A server whose
 decode steps run slower than the ceiling's at the same level lost to the
 host, not to its scheduling. Then every step's time by kind (prefill, insert,
-removal, decode), whatever its level. Traces may be gzipped.
+removal, decode), whatever its level; and, where the server wrote its request
+trace beside (SERVER_TRACE.requests), its requests' intake and the gap from
+one request's end to the next arrival. Traces may be gzipped.
 """
 from __future__ import annotations
 
@@ -106,6 +108,36 @@ def step_kinds(trace: list[dict[str, float]]) -> dict[str, list[float]]:
     return out
 
 
+def requests_summary(path: str) -> str | None:
+    """The request trace beside a server's step trace (FILE.requests), if there is one: its
+    requests' intake (arrival to admission) and return gap (arrival less the latest end of
+    an earlier request, under a second: a client in a loop coming back), medians and maxima."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt") as f:
+            header = next(f).rstrip("\n").split("\t")
+            rows = [dict(zip(header, line.rstrip("\n").split("\t"), strict=True))
+                    for line in f if not line.startswith(header[0] + "\t")]
+    except FileNotFoundError:
+        return None
+    done = [r for r in rows if r["intake_s"] and r["e2e_s"]]
+    if not done:
+        return None
+    ends = sorted(float(r["arrived"]) + float(r["e2e_s"]) for r in done)
+    intake = [1e3 * float(r["intake_s"]) for r in done]
+    gaps = []
+    for r in done:
+        t = float(r["arrived"])
+        i = bisect.bisect_right(ends, t)
+        if i and t - ends[i - 1] < 1.0:
+            gaps.append(1e3 * (t - ends[i - 1]))
+    line = (f"requests: {len(done)}; intake p50 {statistics.median(intake):.1f} ms, "
+            f"max {max(intake):.1f}")
+    if gaps:
+        line += f"; return gap p50 {statistics.median(gaps):.1f} ms, max {max(gaps):.1f} ({len(gaps)} requests)"
+    return line
+
+
 def main() -> None:
     server = load(sys.argv[1])
     ceiling = decode_steps(load(sys.argv[2])) if len(sys.argv) > 2 else {}
@@ -127,6 +159,11 @@ def main() -> None:
     print("steps by kind: " + "; ".join(
         f"{kind} {int(n)} steps, {s:.2f} s ({s / total:.0%}), mean {1e3 * s / n:.1f} ms, cpu {c:.2f} s"
         for kind, (n, s, c) in sorted(kinds.items())))
+    base = sys.argv[1][:-3] if sys.argv[1].endswith(".gz") else sys.argv[1]
+    for path in (base + ".requests", base + ".requests.gz"):
+        if (line := requests_summary(path)) is not None:
+            print(line)
+            break
 
 
 if __name__ == "__main__":
