@@ -36,6 +36,15 @@ async def test_each_turn_resends_the_growing_conversation(tiny_model_fp32, tmp_p
         assert prompts[0] < prompts[1] < prompts[2] and prompts[3] < prompts[0]
         assert all(t["ttft_ms"]["p50"] > 0 and t["requests"] == lv["conversations"] for t in turns)
         assert lv["output_tokens"] == lv["requests"] * 4
+        # every request, in the order each conversation sent them, on the server's clock
+        each = lv["by_request"]
+        assert len(each) == lv["requests"] and {r["conversation"] for r in each} == set(range(lv["conversations"]))
+        for k in range(lv["conversations"]):
+            mine = [r for r in each if r["conversation"] == k]
+            assert [r["turn"] for r in mine] == [1, 2, 3, "fresh"]
+            for a, b in zip(mine, mine[1:], strict=False):
+                assert a["sent"] + a["e2e_s"] <= b["sent"]  # a client sends its next turn after the last ends
+            assert all(0 < r["ttft_s"] <= r["e2e_s"] and r["error"] is None for r in mine)
     out = tmp_path / "chat.json"
     out.write_text(json.dumps({"levels": levels}))
     assert "| fresh |" in _chat.format_level(levels[0])

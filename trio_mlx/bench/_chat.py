@@ -14,7 +14,9 @@ tokens and the cached ones (`usage.prompt_tokens_details.cached_tokens`, where
 the server reports them), and per level the output tokens/s, every failed
 request by reason, and `last_vs_fresh`: the last turn's median TTFT over the
 fresh requests' (a prompt cache that works keeps it near 1 however long the
-conversation). `--warmup` requests go first, unmeasured (a server that loads its
+conversation). `by_request` lists every request: its conversation and turn, when
+it was sent (`time.perf_counter()`: on the server's host, the clock of its step
+and request traces, `--step-trace`), its TTFT and end, and its tokens. `--warmup` requests go first, unmeasured (a server that loads its
 model or compiles kernels on its first request pays that there). Texts are random words from a seeded generator, so the
 same seed sends the same conversations to every server; the assistant's
 answers are whatever the server streams, resent as they came (as clients do).
@@ -79,6 +81,7 @@ class Turn:
     """One request of one conversation, as measured."""
 
     turn: int  # 0-based; -1: the fresh request after the conversation
+    sent: float = 0.0  # time.perf_counter() as it was sent: on one host, the server's traces' clock
     ttft: float | None = None
     e2e: float | None = None
     output_tokens: int = 0
@@ -128,7 +131,7 @@ async def _request(client: Any, messages: list[dict[str, str]], args: argparse.N
     rec.output_tokens = reader.usage_tokens if reader.usage_tokens is not None else rec.events
     if rec.error is None and not reader.done:
         rec.error, rec.message = "incomplete", "the stream ended without data: [DONE]"
-    out = Turn(turn, rec.ttft, rec.e2e, rec.output_tokens, reader.prompt_tokens, reader.cached_tokens,
+    out = Turn(turn, t0, rec.ttft, rec.e2e, rec.output_tokens, reader.prompt_tokens, reader.cached_tokens,
                rec.error, rec.message)
     return out, "".join(reader.text)
 
@@ -175,10 +178,15 @@ def level_stats(convs: Sequence[Conversation], duration: float, turns: int) -> d
             errors[t.error] = errors.get(t.error, 0) + 1
     tokens = sum(t.output_tokens for t in everything)
     last, fresh = by_turn[turns - 1]["ttft_ms"]["p50"], by_turn[-1]["ttft_ms"]["p50"]
+    by_request = [{"conversation": k, "turn": "fresh" if t.turn < 0 else t.turn + 1, "sent": t.sent,
+                   "ttft_s": t.ttft, "e2e_s": t.e2e, "prompt_tokens": t.prompt_tokens,
+                   "cached_tokens": t.cached_tokens, "error": t.error}
+                  for k, c in enumerate(convs) for t in c.turns]
     return {"conversations": len(convs), "requests": len(everything), "duration_s": duration,
             "output_tokens": tokens, "output_throughput": tokens / duration if duration else 0.0,
             "last_vs_fresh": last / fresh if last and fresh else None,
-            "errors": {"total": sum(errors.values()), "by_reason": errors}, "turns": by_turn}
+            "errors": {"total": sum(errors.values()), "by_reason": errors}, "turns": by_turn,
+            "by_request": by_request}
 
 
 async def run_levels(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
