@@ -16,8 +16,9 @@ request by reason, and `last_vs_fresh`: the last turn's median TTFT over the
 fresh requests' (a prompt cache that works keeps it near 1 however long the
 conversation). `by_request` lists every request: its conversation and turn, when
 it was sent (`time.perf_counter()`: on the server's host, the clock of its step
-and request traces, `--step-trace`), its TTFT and end, and its tokens. `--warmup` requests go first, unmeasured (a server that loads its
-model or compiles kernels on its first request pays that there). Texts are random words from a seeded generator, so the
+and request traces, `--step-trace`), its TTFT and end, and its tokens.
+`--warmup` requests go first, unmeasured (a server that loads its model or
+compiles kernels on its first request pays that there). Texts are random words from a seeded generator, so the
 same seed sends the same conversations to every server; the assistant's
 answers are whatever the server streams, resent as they came (as clients do).
 Any OpenAI-compatible chat endpoint works: trio_mlx (cache on or off) and
