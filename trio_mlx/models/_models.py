@@ -489,10 +489,11 @@ def _write_tokenizer(
     first = tokenizer.get_vocab_size(with_added_tokens=True)
     for i in range(first, vocab_size):
         data["model"]["vocab"][f"<|x{i}|>"] = i
+    sampled = min(vocab_size, first + SPELLED) if spelled_padding else vocab_size
     if spelled_padding:
         data["added_tokens"] += [
             {"id": i, "content": f"<|x{i}|>", "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": False} for i in range(first, _spelled_end(first, vocab_size))]
+             "normalized": False, "special": False} for i in range(first, sampled)]
     _write_json(out / "tokenizer.json", data)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": chat_template,
@@ -501,12 +502,7 @@ def _write_tokenizer(
         "clean_up_tokenization_spaces": False,
     }
     _write_json(out / "tokenizer_config.json", {k: v for k, v in config.items() if v is not None})
-    return _spelled_end(first, vocab_size) if spelled_padding else vocab_size
-
-
-def _spelled_end(first: int, vocab_size: int) -> int:
-    """The id past the last spelled padding id, of a tokenizer whose own ids end at `first`."""
-    return min(vocab_size, first + SPELLED)
+    return sampled
 
 
 def _write_json(path: pathlib.Path, data: Any) -> None:
