@@ -28,14 +28,19 @@ T, EXCHANGE, NEXT, INSERTED, GENERATED, PROMPT, LIVE, RETIRED, CPU = (
     "t", "exchange_s", "next_s", "inserted", "generated", "prompt_tokens", "live", "retired", "cpu_s")
 
 
-def load(path: str) -> list[dict[str, float]]:
-    """The steps of a trace, one dict per row keyed by its header; a trace appended to by
-    several runs repeats the header, which is skipped."""
+def rows(path: str) -> list[dict[str, str]]:
+    """The lines of a tab-separated trace, one dict per line keyed by its header; a trace
+    appended to by several runs repeats the header, which is skipped."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         header = next(f).rstrip("\n").split("\t")
-        return [dict(zip(header, map(float, line.split("\t")), strict=True))
+        return [dict(zip(header, line.rstrip("\n").split("\t"), strict=True))
                 for line in f if not line.startswith(header[0] + "\t")]
+
+
+def load(path: str) -> list[dict[str, float]]:
+    """The steps of a step trace (`rows`), as numbers."""
+    return [{k: float(v) for k, v in r.items()} for r in rows(path)]
 
 
 def level(rows: float) -> int:
@@ -112,15 +117,11 @@ def requests_summary(path: str) -> str | None:
     """The request trace beside a server's step trace (FILE.requests), if there is one: its
     requests' intake (arrival to admission) and return gap (arrival less the latest end of
     an earlier request, under a second: a client in a loop coming back), medians and maxima."""
-    opener = gzip.open if path.endswith(".gz") else open
     try:
-        with opener(path, "rt") as f:
-            header = next(f).rstrip("\n").split("\t")
-            rows = [dict(zip(header, line.rstrip("\n").split("\t"), strict=True))
-                    for line in f if not line.startswith(header[0] + "\t")]
+        requests = rows(path)
     except FileNotFoundError:
         return None
-    done = [r for r in rows if r["intake_s"] and r["e2e_s"]]
+    done = [r for r in requests if r["intake_s"] and r["e2e_s"]]
     if not done:
         return None
     ends = sorted(float(r["arrived"]) + float(r["e2e_s"]) for r in done)
