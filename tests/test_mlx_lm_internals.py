@@ -388,3 +388,116 @@ def test_keep_leading_space_reaches_both_of_mlx_lms_trimming_detokenizers(tiny_m
             detok.add_token(i)
         detok.finalize()
         assert detok.text == expected
+
+
+def test_take_rows_and_roll_right_are_the_gather_and_the_roll_they_replace(monkeypatch):
+    """`actor._batch.take_rows` (a removal's kept rows) and `roll_right` (a right-padded
+    prefill's roll) copy by slices what mlx_lm gathers element by element: the same
+    arrays, for every pattern of kept rows and of shifts (none, all, a whole turn), with
+    rows rolled as slices and as the gather (small slabs)."""
+    import itertools
+    import random
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import dynamic_roll
+
+    a = mx.random.normal((5, 2, 11, 3), key=mx.random.key(3))
+    for n in range(1, 6):
+        for rows in itertools.combinations(range(5), n):
+            assert mx.array_equal(_batch.take_rows(a, list(rows)), a[mx.array(rows)]).item(), rows
+    assert mx.array_equal(_batch.take_rows(a, [3, 1, 2]), a[mx.array([3, 1, 2])]).item()
+    rng = random.Random(5)
+    patterns = [[0] * 5, [11] * 5, [4, 0, 0, 7, 1], [0, 0, 0, 0, 3], [2, 0, 0, 0, 0], [22, 1, 0, 10, 0]]
+    patterns += [[rng.randrange(0, 12) for _ in range(5)] for _ in range(30)]
+    for limit in (0, 1 << 30):
+        monkeypatch.setattr(_batch, "ROLL_SLICE_BYTES", limit)
+        for shifts in patterns:
+            want = dynamic_roll(a, mx.array(shifts)[:, None], axis=2)
+            assert mx.array_equal(_batch.roll_right(a, shifts), want).item(), (limit, shifts)
+
+
+def test_a_right_padded_group_prefill_rolls_by_slices_and_generates_what_the_stock_one_does(
+        tiny_model_fp32, monkeypatch):
+    """Prompts of different lengths prefill right-padded, and mlx_lm's `BatchKVCache.finalize`
+    rolls the padding to the left with `dynamic_roll`, a gather (79 ms for a chat turn's 8
+    rows on an H100). Under `CausalPrefill` the roll is `roll_right`'s (as slices for large
+    slabs): mlx_lm's `dynamic_roll` is never called, every greedy token is the stock generator's, and no cache keeps the override."""
+    from mlx_lm.models import cache as mlx_cache
+
+    model, _ = _models.load_model(tiny_model_fp32)
+    rolls: list[int] = []
+    stock_roll = mlx_cache.dynamic_roll
+
+    def spy(x, shifts, axis):
+        rolls.append(x.shape[0])
+        return stock_roll(x, shifts, axis)
+
+    monkeypatch.setattr(mlx_cache, "dynamic_roll", spy)
+    monkeypatch.setattr(_batch, "ROLL_SLICE_BYTES", 0)  # the tiny model's slabs are small
+
+    def tokens(forward) -> list[list[int]]:
+        bg = BatchGenerator(forward, max_tokens=10, completion_batch_size=8, prefill_batch_size=4)
+        prompts = [[5 + (7 * i + r) % 400 for i in range(n)] for r, n in enumerate((40, 23, 57, 40))]
+        uids = bg.insert(prompts)
+        out: dict[int, list[int]] = {}
+        while len(out) < 4 or any(len(v) < 10 for v in out.values()):
+            _step_tokens(bg, out)
+        assert not any("finalize" in vars(c) for c in bg._generation_batch.prompt_cache)
+        return [out[u] for u in uids]
+
+    stock = tokens(model)
+    assert rolls  # the stock prefill rolled its right padding away
+    rolls.clear()
+    assert tokens(_batch.CausalPrefill(model)) == stock
+    assert rolls == []
+
+
+def test_a_group_whose_prompts_all_end_moves_to_decoding_without_a_copy(tiny_model_fp32, monkeypatch):
+    """mlx_lm's `PromptProcessingBatch.split` deep-copies the prompt batch's caches and then
+    gathers the rows it hands on (`BatchKVCache.filter`). `move_whole_groups` hands a group
+    whose every prompt has ended to the decoding batch as it is: no copy, no filter, and
+    every greedy token the stock generator's, for a first group and for one joining rows
+    that already decode. A group whose prompts end in different steps (a long one chunked)
+    still splits as mlx_lm does, with the same tokens."""
+    import copy
+
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, _ = _models.load_model(tiny_model_fp32)
+    calls: list[str] = []
+    deepcopy, keep = copy.deepcopy, BatchKVCache.filter
+
+    def spy_copy(x, *args, **kwargs):
+        calls.append("deepcopy")
+        return deepcopy(x, *args, **kwargs)
+
+    def spy_filter(self, rows):
+        calls.append("filter")
+        return keep(self, rows)
+
+    monkeypatch.setattr(copy, "deepcopy", spy_copy)
+    monkeypatch.setattr(BatchKVCache, "filter", spy_filter)
+
+    def tokens(move: bool, lengths: tuple[int, ...]) -> list[list[int]]:
+        bg = BatchGenerator(model, max_tokens=10**6, completion_batch_size=8, prefill_batch_size=4,
+                            prefill_step_size=32)
+        if move:
+            _batch.move_whole_groups(bg)
+        prompts = [[5 + (7 * i + r) % 400 for i in range(n)] for r, n in enumerate(lengths)]
+        uids = bg.insert(prompts[:3])
+        out: dict[int, list[int]] = {}
+        for _ in range(3):
+            _step_tokens(bg, out)
+        uids += bg.insert(prompts[3:])
+        while len(out) < 5 or any(len(v) < 8 for v in out.values()):
+            _step_tokens(bg, out)
+        return [out[u][:8] for u in uids]
+
+    whole = (12, 20, 30, 9, 15)  # every prompt within one prefill step: each group ends together
+    stock = tokens(False, whole)
+    assert "deepcopy" in calls and "filter" in calls
+    calls.clear()
+    assert tokens(True, whole) == stock
+    assert calls == []
+    chunked = (12, 20, 70, 9, 15)
+    assert tokens(True, chunked) == tokens(False, chunked)

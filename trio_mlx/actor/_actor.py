@@ -40,6 +40,7 @@ from ._batch import (
     batch_rows,
     first_tokens,
     grid_sizes,
+    move_whole_groups,
     plain_kv,
     prefill_chunk,
     prefill_grid,
@@ -237,13 +238,15 @@ class Actor:
             self.config.fault_hook(stage)
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        bg = BatchGenerator(
             CausalPrefill(self._model, self._grid, self._link and self._link.built, self._heads),  # type: ignore[arg-type]  # called and read as the model
             max_tokens=1,
             completion_batch_size=self.config.max_batch,
             prefill_batch_size=self.config.prefill_batch,
             prefill_step_size=self.config.prefill_step,
         )
+        move_whole_groups(bg)
+        return bg
 
     def _warmup(self) -> None:
         """Visit, before the server reports ready, what live traffic will make MLX

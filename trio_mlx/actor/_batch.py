@@ -5,8 +5,11 @@ without a host round trip per layer, read the decoding batch's row count for
 the step trace, read and reset the prompt-token counter per step, copy a
 decoding row's KV out for the prompt cache without a host round trip per
 layer (`copy_rows`), give a prefill without padding the fused attention, on
-shapes that recur (`CausalPrefill`), or read the first tokens of rows that have
-just started decoding (`first_tokens`). Each helper names the private attribute it
+shapes that recur (`CausalPrefill`), read the first tokens of rows that have
+just started decoding (`first_tokens`), or move KV at the device's copy rate
+where mlx-lm gathers it (a removal's kept rows, `take_rows`; a right-padded
+group's roll, `roll_right`; a finished group handed to decoding, `_split`).
+Each helper names the private attribute it
 relies on; tests/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
 upgrade that changes one fails there first.
 """
@@ -18,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt_cache
 
 
 def batch_rows(bg: Any) -> int:
@@ -70,7 +73,8 @@ def remove_rows(bg: Any, uids: list[int]) -> None:
     filtered, extended and padded alike, so all hold the same padding: here
     the first layer's is read once and every layer filters with it, as the
     stock `filter` would. `benchmarks/probes/probe_remove.py` measured a removal at 15
-    -> 3 ms (1B) and 27 -> 3 ms (135M), with the same tokens. A batch whose
+    -> 3 ms (1B) and 27 -> 3 ms (135M), with the same tokens. The kept rows are
+    copied as slices (`take_rows`), not gathered. A batch whose
     caches are not all plain `BatchKVCache`s at one position keeps the stock
     path.
     """
@@ -112,7 +116,7 @@ class _KeepRows:
         shift = min(kept)
         rows = mx.array(batch_indices)
         if c.keys is not None:
-            c.keys, c.values = c.keys[rows], c.values[rows]
+            c.keys, c.values = take_rows(c.keys, batch_indices), take_rows(c.values, batch_indices)
         c.offset = c.offset[rows]
         c.left_padding = mx.array([p - shift for p in kept])
         if shift > 0:
@@ -120,6 +124,106 @@ class _KeepRows:
                 c.keys, c.values = c.keys[..., shift:, :], c.values[..., shift:, :]
             c._idx -= shift
 
+
+
+def take_rows(a: Any, rows: list[int]) -> Any:
+    """`a[mx.array(rows)]` (rows along the first axis, in that order), as slices.
+
+    MLX 0.32's gather moves a KV buffer's rows at 230-400 GB/s on an H100, against
+    ~2,000 for a plain copy. Keeping 255 rows of 256 at 256 tokens (1B, 16 layers,
+    2.1 GB of KV) took 10.8 ms as the gather and 3.4 as slices; 7 of 8 at 7,500
+    tokens 9.2 against 1.7 (benchmarks/probes/probe_kv_copy.py). A batch keeps its
+    rows in order and drops a few, so the kept rows are a few runs of neighbours:
+    one slice each, joined by one concatenation. A single run needs no copy, and
+    MLX may keep it a view of the old buffer until the batch's next copy (the
+    next group's arrival, or the buffer's growth)."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    if len(runs) == 1:
+        return mx.contiguous(a[runs[0][0] : runs[0][1]]) if runs[0] != (0, a.shape[0]) else a
+    return mx.concatenate([a[i:j] for i, j in runs], axis=0)
+
+
+def roll_right(a: Any, shifts: list[int]) -> Any:
+    """mlx_lm's `dynamic_roll(a, mx.array(shifts)[:, None], axis=2)` (each row rolled right by
+    its shift along the tokens), with the shifts known on the host.
+
+    `dynamic_roll` gathers element by element, at ~50 GB/s on an H100: 78.8 ms for 8
+    rows of 7,500 tokens (1B, 16 layers), the roll that ends a group prefill of chat
+    follow-ups whose new tokens differ in length (`BatchKVCache.finalize`). Rows
+    rolled as slices joined by concatenation took 7.6 ms there; but each shifted row
+    costs a few kernel launches, so for 256 rows of 256 tokens slices took 236 ms
+    against the gather's 95 (benchmarks/probes/probe_kv_copy.py). So rows whose slab
+    (one layer's keys or values) holds ROLL_SLICE_BYTES or more roll as slices, and
+    smaller ones (a group of short fresh prompts) as the gather."""
+    if a.shape[1] * a.shape[2] * a.shape[3] * a.itemsize < ROLL_SLICE_BYTES:
+        return dynamic_roll(a, mx.array(shifts)[:, None], axis=2)
+    n = a.shape[2]
+    parts, start = [], 0
+    for i, s in enumerate(shifts):
+        s %= n
+        if not s:
+            continue
+        if start < i:
+            parts.append(a[start:i])
+        row = a[i : i + 1]
+        parts.append(mx.concatenate([row[:, :, n - s :], row[:, :, : n - s]], axis=2))
+        start = i + 1
+    if not parts:
+        return a
+    if start < a.shape[0]:
+        parts.append(a[start:])
+    return mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
+# A row's slab from which slices roll faster than the gather: on an H100 a shifted row
+# as slices cost ~30 us of launches per array, the gather ~20 us per MB (~50 GB/s)
+ROLL_SLICE_BYTES = 1 << 20
+
+
+def move_whole_groups(bg: Any) -> None:
+    """Give `bg`'s prompt batch (`bg._prompt_batch`, one object for the generator's life) a
+    `split` that hands a group whose every row has finished its prompt to the decoding
+    batch as it is (`_split`)."""
+    batch = bg._prompt_batch
+    vars(batch)["split"] = functools.partial(_split, batch)
+
+
+def _split(batch: Any, indices: list[int]) -> Any:
+    """`PromptProcessingBatch.split(indices)`: the rows in `indices` as a batch of their own,
+    the rest left. Where they are every row (a group whose prompts end together, the
+    usual case), the batch's caches and lists move to the new batch and it is left
+    empty: what the stock method gives, without it deep-copying every layer's KV and
+    then gathering all of its rows back (`BatchKVCache.filter`, one host read per
+    layer): 1.7 GB copied twice for a group of 7 chat follow-ups of 7,500 tokens, in
+    the step that brings them their first tokens."""
+    if sorted(indices) != list(range(len(batch.uids))):
+        return type(batch).split(batch, indices)  # the stock method, past this instance's override
+    cls: Any = type(batch)
+    moved = cls.__new__(cls)
+    vars(moved).update({k: v for k, v in vars(batch).items() if k != "split"})
+    batch.uids, batch.prompt_cache, batch.tokens, batch.samplers = [], [], [], []
+    batch.logits_processors, batch.max_tokens, batch.stop_sequences = [], [], []
+    return moved
+
+
+def _finalize(c: Any) -> None:
+    """`BatchKVCache.finalize` (right padding rolled into left padding), rolling with
+    `roll_right`: the same arrays. Set on a prompt batch's caches by `CausalPrefill`
+    while they hold right padding, and gone once run."""
+    vars(c).pop("finalize", None)
+    if c._right_padding is None:
+        return
+    shifts = [int(s) for s in c._right_padding.tolist()]
+    if c.keys is not None:
+        c.keys, c.values = roll_right(c.keys, shifts), roll_right(c.values, shifts)
+    c.offset = c.offset - c._right_padding
+    c.left_padding = c.left_padding + c._right_padding
+    c._right_padding = None
 
 
 def plain_kv(model: Any) -> bool:
@@ -288,6 +392,11 @@ class CausalPrefill:
     on an H100, a group of 7 follow-ups behind 6k cached tokens was cut to chunks of
     512 and took 4 steps (45-50 ms each, then 119) to prefill; whole, one of 150-178 ms.
 
+    A prompt batch whose prompts differ in length prefills right-padded, and mlx_lm's
+    `BatchKVCache.finalize` then rolls the padding to the left with a gather; the
+    caches such a step is called with get a `finalize` of their own for that roll
+    (`_finalize`, with `roll_right`: the same arrays), gone once it has run.
+
     `built`, if given, is called as each forward returns: the step's graph is built, and
     what is left of the step waits on the device (`_link.ThreadLink`).
     """
@@ -305,6 +414,9 @@ class CausalPrefill:
         return getattr(self._model, name)
 
     def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
+        for c in cache or ():
+            if type(c) is BatchKVCache and c._right_padding is not None and "finalize" not in vars(c):
+                vars(c)["finalize"] = functools.partial(_finalize, c)  # the prompt batch rolls after
         out = self._forward(inputs, cache, **kwargs)
         if self._built is not None:
             self._built()
