@@ -4,12 +4,13 @@
 
 A batch's membership changes move its KV: mlx_lm's `BatchKVCache.filter` (rows leave),
 `extend` (a group joins), `merge` (cached prefixes become a group), `extract` (a finished
-row is kept), `finalize` (a right-padded group is rolled). On an H100 a chat turn's step
-that moves ~1.7 GB of KV took 30-58 ms (~30-60 GB/s) in the step traces. This times each
-of those operations on a 1B-shaped KV (8 KV heads of 64, bf16; LAYERS layers, 16 by
-default) for ROWS rows (8) at CONTEXT tokens (7,500), beside a plain copy of the same
-bytes, and the actor's replacements of the gathers (`_batch.take_rows`, `roll_right`),
-and prints each one's median ms and GB/s (bytes of KV read once and written once).
+row is kept), `finalize` (a right-padded group is rolled). On an H100 the steps in which
+a group of 7 chat follow-ups (~1.7 GB of KV) joined or left a batch took 30-58 ms in the
+step traces. This times each of those operations on a 1B-shaped KV (8 KV heads of 64,
+bf16; LAYERS layers, 16 by default) for ROWS rows (8) at CONTEXT tokens (7,500), beside
+a plain copy of the same bytes and the actor's replacements of the gathers
+(`_batch.take_rows`, `roll_right`), and prints each one's median ms and GB/s (bytes of
+KV read once and written once). benchmarks/2026-11-25-h100/kv-copies/ has its figures.
 """
 from __future__ import annotations
 
