@@ -452,13 +452,13 @@ def test_a_right_padded_group_prefill_rolls_by_slices_and_generates_what_the_sto
     assert rolls == []
 
 
-def test_a_group_whose_prompts_all_end_moves_to_decoding_without_a_copy(tiny_model_fp32, monkeypatch):
+def test_prompts_that_end_move_to_decoding_without_a_deep_copy(tiny_model_fp32, monkeypatch):
     """mlx_lm's `PromptProcessingBatch.split` deep-copies the prompt batch's caches and then
-    gathers the rows it hands on (`BatchKVCache.filter`). `move_whole_groups` hands a group
-    whose every prompt has ended to the decoding batch as it is: no copy, no filter, and
-    every greedy token the stock generator's, for a first group and for one joining rows
-    that already decode. A group whose prompts end in different steps (a long one chunked)
-    still splits as mlx_lm does, with the same tokens."""
+    gathers each side's rows (`BatchKVCache.filter`). Under `move_whole_groups` a group whose
+    every prompt has ended goes to the decoding batch as it is, and prompts that end before
+    their group's others (a long one chunked) leave with their rows kept as slices on both
+    sides: no deep copy, no stock filter, and every greedy token the stock generator's, for
+    a first group and for one joining rows that already decode."""
     import copy
 
     from mlx_lm.models.cache import BatchKVCache
@@ -499,5 +499,10 @@ def test_a_group_whose_prompts_all_end_moves_to_decoding_without_a_copy(tiny_mod
     calls.clear()
     assert tokens(True, whole) == stock
     assert calls == []
-    chunked = (12, 20, 70, 9, 15)
-    assert tokens(True, chunked) == tokens(False, chunked)
+    chunked = (12, 20, 70, 9, 15)  # 12 and 20 end a step before 70, which takes three
+    calls.clear()
+    stock = tokens(False, chunked)
+    assert calls.count("deepcopy") >= 2  # the partial splits, then the whole ones
+    calls.clear()
+    assert tokens(True, chunked) == stock
+    assert calls == []

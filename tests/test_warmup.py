@@ -57,7 +57,7 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     add_logprobs = Actor._add_logprobs
 
     def spy_remove(bg: Any, uids: list[int]) -> None:
-        caches = _batch._kv_caches(bg)
+        caches = _batch._kv_caches(bg._generation_batch)
         assert caches is not None
         idx = caches[0]._idx
         remove(bg, uids)
