@@ -421,7 +421,8 @@ def test_a_right_padded_group_prefill_rolls_by_slices_and_generates_what_the_sto
     """Prompts of different lengths prefill right-padded, and mlx_lm's `BatchKVCache.finalize`
     rolls the padding to the left with `dynamic_roll`, a gather (79 ms for a chat turn's 8
     rows on an H100). Under `CausalPrefill` the roll is `roll_right`'s (as slices for large
-    slabs): mlx_lm's `dynamic_roll` is never called, every greedy token is the stock generator's, and no cache keeps the override."""
+    slabs): mlx_lm's `dynamic_roll` is never called, every greedy token is the stock
+    generator's, and no cache keeps the override."""
     from mlx_lm.models import cache as mlx_cache
 
     model, _ = _models.load_model(tiny_model_fp32)
