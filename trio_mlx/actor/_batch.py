@@ -83,11 +83,16 @@ def remove_rows(bg: Any, uids: list[int]) -> None:
     if caches is None:
         bg.remove(uids)
         return
-    keep = _KeepRows(caches[0].left_padding.tolist())
+    _keeping(caches, _KeepRows(caches[0].left_padding.tolist()), bg.remove, uids)
+
+
+def _keeping(caches: list[Any], keep: _KeepRows, call: Callable[..., Any], *args: Any) -> Any:
+    """`call(*args)` with each of `caches` filtering through `keep` rather than the stock
+    `BatchKVCache.filter`: mlx-lm's own batch methods do the rest (its row lists)."""
     for c in caches:
-        c.filter = functools.partial(keep, c)  # shadows the class's filter for this call only
+        vars(c)["filter"] = functools.partial(keep, c)  # shadows the class's filter for this call only
     try:
-        bg.remove(uids)
+        return call(*args)
     finally:
         for c in caches:
             vars(c).pop("filter", None)
@@ -193,10 +198,6 @@ def move_whole_groups(bg: Any) -> None:
     vars(batch)["split"] = functools.partial(_split, batch)
 
 
-# a prompt batch's per-row lists, split alike (`PromptProcessingBatch.filter`)
-_ROW_LISTS = ("uids", "tokens", "samplers", "logits_processors", "max_tokens", "stop_sequences")
-
-
 def _split(batch: Any, indices: list[int]) -> Any:
     """`PromptProcessingBatch.split(indices)`: the rows in `indices` as a batch of their own,
     the rest left, with the same arrays as the stock method.
@@ -205,36 +206,28 @@ def _split(batch: Any, indices: list[int]) -> Any:
     (`BatchKVCache.filter`, with one host read per layer): for a group of 7 chat
     follow-ups of 7,500 tokens, 1.7 GB copied and then gathered twice, in the step
     that brings them their first tokens. Where `indices` are every row (a group whose
-    prompts end together, the usual case), the batch's caches and lists move to the
-    new batch and it is left empty: no copy at all. Where they are some (prompts
-    ending in different steps, long ones chunked), each side keeps its rows as slices
-    (`_KeepRows`, one read of the padding): a copy of each row, once."""
+    prompts end together, the usual case), the batch's caches move to the new batch
+    and it is left empty: no copy at all. Where they are some (prompts ending in
+    different steps, long ones chunked), each side keeps its rows as slices
+    (`_KeepRows`, one read of the padding): a copy of each row, once. Either way
+    mlx-lm's own `filter` splits the batch's per-row lists."""
     cls: Any = type(batch)
     rows = sorted(indices)
-    if rows == list(range(len(batch.uids))):
-        moved = cls.__new__(cls)
-        vars(moved).update({k: v for k, v in vars(batch).items() if k != "split"})
-        batch.prompt_cache = []
-        for name in _ROW_LISTS:
-            setattr(batch, name, [])
-        return moved
-    caches = _kv_caches(batch)
-    if caches is None or any(c.keys is None or c._right_padding is not None for c in caches):
+    whole = rows == list(range(len(batch.uids)))
+    caches = None if whole else _kv_caches(batch)
+    if not whole and (caches is None or any(c.keys is None or c._right_padding is not None for c in caches)):
         return cls.split(batch, indices)  # the stock method, past this instance's override
-    chosen = set(rows)
-    rest = [i for i in range(len(batch.uids)) if i not in chosen]
+    moved = copy.copy(batch)  # its lists are replaced, not changed, by `filter`
+    vars(moved).pop("split", None)
+    if whole:
+        batch.prompt_cache = []  # the caches go as they are (`filter([])` clears the list it holds)
+        cls.filter(batch, [])
+        return moved
+    assert caches is not None
     keep = _KeepRows(caches[0].left_padding.tolist())
-    moved = cls.__new__(cls)
-    vars(moved).update({k: v for k, v in vars(batch).items() if k != "split"})
-    moved.prompt_cache = [copy.copy(c) for c in caches]
-    for c in moved.prompt_cache:
-        keep(c, rows)
-    for c in caches:
-        keep(c, rest)
-    for name in _ROW_LISTS:
-        values = getattr(batch, name)
-        setattr(moved, name, [values[i] for i in rows])
-        setattr(batch, name, [values[i] for i in rest])
+    moved.prompt_cache = [copy.copy(c) for c in caches]  # shallow: `keep` replaces their arrays
+    _keeping(moved.prompt_cache, keep, cls.filter, moved, rows)
+    _keeping(caches, keep, cls.filter, batch, sorted(set(range(len(batch.uids))) - set(rows)))
     return moved
 
 
