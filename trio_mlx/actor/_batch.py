@@ -434,9 +434,10 @@ class CausalPrefill:
         return getattr(self._model, name)
 
     def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
-        for c in cache or ():
-            if type(c) is BatchKVCache and c._right_padding is not None and "finalize" not in vars(c):
-                vars(c)["finalize"] = functools.partial(_finalize, c)  # the prompt batch rolls after
+        if inputs.shape[1] > 1:  # right padding comes only with a prompt of 2 tokens or more
+            for c in cache or ():
+                if type(c) is BatchKVCache and c._right_padding is not None and "finalize" not in vars(c):
+                    vars(c)["finalize"] = functools.partial(_finalize, c)  # the prompt batch rolls after
         out = self._forward(inputs, cache, **kwargs)
         if self._built is not None:
             self._built()
