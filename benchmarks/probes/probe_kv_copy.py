@@ -40,7 +40,12 @@ def timed(name: str, build, moved_rows: int, repeat: int = 7) -> None:
         mx.synchronize()
         if i:
             out.append(clock() - t0)
-    ms = statistics.median(out) * 1e3
+    report(name, out, moved_rows)
+
+
+def report(name: str, seconds: list[float], moved_rows: int) -> None:
+    """The median ms and the rate: moved_rows x context x layers of KV, read and written."""
+    ms = statistics.median(seconds) * 1e3
     gb = 2 * moved_rows * context * layers * heads * dim * 2 * 2 / 1e9  # keys and values, read and written
     print(f"{name:<34} {ms:8.2f} ms  {gb / (ms / 1e3):8.1f} GB/s  ({gb / 2:.2f} GB of KV)")
 
@@ -79,10 +84,7 @@ def filter_one() -> list:
 
 def once(name: str, run, moved_rows: int) -> None:
     """An operation that changes its caches in place: fresh caches each time, only the call timed."""
-    out = [run()[0] for _ in range(4)][1:]
-    ms = statistics.median(out) * 1e3
-    gb = 2 * moved_rows * context * layers * heads * dim * 2 * 2 / 1e9
-    print(f"{name:<34} {ms:8.2f} ms  {gb / (ms / 1e3):8.1f} GB/s  ({gb / 2:.2f} GB of KV)")
+    report(name, [run()[0] for _ in range(4)][1:], moved_rows)
 
 
 if rows > 1:
