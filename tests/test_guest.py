@@ -194,6 +194,9 @@ def asyncio_server(app: TrioMLXApp, kind: str) -> Iterator[int]:
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
             port.append(sock.getsockname()[1])
+            # Listening before hypercorn takes the socket: hypercorn starts its server only after
+            # the lifespan startup that makes the engine ready, so a connect in between was refused.
+            sock.listen()
             config = Config()
             config.bind = [f"fd://{sock.detach()}"]  # hypercorn's from here on
             config.graceful_timeout = 5.0
