@@ -7,6 +7,14 @@ trio worker with `FakeActor` (no model math) stepping every STEP seconds, loaded
 Prints the bench's line for the level and the server's main-thread CPU us per
 token; with --profile, the server runs under cProfile and writes its stats there
 (the figure is then the profiler's, not the server's).
+
+The fake model counts up through the model's vocabulary from the prompt's last
+token, so the tokenizer decides what the stream looks like: by default the
+embedded default model's (SmolLM2, 49k tokens, so the stream walks word pieces);
+`--model tiny` uses a 512-token test model built here, a third of whose tokens
+are lone UTF-8 bytes that show no text until a character completes. On the
+2-core CPU box the two gave the same figure within the runs' spread
+(benchmarks/2026-11-25-cpu/loop-cost/).
 """
 
 from __future__ import annotations
@@ -30,10 +38,10 @@ from trio_mlx.actor import FakeActor
 from trio_mlx.engine import Engine
 from trio_mlx.server._app import create_app
 from trio_mlx.server._settings import Settings
-model, port, step, profile = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+model, port, step, profile, vocab = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 def make(settings):
     return Engine(settings.model, max_batch=settings.max_batch, warmup=False,
-                  actor=functools.partial(FakeActor, step_seconds=step, vocab_size=512))
+                  actor=functools.partial(FakeActor, step_seconds=step, vocab_size=vocab))
 app = create_app(Settings(model=model, max_batch=512, warmup=False, actor="thread"), engine_factory=make)
 config = Config(); config.bind = [f"127.0.0.1:{port}"]; config.accesslog = None
 config.errorlog = logging.getLogger("quiet"); logging.getLogger("quiet").setLevel(logging.ERROR)
@@ -55,19 +63,23 @@ def main() -> None:
     p.add_argument("--step", type=float, default=0.03, help="seconds per fake step")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--requests-multiple", type=int, default=2)
-    p.add_argument("--model", help="a model directory (default: a tiny one built here)")
+    p.add_argument("--model", default="embedded",
+                   help="a model directory, 'embedded' (the default model's) or 'tiny' (a test model built here)")
     p.add_argument("--profile", default="")
     p.add_argument("--port", type=int, default=8931)
     args = p.parse_args()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            from trio_mlx.models import _models
+        from trio_mlx.models import _models, ensure_embedded_model, load_tokenizer
 
+        model = args.model
+        if model == "embedded":
+            model = str(ensure_embedded_model())
+        elif model == "tiny":
             model = str(_models.build_test_model(Path(tmp) / "tiny", dtype="float32"))
+        vocab = len(load_tokenizer(model)._tokenizer)
         server = subprocess.Popen([sys.executable, "-c", SERVER, model, str(args.port), str(args.step),
-                                   args.profile], env=env)
+                                   args.profile, str(vocab)], env=env)
         try:
             for _ in range(300):
                 try:
