@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +26,20 @@ pytestmark = pytest.mark.timeout(90)
 
 
 class CountingEngine(Engine):
-    """Counts prompts handed to the tokenizer."""
+    """Counts prompts handed to the tokenizer, and notes which ran on the event loop's thread."""
 
     encoded: list[int]
+    on_loop: list[bool]
 
     def encode_prompt(self, kind: str, value: Any, template_kwargs: Any = None) -> list[int]:
         self.encoded.append(len(json.dumps(value)))
+        self.on_loop.append(threading.current_thread() is threading.main_thread())
         return super().encode_prompt(kind, value, template_kwargs)
 
 
 def counting(settings: Settings) -> Engine:
     engine = CountingEngine(settings.model, max_batch=settings.max_batch, warmup=False)
-    engine.encoded = []
+    engine.encoded, engine.on_loop = [], []
     return engine
 
 
@@ -82,6 +85,32 @@ async def test_too_many_messages_are_counted_not_validated(tiny_model_fp32: Path
     async with serve(tiny_model_fp32, factory=counting) as server, server.client() as client:
         r = await client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}] * 1025})
         assert_error(r, 400, code="too_many_messages")
+
+
+async def test_the_count_holds_for_every_api_and_many_empty_messages_leave_the_loop(tiny_model_fp32: Path) -> None:
+    """The Responses API's input items and the Anthropic tool results that each become a chat
+    message are counted as messages (one request of 480,000 empty input items held the event
+    loop for 14 s); and a chat of many empty messages, whose template costs what its count
+    does, is tokenized off the event loop."""
+    empty = {"role": "user", "content": ""}
+    async with serve(tiny_model_fp32, factory=counting, max_messages=200) as server, server.client() as client:
+        engine: Any = server.engine
+        r = await client.post("/v1/responses", json={"input": [empty] * 201, "max_output_tokens": 2})
+        assert_error(r, 400, code="too_many_messages")
+        results = [{"type": "tool_result", "tool_use_id": f"t{i}", "content": ""} for i in range(200)]
+        r = await client.post("/v1/messages", json={"model": "m", "max_tokens": 2,
+                                                    "messages": [{"role": "user", "content": results}]})
+        assert r.status_code == 400, r.text
+        err = r.json()
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+        assert "at most 200 messages" in err["error"]["message"]
+        assert engine.encoded == []  # refused before the template
+        r = await client.post(CHAT, json={"messages": [empty] * 149 + [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 1})
+        assert r.status_code in (200, 400), r.text  # 400: the roles' tokens pass the context
+        assert engine.on_loop == [False]
+        r = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 1})
+        assert r.status_code == 200 and engine.on_loop == [False, True]  # a short chat stays on the loop
 
 
 async def test_large_bodies_do_not_stall_the_event_loop(tiny_model_fp32: Path) -> None:
@@ -135,7 +164,7 @@ class SlowBigEngine(CountingEngine):
 
 def slow_big(settings: Settings) -> Engine:
     engine = SlowBigEngine(settings.model, max_batch=settings.max_batch, warmup=False)
-    engine.encoded = []
+    engine.encoded, engine.on_loop = [], []
     return engine
 
 

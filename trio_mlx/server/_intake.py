@@ -47,11 +47,22 @@ def _limiter() -> trio.CapacityLimiter:
 
 
 def check_counts(obj: Any, max_messages: int) -> None:
-    """400 for more messages than allowed, before any of them is validated."""
+    """400 for more messages than allowed, before any of them is validated. Counted as
+    each API's request becomes chat messages: chat and Anthropic `messages` (an Anthropic
+    `tool_result` block is a message of its own), the Responses API's `input` items."""
     messages = obj.get("messages") if isinstance(obj, dict) else None
-    if isinstance(messages, list) and len(messages) > max_messages:
+    param, count = "messages", 0
+    if isinstance(messages, list):
+        count = len(messages)
+        for msg in messages if count <= max_messages else ():
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if isinstance(content, list):
+                count += sum(1 for b in content if isinstance(b, dict) and b.get("type") == "tool_result")
+    elif isinstance(items := obj.get("input") if isinstance(obj, dict) else None, list):
+        param, count = "input", len(items)
+    if count > max_messages:
         raise HTTPError(400, f"a request may have at most {max_messages} messages, this one has "
-                        f"{len(messages)}", param="messages", code="too_many_messages")
+                        f"{count}", param=param, code="too_many_messages")
 
 
 def _parse(body: bytes, into: Callable[[dict[str, Any]], T], max_messages: int) -> T:

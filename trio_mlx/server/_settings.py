@@ -110,8 +110,9 @@ class Settings:
         "largest request body accepted; larger ones get 413"))
     max_n: int = field(default=16, metadata=_doc("largest n (choices per request) accepted"))
     max_messages: int = field(default=4096, metadata=_doc(
-        "most messages a chat request may have (and never more than the context has tokens); "
-        "counted before they are validated"))
+        "most messages a request may have (and never more than the context has tokens): chat and "
+        "Anthropic messages, Anthropic tool_result blocks, Responses input items; counted before "
+        "they are validated"))
     startup_timeout: float = field(default=600.0, metadata=_doc(
         "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve)"))
     access_log: bool = field(default=True, metadata=_doc(
