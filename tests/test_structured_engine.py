@@ -255,3 +255,17 @@ async def test_a_grammar_ends_on_eos_even_with_ignore_eos(tiny_model_fp32: Path)
             text, _, fin = await collect(events)
     assert isinstance(json.loads(text), dict)
     assert fin.finish_reason == "stop" and fin.usage.completion_tokens < 200
+
+
+async def test_a_text_no_completion_fits_ends_as_length_not_stop(tiny_model_fp32: Path) -> None:
+    """A schema whose shortest answer is longer than max_tokens: the row is cut at max_tokens
+    with its JSON unfinished, so it ends "length" (a client reads "stop" as "the JSON is
+    whole"), whether or not the processor found a completion to measure."""
+    long_string = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 500}}}
+    async with trio_mlx.open_engine(tiny_model_fp32, warmup=False) as engine:
+        async with engine.chat(ASK, response_format=long_string, max_tokens=20, temperature=0) as events:
+            text, _, fin = await collect(events)
+    assert fin.usage.completion_tokens <= 20 and text.startswith('"')
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    assert fin.finish_reason == "length"

@@ -25,7 +25,9 @@ tokens that open nothing, the completion's next token, and EOS where the
 grammar may end. When the room is down to the completion, it forces the
 completion, then EOS. So the output always parses, even from a model that
 would never close its JSON; `forced_finish` tells the actor when text was cut
-short to get there (a string ended early, an array with fewer items).
+short to get there (a string ended early, an array with fewer items), or when
+no completion fits in `max_tokens` and the text ends unfinished: either way the
+row ends "length", never "stop".
 A processor never raises: an internal failure forces EOS and is kept in `error`,
 because an exception here would fail the whole batch's step.
 """
@@ -123,6 +125,8 @@ class GrammarProcessor:
                 return self._end()
         left = self._max_tokens - self._calls  # tokens this row may still emit, this one included
         if self._mode == "done" or left <= 1 or m.is_stopped():
+            if self._mode != "done" and left <= 1 and not m.is_stopped() and not m.is_accepting():
+                self.forced_finish = True  # max_tokens cuts the text where the grammar cannot end
             return self._end()
         if self._mode == "forcing":
             return self._allow(self._tail[:1]) if self._tail else self._end()
