@@ -99,6 +99,10 @@ async def test_errors_have_anthropics_shape(tiny_model_fp32):
         assert "temperature" in await error({**base, "temperature": 1.5}, 400)
         long = [{"role": "user", "content": "word " * 3000}]  # past the tiny model's 1024 tokens
         assert "context length" in await error({**base, "messages": long}, 400)
+        # past the context once tokenized (not by the bound on characters): the clamped retry (no
+        # max_tokens) finds no room at all, and says so, not "and -2291 more were requested"
+        msg = await error({**base, "messages": [{"role": "user", "content": "hello " * 1100}]}, 400)
+        assert "context length" in msg and "no room" in msg and " -" not in msg, msg
         assert (await error({**base, "stop_sequences": ["x"] * 17}, 400)).startswith(
             "invalid_request_error: stop_sequences must be")
         # count_tokens counts what does not fit, too (a client checks before it sends).

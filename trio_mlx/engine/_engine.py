@@ -824,9 +824,11 @@ class Engine:
         if max_tokens is None:
             max_tokens = room
         if room < 1 or max_tokens > room:
+            asked = (f"{max_tokens} more were requested" if "max_tokens" in given
+                     else "that leaves no room for an answer")
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.context_length} tokens; the prompt "
-                f"has {len(prompt)} tokens and {max_tokens} more were requested",
+                f"has {len(prompt)} tokens and {asked}",
                 param="messages" if kind == "chat" else "prompt",
             )
         stops = frozenset(stop_ids) | (frozenset() if ignore_eos else self._eos_ids)
