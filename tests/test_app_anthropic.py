@@ -3,10 +3,12 @@ through the official `anthropic` SDK (its clients run in a worker thread) and ra
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import pytest
 import trio
-from app_server import engine_factory, serve, slow_steps, until
+from app_server import engine_factory, open_raw, read_response, serve, slow_steps, until
 from test_app_cancel import assert_disconnects_free_the_slot, open_request
 from tool_schemas import ASK, WEATHER_DESCRIPTION, search_parameters, weather_parameters
 
@@ -284,3 +286,25 @@ async def test_a_final_assistant_turn_is_a_prefill_the_answer_continues(tiny_mod
     assert text.endswith("assistant\nSure, the answer is") and len(prompt) < len(closed)
     assert msg.usage.input_tokens == len(prompt) == counted
     assert msg.content[0].text == completion and msg.usage.output_tokens == 6
+
+
+async def test_refusals_before_routing_have_anthropics_shape(tiny_model_fp32):
+    """The host check (DNS rebinding) and the framing check run before a request is routed; on
+    Anthropic's paths their refusals are Anthropic errors all the same (an SDK reads them)."""
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        body = {"model": "model", "max_tokens": 4, "messages": USER}
+        r = await client.post(MESSAGES, json=body, headers={"Host": "evil.example"})
+        assert r.status_code == 403, r.text
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "permission_error", r.text
+        raw_body = json.dumps(body).encode()
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(raw_body), raw_body)
+        sock = await open_raw(server.port, MESSAGES, chunked,
+                              headers={"Content-Length": str(len(chunked)), "Transfer-Encoding": "chunked"})
+        raw = await read_response(sock)
+        sock.close()
+        assert raw.startswith(b"HTTP/1.1 400"), raw[:300]
+        obj = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+        assert obj["type"] == "error" and obj["error"]["type"] == "invalid_request_error", obj
+        # the OpenAI paths keep OpenAI's shape
+        r = await client.post("/v1/chat/completions", json={"messages": USER}, headers={"Host": "evil.example"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"

@@ -151,8 +151,9 @@ class TrioMLXApp(QuartTrio):
                 try:
                     check_host(scope, self.settings.allowed_hosts)  # DNS rebinding (_guard.py)
                     check_framing(scope)
-                except HTTPError as error:
-                    await send_error(send, error, [])
+                except HTTPError as error:  # in the shape of the API the path belongs to
+                    api = self.wire_apis.get(scope["path"])
+                    await send_error(send, error, [], api.error_body if api is not None else None)
                     return
                 if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
                     await self.completions(scope, receive, send)
