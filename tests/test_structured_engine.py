@@ -206,6 +206,13 @@ async def test_a_failing_processor_fails_only_its_row(tiny_model_fp32: Path, mon
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format", "both"),
     (dict(response_format={"type": "json_object"}, max_tokens=1), "max_tokens", "at least"),
+    # past llguidance's limits within a few tokens (they failed mid-answer, as a 500), or no output at all
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "^(a{1000}){1000}$"}}}),
+     "response_format", "cannot be enforced"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"strict": True, "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}), "response_format", "cannot be enforced"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}),
+     "response_format", "cannot be enforced"),
 ])
 async def test_bad_structure_is_a_clear_error(tool_model_fp32: Path, options: dict[str, Any], param: str,
                                               needle: str) -> None:

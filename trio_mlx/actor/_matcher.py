@@ -121,9 +121,11 @@ def _build(tokenizer: Any) -> GrammarVocab:
     )
 
 
-def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINISH_LIMIT) -> list[int] | None:
+def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINISH_LIMIT,
+           errors: list[str] | None = None) -> list[int] | None:
     """Tokens that take `matcher` (left as it is) to a state where its grammar may end,
-    or None if none were found within `limit` tokens.
+    or None if none were found within `limit` tokens. If the walk put the matcher in
+    error (one of llguidance's limits, met on the way), the error is added to `errors`.
 
     A greedy walk, not a search for the shortest: forced tokens first, then a
     closing bracket that ends the grammar outright, then the first single-byte
@@ -137,6 +139,8 @@ def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINI
     last, repeats = -1, 0
     while not m.is_accepting():
         if len(out) >= limit or m.is_stopped():  # stopped but not accepting: an error state
+            if errors is not None and m.is_error():
+                errors.append(m.get_error())
             return None
         forced = m.compute_ff_tokens()
         if forced and (n := m.try_consume_tokens(forced)):
@@ -172,6 +176,8 @@ def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINI
                     last, repeats = t, repeats + 1
                     break
             else:
+                if errors is not None and m.is_error():
+                    errors.append(m.get_error())
                 return None
     return out
 

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import llguidance
+import llguidance.numpy as llnp
+import numpy as np
 
 from .._errors import InvalidRequestError
 from ..actor._matcher import GrammarVocab, finish, grammar_vocab
@@ -179,7 +181,45 @@ def _check(tokenizer: Any, source: str, kind: GrammarKind, param: str | None) ->
         raise InvalidRequestError(
             f"{param or 'grammar'}: the grammar cannot be enforced: {matcher.get_error()}", param=param
         )
+    # A grammar that meets one of llguidance's limits a few tokens in (a pattern of nested
+    # counts, a schema that recurses without end) would fail mid-answer in the actor, and one
+    # that admits no output at all would end at once: both are the request's fault, said
+    # now. The first mask and the completion's walk below find them.
+    errors = _first_masks(matcher, vocab)
     # No completion found (the greedy walk can miss one, e.g. for some regex
     # patterns): the grammar still holds, but nothing bounds its shortest output.
-    tail = finish(matcher, vocab)
+    tail = finish(matcher, vocab, errors=errors) if not errors else None
+    if errors:
+        what = "the JSON schema" if kind in ("json_schema", "json_object") else "the grammar"
+        reason = errors[0].split("<state>")[0].strip()[:300] or "it admits no output"
+        raise InvalidRequestError(f"{param or 'grammar'}: {what} cannot be enforced: {reason}", param=param)
     return Grammar(source=source, min_tokens=1 if tail is None else len(tail) + 1, kind=kind)
+
+
+# How many masks `_first_masks` computes: a few, as the actor will at the answer's start.
+FIRST_MASKS = 8
+
+
+def _first_masks(matcher: Any, vocab: GrammarVocab) -> list[str]:
+    """The errors (none, or one) of a copy of `matcher` taken through its first
+    FIRST_MASKS tokens as the actor takes it: a whole mask at each (llguidance's lexer
+    builds its states for every token there, and that is where a pattern of nested
+    counts passes its limit), then the forced tokens, or else the lowest allowed one."""
+    m = matcher.deep_copy()
+    bitmask = llnp.allocate_token_bitmask(1, vocab.size)
+    bits = bitmask.view(np.uint8)
+    for step in range(FIRST_MASKS):
+        if m.is_accepting() or m.is_stopped():
+            break
+        llnp.fill_next_token_bitmask(m, bitmask)
+        if m.is_error():
+            if step == 0:  # no token may start the output
+                return [f"it admits no output ({m.get_error().split('<state>')[0].strip()})"]
+            break
+        forced = m.compute_ff_tokens()
+        allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
+        if not forced and not len(allowed):
+            break
+        if not m.consume_tokens(forced[:1] or [int(allowed[0])]):
+            break
+    return [m.get_error()] if m.is_error() else []
