@@ -11,6 +11,7 @@ import trio
 
 import trio_mlx
 from trio_mlx import Finished, TextDelta
+from trio_mlx.engine._engine import MAX_STOP_CHARS
 
 
 async def collect(stream: trio_mlx.RequestStream) -> tuple[list[int], str, Finished]:
@@ -323,6 +324,13 @@ async def test_invalid_arguments_raise_before_reaching_the_actor(tiny_model_fp32
             dict(prompt="hi", top_logprobs=50),
             dict(prompt="hi", logit_bias={"x": 1}),
             dict(prompt="hi", logit_bias={10**9: 1}),
+            dict(prompt="hi", logit_bias={"1_0": 1}),  # int() reads these as 10; a token id is ASCII digits
+            dict(prompt="hi", logit_bias={" 10\n": 1}),
+            dict(prompt="hi", logit_bias={"\u0661\u0660": 1}),  # Arabic-Indic digits
+            dict(prompt="hi", logit_bias={"+10": 1}),
+            dict(prompt="hi", logit_bias={"10": 100, "010": -100}),  # one token, two biases
+            dict(prompt="hi", logit_bias={True: 1}),
+            dict(prompt="hi", stop=["x" * (MAX_STOP_CHARS + 1)]),
             dict(prompt=[1, 2, 10**9]),
             dict(prompt="hi", stop=[1, 2]),
             dict(prompt="hi", presence_penalty=5),

@@ -93,6 +93,10 @@ _BIG_TOKENIZE_WAITING = 8
 # decode); 20 ms is a few decode steps of a small model.
 ADMIT_WINDOW = 0.02
 MAX_STOP_STRINGS = 16
+# A stop string is a marker, not a document: the matcher compares the text it holds
+# back with each one, so their lengths bound that work (16 stops of 1 MB made one
+# step's check of held text take 0.8 s, on the event loop). Judgement.
+MAX_STOP_CHARS = 1024
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_TOP_LOGPROBS = 20
 
@@ -873,11 +877,19 @@ def _validate(opts: Mapping[str, Any], info: ActorInfo | None) -> tuple[Sampling
     if not isinstance(bias_in, Mapping):
         raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias")
     bias: list[tuple[int, float]] = []
+    named: set[int] = set()
     for k, v in bias_in.items():
-        try:
+        # A JSON key is a string of ASCII digits; the channel API may pass ints. Not int()'s
+        # wider reading ("1_0", " +10", other scripts' digits): two keys could name one token.
+        if isinstance(k, str) and k.isascii() and k.isdigit():
             tid = int(k)
-        except (TypeError, ValueError):
-            raise InvalidRequestError(f"logit_bias key {k!r} is not a token id", param="logit_bias") from None
+        elif isinstance(k, int) and not isinstance(k, bool):
+            tid = k
+        else:
+            raise InvalidRequestError(f"logit_bias key {k!r} is not a token id", param="logit_bias")
+        if tid in named:
+            raise InvalidRequestError(f"logit_bias names token {tid} twice", param="logit_bias")
+        named.add(tid)
         if tid < 0 or (vocab and tid >= vocab) or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
             raise InvalidRequestError(
                 f"logit_bias: token id {k!r} must be in [0, {vocab}) with a bias in [-100, 100]", param="logit_bias"
@@ -894,6 +906,8 @@ def _validate(opts: Mapping[str, Any], info: ActorInfo | None) -> tuple[Sampling
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
         if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops):
             raise InvalidRequestError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise InvalidRequestError(f"a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
         stops = tuple(s for s in stops if s)
     stop_ids = list(opts.get("stop_token_ids") or ())
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (vocab or 2**31) for i in stop_ids):
