@@ -113,6 +113,30 @@ async def test_the_count_holds_for_every_api_and_many_empty_messages_leave_the_l
         assert r.status_code == 200 and engine.on_loop == [False, True]  # a short chat stays on the loop
 
 
+async def test_a_response_of_many_logprobs_is_built_off_the_event_loop(
+        tiny_model_fp32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 choices of 1,000 tokens with 20 alternatives each make a 22 MB body, 0.8 s of
+    building: one past 4,096 logprob entries is built in a worker thread."""
+    from trio_mlx.server import _completions
+
+    built_on_loop: list[bool] = []
+    real = _completions.chat_response
+
+    def chat_response(*args: Any) -> bytes:
+        built_on_loop.append(threading.current_thread() is threading.main_thread())
+        return real(*args)
+
+    monkeypatch.setattr(_completions, "chat_response", chat_response)
+    async with serve(tiny_model_fp32) as server, server.client(timeout=60) as client:
+        body = {"messages": HELLO, "n": 2, "max_tokens": 120, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+        r = await client.post(CHAT, json=body)
+        assert r.status_code == 200, r.text
+        assert [len(c["logprobs"]["content"]) for c in r.json()["choices"]] == [120, 120]
+        r = await client.post(CHAT, json={**body, "n": 1, "max_tokens": 5})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"]) == 5
+    assert built_on_loop == [False, True]
+
+
 async def test_large_bodies_do_not_stall_the_event_loop(tiny_model_fp32: Path) -> None:
     """Eight concurrent 3.5 MB bodies of 10^5 messages: /health keeps answering promptly."""
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 10**5}).encode()

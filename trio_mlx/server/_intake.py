@@ -87,6 +87,16 @@ async def parse_request(body: bytes, into: Callable[[dict[str, Any]], T], *, max
         trim_soon()
 
 
+async def build_large(build: Callable[[], bytes]) -> bytes:
+    """A large response body (`build()`), made in the worker thread that parses large
+    bodies, one at a time, so the event loop keeps serving meanwhile (16 choices of
+    1,000 tokens with 20 top logprobs each are a 22 MB body: 0.8 s of building)."""
+    try:
+        return await trio.to_thread.run_sync(build, limiter=_limiter())
+    finally:
+        trim_soon()
+
+
 def trim_soon() -> None:
     """Ask `trimmer` to hand freed memory back once the large request is gone."""
     try:
