@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import trio
@@ -124,6 +125,21 @@ async def test_logprobs_in_both_formats(tiny_model_fp32):
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
         assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
         assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"])
+        # logprobs 0: the chosen tokens' logprobs, no alternatives (OpenAI's legacy API; vLLM too),
+        # streamed or not
+        for stream in (False, True):
+            r = await client.post(COMPLETIONS, json={"prompt": "abc", "max_tokens": 4, "logprobs": 0,
+                                                     "ignore_eos": True, "stream": stream})
+            if stream:
+                chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                          if line.startswith("data: {")]
+                got = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                       for t in c["choices"][0]["logprobs"]["token_logprobs"]]
+            else:
+                lp = r.json()["choices"][0]["logprobs"]
+                assert lp is not None and lp["top_logprobs"] == [{}] * 4
+                got = lp["token_logprobs"]
+            assert len(got) == 4 and all(x <= 0 for x in got), r.text
 
 
 async def test_stop_strings_and_concurrent_requests(tiny_model_fp32):

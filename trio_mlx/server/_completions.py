@@ -139,13 +139,15 @@ class Completions:
         rec.admitted = trio.current_time()
         rec.prompt_tokens = len(streams[0].prompt_tokens)
         model = settings.served_model_name
+        # chat: a bool; completions: how many alternatives, so 0 asks for the chosen tokens' own
+        logprobs = req.logprobs is not None and req.logprobs is not False
         if req.stream:
             tpl = ChunkTemplates(chat=chat, rid=rid, created=now(), model=model, n=req.n,
                                  include_usage=req.include_usage)
-            await self._serve_stream(receive, send, streams, tpl, rec, bool(req.logprobs), extra)
+            await self._serve_stream(receive, send, streams, tpl, rec, logprobs, extra)
         else:
             try:
-                await self._serve_whole(receive, send, streams, chat, rid, rec, bool(req.logprobs), extra)
+                await self._serve_whole(receive, send, streams, chat, rid, rec, logprobs, extra)
             except Exception:
                 log.exception("request %s failed", rec.request_id)
                 rec.status, rec.outcome = 500, "failed"
