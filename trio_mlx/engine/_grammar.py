@@ -184,7 +184,7 @@ def _check(tokenizer: Any, source: str, kind: GrammarKind, param: str | None) ->
     # A grammar that meets one of llguidance's limits a few tokens in (a pattern of nested
     # counts, a schema that recurses without end) would fail mid-answer in the actor, and one
     # that admits no output at all would end at once: both are the request's fault, said
-    # now. The first mask and the completion's walk below find them.
+    # now. The first masks (`_first_masks`) and the completion's walk below find them.
     errors = _first_masks(matcher, vocab)
     # No completion found (the greedy walk can miss one, e.g. for some regex
     # patterns): the grammar still holds, but nothing bounds its shortest output.
