@@ -289,8 +289,9 @@ async def test_a_final_assistant_turn_is_a_prefill_the_answer_continues(tiny_mod
 
 
 async def test_refusals_before_routing_have_anthropics_shape(tiny_model_fp32):
-    """The host check (DNS rebinding) and the framing check run before a request is routed; on
-    Anthropic's paths their refusals are Anthropic errors all the same (an SDK reads them)."""
+    """The host check (DNS rebinding) and the framing check run before a request is routed, and
+    404s come from the router itself; on Anthropic's paths all are Anthropic errors (an SDK
+    reads only those)."""
     async with serve(tiny_model_fp32) as server, server.client() as client:
         body = {"model": "model", "max_tokens": 4, "messages": USER}
         r = await client.post(MESSAGES, json=body, headers={"Host": "evil.example"})
@@ -305,6 +306,12 @@ async def test_refusals_before_routing_have_anthropics_shape(tiny_model_fp32):
         assert raw.startswith(b"HTTP/1.1 400"), raw[:300]
         obj = json.loads(raw.split(b"\r\n\r\n", 1)[1])
         assert obj["type"] == "error" and obj["error"]["type"] == "invalid_request_error", obj
+        # so are the 404s under Anthropic's paths (an endpoint this server does not have)
+        r = await client.get(MESSAGES + "/batches")
+        assert r.status_code == 404 and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == "not_found_error"
         # the OpenAI paths keep OpenAI's shape
+        r = await client.get("/v1/chat/nope")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
         r = await client.post("/v1/chat/completions", json={"messages": USER}, headers={"Host": "evil.example"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"

@@ -379,9 +379,18 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
     add_pages(app, index_json)  # `/`: the chat page for browsers, index_json for API clients
 
+    def error_response(error: HTTPError, headers: dict[str, str]) -> Response:
+        """`error` in the shape of the API whose path (or a path under it) was asked for:
+        an Anthropic SDK reads only Anthropic's errors (`/v1/messages/batches`, say)."""
+        path = request.path
+        api = next((a for p, a in app.wire_apis.items() if path == p or path.startswith(p + "/")), None)
+        if api is None:
+            return json_response(error.payload(), error.status, headers)
+        return Response(api.error_body(error), status=error.status, headers=headers, content_type="application/json")
+
     @app.errorhandler(HTTPError)
     async def api_error(error: HTTPError) -> Response:
-        return json_response(error.payload(), error.status, dict(error.headers))
+        return error_response(error, dict(error.headers))
 
     @app.errorhandler(HTTPException)
     async def http_exception(exc: HTTPException) -> Response:
@@ -401,7 +410,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             error = HTTPError(status, "internal server error", type="server_error", code="internal_error")
         else:
             error = HTTPError(status, exc.description or exc.name, code=exc.name.lower().replace(" ", "_"))
-        return json_response(error.payload(), status, headers)
+        return error_response(error, headers)
 
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:
