@@ -49,7 +49,7 @@ from ._asgi import (
     wait_disconnect,
 )
 from ._guard import BODY_READ, require_json, unread_body_close
-from ._intake import build_large, parse_request
+from ._intake import off_loop, parse_request
 from ._openai import (
     DONE,
     PING,
@@ -75,7 +75,7 @@ log = logging.getLogger("trio_mlx.http")
 # impose: coarser than this reads as a stall to a person watching. Judgement.
 _MAX_GAP = 0.25
 # A whole response with more logprob entries (tokens and their alternatives) than this is
-# built off the event loop (`_intake.build_large`): ~2.3 us an entry, so ~10 ms here. Judgement.
+# built off the event loop (`_intake.off_loop`): ~2.3 us an entry, so ~10 ms here. Judgement.
 _LARGE_LOGPROBS = 4096
 
 _SEED_MASK = 2**64 - 1
@@ -255,7 +255,7 @@ class Completions:
         else:
             make = partial(build, results)
         entries = sum(1 + len(lp.top) for r in results for lp in r.logprobs) if logprobs else 0
-        body = make() if entries <= _LARGE_LOGPROBS else await build_large(make)
+        body = make() if entries <= _LARGE_LOGPROBS else await off_loop(make)
         rec.status = 200
         self.app.observe(rec)
         await send_response(send, 200, body, [*JSON_HEADERS, *extra])

@@ -19,6 +19,7 @@ other request for seconds. So:
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -81,18 +82,16 @@ async def parse_request(body: bytes, into: Callable[[dict[str, Any]], T], *, max
     limit = min(max_messages, context_length or math.inf)
     if len(body) <= LARGE_BODY:
         return _parse(body, into, int(limit))
-    try:
-        return await trio.to_thread.run_sync(_parse, body, into, int(limit), limiter=_limiter())
-    finally:
-        trim_soon()
+    return await off_loop(functools.partial(_parse, body, into, int(limit)))
 
 
-async def build_large(build: Callable[[], bytes]) -> bytes:
-    """A large response body (`build()`), made in the worker thread that parses large
-    bodies, one at a time, so the event loop keeps serving meanwhile (16 choices of
-    1,000 tokens with 20 top logprobs each are a 22 MB body: 0.8 s of building)."""
+async def off_loop(work: Callable[[], T]) -> T:
+    """`work()` in the intake's worker thread, one at a time, so the event loop keeps serving
+    meanwhile; the memory it took is handed back soon after. For a large body's parsing,
+    and a large response's building (16 choices of 1,000 tokens with 20 top logprobs each
+    are a 22 MB body: 0.8 s of building)."""
     try:
-        return await trio.to_thread.run_sync(build, limiter=_limiter())
+        return await trio.to_thread.run_sync(work, limiter=_limiter())
     finally:
         trim_soon()
 
