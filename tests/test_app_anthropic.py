@@ -310,6 +310,8 @@ async def test_refusals_before_routing_have_anthropics_shape(tiny_model_fp32):
         r = await client.get(MESSAGES + "/batches")
         assert r.status_code == 404 and r.json()["type"] == "error", r.text
         assert r.json()["error"]["type"] == "not_found_error"
+        r = await client.get(MESSAGES + "/batches", headers={"Host": "evil.example"})  # refused before routing
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text
         # the OpenAI paths keep OpenAI's shape
         r = await client.get("/v1/chat/nope")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text

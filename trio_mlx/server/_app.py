@@ -151,8 +151,8 @@ class TrioMLXApp(QuartTrio):
                 try:
                     check_host(scope, self.settings.allowed_hosts)  # DNS rebinding (_guard.py)
                     check_framing(scope)
-                except HTTPError as error:  # in the shape of the API the path belongs to
-                    api = self.wire_apis.get(scope["path"])
+                except HTTPError as error:
+                    api = self.wire_api_under(scope["path"])
                     await send_error(send, error, [], api.error_body if api is not None else None)
                     return
                 if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
@@ -165,6 +165,11 @@ class TrioMLXApp(QuartTrio):
                 request_done(scope)  # the access log's held line, if any (_logs.py)
             return
         await self.asgi_app(scope, receive, send)
+
+    def wire_api_under(self, path: str) -> WireAPI | None:
+        """The other API whose path `path` is, or lies under: its errors take that API's shape
+        (an Anthropic SDK reads only Anthropic's errors, `/v1/messages/batches` included)."""
+        return next((a for p, a in self.wire_apis.items() if path == p or path.startswith(p + "/")), None)
 
     def log_exception(self, exc_info: Any) -> None:
         if isinstance(exc_info[1], ModelLoadError):
@@ -380,10 +385,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     add_pages(app, index_json)  # `/`: the chat page for browsers, index_json for API clients
 
     def error_response(error: HTTPError, headers: dict[str, str]) -> Response:
-        """`error` in the shape of the API whose path (or a path under it) was asked for:
-        an Anthropic SDK reads only Anthropic's errors (`/v1/messages/batches`, say)."""
-        path = request.path
-        api = next((a for p, a in app.wire_apis.items() if path == p or path.startswith(p + "/")), None)
+        """`error` in the shape of the API whose path was asked for (`wire_api_under`)."""
+        api = app.wire_api_under(request.path)
         if api is None:
             return json_response(error.payload(), error.status, headers)
         return Response(api.error_body(error), status=error.status, headers=headers, content_type="application/json")
