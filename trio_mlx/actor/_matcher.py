@@ -139,9 +139,7 @@ def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINI
     last, repeats = -1, 0
     while not m.is_accepting():
         if len(out) >= limit or m.is_stopped():  # stopped but not accepting: an error state
-            if errors is not None and m.is_error():
-                errors.append(m.get_error())
-            return None
+            return _gave_up(m, errors)
         forced = m.compute_ff_tokens()
         if forced and (n := m.try_consume_tokens(forced)):
             out.extend(forced[:n])
@@ -176,10 +174,16 @@ def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINI
                     last, repeats = t, repeats + 1
                     break
             else:
-                if errors is not None and m.is_error():
-                    errors.append(m.get_error())
-                return None
+                return _gave_up(m, errors)
     return out
+
+
+def _gave_up(m: llguidance.LLMatcher, errors: list[str] | None) -> list[int] | None:
+    """`finish`'s answer where its walk found no completion (None), keeping the matcher's
+    error in `errors`, if it is in one."""
+    if errors is not None and m.is_error():
+        errors.append(m.get_error())
+    return None
 
 
 def completes(matcher: llguidance.LLMatcher, tokens: list[int]) -> bool:

@@ -171,8 +171,8 @@ def _check(tokenizer: Any, source: str, kind: GrammarKind, param: str | None) ->
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         source, vocab.tokenizer, limits=limits
     )
+    what = "the JSON schema" if kind in ("json_schema", "json_object") else "the grammar"
     if is_error:
-        what = "the JSON schema" if kind in ("json_schema", "json_object") else "the grammar"
         raise InvalidRequestError(
             f"{param or 'grammar'}: {what} cannot be enforced: {messages[0].strip()}", param=param
         )
@@ -190,8 +190,7 @@ def _check(tokenizer: Any, source: str, kind: GrammarKind, param: str | None) ->
     # patterns): the grammar still holds, but nothing bounds its shortest output.
     tail = finish(matcher, vocab, errors=errors) if not errors else None
     if errors:
-        what = "the JSON schema" if kind in ("json_schema", "json_object") else "the grammar"
-        reason = errors[0].split("<state>")[0].strip()[:300] or "it admits no output"
+        reason = _reason(errors[0])[:300] or "it admits no output"
         raise InvalidRequestError(f"{param or 'grammar'}: {what} cannot be enforced: {reason}", param=param)
     return Grammar(source=source, min_tokens=1 if tail is None else len(tail) + 1, kind=kind)
 
@@ -214,7 +213,7 @@ def _first_masks(matcher: Any, vocab: GrammarVocab) -> list[str]:
         llnp.fill_next_token_bitmask(m, bitmask)
         if m.is_error():
             if step == 0:  # no token may start the output
-                return [f"it admits no output ({m.get_error().split('<state>')[0].strip()})"]
+                return [f"it admits no output ({_reason(m.get_error())})"]
             break
         forced = m.compute_ff_tokens()
         allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
@@ -223,3 +222,8 @@ def _first_masks(matcher: Any, vocab: GrammarVocab) -> list[str]:
         if not m.consume_tokens(forced[:1] or [int(allowed[0])]):
             break
     return [m.get_error()] if m.is_error() else []
+
+
+def _reason(error: str) -> str:
+    """llguidance's error without the matcher's state dump that follows it."""
+    return error.split("<state>")[0].strip()
