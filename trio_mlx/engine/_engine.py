@@ -811,11 +811,10 @@ class Engine:
         kind, value, template_kwargs = source
         size = prompt_chars(kind, value)
         self._check_size_bound(kind, size, opts.get("max_tokens"))
-        if kind == "chat" and isinstance(value, Sequence):
-            size += _MESSAGE_CHARS * len(value)
-        if size > _BIG_TOKENIZE_CHARS:
+        work = size + (_MESSAGE_CHARS * len(value) if kind == "chat" and isinstance(value, Sequence) else 0)
+        if work > _BIG_TOKENIZE_CHARS:
             prompt = await self._tokenize_big(kind, value, template_kwargs)
-        elif size > _THREAD_TOKENIZE_CHARS:
+        elif work > _THREAD_TOKENIZE_CHARS:
             prompt = await trio.to_thread.run_sync(
                 self.encode_prompt, kind, value, template_kwargs, limiter=_tokenizer_limiter()
             )
