@@ -383,12 +383,15 @@ async def hang_up(port: int, p: dict[str, Any], tally: Tally) -> None:
 
 
 async def stall(port: int, tally: Tally, hold: float) -> None:
-    """Ask for big chunks, stop reading for `hold` seconds, then read what is left: the server must
-    have cut the stream (no [DONE]) and closed the connection.
+    """Ask for big chunks, read until the first event, stop reading for `hold` seconds, then
+    read what is left: the server must have cut the stream (no [DONE]) and closed the connection.
 
     The hold is this client's behaviour, not a wait for the server: it must outlast the time the
-    server takes to fill the socket buffers plus its stall timeout. (The server's FIN is queued
-    behind the unread data, so a client cannot see the cut without reading.)"""
+    server takes to fill the socket buffers (~15 tokens of ~1.5 KB here) plus its stall timeout.
+    (The server's FIN is queued behind the unread data, so a client cannot see the cut without
+    reading.) It starts at the first event, not at the send: with 32 clients on 8 rows a request
+    may wait in the queue for seconds, and one that started decoding only after a hold counted
+    from the send met a reader again and was served whole."""
     body = {"messages": HELLO, "max_tokens": 900, "ignore_eos": True, "stream": True, "logprobs": True,
             "top_logprobs": 20}
     conn = await Conn.open(port, rcvbuf=4096)
@@ -396,6 +399,9 @@ async def stall(port: int, tally: Tally, hold: float) -> None:
     started = trio.current_time()
     try:
         await conn.send("POST", CHAT, dumps(body))
+        with trio.fail_after(60):
+            while b"\ndata: " not in raw and (chunk := await conn.sock.recv(1 << 12)):
+                raw += chunk  # the headers, then the first event (after its chunk's size): tokens come
         await trio.sleep(hold)
         with trio.fail_after(30):
             while chunk := await conn.sock.recv(1 << 16):
