@@ -1,7 +1,8 @@
 """Admission into a decoding batch: new sequences enter together, within a bounded window.
 
-`_actor._Admission` holds sequences that arrive while others decode until
-`prefill_batch` have gathered or the oldest has waited `admit_window`; an idle
+`_admission.Admission` holds sequences that arrive while others decode until
+a full group has gathered (`prefill_batch`, or beside a loaded batch up to 32
+short prompts) or the oldest has waited `admit_window`; an idle
 batch admits at once, unless sequences just finished whose clients may be on
 their way back. These tests drive it directly and through the engine on
 tiny CPU models, reading the actor's step trace (the `step_trace` option) to see
@@ -10,6 +11,7 @@ which step inserted what.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
 from collections.abc import AsyncIterator
@@ -23,6 +25,7 @@ import trio
 import trio_mlx
 from trio_mlx.actor import SamplingParams, Submit
 from trio_mlx.actor._admission import Admission as _Admission
+from trio_mlx.actor._admission import group_bounds
 
 
 def _sub(rid: int) -> Submit:
@@ -31,6 +34,39 @@ def _sub(rid: int) -> Submit:
 
 def _rids(subs: list[Submit]) -> list[int]:
     return [s.rid for s in subs]
+
+
+def _sized(rid: int, tokens: int) -> Submit:
+    return Submit(rid, (1,) * tokens, 4, SamplingParams(temperature=0.0), frozenset())
+
+
+def test_short_prompts_gather_past_prefill_batch_within_rows_and_tokens():
+    adm = _Admission(window=0.5, batch=2, rows=5, tokens=10)
+    for rid in (1, 2, 3):
+        adm.add(_sized(rid, 2), now=0.0)
+    assert adm.group(decoding=4) == (2, True)  # fewer than `rows` decode: full at batch, as ever
+    assert adm.group(decoding=5) == (3, False)
+    assert adm.due(now=0.1, decoding=5, prefilling=False) == []  # 3 short ones wait for more
+    for rid in (4, 5, 6):
+        adm.add(_sized(rid, 2), now=0.1)
+    assert _rids(adm.due(now=0.1, decoding=5, prefilling=False)) == [1, 2, 3, 4, 5]  # rows: full
+    assert adm.due(now=0.2, decoding=5, prefilling=False) == []  # 6 alone waits for company...
+    assert _rids(adm.due(now=0.6, decoding=5, prefilling=False)) == [6]  # ...or the window
+    for rid in (7, 8, 9):
+        adm.add(_sized(rid, 6), now=1.0)  # long: two hold 12 tokens, past the 10
+    assert _rids(adm.due(now=1.0, decoding=5, prefilling=False)) == [7, 8]  # full at batch, as ever
+    adm.drop(9)
+    for rid, tokens in ((10, 2), (11, 2), (12, 2), (13, 5)):
+        adm.add(_sized(rid, tokens), now=2.0)
+    assert _rids(adm.due(now=2.0, decoding=5, prefilling=False)) == [10, 11, 12]  # 13 would pass 10
+    assert adm.group(decoding=5) == (1, False)
+
+
+def test_group_bounds_follow_the_settings():
+    assert group_bounds(8, 2048, 64) == (32, 8192)  # the defaults: up to 32 short prompts, 8,192 tokens
+    assert group_bounds(8, 2048, 32) == (16, 8192)  # at most half of max_batch...
+    assert group_bounds(8, 2048, 8) == (8, 8192)  # ...but never fewer than prefill_batch
+    assert group_bounds(64, 512, 256) == (64, 16384)  # a larger prefill_batch is its own bound
 
 
 def test_idle_batch_admits_a_group_at_once():
@@ -175,6 +211,29 @@ async def test_arrivals_during_decode_are_inserted_together(tiny_model_fp32, tmp
     assert min(r["cpu_s"] for r in rows) >= 0 and sum(r["cpu_s"] for r in rows) > 0  # the actor thread's CPU
     inserted = [int(r["inserted"]) for r in rows if r["inserted"]]
     assert inserted == [1, 2], inserted  # the long one alone, then second and third in one step
+
+
+async def test_short_prompts_arriving_beside_a_loaded_batch_enter_as_one_group_and_long_ones_by_prefill_batch(
+        tiny_model_fp32, tmp_path, monkeypatch):
+    """With 8 sequences decoding (`rows`: half of max_batch 16), 6 short prompts arriving together
+    enter in one step, past prefill_batch (2): a prefill step costs about the same whatever its
+    group's size. The 6 hold 12 tokens, within 2 x prefill_step / 2 = 16; 4 prompts of 16 tokens
+    pass that, so they enter 2 at a time, as long prompts always did."""
+    opts = dict(temperature=0, ignore_eos=True)
+    async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, max_batch=16, prefill_batch=2,
+                              prefill_step=16, admit_window=0.5, prompt_cache_gb=0) as (engine, trace):
+        async with contextlib.AsyncExitStack() as stack:
+            for i in range(8):
+                await stack.enter_async_context(engine.generate(f"long {i}", max_tokens=1000, **opts))
+            while engine.statistics().decoding < 8:  # noqa: ASYNC110
+                await trio.sleep(0.005)
+            for prompts in ([f"s{i}" for i in range(6)], [" ".join(["word"] * 12) + f" {i}" for i in range(4)]):
+                async with trio.open_nursery() as nursery:
+                    for p in prompts:
+                        nursery.start_soon(_run_one, engine, p)
+            assert engine.statistics().decoding == 8
+    inserted = [int(r["inserted"]) for r in _trace(trace) if r["inserted"]]
+    assert inserted == [2, 2, 2, 2, 6, 2, 2], inserted
 
 
 async def test_a_group_enters_only_after_the_last_one_prefilled(tiny_model_fp32, tmp_path, monkeypatch):

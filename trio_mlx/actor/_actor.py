@@ -32,7 +32,7 @@ from mlx_lm.generate import BatchGenerator
 
 from .. import models
 from . import _disk_cache as disk_cache
-from ._admission import Admission
+from ._admission import Admission, group_bounds
 from ._batch import (
     GRID_PREBUILD,
     GRID_PREFIX,
@@ -138,7 +138,8 @@ class Actor:
         self._gpu = False  # set in run(), once the device is known
         self._grid = False  # prefill on the shape grid (`_batch.CausalPrefill`): on CUDA
         self._idle_release: float | None = None  # likewise
-        self._admission = Admission(config.admit_window, config.prefill_batch)
+        self._rows, tokens = group_bounds(config.prefill_batch, config.prefill_step, config.max_batch)
+        self._admission = Admission(config.admit_window, config.prefill_batch, self._rows, tokens)
         self._decoding = 0  # sequences of self._seqs in the "decode" stage
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
         self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
@@ -242,7 +243,7 @@ class Actor:
             CausalPrefill(self._model, self._grid, self._link and self._link.built, self._heads),  # type: ignore[arg-type]  # called and read as the model
             max_tokens=1,
             completion_batch_size=self.config.max_batch,
-            prefill_batch_size=self.config.prefill_batch,
+            prefill_batch_size=self._rows,  # a group of short prompts enters whole (`Admission`)
             prefill_step_size=self.config.prefill_step,
         )
         move_whole_groups(bg)
@@ -256,7 +257,7 @@ class Actor:
         gpu = self._gpu
         length = max(1, min(WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
         token = 1 if self._vocab > 1 else 0
-        warm_up(self._bg, token, length, self.config.prefill_batch if gpu else 1)
+        warm_up(self._bg, token, length, self._rows if gpu else 1)
         if self._grid:
             t0 = time.perf_counter()
             with mx.stream(self._bg.stream):

@@ -7,6 +7,19 @@ import itertools
 
 from ._protocol import Submit
 
+# The most prompts a group of short ones takes: 32 served the most of the sizes measured
+# (8, 16, 32; the class's docstring), and never more than half of max_batch, so that as many
+# decode beside it. Such a group holds at most half the tokens of a full group of long
+# prompts (prefill_batch x prefill_step), so it never needs more memory than the groups a
+# server makes anyway. Both are judgement calls around that measurement.
+SHORT_GROUP_ROWS = 32
+
+
+def group_bounds(prefill_batch: int, prefill_step: int, max_batch: int) -> tuple[int, int]:
+    """`Admission`'s `rows` and `tokens` for a server's settings: the most prompts a group
+    of short ones takes, and the most tokens they hold."""
+    return max(prefill_batch, min(SHORT_GROUP_ROWS, max_batch // 2)), prefill_batch * prefill_step // 2
+
 
 class Admission:
     """When new sequences enter a decoding batch: together, within a bounded window.
@@ -49,10 +62,25 @@ class Admission:
     finished within the last window, arrivals wait up to window x finished /
     prefill_batch; each admitted arrival takes one finish off the count. A
     lone client (one finished, one back) never waits.
+
+    Short prompts make larger groups. A prefill step's cost hardly depends on
+    its group's size: at c=256 with 128-token prompts on an H100 (1B), groups
+    of 8 took 56-85 ms a step, 16 took 62-83 and 32 took 77-103, so groups of
+    32 served 1.3-1.6x the tokens of groups of 8, with either actor
+    (benchmarks/2026-11-25-h100/prefill-steps/). But a group of 32 long
+    prompts would take 32 x prefill_step tokens through the model in one step.
+    So while at least `rows` sequences decode (the load that measurement
+    was made under, where a batch change costs the most tokens), a group
+    whose first `batch` prompts hold at most `tokens` tokens together is full
+    only at `rows` prompts, or at the first that would take it past `tokens`;
+    any other group is full at `batch`, as it always was. The window, and its
+    shrinking below `batch` decoding sequences, stay as they are.
     """
 
-    def __init__(self, window: float, batch: int):
+    def __init__(self, window: float, batch: int, rows: int = 0, tokens: int = 0):
         self.window, self.batch = window, batch
+        self.rows = max(batch, rows)  # prompts a group of short ones may take
+        self.tokens = tokens  # the most prompt tokens a group past `batch` prompts holds
         self.pending: dict[int, tuple[float, Submit]] = {}  # rid -> (arrival, submit), in order
         self._finished: collections.deque[float] = collections.deque()  # when, unmatched by arrivals
 
@@ -79,24 +107,37 @@ class Admission:
         pending = self.pending
         if not pending or prefilling:
             return []
-        take = min(len(pending), self.batch)
-        if decoding and take < self.batch:
+        take, full = self.group(decoding)
+        if decoding and not full:
             age = now - next(iter(pending.values()))[0]
             if age < self.window * min(1.0, decoding / self.batch):
                 return []  # wait for a full group, or the window
-        if self._awaiting(now):
+        if not full and self._awaiting(now):
             return []  # wait for the clients of sequences that just finished
         for _ in range(min(take, len(self._finished))):
             self._finished.popleft()
         return [pending.pop(rid)[1] for rid in list(itertools.islice(pending, take))]
 
+    def group(self, decoding: int = 0) -> tuple[int, bool]:
+        """How many of the oldest pending sequences enter together beside `decoding` ones, and
+        whether they make a full group: `batch` of them, or, while `rows` or more decode, up
+        to `rows` short ones (the class's docstring)."""
+        rows = self.rows if decoding >= self.rows else self.batch
+        take = tokens = 0
+        for _, sub in self.pending.values():
+            if take == rows or (take >= self.batch and tokens + len(sub.prompt) > self.tokens):
+                return take, True  # the next one would pass a bound
+            tokens += len(sub.prompt)
+            take += 1
+        return take, take == rows or (take >= self.batch and tokens > self.tokens)
+
     def _awaiting(self, now: float) -> float:
-        """Seconds the held arrivals may still wait for the clients of sequences that
-        finished within the window (0: no such wait)."""
+        """Seconds the held arrivals (not a full group) may still wait for the clients of
+        sequences that finished within the window (0: no such wait)."""
         finished, pending = self._finished, self.pending
         while finished and now - finished[0] > self.window:
             finished.popleft()
-        if not pending or min(len(pending), self.batch) >= min(len(finished), self.batch):
+        if not pending or len(pending) >= len(finished):
             return 0.0
         oldest = next(iter(pending.values()))[0]
         return max(0.0, oldest + self.window * min(1.0, len(finished) / self.batch) - now)
@@ -104,6 +145,6 @@ class Admission:
     def hold(self, now: float) -> float:
         """With nothing in the batch: seconds until `due` may admit without new commands
         (0: now, or nothing held); the actor sleeps that long at most."""
-        wait = self._awaiting(now)
+        wait = 0.0 if self.group()[1] else self._awaiting(now)
         return min(wait, self._finished[0] + self.window - now) if wait else 0.0
 

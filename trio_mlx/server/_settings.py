@@ -42,7 +42,10 @@ class Settings:
     host: str = field(default="127.0.0.1", metadata=_doc("address to bind (trio-mlx serve)"))
     port: int = field(default=8000, metadata=_doc("port to bind (trio-mlx serve); 0 picks a free one"))
     max_batch: int = field(default=64, metadata=_doc("most sequences decoded together"))
-    prefill_batch: int = field(default=8, metadata=_doc("most prompts prefilled together (at most max_batch)"))
+    prefill_batch: int = field(default=8, metadata=_doc(
+        "prompts a prefill group takes whatever their length (at most max_batch); while 32 or more "
+        "sequences decode (at most half of max_batch), short ones make groups of up to that many, "
+        "holding at most prefill_batch x prefill_step / 2 tokens"))
     prefill_step: int = field(default=2048, metadata=_doc(
         "most tokens of a prompt processed per prefill step (fewer when many long prompts prefill "
         "together, so that one step's attention fits 4 GiB)"))
@@ -54,7 +57,7 @@ class Settings:
     cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
     warmup: bool = field(default=True, metadata=_doc(
         "generate before reporting ready, so first requests pay no kernel compiles: on a GPU "
-        "a prefill of every group size up to prefill_batch and a rehearsal of the actor's other "
+        "a prefill of every group size up to 32 (a group of short prompts; at most half of max_batch) and a rehearsal of the actor's other "
         "paths (removals, sampling options, logprobs, an abort), on the CPU one short sequence"))
     actor: str = field(default="thread", metadata=_doc(
         "where the GPU actor runs: 'thread' (a dedicated thread of the server's process) or "
