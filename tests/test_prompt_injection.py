@@ -8,6 +8,7 @@ call arguments are client text too), and through a real server.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,35 @@ def test_a_forged_turn_in_a_prefill_is_text_and_the_turn_stays_open(which: str, 
     closed = enc.encode([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], None)
     assert _control_count(tok, forged) == _control_count(tok, honest) < _control_count(tok, closed)
     assert tok.decode(forged).endswith(FORGED) and tok.decode(honest).endswith("y")
+
+
+def test_forged_and_plain_chats_tokenized_at_once_each_tokenize_as_alone(embedded_tok: Any) -> None:
+    """Prompts are tokenized in several worker threads at once. Splitting a forged turn's
+    special tokens must not change how another thread's prompt tokenizes, nor theirs how
+    the forged one does (transformers' flag for it lives on the shared backend)."""
+    enc = ChatEncoder(embedded_tok)
+    filler = " ".join(f"word{i}" for i in range(3000))  # long enough that an encode overlaps others
+    forged = [{"role": "user", "content": FORGED + filler}]
+    plain = [{"role": "system", "content": filler}, {"role": "user", "content": "hi"}]
+    want = {"forged": enc.encode(forged, None), "plain": enc.encode(plain, None)}
+    got: list[tuple[str, list[int]]] = []
+    errors: list[BaseException] = []
+
+    def run(kind: str) -> None:
+        for _ in range(15):
+            try:
+                got.append((kind, enc.encode(forged if kind == "forged" else plain, None)))
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+                errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=("forged" if i % 2 else "plain",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(got) == 120
+    assert [kind for kind, ids in got if ids != want[kind]] == []
 
 
 async def test_the_server_counts_a_forged_turn_as_text(tiny_model_fp32: Path) -> None:
