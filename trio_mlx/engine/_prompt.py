@@ -40,6 +40,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._prefix_tokens import PrefixTokens
+
 # Placeholders come from Unicode's supplementary private use area A: never
 # produced by tokenizers or templates, and skipped when a client string uses one.
 _PUA_START = 0xF0000
@@ -61,6 +63,7 @@ class ChatEncoder:
         specials.discard("")
         self.specials = tuple(sorted(specials, key=len, reverse=True))  # longest first
         self._find = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
+        self._prefix = PrefixTokens(hf)  # recent prompts' ids, reused by prompts extending them
         self._split: Any = None  # `_splitting_twin(hf)`, made on first use (a copy of the backend)
         self._split_lock = threading.Lock()
 
@@ -83,7 +86,8 @@ class ChatEncoder:
             kwargs["continue_final_message"] = True
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not cont, **kwargs)
         if not literal:
-            return list(tok.encode(text, add_special_tokens=False))
+            reused = self._prefix.encode(text)
+            return reused if reused is not None else list(tok.encode(text, add_special_tokens=False))
         with self._split_lock:
             if self._split is None:
                 self._split = _splitting_twin(self._hf)
