@@ -59,7 +59,7 @@ _ENCODE_METHODS = ("encode", "_encode_plus", "_batch_encode_plus", "encode_plus"
 class _Entry:
     key: int
     text: str
-    ids: array  # of token ids ("l": any int)
+    ids: array  # of token ids ("i": 4 bytes each)
     cuts: dict[int, int]  # character end of a cut special token -> its index in ids
 
 
@@ -108,8 +108,8 @@ class PrefixTokens:
                                      and enc.offsets[0] == (0, end - start)):
             base, start = None, 0  # S was not cut where it was before: tokenize the whole text
             enc = backend.encode_batch([text], add_special_tokens=False)[0]
-        head = base.ids[:base.cuts[end]] if base is not None else array("l")
-        ids = head + array("l", enc.ids)
+        head = base.ids[:base.cuts[end]] if base is not None else array("i")
+        ids = head + array("i", enc.ids)
         cuts = {b: k for b, k in base.cuts.items() if b < end} if base is not None else {}
         for a, b in marks:
             if a >= start:
