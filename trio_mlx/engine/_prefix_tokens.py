@@ -185,10 +185,15 @@ def _cut_tokens(backend: Any) -> dict[str, int]:
     """The special tokens a prompt may be cut at (the module's docstring says why these)."""
     added = backend.get_added_tokens_decoder()
     contents = [t.content for t in added.values() if t.content]
+    if any("\0" in c for c in contents):
+        return {}
+    # one scan of all added tokens' text a candidate (some tokenizers add thousands): a
+    # candidate found more often than it is itself added is inside another one
+    joined = "\0".join(contents)
     out: dict[str, int] = {}
     for i, t in added.items():
         c = t.content
         if (t.special and c and not (t.lstrip or t.rstrip or t.single_word or t.normalized)
-                and not any(c in other for other in contents if other != c)):
+                and joined.count(c) == contents.count(c)):
             out[c] = i
     return out
