@@ -70,7 +70,6 @@ class PrefixTokens:
 
     def __init__(self, hf: Any, max_chars: int = MAX_CHARS):
         self.max_chars = max_chars
-        self._hf = hf
         self._backend = _stock_backend(hf)
         self._cut_ids: dict[str, int] = _cut_tokens(self._backend) if self._backend is not None else {}
         self._find = (re.compile("|".join(map(re.escape, sorted(self._cut_ids, key=len, reverse=True))))
