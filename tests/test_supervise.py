@@ -79,18 +79,29 @@ async def test_a_dead_thread_actor_is_restarted_and_the_server_serves_again(tiny
         assert server.app.fatal == []  # type: ignore[attr-defined]
 
 
+async def dying_request(engine: Any, client: Any, armed: threading.Event) -> Any:
+    """A chat request the actor dies under: armed once the request decodes, not before (a
+    restarted actor's loop may turn while idle, and would die before the request came)."""
+    out: dict[str, Any] = {}
+
+    async def post() -> None:
+        out["r"] = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 500, "ignore_eos": True})
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post)
+        await until(lambda: engine.statistics().decoding >= 1, within=20)
+        armed.set()
+    return out["r"]
+
+
 async def test_past_the_budget_the_engine_is_broken_and_the_server_gives_up(tiny_model_fp32: Path) -> None:
     armed, hook = dying_hook()
     factory = engine_factory(fault_hook=hook, restart_limit=1, restart_backoff=0.1)
     async with serve(tiny_model_fp32, factory=factory) as server, server.client() as client:
         engine = server.engine
-        armed.set()
-        r = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 50, "ignore_eos": True})
-        assert_error(r, 500, code="generation_failed")
+        assert_error(await dying_request(engine, client, armed), 500, code="generation_failed")
         await until(lambda: engine.state == "ready", within=20)
-        armed.set()
-        r = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 50, "ignore_eos": True})
-        assert_error(r, 500, code="generation_failed")
+        assert_error(await dying_request(engine, client, armed), 500, code="generation_failed")
         await until(lambda: engine.state == "broken")
         await until(lambda: bool(server.app.fatal))  # type: ignore[attr-defined]
         assert "restart limit 1" in server.app.fatal[0]  # type: ignore[attr-defined]
