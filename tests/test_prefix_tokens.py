@@ -73,7 +73,7 @@ def _conversation_turns(hf: Any, enc: ChatEncoder, seed: int, turns: int = 8) ->
             msgs.append({"role": "user", "content": rng.choice(TRICKY) + _words(rng, 8) + rng.choice(TRICKY)})
             assert enc.encode(msgs, None) == _naive(hf, msgs)
             msgs.append({"role": "assistant", "content": rng.choice(TRICKY) + _words(rng, 5) + rng.choice(TRICKY)})
-    return enc._prefix
+    return enc.prefix
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def embedded_tok(embedded_model: Path) -> Any:
 
 def test_the_embedded_tokenizer_reuses_turns_and_gets_the_same_ids(embedded_tok: Any) -> None:
     enc = ChatEncoder(embedded_tok)
-    assert enc._prefix.usable
+    assert enc.prefix.usable
     prefix = _conversation_turns(embedded_tok._tokenizer, enc, seed=1)
     # every turn after a conversation's first reused its history
     assert prefix.hits >= 3 * 7
@@ -94,7 +94,7 @@ def test_the_embedded_tokenizer_reuses_turns_and_gets_the_same_ids(embedded_tok:
 def test_metaspace_tokenizers_get_the_same_ids(scheme: str) -> None:
     hf = _metaspace_tokenizer(scheme)
     enc = ChatEncoder(TokenizerWrapper(hf))
-    assert enc._prefix.usable
+    assert enc.prefix.usable
     prefix = _conversation_turns(hf, enc, seed=2)
     assert prefix.hits >= 3 * 7
 
@@ -170,4 +170,4 @@ def test_many_threads_at_once_get_the_same_ids(embedded_tok: Any) -> None:
     for t in threads:
         t.join()
     assert wrong == []
-    assert enc._prefix.hits > 0
+    assert enc.prefix.hits > 0

@@ -289,6 +289,11 @@ async def test_openai_usage_and_metrics_report_cached_tokens(tiny_model_fp32):
     assert values["trio_mlx_prompt_cache_hits_total"] == 2
     assert values["trio_mlx_prompt_cache_hit_tokens_total"] == 2 * (second["prompt_tokens"] - 1)
     assert values["trio_mlx_prompt_cache_bytes"] > 0 and "trio_mlx_prompt_cache_evictions_total" in values
+    # the second chat request repeated the first through its system turn: tokenized past it
+    reuse = {ln.split()[0]: float(ln.split()[1]) for ln in metrics.splitlines()
+             if ln.startswith("trio_mlx_tokenizer_prefix")}
+    assert reuse["trio_mlx_tokenizer_prefix_hits_total"] >= 2
+    assert reuse["trio_mlx_tokenizer_prefix_tokens_total"] >= 2 * 60
 
 
 # -- the cache itself (no model): lookups, storing, eviction ---------------------------------

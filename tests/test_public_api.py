@@ -59,9 +59,10 @@ def test_the_event_records_fields():
     assert names(trio_mlx.Usage) == ["prompt_tokens", "completion_tokens", "cached_tokens"]
     assert trio_mlx.Usage(3, 2).cached_tokens == 0 and trio_mlx.Usage(3, 2).total_tokens == 5
     assert names(trio_mlx.Finished) == ["finish_reason", "usage", "error", "stop"]
-    assert names(trio_mlx.EngineStatistics)[-7:] == [
+    assert names(trio_mlx.EngineStatistics)[-9:] == [
         "prompt_cache_lookups", "prompt_cache_hits", "prompt_cache_hit_tokens",
-        "prompt_cache_evictions", "prompt_cache_bytes", "prompt_cache_entries", "actor_restarts"]
+        "prompt_cache_evictions", "prompt_cache_bytes", "prompt_cache_entries", "actor_restarts",
+        "tokenizer_prefix_hits", "tokenizer_prefix_tokens"]
 
 
 def test_errors_share_one_base():

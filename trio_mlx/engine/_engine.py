@@ -656,6 +656,8 @@ class Engine:
             actor_restarts=self._c.restarts,
             seconds_since_step=since,
             **dict(zip(_PROMPT_CACHE_FIELDS, self._prompt_cache, strict=True)),
+            tokenizer_prefix_hits=self._chat.prefix.hits if self._chat is not None else 0,
+            tokenizer_prefix_tokens=self._chat.prefix.reused_tokens if self._chat is not None else 0,
         )
 
     def generate(

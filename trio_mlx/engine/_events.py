@@ -134,3 +134,7 @@ class EngineStatistics:
     prompt_cache_bytes: int = 0
     prompt_cache_entries: int = 0
     actor_restarts: int = 0  # actors started again after one died (engine/_supervise.py)
+    # Chat prompts tokenized only past a recent prompt they repeat, and the tokens whose
+    # tokenizing that saved (engine/_prefix_tokens.py).
+    tokenizer_prefix_hits: int = 0
+    tokenizer_prefix_tokens: int = 0

@@ -63,7 +63,7 @@ class ChatEncoder:
         specials.discard("")
         self.specials = tuple(sorted(specials, key=len, reverse=True))  # longest first
         self._find = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
-        self._prefix = PrefixTokens(hf)  # recent prompts' ids, reused by prompts extending them
+        self.prefix = PrefixTokens(hf)  # recent prompts' ids, reused by prompts extending them (read by statistics)
         self._split: Any = None  # `_splitting_twin(hf)`, made on first use (a copy of the backend)
         self._split_lock = threading.Lock()
 
@@ -86,7 +86,7 @@ class ChatEncoder:
             kwargs["continue_final_message"] = True
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not cont, **kwargs)
         if not literal:
-            reused = self._prefix.encode(text)
+            reused = self.prefix.encode(text)
             return reused if reused is not None else list(tok.encode(text, add_special_tokens=False))
         with self._split_lock:
             if self._split is None:
