@@ -607,7 +607,15 @@ class Actor:
                 return self._recover(exc, failed)
         prompt_tokens = take_prompt_tokens(self._bg)
         self._steps += 1
-        memory = _memory() if self._steps % _MEMORY_EVERY == 1 or not self._seqs else None
+        memory: tuple[int, int, int] | None = None
+        if not self._seqs:
+            # The batch ran dry, and these figures stand while the server idles: let the KV
+            # copies into the prompt cache (async_eval'd) and the removal run first, or the
+            # read still counts the batch's buffers they free (the soak test saw 1.3 MB).
+            mx.synchronize(self._bg.stream)
+            memory = _memory()
+        elif self._steps % _MEMORY_EVERY == 1:
+            memory = _memory()
         cached, self._cached = tuple(self._cached), []
         return StepReport(
             memory=memory,
