@@ -61,6 +61,7 @@ class _Entry:
     text: str
     ids: array  # of token ids ("i": 4 bytes each)
     cuts: dict[int, int]  # character end of a cut special token -> its index in ids
+    digests: list[bytes]  # the hash of text through each cut: its keys in the index
 
 
 class PrefixTokens:
@@ -119,11 +120,12 @@ class PrefixTokens:
         if base is not None:
             self.hits += 1
             self.reused_tokens += len(head)
-        self._store(_Entry(next(self._keys), text, ids, cuts), dict(zip((b for _, b in marks), digests, strict=True)),
+        through = dict(zip((b for _, b in marks), digests, strict=True))
+        self._store(_Entry(next(self._keys), text, ids, cuts, [through[b] for b in cuts]),
                     base if base is not None and max(base.cuts) <= end else None)
         return ids.tolist()
 
-    def _store(self, entry: _Entry, digests: dict[int, bytes], redundant: _Entry | None) -> None:
+    def _store(self, entry: _Entry, redundant: _Entry | None) -> None:
         """Keep `entry`; `redundant` (an entry whose every cut `entry` holds too) goes."""
         if not entry.cuts or len(entry.text) > self.max_chars:
             return
@@ -132,15 +134,15 @@ class PrefixTokens:
                 self._drop(redundant.key)
             self._entries[entry.key] = entry
             self._chars += len(entry.text)
-            for end in entry.cuts:
-                self._index[digests[end]] = entry.key
+            for digest in entry.digests:
+                self._index[digest] = entry.key
             while self._chars > self.max_chars:
                 self._drop(next(iter(self._entries)))
 
     def _drop(self, key: int) -> None:
         old = self._entries.pop(key)
         self._chars -= len(old.text)
-        for digest in _digests(old.text, sorted(old.cuts)):
+        for digest in old.digests:
             if self._index.get(digest) == key:
                 del self._index[digest]
 
