@@ -149,15 +149,22 @@ def test_streams_stops_continues_and_keeps_settings_over_a_reload(server, page):
     page.fill("#max_tokens", "6")
     page.click("#close-settings")
     page.fill("#input", "And then?")
-    page.click("#send")
+    with page.expect_response(lambda r: r.url.endswith(CHAT)) as answered:
+        page.click("#send")
     page.wait_for_selector(".msg.assistant >> nth=1 >> .meta:has-text('answer tokens')")
     assert [m["role"] for m in bodies[1]["messages"]] == ["system", "user", "assistant", "user"]
     # The page shows the answer rendered as Markdown (the random model's `*`s can make emphasis,
     # a run of spaces shows as one): the text sent, through the page's own renderer, is what it showed.
     sent = bodies[1]["messages"][2]["content"]
     assert sent.strip() and rendered(page, sent).split() == stopped_answer.split()
+    # The line shows the finish the server sent: "length" at 6 tokens, unless the sampled model
+    # happened to end its answer there ("stop", which the page leaves unsaid).
+    finishes = re.findall(r'"finish_reason": ?"(\w+)"', answered.value.text())
+    assert finishes in (["length"], ["stop"]), finishes
     meta = page.inner_text(".msg.assistant >> nth=1 >> .meta")
-    assert re.fullmatch(r"TTFT \d+\.\d\d s · \d+\.\d tok/s · \d+ prompt \+ 6 answer tokens · finish: length", meta), meta
+    shown = " · finish: length" if finishes == ["length"] else ""
+    assert re.fullmatch(r"TTFT \d+\.\d\d s · \d+\.\d tok/s · \d+ prompt \+ \d answer tokens" + shown, meta), meta
+    assert int(meta.split(" answer tokens")[0].rsplit(" ", 1)[1]) == 6 or finishes == ["stop"], meta
 
     # Reload: the conversation is gone, the settings are not.
     page.reload()
