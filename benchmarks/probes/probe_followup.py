@@ -1,0 +1,118 @@
+"""Probe (GPU investigation): where a cached follow-up's time to first token goes, against a
+fresh prompt of its new tokens alone.
+
+    python benchmarks/probes/probe_followup.py MODEL_DIR [REPEATS]
+
+An agent's turn adds a few dozen tokens to a long conversation whose KV the prompt cache
+holds. On an H100 (1B, bf16; benchmarks/2026-11-27-h100/prefix-grain/, step trace) such a
+follow-up's prefill `next()` took 8-17 ms and the step that sampled its first token 6-9.5,
+where a fresh 65-token prompt took 7 and 5: the follow-up prefills its new tokens plus what
+the grain leaves uncached (`_batch.GRID_PREFIX`) behind ~7.7k cached ones. This splits that:
+
+- `fresh N`: a one-row BatchGenerator over the actor's grid-prefilling model
+  (`_batch.CausalPrefill`, the grid on CUDA only) given N new tokens, each `next()` until the
+  first token is out, in ms;
+- `follow P+N`: the same with P tokens handed over as cached KV (`insert(..., caches=...)`,
+  as `_reuse.Reuse.lookup` does);
+- `merge P`: `BatchKVCache.merge` of the P cached tokens alone (what the generator does with
+  the caches it is given before its forward);
+- `forward P+N`: the grid model's forward of N tokens behind the merged P, alone;
+- `decode P`: a steady decode step of the one row behind P (+N) tokens.
+
+Every figure is the median of REPEATS (default 5) runs with other random tokens, the device
+idle before and after each timed call; warm-up builds the grid's one-row shapes first, as the
+server's does. On the CPU build it runs too (no grid), to check the probe itself.
+"""
+import functools
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+from gpu_timing import load, timed  # benchmarks/probes/, the script's folder
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from trio_mlx.actor._batch import GRID_PREFIX, CausalPrefill, grid_sizes, prefill_grid
+from trio_mlx.actor._warmup import prebuild_prefill
+
+model, layers, vocab = load(sys.argv[1])
+repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+grid = prefill_grid()
+forward = CausalPrefill(model, grid=grid)
+gpu = mx.default_device().type == mx.DeviceType.gpu
+cached_lengths = (6144, 7680) if gpu else (256,)
+new_lengths = (64, 300, 500) if gpu else (16, 48)
+if grid:
+    t0 = time.perf_counter()
+    print("prebuilt", prebuild_prefill(forward, layers, 1, 8192, grid_sizes(2048), GRID_PREFIX),
+          f"one-row shapes in {time.perf_counter() - t0:.2f} s", flush=True)
+bg = BatchGenerator(forward, max_tokens=4, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=2048)
+
+
+def ids(n: int) -> list[int]:
+    return mx.random.randint(10, vocab - 10, (n,)).tolist()
+
+
+def prefilled(tokens: list[int]) -> list[KVCache]:
+    cache = [KVCache() for _ in range(layers)]
+    mx.eval(model(mx.array([tokens]), cache=cache))
+    mx.eval([a for c in cache for a in (c.keys, c.values)])
+    return cache
+
+
+def to_first_token(prompt: list[int], cache: list[KVCache] | None, prefix: list[int]) -> tuple[list[float], float]:
+    """Each `next()` until the row's first token, then one steady decode step, in ms."""
+    kw = {"caches": [cache], "all_tokens": [prefix]} if cache is not None else {}
+    (uid,) = bg.insert([prompt], max_tokens=[4], **kw)
+    steps: list[float] = []
+    while True:
+        mx.synchronize()
+        t = time.perf_counter()
+        _, gen = bg.next()
+        mx.synchronize()
+        steps.append(1e3 * (time.perf_counter() - t))
+        if any(r.uid == uid for r in gen):
+            break
+    mx.synchronize()
+    t = time.perf_counter()
+    bg.next()
+    mx.synchronize()
+    decode = 1e3 * (time.perf_counter() - t)
+    while bg.next()[1]:
+        pass
+    return steps, decode
+
+
+def merged_keys(cache: list[KVCache]) -> list[mx.array]:
+    return [BatchKVCache.merge([c]).keys for c in cache]
+
+
+def forward_alone(cache: list[KVCache], new: list[int]) -> mx.array:
+    return forward(mx.array([new]), cache=[BatchKVCache.merge([c]) for c in cache])
+
+
+def fmt(values: list[float]) -> str:
+    return f"{statistics.median(values):6.2f}"
+
+
+# a first pass, untimed: what a server's warm-up has also visited
+to_first_token(ids(new_lengths[0]), None, [])
+to_first_token(ids(new_lengths[0]), prefilled(ids(cached_lengths[0])), [])
+for n in new_lengths:
+    runs = [to_first_token(ids(n), None, []) for _ in range(repeats)]
+    print(f"fresh {n:5d}: to first token {fmt([sum(s) for s, _ in runs])} ms "
+          f"(steps {' + '.join(fmt([s[i] for s, _ in runs]) for i in range(len(runs[0][0])))}),"
+          f" decode {fmt([d for _, d in runs])}", flush=True)
+for p in cached_lengths:
+    for n in new_lengths:
+        runs, merges, forwards = [], [], []
+        for _ in range(repeats):
+            prefix, new = ids(p), ids(n)
+            cache = prefilled(prefix)
+            merges.append(timed(functools.partial(merged_keys, cache)))
+            forwards.append(timed(functools.partial(forward_alone, cache, new)))
+            runs.append(to_first_token(new, cache, prefix))
+        print(f"follow {p}+{n:4d}: to first token {fmt([sum(s) for s, _ in runs])} ms "
+              f"(steps {' + '.join(fmt([s[i] for s, _ in runs]) for i in range(len(runs[0][0])))}),"
+              f" decode {fmt([d for _, d in runs])}; merge {fmt(merges)}, forward {fmt(forwards)}", flush=True)
