@@ -8,6 +8,7 @@ cancelled program.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -45,15 +46,14 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("mode", ["normal", "close", "cancel"])
 def test_process_exits_zero_every_time(tiny_model_fp32, mode):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    runs = 8
-    for i in range(runs):
-        proc = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(tiny_model_fp32), mode],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=env,
-        )
-        assert proc.returncode == 0, f"run {i} ({mode}) exited {proc.returncode}:\n{proc.stderr[-2000:]}"
-        assert "clean exit" in proc.stdout
-        assert "terminate called" not in proc.stderr
+    runs, at_once = 8, 2  # two at a time: each is mostly a single-threaded start-up
+
+    def run(i: int) -> tuple[int, subprocess.CompletedProcess[str]]:
+        return i, subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_fp32), mode],
+                                 capture_output=True, text=True, timeout=60, env=env)
+
+    with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
+        for i, proc in pool.map(run, range(runs)):
+            assert proc.returncode == 0, f"run {i} ({mode}) exited {proc.returncode}:\n{proc.stderr[-2000:]}"
+            assert "clean exit" in proc.stdout
+            assert "terminate called" not in proc.stderr
