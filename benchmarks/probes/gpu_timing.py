@@ -1,6 +1,6 @@
 """Shared by the GPU probes run as scripts (probe_new_shapes.py, probe_contiguous_kv.py,
-probe_row_attention.py, probe_step_python.py): the model under test and a timer that waits
-for the device on both sides of the call."""
+probe_row_attention.py, probe_step_python.py, probe_grid_steps.py, probe_followup.py): the
+model under test, and timers that wait for the device on both sides of the call."""
 import time
 
 import mlx.core as mx
@@ -21,3 +21,17 @@ def timed(fn) -> float:
     mx.eval(fn())
     mx.synchronize()
     return 1e3 * (time.perf_counter() - t0)
+
+
+def steps_to_first_token(bg, uid: int) -> list[float]:
+    """Milliseconds of each `bg.next()` (a BatchGenerator's) until row `uid`'s first token
+    is out, the device idle before and after each."""
+    steps = []
+    while True:
+        mx.synchronize()
+        t0 = time.perf_counter()
+        _, gen = bg.next()
+        mx.synchronize()
+        steps.append(1e3 * (time.perf_counter() - t0))
+        if any(r.uid == uid for r in gen):
+            return steps

@@ -29,7 +29,7 @@ import sys
 import time
 
 import mlx.core as mx
-from gpu_timing import load, timed  # benchmarks/probes/, the script's folder
+from gpu_timing import load, steps_to_first_token, timed  # benchmarks/probes/, the script's folder
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
@@ -65,20 +65,8 @@ def to_first_token(prompt: list[int], cache: list[KVCache] | None, prefix: list[
     """Each `next()` until the row's first token, then one steady decode step, in ms."""
     kw = {"caches": [cache], "all_tokens": [prefix]} if cache is not None else {}
     (uid,) = bg.insert([prompt], max_tokens=[4], **kw)
-    steps: list[float] = []
-    while True:
-        mx.synchronize()
-        t = time.perf_counter()
-        _, gen = bg.next()
-        mx.synchronize()
-        steps.append(1e3 * (time.perf_counter() - t))
-        if any(r.uid == uid for r in gen):
-            break
-    mx.synchronize()
-    t = time.perf_counter()
-    bg.next()
-    mx.synchronize()
-    decode = 1e3 * (time.perf_counter() - t)
+    steps = steps_to_first_token(bg, uid)
+    decode = timed_step()
     while bg.next()[1]:
         pass
     return steps, decode
@@ -90,6 +78,14 @@ def merged_keys(cache: list[KVCache]) -> list[mx.array]:
 
 def forward_alone(cache: list[KVCache], new: list[int]) -> mx.array:
     return forward(mx.array([new]), cache=[BatchKVCache.merge([c]) for c in cache])
+
+
+def timed_step() -> float:
+    mx.synchronize()
+    t0 = time.perf_counter()
+    bg.next()
+    mx.synchronize()
+    return 1e3 * (time.perf_counter() - t0)
 
 
 def fmt(values: list[float]) -> str:

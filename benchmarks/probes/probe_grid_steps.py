@@ -14,6 +14,7 @@ import sys
 import time
 
 import mlx.core as mx
+from gpu_timing import steps_to_first_token  # benchmarks/probes/, the script's folder
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache
 
@@ -37,15 +38,7 @@ def follow_up(prefix: int, new: int, seed: int) -> list[float]:
     cache = [KVCache() for _ in range(layers)]
     mx.eval(model(mx.array([ids[:prefix]]), cache=cache))
     (uid,) = bg.insert([ids[prefix:]], caches=[cache], all_tokens=[ids[:prefix]])
-    times = []
-    while True:
-        mx.synchronize()
-        t = time.perf_counter()
-        _, gen = bg.next()
-        mx.synchronize()
-        times.append(1e3 * (time.perf_counter() - t))
-        if any(r.uid == uid for r in gen):
-            break
+    times = steps_to_first_token(bg, uid)
     while any(r.finish_reason is None for r in bg.next()[1] if r.uid == uid):
         pass
     return times
