@@ -73,6 +73,7 @@ class PrefixTokens:
         self.max_chars = max_chars
         self._backend = _stock_backend(hf)
         self._cut_ids: dict[str, int] = _cut_tokens(self._backend) if self._backend is not None else {}
+        self._cut_values = frozenset(self._cut_ids.values())
         self._find = (re.compile("|".join(map(re.escape, sorted(self._cut_ids, key=len, reverse=True))))
                       if self._cut_ids else None)
         self._lock = threading.Lock()
@@ -116,12 +117,16 @@ class PrefixTokens:
         head = base.ids[:base.cuts[end]] if base is not None else array("i")
         ids = head + array("i", new_ids)
         cuts = {b: k for b, k in base.cuts.items() if b < end} if base is not None else {}
-        for a, b in marks:
-            if a >= start:
-                j = enc.char_to_token(a - start)
-                if (j is not None and enc.token_to_chars(j) == (a - start, b - start)
-                        and new_ids[j] == self._cut_ids[text[a:b]]):
-                    cuts[b] = len(head) + j
+        # The cuts tokenized here: tokens of a cut's id spanning exactly a mark. Found from the
+        # ids (`char_to_token` a mark took ~11 us at 60k tokens: 92 ms for 4,096 messages).
+        at_mark = {a - start: (a, b) for a, b in marks if a >= start}
+        cut_values = self._cut_values
+        for j in [j for j, t in enumerate(new_ids) if t in cut_values]:
+            span = enc.token_to_chars(j)
+            mark = at_mark.get(span[0]) if span is not None else None
+            if (mark is not None and span == (mark[0] - start, mark[1] - start)
+                    and new_ids[j] == self._cut_ids[text[mark[0]:mark[1]]]):
+                cuts[mark[1]] = len(head) + j
         if base is not None:
             self.hits += 1
             self.reused_tokens += len(head)
