@@ -17,7 +17,11 @@ the grain leaves uncached (`_batch.GRID_PREFIX`) behind ~7.7k cached ones. This 
 - `merge P`: `BatchKVCache.merge` of the P cached tokens alone (what the generator does with
   the caches it is given before its forward);
 - `forward P+N`: the grid model's forward of N tokens behind the merged P, alone;
-- `decode P`: a steady decode step of the one row behind P (+N) tokens.
+- `decode P`: a steady decode step of the one row behind P (+N) tokens;
+- `batch of 8 behind P`: a turn of 8 conversations in step (the chat bench's): a steady decode
+  step of the 8 rows, the step after 7 of them leave, and 7 follow-ups entering together to
+  their first tokens (at 8 conversations the H100 trace showed 26-28, 51-65 and 32-41 ms
+  steps around a turn, against ~10 for a steady one).
 
 Every figure is the median of REPEATS (default 5) runs with other random tokens, the device
 idle before and after each timed call; warm-up builds the grid's one-row shapes first, as the
@@ -33,7 +37,7 @@ from gpu_timing import load, steps_to_first_token, timed  # benchmarks/probes/, 
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from trio_mlx.actor._batch import GRID_PREFIX, CausalPrefill, grid_sizes, prefill_grid
+from trio_mlx.actor._batch import GRID_PREFIX, CausalPrefill, grid_sizes, prefill_grid, remove_rows
 from trio_mlx.actor._warmup import prebuild_prefill
 
 model, layers, vocab = load(sys.argv[1])
@@ -112,3 +116,36 @@ for p in cached_lengths:
         print(f"follow {p}+{n:4d}: to first token {fmt([sum(s) for s, _ in runs])} ms "
               f"(steps {' + '.join(fmt([s[i] for s, _ in runs]) for i in range(len(runs[0][0])))}),"
               f" decode {fmt([d for _, d in runs])}; merge {fmt(merges)}, forward {fmt(forwards)}", flush=True)
+
+# A turn of ROWS conversations in step, as `trio-mlx bench chat` at 8 conversations runs them:
+# ROWS rows decode behind P cached tokens each; all but one leave the batch (the actor's
+# `remove_rows`) before a decode step; then ROWS-1 follow-ups enter together and step to their
+# first tokens. Each change of the batch's rows builds new dense KV arrays for every row.
+ROWS = 8
+bg.completion_batch_size = bg.prefill_batch_size = ROWS
+for p in cached_lengths:
+    steady, leaving, entering = [], [], []
+    for _ in range(max(1, repeats // 2)):
+        rows = [(ids(p), ids(new_lengths[0])) for _ in range(ROWS)]
+        uids = bg.insert([new for _, new in rows], max_tokens=[64] * ROWS,
+                         caches=[prefilled(prefix) for prefix, _ in rows], all_tokens=[prefix for prefix, _ in rows])
+        steps_to_first_token(bg, uids[-1])
+        for _ in range(3):
+            bg.next()
+        steady.append(timed_step())
+        mx.synchronize()
+        t0 = time.perf_counter()
+        remove_rows(bg, uids[1:])
+        bg.next()
+        mx.synchronize()
+        leaving.append(1e3 * (time.perf_counter() - t0))
+        again = [(ids(p), ids(new_lengths[0])) for _ in range(ROWS - 1)]
+        new_uids = bg.insert([new for _, new in again], max_tokens=[4] * (ROWS - 1),
+                             caches=[prefilled(prefix) for prefix, _ in again],
+                             all_tokens=[prefix for prefix, _ in again])
+        entering.append(sum(steps_to_first_token(bg, new_uids[-1])))
+        remove_rows(bg, [uids[0], *new_uids])
+        while bg.next()[1]:
+            pass
+    print(f"batch of {ROWS} behind {p}: steady decode {fmt(steady)} ms; {ROWS - 1} rows leave, then a step"
+          f" {fmt(leaving)}; {ROWS - 1} follow-ups enter, to their first tokens {fmt(entering)}", flush=True)
