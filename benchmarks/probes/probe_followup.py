@@ -23,6 +23,12 @@ the grain leaves uncached (`_batch.GRID_PREFIX`) behind ~7.7k cached ones. This 
   their first tokens (at 8 conversations the H100 trace showed 26-28, 51-65 and 32-41 ms
   steps around a turn, against ~10 for a steady one).
 
+Each is run two ways, in turn: `stock`, and `kept`, where the `mx.clear_cache()` that mlx-lm's
+prompt processing calls after every prefill chunk (and after rolling its padding) does nothing,
+so MLX's buffer cache keeps what the prefill freed (it stays bounded by its cache limit): the
+first decode step after a prefill (6-9.5 ms behind ~7.7k cached tokens on the H100, against
+5.5 steady) may be paying to allocate its buffers again.
+
 Every figure is the median of REPEATS (default 5) runs with other random tokens, the device
 idle before and after each timed call; warm-up builds the grid's one-row shapes first, as the
 server's does. On the CPU build it runs too (no grid), to check the probe itself.
@@ -96,56 +102,81 @@ def fmt(values: list[float]) -> str:
     return f"{statistics.median(values):6.2f}"
 
 
+def steps_line(runs: list[tuple[list[float], float]]) -> str:
+    return (f"to first token {fmt([sum(s) for s, _ in runs])} ms (steps "
+            f"{' + '.join(fmt([s[i] for s, _ in runs]) for i in range(min(len(s) for s, _ in runs)))}),"
+            f" decode {fmt([d for _, d in runs])}")
+
+
+VARIANTS = ("stock", "kept")
+keep_buffers = [False]
+_clear_cache = mx.clear_cache
+
+
+def clear_cache_unless_kept() -> None:
+    if not keep_buffers[0]:
+        _clear_cache()
+
+
+mx.clear_cache = clear_cache_unless_kept  # mlx_lm.generate calls it as mx.clear_cache()
+
 # a first pass, untimed: what a server's warm-up has also visited
 to_first_token(ids(new_lengths[0]), None, [])
 to_first_token(ids(new_lengths[0]), prefilled(ids(cached_lengths[0])), [])
 for n in new_lengths:
-    runs = [to_first_token(ids(n), None, []) for _ in range(repeats)]
-    print(f"fresh {n:5d}: to first token {fmt([sum(s) for s, _ in runs])} ms "
-          f"(steps {' + '.join(fmt([s[i] for s, _ in runs]) for i in range(len(runs[0][0])))}),"
-          f" decode {fmt([d for _, d in runs])}", flush=True)
+    runs: dict[str, list[tuple[list[float], float]]] = {v: [] for v in VARIANTS}
+    for _ in range(repeats):
+        for v in VARIANTS:
+            keep_buffers[0] = v == "kept"
+            runs[v].append(to_first_token(ids(n), None, []))
+    for v in VARIANTS:
+        print(f"fresh {n:5d} {v}: {steps_line(runs[v])}", flush=True)
 for p in cached_lengths:
     for n in new_lengths:
-        runs, merges, forwards = [], [], []
+        runs, merges, forwards = {v: [] for v in VARIANTS}, [], []
         for _ in range(repeats):
             prefix, new = ids(p), ids(n)
             cache = prefilled(prefix)
             merges.append(timed(functools.partial(merged_keys, cache)))
             forwards.append(timed(functools.partial(forward_alone, cache, new)))
-            runs.append(to_first_token(new, cache, prefix))
-        print(f"follow {p}+{n:4d}: to first token {fmt([sum(s) for s, _ in runs])} ms "
-              f"(steps {' + '.join(fmt([s[i] for s, _ in runs]) for i in range(len(runs[0][0])))}),"
-              f" decode {fmt([d for _, d in runs])}; merge {fmt(merges)}, forward {fmt(forwards)}", flush=True)
+            for v in VARIANTS:
+                keep_buffers[0] = v == "kept"
+                runs[v].append(to_first_token(new, cache, prefix))
+        for v in VARIANTS:
+            print(f"follow {p}+{n:4d} {v}: {steps_line(runs[v])}"
+                  + (f"; merge {fmt(merges)}, forward {fmt(forwards)}" if v == VARIANTS[0] else ""), flush=True)
 
 # A turn of ROWS conversations in step, as `trio-mlx bench chat` at 8 conversations runs them:
 # ROWS rows decode behind P cached tokens each; all but one leave the batch (the actor's
 # `remove_rows`) before a decode step; then ROWS-1 follow-ups enter together and step to their
 # first tokens. Each change of the batch's rows builds new dense KV arrays for every row.
 ROWS = 8
+turns: dict[tuple[int, str], tuple[list[float], list[float], list[float]]] = {}
 bg.completion_batch_size = bg.prefill_batch_size = ROWS
-for p in cached_lengths:
-    steady, leaving, entering = [], [], []
-    for _ in range(max(1, repeats // 2)):
-        rows = [(ids(p), ids(new_lengths[0])) for _ in range(ROWS)]
-        uids = bg.insert([new for _, new in rows], max_tokens=[64] * ROWS,
-                         caches=[prefilled(prefix) for prefix, _ in rows], all_tokens=[prefix for prefix, _ in rows])
-        steps_to_first_token(bg, uids[-1])
-        for _ in range(3):
-            bg.next()
-        steady.append(timed_step())
-        mx.synchronize()
-        t0 = time.perf_counter()
-        remove_rows(bg, uids[1:])
+for p, v in [(p, v) for p in cached_lengths for _ in range(max(1, repeats // 2)) for v in VARIANTS]:
+    keep_buffers[0] = v == "kept"
+    steady, leaving, entering = turns.setdefault((p, v), ([], [], []))
+    rows = [(ids(p), ids(new_lengths[0])) for _ in range(ROWS)]
+    uids = bg.insert([new for _, new in rows], max_tokens=[64] * ROWS,
+                     caches=[prefilled(prefix) for prefix, _ in rows], all_tokens=[prefix for prefix, _ in rows])
+    steps_to_first_token(bg, uids[-1])
+    for _ in range(3):
         bg.next()
-        mx.synchronize()
-        leaving.append(1e3 * (time.perf_counter() - t0))
-        again = [(ids(p), ids(new_lengths[0])) for _ in range(ROWS - 1)]
-        new_uids = bg.insert([new for _, new in again], max_tokens=[4] * (ROWS - 1),
-                             caches=[prefilled(prefix) for prefix, _ in again],
-                             all_tokens=[prefix for prefix, _ in again])
-        entering.append(sum(steps_to_first_token(bg, new_uids[-1])))
-        remove_rows(bg, [uids[0], *new_uids])
-        while bg.next()[1]:
-            pass
-    print(f"batch of {ROWS} behind {p}: steady decode {fmt(steady)} ms; {ROWS - 1} rows leave, then a step"
+    steady.append(timed_step())
+    mx.synchronize()
+    t0 = time.perf_counter()
+    remove_rows(bg, uids[1:])
+    bg.next()
+    mx.synchronize()
+    leaving.append(1e3 * (time.perf_counter() - t0))
+    again = [(ids(p), ids(new_lengths[0])) for _ in range(ROWS - 1)]
+    new_uids = bg.insert([new for _, new in again], max_tokens=[4] * (ROWS - 1),
+                         caches=[prefilled(prefix) for prefix, _ in again],
+                         all_tokens=[prefix for prefix, _ in again])
+    entering.append(sum(steps_to_first_token(bg, new_uids[-1])))
+    remove_rows(bg, [uids[0], *new_uids])
+    while bg.next()[1]:
+        pass
+for (p, v), (steady, leaving, entering) in turns.items():
+    print(f"batch of {ROWS} behind {p} {v}: steady decode {fmt(steady)} ms; {ROWS - 1} rows leave, then a step"
           f" {fmt(leaving)}; {ROWS - 1} follow-ups enter, to their first tokens {fmt(entering)}", flush=True)
