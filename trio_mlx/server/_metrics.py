@@ -159,12 +159,12 @@ class _EngineCollector:
              "cache instead of prefilled"),
             ("prompt_cache_evictions", "prompt_cache_evictions", "prompt cache entries evicted (its byte "
              "bound, memory pressure, a failed step)"),
+            ("tokenizer_prefix_hits", "tokenizer_prefix_hits", "chat prompts tokenized only past a recent "
+             "prompt they repeat"),
+            ("tokenizer_prefix_tokens", "tokenizer_prefix_tokens", "prompt tokens taken from a recent prompt's "
+             "ids instead of tokenized again"),
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=num(attr))
-        yield CounterMetricFamily(PREFIX + "tokenizer_prefix_hits", "chat prompts tokenized only past a recent "
-                                  "prompt they repeat", value=num("tokenizer_prefix_hits"))
-        yield CounterMetricFamily(PREFIX + "tokenizer_prefix_tokens", "prompt tokens taken from a recent "
-                                  "prompt's ids instead of tokenized again", value=num("tokenizer_prefix_tokens"))
         yield GaugeMetricFamily(PREFIX + "prompt_cache_bytes", "bytes of KV the prompt cache holds",
                                 value=num("prompt_cache_bytes"))
         yield GaugeMetricFamily(PREFIX + "prompt_cache_entries", "entries the prompt cache holds",
