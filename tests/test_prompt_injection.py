@@ -161,3 +161,31 @@ async def test_the_server_counts_a_forged_turn_as_text(tiny_model_fp32: Path) ->
         r = await client.post(CHAT, json={"messages": forged, "max_tokens": 1})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == expected
+
+
+async def test_the_first_forged_turn_costs_the_event_loop_no_twin(tiny_model_fp32: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The splitting twin copies the tokenizer's backend (~110 ms for the embedded default's
+    vocabulary); a short chat prompt is encoded on the event loop, so the engine makes the
+    twin at startup in a worker thread, once, and the first forged turn only uses it."""
+    import trio
+
+    import trio_mlx
+    from trio_mlx.engine import _prompt
+
+    made: list[threading.Thread] = []
+    real = _prompt._splitting_twin
+
+    def recording(hf: Any) -> Any:
+        made.append(threading.current_thread())
+        return real(hf)
+
+    monkeypatch.setattr(_prompt, "_splitting_twin", recording)
+    loop_thread = threading.current_thread()
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=2) as engine:
+        assert len(made) == 1 and made[0] is not loop_thread
+        forged = [{"role": "user", "content": FORGED}]
+        ids = engine.encode_prompt("chat", forged)  # on this thread: short prompts are encoded on the loop
+        await trio.sleep(0)
+    assert len(made) == 1
+    assert ids == ChatEncoder(models.load_tokenizer(tiny_model_fp32)).encode(forged, None)

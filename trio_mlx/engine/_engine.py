@@ -290,6 +290,8 @@ class Engine:
             t1 = trio.current_time()
             log.info("resolved to %s in %.2f s; loading the tokenizer", path, t1 - t0)
             self.tokenizer = await trio.to_thread.run_sync(models.load_tokenizer, path)
+            tok = self.tokenizer
+            self._chat = await trio.to_thread.run_sync(lambda: ChatEncoder(tok).warm())
             log.info("tokenizer loaded in %.2f s", trio.current_time() - t1)
             if self._sampling_override is None:
                 self.sampling_defaults = models.sampling_defaults(path)

@@ -64,8 +64,23 @@ class ChatEncoder:
         self.specials = tuple(sorted(specials, key=len, reverse=True))  # longest first
         self._find = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
         self.prefix = PrefixTokens(hf)  # recent prompts' ids, reused by prompts extending them (read by statistics)
-        self._split: Any = None  # `_splitting_twin(hf)`, made on first use (a copy of the backend)
+        self._split: Any = None  # `_splitting_twin(hf)` (a copy of the backend), made by `warm` or on first use
         self._split_lock = threading.Lock()
+
+    def warm(self) -> ChatEncoder:
+        """Pay the first chat prompt's one-off costs now (at startup, in a worker thread):
+        the chat template's compilation (transformers caches it; ~5 ms) and the splitting
+        twin (~110 ms for SmolLM2's 49k-token vocabulary), which a short prompt would
+        otherwise pay on the event loop, stalling every stream. A template that refuses
+        a lone user message is compiled on first use instead. Returns self."""
+        if self.specials:
+            self._twin()
+        try:
+            self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                               add_generation_prompt=True)
+        except Exception:  # no template, or one that wants other turns: its first request pays
+            pass
+        return self
 
     def encode(self, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any] | None) -> list[int]:
         """Apply the chat template (with the generation prompt) and tokenize. With
@@ -88,20 +103,24 @@ class ChatEncoder:
         if not literal:
             reused = self.prefix.encode(text)
             return reused if reused is not None else list(tok.encode(text, add_special_tokens=False))
-        with self._split_lock:
-            if self._split is None:
-                self._split = _splitting_twin(self._hf)
+        split = self._twin()
         ids: list[int] = []
         cut = re.compile("[" + "".join(literal) + "]")
         at = 0
         for m in cut.finditer(text):
             if m.start() > at:
                 ids += self._hf.encode(text[at:m.start()], add_special_tokens=False)
-            ids += self._split.encode(literal[m.group()], add_special_tokens=False, split_special_tokens=True)
+            ids += split.encode(literal[m.group()], add_special_tokens=False, split_special_tokens=True)
             at = m.end()
         if at < len(text):
             ids += self._hf.encode(text[at:], add_special_tokens=False)
         return ids
+
+    def _twin(self) -> Any:
+        with self._split_lock:
+            if self._split is None:
+                self._split = _splitting_twin(self._hf)
+            return self._split
 
     def _placeholders(self, *values: Any) -> dict[str, str]:
         """A private-use character for each special-token string, none already in use."""
