@@ -21,7 +21,10 @@ the grain leaves uncached (`_batch.GRID_PREFIX`) behind ~7.7k cached ones. This 
 - `batch of 8 behind P`: a turn of 8 conversations in step (the chat bench's): a steady decode
   step of the 8 rows, the step after 7 of them leave, and 7 follow-ups entering together to
   their first tokens (at 8 conversations the H100 trace showed 26-28, 51-65 and 32-41 ms
-  steps around a turn, against ~10 for a steady one).
+  steps around a turn, against ~10 for a steady one);
+- `fresh enter beside a row at P`: ROWS-1 fresh prompts entering together beside one row
+  decoding behind P tokens, to their first tokens and the decode step after, against the same
+  entering an empty batch (the batch pads every row's KV to its longest row's).
 
 Each is run two ways, in turn: `stock`, and `kept`, where the `mx.clear_cache()` that mlx-lm's
 prompt processing calls after every prefill chunk (and after rolling its padding) does nothing,
@@ -180,3 +183,31 @@ for p, v in [(p, v) for p in cached_lengths for _ in range(max(1, repeats // 2))
 for (p, v), (steady, leaving, entering) in turns.items():
     print(f"batch of {ROWS} behind {p} {v}: steady decode {fmt(steady)} ms; {ROWS - 1} rows leave, then a step"
           f" {fmt(leaving)}; {ROWS - 1} follow-ups enter, to their first tokens {fmt(entering)}", flush=True)
+
+# ROWS-1 fresh prompts entering together beside one row decoding behind P cached tokens, against
+# entering an empty batch: mlx-lm's batch holds every row's KV in one array as long as its longest
+# row, so rows entering beside a long one are padded to its length (at 8 chat conversations on an
+# H100, 7 fresh ~60-token rows entered beside a ~8k-token row in a 68 ms step and the next steps
+# took 18 and 11 ms, against 6-7 steady: benchmarks/2026-11-28-h100/agent-rounds/).
+keep_buffers[0] = False
+entries: dict[tuple[int, bool], tuple[list[float], list[float]]] = {}
+for p, beside in [(p, b) for p in cached_lengths for _ in range(max(1, repeats // 2)) for b in (True, False)]:
+    to_first, after = entries.setdefault((p, beside), ([], []))
+    long_uids = []
+    if beside:
+        prefix = ids(p)
+        long_uids = bg.insert([ids(new_lengths[0])], max_tokens=[64], caches=[prefilled(prefix)],
+                              all_tokens=[prefix])
+        steps_to_first_token(bg, long_uids[0])
+        bg.next()
+    fresh_uids = bg.insert([ids(new_lengths[0]) for _ in range(ROWS - 1)], max_tokens=[8] * (ROWS - 1))
+    to_first.append(sum(steps_to_first_token(bg, fresh_uids[-1])))
+    after.append(timed_step())
+    remove_rows(bg, [*long_uids, *fresh_uids])
+    while bg.next()[1]:
+        pass
+for p in cached_lengths:
+    (b_first, b_after), (e_first, e_after) = entries[(p, True)], entries[(p, False)]
+    print(f"{ROWS - 1} fresh of {new_lengths[0]} enter beside a row at {p}: to their first tokens {fmt(b_first)} ms,"
+          f" a decode step after {fmt(b_after)}; into an empty batch {fmt(e_first)}, {fmt(e_after)}", flush=True)
+
