@@ -8,8 +8,11 @@
 # Chat (`prompt_cache.sh ... trio-on`, the cache on; the agent shape of agent_rounds.sh: 1,300
 # system words, TURNS 20 turns of 10 words, CONVERSATIONS 1,8) in the order base, new, new,
 # base; then distinct prompts (`prompt_cache.sh ... distinct`, ROUNDS=1: cache on, then off,
-# at DISTINCT_CONCURRENCY) in the order base, new. Each run lands in OUTDIR/NAME-N/ (NAME base or new) with
-# its step trace; OUTDIR/summary.md puts the figures side by side. The model is built once,
+# at DISTINCT_CONCURRENCY) in the order base, new. RUNS sets other runs and orders: words
+# NAME:N:WHAT (NAME base or new, WHAT a prompt_cache.sh mode), e.g. "new:4:distinct base:4:distinct".
+# Each run lands in OUTDIR/NAME-N/ with its step trace (a distinct run's two servers append to
+# one file, each after a header line); OUTDIR/summary.md puts the figures side by side, in the
+# order run. The model is built once,
 # at OUTDIR/model: leave it and the kernel cache (MLX_PTX_CACHE_DIR, OUTDIR/ptx-cache by
 # default) out of what comes back. About 7 minutes on an H100 with a cold kernel cache.
 set -euo pipefail
