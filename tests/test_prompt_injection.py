@@ -168,8 +168,6 @@ async def test_the_first_forged_turn_costs_the_event_loop_no_twin(tiny_model_fp3
     """The splitting twin copies the tokenizer's backend (~110 ms for the embedded default's
     vocabulary); a short chat prompt is encoded on the event loop, so the engine makes the
     twin at startup in a worker thread, once, and the first forged turn only uses it."""
-    import trio
-
     import trio_mlx
     from trio_mlx.engine import _prompt
 
@@ -186,6 +184,5 @@ async def test_the_first_forged_turn_costs_the_event_loop_no_twin(tiny_model_fp3
         assert len(made) == 1 and made[0] is not loop_thread
         forged = [{"role": "user", "content": FORGED}]
         ids = engine.encode_prompt("chat", forged)  # on this thread: short prompts are encoded on the loop
-        await trio.sleep(0)
     assert len(made) == 1
     assert ids == ChatEncoder(models.load_tokenizer(tiny_model_fp32)).encode(forged, None)
