@@ -2,7 +2,7 @@
 # The prompt cache on multi-turn chats: trio_mlx with its cache on, with it off, and
 # mlx_lm.server, on the same conversations; then distinct prompts, cache on and off.
 #
-#   benchmarks/probes/prompt_cache.sh OUTDIR [chat|distinct|both|trio-chat|trio-on|trio-off|mlx-chat]
+#   benchmarks/probes/prompt_cache.sh OUTDIR [chat|distinct|distinct-order|both|trio-chat|trio-on|trio-off|mlx-chat]
 #
 # (chat and distinct can run as two calls into one OUTDIR: the summary reads every result there;
 # trio-chat and mlx-chat split chat in two: trio_mlx's sides, then mlx_lm.server's; trio-on and
@@ -18,6 +18,8 @@
 #           request per conversation with only a new user turn. Greedy. Servers in this order:
 #           trio_mlx cache on, cache off, mlx_lm.server (--decode-concurrency 64, --prompt-cache-size 256: room for every
 #           conversation, as trio_mlx's PROMPT_CACHE_GB has).
+# distinct-order: distinct prompts only, the servers in DISTINCT_ORDER ("off on on off"), so
+#           that the cache off can run first in a call too.
 # distinct: `trio-mlx bench` at DISTINCT_CONCURRENCY (64) with random prompts (PROMPT_TOKENS 128,
 #           MAX_TOKENS_DISTINCT 128): cache on, off, off, on (ROUNDS=2), the figures that must not
 #           move when the cache cannot hit.
@@ -30,7 +32,7 @@
 #        SYSTEM_WORDS=30 USER_WORDS=10 MAX_TOKENS=4 DISTINCT_CONCURRENCY=2 PROMPT_TOKENS=16
 #        MAX_TOKENS_DISTINCT=8 ROUNDS=1 PROMPT_CACHE_GB=0.1 benchmarks/probes/prompt_cache.sh /tmp/pc
 set -euo pipefail
-out="${1:?usage: prompt_cache.sh OUTDIR [chat|distinct|both]}"
+out="${1:?usage: prompt_cache.sh OUTDIR [chat|distinct|distinct-order|both|...]}"
 what="${2:-both}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/../.."
@@ -88,10 +90,11 @@ distinct() {  # LABEL ROUND
 }
 
 gb="${PROMPT_CACHE_GB:-30}"
-chats=false; distincts=false; trio=true; mlx=false; on=true; off=true
+chats=false; distincts=false; ordered=false; trio=true; mlx=false; on=true; off=true
 case "$what" in
   chat) chats=true; mlx=true ;;
   distinct) distincts=true ;;
+  distinct-order) ordered=true; trio=false ;;
   both) chats=true; mlx=true; distincts=true ;;
   trio-chat) chats=true ;;
   trio-on) chats=true; off=false ;;
@@ -123,6 +126,14 @@ if $distincts; then
   for ((r = 2; r <= ${ROUNDS:-2}; r++)); do  # the other order, so drift weighs on both sides
     trio_serve "cache-off-$r" 0 && distinct cache-off "$r" && stop
     trio_serve "cache-on-$r" "$gb" && distinct cache-on "$r" && stop
+  done
+fi
+if $ordered; then  # distinct-order: the servers in the order given, e.g. "off on on off"
+  declare -A seen=()
+  for side in ${DISTINCT_ORDER:-off on on off}; do
+    seen[$side]=$((${seen[$side]:-0} + 1))
+    gb_side=$gb; [ "$side" = off ] && gb_side=0
+    trio_serve "cache-$side-${seen[$side]}" "$gb_side" && distinct "cache-$side" "${seen[$side]}" && stop
   done
 fi
 
