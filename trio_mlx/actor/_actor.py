@@ -30,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from .. import _heap as heap
 from .. import models
 from . import _disk_cache as disk_cache
 from ._admission import Admission, group_bounds
@@ -166,6 +167,7 @@ class Actor:
                 log.info("warm-up done in %.2f s", time.perf_counter() - t1)
             self._open_cache()
             self._load_disk()
+            heap.freeze()  # what startup loaded leaves the collector's walks (`_heap.py`)
             info = ActorInfo(
                 model_type=str(config.get("model_type", "unknown")),
                 context_length=self._context,
@@ -360,6 +362,7 @@ class Actor:
         finally:
             self._bg = None
             self._model = None
+            heap.thaw()  # the model's cycles, frozen at startup, can go now
             gc.collect()
             mx.synchronize()
             mx.clear_cache()

@@ -30,6 +30,7 @@ from typing import Any
 import trio
 from trio.lowlevel import RunVar
 
+from .. import _heap as heap
 from .._errors import (
     ContextLengthExceededError,
     EngineBrokenError,
@@ -456,6 +457,11 @@ class Engine:
     # -- called by the actor, on the trio thread -------------------------------
 
     def ready(self, info: ActorInfo) -> None:
+        if self.state == "starting":
+            # Startup is over here too: with the process actor, this process froze nothing
+            # yet (with the thread actor, the actor's freeze covered it, and this one is
+            # cheap). Not at a restart: what requests hold then is not for good.
+            heap.freeze()
         self.info = info
         if self.state in ("starting", "restarting"):  # not "draining": a restart that aclose() met
             if self.state == "restarting":

@@ -1,0 +1,32 @@
+"""Keep Python's cyclic garbage collector off what a server loads at startup.
+
+A served model's process holds hundreds of thousands of objects that live as long as it does
+(the tokenizer and its vocabulary, transformers' and mlx-lm's modules, the model's modules, the
+chat template). CPython's oldest-generation collection walks every one of them, holding the
+GIL: measured on an H200 host serving the 1B shape (2026-11-28,
+benchmarks/2026-11-28-h200/gc-pauses/), 500-590k tracked objects and collections of 300-340 ms
+on the actor's thread and the event loop's, during serving, each a stall of every stream and
+of every request's intake. `gc.freeze()` moves the objects alive at that moment into a
+permanent generation that collections skip, so later ones walk only what serving made since
+(vLLM freezes its heap after warm-up for the same reason, and SGLang offers it).
+
+Frozen objects are never collected as cycles: whatever tears a model down (an actor's end or
+restart) thaws the heap first (`thaw`), so that its cycles go with it.
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze() -> int:
+    """Collect what is garbage now, then freeze every object still alive out of later
+    collections (startup is over: the model is loaded and warm). Returns the frozen count."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def thaw() -> None:
+    """Put the frozen objects back into the collector's care (before a model is dropped)."""
+    gc.unfreeze()
