@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import _heap as heap
 from ..engine import ADMIT_WINDOW
 from ._env import actor_knobs
 from ._limit import ceiling_level as run_ceiling_level
@@ -604,6 +605,10 @@ def main(argv: list[str] | None = None) -> int:
         chat=args.endpoint == "chat",
     )
     prompts, warm = prompts[:total], prompts[total:]
+    # The tokenizer and the prompts stay for the whole run: frozen out of the collector's walks,
+    # so that this client's own collections (323 ms in the middle of a level on an H200 host,
+    # benchmarks/2026-11-28-h200/gc-pauses/) stay out of what it measures (`_heap.py`).
+    heap.freeze()
     if args.suppress_eos:
         bias = {str(t): -100 for t in sorted(getattr(tokenizer, "eos_token_ids", None) or [])}
         args.extra_body = {"logit_bias": bias, **args.extra_body}
