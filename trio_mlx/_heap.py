@@ -8,7 +8,8 @@ benchmarks/2026-11-28-h200/gc-pauses/), 500-590k tracked objects and collections
 on the actor's thread and the event loop's, during serving, each a stall of every stream and
 of every request's intake. `gc.freeze()` moves the objects alive at that moment into a
 permanent generation that collections skip, so later ones walk only what serving made since
-(vLLM freezes its heap after warm-up for the same reason, and SGLang offers it).
+(vLLM's `freeze_gc_heap`, in `vllm/utils/gc_utils.py`, does the same after its warm-up, and
+SGLang offers a `freeze_gc` call).
 
 Frozen objects are never collected as cycles: whatever tears a model down (an actor's end or
 restart) thaws the heap first (`thaw`), so that its cycles go with it.
