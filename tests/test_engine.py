@@ -652,3 +652,20 @@ async def test_the_mlx_cache_limit_bounds_the_buffer_cache(tiny_model_fp32, monk
     with pytest.raises(ValueError, match="cache_limit_gb must be >= 0"):
         async with trio_mlx.open_engine(tiny_model_fp32, actor=actor, cache_limit_gb=-1):
             pass
+
+
+async def test_the_tools_module_loads_at_startup_not_with_the_first_request(tiny_model_fp32, monkeypatch):
+    """Every request's options are checked through engine/_tools.py, which brings llguidance:
+    imported in a worker thread at startup, not on the event loop by the first request
+    (8-20 ms there on the CPU dev box)."""
+    import sys
+
+    import trio_mlx.engine
+
+    name = "trio_mlx.engine._tools"
+    monkeypatch.delitem(sys.modules, name, raising=False)  # restored after the test, as is
+    monkeypatch.delattr(trio_mlx.engine, "_tools", raising=False)  # the package's attribute
+    async with trio_mlx.open_engine(tiny_model_fp32) as engine:
+        assert name in sys.modules  # before any request
+        got, _, fin = await run(engine, [5, 6, 7], max_tokens=2, temperature=0)
+        assert len(got) == 2 and fin.finish_reason == "length"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import importlib
 import logging
 import math
 import os
@@ -293,6 +294,10 @@ class Engine:
             self.tokenizer = await trio.to_thread.run_sync(models.load_tokenizer, path)
             tok = self.tokenizer
             self._chat = await trio.to_thread.run_sync(lambda: ChatEncoder(tok).warm())
+            # Every request's options are checked through the tools module (`_structure.py`),
+            # which imports llguidance: 8-20 ms (thread or process actor) on the event loop for
+            # the first request, unless imported here, in a worker thread.
+            await trio.to_thread.run_sync(importlib.import_module, f"{__package__}._tools")
             log.info("tokenizer loaded in %.2f s", trio.current_time() - t1)
             if self._sampling_override is None:
                 self.sampling_defaults = models.sampling_defaults(path)
