@@ -186,3 +186,24 @@ async def test_chat_continue_final_message_continues_the_assistants_text(tiny_mo
     assert engine.tokenizer.decode(prompt).endswith("assistant\nMy pick is")
     assert whole["usage"]["prompt_tokens"] == len(prompt)
     assert whole["choices"][0]["message"]["content"] == completion
+
+
+async def test_the_openapi_document_is_built_once_off_the_event_loop(tiny_model_fp32, monkeypatch):
+    """Its first build (the module's import and pydantic's schemas, ~70 ms on the CPU dev box)
+    ran on the event loop every stream shares, for any client that asked."""
+    import threading
+
+    from trio_mlx.server import _openapi
+
+    built_in = []
+    real = _openapi.openapi_document
+
+    def recording(settings):
+        built_in.append(threading.current_thread())
+        return real(settings)
+
+    monkeypatch.setattr(_openapi, "openapi_document", recording)
+    async with serve(tiny_model_fp32) as server, server.client() as client:
+        docs = [(await client.get("/openapi.json")).json() for _ in range(3)]
+    assert docs[0] == docs[1] == docs[2] and "/v1/chat/completions" in docs[0]["paths"]
+    assert len(built_in) == 1 and built_in[0] is not threading.current_thread()

@@ -82,6 +82,13 @@ def _engine_options(settings: Settings) -> dict[str, Any]:
     )
 
 
+def _openapi_document(settings: Settings) -> dict[str, Any]:
+    """The OpenAPI document (`_openapi.py`, imported only when asked for)."""
+    from . import _openapi
+
+    return _openapi.openapi_document(settings)
+
+
 def _actor_name(engine: Engine) -> str:
     return engine.actor_mode if isinstance(engine.actor_mode, str) else "thread"
 
@@ -371,11 +378,14 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         body, content_type = app.metrics.render(request.headers.get("Accept"))
         return Response(body, status=200, content_type=content_type)
 
+    openapi_doc: list[dict[str, Any]] = []  # built once, by the first request for it
+
     @app.get("/openapi.json")
     async def openapi() -> Response:
-        from ._openapi import openapi_document
-
-        return json_response(openapi_document(settings))
+        if not openapi_doc:  # the module's import and pydantic's schemas (~70 ms on the CPU dev
+            # box) in a worker thread, not on the event loop that every stream shares
+            openapi_doc.append(await trio.to_thread.run_sync(_openapi_document, settings))
+        return json_response(openapi_doc[0])
 
     def index_json() -> Response:
         return json_response({"name": "trio_mlx", "model": settings.served_model_name,
