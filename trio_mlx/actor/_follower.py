@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import _heap as heap
 from .. import models
 from ._actor import Actor
 from ._batch import batch_rows
@@ -87,6 +88,7 @@ class FollowerActor(Actor):
                 if self.config.warmup:
                     self._warmup()
                 self._open_cache()
+                heap.freeze()  # as rank 0's actor does: a collection here would stall the group
             log.info("rank %d of %d (pid %d): following rank 0 (%s parallel, shard loaded)",
                      self.rank, self._group.size(), os.getpid(), self._mode)
             self._follow()
