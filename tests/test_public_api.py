@@ -107,14 +107,15 @@ import ast  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 PACKAGE = Path(trio_mlx.__file__).parent
-# Each layer may import the ones listed (and itself); `_errors` is the leaf every layer shares.
-# The top-level modules (`__init__`, `app`, `cli`) are the public face over all of them.
+# Each layer may import the ones listed (and itself); `_errors` and `_heap` (imports only `gc`)
+# are the leaves the layers share. The top-level modules (`__init__`, `app`, `cli`) are the
+# public face over all of them.
 ALLOWED = {
     "server": {"engine", "_errors"},
-    "engine": {"actor", "models", "_errors"},
-    "actor": {"models", "_errors"},
+    "engine": {"actor", "models", "_errors", "_heap"},
+    "actor": {"models", "_errors", "_heap"},
     "models": {"_errors"},
-    "bench": {"engine", "actor", "models", "server", "_errors"},
+    "bench": {"engine", "actor", "models", "server", "_errors", "_heap"},
 }
 MLX_USERS = {"actor", "models"}
 
