@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import trio
 
+from trio_mlx import _heap
 from trio_mlx.bench import _cli as _bench
 from trio_mlx.bench import _http as _bench_http
 from trio_mlx.bench._cli import make_prompts
@@ -297,6 +298,7 @@ def test_drive_keeps_the_closed_loop_full_and_times_every_token() -> None:
 def test_limit_mode_on_the_tiny_model(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out, trace = tmp_path / "limit.json", tmp_path / "ceiling.tsv"
     monkeypatch.setenv("TRIO_MLX_CEILING_TRACE", str(trace))
+    monkeypatch.setattr(_heap, "enabled", True)  # the suite turns it off (conftest.py)
     gc.unfreeze()  # whatever an earlier test left frozen
     rc = _bench.main(
         [

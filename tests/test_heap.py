@@ -9,6 +9,12 @@ import gc
 import pytest
 
 import trio_mlx
+from trio_mlx import _heap
+
+
+@pytest.fixture(autouse=True)
+def freezing(monkeypatch):
+    monkeypatch.setattr(_heap, "enabled", True)  # the suite turns it off (conftest.py)
 
 
 def tracked(obj: object) -> bool:
