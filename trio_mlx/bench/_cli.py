@@ -606,8 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     prompts, warm = prompts[:total], prompts[total:]
     # The tokenizer and the prompts stay for the whole run: frozen out of the collector's walks,
-    # so that this client's own collections (323 ms in the middle of a level on an H200 host,
-    # benchmarks/2026-11-28-h200/gc-pauses/) stay out of what it measures (`_heap.py`).
+    # so that this client's own full collections (up to 484 ms on an H200 host, while it made
+    # its prompts: benchmarks/2026-11-28-h200/gc-pauses/) cannot land in what it measures.
     heap.freeze()
     if args.suppress_eos:
         bias = {str(t): -100 for t in sorted(getattr(tokenizer, "eos_token_ids", None) or [])}
