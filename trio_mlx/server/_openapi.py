@@ -2,12 +2,11 @@
 
 Request schemas are the very models that validate requests (`_openai.py`);
 the response models below exist only to document what the builders emit.
-Built once per settings and cached.
+Built by the app once, in a worker thread, at the first request for it (`_app.py`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -286,7 +285,6 @@ def _get(summary: str, model: type[BaseModel], *errors: int, params: list[Any] |
     return {"get": op}
 
 
-@functools.cache
 def openapi_document(settings: Settings) -> dict[str, Any]:
     _, top = models_json_schema([(m, "validation") for m in _MODELS],
                                 ref_template="#/components/schemas/{model}")
