@@ -41,8 +41,11 @@ async def test_400_schema_violations_name_their_parameter(tiny_model_fp32):
             ({"messages": []}, "messages"),
             ({"messages": "hi"}, "messages"),
             ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
              "messages.0.content.0.type"),
+            # an image the text-only model cannot read, in the user's last turn (in history: a note)
+            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+             "messages[0].content[0]"),
             (chat_body(max_tokens=0), "max_tokens"),
             (chat_body(max_tokens="12"), "max_tokens"),
             (chat_body(temperature=-1), "temperature"),

@@ -27,10 +27,14 @@ class InvalidRequestError(TrioMLXError, ValueError):
 
 
 class ContextLengthExceededError(InvalidRequestError):
-    """The prompt plus max_tokens does not fit in the model's context."""
+    """The prompt plus max_tokens does not fit in the model's context; `prompt_tokens` (at least
+    that many, where counted from characters alone) and `context_length` when known."""
 
-    def __init__(self, message: str, *, param: str | None = "messages"):
+    def __init__(self, message: str, *, param: str | None = "messages", prompt_tokens: int | None = None,
+                 context_length: int | None = None):
         super().__init__(message, param=param, code="context_length_exceeded")
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
 
 
 class QueueFullError(TrioMLXError):

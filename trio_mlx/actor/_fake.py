@@ -9,9 +9,12 @@ the prefill and the first token in that step); an Abort leaves before the
 next step; a sequence ends at its max_tokens or at one of its stop tokens.
 
 Its "model" continues a prompt with `FakeActor.continuation(prompt, n)`:
-counting up from the prompt's last token, wrapping inside [first, vocab).
-`step_seconds` paces the steps like a slow GPU. (The engine still loads the
-model directory's tokenizer; only the weights are never read.)
+counting up from the prompt's last token, wrapping inside [first, vocab); or,
+given `reply`, with the tokens `reply(prompt)` returns (asked once per
+request, on the actor's thread), and the counting continuation after them: a
+scripted model, for tests of what a client does with a given answer (a tool
+call, then text). `step_seconds` paces the steps like a slow GPU. (The engine
+still loads the model directory's tokenizer; only the weights are never read.)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +43,7 @@ from ._protocol import (
 class _Seq:
     sub: Submit
     generated: int = 0
+    script: Sequence[int] = ()
 
 
 class FakeActor:
@@ -47,9 +52,11 @@ class FakeActor:
     first = 3  # the lowest token it emits: ids below are special in the project's test tokenizers
 
     def __init__(self, config: ActorConfig, link: ActorLink, *, vocab_size: int = 512,
-                 context_length: int = 2048, step_seconds: float = 0.0):
+                 context_length: int = 2048, step_seconds: float = 0.0,
+                 reply: Callable[[tuple[int, ...]], Sequence[int]] | None = None):
         self.config, self._link = config, link
         self.vocab_size, self.context_length, self.step_seconds = vocab_size, context_length, step_seconds
+        self.reply = reply
         self.steps = 0
 
     @classmethod
@@ -74,7 +81,7 @@ class FakeActor:
             for cmd in commands:
                 match cmd:
                     case Submit():
-                        seqs[cmd.rid] = _Seq(cmd)
+                        seqs[cmd.rid] = _Seq(cmd, script=self.reply(cmd.prompt) if self.reply else ())
                         new.append(cmd.rid)
                     case Abort(rid=rid):
                         seqs.pop(rid, None)
@@ -89,7 +96,10 @@ class FakeActor:
         out = []
         for rid, seq in list(seqs.items()):
             sub = seq.sub
-            token = self.continuation(sub.prompt, seq.generated + 1, self.vocab_size)[-1]
+            if seq.generated < len(seq.script):
+                token = seq.script[seq.generated]
+            else:
+                token = self.continuation(sub.prompt, seq.generated + 1, self.vocab_size)[-1]
             seq.generated += 1
             reason: FinishReason | None = (
                 "stop" if token in sub.stop_token_ids

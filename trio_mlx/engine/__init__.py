@@ -7,6 +7,7 @@ events below. No MLX here.
 """
 
 from ._engine import ADMIT_WINDOW as ADMIT_WINDOW
+from ._engine import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from ._engine import Engine as Engine
 from ._engine import RequestStream as RequestStream
 from ._engine import open_engine as open_engine

@@ -94,6 +94,12 @@ _BIG_TOKENIZE_WAITING = 8
 # (`actor/_admission.py` says why, and how the wait shrinks when few sequences
 # decode); 20 ms is a few decode steps of a small model.
 ADMIT_WINDOW = 0.02
+# The most tokens an answer gets when its request names no max_tokens (0: up to the context's
+# end, as OpenAI and vLLM do). A model that never writes its end-of-sequence token, or one
+# looping on a question it cannot answer, would otherwise generate until the context is full:
+# minutes on a large context, with nobody able to stop a non-streaming request. mlx_lm.server's
+# default is 512; 4096 leaves room for a whole file's edit. Judgement.
+DEFAULT_MAX_TOKENS = 4096
 MAX_STOP_STRINGS = 16
 # A stop string is a marker, not a document: the matcher compares the text it holds
 # back with each one, so their lengths bound that work (16 stops of 1 MB made one
@@ -195,6 +201,7 @@ class Engine:
         restart_limit: int = 0,
         restart_window: float = 300.0,
         restart_backoff: float = 1.0,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
     ):
         if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
@@ -222,6 +229,9 @@ class Engine:
             raise ValueError("retire_steps, idle_release, prompt_cache_gb, prompt_cache_disk_gb and cache_limit_gb "
                              "must be >= 0")
         self._prompt_cache_disk_gb = prompt_cache_disk_gb
+        if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 0:
+            raise ValueError(f"default_max_tokens must be an integer >= 0, not {default_max_tokens!r}")
+        self.default_max_tokens = default_max_tokens  # 0: up to the context's end
         # Actor knobs passed through as they are (`ActorConfig` documents each).
         self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, idle_release=idle_release,
                                   cache_limit_gb=cache_limit_gb, step_trace=step_trace,
@@ -693,8 +703,13 @@ class Engine:
         logprobs: bool = False,
         top_logprobs: int = 0,
         response_format: Mapping[str, Any] | None = None,
+        fit_max_tokens: bool = False,
     ) -> RequestStream:
-        """Stream a completion of `prompt` (text, or token ids). `response_format`
+        """Stream a completion of `prompt` (text, or token ids). With no `max_tokens` the
+        answer gets at most the engine's `default_max_tokens` (and never past the context);
+        with `fit_max_tokens`, `max_tokens` is a ceiling: where it does not fit beside the
+        prompt, the answer may run to the context's end instead of being refused
+        (Anthropic's newer models do so; `RequestStream.clamped` says it happened). `response_format`
         (OpenAI's: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
         {"schema": ..., "strict": ...}}) holds the output to it, token by token. A sampling
         option left out (None) takes the model's default (`sampling_defaults`), else no
@@ -751,6 +766,7 @@ class Engine:
                 f"this model's maximum context length is {self.context_length} tokens; the prompt "
                 f"has {chars} characters, at least {floor} tokens, and {want} more were requested",
                 param="messages" if kind == "chat" else "prompt",
+                prompt_tokens=floor, context_length=self.context_length,
             )
 
     async def _tokenize_big(self, kind: str, value: Any, template_kwargs: Any) -> list[int]:
@@ -825,7 +841,7 @@ class Engine:
         sampling, stop_strings, stop_ids, ignore_eos = _validate({**self.sampling_defaults, **given}, self.info)
         kind, value, template_kwargs = source
         size = prompt_chars(kind, value)
-        self._check_size_bound(kind, size, opts.get("max_tokens"))
+        self._check_size_bound(kind, size, None if opts.get("fit_max_tokens") else opts.get("max_tokens"))
         work = size + (_MESSAGE_CHARS * len(value) if kind == "chat" and isinstance(value, Sequence) else 0)
         if work > _BIG_TOKENIZE_CHARS:
             prompt = await self._tokenize_big(kind, value, template_kwargs)
@@ -840,7 +856,9 @@ class Engine:
         max_tokens = opts.get("max_tokens")
         room = self.context_length - len(prompt)
         if max_tokens is None:
-            max_tokens = room
+            max_tokens = min(room, self.default_max_tokens) if self.default_max_tokens else room
+        elif opts.get("fit_max_tokens") and room >= 1:
+            max_tokens = min(max_tokens, room)
         if room < 1 or max_tokens > room:
             asked = (f"{max_tokens} more were requested" if "max_tokens" in given
                      else "that leaves no room for an answer")
@@ -848,6 +866,7 @@ class Engine:
                 f"this model's maximum context length is {self.context_length} tokens; the prompt "
                 f"has {len(prompt)} tokens and {asked}",
                 param="messages" if kind == "chat" else "prompt",
+                prompt_tokens=len(prompt), context_length=self.context_length,
             )
         stops = frozenset(stop_ids) | (frozenset() if ignore_eos else self._eos_ids)
         return prompt, max_tokens, sampling, stops, stop_strings
@@ -962,6 +981,7 @@ class RequestStream:
         self._done = False
         self.prompt_tokens: list[int] = []
         self.completion_tokens = 0
+        self.clamped = False
 
     async def __aenter__(self) -> RequestStream:
         engine = self._engine
@@ -993,6 +1013,8 @@ class RequestStream:
         self._tool_stream = structure.tool_stream(engine.tokenizer, prompt, grammar)
         self.prompt_tokens = prompt
         self.max_tokens = max_tokens
+        asked = self._opts.get("max_tokens")
+        self.clamped = isinstance(asked, int) and max_tokens < asked  # fit_max_tokens cut it to the context
         self._sampling = sampling
         self._stop_ids = stop_ids
         self._stopper = StopMatcher(stop_strings)

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._prefix_tokens import PrefixTokens
+from ._text import fold_system
 
 # Placeholders come from Unicode's supplementary private use area A: never
 # produced by tokenizers or templates, and skipped when a client string uses one.
@@ -99,7 +100,7 @@ class ChatEncoder:
             kwargs = _map_strings(kwargs, lambda s: find.sub(lambda m: swap[m.group()], s))
         if cont:
             kwargs["continue_final_message"] = True
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not cont, **kwargs)
+        text = self._render(messages, kwargs, cont)
         if not literal:
             reused = self.prefix.encode(text)
             return reused if reused is not None else list(tok.encode(text, add_special_tokens=False))
@@ -115,6 +116,29 @@ class ChatEncoder:
         if at < len(text):
             ids += self._hf.encode(text[at:], add_special_tokens=False)
         return ids
+
+    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any], cont: bool) -> str:
+        """The chat template's text. A system message after the first turn (Claude Code sends
+        them) is rendered where the template places it; a template that refuses it (many
+        raise on roles out of order) or leaves its text out gets the system texts folded into
+        one leading system message instead (`fold_system`), as other servers do."""
+        def render(msgs: list[dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=not cont,
+                                                      **kwargs)
+
+        try:
+            text = render(messages)
+        except Exception:
+            folded = fold_system(messages)
+            if folded is None:
+                raise
+            return render(folded)
+        late = [m.get("content") for k, m in enumerate(messages) if k and m.get("role") == "system"]
+        if any(c and c not in text for c in late):
+            folded = fold_system(messages)
+            assert folded is not None
+            return render(folded)
+        return text
 
     def _twin(self) -> Any:
         with self._split_lock:

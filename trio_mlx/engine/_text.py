@@ -104,11 +104,39 @@ def keep_leading_space(detokenizer: Any) -> None:
         detokenizer._maybe_trim_space = lambda text: text
 
 
+# Content parts a text-only model cannot read, by their type in OpenAI's chat and Responses
+# shapes (the Anthropic API translates its image and document blocks into these).
+_MEDIA_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "audio", "file": "file",
+                "input_file": "file"}
+
+
+def media_note(what: str) -> str:
+    """The text that stands in for a media part the model cannot read (`normalize_messages`)."""
+    return f"[{what} omitted: this model reads text only]"
+
+
+def media_refusal(what: str) -> str:
+    """Why a media part in the user's last turn is refused (`normalize_messages`; the other
+    APIs' translations say the same under their own parameter names)."""
+    return (f"this model reads text only, so {what} content cannot be served; send the text alone "
+            f"(in an earlier turn it is replaced by a note, so the conversation can go on)")
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI messages -> template-ready dicts: list-of-parts content becomes one string."""
+    """OpenAI messages -> template-ready dicts: list-of-parts content becomes one string.
+
+    The models served read text only. An image, audio or file part in the conversation's
+    last message, when that is the user's, is refused with a 400 that says so: the client
+    asked about it and can act on the answer. Anywhere else (an earlier turn, a tool's
+    result) it becomes a short note (`media_note`), so that a conversation which once held
+    one keeps working on its text turns, and an agent whose tool returned a screenshot
+    learns that the model did not see it (as llama.cpp's server and LM Studio refuse, and
+    agents keep history).
+    """
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     out = []
+    last = len(messages) - 1
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
             raise InvalidRequestError(
@@ -118,12 +146,21 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, Mapping) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind == "text":
+                    texts.append(str(part.get("text", "")))
+                elif isinstance(kind, str) and kind in _MEDIA_PARTS:
+                    what = _MEDIA_PARTS[kind]
+                    if i == last and msg.get("role") == "user":
+                        raise InvalidRequestError(f"messages[{i}].content[{j}]: {media_refusal(what)}",
+                                                  param=f"messages[{i}].content[{j}]", code="unsupported_content")
+                    texts.append(("\n" if texts else "") + media_note(what) + "\n")
+                else:
                     raise InvalidRequestError(
-                        f"messages[{i}].content[{j}]: only text parts are supported",
+                        f"messages[{i}].content[{j}]: only text parts are supported, and images, audio "
+                        "and files only as history",
                         param=f"messages[{i}].content",
                     )
-                texts.append(str(part.get("text", "")))
             content = "".join(texts)
         elif content is None:
             content = ""
@@ -134,3 +171,16 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             )
         out.append({**msg, "content": content})
     return out
+
+
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """`messages` with every system message after the first turn folded into one leading system
+    message (their texts in order, a blank line apart), for a chat template that cannot place
+    a system turn mid-conversation; None when there is none to fold."""
+    late = [m for k, m in enumerate(messages) if m.get("role") == "system" and k > 0]
+    if not late:
+        return None
+    systems = [m for m in messages if m.get("role") == "system"]
+    text = "\n\n".join(str(m.get("content") or "") for m in systems if m.get("content"))
+    rest = [m for m in messages if m.get("role") != "system"]
+    return [{"role": "system", "content": text}, *rest]

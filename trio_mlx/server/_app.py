@@ -26,7 +26,7 @@ from werkzeug.exceptions import HTTPException
 from .._errors import ModelLoadError
 from ..engine import Engine
 from . import _connections, _exit, _intake, _workers
-from ._asgi import REQUEST_ID, check_api_key, cors_headers, request_id, send_error
+from ._asgi import REQUEST_ID, check_api_key, cors_headers, log_refusal, request_id, send_error
 from ._completions import Completions
 from ._guard import check_framing, check_host
 from ._guest import GuestBridge, native_trio
@@ -40,6 +40,7 @@ from ._settings import Settings
 from ._wire import WireAPI, serve_api
 
 log = logging.getLogger("trio_mlx.http")
+_REFUSAL = "trio_mlx.refusal"  # the scope's HTTPError a Quart route answered with, until it is logged
 
 # Seconds hypercorn and quart-trio are given beyond the drain timeout to finish
 # writing terminal events and stop the actor. Arbitrary, generous.
@@ -79,6 +80,7 @@ def _engine_options(settings: Settings) -> dict[str, Any]:
         restart_limit=settings.restart_limit,
         restart_window=settings.restart_window,
         restart_backoff=settings.restart_backoff,
+        default_max_tokens=settings.default_max_tokens,
     )
 
 
@@ -311,6 +313,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         scope: dict[str, Any] = request.scope  # type: ignore[assignment]
         rid = scope[REQUEST_ID] = request_id(scope, new_id("req-"))
         response.headers["X-Request-Id"] = rid
+        if (refusal := scope.pop(_REFUSAL, None)) is not None:
+            log_refusal(refusal, rid)
         rule = request.url_rule
         app.metrics.observe_route(rule.rule if rule is not None else "unmatched", response.status_code)
         return response
@@ -396,6 +400,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
     def error_response(error: HTTPError, headers: dict[str, str]) -> Response:
         """`error` in the shape of the API whose path was asked for (`wire_api_under`)."""
+        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
+        scope[_REFUSAL] = error  # logged with its request id (add_cors)
         api = app.wire_api_under(request.path)
         if api is None:
             return json_response(error.payload(), error.status, headers)

@@ -9,6 +9,7 @@ paths answer alike.
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -16,6 +17,8 @@ import trio
 
 from .._errors import TrioMLXError
 from ._openai import HTTPError
+
+log = logging.getLogger("trio_mlx.http")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -142,9 +145,19 @@ async def send_response(send: Send, status: int, body: bytes, headers: RawHeader
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def log_refusal(error: HTTPError, request_id: str | None) -> None:
+    """One log line for a request the server refused, with its reason and request id: a 4xx is
+    otherwise only an access line, and the client's side of it may be hidden (an agent's UI)."""
+    message = error.message if len(error.message) <= 300 else error.message[:300] + "..."
+    log.info("request %s refused: %d %s: %s", request_id or "-", error.status, error.code or error.type, message)
+
+
 async def send_error(send: Send, error: HTTPError, extra: RawHeaders,
                      render: Callable[[HTTPError], bytes] | None = None) -> None:
-    """`error` as a whole response; `render` makes another API's body (default: OpenAI's)."""
+    """`error` as a whole response, logged (`log_refusal`); `render` makes another API's body
+    (default: OpenAI's)."""
+    rid = next((v.decode("latin-1") for k, v in extra if k.lower() == b"x-request-id"), None)
+    log_refusal(error, rid)
     body = error.body() if render is None else render(error)
     await send_response(send, error.status, body, [*JSON_HEADERS, *encode_headers(error.headers), *extra])
 

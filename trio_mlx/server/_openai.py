@@ -77,6 +77,10 @@ class HTTPError(TrioMLXError):
         self.type = type
         self.param = param
         self.code = code
+        if status in (401, 403) and not any(k.lower() == "x-should-retry" for k, _ in headers):
+            # Anthropic's and OpenAI's SDKs retry a refusal unless told not to: a wrong key was
+            # retried 11 times over ~3 minutes by Claude Code before it said anything.
+            headers = (*headers, ("x-should-retry", "false"))
         self.headers = tuple(headers)
 
     def payload(self) -> dict[str, Any]:
@@ -156,9 +160,11 @@ class ContentPart(_Strict):
 
     @field_validator("type")
     @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError(f"only text content parts are supported, got type {value!r}")
+    def _known(cls, value: str) -> str:
+        # Media parts pass to the engine, which refuses them in the user's last turn and notes
+        # them elsewhere (the models served read text only: engine/_text.py).
+        if value not in ("text", "image_url", "input_audio", "file"):
+            raise ValueError(f"content parts may be text, image_url, input_audio or file, got type {value!r}")
         return value
 
 
@@ -184,7 +190,10 @@ class ChatMessage(_Strict):
     def template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text or "" for part in content)
+            if all(part.type == "text" for part in content):
+                content = "".join(part.text or "" for part in content)
+            else:
+                content = [{"type": part.type, "text": part.text or ""} for part in content]  # type: ignore[misc]
         # "developer" is OpenAI's newer name for "system"; chat templates know "system".
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                "content": content or ""}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
-from ..engine import ADMIT_WINDOW
+from ..engine import ADMIT_WINDOW, DEFAULT_MAX_TOKENS
 
 ENV_PREFIX = "TRIO_MLX_"
 
@@ -111,6 +111,9 @@ class Settings:
         "seconds a client may take to send its whole request body (408 after)"))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc(
         "largest request body accepted; larger ones get 413"))
+    default_max_tokens: int = field(default=DEFAULT_MAX_TOKENS, metadata=_doc(
+        "the most tokens an answer gets when its request names no max_tokens (the chat page, aider, "
+        "Codex and many SDK calls name none), never past the context; 0: up to the context's end"))
     max_n: int = field(default=16, metadata=_doc("largest n (choices per request) accepted"))
     max_messages: int = field(default=4096, metadata=_doc(
         "most messages a request may have (and never more than the context has tokens): chat and "
@@ -161,7 +164,7 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_queue", "max_body_bytes", "port", "retire_steps", "restart_limit", "max_connections",
-                     "max_unread_tokens"):
+                     "max_unread_tokens", "default_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",

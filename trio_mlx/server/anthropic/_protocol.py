@@ -3,7 +3,8 @@ chat messages and tools for `engine.chat`, and Anthropic's error body.
 
 Field names follow the official `anthropic` SDK's types (`anthropic.types`):
 `MessageCreateParams`, `MessageCountTokensParams`, `ToolParam`,
-`ToolChoice*Param`, and the content blocks `text`, `tool_use`, `tool_result`.
+`ToolChoice*Param`, and the content blocks `text`, `image`, `document`, `tool_use`,
+`tool_result`.
 The engine speaks OpenAI's chat shape (assistant `tool_calls` whose arguments
 are JSON text, `role: "tool"` results with a `tool_call_id`, function tools),
 so a request is translated once, here, before it reaches the engine.
@@ -11,11 +12,13 @@ so a request is translated once, here, before it reaches the engine.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...engine._text import media_refusal
 from .._openai import HTTPError, dumps
 
 # Anthropic's error types by HTTP status (docs.anthropic.com, "Errors").
@@ -49,6 +52,9 @@ class Block(_Strict):
 
     type: str
     text: str | None = None
+    # image, document
+    source: dict[str, Any] | None = None
+    title: str | None = None
     # tool_use
     id: str | None = None
     name: str | None = None
@@ -60,7 +66,9 @@ class Block(_Strict):
 
 
 class InputMessage(_Strict):
-    role: Literal["user", "assistant"]
+    # "system": a system turn inside the conversation (Claude Code's
+    # mid-conversation-system beta), rendered where the chat template places it.
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -146,7 +154,11 @@ class MessagesRequest(_Conversation):
                                                 "generate max_tokens tokens")
 
     def engine_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {"max_tokens": self.max_tokens}
+        # Anthropic's max_tokens is a ceiling, and clients send large ones (Claude Code asks
+        # for tens of thousands whatever the conversation's length): where the prompt fits but
+        # the ceiling does not, the answer runs to the context's end, as Anthropic's newer
+        # models do (stop_reason "model_context_window_exceeded").
+        opts: dict[str, Any] = {"max_tokens": self.max_tokens, "fit_max_tokens": True}
         if self.ignore_eos:
             opts["ignore_eos"] = True
         if self.stop_sequences:
@@ -175,6 +187,17 @@ def _bad(param: str, message: str) -> HTTPError:
     return HTTPError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
+# Claude Code starts its system prompt with a line `x-anthropic-billing-header: cc_version=...;
+# cc_entrypoint=...;` whose value changes between requests of one conversation: kept, it would
+# end every prompt-cache hit at the system prompt's first line, and it means nothing to a model.
+_VOLATILE_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE)
+
+
+def _stable(text: str) -> str:
+    """System text without the client's volatile header lines (`_VOLATILE_LINE`)."""
+    return _VOLATILE_LINE.sub("", text) if "x-anthropic-billing-header:" in text else text
+
+
 def _text(blocks: str | Sequence[Block | SystemBlock] | None, param: str) -> str:
     """The text of a string or a list of text blocks (blocks joined by a newline)."""
     if blocks is None or isinstance(blocks, str):
@@ -187,20 +210,81 @@ def _text(blocks: str | Sequence[Block | SystemBlock] | None, param: str) -> str
     return "\n".join(texts)
 
 
+def _system_text(blocks: str | Sequence[Block | SystemBlock] | None, param: str) -> str:
+    """System text, its volatile header lines dropped, and blocks left empty by that too."""
+    if blocks is None or isinstance(blocks, str):
+        return _stable(blocks or "")
+    _text(blocks, param)  # text blocks only
+    return "\n".join(t for b in blocks if (t := _stable(b.text or "")))
+
+
+def _media(kind: str) -> dict[str, Any]:
+    """An OpenAI-shaped content part for media the engine's policy handles (`engine/_text.py`:
+    refused in the user's last turn, a note elsewhere); its data is never read."""
+    return {"type": "image_url", "image_url": {"url": ""}} if kind == "image" else {"type": "file", "file": {}}
+
+
+def _document_text(b: Block) -> str | None:
+    """A document block's text when it has one (a plain-text or content source), else None."""
+    source = b.source or {}
+    if source.get("type") == "text" and isinstance(source.get("data"), str):
+        body = source["data"]
+    elif source.get("type") == "content":
+        inner = source.get("content")
+        if isinstance(inner, str):
+            body = inner
+        elif isinstance(inner, list):
+            body = "\n".join(str(x.get("text", "")) for x in inner if isinstance(x, dict) and x.get("type") == "text")
+        else:
+            return None
+    else:
+        return None
+    return f"{b.title}\n{body}" if b.title else body
+
+
+def _content(pieces: list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Texts (joined by a newline) and media parts -> a message's content: a string when all
+    are text, else OpenAI's parts."""
+    if all(isinstance(p, str) for p in pieces):
+        return "\n".join(pieces)  # type: ignore[arg-type]
+    parts: list[dict[str, Any]] = []
+    for k, p in enumerate(pieces):
+        parts.append({"type": "text", "text": ("\n" if k else "") + p} if isinstance(p, str) else p)
+    return parts
+
+
+def _readable(b: Block, param: str) -> str | dict[str, Any] | None:
+    """A user-side block as text, a media part, or None when it is not one of those."""
+    if b.type == "text" and b.text is not None:
+        return b.text
+    if b.type == "image":
+        return _media("image")
+    if b.type == "document":
+        text = _document_text(b)
+        return text if text is not None else _media("document")
+    return None
+
+
 def chat_messages(system: str | list[SystemBlock] | None, messages: list[InputMessage]) -> list[dict[str, Any]]:
     """Anthropic's system and messages -> OpenAI-shaped chat messages.
 
     An assistant turn's `tool_use` blocks become its `tool_calls`; a user turn's
     `tool_result` blocks become `role: "tool"` messages, in block order around
-    its text. Thinking blocks (a model's own earlier reasoning, sent back) are
-    dropped; images and documents get a 400.
+    its text; a system turn inside `messages` stays a system message, where it is.
+    Thinking blocks (a model's own earlier reasoning, sent back) are dropped.
+    Plain-text documents are read as text; images and other documents become
+    media parts, which the engine refuses in the user's last turn and notes
+    elsewhere (the models served read text only).
     """
     out: list[dict[str, Any]] = []
-    if system:
-        out.append({"role": "system", "content": _text(system, "system")})
+    if system and (text := _system_text(system, "system")):
+        out.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
         param = f"messages.{i}.content"
         blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        if m.role == "system":
+            out.append({"role": "system", "content": _system_text(blocks, param)})
+            continue
         if m.role == "assistant":
             texts: list[str] = []
             calls: list[dict[str, Any]] = []
@@ -222,26 +306,46 @@ def chat_messages(system: str | list[SystemBlock] | None, messages: list[InputMe
                 msg["tool_calls"] = calls
             out.append(msg)
             continue
-        pending: list[str] = []
+        pending: list[str | dict[str, Any]] = []
         for j, b in enumerate(blocks):
-            if b.type == "text" and b.text is not None:
-                pending.append(b.text)
+            piece = _readable(b, f"{param}.{j}")
+            if isinstance(piece, dict) and i == len(messages) - 1:  # the engine's policy, in this API's names
+                raise HTTPError(400, f"{param}.{j}: {media_refusal(b.type)}", param=f"{param}.{j}",
+                                code="unsupported_content")
+            if piece is not None:
+                pending.append(piece)
             elif b.type == "tool_result":
                 if not b.tool_use_id:
                     raise _bad(f"{param}.{j}", "a tool_result block needs tool_use_id")
                 if pending:
-                    out.append({"role": "user", "content": "\n".join(pending)})
+                    out.append({"role": "user", "content": _content(pending)})
                     pending = []
-                result = _text(b.content, f"{param}.{j}.content")
+                result = _tool_result(b, f"{param}.{j}.content")
                 if b.is_error:
-                    result = f"Error: {result}"
+                    result = (f"Error: {result}" if isinstance(result, str)
+                              else [{"type": "text", "text": "Error:"}, *result])
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
             else:
-                raise _bad(f"{param}.{j}", f"only text and tool_result blocks are supported in a user "
-                                           f"turn, got type {b.type!r}")
+                raise _bad(f"{param}.{j}", f"only text, image, document and tool_result blocks are "
+                                           f"supported in a user turn, got type {b.type!r}")
         if pending or not blocks:
-            out.append({"role": "user", "content": "\n".join(pending)})
+            out.append({"role": "user", "content": _content(pending)})
     return out
+
+
+def _tool_result(b: Block, param: str) -> str | list[dict[str, Any]]:
+    """A tool_result's content: its text, with media parts where it holds images (a screenshot,
+    an image file read)."""
+    if b.content is None or isinstance(b.content, str):
+        return b.content or ""
+    pieces: list[str | dict[str, Any]] = []
+    for j, inner in enumerate(b.content):
+        piece = _readable(inner, f"{param}.{j}")
+        if piece is None:
+            raise _bad(f"{param}.{j}", f"a tool_result may hold text, image and document blocks, "
+                                       f"got type {inner.type!r}")
+        pieces.append(piece)
+    return _content(pieces)
 
 
 def chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:

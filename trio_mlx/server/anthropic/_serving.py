@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._errors import ContextLengthExceededError, InvalidRequestError
-from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCallDelta, ToolCalls
+from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCallDelta, ToolCalls, Usage
 from .._openai import ChoiceResult, HTTPError, dumps
 from .._records import COUNT_TOKENS_PATH as COUNT_TOKENS_PATH
 from .._records import MESSAGES_PATH as MESSAGES_PATH
@@ -37,6 +37,23 @@ def stop_reason(fin: Finished, stop_sequences: Sequence[str], clamped: bool = Fa
     if isinstance(fin.stop, str) and fin.stop in stop_sequences:
         return "stop_sequence", fin.stop
     return "end_turn", None
+
+
+def too_long(exc: ContextLengthExceededError) -> InvalidRequestError:
+    """A prompt that does not fit, in Anthropic's wording (`prompt is too long: N tokens > M
+    maximum`): the one Claude Code recognizes as an overflow, and compacts its conversation on."""
+    if exc.prompt_tokens is None or exc.context_length is None:
+        return renamed(exc, ENGINE_NAMES)
+    return InvalidRequestError(f"prompt is too long: {exc.prompt_tokens} tokens > {exc.context_length} maximum",
+                               param="messages", code=exc.code)
+
+
+def usage_dict(usage: Usage) -> dict[str, int]:
+    """Anthropic's usage: `input_tokens` are those prefilled, `cache_read_input_tokens` those the
+    prompt cache gave (their sum is the prompt); the cache is written without being asked, so
+    nothing is counted as written."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
+            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
@@ -61,24 +78,13 @@ class MessagesCall:
 
     async def start(self, engine: Engine) -> RequestStream:
         try:
-            return await self._start(engine)
+            stream = await engine.chat(self.messages, **self.structure, **self.req.engine_options()).__aenter__()
+        except ContextLengthExceededError as exc:
+            raise too_long(exc) from None
         except InvalidRequestError as exc:
             raise renamed(exc, ENGINE_NAMES) from None
-
-    async def _start(self, engine: Engine) -> RequestStream:
-        opts = self.req.engine_options()
-        try:
-            return await engine.chat(self.messages, **self.structure, **opts).__aenter__()
-        except ContextLengthExceededError:
-            # Anthropic's max_tokens is a ceiling, and clients send large ones (Claude Code asks
-            # for tens of thousands whatever the conversation's length): where the prompt fits
-            # but the ceiling does not, generate up to the context's end, as Anthropic's newer
-            # models do (stop_reason "model_context_window_exceeded"). A prompt that does not
-            # fit at all still gets the 400.
-            del opts["max_tokens"]
-            stream = await engine.chat(self.messages, **self.structure, **opts).__aenter__()
-            self.clamped = True
-            return stream
+        self.clamped = stream.clamped
+        return stream
 
     def encoder(self, rid: str, model: str, prompt_tokens: int) -> MessageEncoder:
         return MessageEncoder(rid, model, prompt_tokens, self.req.stop_sequences or (), self.clamped)
@@ -100,7 +106,7 @@ class MessagesCall:
         return dumps({
             "id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": fin.usage.prompt_tokens, "output_tokens": fin.usage.completion_tokens},
+            "usage": usage_dict(fin.usage),
         })
 
 
@@ -116,6 +122,8 @@ class CountTokensCall:
             n = await engine.count_chat_tokens(self.messages, tools=self.tools.get("tools"),
                                                tool_choice=self.tools.get("tool_choice"),
                                                continue_final_message=self.prefill)
+        except ContextLengthExceededError as exc:
+            raise too_long(exc) from None
         except InvalidRequestError as exc:
             raise renamed(exc, ENGINE_NAMES) from None
         return dumps({"input_tokens": n})
@@ -145,7 +153,8 @@ class MessageEncoder:
         return _event("message_start", {"message": {
             "id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}})
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
+                      "cache_creation_input_tokens": 0}}})
 
     def _open(self, kind: str) -> bytes:
         if self.open_kind == kind:
@@ -220,7 +229,7 @@ class MessageEncoder:
         reason, sequence = stop_reason(fin, self.stop_sequences, self.clamped)
         parts.append(_event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": {"input_tokens": fin.usage.prompt_tokens, "output_tokens": fin.usage.completion_tokens}}))
+            "usage": usage_dict(fin.usage)}))
         parts.append(_event("message_stop", {}))
         return b"".join(parts)
 

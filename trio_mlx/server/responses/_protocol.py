@@ -11,11 +11,13 @@ server keeps no responses: a request carries its whole conversation in
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .._openai import HTTPError
+from ...engine._text import media_refusal
+from .._openai import HTTPError, dumps
 
 
 class _Strict(BaseModel):
@@ -26,6 +28,7 @@ class _Strict(BaseModel):
 class ContentPart(_Strict):
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class InputItem(_Strict):
@@ -38,7 +41,9 @@ class InputItem(_Strict):
     content: str | list[ContentPart] | None = None
     call_id: str | None = None
     name: str | None = None
+    namespace: str | None = None
     arguments: str | None = None
+    input: str | None = None  # a custom tool's call
     output: str | list[ContentPart] | None = None
 
 
@@ -55,11 +60,16 @@ class TextConfig(_Strict):
 
 
 class FunctionTool(_Strict):
+    """A `function` tool, a `namespace` of function tools (`tools`), a `custom` (freeform) tool, or
+    a hosted tool (web_search and the like), which this server leaves out."""
+
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[FunctionTool] | None = None
+    format: dict[str, Any] | None = None
 
 
 class ResponsesRequest(_Strict):
@@ -108,10 +118,10 @@ class ResponsesRequest(_Strict):
             opts["ignore_eos"] = True
         return opts
 
-    def structure(self) -> dict[str, Any]:
-        """`engine.chat`'s tools, tool_choice, parallel_tool_calls and response_format."""
+    def structure(self, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """`engine.chat`'s tools (`tools`, as `ToolNames.chat_tools` made them), tool_choice,
+        parallel_tool_calls and response_format."""
         out: dict[str, Any] = {}
-        tools = chat_tools(self.tools)
         if tools:
             out["tools"] = tools
             if self.tool_choice is not None:
@@ -128,29 +138,56 @@ class ResponsesRequest(_Strict):
     def chat_messages(self) -> list[dict[str, Any]]:
         return chat_messages(self.instructions, self.input)
 
+    def tool_names(self) -> ToolNames:
+        return ToolNames(self.tools)
+
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> HTTPError:
     return HTTPError(400, f"{param}: {message}", param=param, code=code)
 
 
-def _text(content: str | list[ContentPart] | None, param: str) -> str:
+def _content(content: str | list[ContentPart] | None, param: str) -> str | list[dict[str, Any]]:
+    """A message's or an output's content: its text, or OpenAI chat's parts where it holds an
+    image or a file (the engine refuses those in the user's last turn and notes them elsewhere:
+    the models served read text only)."""
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        if part.type not in ("input_text", "output_text", "text") or part.text is None:
-            raise _bad(f"{param}.{j}", f"only text content is supported, got type {part.type!r}")
-        texts.append(part.text)
-    return "".join(texts)
+        if part.type in ("input_text", "output_text", "text") and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        elif part.type == "refusal" and part.refusal is not None:
+            parts.append({"type": "text", "text": part.refusal})
+        elif part.type in ("input_image", "input_file"):
+            parts.append({"type": part.type})
+        else:
+            raise _bad(f"{param}.{j}", f"content parts may be text, images and files, got type {part.type!r}")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """The one name a namespaced function tool has for the model: `namespace__name`, joined as
+    Codex joins them where a boundary cannot keep the two apart."""
+    return f"{namespace.rstrip('_')}__{name.lstrip('_')}" if namespace else name
+
+
+# Items that carry nothing the model reads again: its own reasoning (its text is not sent back
+# here), hosted tools' calls (none are served), and a compacted history's opaque summary.
+_DROPPED_ITEMS = frozenset({"reasoning", "web_search_call", "file_search_call", "computer_call",
+                            "code_interpreter_call", "image_generation_call", "compaction",
+                            "compaction_summary", "ghost_snapshot"})
 
 
 def chat_messages(instructions: str | None, items: str | list[InputItem]) -> list[dict[str, Any]]:
     """`instructions` and `input` -> OpenAI-shaped chat messages.
 
-    `function_call` items join the assistant message before them as its
-    `tool_calls` (a response's output is a message, then its calls);
-    `function_call_output` items become `role: "tool"` messages; reasoning
-    items (a model's own, sent back) are dropped.
+    `function_call` and `custom_tool_call` items join the assistant message before
+    them as its `tool_calls` (a response's output is a message, then its calls; a
+    namespaced call under its flat name, a custom call's input as the argument
+    `input`); `function_call_output` and `custom_tool_call_output` items become
+    `role: "tool"` messages; the model's reasoning and hosted tools' items are dropped.
     """
     out: list[dict[str, Any]] = []
     if instructions:
@@ -165,50 +202,111 @@ def chat_messages(instructions: str | None, items: str | list[InputItem]) -> lis
             if item.role is None:
                 raise _bad(f"{param}.role", "a message needs a role")
             role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": _text(item.content, f"{param}.content")})
-        elif kind == "function_call":
-            if not item.call_id or not item.name or item.arguments is None:
-                raise _bad(param, "a function_call item needs call_id, name and arguments")
+            content = _content(item.content, f"{param}.content")
+            if role == "user" and i == len(items) - 1 and not isinstance(content, str):
+                j, part = next((j, p) for j, p in enumerate(content) if p["type"] != "text")
+                what = "image" if part["type"] == "input_image" else "file"
+                raise _bad(f"{param}.content.{j}", media_refusal(what), "unsupported_content")
+            out.append({"role": role, "content": content})
+        elif kind in ("function_call", "custom_tool_call"):
+            custom = kind == "custom_tool_call"
+            if not item.call_id or not item.name or (item.input if custom else item.arguments) is None:
+                raise _bad(param, f"a {kind} item needs call_id, name and {'input' if custom else 'arguments'}")
+            arguments = dumps({"input": item.input}).decode() if custom else item.arguments
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+                    "function": {"name": flat_name(item.namespace, item.name), "arguments": arguments}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if not item.call_id:
-                raise _bad(param, "a function_call_output item needs call_id")
+                raise _bad(param, f"a {kind} item needs call_id")
             out.append({"role": "tool", "tool_call_id": item.call_id,
-                        "content": _text(item.output, f"{param}.output")})
-        elif kind == "reasoning":
+                        "content": _content(item.output, f"{param}.output")})
+        elif kind in _DROPPED_ITEMS:
             continue
         elif kind == "item_reference":
             raise _bad(param, "this server keeps no items: send the item itself, not a reference")
         else:
-            raise _bad(f"{param}.type", "input items may be messages, function_call and "
-                                        f"function_call_output, got {kind!r}")
+            raise _bad(f"{param}.type", "input items may be messages, function and custom tool calls and "
+                                        f"their outputs, got {kind!r}")
     if not out:
         raise _bad("input", "the input holds no message")
     return out
 
 
-def chat_tools(tools: list[FunctionTool] | None) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if t.type != "function":
-            raise _bad(f"tools.{i}.type", f"only function tools are supported, got {t.type!r}",
-                       "unsupported_parameter")
+class ToolNames:
+    """The request's tools as the engine's function tools, and the way back from the name the
+    model called to the item the client expects.
+
+    A `namespace` (Codex groups tools so) is flattened into its function tools, each
+    named `namespace__name` (`flat_name`); their calls go back with `name` and
+    `namespace` apart. A `custom` tool (free text in, as Codex's apply_patch) becomes a
+    function of one string argument, `input`, and its calls go back as
+    `custom_tool_call` items. Hosted tools (web_search and the like) cannot run here:
+    they are left out, named in `skipped`, rather than refused, so that agents that
+    send them by default work.
+    """
+
+    def __init__(self, tools: list[FunctionTool] | None):
+        self.chat_tools: list[dict[str, Any]] = []
+        self.skipped: list[str] = []
+        self._origin: dict[str, tuple[str, str, str | None]] = {}  # flat name -> (kind, name, namespace)
+        for i, t in enumerate(tools or ()):
+            if t.type == "namespace":
+                if not t.name:
+                    raise _bad(f"tools.{i}.name", "a namespace tool needs a name")
+                for j, inner in enumerate(t.tools or ()):
+                    if inner.type != "function":
+                        self.skipped.append(f"{t.name}.{inner.name or inner.type}")
+                        continue
+                    self._add(inner, f"tools.{i}.tools.{j}", "function", t.name)
+            elif t.type in ("function", "custom"):
+                self._add(t, f"tools.{i}", t.type, None)
+            else:
+                self.skipped.append(t.type)
+
+    def _add(self, t: FunctionTool, param: str, kind: str, namespace: str | None) -> None:
         if not t.name:
-            raise _bad(f"tools.{i}.name", "a function tool needs a name")
-        function: dict[str, Any] = {"name": t.name, "parameters": t.parameters or {"type": "object"}}
-        if t.description is not None:
-            function["description"] = t.description
-        if t.strict is not None:
-            function["strict"] = t.strict
-        out.append({"type": "function", "function": function})
-    return out
+            raise _bad(f"{param}.name", f"a {kind} tool needs a name")
+        name = flat_name(namespace, t.name)
+        if kind == "custom":
+            note = "Its input is free text, given whole as the string argument `input`."
+            grammar = (t.format or {}).get("definition")
+            if isinstance(grammar, str) and grammar:
+                note += f" The input follows this {(t.format or {}).get('syntax', '')} grammar:\n{grammar}"
+            description = f"{t.description}\n\n{note}" if t.description else note
+            function: dict[str, Any] = {"name": name, "description": description, "parameters": {
+                "type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}
+        else:
+            function = {"name": name, "parameters": t.parameters or {"type": "object"}}
+            if t.description is not None:
+                function["description"] = t.description
+            if t.strict is not None:
+                function["strict"] = t.strict
+        self.chat_tools.append({"type": "function", "function": function})
+        self._origin[name] = (kind, t.name, namespace)
+
+    def item(self, item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        """The output item of a call the model made to the tool it knows as `name`."""
+        kind, original, namespace = self._origin.get(name, ("function", name, None))
+        if kind == "custom":
+            try:
+                value = json.loads(arguments) if arguments else {}
+            except ValueError:
+                value = {}
+            text = value.get("input") if isinstance(value, dict) else None
+            return {"id": "ctc_" + item_id, "type": "custom_tool_call", "status": status, "call_id": call_id,
+                    "name": original, "input": text if isinstance(text, str) else arguments}
+        out = {"id": "fc_" + item_id, "type": "function_call", "status": status, "call_id": call_id,
+               "name": original, "arguments": arguments}
+        if namespace is not None:
+            out["namespace"] = namespace
+        return out
+
+    def is_custom(self, name: str) -> bool:
+        return self._origin.get(name, ("function",))[0] == "custom"
 
 
 def chat_tool_choice(choice: str | dict[str, Any]) -> Any:

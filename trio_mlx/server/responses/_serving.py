@@ -21,6 +21,7 @@ and `response.failed`. Every event has a `sequence_number`.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -40,13 +41,16 @@ from .._records import RESPONSES_PATH as RESPONSES_PATH
 from .._wire import renamed
 from ._protocol import ResponsesRequest
 
+log = logging.getLogger("trio_mlx.http")
+
 # The engine's (OpenAI chat's) parameter names, as this API names them (`_wire.renamed`).
 ENGINE_NAMES = (("response_format", "text.format"), ("max_tokens", "max_output_tokens"), ("tools", "tools"),
                 ("messages", "input"))
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.total_tokens}
 
@@ -61,10 +65,6 @@ def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
-    return {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "status": status,
-            "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if arguments is None else arguments}
 
 
 class ResponsesCall:
@@ -75,7 +75,11 @@ class ResponsesCall:
         self.stream = req.stream
         # Translated here, so that a bad request gets its 400 before the engine sees it.
         self.messages = req.chat_messages()
-        self.structure = req.structure()
+        self.names = req.tool_names()
+        if self.names.skipped:
+            log.warning("a responses request named tools this server cannot run (hosted tools); left "
+                        "out: %s", ", ".join(self.names.skipped))
+        self.structure = req.structure(self.names.chat_tools)
         self.created = int(time.time())
 
     async def start(self, engine: Engine) -> RequestStream:
@@ -106,6 +110,12 @@ class ResponsesCall:
             "user": None,
         }
 
+    def call_item(self, call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
+        """The output item of `call` (`ToolNames.item`: a function call, namespaced or not, or a
+        custom tool's call)."""
+        return self.names.item(call.id.removeprefix("call_"), call.id, call.name,
+                               call.arguments if arguments is None else arguments, status)
+
     def encoder(self, rid: str, model: str, prompt_tokens: int) -> ResponseEncoder:
         return ResponseEncoder(self, rid, model)
 
@@ -119,7 +129,7 @@ class ResponsesCall:
             output.append(reasoning_item(new_id("rs_"), "".join(result.reasoning), status))
         if text or not result.tool_calls:
             output.append(message_item(new_id("msg_"), text, status))
-        output.extend(call_item(c) for c in result.tool_calls)
+        output.extend(self.call_item(c) for c in result.tool_calls)
         return dumps(self.response(rid, model, status, output, fin.usage))
 
 
@@ -217,16 +227,15 @@ class ResponseEncoder:
             if self.open_kind is not None:
                 parts.append(self._close())
             index = len(self.output)
-            item = call_item(c)
-            where = {"item_id": item["id"], "output_index": index}
-            parts += [
-                self._event("response.output_item.added", {"output_index": index,
-                                                           "item": call_item(c, "in_progress", "")}),
-                self._event("response.function_call_arguments.delta", {**where, "delta": c.arguments}),
-                self._event("response.function_call_arguments.done", {**where, "arguments": c.arguments,
-                                                                      "name": c.name}),
-                self._event("response.output_item.done", {"output_index": index, "item": item}),
-            ]
+            item = self.call.call_item(c)
+            added = self._event("response.output_item.added", {
+                "output_index": index, "item": self.call.call_item(c, "in_progress", "")})
+            if item["type"] == "function_call":
+                where = {"item_id": item["id"], "output_index": index}
+                added += (self._event("response.function_call_arguments.delta", {**where, "delta": c.arguments})
+                          + self._event("response.function_call_arguments.done", {
+                              **where, "arguments": c.arguments, "name": item["name"]}))
+            parts += [added, self._event("response.output_item.done", {"output_index": index, "item": item})]
             self.output.append(item)
         return b"".join(parts)
 
@@ -239,12 +248,13 @@ class ResponseEncoder:
             self.open_kind, self.text = "function_call", []
             self.open_call = ToolCall(d.index, d.id, d.name, "")
             out += self._event("response.output_item.added", {
-                "output_index": len(self.output), "item": call_item(self.open_call, "in_progress", "")})
+                "output_index": len(self.output), "item": self.call.call_item(self.open_call, "in_progress", "")})
         if d.arguments:
             self.text.append(d.arguments)
-            item_id = "fc_" + d.id.removeprefix("call_")
-            out += self._event("response.function_call_arguments.delta", {
-                "item_id": item_id, "output_index": len(self.output), "delta": d.arguments})
+            if not self.call.names.is_custom(d.name):  # a custom call's input comes whole, at its end
+                item_id = "fc_" + d.id.removeprefix("call_")
+                out += self._event("response.function_call_arguments.delta", {
+                    "item_id": item_id, "output_index": len(self.output), "delta": d.arguments})
         return out
 
     def _close_call(self, status: str, whole: ToolCall | None = None) -> bytes:
@@ -252,16 +262,19 @@ class ResponseEncoder:
         assert call is not None
         arguments = whole.arguments if whole is not None else "".join(self.text)
         self.open_kind, self.open_call, self.text = None, None, []
-        item = call_item(call, status, arguments)
+        item = self.call.call_item(call, status, arguments)
         self.output.append(item)
-        return (self._event("response.function_call_arguments.done", {
-                    "item_id": item["id"], "output_index": index, "arguments": arguments, "name": call.name})
-                + self._event("response.output_item.done", {"output_index": index, "item": item}))
+        args = b""
+        if item["type"] == "function_call":  # a custom call's input comes in its item alone
+            args = self._event("response.function_call_arguments.done", {
+                "item_id": item["id"], "output_index": index, "arguments": arguments, "name": item["name"]})
+        return args + self._event("response.output_item.done", {"output_index": index, "item": item})
 
     def finish(self, fin: Finished) -> bytes:
         status = "incomplete" if fin.finish_reason == "length" else "completed"
         parts = []
-        if not self.had_message and not any(o["type"] == "function_call" for o in self.output):
+        if not self.had_message and not any(o["type"] in ("function_call", "custom_tool_call")
+                                            for o in self.output):
             parts.append(self._open("message"))  # an answer without a call has its message, empty or not
         if self.open_kind is not None:
             parts.append(self._close(status))
