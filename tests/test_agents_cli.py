@@ -1,0 +1,157 @@
+"""The released coding-agent CLIs, unmodified, against the server: Claude Code (`claude -p`, the
+Messages API) and Codex (`codex exec`, the Responses API), each with its default tools.
+
+Each runs one turn in which the "model" calls the agent's shell tool, the agent runs the
+command and sends its output back, and the model answers with what it printed. The model is
+the fake actor with a script (`FakeActor(reply=...)`) over a tiny tool-calling tokenizer and a
+128k context: the agents' prompts are 30-40k tokens of system text and tool definitions,
+which a random model on the CPU would take minutes to prefill and would never answer with a
+call. Everything else is real: the server, the engine's chat template, tool parsing and
+streaming, and the agents themselves, pinned in tests/agents/package.json and installed by
+scripts/test.sh (`npm ci`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from trio_mlx.actor import FakeActor
+from trio_mlx.models import load_tokenizer
+
+from app_server import engine_factory, serve
+
+BIN = Path(__file__).parent / "agents" / "node_modules" / ".bin"
+ASK = "Run the check command"
+# The command prints this only when a shell runs it: seen in a prompt, it is the tool's result.
+COMMAND = "echo trio-mlx-$((6*7))"
+PRINTED = "trio-mlx-42"
+CONTEXT = 131072
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def agent(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: scripts/test.sh installs the agent CLIs (npm ci in tests/agents)")
+    return str(path)
+
+
+def script(model: Path, call: Callable[[str], str]) -> Callable[[tuple[int, ...]], Sequence[int]]:
+    """The fake model's answers: the tool call `call(COMMAND)` to a request whose prompt asks for
+    the check, the command's output once its result is in the prompt, "OK" to anything else
+    (the agents' side requests: titles, summaries)."""
+    tok = load_tokenizer(model)
+    eos = tok.eos_token_id
+
+    def reply(prompt: tuple[int, ...]) -> list[int]:
+        text = tok.decode(list(prompt))
+        if PRINTED in text:
+            answer = f"The check printed {PRINTED}."
+        elif ASK in text:
+            answer = call(COMMAND)
+        else:
+            answer = "OK"
+        return [*tok.encode(answer, add_special_tokens=False), eos]
+
+    return reply
+
+
+def tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """A call in the test tokenizer's template format (Hermes' `<tool_call>` JSON)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def record_statuses(server: Any) -> list[tuple[str, int | None]]:
+    """(path, status) of every generation request the server answers from now on."""
+    seen: list[tuple[str, int | None]] = []
+    observe = server.app.observe
+
+    def spy(rec: Any) -> None:
+        seen.append((rec.endpoint, rec.status))
+        observe(rec)
+
+    server.app.observe = spy
+    return seen
+
+
+async def run_agent(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_"))}
+    full_env.update(env, NO_COLOR="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1",
+                    DISABLE_ERROR_REPORTING="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
+    proc = await trio.run_process(argv, env=full_env, cwd=str(cwd), capture_stdout=True, capture_stderr=True,
+                                  check=False, stdin=b"")
+    return proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+
+
+async def test_claude_code_runs_a_tool_and_answers(tool_model_fp32, tmp_path):
+    reply = script(tool_model_fp32, lambda cmd: tool_call("Bash", {"command": cmd, "description": "the check"}))
+    actor = partial(FakeActor, reply=reply, context_length=CONTEXT)
+    home = tmp_path / "home"
+    home.mkdir()
+    async with serve(tool_model_fp32, factory=engine_factory(actor=actor), model_name="local") as server:
+        statuses = record_statuses(server)
+        code, out, err = await run_agent(
+            [agent("claude"), "-p", ASK, "--output-format", "stream-json", "--verbose",
+             "--allowedTools", "Bash", "--model", "local"],
+            {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "local", "ANTHROPIC_SMALL_FAST_MODEL": "local",
+             "HOME": str(home)}, tmp_path)
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert code == 0, (out[-3000:], err[-3000:])
+    uses = [b for e in events if e.get("type") == "assistant" for b in e["message"]["content"]
+            if b.get("type") == "tool_use"]
+    assert [u["name"] for u in uses] == ["Bash"] and uses[0]["input"]["command"] == COMMAND
+    results = [b for e in events if e.get("type") == "user" for b in e["message"]["content"]
+               if isinstance(b, dict) and b.get("type") == "tool_result"]
+    assert results and PRINTED in json.dumps(results[0]["content"]) and not results[0].get("is_error")
+    final = events[-1]
+    assert final["type"] == "result" and not final["is_error"] and PRINTED in final["result"]
+    # Its first request (a system turn inside messages, under a beta) was served, not refused
+    # (it then retries without that turn).
+    assert statuses and all(status == 200 for _, status in statuses), statuses
+
+
+async def test_codex_runs_a_tool_and_answers(tool_model_fp32, tmp_path):
+    reply = script(tool_model_fp32, lambda cmd: tool_call("exec_command", {"cmd": cmd}))
+    actor = partial(FakeActor, reply=reply, context_length=CONTEXT)
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    async with serve(tool_model_fp32, factory=engine_factory(actor=actor), model_name="local") as server:
+        statuses = record_statuses(server)
+        (home / "config.toml").write_text(
+            'model = "local"\nmodel_provider = "trio_mlx"\n\n[model_providers.trio_mlx]\nname = "trio-mlx"\n'
+            f'base_url = "{server.url}/v1"\nwire_api = "responses"\nenv_key = "TRIO_MLX_KEY"\n')
+        code, out, err = await run_agent(
+            [agent("codex"), "exec", "--json", "--skip-git-repo-check",
+             "--dangerously-bypass-approvals-and-sandbox", ASK],
+            {"CODEX_HOME": str(home), "TRIO_MLX_KEY": "local", "HOME": str(home)}, work)
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert code == 0, (out[-3000:], err[-3000:])
+    commands = [e["item"] for e in events if e.get("type") == "item.completed"
+                and e["item"].get("type") == "command_execution"]
+    assert commands and COMMAND in commands[0]["command"] and PRINTED in commands[0]["aggregated_output"]
+    messages = [e["item"]["text"] for e in events if e.get("type") == "item.completed"
+                and e["item"].get("type") == "agent_message"]
+    assert messages and PRINTED in messages[-1]
+    # Its first request (a namespace of tools and the hosted web_search) was served, not refused.
+    assert statuses and all(status == 200 for _, status in statuses), statuses
+
+
+def test_the_agent_clis_are_pinned():
+    """The versions the suite runs are the ones tests/agents/package.json pins (npm ci)."""
+    pins = json.loads((BIN.parent.parent / "package.json").read_text())["dependencies"]
+    for package, version in pins.items():
+        installed = json.loads((BIN.parent / package / "package.json").read_text())["version"]
+        assert installed == version
+    assert shutil.which("node")
