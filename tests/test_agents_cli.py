@@ -23,11 +23,10 @@ from typing import Any
 
 import pytest
 import trio
+from app_server import engine_factory, serve
 
 from trio_mlx.actor import FakeActor
 from trio_mlx.models import load_tokenizer
-
-from app_server import engine_factory, serve
 
 BIN = Path(__file__).parent / "agents" / "node_modules" / ".bin"
 ASK = "Run the check command"
