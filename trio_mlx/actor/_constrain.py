@@ -1,20 +1,25 @@
-"""Constrained decoding inside the shared batch: one grammar-masking logits processor per row.
+"""Constrained decoding inside the shared batch: one grammar-masking processor per row.
 
-`GrammarProcessor` is an mlx-lm logits processor, `(tokens, logits) -> logits`,
-that the actor puts last in a constrained row's `logits_processors` when it
-inserts the row into the BatchGenerator. The generator calls each row's
+`GrammarProcessor` holds a constrained row's matcher and makes its mask each step.
+The actor's decode step drives it in parts (`_decode.py`); it is also an mlx-lm
+logits processor, `(tokens, logits) -> logits`, that under mlx-lm's own step
+the actor puts last in the row's `logits_processors` when it inserts the row
+into the BatchGenerator. The generator calls each row's
 processors with that row's logits alone (shape (1, V)) and its token context
 (prompt + generated so far), so constrained and free rows share one batch;
 a free row pays only what any processor in the batch costs it (mlx-lm then
 slices the logits row by row and joins them again).
 
-Each call: feed the token sampled last step to the row's `llguidance.LLMatcher`,
+Each step: feed the token sampled last step to the row's `llguidance.LLMatcher`,
 fill the next-token bitmask (numpy, one bit per tokenizer token) and set the
 logits of every token it forbids to -inf; tokens past the tokenizer's vocabulary
-(logits are often wider) are forbidden too. Reading the sampled token from the
-context waits for the previous step's sampling, which a free batch overlaps
-with building the next step: that wait is the price of a constrained row,
-paid once per step however many constrained rows there are.
+(logits are often wider) are forbidden too. The actor's own decode step
+(`_decode.Decoder`) does the host side for every constrained row of the batch
+at once (`begin`, llguidance's batch fill, `complete`) while the device runs
+the step's forward, and applies the masks as one batched op; under mlx-lm's
+step (`decode_step="mlx"`) the generator calls the processor per row
+(`__call__`), and reading the sampled token from the context waits for the
+previous step's sampling in the middle of building the next step.
 
 The processor also keeps its row inside `max_tokens`. Every so often it
 measures the completion `_matcher.finish` would write from here; in the
