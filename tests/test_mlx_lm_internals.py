@@ -507,3 +507,55 @@ def test_prompts_that_end_move_to_decoding_without_a_deep_copy(tiny_model_fp32, 
     calls.clear()
     assert tokens(True, chunked) == stock
     assert calls == []
+
+
+def test_an_owned_decode_step_keeps_the_batch_as_mlx_lm_keeps_it(tiny_model_fp32):
+    """`actor._batch.own_decode` builds a finished group's decoding batch itself
+    (`_owned_generate`: `GenerationBatch` made empty, then given its rows) and steps it
+    (`_owned_step`, `_owned_next`): it must set every attribute mlx_lm's own
+    `GenerationBatch.__init__` and `_step` set (its `extend` and `filter` read them), keep
+    `tokens` (what each row's KV holds: `copy_rows`) and `_next_tokens` as they do, and
+    `BatchGenerator._next` must count its report by `len()`; the greedy tokens are the
+    stock generator's, with rows entering and leaving."""
+    from trio_mlx.actor._decode import Decoder, DecodeRow
+    from trio_mlx.actor._protocol import SamplingParams
+
+    model, _ = _models.load_model(tiny_model_fp32)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
+
+    def run(owned: bool) -> tuple[dict[int, list[int]], set[str], list[list[int]], int]:
+        bg = BatchGenerator(model, max_tokens=10**6, completion_batch_size=8, prefill_batch_size=2)
+        _batch.move_whole_groups(bg)
+        rows = None
+        if owned:
+            _batch.own_decode(bg, Decoder())
+            rows = [DecodeRow(SamplingParams(temperature=0.0), p) for p in prompts[:2]]
+        out: dict[int, list[int]] = {}
+        uids = bg.insert(prompts[:2], samplers=rows)
+        for _ in range(4):
+            _, generated = bg.next()
+            for uid, token in _reports(generated):
+                out.setdefault(uid, []).append(token)
+        _batch.remove_rows(bg, uids[:1])
+        uids += bg.insert(prompts[2:], samplers=[DecodeRow(SamplingParams(temperature=0.0), prompts[2])] if owned
+                          else None)
+        for _ in range(6):
+            _, generated = bg.next()
+            for uid, token in _reports(generated):
+                out.setdefault(uid, []).append(token)
+        batch = bg._generation_batch
+        held = [list(t) for t in batch.tokens]
+        assert len(batch._next_tokens.tolist()) == len(batch.uids) == 2
+        return out, set(vars(batch)) - {"_step", "next"}, held, bg._counters.generation_tokens
+
+    stock, owned = run(False), run(True)
+    assert owned[0] == stock[0] and len(owned[0]) == 3
+    assert owned[1] == stock[1]
+    assert owned[2] == stock[2]
+    assert owned[3] == stock[3] > 0
+
+
+def _reports(generated) -> list[tuple[int, int]]:
+    if isinstance(generated, _batch.Decoded):
+        return list(zip(generated.uids, generated.tokens, strict=True))
+    return [(r.uid, r.token) for r in generated]

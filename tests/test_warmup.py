@@ -19,14 +19,16 @@ from trio_mlx.actor import (
     Submit,
     _actor,
     _batch,
+    _decode,
     _prompt_cache,
     _sampling,
 )
 from trio_mlx.actor._actor import Actor
 
 
-def _loaded(path: Path, gpu: bool, retire_steps: int = 16) -> Actor:
-    config = ActorConfig(model_path=path, prefill_batch=2, admit_window=0.02, retire_steps=retire_steps)
+def _loaded(path: Path, gpu: bool, retire_steps: int = 16, decode_step: str = "owned") -> Actor:
+    config = ActorConfig(model_path=path, prefill_batch=2, admit_window=0.02, retire_steps=retire_steps,
+                         decode_step=decode_step)
     actor = Actor(config, link=None)  # type: ignore[arg-type]
     actor._load()
     actor._gpu = gpu
@@ -50,9 +52,23 @@ def _greedy(actor: Actor, prompt: tuple[int, ...], n: int) -> list[int]:
 @pytest.fixture
 def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Records every removal (rows kept, whether the padding was trimmed), sampler,
-    processor list and logprobs call the actor makes."""
+    processor list and logprobs call the actor makes; with the owned decode step, every
+    plan of per-row parameters it builds and every batch of grammar masks."""
     seen: dict[str, list[Any]] = {"removals": [], "samplers": [], "processors": [], "logprobs": [], "masks": [],
-                                  "stores": [], "hits": []}
+                                  "stores": [], "hits": [], "plans": []}
+    plan_init, masks = _decode._Plan.__init__, _decode.Decoder._masks
+
+    def spy_plan(self: Any, rows: Any, width: int) -> None:
+        plan_init(self, rows, width)
+        seen["plans"].append(self)
+
+    def spy_masks(self: Any, plan: Any, fed: Any) -> Any:
+        out = masks(self, plan, fed)
+        seen["masks"] += [(None, plan.rows[i].grammar.error) for i in plan.grammar]
+        return out
+
+    monkeypatch.setattr(_decode._Plan, "__init__", spy_plan)
+    monkeypatch.setattr(_decode.Decoder, "_masks", spy_masks)
     remove, sampler, processors = _batch.remove_rows, _sampling.make_sampler, _actor.make_processors
     add_logprobs = Actor._add_logprobs
 
@@ -105,8 +121,10 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     return seen
 
 
-def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort(tiny_model_fp32, visits):
-    actor = _loaded(tiny_model_fp32, gpu=True)
+@pytest.mark.parametrize("decode_step", ["owned", "mlx"])
+def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort(tiny_model_fp32, visits,
+                                                                                  decode_step):
+    actor = _loaded(tiny_model_fp32, gpu=True, decode_step=decode_step)
     actor._warmup()
     kept = [(rows, trimmed) for rows, trimmed in visits["removals"] if rows]
     # the retired row leaves while two stay (the first removal that gathers the kept rows'
@@ -114,11 +132,19 @@ def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort
     assert (2, True) in kept
     # ...and the aborted row leaves while others stay
     assert len(kept) >= 2
-    sampled = [sp for sp in visits["samplers"] if not sp.greedy]
-    assert any(sp.seed is not None for sp in sampled)
-    assert any(sp.top_p < 1 and sp.top_k and sp.min_p for sp in sampled)
-    assert max(visits["processors"]) == 3  # logit bias, repetition penalty, presence/frequency
-    assert visits["logprobs"]
+    if decode_step == "owned":  # every array op of the batched sampling, in some plan
+        plans = visits["plans"]
+        assert any(p.seeded and p.unseeded and p.greedy is not None for p in plans)  # every kind of row
+        assert any(p.sort and p.use_min_p for p in plans)
+        assert any(p.bias is not None and p.penalized for p in plans)
+        assert any(p.logprobs and p.top for p in plans)
+        assert not visits["samplers"] and not visits["processors"] and not visits["logprobs"]
+    else:
+        sampled = [sp for sp in visits["samplers"] if not sp.greedy]
+        assert any(sp.seed is not None for sp in sampled)
+        assert any(sp.top_p < 1 and sp.top_k and sp.min_p for sp in sampled)
+        assert max(visits["processors"]) == 3  # logit bias, repetition penalty, presence/frequency
+        assert visits["logprobs"]
     # a grammar-masked row, masking the model's logits without error
     assert len(visits["masks"]) >= 2 and all(error is None for _, error in visits["masks"])
     # the prompt cache's paths: a finished row copied out and stored, a row entering with it
@@ -143,6 +169,7 @@ def test_the_cpu_warm_up_is_one_short_sequence(tiny_model_fp32, visits):
     actor = _loaded(tiny_model_fp32, gpu=False)
     actor._warmup()
     assert visits["removals"] == visits["samplers"] == visits["logprobs"] == visits["masks"] == []
+    assert all(p.all_greedy and not p.logprobs for p in visits["plans"])
 
 
 @pytest.mark.parametrize("cuda", [True, False])

@@ -38,10 +38,12 @@ from ._batch import (
     GRID_PREBUILD,
     GRID_PREFIX,
     CausalPrefill,
+    Decoded,
     batch_rows,
     first_tokens,
     grid_sizes,
     move_whole_groups,
+    own_decode,
     plain_kv,
     prefill_chunk,
     prefill_grid,
@@ -50,6 +52,7 @@ from ._batch import (
     take_prompt_tokens,
 )
 from ._constrain import GrammarProcessor, json_string_grammar, model_vocab
+from ._decode import Decoder, DecodeRow
 from ._link import ActorLink
 from ._prompt_cache import PromptCache, budget
 from ._protocol import (
@@ -134,6 +137,10 @@ class Actor:
         self._seqs: dict[int, _Seq] = {}  # rid -> seq
         self._by_uid: dict[int, _Seq] = {}
         self._samplers = SamplerCache()
+        # The decode step: the actor's own (`_decode.Decoder`, hooked in by `_batch.own_decode`),
+        # or mlx_lm's `GenerationBatch` with per-row samplers and processors ("mlx").
+        self._owned = config.decode_step == "owned"
+        self._decoder: Decoder | None = None
         self._retired: dict[int, int] = {}  # uid -> step it finished in; rows still in the batch
         self._retire_steps = config.retire_steps
         self._gpu = False  # set in run(), once the device is known
@@ -158,8 +165,8 @@ class Actor:
             log.info("loading the weights on %s", mx.default_device())
             config = self._load()
             t1 = time.perf_counter()
-            log.info("loaded %s (%.1f MB of weights) in %.2f s", config.get("model_type", "the model"),
-                     mx.get_active_memory() / 1e6, t1 - t0)
+            log.info("loaded %s (%.1f MB of weights) in %.2f s; decode step: %s", config.get("model_type", "the model"),
+                     mx.get_active_memory() / 1e6, t1 - t0, self.config.decode_step)
             if self.config.warmup:
                 log.info("warming up (%s)", "every prefill group size, then a rehearsal" if self._gpu
                          else "one short prompt")
@@ -249,6 +256,9 @@ class Actor:
             prefill_step_size=self.config.prefill_step,
         )
         move_whole_groups(bg)
+        if self._owned:
+            self._decoder = Decoder()
+            own_decode(bg, self._decoder)
         return bg
 
     def _warmup(self) -> None:
@@ -259,7 +269,8 @@ class Actor:
         gpu = self._gpu
         length = max(1, min(WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
         token = 1 if self._vocab > 1 else 0
-        warm_up(self._bg, token, length, self._rows if gpu else 1)
+        warm_up(self._bg, token, length, self._rows if gpu else 1,
+                (lambda: DecodeRow(SamplingParams(temperature=0.0))) if self._owned else None)
         if self._grid:
             t0 = time.perf_counter()
             with mx.stream(self._bg.stream):
@@ -495,11 +506,7 @@ class Actor:
                 max_tokens=[s.max_tokens + self._slack(s) for s in subs],
                 caches=caches,
                 all_tokens=cached_ids,
-                samplers=[self._samplers.get(s.sampling) for s in subs],
-                logits_processors=[
-                    make_processors(s.sampling, len(s.prompt), self._context) + ([g] if g else [])
-                    for s, g in zip(subs, grammars, strict=True)
-                ],
+                **self._row_sampling(subs, grammars),
             )
         except Exception as exc:  # bad input that slipped past validation
             for s in subs:
@@ -512,6 +519,19 @@ class Actor:
             if n:
                 self._cached.append((s.rid, n))
         return failed
+
+    def _row_sampling(self, subs: list[Submit], grammars: list[GrammarProcessor | None]) -> dict[str, Any]:
+        """`BatchGenerator.insert`'s samplers and logits processors for `subs`: for the owned
+        decode step a `DecodeRow` each (`_decode.py`), for mlx_lm's its own per-row kind."""
+        if self._owned:
+            return {"samplers": [DecodeRow(s.sampling, s.prompt, g) for s, g in zip(subs, grammars, strict=True)]}
+        return {
+            "samplers": [self._samplers.get(s.sampling) for s in subs],
+            "logits_processors": [
+                make_processors(s.sampling, len(s.prompt), self._context) + ([g] if g else [])
+                for s, g in zip(subs, grammars, strict=True)
+            ],
+        }
 
     def _grammars(
         self, subs: list[Submit]
@@ -664,7 +684,9 @@ class Actor:
                 seq.ahead = True
         return out
 
-    def _tokens(self, responses: Sequence[Any]) -> tuple[TokenOut, ...]:
+    def _tokens(self, responses: Sequence[Any] | Decoded) -> tuple[TokenOut, ...]:
+        if isinstance(responses, Decoded):
+            return self._decoded(responses)
         out: list[TokenOut] = []
         want_logprobs: list[tuple[int, Any, _Seq]] = []
         ended = 0
@@ -678,29 +700,10 @@ class Actor:
                 seq.ahead = False
                 if r.finish_reason is None:  # mlx_lm ends a row by itself only past max_tokens + slack
                     continue
-            seq.generated += 1
-            reason: FinishReason | None = (
-                "stop" if r.token in seq.stops
-                else "length" if seq.generated >= seq.max_tokens
-                else r.finish_reason
-            )
-            if (g := seq.grammar) is not None and (g.error or (reason == "stop" and g.forced_finish)):
-                if g.error:  # the processor failed (and forced EOS): this row fails, no other
-                    self._failed_rows.append((seq.rid, f"constrained decoding failed: {g.error}"))
-                    reason = "error"
-                else:  # max_tokens cut the text short; the grammar closed it validly
-                    reason = "length"
+            reason = self._finish(seq, r.uid, r.token, r.finish_reason)
             if reason is not None:
                 ended += 1
-                del self._by_uid[r.uid]
-                del self._seqs[seq.rid]
-                if seq.stage == "decode":
-                    self._decoding -= 1
-                if reason != "error":  # a failed request leaves nothing in the cache
-                    self._reuse.finished(r.uid, seq.prompt_len + seq.generated)
-                if r.finish_reason is None:  # still in the batch: retire it
-                    self._retired[r.uid] = self._steps
-                else:
+                if r.finish_reason is not None:
                     self._reuse.dropped(r.uid, r.prompt_cache, r.all_tokens)
             if reason == "error":
                 continue  # reported in the step's `failed`
@@ -712,6 +715,61 @@ class Actor:
         if want_logprobs:
             self._add_logprobs(out, want_logprobs)
         return tuple(out)
+
+    def _decoded(self, step: Decoded) -> tuple[TokenOut, ...]:
+        """`_tokens` for the owned decode step: no row ended by the generator, and the
+        logprobs of rows that asked already read (`DecodeRow.out`)."""
+        out: list[TokenOut] = []
+        ended = 0
+        by_uid = self._by_uid
+        for uid, token, row in zip(step.uids, step.tokens, step.rows, strict=True):
+            seq = by_uid.get(uid)
+            if seq is None:  # a retired row: its tokens are nobody's
+                continue
+            if seq.ahead:  # its first token, already out (`_first_tokens`)
+                seq.ahead = False
+                continue
+            reason = self._finish(seq, uid, token, None)
+            if reason is not None:
+                ended += 1
+                if reason == "error":
+                    continue  # reported in the step's `failed`
+            if seq.sampling.logprobs and row.out is not None:
+                logprob, top = row.out
+                out.append(TokenOut(seq.rid, token, reason, logprob, top))
+            else:
+                out.append(TokenOut(seq.rid, token, reason))
+        if ended:
+            self._admission.finished(time.perf_counter(), ended)
+        return tuple(out)
+
+    def _finish(self, seq: _Seq, uid: int, token: int, generator: FinishReason | None) -> FinishReason | None:
+        """Count `token` as `seq`'s next and say whether it ends the sequence (its stop tokens,
+        its max_tokens, its grammar; `generator`: the generator ended the row itself). An
+        ended sequence leaves the registry here, its row retired unless the generator
+        dropped it."""
+        seq.generated += 1
+        reason: FinishReason | None = (
+            "stop" if token in seq.stops
+            else "length" if seq.generated >= seq.max_tokens
+            else generator
+        )
+        if (g := seq.grammar) is not None and (g.error or (reason == "stop" and g.forced_finish)):
+            if g.error:  # the processor failed (and forced EOS): this row fails, no other
+                self._failed_rows.append((seq.rid, f"constrained decoding failed: {g.error}"))
+                reason = "error"
+            else:  # max_tokens cut the text short; the grammar closed it validly
+                reason = "length"
+        if reason is not None:
+            del self._by_uid[uid]
+            del self._seqs[seq.rid]
+            if seq.stage == "decode":
+                self._decoding -= 1
+            if reason != "error":  # a failed request leaves nothing in the cache
+                self._reuse.finished(uid, seq.prompt_len + seq.generated)
+            if generator is None:  # still in the batch: retire it
+                self._retired[uid] = self._steps
+        return reason
 
     def _add_logprobs(self, out: list[TokenOut], rows: list[tuple[int, Any, _Seq]]) -> None:
         """Chosen-token logprob and top-k alternatives for the rows that asked, in one eval."""

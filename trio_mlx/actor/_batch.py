@@ -8,7 +8,9 @@ layer (`copy_rows`), give a prefill without padding the fused attention, on
 shapes that recur (`CausalPrefill`), read the first tokens of rows that have
 just started decoding (`first_tokens`), or move KV at the device's copy rate
 where mlx-lm gathers it (a removal's kept rows, `take_rows`; a right-padded
-group's roll, `roll_right`; a finished group handed to decoding, `_split`).
+group's roll, `roll_right`; a finished group handed to decoding, `_split`), or
+take the decode step over (`own_decode`: one forward over the decoding batch,
+then the actor's own batched sampling, `_decode.Decoder`).
 Each helper names the private attribute it
 relies on; tests/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
 upgrade that changes one fails there first.
@@ -22,7 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt_cache
+
+from ._decode import Decoder, DecodeRow
 
 
 def batch_rows(bg: Any) -> int:
@@ -30,9 +35,10 @@ def batch_rows(bg: Any) -> int:
     return len(getattr(bg, "_generation_batch", ()) or ())
 
 
-def first_tokens(bg: Any, uids: list[int]) -> list[Any]:
+def first_tokens(bg: Any, uids: list[int]) -> Any:
     """The first tokens of rows that have just started decoding (uids in `uids`), as the
-    generator will report them at its next step: `GenerationBatch.Response`s.
+    generator will report them at its next step: `GenerationBatch.Response`s, or where the
+    actor owns the decode step (`own_decode`) a `Decoded`.
 
     The step that ends a prompt (its last token through the model) samples the first
     token and leaves it computing (`GenerationBatch._next_tokens`); mlx_lm reports it
@@ -45,6 +51,10 @@ def first_tokens(bg: Any, uids: list[int]) -> list[Any]:
     if not rows:
         return []
     tokens = batch._next_tokens.tolist()
+    if "_step" in vars(batch):  # the actor's own step: logprobs wait on each row (`DecodeRow.pending`)
+        owned = [batch.samplers[i] for _, i in rows]
+        vars(bg._prompt_batch)["_decoder"].read_ahead(owned)
+        return Decoded([uid for uid, _ in rows], [tokens[i] for _, i in rows], owned)
     response = type(batch).Response
     return [response(uid, tokens[i], batch._next_logprobs[i], None, None, None) for uid, i in rows]
 
@@ -199,6 +209,16 @@ def move_whole_groups(bg: Any) -> None:
 
 
 def _split(batch: Any, indices: list[int]) -> Any:
+    """`_split_rows`, and where the actor owns the decode step (`own_decode`), the rows'
+    first step taken by it too (`_owned_generate`)."""
+    out = _split_rows(batch, indices)
+    decoder = vars(batch).get("_decoder")
+    if decoder is not None:
+        vars(out)["generate"] = functools.partial(_owned_generate, decoder, out)
+    return out
+
+
+def _split_rows(batch: Any, indices: list[int]) -> Any:
     """`PromptProcessingBatch.split(indices)`: the rows in `indices` as a batch of their own,
     the rest left, with the same arrays as the stock method.
 
@@ -218,7 +238,8 @@ def _split(batch: Any, indices: list[int]) -> Any:
     if not whole and (caches is None or any(c.keys is None or c._right_padding is not None for c in caches)):
         return cls.split(batch, indices)  # the stock method, past this instance's override
     moved = copy.copy(batch)  # its lists are replaced, not changed, by `filter`
-    vars(moved).pop("split", None)
+    for name in ("split", "generate", "_decoder"):
+        vars(moved).pop(name, None)
     if whole:
         batch.prompt_cache = []  # the caches go as they are (`filter([])` clears the list it holds)
         cls.filter(batch, [])
@@ -229,6 +250,97 @@ def _split(batch: Any, indices: list[int]) -> Any:
     _keeping(moved.prompt_cache, keep, cls.filter, moved, rows)
     _keeping(caches, keep, cls.filter, batch, sorted(set(range(len(batch.uids))) - set(rows)))
     return moved
+
+
+class Decoded:
+    """One owned decode step's report (`own_decode`): the rows' uids, the tokens reported
+    this step (each row's input to the step's forward), and the rows' `DecodeRow`s, whose
+    `out` holds the logprobs of those tokens for the rows that asked. Its length is the
+    tokens' count, as mlx_lm's list of responses counts them."""
+
+    __slots__ = ("uids", "tokens", "rows")
+
+    def __init__(self, uids: list[int], tokens: list[int], rows: list[DecodeRow]):
+        self.uids, self.tokens, self.rows = uids, tokens, rows
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def own_decode(bg: Any, decoder: Decoder) -> None:
+    """Make the actor's decode step `bg`'s: one forward over the decoding batch, then
+    `decoder`'s batched processing and sampling, for every row from its first token on.
+
+    mlx_lm's `GenerationBatch._step` runs each row's sampler and logits processors in a
+    Python loop and splits the log-probabilities into one array per row; its `next` builds
+    a `Response` per row and ends rows by itself. Here the decoding batch
+    (`bg._generation_batch`, one object for the generator's life: rows come and go by
+    its `extend` and `filter`) steps through `_owned_step` and reports a `Decoded`
+    (`_owned_next`), and never ends a row: the actor retires them. A group whose prompts
+    end gets its first step from the decoder too (`_owned_generate`, set by `_split` on the
+    batch it hands over). Every row must be inserted with a `DecodeRow` as its sampler and
+    no logits processors. Needs `move_whole_groups(bg)` first. mlx_lm's KV caches, its
+    prefill, `remove`, `insert` and the helpers here work as they did: the batch keeps its
+    per-row lists (`uids`, `tokens`, `samplers`, ...) and `_next_tokens` as mlx_lm would.
+    """
+    assert "split" in vars(bg._prompt_batch), "move_whole_groups first"
+    vars(bg._prompt_batch)["_decoder"] = decoder
+    batch = bg._generation_batch
+    vars(batch)["_step"] = functools.partial(_owned_step, decoder, batch, False)
+    vars(batch)["next"] = functools.partial(_owned_next, batch)
+
+
+def owns_decode(bg: Any) -> bool:
+    """Whether `own_decode` took `bg`'s decode step over."""
+    return "_step" in vars(bg._generation_batch)
+
+
+def _owned_step(decoder: Decoder, batch: Any, first: bool) -> tuple[list[int], list[Any]]:
+    """`GenerationBatch._step` with the actor's sampling: forward the tokens sampled last
+    step (`_next_tokens`, still computing), sample the next ones, start them, then read the
+    fed tokens back and append them to `tokens` (the ids each row's KV holds)."""
+    inputs = batch._next_tokens
+    batch._current_tokens = inputs
+    batch._current_logprobs = batch._next_logprobs
+    logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
+    sampled, fed = decoder.step(logits, batch.samplers, inputs, first)
+    batch._next_tokens = sampled
+    batch._next_logprobs = [None] * len(fed)  # kept row-aligned: `filter` and `extend` index it
+    for held, t in zip(batch.tokens, fed, strict=True):
+        held.append(t)
+    return fed, batch._current_logprobs
+
+
+def _owned_next(batch: Any) -> Decoded:
+    """`GenerationBatch.next`: one owned step; no row ends here (the actor retires them)."""
+    if not batch.uids:
+        return Decoded([], [], [])
+    fed, _ = batch._step()
+    # copies: a group joining in this same `BatchGenerator.next` extends the batch's lists
+    return Decoded(list(batch.uids), fed, list(batch.samplers))
+
+
+def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]]) -> Any:
+    """`PromptProcessingBatch.generate(tokens)` (what is left of each prompt; its last token
+    starts decoding) with the first step taken by the decoder, not by mlx_lm's own
+    `GenerationBatch.__init__`: the batch is built empty and given its rows after."""
+    if any(len(t) > 1 for t in tokens):
+        batch.prompt([t[:-1] for t in tokens])
+    n = len(tokens)
+    gen: Any = GenerationBatch(batch.model, [], mx.array([], dtype=mx.uint32), [], [], [], batch.fallback_sampler,
+                          [], [], [])
+    gen.uids, gen.prompt_cache, gen.tokens = batch.uids, batch.prompt_cache, batch.tokens
+    gen.samplers, gen.logits_processors = batch.samplers, batch.logits_processors
+    gen.stop_sequences, gen.max_tokens = batch.stop_sequences, batch.max_tokens
+    gen._next_tokens = mx.array([t[-1] for t in tokens])
+    gen._next_logprobs = [None] * n
+    gen._token_context = [None] * n  # mlx_lm's processors' contexts: none here
+    gen._num_tokens = [0] * n
+    gen._matchers = [ss.matcher() for ss in gen.stop_sequences]
+    batch.uids, batch.prompt_cache, batch.tokens = [], [], []  # as the stock method leaves it
+    batch.samplers, batch.logits_processors, batch.max_tokens = [], [], []
+    _owned_step(decoder, gen, True)
+    return gen
 
 
 def _finalize(c: Any) -> None:

@@ -1,20 +1,25 @@
-"""Constrained decoding inside the shared batch: one grammar-masking logits processor per row.
+"""Constrained decoding inside the shared batch: one grammar-masking processor per row.
 
-`GrammarProcessor` is an mlx-lm logits processor, `(tokens, logits) -> logits`,
-that the actor puts last in a constrained row's `logits_processors` when it
-inserts the row into the BatchGenerator. The generator calls each row's
+`GrammarProcessor` holds a constrained row's matcher and makes its mask each step.
+The actor's decode step drives it in parts (`_decode.py`); it is also an mlx-lm
+logits processor, `(tokens, logits) -> logits`, that under mlx-lm's own step
+the actor puts last in the row's `logits_processors` when it inserts the row
+into the BatchGenerator. The generator calls each row's
 processors with that row's logits alone (shape (1, V)) and its token context
 (prompt + generated so far), so constrained and free rows share one batch;
 a free row pays only what any processor in the batch costs it (mlx-lm then
 slices the logits row by row and joins them again).
 
-Each call: feed the token sampled last step to the row's `llguidance.LLMatcher`,
+Each step: feed the token sampled last step to the row's `llguidance.LLMatcher`,
 fill the next-token bitmask (numpy, one bit per tokenizer token) and set the
 logits of every token it forbids to -inf; tokens past the tokenizer's vocabulary
-(logits are often wider) are forbidden too. Reading the sampled token from the
-context waits for the previous step's sampling, which a free batch overlaps
-with building the next step: that wait is the price of a constrained row,
-paid once per step however many constrained rows there are.
+(logits are often wider) are forbidden too. The actor's own decode step
+(`_decode.Decoder`) does the host side for every constrained row of the batch
+at once (`begin`, llguidance's batch fill, `complete`) while the device runs
+the step's forward, and applies the masks as one batched op; under mlx-lm's
+step (`decode_step="mlx"`) the generator calls the processor per row
+(`__call__`), and reading the sampled token from the context waits for the
+previous step's sampling in the middle of building the next step.
 
 The processor also keeps its row inside `max_tokens`. Every so often it
 measures the completion `_matcher.finish` would write from here; in the
@@ -99,19 +104,64 @@ class GrammarProcessor:
         self.error: str | None = None
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        try:
-            # The first call sees the prompt alone; every later one, the token
-            # sampled from the mask this processor made at the call before.
-            self._advance(int(tokens[-1].item()) if self._calls else None)  # type: ignore[arg-type]
-        except Exception as exc:  # a bug: end the row rather than fail the batch
-            self.error = f"{type(exc).__name__}: {exc}"
-            self._end()
-        self._calls += 1
+        """mlx-lm's logits processor: `tokens` is the row's context, `logits` its (1, V) row."""
+        # The first call sees the prompt alone; every later one, the token
+        # sampled from the mask this processor made at the call before.
+        if self.begin(int(tokens[-1].item()) if self._calls else None):  # type: ignore[arg-type]
+            self.fill()
+            self.complete()
         return self._apply(logits)
+
+    # -- one step's host side, in parts, so that a batch fills its masks together ---------
+    #
+    # `begin(token)` feeds the matcher the token sampled from this row's last mask (None
+    # at the first step); when it returns True the row's mask needs the matcher's own
+    # (`fill()`, or llguidance's batch fill into the bitmask `bind` gave it), and then
+    # `complete()`. The actor's decode step (`_decode.Decoder`) does that for every
+    # constrained row of the batch at once; `__call__` for one. A failure in either part
+    # ends the row (EOS) and is kept in `error`: it never raises.
+
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        return self._matcher
+
+    def new_bitmask(self, rows: int) -> np.ndarray:
+        """A zeroed bitmask for `rows` rows of this processor's vocabulary (llguidance's layout)."""
+        return llnp.allocate_token_bitmask(rows, self._vocab.size)
+
+    def bind(self, row: np.ndarray) -> None:
+        """Write this row's mask into `row` (one row of a batch's bitmask, shape (1, words))
+        from now on; every step writes it whole, so nothing carries over."""
+        self._bitmask = row
+        self._words = row.view(np.uint32)
+
+    def begin(self, token: int | None) -> bool:
+        try:
+            if self._advance(token):
+                return True
+        except Exception as exc:  # a bug: end the row rather than fail the batch
+            self._fail(exc)
+        self._calls += 1
+        return False
+
+    def fill(self) -> None:
+        llnp.fill_next_token_bitmask(self._matcher, self._bitmask)
+
+    def complete(self) -> None:
+        try:
+            self._after_fill()
+        except Exception as exc:
+            self._fail(exc)
+        self._calls += 1
+
+    def _fail(self, exc: Exception) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        self._end()
 
     # -- host side: the matcher and the bitmask -------------------------------------
 
-    def _advance(self, token: int | None) -> None:
+    def _advance(self, token: int | None) -> bool:
+        """Feed the matcher; True when the mask needs the matcher's fill, then `_after_fill`."""
         m = self._matcher
         if token is not None and self._mode != "done":
             if self._tail and token == self._tail[0]:
@@ -122,21 +172,30 @@ class GrammarProcessor:
                     self._mode, self._check_at = "calm", self._calls
             if not m.consume_token(token):
                 self.error = f"the grammar refused token {token}: {m.get_error()}"
-                return self._end()
+                self._end()
+                return False
         left = self._max_tokens - self._calls  # tokens this row may still emit, this one included
         if self._mode == "done" or left <= 1 or m.is_stopped():
             if self._mode != "done" and left <= 1 and not m.is_stopped() and not m.is_accepting():
                 self.forced_finish = True  # max_tokens cuts the text where the grammar cannot end
-            return self._end()
+            self._end()
+            return False
         if self._mode == "forcing":
-            return self._allow(self._tail[:1]) if self._tail else self._end()
-        llnp.fill_next_token_bitmask(m, self._bitmask)
+            if self._tail:
+                self._allow(self._tail[:1])
+            else:
+                self._end()
+            return False
+        return True
+
+    def _after_fill(self) -> None:
+        """The rest of a step whose mask the matcher filled: the budget's measurement, calm."""
         if self._calls >= self._check_at:
-            self._measure(left)
+            self._measure(self._max_tokens - self._calls)
             if self._mode == "forcing":
                 return self._advance_forced()
         if self._mode == "calm":
-            accepting = m.is_accepting()
+            accepting = self._matcher.is_accepting()
             self._words &= self._vocab.calm
             self._add(self._tail[:1])
             if accepting:

@@ -69,6 +69,10 @@ class ActorConfig:
     # under across restarts, and the most KV (GB) written there; None or 0: off.
     prompt_cache_disk: str | None = None
     prompt_cache_disk_gb: float = 0.0
+    # The decode step: "owned", the actor's own (`_decode.py`: one forward over the decoding
+    # batch, sampling batched on the device, pipelined), or "mlx", mlx_lm's GenerationBatch
+    # with a sampler and logits processors per row; kept so that the two can be compared.
+    decode_step: str = "owned"
     # A file the actor appends one line per step to (`_trace.StepTrace`); None: no trace.
     step_trace: str | None = None
     # Test-only: called on the actor thread with a stage name ("load", "loop",

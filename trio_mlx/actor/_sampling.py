@@ -1,6 +1,8 @@
-"""Per-request samplers and logits processors, built on mlx-lm's sample_utils.
+"""Per-request samplers and logits processors, built on mlx-lm's sample_utils, for mlx-lm's step.
 
-Every sampling option is served inside the shared batch: a row carries its own
+The actor's own decode step (`_decode.py`, the default) samples the whole batch
+at once and uses none of these but `_mix64`; with `decode_step="mlx"` every
+sampling option is served inside the shared batch this way: a row carries its own
 sampler and processors (mlx-lm's BatchGenerator applies them per row). Samplers
 of equal parameters are shared (`SamplerCache`), so a batch whose rows sample
 alike makes one batched call per step.

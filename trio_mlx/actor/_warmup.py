@@ -9,9 +9,11 @@ from typing import Any
 WARMUP_PROMPT = 128  # tokens per warm-up prompt on a GPU (see warm_up)
 
 
-def warm_up(bg: Any, token: int, length: int, groups: int) -> None:
+def warm_up(bg: Any, token: int, length: int, groups: int, row: Callable[[], Any] | None = None) -> None:
     """Prefill 1, 2, ... `groups` prompts of `length` tokens at once, each group to
-    its first tokens. Leaves `bg` empty.
+    its first tokens. Leaves `bg` empty. With `row`, each sequence's sampler is a fresh
+    `row()` (the actor's own decode step, `_batch.own_decode`, which ends no row by
+    itself: the group is removed once done).
 
     MLX compiles GPU kernels the first time it meets a shape, and on CUDA
     that can stall a step for seconds: measured on an H100, the first
@@ -25,8 +27,10 @@ def warm_up(bg: Any, token: int, length: int, groups: int) -> None:
     stalls to hide and prefill is slow, one short sequence is enough.
     """
     for k in range(1, groups + 1):
-        uids = bg.insert([[token] * length for _ in range(k)], max_tokens=[2] * k)
+        samplers = None if row is None else [row() for _ in range(k)]
+        uids = bg.insert([[token] * length for _ in range(k)], max_tokens=[2] * k, samplers=samplers)
         _step_until(bg, lambda gen: all(n >= 2 for n in gen.values()), uids)
+        bg.remove(uids)  # those still there (mlx_lm's own step ends them at max_tokens)
 
 
 def _step_until(bg: Any, done: Callable[[dict[int, int]], bool], uids: list[int]) -> None:
@@ -35,9 +39,9 @@ def _step_until(bg: Any, done: Callable[[dict[int, int]], bool], uids: list[int]
     generated: dict[int, int] = dict.fromkeys(uids, 0)
     for _ in range(64):
         _, responses = bg.next()
-        for r in responses:
-            if r.uid in generated:
-                generated[r.uid] += 1
+        for uid in getattr(responses, "uids", None) or [r.uid for r in responses]:  # `_batch.Decoded`, or a list
+            if uid in generated:
+                generated[uid] += 1
         if done(generated):
             return
     raise RuntimeError(f"warm-up: no progress after 64 steps ({generated})")

@@ -192,6 +192,7 @@ class Engine:
         admit_window: float = ADMIT_WINDOW,
         fault_hook: Any = None,
         retire_steps: int = 16,
+        decode_step: str = "owned",
         idle_release: float | None = None,
         cache_limit_gb: float | None = None,
         step_trace: str | None = None,
@@ -228,12 +229,15 @@ class Engine:
                                    for v in (idle_release, cache_limit_gb, prompt_cache_gb, prompt_cache_disk_gb)):
             raise ValueError("retire_steps, idle_release, prompt_cache_gb, prompt_cache_disk_gb and cache_limit_gb "
                              "must be >= 0")
+        if decode_step not in ("owned", "mlx"):
+            raise ValueError(f"decode_step must be 'owned' or 'mlx', not {decode_step!r}")
         self._prompt_cache_disk_gb = prompt_cache_disk_gb
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 0:
             raise ValueError(f"default_max_tokens must be an integer >= 0, not {default_max_tokens!r}")
         self.default_max_tokens = default_max_tokens  # 0: up to the context's end
         # Actor knobs passed through as they are (`ActorConfig` documents each).
-        self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, idle_release=idle_release,
+        self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, decode_step=decode_step,
+                                  idle_release=idle_release,
                                   cache_limit_gb=cache_limit_gb, step_trace=step_trace,
                                   prompt_cache_gb=prompt_cache_gb)
 
@@ -1206,7 +1210,7 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
 
     Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
     switch_interval, actor ("thread" or "process"), admit_window, sampling_defaults (None:
-    the model's generation_config.json), the actor knobs retire_steps, idle_release,
+    the model's generation_config.json), the actor knobs retire_steps, decode_step, idle_release,
     cache_limit_gb, step_trace, prompt_cache_gb, prompt_cache_disk_gb (see `Engine`, `ActorConfig`), and
     restart_limit, restart_window, restart_backoff (a dead actor restarted: `_supervise.py`)."""
     engine = Engine(model, **options)

@@ -71,6 +71,7 @@ def _engine_options(settings: Settings) -> dict[str, Any]:
         warmup=settings.warmup,
         actor=settings.actor,
         retire_steps=settings.retire_steps,
+        decode_step=settings.decode_step,
         idle_release=settings.idle_release,
         cache_limit_gb=settings.cache_limit_gb,
         step_trace=settings.step_trace,

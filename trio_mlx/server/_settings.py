@@ -129,6 +129,10 @@ class Settings:
     retire_steps: int = field(default=16, metadata=_doc(
         "the most decode steps a finished sequence's row may stay in the batch before it is "
         "removed together with others (removals cost host time per change); 0: at once"))
+    decode_step: str = field(default="owned", metadata=_doc(
+        "the actor's decode step: 'owned' (one forward over the decoding batch, every row's sampling "
+        "batched on the device, the next step started before this one's tokens are read) or 'mlx' "
+        "(mlx-lm's BatchGenerator step, a sampler and logits processors per row), to compare the two"))
     idle_release: float | None = field(default=None, metadata=_doc(
         "seconds idle before the actor hands MLX's buffer cache back; unset: 1 on a GPU, never "
         "on the CPU; 0: never"))
@@ -179,6 +183,8 @@ class Settings:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
+        if self.decode_step not in ("owned", "mlx"):
+            raise ValueError(f"decode_step must be 'owned' or 'mlx', got {self.decode_step!r}")
         if self.actor not in ("thread", "process"):
             raise ValueError(f"actor must be 'thread' or 'process', got {self.actor!r}")
         if self.distributed not in (None, "tensor", "pipeline"):

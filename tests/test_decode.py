@@ -1,0 +1,360 @@
+"""The actor's own decode step (`actor/_decode.py`, hooked into mlx-lm's batch by `actor/_batch.own_decode`).
+
+The sampling is checked on synthetic logits over a small vocabulary, where every
+row's exact distribution is known (`_reference`: mlx-lm's rules written out in
+numpy); the whole step through the actor on a tiny fp32 model, where greedy
+tokens must be mlx-lm's own single-sequence generation's.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from trio_mlx.actor import Abort, ActorConfig, SamplingParams, Submit, _decode
+from trio_mlx.actor._actor import Actor
+from trio_mlx.actor._decode import Decoder, DecodeRow
+
+LOGITS = np.array([2.0, 1.4, 1.1, 0.6, 0.0, -0.4, -1.0, -1.6], dtype=np.float32)  # 8 tokens, some negative
+PROMPT = (0, 6, 3)  # tokens the repetition penalty sees from the start (a positive, a negative logit)
+
+
+def _reference(logits: np.ndarray, sp: SamplingParams, prompt: tuple[int, ...], generated: list[int]) -> np.ndarray:
+    """The next token's distribution under mlx-lm's rules: logit bias, repetition penalty
+    (prompt and output), presence and frequency penalties (output), then on the
+    log-softmax top-p, min-p, top-k (`mlx_lm.sample_utils`), then temperature."""
+    x = logits.astype(np.float64).copy()
+    for t, v in sp.logit_bias:
+        x[t] += v
+    if sp.repetition_penalty != 1.0:
+        for t in set(prompt) | set(generated):
+            x[t] = x[t] * sp.repetition_penalty if x[t] < 0 else x[t] / sp.repetition_penalty
+    for t, c in collections.Counter(generated).items():
+        x[t] -= sp.frequency_penalty * c + sp.presence_penalty
+    if sp.greedy:
+        p = np.zeros_like(x)
+        p[int(np.argmax(x))] = 1.0
+        return p
+    lp = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+    keep = np.ones_like(lp, dtype=bool)
+    if 0.0 < sp.top_p < 1.0:  # apply_top_p: drop tokens with at least top_p of the mass above them
+        order = np.argsort(lp)
+        probs = np.exp(lp[order])
+        above = np.cumsum(probs[::-1])[::-1] - probs
+        dropped = int((above >= sp.top_p * probs.sum()).sum())
+        keep &= lp >= lp[order][dropped]
+    if sp.min_p > 0.0:
+        keep &= lp >= lp.max() + math.log(sp.min_p)
+    if 0 < sp.top_k < len(lp):
+        keep &= lp >= np.sort(lp)[::-1][sp.top_k - 1]
+    y = np.where(keep, lp / sp.temperature, -np.inf)
+    e = np.exp(y - y.max())
+    return e / e.sum()
+
+
+def _draw(rows: list[DecodeRow], logits: np.ndarray, steps: int) -> list[list[int]]:
+    """`steps` tokens for every row, each step's logits `logits` (rows, vocab)."""
+    decoder = Decoder()
+    x = mx.array(logits)
+    inputs = mx.array([PROMPT[-1]] * len(rows))
+    out: list[list[int]] = [[] for _ in rows]
+    for k in range(steps):
+        sampled, _ = decoder.step(x, rows, inputs, k == 0)
+        for i, t in enumerate(sampled.tolist()):
+            out[i].append(t)
+        inputs = sampled
+    return out
+
+
+def _chi2_limit(df: int, z: float = 3.29) -> float:
+    """The chi-square statistic exceeded with probability ~5e-4 (Wilson-Hilferty)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=1.5, top_p=0.7),
+    SamplingParams(temperature=1.0, top_k=3),
+    SamplingParams(temperature=1.0, min_p=0.3),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=4, min_p=0.1),
+    SamplingParams(temperature=1.0, repetition_penalty=1.6),
+    SamplingParams(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6),
+    SamplingParams(temperature=1.0, logit_bias=((5, 2.5), (0, -1.0))),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5),
+]
+
+
+def test_every_row_samples_from_its_own_parameters_distribution_in_one_mixed_batch():
+    """One batch holding rows of every sampling option side by side (and greedy rows): each
+    option's tokens over three steps fit, by chi-square, the distribution mlx-lm's rules
+    give each row from its own history; tokens those rules forbid never appear; seeded
+    rows (a seed each) fit as well."""
+    mx.random.seed(11)
+    per_case = 300
+    cases = CASES + [SamplingParams(temperature=0.9, top_k=5, seed=-1)]
+    rows: list[DecodeRow] = []
+    for i in range(per_case):
+        for c in cases:
+            sp = dataclasses.replace(c, seed=i) if c.seed is not None else c
+            rows.append(DecodeRow(sp, PROMPT))
+    steps = 3
+    out = _draw(rows, np.tile(LOGITS, (len(rows), 1)), steps)
+    for n, case in enumerate(cases):
+        expected = np.zeros(len(LOGITS))
+        observed = np.zeros(len(LOGITS))
+        for i in range(n, len(rows), len(cases)):
+            for k in range(steps):
+                expected += _reference(LOGITS, rows[i].sampling, PROMPT, out[i][:k])
+                observed[out[i][k]] += 1
+        assert observed[expected < 1e-9].sum() == 0, (case, observed, expected)
+        live = expected >= 1e-9
+        if live.sum() == 1:  # greedy: every token the argmax of the processed logits
+            assert observed[live].sum() == per_case * steps
+            continue
+        stat = float((((observed - expected) ** 2)[live] / expected[live]).sum())
+        assert stat < _chi2_limit(int(live.sum()) - 1), (case, stat, observed, expected)
+
+
+def test_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch():
+    mine = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    logits = np.tile(LOGITS, (1, 1))
+    alone = _draw([DecodeRow(mine, PROMPT)], logits, 24)[0]
+    for others in (3, 9):
+        rows = [DecodeRow(SamplingParams(temperature=1.0, seed=i if i % 2 else None), PROMPT) for i in range(others)]
+        rows.insert(others // 2, DecodeRow(mine, PROMPT))
+        rows.append(DecodeRow(SamplingParams(temperature=0.0), PROMPT))
+        batched = _draw(rows, np.tile(LOGITS, (len(rows), 1)), 24)[others // 2]
+        assert batched == alone
+    other = _draw([DecodeRow(SamplingParams(temperature=1.0, top_p=0.95, seed=99), PROMPT)], logits, 24)[0]
+    assert other != alone
+
+
+def test_logprobs_are_the_log_softmax_of_the_processed_logits_for_the_rows_that_ask():
+    """`DecodeRow.out` after a step: the log-softmax (after bias and penalties) at the token
+    the row was fed, and the top ones, sorted; rows that do not ask get nothing."""
+    mx.random.seed(3)
+    asks = SamplingParams(temperature=1.0, logit_bias=((7, 3.0),), frequency_penalty=0.5, logprobs=True,
+                          top_logprobs=3)
+    rows = [DecodeRow(asks, PROMPT), DecodeRow(SamplingParams(temperature=1.0), PROMPT),
+            DecodeRow(SamplingParams(temperature=0.0, logprobs=True), PROMPT)]
+    decoder = Decoder()
+    x = mx.array(np.tile(LOGITS, (3, 1)))
+    inputs = mx.array([PROMPT[-1]] * 3)
+    history: list[list[int]] = [[], [], []]
+    for k in range(4):
+        sampled, fed = decoder.step(x, rows, inputs, k == 0)
+        if k:
+            for i in (0, 2):
+                lp, top = rows[i].out  # type: ignore[misc]
+                x_ref = _processed(LOGITS, rows[i].sampling, history[i][:-1])
+                ref = x_ref - np.log(np.exp(x_ref).sum())
+                assert fed[i] == history[i][-1]
+                assert lp == pytest.approx(ref[fed[i]], abs=1e-5)
+                if rows[i].sampling.top_logprobs:
+                    assert top is not None and [t for t, _ in top] == list(np.argsort(-ref)[:3])
+                    assert [v for _, v in top] == pytest.approx(sorted(ref, reverse=True)[:3], abs=1e-5)
+                else:
+                    assert top is None
+            assert rows[1].out is None
+        for i, t in enumerate(sampled.tolist()):
+            history[i].append(t)
+        inputs = sampled
+
+
+def _processed(logits: np.ndarray, sp: SamplingParams, generated: list[int]) -> np.ndarray:
+    x = logits.astype(np.float64).copy()
+    for t, v in sp.logit_bias:
+        x[t] += v
+    for t, c in collections.Counter(generated).items():
+        x[t] -= sp.frequency_penalty * c + sp.presence_penalty
+    return x
+
+
+def test_the_next_step_starts_before_this_steps_tokens_are_read(monkeypatch):
+    """Pipelined as mlx_lm's generate_step: the sampled tokens are started (`async_eval`) before
+    the fed ones are read back; with a grammar row, the forward is started first, then the
+    fed tokens read (the matchers need them), then the sampling started."""
+    events: list[str] = []
+    real = mx.async_eval
+
+    def spy(*arrays: Any) -> None:
+        events.append("start")
+        real(*arrays)
+
+    class Fed:
+        def __init__(self, values: list[int]):
+            self.values = values
+
+        def tolist(self) -> list[int]:
+            events.append("read")
+            return self.values
+
+    monkeypatch.setattr(mx, "async_eval", spy)
+    rows = [DecodeRow(SamplingParams(temperature=1.0), PROMPT), DecodeRow(SamplingParams(temperature=0.0), PROMPT)]
+    decoder = Decoder()
+    fed = Fed([1, 2])
+    sampled, got = decoder.step(mx.array(np.tile(LOGITS, (2, 1))), rows, fed, False)
+    assert got == [1, 2] and events == ["start", "read"]
+
+    class Grammar:  # the decode step's side of `GrammarProcessor`
+        error = None
+
+        def __init__(self) -> None:
+            self.fed: list[int | None] = []
+
+        def new_bitmask(self, n: int) -> np.ndarray:
+            return np.zeros((n, 1), dtype=np.int32)
+
+        def bind(self, row: np.ndarray) -> None:
+            self.row = row
+
+        def begin(self, token: int | None) -> bool:
+            events.append("mask")
+            self.fed.append(token)
+            self.row[0, 0] = 1 << 4  # only token 4
+            return False
+
+    g = Grammar()
+    rows.append(DecodeRow(SamplingParams(temperature=1.0), PROMPT, g))  # type: ignore[arg-type]
+    events.clear()
+    sampled, _ = decoder.step(mx.array(np.tile(LOGITS, (3, 1))), rows, Fed([1, 2, 3]), False)
+    assert events == ["start", "read", "mask", "start"] and g.fed == [3]
+    assert sampled.tolist()[2] == 4
+
+
+# -- the step through the actor, on a tiny model ----------------------------------------
+
+
+class _Link:
+    def built(self) -> None:  # the step's graph is built: nobody waits for it here
+        pass
+
+
+def _actor(path: Path, **config: Any) -> Actor:
+    actor = Actor(ActorConfig(model_path=path, warmup=False, **config), link=_Link())  # type: ignore[arg-type]
+    actor._load()
+    return actor
+
+
+def _reference_greedy(path: Path, prompt: tuple[int, ...], n: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path)
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def _serve(actor: Actor, script: dict[int, list[Any]], steps: int) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Run the actor's own `_apply` and `_step` for `steps` steps, applying `script[k]` before
+    step k: each rid's tokens, and the step each rid's last token came in."""
+    tokens: dict[int, list[int]] = collections.defaultdict(list)
+    last: dict[int, int] = {}
+    for k in range(steps):
+        failed = actor._apply(script.get(k, []))
+        report = actor._step(failed or [])
+        assert not report.failed, report.failed
+        for t in report.tokens:
+            tokens[t.rid].append(t.token)
+            last[t.rid] = k
+    return tokens, last
+
+
+def test_greedy_tokens_are_mlx_lm_generates_in_a_batch_of_16_with_rows_entering_and_leaving(tiny_model_fp32):
+    """16 prompts of 2-40 tokens enter in four groups while others decode, finish at
+    different lengths and retire; one is aborted mid-stream and makes no token after the
+    step it was aborted before. Every other row's tokens are mlx_lm's own greedy ones."""
+    rng = random.Random(5)
+    actor = _actor(tiny_model_fp32, max_batch=16, prefill_batch=4, admit_window=0.0, retire_steps=3)
+    vocab = actor._vocab
+    prompts = {rid: tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(2, 40))) for rid in range(16)}
+    lengths = {rid: rng.randrange(6, 20) for rid in range(16)}
+    script: dict[int, list[Any]] = {}
+    for group, at in enumerate((0, 3, 7, 12)):
+        script[at] = [Submit(rid, prompts[rid], lengths[rid], SamplingParams(temperature=0.0), frozenset())
+                      for rid in range(4 * group, 4 * group + 4)]
+    script.setdefault(9, []).append(Abort(5))
+    tokens, last = _serve(actor, script, 60)
+    assert last[5] < 9 and len(tokens[5]) < lengths[5]
+    assert 5 not in {s.rid for s in actor._seqs.values()}
+    for rid in range(16):
+        if rid != 5:
+            assert tokens[rid] == _reference_greedy(tiny_model_fp32, prompts[rid], lengths[rid]), rid
+    assert not actor._seqs and not actor._bg._generation_batch.uids  # type: ignore[union-attr]
+
+
+def test_the_owned_step_and_mlx_lms_give_the_same_greedy_tokens_with_bias_and_penalties(tiny_model_fp32):
+    """TRIO_MLX_DECODE_STEP switches between the two steps; greedy rows with logit bias and
+    every penalty, beside plain ones, make the same tokens under either."""
+    sps = [SamplingParams(temperature=0.0),
+           SamplingParams(temperature=0.0, logit_bias=((40, 4.0), (41, 2.0))),
+           SamplingParams(temperature=0.0, repetition_penalty=1.3),
+           SamplingParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.8),
+           SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5, logprobs=True,
+                          top_logprobs=2)]
+    prompts = [tuple(range(10 + i, 30 + 3 * i)) for i in range(len(sps))]
+
+    def serve(step: str) -> tuple[dict[int, list[int]], list[Any]]:
+        actor = _actor(tiny_model_fp32, max_batch=8, prefill_batch=8, decode_step=step)
+        subs = [Submit(i, p, 16, sp, frozenset()) for i, (p, sp) in enumerate(zip(prompts, sps, strict=True))]
+        logprobs: list[Any] = []
+        tokens: dict[int, list[int]] = collections.defaultdict(list)
+        failed = actor._apply(subs)
+        for _ in range(40):
+            report = actor._step(failed or [])
+            for t in report.tokens:
+                tokens[t.rid].append(t.token)
+                if t.rid == 4:
+                    logprobs.append((t.logprob, t.top_logprobs))
+            failed = actor._apply([])
+        return tokens, logprobs
+
+    owned, owned_lp = serve("owned")
+    mlx, mlx_lp = serve("mlx")
+    assert owned == mlx and all(len(v) == 16 for v in owned.values())
+    assert owned[1].count(40) > owned[0].count(40)  # the bias steered
+    for (a, top_a), (b, top_b) in zip(owned_lp, mlx_lp, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+        assert [t for t, _ in top_a] == [t for t, _ in top_b]
+
+
+def test_constrained_rows_fill_their_masks_together_beside_free_rows(tiny_model_fp32, monkeypatch):
+    """Three JSON-constrained rows (sampled) and three free ones in one batch: every constrained
+    output parses, and their masks were filled by llguidance's batch fill."""
+    import json
+
+    from trio_mlx.actor import Grammar
+    from trio_mlx.actor._constrain import json_string_grammar
+
+    batches: list[int] = []
+    real = _decode.Decoder._fill_many
+
+    def spy(self: Any, fill: Any, bitmask: Any) -> None:
+        batches.append(len(fill))
+        real(self, fill, bitmask)
+
+    monkeypatch.setattr(_decode.Decoder, "_fill_many", spy)
+    actor = _actor(tiny_model_fp32, max_batch=8, prefill_batch=8)
+    grammar = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
+    from trio_mlx.actor._constrain import model_vocab
+
+    stops = frozenset(model_vocab(tiny_model_fp32).eos)
+    subs = [Submit(i, (5 + i, 6, 7), 24, SamplingParams(temperature=1.0, seed=i), stops, grammar if i < 3 else None)
+            for i in range(6)]
+    tokens, _ = _serve(actor, {0: subs}, 40)
+    from trio_mlx import models
+
+    tok = models.load_tokenizer(tiny_model_fp32)
+    for i in range(3):
+        text = tok.decode([t for t in tokens[i] if t not in stops])
+        assert isinstance(json.loads(text), str), text
+    assert batches and max(batches) >= 2

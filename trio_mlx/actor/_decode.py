@@ -1,0 +1,381 @@
+"""The actor's own decode step: every row's logits processing and sampling as array ops over the batch.
+
+mlx-lm's `GenerationBatch` calls each row's sampler and logits processors in a
+Python loop, splits the batch's log-probabilities into one array per row, and
+feeds every processor its row's whole token history; a grammar row reads the
+last token back (`.item()`) in the middle of building the step. Here the batch
+is one set of arrays: a step is one forward (`_batch.own_decode` hooks it into
+mlx-lm's batch, whose KV cache classes it keeps) and then `Decoder.step`, which
+processes and samples every row at once, with per-row parameters held as arrays
+and rebuilt only when rows enter or leave (`_Plan`).
+
+What a step computes for each row, in the order mlx-lm's processors ran:
+
+1. `logit_bias` (one scatter-add over the batch);
+2. the repetition penalty, over the prompt's and the generated tokens (HF's rule:
+   a seen token's logit is divided by the penalty, or multiplied when negative);
+3. the presence and frequency penalties, over the generated tokens only (OpenAI's
+   rule: `- presence * [count > 0] - frequency * count`);
+4. a constrained row's grammar mask (`_constrain.GrammarProcessor`), tokens it
+   forbids at -inf;
+5. for rows that ask, the chosen token's log-probability and the top ones, from
+   the log-softmax of the logits as processed so far (as mlx-lm reports them);
+6. the token: greedy rows take the argmax; sampling rows filter the
+   log-probabilities by top-p, min-p and top-k (mlx-lm's `apply_top_p`,
+   `apply_min_p`, `apply_top_k` as one threshold per row), scale by 1/temperature
+   and draw by Gumbel-max. A seeded row's noise comes from its own key, made from
+   its seed and its step count (`_sampling._mix64`), so its tokens do not depend on
+   what else shares the batch; every other row's from MLX's global PRNG, which a
+   distributed group seeds alike on every rank.
+
+Pipelined as `mlx_lm.generate.generate_step` is: the step's whole graph (the
+forward of the tokens sampled last step, still being computed, and this step's
+sampling) is built and started with `mx.async_eval` before last step's tokens
+are read back to the host. A batch with grammar rows starts its forward first,
+reads last step's tokens (the matchers need them), computes the masks on the
+host while the device runs the forward (llguidance's batch fill releases the
+GIL and uses threads of its own), then builds and starts the sampling.
+
+No mlx-lm here: `_batch.py` holds every use of its internals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ._constrain import GrammarProcessor
+from ._protocol import SamplingParams
+from ._sampling import _mix64
+
+_serials = itertools.count()
+
+
+class DecodeRow:
+    """One decoding sequence as the decode step sees it: its sampling, its grammar, its state.
+
+    The actor makes one per sequence and inserts it as the row's "sampler"; mlx-lm's
+    batches carry it through their per-row lists (filter, extend, split), so it stays
+    with its row whatever else enters or leaves. Not callable: a step of mlx-lm's own
+    that met it would fail at once rather than sample with the wrong rule."""
+
+    __slots__ = ("serial", "sampling", "prompt", "grammar", "steps", "counts", "seen", "pending", "out")
+
+    def __init__(self, sampling: SamplingParams, prompt: Sequence[int] = (), grammar: GrammarProcessor | None = None):
+        self.serial = next(_serials)  # identifies the row in a plan's key: ids of freed objects recur
+        self.sampling = sampling
+        self.prompt = tuple(prompt)  # the repetition penalty's first tokens
+        self.grammar = grammar
+        self.steps = 0  # tokens sampled for this row so far (a seeded row's key counter)
+        self.counts: Any = None  # (1, V) float32: how often each token was generated (penalty rows)
+        self.seen: Any = None  # (1, V) float32: 1 where the prompt or the output holds the token
+        self.pending: tuple[_Logprobs, int] | None = None  # logprobs of the token sampled last, on the device
+        self.out: tuple[float, tuple[tuple[int, float], ...] | None] | None = None  # ... read: (logprob, top)
+
+    @property
+    def penalized(self) -> bool:
+        sp = self.sampling
+        return sp.repetition_penalty != 1.0 or bool(sp.presence_penalty) or bool(sp.frequency_penalty)
+
+
+class _Logprobs:
+    """One step's log-probabilities for the rows that asked, on the device until `read`."""
+
+    __slots__ = ("chosen", "idx", "vals", "_host")
+
+    def __init__(self, chosen: Any, idx: Any, vals: Any):
+        self.chosen, self.idx, self.vals = chosen, idx, vals
+        self._host: tuple[list[float], list[list[int]], list[list[float]]] | None = None
+
+    def arrays(self) -> list[Any]:
+        return [self.chosen] if self.idx is None else [self.chosen, self.idx, self.vals]
+
+    def read(self, i: int, top: int) -> tuple[float, tuple[tuple[int, float], ...] | None]:
+        if self._host is None:
+            chosen: list[float] = self.chosen.tolist()  # type: ignore[assignment]
+            idx: list[list[int]] = [] if self.idx is None else self.idx.tolist()  # type: ignore[assignment]
+            vals: list[list[float]] = [] if self.vals is None else self.vals.tolist()  # type: ignore[assignment]
+            self._host = (chosen, idx, vals)
+        chosen, idx, vals = self._host
+        if not top:
+            return chosen[i], None
+        pairs = sorted(zip(idx[i], vals[i], strict=True), key=lambda p: -p[1])
+        return chosen[i], tuple(pairs[:top])
+
+
+class _Plan:
+    """The batch's per-row parameters as arrays, for one composition of rows (its `key`)."""
+
+    def __init__(self, rows: Sequence[DecodeRow], width: int):
+        self.key = tuple(r.serial for r in rows)
+        self.rows = list(rows)
+        self.width = width
+        n = len(rows)
+        sps = [r.sampling for r in rows]
+        greedy = [sp.greedy for sp in sps]
+        self.all_greedy = all(greedy)
+        self.greedy = mx.array(greedy) if any(greedy) and not self.all_greedy else None
+        sampling = [i for i in range(n) if not greedy[i]]
+        self.inv_temp: Any = None
+        self.top_p: Any = None
+        self.top_k: Any = None
+        self.min_p: Any = None
+        self.sort = self.use_min_p = self.unseeded = False
+        self.seeded: list[int] = []
+        if sampling:
+            self.inv_temp = mx.array([1.0 if g else 1.0 / sp.temperature for g, sp in zip(greedy, sps, strict=True)])[:, None]
+            p = [0.0 < sp.top_p < 1.0 and not g for g, sp in zip(greedy, sps, strict=True)]
+            k = [0 < sp.top_k < width and not g for g, sp in zip(greedy, sps, strict=True)]
+            m = [sp.min_p > 0.0 and not g for g, sp in zip(greedy, sps, strict=True)]
+            self.sort = any(p) or any(k)
+            if self.sort:
+                self.top_p = mx.array([sp.top_p if on else 2.0 for on, sp in zip(p, sps, strict=True)])[:, None]
+                # index of the k-th largest in an ascending sort; 0 keeps every token
+                self.top_k = mx.array([width - sp.top_k if on else 0 for on, sp in zip(k, sps, strict=True)])[:, None]
+            self.use_min_p = any(m)
+            if self.use_min_p:
+                self.min_p = mx.array([math.log(sp.min_p) if on else -math.inf for on, sp in zip(m, sps, strict=True)])[:, None]
+            self.seeded = [i for i in sampling if sps[i].seed is not None]
+            self.unseeded = len(self.seeded) < len(sampling)
+        bias = [(i, t, v) for i, sp in enumerate(sps) for t, v in sp.logit_bias]
+        self.bias: tuple[Any, Any, Any] | None = None
+        if bias:
+            self.bias = (mx.array([b[0] for b in bias]), mx.array([b[1] for b in bias]),
+                         mx.array([b[2] for b in bias], dtype=mx.float32))
+        self.penalized = [i for i, r in enumerate(rows) if r.penalized]
+        self.counts: Any = None
+        self.seen: Any = None
+        self.rep: Any = None
+        self.pres: Any = None
+        self.freq: Any = None
+        self.pen_idx: Any = None
+        if self.penalized:
+            for i in self.penalized:
+                _init_penalty_state(rows[i], width)
+            self.counts = mx.concatenate([rows[i].counts for i in self.penalized])
+            self.seen = mx.concatenate([rows[i].seen for i in self.penalized])
+            pen = [sps[i] for i in self.penalized]
+            self.rep = mx.array([sp.repetition_penalty for sp in pen])[:, None]
+            self.pres = mx.array([sp.presence_penalty for sp in pen])[:, None]
+            self.freq = mx.array([sp.frequency_penalty for sp in pen])[:, None]
+            self.pen_idx = mx.array(self.penalized)
+        self.logprobs = [i for i, sp in enumerate(sps) if sp.logprobs]
+        self.top = max((sps[i].top_logprobs for i in self.logprobs), default=0)
+        self.lp_idx: Any = mx.array(self.logprobs) if self.logprobs else None
+        self.grammar = [i for i, r in enumerate(rows) if r.grammar is not None]
+        self.bitmask: np.ndarray | None = None
+        self.g_idx: Any = None
+        if self.grammar:
+            first = rows[self.grammar[0]].grammar
+            assert first is not None
+            self.bitmask = first.new_bitmask(len(self.grammar))
+            for j, i in enumerate(self.grammar):
+                g = rows[i].grammar
+                assert g is not None
+                g.bind(self.bitmask[j : j + 1])
+            self.g_idx = mx.array(self.grammar)
+
+    def write_back(self) -> None:
+        """Hand the penalty state back to its rows (lazy slices), before another plan takes over."""
+        for j, i in enumerate(self.penalized):
+            row = self.rows[i]
+            row.counts, row.seen = self.counts[j : j + 1], self.seen[j : j + 1]
+
+
+def _init_penalty_state(row: DecodeRow, width: int) -> None:
+    if row.counts is not None and row.counts.shape[1] == width:
+        return
+    row.counts = mx.zeros((1, width), dtype=mx.float32)
+    seen = mx.zeros((1, width), dtype=mx.float32)
+    ids = [t for t in row.prompt if 0 <= t < width]
+    if ids:
+        seen[0, mx.array(ids)] = 1.0
+    row.seen = seen
+
+
+class Decoder:
+    """Processes and samples a decoding batch's logits; one per generator (`_batch.own_decode`)."""
+
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+        self._executor: Any = None  # llguidance's thread pool, made at the first batch of masks
+
+    def step(self, logits: Any, rows: Sequence[DecodeRow], inputs: Any, first: bool) -> tuple[Any, list[int]]:
+        """Sample every row's next token from `logits` (B, V), the forward of `inputs` (B,):
+        what each row was fed this step (the token sampled for it last step, or at its
+        `first` step its prompt's last token). Returns the sampled tokens (lazy, computing)
+        and `inputs` read back to the host; each row that asks for logprobs has them for
+        its token in `inputs` in `row.out`."""
+        plan = self._plan_for(rows, logits.shape[-1])
+        asked = [(r, r.pending) for i in plan.logprobs if (r := plan.rows[i]).pending is not None]
+        fed: list[int] | None = None
+        masks = None
+        if plan.grammar:
+            mx.async_eval(logits)  # the device runs the forward while the host fills the masks
+            fed = inputs.tolist()  # type: ignore[assignment]
+            assert fed is not None
+            masks = self._masks(plan, None if first else fed)
+        sampled, outputs = self._sample(plan, logits, masks)
+        mx.async_eval(sampled, *outputs)
+        if fed is None:
+            fed = inputs.tolist()  # type: ignore[assignment]
+            assert fed is not None
+        for r, pending in asked:
+            assert pending is not None
+            lp, i = pending
+            r.out = lp.read(i, r.sampling.top_logprobs)
+        for i in plan.seeded:
+            plan.rows[i].steps += 1
+        return sampled, fed
+
+    def read_ahead(self, rows: Sequence[DecodeRow]) -> None:
+        """Read the logprobs of the tokens last sampled for `rows` now (`_batch.first_tokens`)."""
+        for r in rows:
+            if r.pending is not None:
+                lp, i = r.pending
+                r.out = lp.read(i, r.sampling.top_logprobs)
+
+    def _plan_for(self, rows: Sequence[DecodeRow], width: int) -> _Plan:
+        plan = self._plan
+        if plan is not None and plan.width == width and len(plan.key) == len(rows) and all(
+                r.serial == s for r, s in zip(rows, plan.key, strict=True)):
+            return plan
+        if plan is not None:
+            plan.write_back()
+        self._plan = plan = _Plan(rows, width)
+        return plan
+
+    # -- the host side: grammar masks ---------------------------------------------
+
+    def _masks(self, plan: _Plan, fed: list[int] | None) -> Any:
+        """Advance each grammar row's matcher by the token it was fed and fill its mask (a row
+        of `plan.bitmask`); the matchers that need llguidance's full mask fill in one batch."""
+        fill: list[tuple[Any, int]] = []
+        for j, i in enumerate(plan.grammar):
+            g = plan.rows[i].grammar
+            assert g is not None
+            if g.begin(None if fed is None else fed[i]):
+                fill.append((g, j))
+        if fill:
+            assert plan.bitmask is not None
+            if len(fill) == 1:
+                fill[0][0].fill()
+            else:
+                self._fill_many(fill, plan.bitmask)
+            for g, _ in fill:
+                g.complete()
+        return mx.array(plan.bitmask.view(np.uint32))  # type: ignore[union-attr]  # copied now: the buffer is reused
+
+    def _fill_many(self, fill: list[tuple[Any, int]], bitmask: np.ndarray) -> None:
+        import llguidance
+        import llguidance.numpy as llnp
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llnp.fill_next_token_bitmask_par(self._executor, [(g.matcher, j) for g, j in fill], bitmask)
+
+    # -- the device side: one graph for the batch ---------------------------------
+
+    def _sample(self, plan: _Plan, logits: Any, masks: Any) -> tuple[Any, list[Any]]:
+        """(the sampled tokens, the other arrays to compute with them)."""
+        outputs: list[Any] = []
+        plain = (plan.all_greedy and plan.bias is None and not plan.penalized and masks is None
+                 and not plan.logprobs)
+        if plain:
+            return mx.argmax(logits, axis=-1), outputs
+        x = logits.astype(mx.float32)
+        if plan.bias is not None:
+            rows, ids, vals = plan.bias
+            x = x.at[rows, ids].add(vals)
+        if plan.penalized:
+            idx = plan.pen_idx
+            sub = x[idx]
+            sub = mx.where(plan.seen > 0, mx.where(sub < 0, sub * plan.rep, sub / plan.rep), sub)
+            sub = sub - plan.freq * plan.counts - plan.pres * (plan.counts > 0)
+            x[idx] = sub
+        if masks is not None:
+            bits = (masks[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+            allowed = bits.reshape(masks.shape[0], -1) != 0
+            width = x.shape[-1]
+            if allowed.shape[1] >= width:
+                allowed = allowed[:, :width]
+            else:  # logits wider than the tokenizer: the extra ids are no tokens at all
+                allowed = mx.concatenate(
+                    [allowed, mx.zeros((allowed.shape[0], width - allowed.shape[1]), dtype=mx.bool_)], axis=1)
+            x[plan.g_idx] = mx.where(allowed, x[plan.g_idx], -mx.inf)
+        greedy_tokens = mx.argmax(x, axis=-1)
+        if plan.all_greedy:
+            sampled = greedy_tokens
+        else:
+            sampled = self._draw(plan, x)
+            if plan.greedy is not None:
+                sampled = mx.where(plan.greedy, greedy_tokens, sampled)
+        if plan.penalized:
+            j = mx.arange(len(plan.penalized))
+            chosen = sampled[plan.pen_idx]
+            plan.counts = plan.counts.at[j, chosen].add(1.0)
+            plan.seen = plan.seen.at[j, chosen].maximum(1.0)
+            outputs += [plan.counts, plan.seen]
+        if plan.logprobs:
+            outputs += self._logprobs(plan, x, sampled).arrays()
+        return sampled, outputs
+
+    def _draw(self, plan: _Plan, x: Any) -> Any:
+        """Every sampling row's token: filtered, tempered, drawn by Gumbel-max."""
+        if plan.sort or plan.use_min_p:
+            lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+            threshold = None
+            if plan.use_min_p:  # mlx_lm's apply_min_p: p >= min_p * max p
+                threshold = mx.max(lp, axis=-1, keepdims=True) + plan.min_p
+            if plan.sort:
+                ascending = mx.sort(lp, axis=-1)
+                # mlx_lm's apply_top_p: drop the tokens with at least top_p of the mass above them
+                probs = mx.exp(ascending)
+                above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+                total = above[:, :1] + probs[:, :1]
+                dropped = (above >= plan.top_p * total).sum(axis=-1, keepdims=True)
+                at = mx.maximum(dropped, plan.top_k)  # top-k: keep from the k-th largest up
+                cut = mx.take_along_axis(ascending, at, axis=-1)
+                threshold = cut if threshold is None else mx.maximum(threshold, cut)
+            assert threshold is not None
+            x = mx.where(lp >= threshold, x, -mx.inf)
+        y = x * plan.inv_temp
+        return mx.argmax(y + self._noise(plan, y.shape), axis=-1)
+
+    def _noise(self, plan: _Plan, shape: tuple[int, ...]) -> Any:
+        """Gumbel noise per row: a seeded row's from its own key, the others' from the global PRNG."""
+        if not plan.seeded:
+            return mx.random.gumbel(shape)
+        keys = []
+        for i in plan.seeded:
+            r = plan.rows[i]
+            seed = r.sampling.seed
+            assert seed is not None
+            k = _mix64(seed, r.steps)
+            keys.append((k >> 32, k & 0xFFFFFFFF))  # mx.random.key(k)'s two words
+        own = mx.vmap(lambda key: mx.random.gumbel(shape[1:], key=key))(mx.array(keys, dtype=mx.uint32))
+        if len(plan.seeded) == shape[0]:
+            return own
+        noise = mx.random.gumbel(shape) if plan.unseeded else mx.zeros(shape, dtype=mx.float32)
+        noise[mx.array(plan.seeded)] = own
+        return noise
+
+    def _logprobs(self, plan: _Plan, x: Any, sampled: Any) -> _Logprobs:
+        """The chosen token's log-probability and the top ones, for the rows that asked;
+        each such row keeps where to find its own (`DecodeRow.pending`)."""
+        sub = x[plan.lp_idx]
+        lp = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp, sampled[plan.lp_idx][:, None], axis=-1)[:, 0]
+        idx = vals = None
+        if plan.top:
+            idx = mx.argpartition(-lp, kth=plan.top - 1, axis=-1)[:, : plan.top]
+            vals = mx.take_along_axis(lp, idx, axis=-1)
+        out = _Logprobs(chosen, idx, vals)
+        for j, i in enumerate(plan.logprobs):
+            plan.rows[i].pending = (out, j)
+        return out
