@@ -1,0 +1,72 @@
+"""Probe (GPU ceiling): MLX's own decode forward, pipelined, with nothing of a server around it.
+
+    python benchmarks/probes/probe_bare_forward.py MODEL_DIR [--rows 1,64] [--steps 200] [--rounds 3]
+
+For each width B: B rows of 128 random prompt tokens are prefilled into mlx-lm's
+plain KV caches, then `steps` greedy decode steps run as mlx-lm's single-stream
+`generate_step` runs them: step k+1's forward is built and `mx.async_eval`ed
+before step k's tokens are read back. Tokens per second (B x steps / seconds) and
+milliseconds per step: the ceiling the actor's decode step is measured against
+(issue: at least 0.9x of it at one row).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from trio_mlx.models import load_model
+
+
+def run(model, vocab: int, rows: int, steps: int) -> float:
+    cache = make_prompt_cache(model)
+    prompt = mx.random.randint(0, vocab, (rows, 128))
+    logits = model(prompt, cache=cache)
+    y = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(y)
+
+    def step(tok):
+        out = model(tok[:, None], cache=cache)
+        return mx.argmax(out[:, -1, :], axis=-1)
+
+    nxt = step(y)
+    mx.async_eval(nxt)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        cur = nxt
+        nxt = step(cur)
+        mx.async_eval(nxt)
+        cur.tolist()  # the host reads step k while step k+1 computes
+    mx.eval(nxt)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    model, config = load_model(args.model)
+    vocab = int(config["vocab_size"])
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        run(model, vocab, rows, 20)  # compile this width's kernels
+        for rnd in range(args.rounds):
+            secs = run(model, vocab, rows, args.steps)
+            r = {"rows": rows, "round": rnd, "tok_s": rows * args.steps / secs, "ms_step": 1e3 * secs / args.steps}
+            results.append(r)
+            print(f"rows={rows:4d} bare round {rnd}: {r['tok_s']:9.1f} tok/s {r['ms_step']:7.2f} ms/step", flush=True)
+        mx.clear_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
