@@ -1,13 +1,18 @@
 """Probe (GPU ceiling): MLX's own decode forward, pipelined, with nothing of a server around it.
 
     python benchmarks/probes/probe_bare_forward.py MODEL_DIR [--rows 1,64] [--steps 200] [--rounds 3]
+        [--cache plain,batch,batch-nomask]
 
 For each width B: B rows of 128 random prompt tokens are prefilled into mlx-lm's
 plain KV caches, then `steps` greedy decode steps run as mlx-lm's single-stream
 `generate_step` runs them: step k+1's forward is built and `mx.async_eval`ed
 before step k's tokens are read back. Tokens per second (B x steps / seconds) and
 milliseconds per step: the ceiling the actor's decode step is measured against
-(issue: at least 0.9x of it at one row).
+(issue: at least 0.9x of it at one row). `--cache` also runs the same loop over
+the caches a batch decodes with: `batch`, mlx-lm's BatchKVCache (no padding:
+its decode step then still builds an attention mask and rotates by per-row
+offsets), and `batch-nomask`, the same with the mask left out, as a plain
+cache has none at one token.
 """
 from __future__ import annotations
 
@@ -16,13 +21,22 @@ import json
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from trio_mlx.models import load_model
 
 
-def run(model, vocab: int, rows: int, steps: int) -> float:
-    cache = make_prompt_cache(model)
+class _NoMask(BatchKVCache):
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        return None if N == 1 else super().make_mask(N, return_array=return_array, **kwargs)
+
+
+def run(model, vocab: int, rows: int, steps: int, kind: str = "plain") -> float:
+    if kind == "plain":
+        cache = make_prompt_cache(model)
+    else:
+        cls = BatchKVCache if kind == "batch" else _NoMask
+        cache = [cls([0] * rows) for _ in model.layers]
     prompt = mx.random.randint(0, vocab, (rows, 128))
     logits = model(prompt, cache=cache)
     y = mx.argmax(logits[:, -1, :], axis=-1)
@@ -50,18 +64,24 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cache", default="plain")
     ap.add_argument("--out")
     args = ap.parse_args()
     model, config = load_model(args.model)
     vocab = int(config["vocab_size"])
     results = []
+    kinds = args.cache.split(",")
     for rows in (int(r) for r in args.rows.split(",")):
-        run(model, vocab, rows, 20)  # compile this width's kernels
+        for kind in kinds:
+            run(model, vocab, rows, 20, kind)  # compile this width's kernels
         for rnd in range(args.rounds):
-            secs = run(model, vocab, rows, args.steps)
-            r = {"rows": rows, "round": rnd, "tok_s": rows * args.steps / secs, "ms_step": 1e3 * secs / args.steps}
-            results.append(r)
-            print(f"rows={rows:4d} bare round {rnd}: {r['tok_s']:9.1f} tok/s {r['ms_step']:7.2f} ms/step", flush=True)
+            for kind in kinds if rnd % 2 == 0 else kinds[::-1]:  # the host drifts: alternate
+                secs = run(model, vocab, rows, args.steps, kind)
+                r = {"rows": rows, "cache": kind, "round": rnd, "tok_s": rows * args.steps / secs,
+                     "ms_step": 1e3 * secs / args.steps}
+                results.append(r)
+                print(f"rows={rows:4d} {kind:12s} round {rnd}: {r['tok_s']:9.1f} tok/s {r['ms_step']:7.2f} ms/step",
+                      flush=True)
         mx.clear_cache()
     if args.out:
         with open(args.out, "w") as f:
