@@ -1,5 +1,6 @@
 """The released coding-agent CLIs, unmodified, against the server: Claude Code (`claude -p`, the
-Messages API) and Codex (`codex exec`, the Responses API), each with its default tools.
+Messages API), Codex (`codex exec`, the Responses API) and opencode (`opencode run`, chat
+completions), each with its default tools.
 
 Each runs one turn in which the "model" calls the agent's shell tool, the agent runs the
 command and sends its output back, and the model answers with what it printed. The model is
@@ -154,3 +155,34 @@ def test_the_agent_clis_are_pinned():
         installed = json.loads((BIN.parent / package / "package.json").read_text())["version"]
         assert installed == version
     assert shutil.which("node")
+
+
+async def test_opencode_runs_a_tool_and_answers(tool_model_fp32, tmp_path):
+    """opencode, through the chat completions endpoint (its `@ai-sdk/openai-compatible` provider)."""
+    reply = script(tool_model_fp32, lambda cmd: tool_call("bash", {"command": cmd, "description": "the check"}))
+    actor = partial(FakeActor, reply=reply, context_length=CONTEXT)
+    home = tmp_path / "home"
+    home.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    async with serve(tool_model_fp32, factory=engine_factory(actor=actor), model_name="local") as server:
+        statuses = record_statuses(server)
+        (home / ".config" / "opencode").mkdir(parents=True)
+        (home / ".config" / "opencode" / "opencode.json").write_text(json.dumps({
+            "$schema": "https://opencode.ai/config.json",
+            "provider": {"trio-mlx": {"npm": "@ai-sdk/openai-compatible", "name": "trio-mlx",
+                                      "options": {"baseURL": f"{server.url}/v1", "apiKey": "local"},
+                                      "models": {"local": {"name": "local", "tool_call": True,
+                                                           "limit": {"context": CONTEXT, "output": 4096}}}}},
+            "model": "trio-mlx/local", "permission": {"bash": "allow"}, "autoupdate": False, "share": "disabled"}))
+        code, out, err = await run_agent(
+            [agent("opencode"), "run", "--format", "json", "-m", "trio-mlx/local", ASK],
+            {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".data"),
+             "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".state")}, work)
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert code == 0, (out[-3000:], err[-3000:])
+    tools = [e["part"] for e in events if e.get("type") == "tool_use"]
+    assert tools and tools[0]["tool"] == "bash" and PRINTED in json.dumps(tools[0]["state"].get("output"))
+    texts = "".join(e["part"].get("text", "") for e in events if e.get("type") == "text")
+    assert PRINTED in texts
+    assert statuses and all(status == 200 for _, status in statuses), statuses
