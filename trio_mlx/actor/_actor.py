@@ -23,7 +23,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +69,7 @@ from ._protocol import (
 )
 from ._reuse import Reuse
 from ._sampling import SamplerCache, make_processors
+from ._schedule import Schedule, Seq
 from ._trace import StepTrace
 from ._warmup import WARMUP_PROMPT, prebuild_prefill, warm_up
 
@@ -84,21 +84,6 @@ _WARM_GRAMMAR = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_s
 # Without `ActorConfig.idle_release`: seconds idle before MLX's buffer cache is
 # handed back on a GPU (never on the CPU, where the cache is this process's own heap).
 IDLE_RELEASE = 1.0
-
-
-@dataclass
-class _Seq:
-    rid: int
-    uid: int
-    prompt_len: int
-    sampling: SamplingParams
-    max_tokens: int
-    stops: frozenset[int]
-    stage: str = "queued"
-    generated: int = 0
-    grammar: GrammarProcessor | None = None  # a constrained row's logits mask
-    ahead: bool = False  # its first token went out a step early (`Actor._first_tokens`)
-
 
 
 def apply_cache_limit(gb: float | None) -> None:
@@ -133,26 +118,44 @@ class Actor:
         self._context = 0
         self._vocab = 0
         self._heads = 0  # attention heads, for the prefill chunk (`_batch.prefill_chunk`)
-        self._steps = 0
-        self._seqs: dict[int, _Seq] = {}  # rid -> seq
-        self._by_uid: dict[int, _Seq] = {}
+        # The sequence table and the finish, abort and retire rules (`_schedule.py`, shared with
+        # the fake actor).
+        self.schedule = Schedule(config.retire_steps)
         self._samplers = SamplerCache()
         # The decode step: the actor's own (`_decode.Decoder`, hooked in by `_batch.own_decode`),
         # or mlx_lm's `GenerationBatch` with per-row samplers and processors ("mlx").
         self._owned = config.decode_step == "owned"
         self._decoder: Decoder | None = None
-        self._retired: dict[int, int] = {}  # uid -> step it finished in; rows still in the batch
-        self._retire_steps = config.retire_steps
         self._gpu = False  # set in run(), once the device is known
         self._grid = False  # prefill on the shape grid (`_batch.CausalPrefill`): on CUDA
         self._idle_release: float | None = None  # likewise
         self._rows, tokens = group_bounds(config.prefill_batch, config.prefill_step, config.max_batch)
         self._admission = Admission(config.admit_window, config.prefill_batch, self._rows, tokens)
-        self._decoding = 0  # sequences of self._seqs in the "decode" stage
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
         self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
         self._reuse = Reuse(PromptCache(0))  # the prompt cache, off until warm (`_open_cache`)
         self._cached: list[tuple[int, int]] = []  # (rid, prompt tokens from the cache) this step
+
+    # The schedule's table under the names tests and probes read it by.
+    @property
+    def _seqs(self) -> dict[int, Seq]:
+        return self.schedule.seqs
+
+    @property
+    def _by_uid(self) -> dict[int, Seq]:
+        return self.schedule.by_uid
+
+    @property
+    def _retired(self) -> dict[int, int]:
+        return self.schedule.retired
+
+    @property
+    def _decoding(self) -> int:
+        return self.schedule.decoding
+
+    @property
+    def _steps(self) -> int:
+        return self.schedule.steps
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -281,7 +284,7 @@ class Actor:
         if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens
             self._rehearse(token, length)
         self._reset_batch()
-        self._steps = 0
+        self.schedule.steps = 0
 
     def _rehearse(self, token: int, length: int) -> None:
         """Serve a short script of requests through the actor's own `_apply` and
@@ -318,7 +321,7 @@ class Actor:
                      self._warm_grammar())],
              lambda n: n[a] >= 8),
             ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
-            ([Abort(c)], lambda n: not self._seqs),
+            ([Abort(c)], lambda n: not self.schedule.seqs),
         ]
         if mx.cuda.is_available() and (long := min(self._context - 80, 2 * self.config.prefill_step + 64)) > 2 * length:
             # A long prompt, in full chunks and beside a long context, stored as it is
@@ -361,11 +364,9 @@ class Actor:
 
     def _free(self) -> None:
         """Drop every array on this thread and synchronize, so the process exits cleanly."""
-        self._seqs.clear()
-        self._by_uid.clear()
+        self.schedule.clear()
         self._admission.pending.clear()
         self._samplers.clear()
-        self._retired.clear()
         self._reuse.reset(failed=True)
         try:
             if self._bg is not None:
@@ -405,7 +406,8 @@ class Actor:
                     return  # Shutdown
                 report = turn
                 if trace is not None:
-                    trace.write(t1, t1 - t0, report, self._inserted, len(self._retired), batch_rows(self._bg))
+                    trace.write(t1, t1 - t0, report, self._inserted, len(self.schedule.retired),
+                                batch_rows(self._bg))
         finally:
             if trace is not None:
                 trace.close()
@@ -417,7 +419,7 @@ class Actor:
 
     def _busy(self) -> bool:
         """Whether there is work without new commands."""
-        return bool(self._seqs)
+        return bool(self.schedule.seqs)
 
     def _arrivals(self) -> Admission:
         """The admission that holds the arrivals waiting to enter."""
@@ -459,7 +461,7 @@ class Actor:
 
     def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None:
         """Apply this step's commands; returns inserts that failed, or None on Shutdown."""
-        admission = self._admission
+        admission, schedule = self._admission, self.schedule
         now = time.perf_counter()
         removes: list[int] = []
         for cmd in commands:
@@ -470,21 +472,16 @@ class Actor:
                 case Abort(rid=rid):
                     if admission.drop(rid) or self._reuse.drop(rid):
                         continue
-                    if seq := self._seqs.pop(rid, None):
-                        del self._by_uid[seq.uid]
-                        if seq.stage == "decode":
-                            self._decoding -= 1
-                        else:
+                    if seq := schedule.abort(rid):
+                        if seq.stage != "decode":
                             admission.readmit(self._reuse.left(rid), now)  # waited for its prefill
                         removes.append(seq.uid)
                 case Shutdown():
                     return None
         assert self._bg is not None
-        subs = admission.due(now, self._decoding, len(self._seqs) > self._decoding)
+        subs = admission.due(now, schedule.decoding, schedule.prefilling)
         aborted = bool(removes)
-        if self._retired and (removes or subs or self._retire_due()):
-            removes.extend(self._retired)
-            self._retired.clear()
+        removes.extend(schedule.leaving(bool(removes or subs)))
         if removes:
             self._reuse.leaving(self._bg, removes)  # finished rows' KV, before it goes
             remove_rows(self._bg, removes)
@@ -503,7 +500,7 @@ class Actor:
         try:
             uids = self._bg.insert(
                 [list(s.prompt[n:]) for s, n in zip(subs, cached, strict=True)],
-                max_tokens=[s.max_tokens + self._slack(s) for s in subs],
+                max_tokens=[s.max_tokens + schedule.slack(len(s.prompt), s.max_tokens, self._context) for s in subs],
                 caches=caches,
                 all_tokens=cached_ids,
                 **self._row_sampling(subs, grammars),
@@ -513,9 +510,7 @@ class Actor:
                 admission.readmit(self._reuse.left(s.rid), now)
             return failed + [(s.rid, f"insert failed: {exc}") for s in subs]
         for s, uid, n, g in zip(subs, uids, cached, grammars, strict=True):
-            seq = _Seq(s.rid, uid, len(s.prompt), s.sampling, s.max_tokens, s.stop_token_ids, grammar=g)
-            self._seqs[s.rid] = seq
-            self._by_uid[uid] = seq
+            schedule.enter(Seq.of(s, uid, g))
             if n:
                 self._cached.append((s.rid, n))
         return failed
@@ -554,71 +549,37 @@ class Actor:
             grammars.append(g)
         return kept, grammars, failed
 
-    # -- retiring finished rows ---------------------------------------------------
-    #
-    # The actor, not the BatchGenerator, decides when a sequence has finished
-    # (its max_tokens, or one of its stop tokens), and its row may stay in the
-    # batch for up to `retire_steps` more steps, generating tokens nobody
-    # reads. Removing rows one finishing step at a time costs the host far
-    # more than the rows cost the GPU: each removal filters every layer's KV
-    # cache with a host synchronization per layer (mlx_lm's
-    # `BatchKVCache.filter`), so the next step cannot overlap the last, and
-    # the generator also copies out each finished row's cache, which a server
-    # never reads. Deferred, the rows leave together, in the step where new
-    # sequences enter (the batch changes then anyway), when the batch runs
-    # out of live sequences, or when the oldest has waited `retire_steps`.
-
-    def _slack(self, s: Submit) -> int:
-        """Steps past max_tokens the generator may run a row: a backstop, never reached
-        while retirement works, kept inside the context window."""
-        if not self._retire_steps:
-            return 0
-        return max(0, min(self._retire_steps + 2, self._context - len(s.prompt) - s.max_tokens))
-
-    def _retire_due(self) -> bool:
-        """Remove the retired rows now, though nothing enters or leaves: a sequence
-        is waiting to prefill (it needs the slots), or the oldest has waited long
-        enough. (A batch that ran dry is emptied in `_step`; one whose last live
-        sequence is aborted, with the abort.)"""
-        return (
-            len(self._seqs) > self._decoding
-            or self._steps - next(iter(self._retired.values())) >= self._retire_steps
-        )
-
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
-        if not self._seqs:
+        schedule = self.schedule
+        if not schedule.seqs:
             self._link.built()  # likewise
             return StepReport(failed=tuple(failed), live=len(self._admission.pending), memory=_memory())
         assert self._bg is not None
         t0 = time.perf_counter()
         try:
             self._hook("step")
-            if len(self._seqs) > self._decoding:
+            if schedule.prefilling:
                 self._cut_prefill()
             prompt_responses, generation_responses = self._bg.next()
             tokens = self._tokens(generation_responses)
         except Exception as exc:
             return self._recover(exc, failed)
-        alone = not self._decoding  # no live row decodes beside those that start now
+        alone = not schedule.decoding  # no live row decodes beside those that start now
         if self._failed_rows:
             failed = failed + self._failed_rows
             self._failed_rows = []
-        if self._retired and not self._seqs:  # the batch ran dry: nothing left to overlap
-            self._reuse.leaving(self._bg, list(self._retired))
-            remove_rows(self._bg, list(self._retired))
-            self._retired.clear()
+        if dry := schedule.dry():  # the batch ran dry: nothing left to overlap
+            self._reuse.leaving(self._bg, dry)
+            remove_rows(self._bg, dry)
         prefilling, decoding, prompt_tokens = [], [], 0
         prefilled: list[tuple[int, int, int]] = []
         for pr in prompt_responses:
-            seq = self._by_uid.get(pr.uid)
+            seq = schedule.by_uid.get(pr.uid)
             if seq is None:
                 continue
-            if seq.stage == "queued":
-                seq.stage = "prefill"
+            if schedule.started(seq):
                 prefilling.append(seq.rid)
-            if pr.end_of_prompt and seq.stage != "decode":
-                seq.stage = "decode"
-                self._decoding += 1
+            if pr.end_of_prompt and schedule.decodes(seq):
                 decoding.append(seq.rid)
                 prefilled.append((seq.rid, seq.uid, seq.prompt_len))
         if prefilled:
@@ -629,15 +590,15 @@ class Actor:
             except Exception as exc:
                 return self._recover(exc, failed)
         prompt_tokens = take_prompt_tokens(self._bg)
-        self._steps += 1
+        schedule.steps += 1
         memory: tuple[int, int, int] | None = None
-        if not self._seqs:
+        if not schedule.seqs:
             # The batch ran dry, and these figures stand while the server idles: let the KV
             # copies into the prompt cache (async_eval'd) and the removal run first, or the
             # read still counts the batch's buffers they free (the soak test saw 1.3 MB).
             mx.synchronize(self._bg.stream)
             memory = _memory()
-        elif self._steps % _MEMORY_EVERY == 1:
+        elif schedule.steps % _MEMORY_EVERY == 1:
             memory = _memory()
         cached, self._cached = tuple(self._cached), []
         return StepReport(
@@ -648,7 +609,7 @@ class Actor:
             failed=tuple(failed),
             prompt_tokens=prompt_tokens,
             step_seconds=time.perf_counter() - t0,
-            live=len(self._seqs) + len(self._admission.pending) + self._reuse.parked,
+            live=len(schedule.seqs) + len(self._admission.pending) + self._reuse.parked,
             cached=cached,
             prompt_cache=self._reuse.stats(),
         )
@@ -658,7 +619,7 @@ class Actor:
         shape grid the model does, for the steps that materialize scores (`CausalPrefill`)."""
         if self._grid:
             return
-        prompts = [s.prompt_len for s in self._seqs.values() if s.stage != "decode"]
+        prompts = [s.prompt_len for s in self.schedule.seqs.values() if s.stage != "decode"]
         set_prefill_chunk(self._bg, prefill_chunk(self.config.prefill_step, len(prompts), max(prompts), self._heads))
 
     def _first_tokens(self, uids: list[int]) -> tuple[TokenOut, ...]:
@@ -673,14 +634,15 @@ class Actor:
         cost is the new rows' own second token, later by that overlap; under load, where
         rows enter beside decoding ones, nothing changes. A constrained row waits for the
         next step as before (its grammar's state moves with mlx_lm's own step). The next
-        step reports these tokens again: `_tokens` skips them (`_Seq.ahead`)."""
-        rows = [uid for uid in uids if (seq := self._by_uid.get(uid)) is not None and seq.grammar is None]
+        step reports these tokens again: `_tokens` skips them (`Seq.ahead`)."""
+        by_uid = self.schedule.by_uid
+        rows = [uid for uid in uids if (seq := by_uid.get(uid)) is not None and seq.grammar is None]
         if not rows:
             return ()
         assert self._bg is not None
         out = self._tokens(first_tokens(self._bg, rows))
         for uid in rows:
-            if (seq := self._by_uid.get(uid)) is not None:  # not ended by its first token
+            if (seq := by_uid.get(uid)) is not None:  # not ended by its first token
                 seq.ahead = True
         return out
 
@@ -688,19 +650,20 @@ class Actor:
         if isinstance(responses, Decoded):
             return self._decoded(responses)
         out: list[TokenOut] = []
-        want_logprobs: list[tuple[int, Any, _Seq]] = []
+        want_logprobs: list[tuple[int, Any, Seq]] = []
         ended = 0
+        schedule = self.schedule
         for r in responses:
-            seq = self._by_uid.get(r.uid)
+            seq = schedule.by_uid.get(r.uid)
             if seq is None:  # a retired row: its tokens are nobody's
-                if r.finish_reason is not None and self._retired.pop(r.uid, None) is not None:
+                if r.finish_reason is not None and schedule.gone(r.uid):
                     self._reuse.dropped(r.uid, r.prompt_cache, r.all_tokens)  # the generator dropped it itself
                 continue
             if seq.ahead:  # its first token, already out (`_first_tokens`)
                 seq.ahead = False
                 if r.finish_reason is None:  # mlx_lm ends a row by itself only past max_tokens + slack
                     continue
-            reason = self._finish(seq, r.uid, r.token, r.finish_reason)
+            reason = self._finish(seq, r.token, r.finish_reason)
             if reason is not None:
                 ended += 1
                 if r.finish_reason is not None:
@@ -721,7 +684,7 @@ class Actor:
         logprobs of rows that asked already read (`DecodeRow.out`)."""
         out: list[TokenOut] = []
         ended = 0
-        by_uid = self._by_uid
+        by_uid = self.schedule.by_uid
         for uid, token, row in zip(step.uids, step.tokens, step.rows, strict=True):
             seq = by_uid.get(uid)
             if seq is None:  # a retired row: its tokens are nobody's
@@ -729,7 +692,7 @@ class Actor:
             if seq.ahead:  # its first token, already out (`_first_tokens`)
                 seq.ahead = False
                 continue
-            reason = self._finish(seq, uid, token, None)
+            reason = self._finish(seq, token, None)
             if reason is not None:
                 ended += 1
                 if reason == "error":
@@ -743,35 +706,19 @@ class Actor:
             self._admission.finished(time.perf_counter(), ended)
         return tuple(out)
 
-    def _finish(self, seq: _Seq, uid: int, token: int, generator: FinishReason | None) -> FinishReason | None:
-        """Count `token` as `seq`'s next and say whether it ends the sequence (its stop tokens,
-        its max_tokens, its grammar; `generator`: the generator ended the row itself). An
-        ended sequence leaves the registry here, its row retired unless the generator
-        dropped it."""
-        seq.generated += 1
-        reason: FinishReason | None = (
-            "stop" if token in seq.stops
-            else "length" if seq.generated >= seq.max_tokens
-            else generator
-        )
-        if (g := seq.grammar) is not None and (g.error or (reason == "stop" and g.forced_finish)):
-            if g.error:  # the processor failed (and forced EOS): this row fails, no other
+    def _finish(self, seq: Seq, token: int, generator: FinishReason | None) -> FinishReason | None:
+        """Count `token` as `seq`'s next and say whether it ends the sequence (the schedule's
+        rule: `Schedule.finish`); a failed grammar fails this row in the step's report, and
+        an ended sequence's KV is marked for the prompt cache (a failed one's is not)."""
+        reason = self.schedule.finish(seq, token, generator)
+        if reason == "error":
+            if (g := seq.grammar) is not None and g.error:
                 self._failed_rows.append((seq.rid, f"constrained decoding failed: {g.error}"))
-                reason = "error"
-            else:  # max_tokens cut the text short; the grammar closed it validly
-                reason = "length"
-        if reason is not None:
-            del self._by_uid[uid]
-            del self._seqs[seq.rid]
-            if seq.stage == "decode":
-                self._decoding -= 1
-            if reason != "error":  # a failed request leaves nothing in the cache
-                self._reuse.finished(uid, seq.prompt_len + seq.generated)
-            if generator is None:  # still in the batch: retire it
-                self._retired[uid] = self._steps
+        elif reason is not None:
+            self._reuse.finished(seq.uid, seq.prompt_len + seq.generated)
         return reason
 
-    def _add_logprobs(self, out: list[TokenOut], rows: list[tuple[int, Any, _Seq]]) -> None:
+    def _add_logprobs(self, out: list[TokenOut], rows: list[tuple[int, Any, Seq]]) -> None:
         """Chosen-token logprob and top-k alternatives for the rows that asked, in one eval."""
         stacked = mx.stack([r.logprobs for _, r, _ in rows])
         chosen = mx.take_along_axis(stacked, mx.array([[r.token] for _, r, _ in rows]), axis=-1)
@@ -797,7 +744,7 @@ class Actor:
     def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
         """A step raised: fail every live sequence, start a fresh generator, keep serving."""
         reason = f"generation step failed: {type(exc).__name__}: {exc}"
-        failed = failed + [(rid, reason) for rid in self._seqs]
+        failed = failed + [(rid, reason) for rid in self.schedule.seqs]
         self._reset_batch(failed=True)
         mx.clear_cache()  # what the failed step left allocated goes back (it may have run out)
         self._cached.clear()
@@ -807,11 +754,8 @@ class Actor:
         """Forget every sequence and start a fresh generator: after a failed step, or the
         warm-up's rehearsal. A generator that fails to close is dropped all the same."""
         self._admission.readmit(self._reuse.reset(failed=failed), time.perf_counter())
-        self._seqs.clear()
-        self._by_uid.clear()
-        self._retired.clear()
+        self.schedule.clear()
         self._failed_rows.clear()
-        self._decoding = 0
         assert self._bg is not None
         try:
             self._bg.close()

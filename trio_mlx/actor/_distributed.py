@@ -366,7 +366,8 @@ def state_of(actor: Actor, digest: int) -> tuple[Any, ...]:
     batches): the counts of steps, sequences and retired rows, the tokens the last step
     sampled, and the prompt cache's counters (lookups, hits, hit tokens, evictions, bytes,
     entries)."""
-    return (actor._steps, len(actor._seqs), len(actor._retired), digest, actor._reuse.cache.stats())
+    schedule = actor.schedule
+    return (schedule.steps, len(schedule.seqs), len(schedule.retired), digest, actor._reuse.cache.stats())
 
 
 class Replay:
@@ -553,7 +554,7 @@ class LeaderActor(Actor):
             self._admission = self._real
 
     def _busy(self) -> bool:
-        return bool(self._seqs) or self._ahead is not None
+        return bool(self.schedule.seqs) or self._ahead is not None
 
     def _arrivals(self) -> Admission:
         return self._real
@@ -566,7 +567,7 @@ class LeaderActor(Actor):
         if step is None:  # Shutdown
             self._stop_group()
             return None
-        if not (any(step[:2]) or self._ahead or self._seqs):
+        if not (any(step[:2]) or self._ahead or self.schedule.seqs):
             return self._step([])  # nothing entered, left or steps: nothing to send
         tail = self._channel.post(("step", step[0], step[1], state, step[2], step[3]), self._timeout)
         ahead, self._ahead = self._ahead, (step if any(step) else None)
@@ -599,8 +600,8 @@ class LeaderActor(Actor):
                     return None
         ahead = self._ahead
         # A group sent but not applied yet is as good as prefilling: one group at a time.
-        prefilling = len(self._seqs) > self._decoding or bool(ahead and ahead[1])
-        admitted = tuple(real.due(now, self._decoding, prefilling))
+        prefilling = self.schedule.prefilling or bool(ahead and ahead[1])
+        admitted = tuple(real.due(now, self.schedule.decoding, prefilling))
         cache = reuse.cache
         evicted = cache.pressure_count() if isinstance(cache, GroupCache) else 0
         marks: tuple[int, ...] = ()
@@ -628,7 +629,7 @@ class LeaderActor(Actor):
         self._send(("beat",))
 
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
-        stepped = bool(self._seqs)  # else no next() (on any rank)
+        stepped = bool(self.schedule.seqs)  # else no next() (on any rank)
         with self._watch.guard("a decode step", self._timeout):
             report = super()._step(failed)
         if stepped:

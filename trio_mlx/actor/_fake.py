@@ -6,7 +6,9 @@ admission, aborts, stop strings, detokenizing and the whole HTTP layer can be
 tested in milliseconds, with outputs known in advance. It keeps the actor's
 contract: one exchange per step; a Submit joins at the next step (it reports
 the prefill and the first token in that step); an Abort leaves before the
-next step; a sequence ends at its max_tokens or at one of its stop tokens.
+next step. Its sequence table and the decisions when a sequence ends (its
+max_tokens, one of its stop tokens), when an aborted one leaves and when a
+finished row is retired are the real actor's own (`_schedule.Schedule`).
 
 Its "model" continues a prompt with `FakeActor.continuation(prompt, n)`:
 counting up from the prompt's last token, wrapping inside [first, vocab); or,
@@ -19,31 +21,16 @@ still loads the model directory's tokenizer; only the weights are never read.)
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ._link import ActorLink
-from ._protocol import (
-    Abort,
-    ActorConfig,
-    ActorInfo,
-    FinishReason,
-    Shutdown,
-    StepReport,
-    Submit,
-    TokenOut,
-)
-
-
-@dataclass
-class _Seq:
-    sub: Submit
-    generated: int = 0
-    script: Sequence[int] = ()
+from ._protocol import Abort, ActorConfig, ActorInfo, Shutdown, StepReport, Submit, TokenOut
+from ._schedule import Schedule, Seq
 
 
 class FakeActor:
@@ -58,6 +45,10 @@ class FakeActor:
         self.vocab_size, self.context_length, self.step_seconds = vocab_size, context_length, step_seconds
         self.reply = reply
         self.steps = 0
+        # The real actor's table and rules (`_schedule.py`): it ends, aborts and retires alike.
+        self.schedule = Schedule(config.retire_steps)
+        self._texts: dict[int, tuple[tuple[int, ...], Sequence[int]]] = {}  # rid -> (prompt, script)
+        self._uids = itertools.count()
 
     @classmethod
     def continuation(cls, prompt: tuple[int, ...] | list[int], n: int, vocab_size: int = 512) -> list[int]:
@@ -67,50 +58,59 @@ class FakeActor:
         return [cls.first + (last - cls.first + k + 1) % span for k in range(n)]
 
     def run(self) -> None:
-        link = self._link
+        link, schedule = self._link, self.schedule
         link.ready(ActorInfo(model_type="fake", context_length=self.context_length, vocab_size=self.vocab_size,
                              thread_id=threading.get_ident(), device="fake", load_seconds=0.0, pid=os.getpid()))
-        seqs: dict[int, _Seq] = {}
         report = StepReport()
         while True:
             link.check()
             commands: list[Any] = link.exchange(report)
-            if not commands and not seqs:
+            if not commands and not schedule.seqs:
                 commands = link.wait_commands()
-            new: list[int] = []
+            arrived: dict[int, Submit] = {}  # every arrival enters at once: no admission window
+            removed = False
             for cmd in commands:
                 match cmd:
                     case Submit():
-                        seqs[cmd.rid] = _Seq(cmd, script=self.reply(cmd.prompt) if self.reply else ())
-                        new.append(cmd.rid)
+                        arrived[cmd.rid] = cmd
                     case Abort(rid=rid):
-                        seqs.pop(rid, None)
+                        if arrived.pop(rid, None) is None and schedule.abort(rid) is not None:
+                            self._texts.pop(rid, None)
+                            removed = True
                     case Shutdown():
                         return
-            report = self._step(seqs, new)
+            schedule.leaving(removed or bool(arrived))  # retired rows leave; a fake row holds nothing
+            for sub in arrived.values():
+                schedule.enter(Seq.of(sub, next(self._uids)))
+                self._texts[sub.rid] = (sub.prompt, self.reply(sub.prompt) if self.reply else ())
+            report = self._step(list(arrived))
 
-    def _step(self, seqs: dict[int, _Seq], new: list[int]) -> StepReport:
+    def _step(self, new: list[int]) -> StepReport:
+        """One step: a new sequence's prefill and first token, a token for every other."""
         if self.step_seconds:
             time.sleep(self.step_seconds)
         self.steps += 1
+        schedule = self.schedule
         out = []
-        for rid, seq in list(seqs.items()):
-            sub = seq.sub
-            if seq.generated < len(seq.script):
-                token = seq.script[seq.generated]
+        for seq in list(schedule.seqs.values()):
+            schedule.started(seq)
+            schedule.decodes(seq)
+            prompt, script = self._texts[seq.rid]
+            if seq.generated < len(script):
+                token = script[seq.generated]
             else:
-                token = self.continuation(sub.prompt, seq.generated + 1, self.vocab_size)[-1]
-            seq.generated += 1
-            reason: FinishReason | None = (
-                "stop" if token in sub.stop_token_ids
-                else "length" if seq.generated >= sub.max_tokens else None)
+                token = self.continuation(prompt, seq.generated + 1, self.vocab_size)[-1]
+            reason = schedule.finish(seq, token)
             if reason is not None:
-                del seqs[rid]
-            if sub.sampling.logprobs:  # the fake model is certain of every token
-                top = ((token, 0.0),) if sub.sampling.top_logprobs else ()
-                out.append(TokenOut(rid, token, reason, 0.0, top))
+                del self._texts[seq.rid]
+            if seq.sampling.logprobs:  # the fake model is certain of every token
+                top = ((token, 0.0),) if seq.sampling.top_logprobs else ()
+                out.append(TokenOut(seq.rid, token, reason, 0.0, top))
             else:
-                out.append(TokenOut(rid, token, reason))
+                out.append(TokenOut(seq.rid, token, reason))
+        if out:
+            schedule.steps += 1
+        schedule.dry()
         return StepReport(tokens=tuple(out), prefilling=tuple(new), decoding=tuple(new),
-                          prompt_tokens=sum(len(seqs[r].sub.prompt) for r in new if r in seqs),
-                          live=len(seqs))
+                          prompt_tokens=sum(len(self._texts[r][0]) for r in new if r in self._texts),
+                          live=len(schedule.seqs))

@@ -155,14 +155,15 @@ class FollowerActor(Actor):
             if kind == "step":
                 with self._watch.guard("a decode step", self._timeout):
                     failed = apply_step(self, replay, (aborts, subs, evicted, marks))
-                    stepped = bool(self._seqs)  # as rank 0 counts it
+                    stepped = bool(self.schedule.seqs)  # as rank 0 counts it
                     report = self._step(failed)
                     if stepped:
                         digest = token_digest(report)
                         last_step = time.monotonic()
                 if trace is not None:  # exchange_s: the wait for the message that led to this step
-                    trace.write(t1, t1 - t0, report, self._inserted, len(self._retired), batch_rows(self._bg))
-            elif self._idle_release and not self._seqs and time.monotonic() - last_step > self._idle_release:
+                    trace.write(t1, t1 - t0, report, self._inserted, len(self.schedule.retired),
+                                batch_rows(self._bg))
+            elif self._idle_release and not self.schedule.seqs and time.monotonic() - last_step > self._idle_release:
                 mx.clear_cache()  # idle as rank 0 is: hand the buffer cache back, once
                 last_step = float("inf")
             t0 = clock()

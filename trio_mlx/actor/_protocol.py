@@ -55,7 +55,7 @@ class ActorConfig:
     # the batch is decoding (0: no waiting for company). See `_actor._Admission`.
     admit_window: float = 0.0
     # The most steps a finished sequence's row may stay in the batch before it
-    # is removed (see `Actor._retire_due`); 0 removes at once.
+    # is removed (`_schedule.Schedule`); 0 removes at once.
     retire_steps: int = 16
     # Seconds idle before the actor hands MLX's buffer cache back; None: 1 s on
     # a GPU, never on the CPU (see `Actor._idle`); 0: never.
