@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,23 @@ def record_statuses(server: Any) -> list[tuple[str, int | None]]:
     return seen
 
 
+@asynccontextmanager
+async def agent_server(model: Path, call: Callable[[str], str]) -> AsyncIterator[tuple[Any, list[Any]]]:
+    """A server of the scripted model whose tool call is `call(COMMAND)`, and the (path, status)
+    of every generation request it answers."""
+    actor = partial(FakeActor, reply=script(model, call), context_length=CONTEXT)
+    async with serve(model, factory=engine_factory(actor=actor), model_name="local") as server:
+        yield server, record_statuses(server)
+
+
+def finished(code: int, out: str, err: str, statuses: list[Any]) -> list[dict[str, Any]]:
+    """The agent's JSON events, once it exited 0 and every request it made was served (none
+    refused: each agent's first request used to be)."""
+    assert code == 0, (out[-3000:], err[-3000:])
+    assert statuses and all(status == 200 for _, status in statuses), statuses
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 async def run_agent(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_"))}
     full_env.update(env, NO_COLOR="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1",
@@ -94,19 +112,19 @@ async def run_agent(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[in
 
 
 async def test_claude_code_runs_a_tool_and_answers(tool_model_fp32, tmp_path):
-    reply = script(tool_model_fp32, lambda cmd: tool_call("Bash", {"command": cmd, "description": "the check"}))
-    actor = partial(FakeActor, reply=reply, context_length=CONTEXT)
     home = tmp_path / "home"
     home.mkdir()
-    async with serve(tool_model_fp32, factory=engine_factory(actor=actor), model_name="local") as server:
-        statuses = record_statuses(server)
-        code, out, err = await run_agent(
+    def bash(cmd: str) -> str:
+        return tool_call("Bash", {"command": cmd, "description": "the check"})
+
+    async with agent_server(tool_model_fp32, bash) as (server, statuses):
+        ran = await run_agent(
             [agent("claude"), "-p", ASK, "--output-format", "stream-json", "--verbose",
              "--allowedTools", "Bash", "--model", "local"],
             {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "local", "ANTHROPIC_SMALL_FAST_MODEL": "local",
              "HOME": str(home)}, tmp_path)
-    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert code == 0, (out[-3000:], err[-3000:])
+    # Its first request holds a system turn inside messages, under a beta.
+    events = finished(*ran, statuses)
     uses = [b for e in events if e.get("type") == "assistant" for b in e["message"]["content"]
             if b.get("type") == "tool_use"]
     assert [u["name"] for u in uses] == ["Bash"] and uses[0]["input"]["command"] == COMMAND
@@ -115,41 +133,33 @@ async def test_claude_code_runs_a_tool_and_answers(tool_model_fp32, tmp_path):
     assert results and PRINTED in json.dumps(results[0]["content"]) and not results[0].get("is_error")
     final = events[-1]
     assert final["type"] == "result" and not final["is_error"] and PRINTED in final["result"]
-    # Its first request (a system turn inside messages, under a beta) was served, not refused
-    # (it then retries without that turn).
-    assert statuses and all(status == 200 for _, status in statuses), statuses
 
 
 async def test_codex_runs_a_tool_and_answers(tool_model_fp32, tmp_path):
-    reply = script(tool_model_fp32, lambda cmd: tool_call("exec_command", {"cmd": cmd}))
-    actor = partial(FakeActor, reply=reply, context_length=CONTEXT)
     home = tmp_path / "codex-home"
     home.mkdir()
     work = tmp_path / "work"
     work.mkdir()
-    async with serve(tool_model_fp32, factory=engine_factory(actor=actor), model_name="local") as server:
-        statuses = record_statuses(server)
+    async with agent_server(tool_model_fp32, lambda cmd: tool_call("exec_command", {"cmd": cmd})) as (server, statuses):
         (home / "config.toml").write_text(
             'model = "local"\nmodel_provider = "trio_mlx"\n\n[model_providers.trio_mlx]\nname = "trio-mlx"\n'
             f'base_url = "{server.url}/v1"\nwire_api = "responses"\nenv_key = "TRIO_MLX_KEY"\n')
-        code, out, err = await run_agent(
+        ran = await run_agent(
             [agent("codex"), "exec", "--json", "--skip-git-repo-check",
              "--dangerously-bypass-approvals-and-sandbox", ASK],
             {"CODEX_HOME": str(home), "TRIO_MLX_KEY": "local", "HOME": str(home)}, work)
-    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert code == 0, (out[-3000:], err[-3000:])
+    # Its first request holds a namespace of tools and the hosted web_search.
+    events = finished(*ran, statuses)
     commands = [e["item"] for e in events if e.get("type") == "item.completed"
                 and e["item"].get("type") == "command_execution"]
     assert commands and COMMAND in commands[0]["command"] and PRINTED in commands[0]["aggregated_output"]
     messages = [e["item"]["text"] for e in events if e.get("type") == "item.completed"
                 and e["item"].get("type") == "agent_message"]
     assert messages and PRINTED in messages[-1]
-    # Its first request (a namespace of tools and the hosted web_search) was served, not refused.
-    assert statuses and all(status == 200 for _, status in statuses), statuses
 
 
 def test_the_agent_clis_are_pinned():
-    """The versions the suite runs are the ones tests/agents/package.json pins (npm ci)."""
+    """The versions the suite runs are the ones tests/agents/package.json pins."""
     pins = json.loads((BIN.parent.parent / "package.json").read_text())["dependencies"]
     for package, version in pins.items():
         installed = json.loads((BIN.parent / package / "package.json").read_text())["version"]
@@ -159,30 +169,27 @@ def test_the_agent_clis_are_pinned():
 
 async def test_opencode_runs_a_tool_and_answers(tool_model_fp32, tmp_path):
     """opencode, through the chat completions endpoint (its `@ai-sdk/openai-compatible` provider)."""
-    reply = script(tool_model_fp32, lambda cmd: tool_call("bash", {"command": cmd, "description": "the check"}))
-    actor = partial(FakeActor, reply=reply, context_length=CONTEXT)
     home = tmp_path / "home"
-    home.mkdir()
+    config = home / ".config" / "opencode"
+    config.mkdir(parents=True)
     work = tmp_path / "work"
     work.mkdir()
-    async with serve(tool_model_fp32, factory=engine_factory(actor=actor), model_name="local") as server:
-        statuses = record_statuses(server)
-        (home / ".config" / "opencode").mkdir(parents=True)
-        (home / ".config" / "opencode" / "opencode.json").write_text(json.dumps({
+    def bash(cmd: str) -> str:
+        return tool_call("bash", {"command": cmd, "description": "the check"})
+
+    async with agent_server(tool_model_fp32, bash) as (server, statuses):
+        (config / "opencode.json").write_text(json.dumps({
             "$schema": "https://opencode.ai/config.json",
             "provider": {"trio-mlx": {"npm": "@ai-sdk/openai-compatible", "name": "trio-mlx",
                                       "options": {"baseURL": f"{server.url}/v1", "apiKey": "local"},
                                       "models": {"local": {"name": "local", "tool_call": True,
                                                            "limit": {"context": CONTEXT, "output": 4096}}}}},
             "model": "trio-mlx/local", "permission": {"bash": "allow"}, "autoupdate": False, "share": "disabled"}))
-        code, out, err = await run_agent(
+        ran = await run_agent(
             [agent("opencode"), "run", "--format", "json", "-m", "trio-mlx/local", ASK],
             {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".data"),
              "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".state")}, work)
-    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert code == 0, (out[-3000:], err[-3000:])
+    events = finished(*ran, statuses)
     tools = [e["part"] for e in events if e.get("type") == "tool_use"]
     assert tools and tools[0]["tool"] == "bash" and PRINTED in json.dumps(tools[0]["state"].get("output"))
-    texts = "".join(e["part"].get("text", "") for e in events if e.get("type") == "text")
-    assert PRINTED in texts
-    assert statuses and all(status == 200 for _, status in statuses), statuses
+    assert PRINTED in "".join(e["part"].get("text", "") for e in events if e.get("type") == "text")
