@@ -188,12 +188,12 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
     def template_dict(self) -> dict[str, Any]:
-        content = self.content
+        content: Any = self.content
         if isinstance(content, list):
             if all(part.type == "text" for part in content):
                 content = "".join(part.text or "" for part in content)
-            else:
-                content = [{"type": part.type, "text": part.text or ""} for part in content]  # type: ignore[misc]
+            else:  # media parts go on as parts: the engine refuses or notes them
+                content = [{"type": part.type, "text": part.text or ""} for part in content]
         # "developer" is OpenAI's newer name for "system"; chat templates know "system".
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                "content": content or ""}
