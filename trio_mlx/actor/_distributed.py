@@ -87,7 +87,7 @@ INLINE = 1024
 EXIT_GRACE = 2.0
 _LENGTH = struct.Struct(">I")
 # The ActorConfig fields rank 0 hands its followers: batching must match on every rank.
-_KNOBS = ("max_batch", "prefill_batch", "prefill_step", "warmup", "admit_window", "retire_steps", "decode_step",
+_KNOBS = ("max_batch", "prefill_batch", "prefill_step", "prefill_budget", "warmup", "admit_window", "retire_steps", "decode_step",
           "idle_release", "cache_limit_gb", "step_trace")
 
 
