@@ -112,6 +112,14 @@ def apply_cache_limit(gb: float | None) -> None:
         mx.set_cache_limit(int(gb * 1e9))
 
 
+def prefill_budget(value: int | None) -> int:
+    """`ActorConfig.prefill_budget` on this device: None is PREFILL_BUDGET_CPU on the CPU and
+    no bound (0) on a GPU."""
+    if value is not None:
+        return value
+    return 0 if mx.default_device().type == mx.DeviceType.gpu else PREFILL_BUDGET_CPU
+
+
 def _memory() -> tuple[int, int, int]:
     """MLX's (active, peak, cache) bytes; the cache holds freed buffers kept for reuse."""
     return mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()
@@ -217,8 +225,7 @@ class Actor:
         self._heads = int(config.get("num_attention_heads") or config.get("n_heads") or 0)
         self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
         self._grid = prefill_grid() and plain_kv(self._model)
-        budget = self.config.prefill_budget
-        self._budget = (0 if gpu else PREFILL_BUDGET_CPU) if budget is None else budget
+        self._budget = prefill_budget(self.config.prefill_budget)
         self._bg = self._new_generator()
         release = self.config.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
