@@ -430,6 +430,25 @@ async def test_a_long_group_prefills_within_the_budget_while_a_stream_decodes(ti
     assert all(r["generated"] >= 1 for r in group)  # the running stream's token, every chunk
 
 
+async def test_on_the_shape_grid_the_budget_cuts_in_multiples_of_512(tiny_model_fp32, tmp_path, monkeypatch):
+    """On CUDA's shape grid (forced here) the budget's chunks are multiples of 512 and never
+    under it, so they and the prefixes they leave stay shapes warm-up builds: 4 prompts of
+    599 tokens with a budget of 1024 go in a chunk of 512 each and then the rest, each step
+    beside the running stream's, with the tokens of the steps off the grid."""
+    from trio_mlx.actor import _actor
+
+    monkeypatch.setattr(_actor, "prefill_grid", lambda: True)
+    on_grid, rows = await _group_beside_a_stream(tiny_model_fp32, tmp_path / "grid.tsv", prefill_budget=1024,
+                                                 warmup=False)
+    monkeypatch.setattr(_actor, "prefill_grid", lambda: False)
+    off_grid, _ = await _group_beside_a_stream(tiny_model_fp32, tmp_path / "off.tsv", prefill_budget=1024,
+                                               warmup=False)
+    assert on_grid == off_grid and all(len(t) == 6 for t in on_grid)
+    group = [r for r in rows if r["prompt_tokens"]][1:]
+    assert [r["prompt_tokens"] for r in group] == [4 * 512, 4 * 87]
+    assert all(r["generated"] >= 1 for r in group)
+
+
 async def test_the_budget_leaves_a_group_whole_when_nothing_decodes(tiny_model_fp32, tmp_path):
     """The budget bounds only the steps beside decoding rows: a group arriving at an idle
     batch prefills as it did (all four prompts in one step, within `prefill_step`)."""

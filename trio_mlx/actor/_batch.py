@@ -2,7 +2,8 @@
 
 mlx-lm 0.32 offers no public way to do what the actor needs here: remove rows
 without a host round trip per layer, read the decoding batch's row count for
-the step trace, read and reset the prompt-token counter per step, copy a
+the step trace, read and reset the prompt-token counter per step, read what
+each prompt has left to prefill for the per-step budget (`prompts_left`), copy a
 decoding row's KV out for the prompt cache without a host round trip per
 layer (`copy_rows`), give a prefill without padding the fused attention, on
 shapes that recur (`CausalPrefill`), read the first tokens of rows that have
