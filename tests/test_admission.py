@@ -388,6 +388,92 @@ async def test_on_the_shape_grid_unpadded_prompts_prefill_whole(tiny_model_fp32,
     assert max(r["prompt_tokens"] for r in rows) == 4 * 599  # all four whole, in one step
 
 
+async def _group_beside_a_stream(model: Path, trace: Path, **options: Any) -> tuple[list[list[int]], list[dict[str, float]]]:
+    """A stream decodes (greedy, 300 tokens); once it has its first token, _LONG_PROMPTS arrive
+    together (prefill batch 4, steps of 1024, no prompt cache): each one's 6 tokens, and the
+    step trace."""
+    out: list[list[int]] = [[] for _ in _LONG_PROMPTS]
+    async with trio_mlx.open_engine(model, step_trace=str(trace), max_batch=8, prefill_batch=4, prefill_step=1024,
+                                    prompt_cache_gb=0, admit_window=0.5, **options) as engine:
+        async def one(k: int) -> None:
+            async with engine.generate(_LONG_PROMPTS[k], temperature=0, ignore_eos=True, max_tokens=6) as events:
+                async for ev in events:
+                    if isinstance(ev, trio_mlx.TextDelta):
+                        out[k].extend(ev.token_ids)
+
+        with trio.fail_after(60):
+            async with engine.generate([5, 6, 7], temperature=0, ignore_eos=True, max_tokens=300) as running:
+                await _first_token(running)
+                async with trio.open_nursery() as nursery:
+                    for k in range(len(_LONG_PROMPTS)):
+                        nursery.start_soon(one, k)
+                async for _ in running:  # to its end, so that its steps are in the trace
+                    pass
+    return out, _trace(trace)
+
+
+async def test_a_long_group_prefills_within_the_budget_while_a_stream_decodes(tiny_model_fp32, tmp_path):
+    """Issue 36: while a stream decodes, a group of long prompts prefills at most
+    `prefill_budget` prompt tokens a step (4 prompts of 599 tokens to go, budget 512: chunks
+    of 128), and every such step is also a decode step of the running stream, so its tokens
+    keep coming between the group's chunks; the group's tokens are those of an unbounded
+    prefill, which takes all 2,396 prompt tokens in one step while the stream waits."""
+    budgeted, rows = await _group_beside_a_stream(tiny_model_fp32, tmp_path / "budget.tsv", prefill_budget=512)
+    whole, rows_whole = await _group_beside_a_stream(tiny_model_fp32, tmp_path / "whole.tsv", prefill_budget=0)
+    assert budgeted == whole and all(len(t) == 6 for t in budgeted)
+    assert max(r["prompt_tokens"] for r in rows_whole) == 4 * 599  # today's step: the whole group at once
+    prefills = [r for r in rows if r["prompt_tokens"]]
+    assert prefills[0]["prompt_tokens"] == 2  # the stream's own prompt, alone
+    group = prefills[1:]
+    assert sum(r["prompt_tokens"] for r in group) == 4 * 599  # each prompt's last token enters with decode
+    assert max(r["prompt_tokens"] for r in group) <= 512 and len(group) >= 5
+    assert all(r["generated"] >= 1 for r in group)  # the running stream's token, every chunk
+
+
+async def test_on_the_shape_grid_the_budget_cuts_in_multiples_of_512(tiny_model_fp32, tmp_path, monkeypatch):
+    """On CUDA's shape grid (forced here) the budget's chunks are multiples of 512 and never
+    under it, so they and the prefixes they leave stay shapes warm-up builds: 4 prompts of
+    599 tokens with a budget of 1024 go in a chunk of 512 each and then the rest, each step
+    beside the running stream's, with the tokens of the steps off the grid."""
+    from trio_mlx.actor import _actor
+
+    monkeypatch.setattr(_actor, "prefill_grid", lambda: True)
+    on_grid, rows = await _group_beside_a_stream(tiny_model_fp32, tmp_path / "grid.tsv", prefill_budget=1024,
+                                                 warmup=False)
+    monkeypatch.setattr(_actor, "prefill_grid", lambda: False)
+    off_grid, _ = await _group_beside_a_stream(tiny_model_fp32, tmp_path / "off.tsv", prefill_budget=1024,
+                                               warmup=False)
+    assert on_grid == off_grid and all(len(t) == 6 for t in on_grid)
+    group = [r for r in rows if r["prompt_tokens"]][1:]
+    assert [r["prompt_tokens"] for r in group] == [4 * 512, 4 * 87]
+    assert all(r["generated"] >= 1 for r in group)
+
+
+async def test_the_budget_leaves_a_group_whole_when_nothing_decodes(tiny_model_fp32, tmp_path):
+    """The budget bounds only the steps beside decoding rows: a group arriving at an idle
+    batch prefills as it did (all four prompts in one step, within `prefill_step`)."""
+    _, rows = await _serve_long_prompts(tiny_model_fp32, tmp_path / "idle.tsv", prefill_budget=512)
+    assert max(r["prompt_tokens"] for r in rows) == 4 * 599
+
+
+def test_the_budget_chunk_fills_the_budget_on_the_rounding_of_prefill_chunk():
+    from trio_mlx.actor._batch import budget_chunk
+
+    assert budget_chunk(2048, [1900] * 8, 0) == 2048  # no budget
+    assert budget_chunk(2048, [100] * 32, 4096) == 2048  # short prompts within it go whole
+    assert budget_chunk(2048, [1900] * 8, 4096) == 512  # 8 x 512 = 4096
+    assert budget_chunk(2048, [1900] * 8, 1024) == 128  # the floor: 8 x 128
+    assert budget_chunk(2048, [1900] * 8, 100) == 128  # never under it, whatever the budget
+    assert budget_chunk(2048, [1900, 100, 100], 1200) == 512  # short rows leave the long one more
+    assert budget_chunk(100, [1900] * 8, 100) == 100  # nor over the configured step
+    # on CUDA's shape grid: multiples of 512, so the chunks and their prefixes stay warm-up's shapes
+    assert budget_chunk(2048, [1900] * 2, 3072) == 1024
+    assert budget_chunk(2048, [1900] * 2, 3072, grid=True) == 1536
+    assert budget_chunk(2048, [1900] * 8, 1024, grid=True) == 512
+    assert budget_chunk(2048, [300] * 8, 1024, grid=True) == 512
+    assert budget_chunk(256, [1900] * 8, 1024, grid=True) == 256
+
+
 def test_the_prefill_chunk_follows_prompts_context_and_heads():
     from trio_mlx.actor._batch import prefill_chunk
 

@@ -81,3 +81,26 @@ def test_importing_the_app_is_cheap_and_loads_no_model():
     seconds, mlx_loaded, engine = out.stdout.split()
     assert mlx_loaded == "False" and engine == "None", out.stderr
     assert float(seconds) < 5
+
+
+def test_the_prefill_budget_reaches_the_actor_with_one_default():
+    """`--prefill-budget` / TRIO_MLX_PREFILL_BUDGET: the server's default is the library's and the
+    actor's (None: the device decides, `_actor.PREFILL_BUDGET_CPU`), a value reaches the engine,
+    and a negative one stops the server."""
+    import inspect
+
+    from trio_mlx import Engine
+    from trio_mlx.actor import ActorConfig
+    from trio_mlx.server._app import _engine_options
+
+    library = inspect.signature(Engine).parameters["prefill_budget"].default
+    assert Settings().prefill_budget is None and library is None and ActorConfig(Path("m")).prefill_budget is None
+    assert _engine_options(Settings())["prefill_budget"] is None
+    assert Settings.from_env({"TRIO_MLX_PREFILL_BUDGET": "4096"}).prefill_budget == 4096
+    assert Settings.from_env({"TRIO_MLX_PREFILL_BUDGET": ""}).prefill_budget is None
+    assert settings_from_args(build_parser().parse_args(["--prefill-budget", "0"])).prefill_budget == 0
+    assert _engine_options(Settings(prefill_budget=512))["prefill_budget"] == 512
+    with pytest.raises(ValueError, match="prefill_budget"):
+        Settings.from_env({"TRIO_MLX_PREFILL_BUDGET": "-1"})
+    with pytest.raises(ValueError, match="prefill_budget"):
+        Engine(None, prefill_budget=-1)

@@ -575,3 +575,16 @@ def test_a_shutdown_with_a_group_on_its_way_runs_the_step_a_follower_runs_before
     assert ("stop", 0) in sends  # "stop" went before the step that inserts row 7...
     assert actor._steps == 1  # ...and that step ran after it, as on a follower
     assert not script.failed
+
+
+def test_rank_0_hands_its_followers_the_prefill_budget_it_runs_with(tiny_model_fp32: Path) -> None:
+    """The prefill budget changes step shapes, so every rank must cut prompts alike: rank 0's
+    hello carries it, its device's default worked out (on this CPU, `PREFILL_BUDGET_CPU`), and
+    a value set is passed as it is."""
+    from trio_mlx.actor import ActorConfig
+    from trio_mlx.actor._actor import PREFILL_BUDGET_CPU
+    from trio_mlx.actor._distributed import hello
+
+    assert hello(ActorConfig(tiny_model_fp32), "tensor", 0)[3]["prefill_budget"] == PREFILL_BUDGET_CPU
+    assert hello(ActorConfig(tiny_model_fp32, prefill_budget=0), "tensor", 0)[3]["prefill_budget"] == 0
+    assert hello(ActorConfig(tiny_model_fp32, prefill_budget=4096), "tensor", 0)[3]["prefill_budget"] == 4096

@@ -588,3 +588,31 @@ def test_a_one_token_step_of_an_unpadded_batch_has_no_attention_mask():
         c.filter([0])  # the padded row leaves: mlx_lm trims the padding all rows share
     unmask_unpadded(padded)
     assert all(c.make_mask(1) is None for c in padded)
+
+
+def test_prompts_left_counts_what_the_next_prefill_steps_take(tiny_model_fp32):
+    """`actor._batch.prompts_left` reads `bg._unprocessed_sequences` (each one's segments at
+    index 1) and `bg._currently_processing` (at index 0): the prompt tokens each prompt has
+    yet to take through a prefill step, its last token (a segment of its own, fed with the
+    decode step) left out. And `next()` runs the decoding rows' step and then one chunk of
+    `bg.prefill_step_size` tokens of each prompt (`_batch.set_prefill_chunk`), the
+    interleaving the actor's prefill budget relies on."""
+    model, _ = _models.load_model(tiny_model_fp32)
+    bg = BatchGenerator(model, max_tokens=10**6, completion_batch_size=8, prefill_batch_size=4,
+                        prefill_step_size=1024)
+    (running,) = bg.insert([[5, 6, 7]])
+    out: dict[int, list[int]] = {}
+    while not out:
+        _step_tokens(bg, out)
+    assert _batch.prompts_left(bg) == []
+    bg.insert([[5 + i % 300 for i in range(300)], [9 + i % 200 for i in range(200)]])
+    assert _batch.prompts_left(bg) == [299, 199]  # queued: not yet in the prompt batch
+    _batch.set_prefill_chunk(bg, 128)
+    _batch.take_prompt_tokens(bg)  # the running prompt's, counted already
+    prompts, generated = bg.next()
+    assert [r.uid for r in generated] == [running]  # the decode step, in the same call as the chunk
+    assert _batch.take_prompt_tokens(bg) == 256 and len(prompts) == 2
+    assert _batch.prompts_left(bg) == [171, 71]  # in the prompt batch now, a chunk of 128 each in
+    bg.next()
+    bg.next()
+    assert _batch.prompts_left(bg) == []  # both at their last token, fed with the next decode step

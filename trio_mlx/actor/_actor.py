@@ -39,6 +39,7 @@ from ._batch import (
     CausalPrefill,
     Decoded,
     batch_rows,
+    budget_chunk,
     first_tokens,
     grid_sizes,
     move_whole_groups,
@@ -46,6 +47,7 @@ from ._batch import (
     plain_kv,
     prefill_chunk,
     prefill_grid,
+    prompts_left,
     remove_rows,
     set_prefill_chunk,
     take_prompt_tokens,
@@ -81,6 +83,16 @@ log = logging.getLogger("trio_mlx.actor")  # stages of startup; from any thread,
 _MEMORY_EVERY = 64
 # The warm-up rehearsal's constrained row: any JSON string (llguidance's grammar text).
 _WARM_GRAMMAR = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
+# Without `ActorConfig.prefill_budget`: the prompt tokens a prefill step may take while rows
+# decode, on the CPU (on a GPU: no bound, the steps as before). A judgement call from the one
+# measurement we have: on the CPU a 1B model prefilled ~95 tokens/s (eight ~1.9k-token prompts
+# in ~160 s, every running stream stopped meanwhile), so 1,024 tokens hold a running stream's
+# next token to ~10 s, and 1,024 is also what a group of `prefill_batch` (8) prompts takes at
+# the chunk's floor of 128 anyway. On a GPU nothing measured says a smaller step pays: a
+# prefill step there costs tens of ms (benchmarks/), where cutting a group's prefill into more
+# steps would delay its first tokens by as many decode steps for little; a server that wants
+# the bound there sets it.
+PREFILL_BUDGET_CPU = 1024
 # Without `ActorConfig.idle_release`: seconds idle before MLX's buffer cache is
 # handed back on a GPU (never on the CPU, where the cache is this process's own heap).
 IDLE_RELEASE = 1.0
@@ -98,6 +110,14 @@ def apply_cache_limit(gb: float | None) -> None:
     """
     if gb is not None and math.isfinite(gb):
         mx.set_cache_limit(int(gb * 1e9))
+
+
+def prefill_budget(value: int | None) -> int:
+    """`ActorConfig.prefill_budget` on this device: None is PREFILL_BUDGET_CPU on the CPU and
+    no bound (0) on a GPU."""
+    if value is not None:
+        return value
+    return 0 if mx.default_device().type == mx.DeviceType.gpu else PREFILL_BUDGET_CPU
 
 
 def _memory() -> tuple[int, int, int]:
@@ -128,6 +148,7 @@ class Actor:
         self._decoder: Decoder | None = None
         self._gpu = False  # set in run(), once the device is known
         self._grid = False  # prefill on the shape grid (`_batch.CausalPrefill`): on CUDA
+        self._budget = 0  # prompt tokens a prefill step may take while rows decode (0: no bound); set in run()
         self._idle_release: float | None = None  # likewise
         self._rows, tokens = group_bounds(config.prefill_batch, config.prefill_step, config.max_batch)
         self._admission = Admission(config.admit_window, config.prefill_batch, self._rows, tokens)
@@ -204,6 +225,7 @@ class Actor:
         self._heads = int(config.get("num_attention_heads") or config.get("n_heads") or 0)
         self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
         self._grid = prefill_grid() and plain_kv(self._model)
+        self._budget = prefill_budget(self.config.prefill_budget)
         self._bg = self._new_generator()
         release = self.config.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
@@ -615,12 +637,21 @@ class Actor:
         )
 
     def _cut_prefill(self) -> None:
-        """Bound the next prefill step's attention scratch by the prompts in the batch; on the
-        shape grid the model does, for the steps that materialize scores (`CausalPrefill`)."""
-        if self._grid:
-            return
-        prompts = [s.prompt_len for s in self.schedule.seqs.values() if s.stage != "decode"]
-        set_prefill_chunk(self._bg, prefill_chunk(self.config.prefill_step, len(prompts), max(prompts), self._heads))
+        """Cut the next prefill step's chunk: so that its attention scratch fits the prompts
+        in the batch (off the shape grid; on it the model does, for the steps that
+        materialize scores: `CausalPrefill`), and, while sequences decode, so that it takes
+        at most the prompt-token budget (`_budget`, `_batch.budget_chunk`). mlx_lm's
+        `next()` runs the decoding rows' step and then one chunk of each prompt, so a group
+        of long prompts cut this way leaves the running streams a token every step
+        between its chunks, instead of stopping them for its whole prefill."""
+        assert self._bg is not None
+        step = self.config.prefill_step
+        if not self._grid:
+            prompts = [s.prompt_len for s in self.schedule.seqs.values() if s.stage != "decode"]
+            step = prefill_chunk(step, len(prompts), max(prompts), self._heads)
+        if self._budget and self.schedule.decoding:
+            step = budget_chunk(step, prompts_left(self._bg), self._budget, self._grid)
+        set_prefill_chunk(self._bg, step)
 
     def _first_tokens(self, uids: list[int]) -> tuple[TokenOut, ...]:
         """The first tokens of rows that start decoding in an otherwise idle batch, out with

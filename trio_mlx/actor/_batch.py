@@ -2,7 +2,8 @@
 
 mlx-lm 0.32 offers no public way to do what the actor needs here: remove rows
 without a host round trip per layer, read the decoding batch's row count for
-the step trace, read and reset the prompt-token counter per step, copy a
+the step trace, read and reset the prompt-token counter per step, read what
+each prompt has left to prefill for the per-step budget (`prompts_left`), copy a
 decoding row's KV out for the prompt cache without a host round trip per
 layer (`copy_rows`), give a prefill without padding the fused attention, on
 shapes that recur (`CausalPrefill`), read the first tokens of rows that have
@@ -464,6 +465,40 @@ def prefill_chunk(step: int, rows: int, context: int, heads: int, scratch: int |
     if fit >= step:
         return step
     return min(step, max(_CHUNK_ROUND, 1 << (max(fit, 1).bit_length() - 1)))
+
+
+def prompts_left(bg: Any) -> list[int]:
+    """Prompt tokens each prompt still to prefill has left to go through a prefill step: the
+    rows of the prompt batch (`bg._currently_processing`: each one's segments still to
+    process) and those inserted but not yet in it (`bg._unprocessed_sequences`). A
+    prompt's last token is not counted: it goes through the model with the decode step
+    that brings its first token (`insert` makes it a segment of its own; `_next` hands a row
+    whose segments are down to that one to `generate`)."""
+    segments = [seq[0] for seq in bg._currently_processing] + [seq[1] for seq in bg._unprocessed_sequences]
+    return [n for n in (sum(len(s) for s in segs) - 1 for segs in segments) if n > 0]
+
+
+def budget_chunk(step: int, left: list[int], budget: int, grid: bool = False) -> int:
+    """The prefill chunk (tokens per prompt per step, at most `step`) that keeps one step's
+    prompt tokens within `budget` for prompts with `left` tokens still to go: the largest
+    such chunk on the rounding `prefill_chunk` uses (powers of two, never under 128), so a
+    group whose prompts are short enough still goes whole, and only long ones are cut
+    (as vLLM's chunked prefill fills a step's token budget). On the shape grid
+    (`CausalPrefill`) multiples of GRID_PREFIX (512) instead, never under it: the chunks
+    and the prefixes they leave behind stay shapes warm-up has built (a query of 512, 1,024,
+    ... behind a multiple of 512). Where even the floor exceeds the budget (rows x 128 >
+    budget), the floor: `budget` <= 0 is no budget."""
+    if budget <= 0 or not left or sum(min(n, step) for n in left) <= budget:
+        return step
+    if grid:
+        candidates = list(range(step // GRID_PREFIX * GRID_PREFIX, 0, -GRID_PREFIX)) or [step]
+    else:
+        candidates = [1 << k for k in range((step - 1).bit_length() - 1, _CHUNK_ROUND.bit_length() - 2, -1)]
+        candidates = [c for c in candidates if c < step] or [min(step, _CHUNK_ROUND)]
+    for c in candidates:
+        if sum(min(n, c) for n in left) <= budget:
+            return c
+    return candidates[-1]
 
 
 def set_prefill_chunk(bg: Any, tokens: int) -> None:

@@ -68,7 +68,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from .._errors import ModelLoadError
-from ._actor import Actor
+from ._actor import Actor, prefill_budget
 from ._admission import Admission
 from ._group import GroupError, GroupStatus
 from ._group_cache import GroupCache, GroupReuse, group_cache_budget, open_group_cache
@@ -87,7 +87,7 @@ INLINE = 1024
 EXIT_GRACE = 2.0
 _LENGTH = struct.Struct(">I")
 # The ActorConfig fields rank 0 hands its followers: batching must match on every rank.
-_KNOBS = ("max_batch", "prefill_batch", "prefill_step", "warmup", "admit_window", "retire_steps", "decode_step",
+_KNOBS = ("max_batch", "prefill_batch", "prefill_step", "prefill_budget", "warmup", "admit_window", "retire_steps", "decode_step",
           "idle_release", "cache_limit_gb", "step_trace")
 
 
@@ -305,7 +305,9 @@ def fingerprint(path: Path) -> str:
 def hello(config: ActorConfig, mode: str, cache_bytes: int) -> tuple[Any, ...]:
     """Rank 0's first message: the mode, the model's fingerprint, the batching knobs and
     the prompt cache's bound in bytes (`group_cache_budget`)."""
-    return ("hello", mode, fingerprint(config.model_path), {k: getattr(config, k) for k in _KNOBS}, cache_bytes)
+    knobs = {k: getattr(config, k) for k in _KNOBS}
+    knobs["prefill_budget"] = prefill_budget(config.prefill_budget)  # rank 0's device decides the default
+    return ("hello", mode, fingerprint(config.model_path), knobs, cache_bytes)
 
 
 def load_shard(path: Path, mode: str, group: Any) -> tuple[Any, dict[str, Any]]:

@@ -54,6 +54,12 @@ class ActorConfig:
     # Seconds a new sequence may wait to be admitted together with others while
     # the batch is decoding (0: no waiting for company). See `_actor._Admission`.
     admit_window: float = 0.0
+    # The most prompt tokens one prefill step takes, in total across its group, while other
+    # sequences decode (`Actor._cut_prefill`): long prompts then go in chunks, each step also
+    # a decode step of the running rows. None: 1,024 on the CPU, no bound on a GPU
+    # (`_actor.PREFILL_BUDGET_CPU`); 0: no bound. Never cuts a chunk under 128 tokens (512 on
+    # CUDA's shape grid).
+    prefill_budget: int | None = None
     # The most steps a finished sequence's row may stay in the batch before it
     # is removed (`_schedule.Schedule`); 0 removes at once.
     retire_steps: int = 16

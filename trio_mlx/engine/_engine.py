@@ -184,6 +184,7 @@ class Engine:
         max_batch: int = 64,
         prefill_batch: int = 8,
         prefill_step: int = 2048,
+        prefill_budget: int | None = None,
         max_queue: int = 1024,
         cache_dir: os.PathLike[str] | None = None,
         warmup: bool = True,
@@ -206,6 +207,9 @@ class Engine:
     ):
         if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
+        if prefill_budget is not None and (isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int)
+                                           or prefill_budget < 0):
+            raise ValueError(f"prefill_budget must be an integer >= 0 or None, not {prefill_budget!r}")
         if not (math.isfinite(admit_window) and admit_window >= 0):
             raise ValueError(f"admit_window must be a finite number >= 0, not {admit_window!r}")
         if actor not in ("thread", "process") and not callable(actor):
@@ -219,6 +223,7 @@ class Engine:
         # which would let more than max_batch sequences decode together.
         self.prefill_batch = min(prefill_batch, max_batch)
         self.prefill_step = prefill_step
+        self.prefill_budget = prefill_budget  # None: the device's (`ActorConfig.prefill_budget`)
         self.max_queue = max_queue
         self.admit_window = admit_window
         self._cache_dir = cache_dir
@@ -332,6 +337,7 @@ class Engine:
             max_batch=self.max_batch,
             prefill_batch=self.prefill_batch,
             prefill_step=self.prefill_step,
+            prefill_budget=self.prefill_budget,
             warmup=self._warmup,
             admit_window=self.admit_window,
             fault_hook=self._fault_hook,
@@ -1208,7 +1214,7 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
     """Load `model` (a hub id, a local MLX directory, or None for the embedded default),
     start its GPU actor and yield the ready `Engine`; close it on exit.
 
-    Options: max_batch, prefill_batch, prefill_step, max_queue, cache_dir, warmup,
+    Options: max_batch, prefill_batch, prefill_step, prefill_budget, max_queue, cache_dir, warmup,
     switch_interval, actor ("thread" or "process"), admit_window, sampling_defaults (None:
     the model's generation_config.json), the actor knobs retire_steps, decode_step, idle_release,
     cache_limit_gb, step_trace, prompt_cache_gb, prompt_cache_disk_gb (see `Engine`, `ActorConfig`), and

@@ -65,6 +65,7 @@ def _engine_options(settings: Settings) -> dict[str, Any]:
         max_batch=settings.max_batch,
         prefill_batch=settings.prefill_batch,
         prefill_step=settings.prefill_step,
+        prefill_budget=settings.prefill_budget,
         admit_window=settings.admit_window,
         max_queue=settings.max_queue,
         cache_dir=settings.cache_dir,  # type: ignore[arg-type]

@@ -49,6 +49,10 @@ class Settings:
     prefill_step: int = field(default=2048, metadata=_doc(
         "most tokens of a prompt processed per prefill step (fewer when many long prompts prefill "
         "together, so that one step's attention fits 4 GiB)"))
+    prefill_budget: int | None = field(default=None, metadata=_doc(
+        "most prompt tokens one prefill step takes, across its group, while other sequences decode: "
+        "long prompts then prefill in chunks (never under 128 tokens each), with a decode step of the "
+        "running streams between them; unset: 1024 on the CPU, no bound on a GPU; 0: no bound"))
     admit_window: float = field(default=ADMIT_WINDOW, metadata=_doc(
         "seconds a new request may wait to join a decoding batch together with others (fewer, "
         "larger admissions: each one slows the next decode steps), in full once prefill_batch "
@@ -177,6 +181,8 @@ class Settings:
             zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window", "restart_backoff")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
+        if self.prefill_budget is not None and self.prefill_budget < 0:
+            raise ValueError(f"prefill_budget must be >= 0, got {self.prefill_budget}")
         for name in ("idle_release", "cache_limit_gb", "prompt_cache_gb", "prompt_cache_disk_gb"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
