@@ -8,7 +8,9 @@ plain KV caches, then `steps` greedy decode steps run as mlx-lm's single-stream
 `generate_step` runs them: step k+1's forward is built and `mx.async_eval`ed
 before step k's tokens are read back. Tokens per second (B x steps / seconds) and
 milliseconds per step: the ceiling the actor's decode step is measured against
-(issue: at least 0.9x of it at one row). `--cache` also runs the same loop over
+(issue: at least 0.9x of it at one row). The plain loop is
+`trio_mlx.actor._ceiling.bare_level`, the bare ceiling `trio-mlx bench --limit`
+reports beside the BatchGenerator's; this probe keeps the variants. `--cache` also runs the same loop over
 the caches a batch decodes with: `batch`, mlx-lm's BatchKVCache (no padding:
 its decode step then still builds an attention mask and rotates by per-row
 offsets), and `batch-nomask`, the same with the mask left out, as a plain
@@ -21,8 +23,9 @@ import json
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache
 
+from trio_mlx.actor._ceiling import bare_level
 from trio_mlx.models import load_model
 
 
@@ -32,8 +35,9 @@ class _NoMask(BatchKVCache):
 
 
 def run(model, vocab: int, rows: int, steps: int, kind: str = "plain") -> float:
-    if kind == "plain":
-        cache = make_prompt_cache(model)
+    if kind == "plain":  # the bench's own bare ceiling: its decode steps' seconds
+        prompts = mx.random.randint(0, vocab, (rows, 128)).tolist()
+        return bare_level(model, prompts, steps + 1)["decode_s"]
     else:
         cls = BatchKVCache if kind == "batch" else _NoMask
         cache = [cls([0] * rows) for _ in model.layers]

@@ -1,13 +1,22 @@
-"""The raw ceiling of `trio-mlx bench --limit`: mlx_lm's BatchGenerator, no server.
+"""The raw ceilings of `trio-mlx bench --limit`: mlx_lm's BatchGenerator, and MLX's bare
+pipelined decode forward, no server.
 
-The same model, prompts and BatchGenerator settings a server would use
+BatchGenerator: the same model, prompts and BatchGenerator settings a server would use
 (completion batch size, prefill batch size, prefill step size), driven in a
 closed loop from this thread: each level keeps `concurrency` sequences in
 flight, inserting the next prompt as soon as one finishes, and stops a
 sequence only at `max_tokens` (no stop tokens, so EOS is ignored). TTFT runs
 from `insert()`; a token's time is when the `next()` that produced it returns,
-which is the earliest a server could hand it on. It lives in the actor
-package because it drives MLX; `trio_mlx.bench` makes the records it fills and
+which is the earliest a server could hand it on.
+
+The bare forward (`bare_level`): B rows prefilled together into mlx-lm's plain
+KV caches, then greedy decode steps as mlx-lm's single-stream `generate_step`
+runs them: step k+1's forward is built and `mx.async_eval`ed before step k's
+tokens are read back. No batching bookkeeping, no sampling beyond an argmax:
+what the model's forward alone costs a step, the bar a server's decode step is
+measured against.
+
+This lives in the actor package because it drives MLX; `trio_mlx.bench` makes the records it fills and
 reads the figures.
 """
 
@@ -26,11 +35,79 @@ from ._trace import StepTrace
 _WARMUP_TOKENS = 4
 
 
-def _load_model(model: str) -> Any:
+def _load_model(model: str) -> tuple[Any, dict[str, Any]]:
     from ..models import load_model, resolve_model
 
-    loaded, _config = load_model(resolve_model(model))
-    return loaded
+    return load_model(resolve_model(model))
+
+
+def model_footprint(model: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """`trio_mlx.bench._physical.footprint` of a loaded model: the sum of its parameters'
+    nbytes, and the KV bytes of a token in the float dtype holding most of them."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from ..bench._physical import footprint
+
+    total = 0
+    floats: dict[Any, int] = {}
+    params: Any = tree_flatten(model.parameters())
+    for _, p in params:
+        total += p.nbytes
+        if mx.issubdtype(p.dtype, mx.floating):
+            floats[p.dtype] = floats.get(p.dtype, 0) + p.nbytes
+    kv = max(floats, key=lambda d: floats[d]) if floats else mx.bfloat16
+    return footprint(total, kv.size, config, "loaded model")
+
+
+def bare_level(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
+    """One wave of the bare pipelined forward: `prompts` (one row each, all of one length)
+    prefilled together into plain KV caches, then `max_tokens - 1` greedy decode steps, so
+    that each row makes `max_tokens` tokens. Returns per-row times in seconds from the
+    start (`ttft`: the prefill's tokens read; `token_times`: every decode step's tokens
+    read), `decode_s` (the first token read to the last) and `cpu_s` (this thread's)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("the bare forward prefills its rows together: prompts of one length")
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    clock = time.perf_counter
+    cache = make_prompt_cache(model)
+
+    def step(tok: Any) -> Any:
+        out = model(tok[:, None], cache=cache)
+        return mx.argmax(out[:, -1, :], axis=-1)
+
+    cpu0 = time.process_time()
+    t0 = clock()
+    prompt = mx.array([list(p) for p in prompts])
+    if prompt.shape[1] > 1:  # all but the last token: only the cache is evaluated, never the
+        model(prompt[:, :-1], cache=cache)  # logits of every position (B x L x vocab)
+        mx.eval([c.state for c in cache])
+    logits = model(prompt[:, -1:], cache=cache)
+    y = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.async_eval(y)
+    nxt = None
+    if max_tokens > 1:
+        nxt = step(y)
+        mx.async_eval(nxt)
+    y.tolist()
+    ttft = clock() - t0
+    times: list[float] = []
+    for k in range(max_tokens - 1):
+        assert nxt is not None
+        cur = nxt
+        if k < max_tokens - 2:
+            nxt = step(cur)
+            mx.async_eval(nxt)  # step k+1 is queued before step k's tokens are read
+        cur.tolist()
+        times.append(clock() - t0)
+    cpu = time.process_time() - cpu0
+    mx.clear_cache()
+    return {"ttft": ttft, "token_times": times, "decode_s": (times[-1] if times else ttft) - ttft,
+            "cpu_s": cpu}  # fmt: skip
 
 
 def device_info() -> dict[str, Any]:
@@ -124,7 +201,9 @@ def drive(
 class Ceiling:
     """The model loaded into a BatchGenerator with the server's settings, warmed, ready to
     run closed-loop levels; `run_limit` runs a whole sweep, `trio-mlx bench --paired`
-    interleaves levels with a server's. Close it when done."""
+    interleaves levels with a server's. `bare` runs the bare forward's waves on the same
+    model (with `batch_generator=False`, nothing else: no BatchGenerator is made).
+    Close it when done."""
 
     def __init__(
         self,
@@ -138,6 +217,7 @@ class Ceiling:
         seed: int = 0,
         cache_limit_gb: float | None = None,
         trace: str | None = None,
+        batch_generator: bool = True,
     ):
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
@@ -147,8 +227,14 @@ class Ceiling:
         apply_cache_limit(cache_limit_gb)  # as the server's actor does: two MLX processes may share one GPU
         mx.random.seed(seed)
         self._trace: StepTrace | None = None
+        self._bare_widths: set[int] = set()
+        self.model, self.config = _load_model(model)
+        self.footprint = model_footprint(self.model, self.config)
+        self.bg: Any = None
+        if not batch_generator:
+            return  # `bare` compiles each width's kernels on its first use
         self.bg = BatchGenerator(
-            _load_model(model),
+            self.model,
             max_tokens=max_tokens,
             stop_tokens=None,  # EOS does not stop a sequence: the output length is fixed
             completion_batch_size=completion_batch_size,
@@ -179,16 +265,27 @@ class Ceiling:
         """One closed-loop run filling `records` (see `drive`): (seconds, CPU seconds of this process)."""
         import mlx.core as mx
 
+        if self.bg is None:
+            raise RuntimeError("this Ceiling has no BatchGenerator (batch_generator=False)")
         cpu0 = time.process_time()
         seconds = drive(self.bg, prompts, concurrency, max_tokens, records, check, self._trace)
         cpu = time.process_time() - cpu0
         mx.clear_cache()
         return seconds, cpu
 
+    def bare(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
+        """One wave of the bare forward on this model (`bare_level`); the first wave of a
+        width compiles its kernels, so each width runs once unmeasured first."""
+        if len(prompts) not in self._bare_widths:
+            bare_level(self.model, prompts, _WARMUP_TOKENS)
+            self._bare_widths.add(len(prompts))
+        return bare_level(self.model, prompts, max_tokens)
+
     def close(self) -> None:
         import mlx.core as mx
 
-        self.bg.close()
+        if self.bg is not None:
+            self.bg.close()
         mx.synchronize()
         if self._trace is not None:
             self._trace.close()

@@ -440,6 +440,8 @@ def _print_level(lv: dict[str, Any], args: argparse.Namespace) -> None:
     if args.quiet:
         return
     where = f"c={lv['concurrency']}" if lv["concurrency"] is not None else f"rate={lv['rate']}/s"
+    if lv.get("ceiling") == "bare":
+        where += " bare"
     ttft, tpot = lv["ttft_ms"], lv["tpot_ms"]
 
     def f(x: float | None, spec: str = ".1f") -> str:
@@ -538,6 +540,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="completion batch size (default: the largest concurrency)")  # fmt: skip
     lim.add_argument("--prefill-batch-size", type=int, default=8)
     lim.add_argument("--prefill-step-size", type=int, default=2048)
+    lim.add_argument("--ceiling", choices=("both", "bare", "batchgenerator"), default="both",
+                     help="which ceilings --limit measures, level by level on the same model: mlx_lm's "
+                     "BatchGenerator in a closed loop, MLX's bare pipelined decode forward (one wave of "
+                     "c rows over plain KV caches), or both (default)")  # fmt: skip
+    p.add_argument("--bandwidth-gbs", type=float, metavar="GB/S",
+                   help="the device's memory bandwidth, for each level's fraction of the physical limit "
+                   "(bytes a decode step reads over it); default: by MLX's device name where known "
+                   "(--limit), else left out")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", help="names this run in tables and plots")
     p.add_argument("--device", help="free text describing the device (GPU, driver, wheels)")
@@ -559,9 +569,12 @@ def _sub_main(name: str, argv: list[str]) -> int:
             "--ceiling", help="the --limit run to compare with (default: the first given)"
         )
         p.add_argument("-o", "--out", help="also write the table to this file")
+        p.add_argument("--bandwidth-gbs", type=float, metavar="GB/S",
+                       help="the device's memory bandwidth, for the fraction of the physical limit "
+                       "(default: what the runs recorded)")  # fmt: skip
         a = p.parse_args(argv)
         ceiling = load_results([a.ceiling])[0] if a.ceiling else None
-        text = format_table(load_results(a.results), ceiling)
+        text = format_table(load_results(a.results), ceiling, bandwidth_gbs=a.bandwidth_gbs)
         sys.stdout.write(text)
         if a.out:
             Path(a.out).write_text(text)
@@ -583,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("trio-mlx bench: --paired-rounds must be at least 1")
     if args.paired and not args.url:
         raise SystemExit("trio-mlx bench: --paired pairs a server (--url) with the ceiling")
+    if args.bandwidth_gbs is not None and args.bandwidth_gbs <= 0:
+        raise SystemExit("trio-mlx bench: --bandwidth-gbs must be positive")
     if args.limit and args.endpoint == "chat":
         print("note: --limit feeds the chat-templated token ids", file=sys.stderr)
 
@@ -646,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint(done)
 
     args.checkpoint = checkpoint
+    if not args.limit:  # --limit sums the loaded model's parameters instead
+        result["physical"] = _physical_record(args, _footprint_from_files(args.model), None)
     in_process = [(c, n) for c, _, n in plan if c is not None]
     if args.engine:
         from ._engine import run_engine
@@ -680,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_batch_size": args.prefill_batch_size,
             "prefill_step_size": args.prefill_step_size,
         }
-        result["device"], result["levels"] = run_limit(
+        result["settings"]["ceilings"] = ceilings = _ceilings(args.ceiling)
+        result["device"], result["levels"], fp = run_limit(
             args.model,
             [p.ids for p in prompts],
             warmup=[p.ids for p in warm],
@@ -692,7 +710,9 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             cache_limit_gb=actor_knobs()["cache_limit_gb"],
             on_level=level_done,
+            ceilings=ceilings,
         )
+        result["physical"] = _physical_record(args, fp, result["device"].get("device_name"))
     else:
         import trio
 
@@ -716,6 +736,33 @@ def main(argv: list[str] | None = None) -> int:
         write_plot([result], args.plot)
     errors = sum(lv["errors"]["total"] for lv in result["levels"])
     return 1 if errors else 0
+
+
+def _ceilings(choice: str) -> tuple[str, ...]:
+    return ("batchgenerator", "bare") if choice == "both" else (choice,)
+
+
+def _footprint_from_files(model: str) -> dict[str, Any] | None:
+    """The model's bytes from its safetensors headers (no MLX), or None where it has none here."""
+    from .. import models
+    from ._physical import footprint_from_files
+
+    try:
+        return footprint_from_files(models.resolve_model(model))
+    except Exception as exc:  # a footprint is extra: a model it cannot read still benchmarks
+        print(f"note: no model bytes for the physical limit ({exc})", file=sys.stderr)
+        return None
+
+
+def _physical_record(args: argparse.Namespace, fp: dict[str, Any] | None, device_name: str | None) -> dict[str, Any]:
+    """`physical` of the results: the model's footprint and the bandwidth, from --bandwidth-gbs
+    or the table of known devices by MLX's device name (None where neither says)."""
+    from ._physical import known_bandwidth
+
+    known = known_bandwidth(device_name)
+    gbs = args.bandwidth_gbs if args.bandwidth_gbs is not None else known
+    source = "--bandwidth-gbs" if args.bandwidth_gbs is not None else "device table" if known else None
+    return {**(fp or {}), "bandwidth_gbs": gbs, "bandwidth_source": source, "device_name": device_name}
 
 
 def _run_paired(

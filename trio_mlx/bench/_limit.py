@@ -1,8 +1,10 @@
-"""`trio-mlx bench --limit`: the raw ceiling's levels, measured as the HTTP levels are.
+"""`trio-mlx bench --limit`: the raw ceilings' levels, measured as the HTTP levels are.
 
-The ceiling itself (mlx_lm's BatchGenerator in a closed loop, no server) is
+The ceilings themselves (mlx_lm's BatchGenerator in a closed loop, and MLX's
+bare pipelined decode forward over plain KV caches, no server) are
 `trio_mlx.actor.ceiling`, the one place outside the server's actor that drives
-MLX; this module makes the records it fills and turns them into levels.
+MLX; this module makes the records they fill and turns them into levels, each
+labelled by its `ceiling` ("batchgenerator" or "bare").
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from types import ModuleType
 from typing import Any
 
 from ._stats import RequestRecord, check_length, in_process_level
+
+CEILINGS = ("batchgenerator", "bare")
 
 # TRIO_MLX_CEILING_TRACE=PATH: the measured levels write one line per step to
 # PATH in the columns of the server actor's TRIO_MLX_STEP_TRACE (its exchange
@@ -43,6 +47,32 @@ def ceiling_level(ceiling: Any, prompts: Sequence[Sequence[int]], concurrency: i
     return records, seconds, cpu
 
 
+def bare_level(ceiling: Any, prompts: Sequence[Sequence[int]], concurrency: int,
+               max_tokens: int) -> dict[str, Any]:
+    """The bare forward's level at `concurrency`: one wave of its first `concurrency` prompts
+    (fewer if the level has fewer), each row making `max_tokens` tokens, as a level record:
+    out tok/s over the wave's whole time (its one prefill included, as each closed-loop
+    request has one), TPOT = `ms_per_step`, the decode step's time, and `decode_tok_s`."""
+    rows = list(prompts[:concurrency])
+    wave = ceiling.bare(rows, max_tokens)
+    times = [wave["ttft"], *wave["token_times"]]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    records = [RequestRecord(ttft=wave["ttft"], e2e=times[-1], output_tokens=max_tokens, events=max_tokens,
+                             itl=list(gaps), finish_reason="length") for _ in rows]  # fmt: skip
+    for r in records:
+        check_length(r, max_tokens)
+    lv = in_process_level(records, duration=times[-1], concurrency=concurrency, cpu_s=wave["cpu_s"],
+                          cpu_name="client")  # fmt: skip
+    steps = max_tokens - 1
+    lv.update({
+        "ceiling": "bare",
+        "rows": len(rows),
+        "ms_per_step": 1e3 * wave["decode_s"] / steps if steps and wave["decode_s"] > 0 else None,
+        "decode_tok_s": len(rows) * steps / wave["decode_s"] if steps and wave["decode_s"] > 0 else None,
+    })
+    return lv
+
+
 def run_limit(
     model: str,
     prompts: Sequence[Sequence[int]],
@@ -56,13 +86,20 @@ def run_limit(
     seed: int = 0,
     cache_limit_gb: float | None = None,
     on_level: Callable[[dict[str, Any]], None] | None = None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Measure each (concurrency, requests) level of `plan`, consuming `prompts` in order.
+    ceilings: Sequence[str] = CEILINGS,
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """Measure each (concurrency, requests) level of `plan` on each of `ceilings`, consuming
+    `prompts` in order: a level's BatchGenerator run, then its bare wave on the first of
+    the same prompts, so that the host's drift weighs on both alike.
 
     The `warmup` prompts run first as one short, unmeasured batch.
 
-    Returns (device description, per-level stats as `_stats.level_stats` makes them).
+    Returns (device description, per-level stats as `_stats.level_stats` makes them, each
+    with its `ceiling`, the model's footprint as `_physical.footprint` makes it).
     """
+    unknown = set(ceilings) - set(CEILINGS)
+    if unknown or not ceilings:
+        raise ValueError(f"ceilings: {sorted(unknown) or 'none'}; expected some of {CEILINGS}")
     need = sum(n for _, n in plan)
     if len(prompts) < need:
         raise ValueError(f"{len(prompts)} prompts for {need} requests")
@@ -76,6 +113,7 @@ def run_limit(
         seed=seed,
         cache_limit_gb=cache_limit_gb,
         trace=os.environ.get(CEILING_TRACE_ENV),
+        batch_generator="batchgenerator" in ceilings,
     )
     levels: list[dict[str, Any]] = []
     try:
@@ -83,13 +121,18 @@ def run_limit(
         for concurrency, n in plan:
             batch = prompts[pos : pos + n]
             pos += n
-            records, duration, cpu = ceiling_level(ceiling, batch, concurrency, max_tokens)
-            lv = in_process_level(
-                records, duration=duration, concurrency=concurrency, cpu_s=cpu, cpu_name="client"
-            )
-            levels.append(lv)
-            if on_level is not None:
-                on_level(lv)
+            done = []
+            if "batchgenerator" in ceilings:
+                records, duration, cpu = ceiling_level(ceiling, batch, concurrency, max_tokens)
+                done.append({**in_process_level(records, duration=duration, concurrency=concurrency,
+                                                cpu_s=cpu, cpu_name="client"), "ceiling": "batchgenerator"})  # fmt: skip
+            if "bare" in ceilings:
+                done.append(bare_level(ceiling, batch, concurrency, max_tokens))
+            for lv in done:
+                levels.append(lv)
+                if on_level is not None:
+                    on_level(lv)
+        footprint = ceiling.footprint
     finally:
         ceiling.close()
-    return ceiling_module().device_info(), levels
+    return ceiling_module().device_info(), levels, footprint

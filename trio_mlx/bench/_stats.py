@@ -135,13 +135,24 @@ def _run_name(res: dict[str, Any]) -> str:
     return str(res.get("label") or res.get("target") or "run")
 
 
+def is_bare(level: dict[str, Any]) -> bool:
+    """A level of the bare pipelined forward (`--limit --ceiling bare|both`), not a BatchGenerator's."""
+    return level.get("ceiling") == "bare"
+
+
+def _level_name(res: dict[str, Any], level: dict[str, Any]) -> str:
+    """The name of the line or row a level belongs to: its run's, with " (bare)" for the bare forward's."""
+    return _run_name(res) + (" (bare)" if is_bare(level) else "")
+
+
 def plot_lines(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """The plot's lines: run name -> its levels in order. Runs that share a name are one
     line (a level measured in a call of its own, such as c=1 in rounds, joins its sweep);
     a run that died before its first level draws none."""
     lines: dict[str, list[dict[str, Any]]] = {}
     for res in results:
-        lines.setdefault(_run_name(res), []).extend(res["levels"])
+        for lv in res["levels"]:
+            lines.setdefault(_level_name(res, lv), []).append(lv)
     return {name: sorted(lvs, key=level_key) for name, lvs in lines.items() if lvs}
 
 
@@ -188,23 +199,56 @@ def write_plot(results: Sequence[dict[str, Any]], out: str | Path) -> Path:
     return out
 
 
-def format_table(results: Sequence[dict[str, Any]], ceiling: dict[str, Any] | None = None) -> str:
-    """A markdown table, one row per run and level, with the ratio to the ceiling's throughput.
+def _physical(res: dict[str, Any], ceilings: Sequence[dict[str, Any]],
+              bandwidth_gbs: float | None) -> tuple[dict[str, Any] | None, float | None]:
+    """(footprint, bandwidth) for a run's fraction of the physical limit: its own record,
+    else a ceiling's of the same model; the bandwidth given to the table first."""
+    def has_bytes(r: dict[str, Any]) -> bool:
+        return bool((r.get("physical") or {}).get("weight_bytes"))
+
+    same = [c for c in ceilings if c.get("model") == res.get("model")]
+    fp = next((r["physical"] for r in (res, *same) if has_bytes(r)), None)
+    gbs = bandwidth_gbs
+    for r in (res, *ceilings):
+        if gbs is None:
+            gbs = (r.get("physical") or {}).get("bandwidth_gbs")
+    return fp, gbs
+
+
+def format_table(
+    results: Sequence[dict[str, Any]], ceiling: dict[str, Any] | None = None, *, bandwidth_gbs: float | None = None
+) -> str:
+    """A markdown table, one row per run and level, with the ratio to the ceilings' throughput.
 
     Without `ceiling`, every `--limit` run among `results` is one: a level's
     ceiling is the best of them. A GPU host's speed drifts by tens of percent
     within minutes, so the ceiling is measured before and after the servers
-    (scripts/gpu_bench.sh) and the faster of the two is the bar.
+    (scripts/gpu_bench.sh) and the faster of the two is the bar. "x ceiling"
+    is the ratio to the BatchGenerator's, "x bare" (when a ceiling has bare
+    levels) to the bare pipelined forward's; a run's bare levels are rows of
+    their own, " (bare)", beside its BatchGenerator's. "x mem limit" (when a
+    bandwidth is known: `bandwidth_gbs`, else what the runs recorded, and the
+    model's bytes are) is `_physical.fraction_of_limit`.
     """
+    from ._physical import fraction_of_limit
+
     ceilings = [ceiling] if ceiling is not None else [r for r in results if r.get("target") == "limit"]
     base: dict[int, float] = {}  # concurrency -> throughput: the ceiling runs the closed loop only
+    bare: dict[int, float] = {}
     for c in ceilings:
         for lv in c.get("levels", []):
             if lv["output_throughput"] and (k := lv.get("concurrency")) is not None:
-                base[k] = max(base.get(k, 0.0), lv["output_throughput"])
+                bar = bare if is_bare(lv) else base
+                bar[k] = max(bar.get(k, 0.0), lv["output_throughput"])
+    physical = {id(r): _physical(r, ceilings, bandwidth_gbs) for r in results}
+    limit = any(fp is not None and gbs for fp, gbs in physical.values())
     srv = any("server_cpu_us_per_token" in lv for r in results for lv in r["levels"])
-    head = ["run", "level", "out tok/s", "x ceiling", "req/s", "TTFT p50 ms", "TTFT p99 ms",
-            "TPOT p50 ms", "ITL p99 ms", "errors"]  # fmt: skip
+    head = ["run", "level", "out tok/s", "x ceiling"]
+    if bare:
+        head += ["x bare"]
+    if limit:
+        head += ["x mem limit"]
+    head += ["req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "ITL p99 ms", "errors"]
     if srv:
         head += ["srv CPU us/tok", "srv main-thread us/tok"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -212,21 +256,31 @@ def format_table(results: Sequence[dict[str, Any]], ceiling: dict[str, Any] | No
     def f(x: float | None, spec: str = ".1f") -> str:
         return "-" if x is None else format(x, spec)
 
+    def ratio(tp: float | None, c: int | None, bar: dict[int, float]) -> float | None:
+        return tp / bar[c] if tp is not None and c is not None and bar.get(c) else None
+
     for res in results:
-        for lv in sorted(res["levels"], key=level_key):
+        fp, gbs = physical[id(res)]
+        for lv in sorted(res["levels"], key=lambda lv: (level_key(lv), is_bare(lv))):
             k = level_key(lv)
             tp = lv["output_throughput"]
             c = lv.get("concurrency")
-            ratio = tp / base[c] if tp is not None and c is not None and base.get(c) else None
             where = f"c={k}" if c is not None else f"{k}/s"
             errs = lv["errors"]
             err = str(errs["total"])
             if errs["total"]:
                 err += " (" + ", ".join(f"{n} {why}" for why, n in errs["by_reason"].items()) + ")"
-            cells = [_run_name(res), where, f(tp, ".0f"), f(ratio, ".2f"),
-                     f(lv["request_throughput"], ".2f"), f(lv["ttft_ms"]["p50"]),
-                     f(lv["ttft_ms"]["p99"]), f(lv["tpot_ms"]["p50"], ".2f"),
-                     f(lv["itl_ms"]["p99"], ".2f"), err]  # fmt: skip
+            cells = [_level_name(res, lv), where, f(tp, ".0f"), f(ratio(tp, c, base), ".2f")]
+            if bare:
+                cells += [f(ratio(tp, c, bare), ".2f")]
+            if limit:
+                frac = None
+                if fp is not None and gbs and res.get("prompt_tokens") and res.get("max_tokens"):
+                    frac = fraction_of_limit(lv, fp, gbs, int(res["prompt_tokens"]), int(res["max_tokens"]))
+                cells += [f(frac, ".2f")]
+            cells += [f(lv["request_throughput"], ".2f"), f(lv["ttft_ms"]["p50"]),
+                      f(lv["ttft_ms"]["p99"]), f(lv["tpot_ms"]["p50"], ".2f"),
+                      f(lv["itl_ms"]["p99"], ".2f"), err]  # fmt: skip
             if srv:
                 cells += [f(lv.get("server_cpu_us_per_token")),
                           f(lv.get("server_main_thread_cpu_us_per_token"))]  # fmt: skip
