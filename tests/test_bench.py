@@ -328,8 +328,22 @@ def test_limit_mode_on_the_tiny_model(tiny_model: Path, tmp_path: Path, monkeypa
     assert res["target"] == "limit" and res["settings"]["completion_batch_size"] == 4
     assert res["command"][:3] == ["trio-mlx", "bench", "--limit"]
     assert "mlx" in res["device"]
-    assert [lv["concurrency"] for lv in res["levels"]] == [1, 4]
-    for lv in res["levels"]:
+    assert res["settings"]["ceilings"] == ["batchgenerator", "bare"]  # both, level by level
+    assert [(lv["concurrency"], lv["ceiling"]) for lv in res["levels"]] == [
+        (1, "batchgenerator"), (1, "bare"), (4, "batchgenerator"), (4, "bare")]
+    # the bare forward: one wave of c rows of the level's prompts, each making max_tokens
+    for lv in (lv for lv in res["levels"] if lv["ceiling"] == "bare"):
+        c = lv["concurrency"]
+        assert lv["rows"] == lv["requests"] == lv["completed"] == c and lv["errors"]["total"] == 0
+        assert lv["output_tokens"] == c * 8 and lv["itl_ms"]["n"] == c * 7
+        assert lv["output_throughput"] > 0 and lv["decode_tok_s"] > 0 and lv["ms_per_step"] > 0
+        assert lv["decode_tok_s"] == pytest.approx(c * 1e3 / lv["ms_per_step"])
+        assert lv["tpot_ms"]["p50"] == pytest.approx(lv["ms_per_step"])  # a row's TPOT is the step
+    # the model's bytes, from the loaded model: no bandwidth on a CPU nobody named
+    phys = res["physical"]
+    assert phys["source"] == "loaded model" and phys["weight_bytes"] > 0 and phys["kv_bytes_per_token"] > 0
+    assert phys["bandwidth_gbs"] is None and phys["device_name"]
+    for lv in (lv for lv in res["levels"] if lv["ceiling"] == "batchgenerator"):
         assert lv["requests"] == lv["completed"] == 6 and lv["errors"]["total"] == 0
         assert lv["output_tokens"] == 6 * 8
         assert lv["itl_ms"]["n"] == 6 * 7
@@ -349,6 +363,59 @@ def test_limit_mode_on_the_tiny_model(tiny_model: Path, tmp_path: Path, monkeypa
     assert sum(r["inserted"] for r in rows) == 2 * 6
     assert sum(r["prompt_tokens"] for r in rows) > 0 and max(r["rows"] for r in rows) == 4
     assert min(r["cpu_s"] for r in rows) >= 0 and sum(r["cpu_s"] for r in rows) > 0  # the stepping thread's
+
+
+def test_limit_mode_runs_one_ceiling_alone(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bare.json"
+    argv = ["--limit", "--model", str(tiny_model), "--concurrency", "2", "--requests-per-level", "3",
+            "--prompt-tokens", "16", "--max-tokens", "5", "--out", str(out), "--quiet"]  # fmt: skip
+    assert _bench.main([*argv, "--ceiling", "bare", "--bandwidth-gbs", "50"]) == 0
+    res = json.loads(out.read_text())
+    assert [(lv["ceiling"], lv["rows"], lv["output_tokens"]) for lv in res["levels"]] == [("bare", 2, 10)]
+    assert res["physical"]["bandwidth_gbs"] == 50 and res["physical"]["bandwidth_source"] == "--bandwidth-gbs"
+    assert _bench.main([*argv, "--ceiling", "batchgenerator"]) == 0
+    res = json.loads(out.read_text())
+    assert [(lv["ceiling"], lv["requests"], lv["output_tokens"]) for lv in json.loads(out.read_text())["levels"]] == [
+        ("batchgenerator", 3, 15)]
+
+
+def test_model_bytes_are_its_tensors_and_the_kv_formula(tiny_model: Path) -> None:
+    import mlx.core as mx
+
+    from trio_mlx.actor._ceiling import model_footprint
+    from trio_mlx.bench._physical import footprint_from_files, fraction_of_limit, step_bytes
+    from trio_mlx.models import load_model
+
+    tensors = {k: v for f in sorted(tiny_model.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
+    weights = sum(v.nbytes for v in tensors.values())
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv = cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * 4  # float32
+    from_files = footprint_from_files(tiny_model)
+    model, config = load_model(tiny_model)
+    loaded = model_footprint(model, config)
+    for fp in (from_files, loaded):
+        assert (fp["weight_bytes"], fp["kv_bytes_per_token"], fp["kv_dtype_bytes"]) == (weights, kv, 4)
+    # a step of 3 rows at 100 tokens of context reads the weights once and every row's KV
+    assert step_bytes(from_files, 3, 100.0) == weights + kv * 100 * 3
+    # the fraction: that many bytes at 1 GB/s over the level's TPOT p50 (prompt 96 + output 8 / 2)
+    least_ms = (weights + kv * 100 * 3) / 1e9 * 1e3
+    level = {"concurrency": 3, "tpot_ms": {"p50": 2 * least_ms}}
+    assert fraction_of_limit(level, from_files, 1.0, 96, 8) == pytest.approx(0.5)
+    assert fraction_of_limit({"concurrency": None, "rate": 2.0, "tpot_ms": {"p50": 1.0}}, from_files, 1.0, 96, 8) is None
+
+
+def test_known_bandwidths_by_device_name() -> None:
+    from trio_mlx.bench._physical import known_bandwidth
+
+    assert known_bandwidth("NVIDIA H200") == 4800
+    assert known_bandwidth("NVIDIA GH200 480GB") == 4000
+    assert known_bandwidth("NVIDIA H100 80GB HBM3") == 3350
+    assert known_bandwidth("NVIDIA H100 PCIe") == 2000
+    assert known_bandwidth("Apple M3 Max") == 400 and known_bandwidth("Apple M2") == 100
+    assert known_bandwidth("Intel(R) Xeon(R) Processor") is None and known_bandwidth(None) is None
 
 
 def test_engine_mode_runs_the_same_prompts_through_the_channel_api(tiny_model: Path, tmp_path: Path) -> None:
@@ -414,6 +481,41 @@ def test_table_ratios_and_plot_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     md = tmp_path / "t.md"
     assert _bench.main(["table", *map(str, paths), "-o", str(md)]) == 0
     assert md.read_text() == capsys.readouterr().out == table
+
+
+def test_table_shows_the_bare_ceiling_and_the_fraction_of_the_physical_limit() -> None:
+    ceiling = _fake_result("ceiling", "limit", [100.0, 400.0])
+    bare = _fake_result("ceiling", "limit", [200.0, 800.0])
+    for lv in bare["levels"]:
+        lv["ceiling"] = "bare"
+    ceiling["levels"] += bare["levels"]
+    # TPOT p50 100 ms; 1e6 bytes of weights, 1e3 of KV a token, context 1 + 10 / 2 = 6
+    ceiling["physical"] = {"weight_bytes": 1_000_000, "kv_bytes_per_token": 1000}
+    server = _fake_result("trio_mlx", "http://h", [90.0, 300.0])
+    table = format_table([ceiling, server])
+    head = table.splitlines()[0]
+    assert "| x ceiling | x bare | req/s |" in head and "x mem limit" not in head  # no bandwidth known
+    # the bare rows stand beside the BatchGenerator's, each with its ratio to both bars
+    assert [r.split(" | ")[:5] for r in table.splitlines()[2:6]] == [
+        ["| ceiling", "c=1", "100", "1.00", "0.50"], ["| ceiling (bare)", "c=1", "200", "2.00", "1.00"],
+        ["| ceiling", "c=8", "400", "1.00", "0.50"], ["| ceiling (bare)", "c=8", "800", "2.00", "1.00"]]
+    assert "| trio_mlx | c=8 | 300 | 0.75 | 0.38 |" in table
+    # a bandwidth given: the fraction, for the server too (the ceiling's bytes, the same model)
+    table = format_table([ceiling, server], bandwidth_gbs=0.1)
+    assert "| x ceiling | x bare | x mem limit | req/s |" in table.splitlines()[0]
+    # c=1: (1e6 + 1e3 x 6) bytes / 0.1 GB/s = 10.06 ms of a TPOT of (1 - 0.01) / 9 s = 110 ms;
+    # c=8: 10.48 ms of (1 - 0.08) / 9 s = 102.2 ms
+    assert "| trio_mlx | c=1 | 90 | 0.90 | 0.45 | 0.09 |" in table
+    assert "| trio_mlx | c=8 | 300 | 0.75 | 0.38 | 0.10 |" in table
+    # or recorded by the run; a Poisson level has no fraction
+    ceiling["physical"]["bandwidth_gbs"] = 0.01
+    rec = RequestRecord(ttft=0.01, e2e=1.0, output_tokens=10, events=10, itl=[0.1] * 9)
+    poisson = {"label": "p", "model": "m", "prompt_tokens": 1, "max_tokens": 10,
+               "levels": [level_stats([rec], duration=1.0, concurrency=None, rate=8.0)]}  # fmt: skip
+    table = format_table([ceiling, server, poisson])
+    assert "| trio_mlx | c=1 | 90 | 0.90 | 0.45 | 0.91 |" in table
+    assert "| p | 8.0/s | 10 | - | - | - |" in table
+    assert set(plot_lines([ceiling])) == {"ceiling", "ceiling (bare)"}
 
 
 def test_plot_skips_a_run_that_died_before_its_first_level(tmp_path: Path) -> None:
@@ -826,6 +928,8 @@ async def test_url_mode_takes_the_model_from_the_server(tiny_model: Path, tmp_pa
         assert await trio.to_thread.run_sync(_bench.main, argv) == 0  # no --model
     result = json.loads(out.read_text())
     assert result["served_model_name"] == "tiny-served" and result["model"] == real
+    # a server run reads the model's bytes from its safetensors headers, for the table's fraction
+    assert result["physical"]["source"] == "safetensors" and result["physical"]["weight_bytes"] > 0
     assert result["levels"][0]["completed"] == 2
     with pytest.raises(SystemExit, match="need --model"):
         _bench.main(["--engine", "--concurrency", "1"])
