@@ -1,9 +1,11 @@
 """`trio-mlx bench`: a load generator for OpenAI-compatible endpoints.
 
 Drives any server (`--url`) over streaming SSE with trio (`_http.py`),
-or, with `--limit`, mlx_lm's BatchGenerator in-process on the same model and
-prompts (the raw ceiling a server is judged against: `_limit.py`, over
-`trio_mlx.actor.ceiling`, which drives MLX). Figures, tables and plots are in
+or, with `--limit`, the raw ceilings in-process on the same model and prompts:
+mlx_lm's BatchGenerator and MLX's bare pipelined decode forward, the bars a
+server is judged against (`_limit.py`, over `trio_mlx.actor.ceiling`, which
+drives MLX). Each run records the model's bytes and the device's bandwidth
+for the fraction of the physical limit (`_physical.py`). Figures, tables and plots are in
 `_stats.py`. Two load shapes: a closed-loop concurrency
 sweep (`--concurrency 1,8,32`) and Poisson arrivals (`--rate 2,4`). Prompts are
 random token ids of an exact token length under the model's tokenizer, each
@@ -478,15 +480,15 @@ def _parser() -> argparse.ArgumentParser:
         "       %(prog)s plot A.json [B.json ...] -o OUT.png\n"
         "       %(prog)s table A.json [B.json ...] [--ceiling C.json] [-o OUT.md]\n"
         "       %(prog)s chat --url URL [options]",
-        description="Load-test an OpenAI-compatible endpoint (--url) or the raw BatchGenerator "
-        "ceiling (--limit). Also: `trio-mlx bench plot A.json [B.json ...] -o out.png` and "
+        description="Load-test an OpenAI-compatible endpoint (--url) or the raw ceilings "
+        "(--limit: mlx_lm's BatchGenerator and MLX's bare pipelined forward). Also: `trio-mlx bench plot A.json [B.json ...] -o out.png` and "
         "`trio-mlx bench table A.json [B.json ...] [--ceiling C.json]`; multi-turn conversations "
         "with a shared system prompt (the prompt cache's load): `trio-mlx bench chat --url URL`.",
     )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="base URL of the server, e.g. http://127.0.0.1:8080")
     target.add_argument("--limit", action="store_true",
-                        help="drive mlx_lm's BatchGenerator in-process: the ceiling")  # fmt: skip
+                        help="the ceilings in-process: mlx_lm's BatchGenerator and the bare forward (--ceiling)")  # fmt: skip
     target.add_argument("--engine", action="store_true",
                         help="drive trio_mlx's engine in-process through the channel API (no HTTP)")  # fmt: skip
     p.add_argument("--actor", choices=("thread", "process"), default="thread",
@@ -596,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("trio-mlx bench: --paired-rounds must be at least 1")
     if args.paired and not args.url:
         raise SystemExit("trio-mlx bench: --paired pairs a server (--url) with the ceiling")
+    if args.ceiling != "both" and not args.limit:
+        raise SystemExit("trio-mlx bench: --ceiling picks what --limit measures (--paired: the BatchGenerator)")
     if args.bandwidth_gbs is not None and args.bandwidth_gbs <= 0:
         raise SystemExit("trio-mlx bench: --bandwidth-gbs must be positive")
     if args.limit and args.endpoint == "chat":
