@@ -382,8 +382,13 @@ def test_limit_mode_runs_one_ceiling_alone(tiny_model: Path, tmp_path: Path) -> 
 def test_model_bytes_are_its_tensors_and_the_kv_formula(tiny_model: Path) -> None:
     import mlx.core as mx
 
-    from trio_mlx.actor._ceiling import model_footprint
-    from trio_mlx.bench._physical import footprint_from_files, fraction_of_limit, step_bytes
+    from trio_mlx.actor._ceiling import model_bytes
+    from trio_mlx.bench._physical import (
+        footprint,
+        footprint_from_files,
+        fraction_of_limit,
+        step_bytes,
+    )
     from trio_mlx.models import load_model
 
     tensors = {k: v for f in sorted(tiny_model.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
@@ -395,7 +400,7 @@ def test_model_bytes_are_its_tensors_and_the_kv_formula(tiny_model: Path) -> Non
     kv = cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * 4  # float32
     from_files = footprint_from_files(tiny_model)
     model, config = load_model(tiny_model)
-    loaded = model_footprint(model, config)
+    loaded = footprint(*model_bytes(model), config, "loaded model")
     for fp in (from_files, loaded):
         assert (fp["weight_bytes"], fp["kv_bytes_per_token"], fp["kv_dtype_bytes"]) == (weights, kv, 4)
     # a step of 3 rows at 100 tokens of context reads the weights once and every row's KV

@@ -41,13 +41,12 @@ def _load_model(model: str) -> tuple[Any, dict[str, Any]]:
     return load_model(resolve_model(model))
 
 
-def model_footprint(model: Any, config: dict[str, Any]) -> dict[str, Any]:
-    """`trio_mlx.bench._physical.footprint` of a loaded model: the sum of its parameters'
-    nbytes, and the KV bytes of a token in the float dtype holding most of them."""
+def model_bytes(model: Any) -> tuple[int, int]:
+    """(the sum of a loaded model's parameters' nbytes, the itemsize of the float dtype holding
+    most of them: its KV cache's), from which `trio_mlx.bench._physical.footprint` makes the
+    model's footprint (the bench imports the actor, never the reverse)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-
-    from ..bench._physical import footprint
 
     total = 0
     floats: dict[Any, int] = {}
@@ -57,7 +56,7 @@ def model_footprint(model: Any, config: dict[str, Any]) -> dict[str, Any]:
         if mx.issubdtype(p.dtype, mx.floating):
             floats[p.dtype] = floats.get(p.dtype, 0) + p.nbytes
     kv = max(floats, key=lambda d: floats[d]) if floats else mx.bfloat16
-    return footprint(total, kv.size, config, "loaded model")
+    return total, kv.size
 
 
 def bare_level(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
@@ -229,7 +228,7 @@ class Ceiling:
         self._trace: StepTrace | None = None
         self._bare_widths: set[int] = set()
         self.model, self.config = _load_model(model)
-        self.footprint = model_footprint(self.model, self.config)
+        self.model_bytes = model_bytes(self.model)
         self.bg: Any = None
         if not batch_generator:
             return  # `bare` compiles each width's kernels on its first use

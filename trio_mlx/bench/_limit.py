@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from . import _physical
 from ._stats import RequestRecord, check_length, in_process_level
 
 CEILINGS = ("batchgenerator", "bare")
@@ -132,7 +133,8 @@ def run_limit(
                 levels.append(lv)
                 if on_level is not None:
                     on_level(lv)
-        footprint = ceiling.footprint
+        weights, kv_itemsize = ceiling.model_bytes
+        footprint = _physical.footprint(weights, kv_itemsize, ceiling.config, "loaded model")
     finally:
         ceiling.close()
     return ceiling_module().device_info(), levels, footprint

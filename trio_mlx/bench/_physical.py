@@ -14,7 +14,7 @@ waited per decode step, prefills of others included).
 
 Pure Python: a server run (`--url`) reads the weights' bytes from the
 safetensors headers without loading MLX; `--limit` sums the loaded model's
-parameters (`trio_mlx.actor.ceiling.model_footprint`), which the tests check
+parameters (`trio_mlx.actor.ceiling.model_bytes`), which the tests check
 come to the same.
 """
 
