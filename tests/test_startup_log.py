@@ -23,7 +23,8 @@ async def test_each_startup_stage_is_logged_with_its_duration(tiny_model_fp32, c
     lines = messages(caplog)
     patterns = [r"resolving the model .*model", r"resolved to .* in \d+\.\d\d s; loading the tokenizer",
                 r"tokenizer loaded in \d+\.\d\d s", r"loading the weights on Device\(cpu, 0\)",
-                r"loaded llama \(\d+\.\d MB of weights\) in \d+\.\d\d s", r"warming up \(one short prompt\)",
+                r"loaded llama \(\d+\.\d MB of weights\) in \d+\.\d\d s; decode step: owned",
+                r"warming up \(one short prompt\)",
                 r"warm-up done in \d+\.\d\d s"]
     found = [next((i for i, line in enumerate(lines) if re.fullmatch(p, line)), None) for p in patterns]
     assert None not in found, (patterns, lines)

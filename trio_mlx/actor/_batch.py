@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -313,8 +314,16 @@ def _owned_step(decoder: Decoder, batch: Any, first: bool) -> tuple[list[int], l
     return fed, batch._current_logprobs
 
 
-def _one_token_no_mask(cache: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:
-    return None if N == 1 else BatchKVCache.make_mask(cache, N, return_array=return_array, **kwargs)
+def _one_token_no_mask(cache: Any) -> Callable[..., Any]:
+    """`cache.make_mask` without a mask at one token. It holds the cache weakly: a strong
+    reference from the cache's own attribute would make a cycle, which keeps the cache's KV
+    alive after the batch drops it, until the cyclic collector happens to run."""
+    ref: Callable[[], Any] = weakref.ref(cache)
+
+    def make_mask(N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        return None if N == 1 else BatchKVCache.make_mask(ref(), N, return_array=return_array, **kwargs)
+
+    return make_mask
 
 
 def unmask_unpadded(caches: list[Any]) -> None:
@@ -340,7 +349,7 @@ def unmask_unpadded(caches: list[Any]) -> None:
         if type(c) is not BatchKVCache:
             continue
         if unpadded:
-            vars(c)["make_mask"] = functools.partial(_one_token_no_mask, c)
+            vars(c)["make_mask"] = _one_token_no_mask(c)
         else:
             vars(c).pop("make_mask", None)
     vars(first)["_trio_padding_seen"] = padding

@@ -118,9 +118,11 @@ class ResponsesRequest(_Strict):
             opts["ignore_eos"] = True
         return opts
 
-    def structure(self, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
-        """`engine.chat`'s tools (`tools`, as `ToolNames.chat_tools` made them), tool_choice,
-        parallel_tool_calls and response_format."""
+    def structure(self, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """`engine.chat`'s tools (`tools`, as `ToolNames.chat_tools` made them; made here when
+        not given), tool_choice, parallel_tool_calls and response_format."""
+        if tools is None:
+            tools = self.tool_names().chat_tools
         out: dict[str, Any] = {}
         if tools:
             out["tools"] = tools
