@@ -1,4 +1,4 @@
-"""Helpers for the HTTP tests (tests/test_app_*.py): a real hypercorn on 127.0.0.1:0.
+"""Helpers for the HTTP tests (tests/*/test_app_*.py and others): a real hypercorn on 127.0.0.1:0.
 
 `serve(model, **settings)` runs the app in the test's own trio run with
 hypercorn's trio worker and yields a `Server` (its URL and the app, whose

@@ -18,7 +18,7 @@ from trio_mlx import _heap
 from trio_mlx.models import _models
 
 # The suite opens hundreds of engines in this one process: it leaves the collector alone
-# (`trio_mlx/_heap.py`); tests/test_heap.py turns the freeze back on for what it checks.
+# (`trio_mlx/_heap.py`); tests/integration/test_heap.py turns the freeze back on for what it checks.
 _heap.enabled = False
 
 
