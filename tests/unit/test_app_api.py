@@ -1,18 +1,18 @@
 """The HTTP API's successful paths: probes, models, OpenAPI, chat and text completions (not streamed).
 
 Here the paths whose answers do not depend on the model (probes, models, OpenAPI, the accepted
-forms of options); the completions themselves: tests/integration/test_app_api.py.
+forms of options), over the fake actor; the completions themselves: tests/integration/test_app_api.py.
 """
 
 from __future__ import annotations
 
 import os
 
-from app_server import CHAT, serve
+from app_server import CHAT, fake_factory, serve
 
 
 async def test_probes_models_and_openapi(tiny_model_fp32):
-    async with serve(tiny_model_fp32, model_name="tiny-test") as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory(), model_name="tiny-test") as server, server.client() as client:
         r = await client.get("/health")
         assert r.status_code == 200 and r.json()["status"] == "ok"
         assert r.json()["actor"] == "thread" and r.json()["actor_pid"] == os.getpid()
@@ -39,7 +39,7 @@ async def test_probes_models_and_openapi(tiny_model_fp32):
 
 
 async def test_chat_accepts_text_parts_developer_role_and_the_noop_forms_of_options(tiny_model_fp32):
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         parts = [{"role": "developer", "content": "Be brief."},
                  {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
         r = await client.post(CHAT, json={
@@ -65,7 +65,7 @@ async def test_the_openapi_document_is_built_once_off_the_event_loop(tiny_model_
         return real(settings)
 
     monkeypatch.setattr(_openapi, "openapi_document", recording)
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         docs = [(await client.get("/openapi.json")).json() for _ in range(3)]
     assert docs[0] == docs[1] == docs[2] and "/v1/chat/completions" in docs[0]["paths"]
     assert len(built_in) == 1 and built_in[0] is not threading.current_thread()

@@ -1,6 +1,6 @@
 """Every error status the HTTP API sends, each in OpenAI's shape {"error": {message, type, param, code}}.
 
-Here the errors the HTTP layer answers by itself; those that come from the
+Here the errors the HTTP layer answers by itself, over the fake actor; those that come from the
 engine's state (a full queue, a drain, a failed or stalled step): tests/integration/test_app_errors.py.
 """
 
@@ -15,14 +15,16 @@ from app_server import (
     HELLO,
     assert_error,
     chat_body,
+    fake_factory,
     serve,
 )
 
 from trio_mlx import Engine
+from trio_mlx.actor import FakeActor
 
 
 async def test_400_bad_bodies(tiny_model_fp32):
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         json_ct = {"content-type": "application/json"}
         assert_error(await client.post(CHAT, content=b'{"messages": [', headers=json_ct), 400, code="invalid_json")
         assert_error(await client.post(CHAT, content=b'{"x": "\xff\xfe"}', headers=json_ct), 400, code="invalid_json")
@@ -36,7 +38,7 @@ async def test_400_bad_bodies(tiny_model_fp32):
 
 
 async def test_400_schema_violations_name_their_parameter(tiny_model_fp32):
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         cases = [
             ({"messages": []}, "messages"),
             ({"messages": "hi"}, "messages"),
@@ -66,7 +68,7 @@ async def test_400_schema_violations_name_their_parameter(tiny_model_fp32):
 
 
 async def test_400_unsupported_options_are_refused_not_ignored(tiny_model_fp32):
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         # (tools and response_format are served: tests/integration/test_app_tools.py)
         for extra, param in [
             ({"functions": [{"name": "f"}]}, "functions"),
@@ -81,7 +83,7 @@ async def test_400_unsupported_options_are_refused_not_ignored(tiny_model_fp32):
 
 
 async def test_400_context_length_exceeded(tiny_model_fp32):
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         n = server.engine.context_length
         assert_error(await client.post(CHAT, json=chat_body(max_tokens=n)), 400,
                      code="context_length_exceeded", param="messages")
@@ -90,7 +92,7 @@ async def test_400_context_length_exceeded(tiny_model_fp32):
 
 
 async def test_401_with_an_api_key(tiny_model_fp32):
-    async with serve(tiny_model_fp32, api_key="s3cret") as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory(), api_key="s3cret") as server, server.client() as client:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = await client.post(CHAT, json=chat_body(), headers=headers)
             assert_error(r, 401, code="invalid_api_key")
@@ -107,7 +109,7 @@ async def test_401_with_an_api_key(tiny_model_fp32):
 
 
 async def test_404_405_413(tiny_model_fp32):
-    async with serve(tiny_model_fp32, max_body_bytes=4096) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory(), max_body_bytes=4096) as server, server.client() as client:
         assert_error(await client.post(CHAT, json=chat_body(model="gpt-4")), 404, code="model_not_found",
                      param="model")
         assert_error(await client.post(COMPLETIONS, json={"prompt": "a", "model": "x"}), 404, code="model_not_found")
@@ -132,7 +134,7 @@ async def test_500_never_leaks_internals(tiny_model_fp32, caplog):
             raise RuntimeError("secret internal detail")
 
     def factory(settings):
-        return Faulty(settings.model, warmup=False)
+        return Faulty(settings.model, warmup=False, actor=FakeActor)
 
     async with serve(tiny_model_fp32, factory=factory) as server, server.client() as client:
         with caplog.at_level(logging.ERROR, logger="trio_mlx.http"):
@@ -145,7 +147,7 @@ async def test_500_never_leaks_internals(tiny_model_fp32, caplog):
 
 
 async def test_idle_server_is_healthy_and_cors(tiny_model_fp32):
-    async with serve(tiny_model_fp32, cors_origins=("https://app.example",), watchdog_seconds=0.1) as server, \
+    async with serve(tiny_model_fp32, factory=fake_factory(), cors_origins=("https://app.example",), watchdog_seconds=0.1) as server, \
             server.client() as client:
         await trio.sleep(0.3)  # idle for longer than the watchdog: still healthy
         assert (await client.get("/health")).status_code == 200

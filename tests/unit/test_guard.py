@@ -1,4 +1,5 @@
-"""A local server is safe from web pages (server/_guard.py), against a real hypercorn on 127.0.0.1.
+"""A local server is safe from web pages (server/_guard.py), against a real hypercorn on 127.0.0.1
+over the fake actor (what it refuses does not depend on a model).
 
 DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name as Host; such a
 request gets 403 on every path. A cross-origin "simple" POST (text/plain, a Blob without a
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from app_server import CHAT, COMPLETIONS, HELLO, assert_error, serve
+from app_server import CHAT, COMPLETIONS, HELLO, assert_error, fake_factory, serve
 
 from trio_mlx.server._guard import check_host
 from trio_mlx.server._openai import HTTPError
@@ -21,7 +22,7 @@ BODY = {"messages": HELLO, "max_tokens": 2}
 
 
 async def test_a_foreign_host_name_over_loopback_is_refused_everywhere(tiny_model_fp32: Path) -> None:
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         port = server.port
         for host in (f"attacker.example:{port}", "attacker.example", "192.168.1.5", "x", "localhost.evil.com"):
             h = {"Host": host}
@@ -40,13 +41,13 @@ async def test_a_foreign_host_name_over_loopback_is_refused_everywhere(tiny_mode
 
 
 async def test_allowed_hosts_add_names(tiny_model_fp32: Path) -> None:
-    async with serve(tiny_model_fp32, allowed_hosts=("api.example", ".corp.test")) as server, \
+    async with serve(tiny_model_fp32, factory=fake_factory(), allowed_hosts=("api.example", ".corp.test")) as server, \
             server.client() as client:
         for host in ("api.example", "API.example:443", "corp.test", "llm.corp.test:8000"):
             assert (await client.post(CHAT, json=BODY, headers={"Host": host})).status_code == 200, host
         for host in ("evil.example", "api.example.evil", "xcorp.test"):
             assert_error(await client.post(CHAT, json=BODY, headers={"Host": host}), 403)
-    async with serve(tiny_model_fp32, allowed_hosts=("*",)) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory(), allowed_hosts=("*",)) as server, server.client() as client:
         assert (await client.get("/health", headers={"Host": "anything.example"})).status_code == 200
 
 
@@ -60,7 +61,7 @@ def test_connections_that_did_not_come_over_loopback_are_not_restricted() -> Non
 
 
 async def test_a_body_must_say_it_is_json(tiny_model_fp32: Path) -> None:
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         import json
 
         raw = json.dumps(BODY).encode()

@@ -1,5 +1,6 @@
 """What a browser gets over HTTP: `/` (the chat page or, for API clients, JSON), its static
-files, and `/docs` (Swagger UI from a package) — all local, all under a strict CSP.
+files, and `/docs` (Swagger UI from a package) — all local, all under a strict CSP;
+a real hypercorn over the fake actor (nothing here depends on a model).
 
 The page's behaviour in a real browser is tests/system/test_page_browser.py.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from app_server import assert_error, serve
+from app_server import assert_error, fake_factory, serve
 
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 
@@ -19,7 +20,7 @@ def local_refs(html: str) -> list[str]:
 
 
 async def test_api_clients_still_get_json_at_root(tiny_model_fp32):
-    async with serve(tiny_model_fp32, model_name="tiny-test") as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory(), model_name="tiny-test") as server, server.client() as client:
         for accept in ("application/json", "*/*", None):
             headers = {"Accept": accept} if accept else {}
             r = await client.get("/", headers=headers)
@@ -30,7 +31,7 @@ async def test_api_clients_still_get_json_at_root(tiny_model_fp32):
 
 
 async def test_browsers_get_the_page_under_a_strict_csp(tiny_model_fp32):
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         r = await client.get("/", headers={"Accept": BROWSER_ACCEPT})
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         csp = r.headers["content-security-policy"]
@@ -54,7 +55,7 @@ async def test_browsers_get_the_page_under_a_strict_csp(tiny_model_fp32):
 
 
 async def test_only_the_pages_own_files_are_served(tiny_model_fp32):
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         for path in ("/static/../_app.py", "/static/%2e%2e/_app.py", "/static/_pages.py", "/static/",
                      "/static/index.html/x", "/docs/assets/swagger-ui.js.map", "/docs/assets/../../x"):
             r = await client.get(path)
@@ -63,7 +64,7 @@ async def test_only_the_pages_own_files_are_served(tiny_model_fp32):
 
 
 async def test_docs_is_swagger_ui_over_the_servers_openapi_with_local_assets(tiny_model_fp32):
-    async with serve(tiny_model_fp32) as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
         r = await client.get("/docs")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         assert "script-src 'self';" in r.headers["content-security-policy"]
@@ -81,7 +82,7 @@ async def test_docs_is_swagger_ui_over_the_servers_openapi_with_local_assets(tin
 
 
 async def test_the_page_and_docs_need_no_key_but_the_api_does(tiny_model_fp32):
-    async with serve(tiny_model_fp32, api_key="sekret") as server, server.client() as client:
+    async with serve(tiny_model_fp32, factory=fake_factory(), api_key="sekret") as server, server.client() as client:
         for path in ("/", "/static/app.js", "/docs", "/docs/assets/swagger-ui.css", "/openapi.json"):
             r = await client.get(path, headers={"Accept": BROWSER_ACCEPT})
             assert r.status_code == 200, path

@@ -2,7 +2,7 @@
 backlog, and a bound on what a client that stopped reading leaves buffered. A real hypercorn on
 127.0.0.1 each time.
 
-Here framing and the backlog; the probes and a reader that stopped:
+Here framing and the backlog (over the fake actor); the probes and a reader that stopped:
 tests/integration/test_probes_and_framing.py.
 """
 
@@ -15,6 +15,7 @@ import pytest
 import trio
 from app_server import (
     COMPLETIONS,
+    fake_factory,
     open_raw,
     read_response,
     serve,
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def test_content_length_with_transfer_encoding_is_refused_and_closed(tiny_model_fp32: Path) -> None:
-    async with serve(tiny_model_fp32) as server:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server:
         body = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
         chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
         sock = await open_raw(server.port, COMPLETIONS, chunked,
