@@ -10,7 +10,7 @@ just started decoding (`first_tokens`), or move KV at the device's copy rate
 where mlx-lm gathers it (a removal's kept rows, `take_rows`; a right-padded
 group's roll, `roll_right`; a finished group handed to decoding, `_split`).
 Each helper names the private attribute it
-relies on; tests/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
+relies on; tests/integration/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
 upgrade that changes one fails there first.
 """
 
