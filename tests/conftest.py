@@ -10,6 +10,7 @@ default (dequantized to float32 then) run their matmuls on it.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,20 @@ def embedded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tool_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _models.build_test_model(tmp_path_factory.mktemp("tiny-tools") / "model", tools=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test has a node id of its own. schemathesis names each operation's case
+    `test[POST /v1/...]`, but pytest 9.2 builds a test's id from its function's name and its
+    parametrize ids, which schemathesis does not use: all 11 cases of tests/system/test_fuzz.py
+    had one id, and pytest-xdist, which schedules by id, ran one of them with --dist loadfile and
+    dropped the others without a word. Such a case gets its operation back in its id (`_id`, as
+    pytest builds it), and a duplicate left fails the run."""
+    count = Counter(item.nodeid for item in items)
+    for item in items:
+        if count[item.nodeid] > 1 and item.name.endswith("]") and item.parent is not None:
+            base, _, params = item.name[:-1].partition("[")
+            item._id = item.parent.id.child(base).with_params(params)  # type: ignore[attr-defined]
+    twice = [nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1]
+    if twice:
+        raise pytest.UsageError(f"tests that share a node id (pytest-xdist would run one of each): {twice}")
