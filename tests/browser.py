@@ -1,4 +1,4 @@
-"""A real headless Chromium for the page's tests (tests/test_page_browser.py), driven by Playwright.
+"""A real headless Chromium for the page's tests (tests/system/test_page_browser.py), driven by Playwright.
 
 The browser is Debian's `chromium` package (scripts/test.sh installs it with apt-get
 when it is missing and it can), never one Playwright downloads. Where there is none:

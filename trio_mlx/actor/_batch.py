@@ -13,7 +13,7 @@ group's roll, `roll_right`; a finished group handed to decoding, `_split`), or
 take the decode step over (`own_decode`: one forward over the decoding batch,
 then the actor's own batched sampling, `_decode.Decoder`).
 Each helper names the private attribute it
-relies on; tests/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
+relies on; tests/integration/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
 upgrade that changes one fails there first.
 """
 

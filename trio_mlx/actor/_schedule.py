@@ -3,7 +3,7 @@ when an aborted one leaves, when finished rows leave the batch.
 
 The real actor (`_actor.py`) and the fake (`_fake.py`) both keep their sequences in a
 `Schedule` and decide through it, so the fake ends, aborts and retires exactly as the real
-actor does (`tests/test_schedule.py` runs the same tests against both). What a decision
+actor does (`tests/integration/test_schedule.py` runs the same tests against both). What a decision
 does to the batch (removing rows, storing KV in the prompt cache) stays with the caller;
 when queued arrivals enter is `_admission.Admission`'s, fed by `Schedule.decoding` and
 `Schedule.prefilling`.

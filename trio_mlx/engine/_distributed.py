@@ -84,7 +84,7 @@ def leave(status: int) -> NoReturn:
     MLX's distributed backends keep threads of their own (the ring backend's), and a
     process that returns normally runs C++ static destructors while one may still be
     alive: after a clean stop, rank 0 sometimes aborted with "terminate called without
-    an active exception" (status -6; tests/test_distributed.py's SIGTERM test under load).
+    an active exception" (status -6; tests/system/test_distributed.py's SIGTERM test under load).
     Nothing is left to run at that point, so the rank skips the destructors."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -96,7 +96,7 @@ def keep_leading_space(detokenizer: Any) -> None:
     Its BPE and SentencePiece detokenizers drop it (right at the start of a
     chat answer); a completion continues its prompt, so " Paris" after "The
     capital of France is" keeps the space, as `tokenizer.decode` gives it.
-    Pinned by tests/test_mlx_lm_internals.py.
+    Pinned by tests/integration/test_mlx_lm_internals.py.
     """
     if hasattr(detokenizer, "trim_space"):  # SPMStreamingDetokenizer's own switch
         detokenizer.trim_space = False

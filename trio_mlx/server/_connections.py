@@ -16,7 +16,7 @@ files, pipes and sockets can fail to open. So:
 
 The cap wraps hypercorn's per-connection handler (`hypercorn.trio.run.TCPServer`,
 the name its trio worker calls for each accepted stream): hypercorn has no
-connection limit of its own. `tests/test_connections.py` pins that name.
+connection limit of its own. `tests/unit/test_connections.py` pins that name.
 Under other ASGI servers use theirs (uvicorn `--limit-concurrency`).
 """
 

@@ -1,0 +1,52 @@
+"""Smaller hardening: the watchdog after idle, readiness while stalled, ambiguous framing, the listen
+backlog, and a bound on what a client that stopped reading leaves buffered. A real hypercorn on
+127.0.0.1 each time.
+
+Here framing and the backlog (over the fake actor); the probes and a reader that stopped:
+tests/integration/test_probes_and_framing.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import trio
+from app_server import (
+    COMPLETIONS,
+    fake_factory,
+    open_raw,
+    read_response,
+    serve,
+)
+
+from trio_mlx.server._serve import build_parser, hypercorn_config, settings_from_args
+from trio_mlx.server._settings import Settings
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_content_length_with_transfer_encoding_is_refused_and_closed(tiny_model_fp32: Path) -> None:
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server:
+        body = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        sock = await open_raw(server.port, COMPLETIONS, chunked,
+                              headers={"Content-Length": str(len(chunked)), "Transfer-Encoding": "chunked"})
+        raw = await read_response(sock)
+        assert raw.startswith(b"HTTP/1.1 400") and b"invalid_framing" in raw, raw[:300]
+        assert b"connection: close" in raw.lower()
+        with trio.fail_after(5):
+            while await sock.recv(65536):  # the server closes the connection (RFC 9112, 6.3)
+                pass
+        sock.close()
+        # a plain request on a fresh connection is served
+        sock = await open_raw(server.port, COMPLETIONS, body)
+        assert (await read_response(sock)).startswith(b"HTTP/1.1 200")
+        sock.close()
+
+
+def test_the_listen_backlog_is_a_setting_with_a_larger_default() -> None:
+    assert hypercorn_config(Settings()).backlog == 2048  # hypercorn's own: 100
+    args = build_parser().parse_args(["--backlog", "4096"])
+    assert hypercorn_config(settings_from_args(args)).backlog == 4096
