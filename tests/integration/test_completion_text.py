@@ -7,22 +7,11 @@ Here the embedded default's answer; over the fake actor: tests/unit/test_complet
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from app_server import COMPLETIONS, serve
-
-
-async def _chunks(client: Any, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    async with client.stream("POST", path, json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                out += json.loads(line[6:])["choices"]
-    return out
+from unit.test_completion_text import _chunks
 
 
 @pytest.mark.slow

@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from processes import ENV, SERVE
 from schemathesis.specs.openapi.checks import positive_data_acceptance
+from unit.test_fuzz import json_values, request_objects
 
-from trio_mlx.server._openai import ChatCompletionRequest, CompletionRequest
 from trio_mlx.server._openapi import openapi_document
 from trio_mlx.server._settings import Settings
 
@@ -143,29 +143,8 @@ def test_the_api_from_its_openapi_document(case, server):
             assert response.json()["usage"]["completion_tokens"] >= 1
 
 
-# ---- hypothesis: the request models, in-process and over HTTP ---------------------------------
+# ---- hypothesis: the request models over HTTP (the strategies are the unit layer's) -----------
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-    max_leaves=12,
-)
-FIELDS = sorted(set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields))
-# Values near the edges of what each option takes, and plain wrong types.
-edgy = st.one_of(
-    json_values,
-    st.sampled_from([0, -1, 1, 2, 20, 21, 47, 48, 49, 10**9, 10**12, 2**31, 2**63, 2**64, -(2**63), 1e308, -0.0,
-                     0.5, 100.5, "", "x", [], {}, [0], ["a"], [[1, 2]], {"1": 5}, {"abc": 1}, {"-1": 1},
-                     {"5": 1e9}, [{"role": "user", "content": "hi"}], [{"role": "user"}],
-                     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                     [{"role": "user", "content": [{"type": "image_url"}]}], {"include_usage": True}]),
-)
-fields = st.dictionaries(st.sampled_from(FIELDS), edgy, max_size=8)
-BASES = ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, {"prompt": "hi", "max_tokens": 3})
-# Arbitrary objects (mostly refused early), and valid requests with a few fields changed (which get
-# as far as the engine's own checks, or through them).
-request_objects = fields | st.builds(lambda base, changed: {**base, **changed}, st.sampled_from(BASES), fields)
 
 
 @FUZZ
