@@ -30,6 +30,7 @@ import openai
 import pytest
 import trio
 from app_server import CHAT, HELLO, Scrape, open_raw
+from processes import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -65,14 +66,6 @@ def server_env(model: Path | str, **extra: str) -> dict[str, str]:
            "TRIO_MLX_STALL_TIMEOUT": str(STALL_TIMEOUT), **extra}
     env.pop("TRIO_MLX_ACTOR", None)  # the default, a thread
     return env
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 class ServerProcess:
