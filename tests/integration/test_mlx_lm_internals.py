@@ -616,3 +616,28 @@ def test_prompts_left_counts_what_the_next_prefill_steps_take(tiny_model_fp32):
     bg.next()
     bg.next()
     assert _batch.prompts_left(bg) == []  # both at their last token, fed with the next decode step
+
+
+def test_a_dropped_generator_with_the_owned_step_is_freed_without_the_cyclic_collector(tiny_model_fp32):
+    """`own_decode`'s overrides hold the decoding batch weakly: a generator the actor drops (a
+    reset after a failed step) goes with its KV at once, not at the collector's next pass."""
+    import gc
+    import weakref
+
+    from trio_mlx.actor._decode import Decoder, DecodeRow
+    from trio_mlx.actor._protocol import SamplingParams
+
+    model, _ = _models.load_model(tiny_model_fp32)
+    bg = BatchGenerator(model, max_tokens=10**6, completion_batch_size=8, prefill_batch_size=2)
+    _batch.move_whole_groups(bg)
+    _batch.own_decode(bg, Decoder())
+    bg.insert([[5, 6, 7, 8, 9]], samplers=[DecodeRow(SamplingParams(temperature=0.0), [5, 6, 7, 8, 9])])
+    for _ in range(3):
+        bg.next()
+    batch = weakref.ref(bg._generation_batch)
+    gc.disable()
+    try:
+        del bg
+        assert batch() is None
+    finally:
+        gc.enable()

@@ -288,8 +288,12 @@ def own_decode(bg: Any, decoder: Decoder) -> None:
     assert "split" in vars(bg._prompt_batch), "move_whole_groups first"
     vars(bg._prompt_batch)["_decoder"] = decoder
     batch = bg._generation_batch
-    vars(batch)["_step"] = functools.partial(_owned_step, decoder, batch, False)
-    vars(batch)["next"] = functools.partial(_owned_next, batch)
+    # The overrides hold the batch weakly: held strongly from its own attributes, a dropped
+    # generator's batch (a reset after a failed step) would keep its KV until the cyclic
+    # collector ran (as `unmask_unpadded` says of the caches).
+    ref = weakref.proxy(batch)
+    vars(batch)["_step"] = functools.partial(_owned_step, decoder, ref, False)
+    vars(batch)["next"] = functools.partial(_owned_next, ref)
 
 
 def owns_decode(bg: Any) -> bool:
