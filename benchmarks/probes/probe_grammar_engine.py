@@ -2,8 +2,7 @@
 
     python benchmarks/probes/probe_grammar_engine.py MODEL_DIR [BATCH] [TOKENS] [ROUNDS]
 
-The same question as `probe_grammar.py`, asked through the runtime as a
-server runs it: an `Engine` (thread actor, warmed up) gets BATCH concurrent
+Asked through the runtime as a server runs it: an `Engine` (thread actor, warmed up) gets BATCH concurrent
 `generate` requests of TOKENS tokens each, with 0%, 50% and 100% of them
 carrying `response_format` (a JSON string of at least 100,000 characters:
 the mask of a long string, where most tokens are allowed, every step, to
@@ -25,7 +24,7 @@ import trio
 import trio_mlx
 
 # A string no budget can complete (its shortest completion is past what the engine
-# looks for, so the row is masked every step until max_tokens cuts it), as in probe_grammar.py.
+# looks for, so the row is masked every step until max_tokens cuts it).
 STRING = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 100_000}}}
 SHARES = (0.0, 0.5, 1.0)
 
