@@ -3,10 +3,9 @@
 A served model's process holds hundreds of thousands of objects that live as long as it does
 (the tokenizer and its vocabulary, transformers' and mlx-lm's modules, the model's modules, the
 chat template). CPython's oldest-generation collection walks every one of them, holding the
-GIL: measured on an H200 host serving the 1B shape (2026-11-28,
-benchmarks/2026-11-28-h200/gc-pauses/), 500-590k tracked objects and collections of 300-340 ms
-on the actor's thread and the event loop's, during serving, each a stall of every stream and
-of every request's intake. `gc.freeze()` moves the objects alive at that moment into a
+GIL: on a GPU host serving a 1B model, collections of hundreds of ms on the actor's thread and
+the event loop's, during serving, each a stall of every stream and of every request's intake
+(BENCHMARKS.md, "What the runtime does because of a measurement"). `gc.freeze()` moves the objects alive at that moment into a
 permanent generation that collections skip, so later ones walk only what serving made since
 (vLLM's `freeze_gc_heap`, in `vllm/utils/gc_utils.py`, does the same after its warm-up, and
 SGLang offers a `freeze_gc` call).

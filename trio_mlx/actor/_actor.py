@@ -89,7 +89,7 @@ _WARM_GRAMMAR = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_s
 # in ~160 s, every running stream stopped meanwhile), so 1,024 tokens hold a running stream's
 # next token to ~10 s, and 1,024 is also what a group of `prefill_batch` (8) prompts takes at
 # the chunk's floor of 128 anyway. On a GPU nothing measured says a smaller step pays: a
-# prefill step there costs tens of ms (benchmarks/), where cutting a group's prefill into more
+# prefill step there costs tens of ms, where cutting a group's prefill into more
 # steps would delay its first tokens by as many decode steps for little; a server that wants
 # the bound there sets it.
 PREFILL_BUDGET_CPU = 1024
@@ -316,8 +316,9 @@ class Actor:
         time an operation meets a dtype, not a shape. The prefill groups of
         `warm_up` never remove a row that others outlive, and the first such
         removal, gathering the kept rows' next tokens (`gather_uint32_int32`),
-        stalled a decode step for 3.3 s on an H100 (benchmarks/2026-11-23-h100/warmup/README.md;
-        `benchmarks/probes/probe_first_visits.py` found the module in MLX's PTX cache).
+        would stall a live decode step for seconds. The warm-up exists so that no
+        request pays a compile after ready (BENCHMARKS.md, "What the runtime does
+        because of a measurement").
         Sampling, penalties, logit bias and logprobs have kernels of their own.
         The script: A (greedy) decodes; B (every sampling option, logprobs)
         and C (seeded, held to a JSON grammar: the mask's kernels, and the
@@ -347,9 +348,8 @@ class Actor:
         ]
         if mx.cuda.is_available() and (long := min(self._context - 80, 2 * self.config.prefill_step + 64)) > 2 * length:
             # A long prompt, in full chunks and beside a long context, stored as it is
-            # prefilled, then a prompt that extends it (a hit): on an H100 the first long
-            # prompts of a chat paid 0.8-1.1 s each for the kernels they compiled
-            # (benchmarks/2026-11-24-h100/prefill-memory/), where 1.2k-token prompts take 0.1 s.
+            # prefilled, then a prompt that extends it (a hit): otherwise a chat's first long
+            # prompts would pay for the kernels they compile, many times their prefill.
             e, f = -5, -6
             story = (token,) * long
             script += [
@@ -407,11 +407,10 @@ class Actor:
         # The exchange is synchronous on purpose: while the actor waits in it,
         # it has released the GIL, so the event loop gets a window every step
         # while the GPU computes the next step (async_eval). A fire-and-forget
-        # handover (run_sync_soon + a command queue) was measured on an H100
-        # and lost: faster at c=1, but 0.62x instead of 0.91x of the raw
-        # BatchGenerator at c=256 and 5x the TTFT at c=8 (benchmarks/2026-11-22-h100/thread-actor/README.md);
-        # handing reports over one step ahead, waiting only for the loop to take the last one
-        # in, served the same as this (benchmarks/2026-11-24-h100/thread-link/README.md).
+        # handover (run_sync_soon + a command queue) was measured and lost: with
+        # nothing bounding how far the actor runs ahead, the event loop starves
+        # at high concurrency and TTFT grows; handing reports over one step ahead,
+        # waiting only for the loop to take the last one in, serves the same as this.
         report, link = StepReport(), self._link
         trace_path = self.config.step_trace
         trace = StepTrace(trace_path) if trace_path else None

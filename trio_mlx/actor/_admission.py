@@ -25,10 +25,9 @@ class Admission:
     """When new sequences enter a decoding batch: together, within a bounded window.
 
     Every change to the batch's membership costs the GPU host work well beyond
-    its size: measured on an H100 with a 1B model decoding 56 sequences
-    (`benchmarks/probes/probe_steps.py`), admitting k prompts cost ~10-15 ms on each of
-    the next two steps whether k was 1 or 8, against ~5 ms for a plain decode
-    step. Requests that arrive one step apart (HTTP clients never arrive
+    its size: with a 1B model decoding 56 sequences on a GPU, admitting k
+    prompts cost two or three decode steps' time on each of the next two steps,
+    whether k was 1 or 8. Requests that arrive one step apart (HTTP clients never arrive
     together) would each pay that. So while sequences are decoding, a new one
     waits until `prefill_batch` have gathered or the oldest has waited out
     the window, and then they enter together (as TGI's router waits for
@@ -47,9 +46,8 @@ class Admission:
     previous group has finished its prefill. The BatchGenerator tops its
     prompt batch up to `prefill_batch` each step, so a group of 7 arriving
     while 1 prompt is mid-prefill locks it into alternating steps of 7 and 1
-    prompts, each paying a prefill and a batch change at once: 130-230 ms a
-    step instead of ~36 ms on an H100 with the 135M model (the step trace in
-    benchmarks/2026-11-22-h100/process-actor/README.md). Before the window runs out, only a full group
+    prompts, each paying a prefill and a batch change at once (several times
+    a whole group's single step, in a step trace). Before the window runs out, only a full group
     enters; the rest wait for more company or the window.
 
     Sequences that have just finished count as company on its way: a client
@@ -57,17 +55,15 @@ class Admission:
     finishes together comes back together, a round trip later. Admitted at
     once into the emptied batch, the first to return would enter alone and
     the rest, arriving during its prefill, as a second group: two prefills
-    and two batch changes a wave instead of one (the step trace of 8
-    concurrent streams on an H100, 1B). So while fewer have arrived than
+    and two batch changes a wave instead of one. So while fewer have arrived than
     finished within the last window, arrivals wait up to window x finished /
     prefill_batch; each admitted arrival takes one finish off the count. A
     lone client (one finished, one back) never waits.
 
     Short prompts make larger groups. A prefill step's cost hardly depends on
-    its group's size: at c=256 with 128-token prompts on an H100 (1B), groups
-    of 8 took 56-85 ms a step, 16 took 62-83 and 32 took 77-103, so groups of
-    32 served 1.3-1.6x the tokens of groups of 8, with either actor
-    (benchmarks/2026-11-25-h100/prefill-steps/). But a group of 32 long
+    its group's size, so under many short prompts at once groups of 32 serve
+    more tokens than groups of 8, with either actor (BENCHMARKS.md, "Admission
+    groups at high concurrency"). But a group of 32 long
     prompts would take 32 x prefill_step tokens through the model in one step.
     So while at least `rows` sequences decode (the load that measurement
     was made under, where a batch change costs the most tokens), a group

@@ -79,15 +79,12 @@ def remove_rows(bg: Any, uids: list[int]) -> None:
 
     mlx_lm's `BatchKVCache.filter` reads the kept rows' left padding back to
     the host (`tolist()`) in every layer, to trim the padding all rows share:
-    a GPU round trip per layer. On an H100 the actor's removals of 8 retired
-    rows from 56-64 took 10-30 ms each outside `next()` with the 1B model (16
-    layers) and 17-45 ms with the 135M (30 layers): 5-7% of the server's time
-    at 64-256 streams (benchmarks/2026-11-23-h100/row-removal/README.md). Every layer of a batch is
-    filtered, extended and padded alike, so all hold the same padding: here
-    the first layer's is read once and every layer filters with it, as the
-    stock `filter` would. `benchmarks/probes/probe_remove.py` measured a removal at 15
-    -> 3 ms (1B) and 27 -> 3 ms (135M), with the same tokens. The kept rows are
-    copied as slices (`take_rows`), not gathered. A batch whose
+    a GPU round trip per layer, which made removals a few percent of a busy
+    server's time. Every layer of a batch is filtered, extended and padded
+    alike, so all hold the same padding: here the first layer's is read once
+    and every layer filters with it, as the stock `filter` would, with the
+    same tokens (a removal 5-9x cheaper on a GPU). The kept rows are copied
+    as slices (`take_rows`), not gathered. A batch whose
     caches are not all plain `BatchKVCache`s at one position keeps the stock
     path.
     """
@@ -146,10 +143,8 @@ class _KeepRows:
 def take_rows(a: Any, rows: list[int]) -> Any:
     """`a[mx.array(rows)]` (rows along the first axis, in that order), as slices.
 
-    MLX 0.32's gather moves a KV buffer's rows at 230-400 GB/s on an H100, against
-    ~2,000 for a plain copy. Keeping 255 rows of 256 at 256 tokens (1B, 16 layers,
-    2.1 GB of KV) took 10.8 ms as the gather and 3.4 as slices; 7 of 8 at 7,500
-    tokens 9.2 against 1.7 (benchmarks/probes/probe_kv_copy.py). A batch keeps its
+    MLX 0.32's gather moves a KV buffer's rows several times slower than a plain
+    copy on a GPU (3-5x on the removals a batch makes). A batch keeps its
     rows in order and drops a few, so the kept rows are a few runs of neighbours:
     one slice each, joined by one concatenation. A single run needs no copy, and
     MLX may keep it a view of the old buffer until the batch's next copy (the
@@ -169,12 +164,11 @@ def roll_right(a: Any, shifts: list[int]) -> Any:
     """mlx_lm's `dynamic_roll(a, mx.array(shifts)[:, None], axis=2)` (each row rolled right by
     its shift along the tokens), with the shifts known on the host.
 
-    `dynamic_roll` gathers element by element, at ~50 GB/s on an H100: 78.8 ms for 8
-    rows of 7,500 tokens (1B, 16 layers), the roll that ends a group prefill of chat
-    follow-ups whose new tokens differ in length (`BatchKVCache.finalize`). Rows
-    rolled as slices joined by concatenation took 7.6 ms there; but each shifted row
-    costs a few kernel launches, so for 256 rows of 256 tokens slices took 236 ms
-    against the gather's 95 (benchmarks/probes/probe_kv_copy.py). So rows whose slab
+    `dynamic_roll` gathers element by element, far below a copy's bandwidth: the
+    roll that ends a group prefill of long chat follow-ups whose new tokens differ
+    in length (`BatchKVCache.finalize`) took ~10x as long as slices joined by
+    concatenation. But each shifted row costs a few kernel launches, so for many
+    short rows the gather is the faster (2.5x at 256 rows of 256 tokens). So rows whose slab
     (one layer's keys or values) holds ROLL_SLICE_BYTES or more roll as slices, and
     smaller ones (a group of short fresh prompts) as the gather."""
     if a.shape[1] * a.shape[2] * a.shape[3] * a.itemsize < ROLL_SLICE_BYTES:
@@ -334,9 +328,9 @@ def unmask_unpadded(caches: list[Any]) -> None:
     """Leave the attention mask out of a one-token step where no row of the batch is padded.
 
     `BatchKVCache.make_mask` builds a causal mask with the rows' left padding at every step,
-    and attention with an array mask takes a slower path than with none: on an H200 mlx-lm's
-    batch cache with no row padded decoded at 5.2-5.5 ms a step with the mask and 3.8-4.1
-    without (1B shape, one row; 8B: 7.9-8.4 against 5.6-6.8; BENCHMARKS.md). With no
+    and attention with an array mask takes a slower path than with none: a decode step at
+    one row cost 1.4 ms more with the mask (1B shape; BENCHMARKS.md, "The actor's decode
+    step"). With no
     padding a one-token query may see every cached position, which is what no mask means,
     as a plain `KVCache` has none at one token. The padding is read back (a device
     round trip) only when its array is a new one, i.e. after rows entered or left (`extend`,
@@ -457,10 +451,9 @@ def copy_rows(bg: Any, lengths: dict[int, int]) -> dict[int, tuple[list[Any], li
 
 # The bytes one prefill step's attention scores may take. Where MLX has no fused kernel for
 # a prefill's attention (its CUDA and CPU backends, with the padding mask a batched prefill
-# carries), it materializes rows x heads x chunk x context scores: on an H100, 8 prompts of
-# 3-7.5k tokens in chunks of 2048 beside 64 decoding rows ran out of memory at the first
-# turns of 64 long conversations, and chunks of 512 served them all
-# (benchmarks/2026-11-24-h100/prefill-memory/). A constant, not a share of the device's
+# carries), it materializes rows x heads x chunk x context scores: 8 prompts of 3-7.5k
+# tokens in chunks of 2048 beside 64 decoding rows ran a GPU out of memory, and chunks
+# of 512 served them all. A constant, not a share of the device's
 # memory: every rank of a distributed group must cut its prompts alike.
 ATTENTION_SCRATCH = 4 << 30
 _CHUNK_ROUND = 128
@@ -528,13 +521,10 @@ def set_prefill_chunk(bg: Any, tokens: int) -> None:
 # and recur; warm-up builds them for one row up to GRID_PREBUILD tokens of context
 # (`_warmup.prebuild_prefill`), and a step of several rows runs its attention one row at a
 # time, on those shapes. A prefix grain of 512 against 1,024: twice the shapes to build
-# (76, 6.3-6.6 s for the 1B on an H100, against 39 in 2.3-4.0 s), and at 8 chat
-# conversations the turns whose cut left one more chunk took 685-759 ms against 889-934
-# (benchmarks/2026-11-24-h100/prefill-grid/). A query grain of 512 above 512 rather than
-# powers of two: a chat turn's ~1,350 new tokens run as 1,536, not 2,048 (25% fewer
-# tokens through the MLP). The probe of groups of 2-8 such follow-ups gave 88 ms against
-# 107 in one run on an H100 and 97 against 93 in another; the chat benchmark, with the changes of
-# benchmarks/2026-11-24-h100/row-attention/ together, is where it shows.
+# in warm-up (seconds more), for chat turns that cut one chunk fewer, which was faster at
+# 8 conversations; a grain of 256 gained nothing more. A query grain of 512 above 512
+# rather than powers of two: a chat turn's ~1,350 new tokens run as 1,536, not 2,048
+# (25% fewer tokens through the MLP).
 GRID_MIN = 128
 GRID_QUERY = 512
 GRID_PREFIX = 512
@@ -571,10 +561,8 @@ class CausalPrefill:
     MLX 0.32's CUDA backend has no fused attention for a prefill with an array mask: it
     materializes the scores. With no left padding the causal mask is the same mask
     (right padding needs none: pads come after every real token), and "causal" takes
-    the fused kernel. On an H100 (1B, bf16; benchmarks/probes/probe_prefill_mask.py)
-    a 1,500-token prompt behind a 6,000-token cached prefix prefilled in 17 ms against
-    77, eight rows of 512 behind 6,000 in 30 ms against 188, a fresh 2,048 in 15 ms
-    against 29, with the same logits. A group without left padding is every group of
+    the fused kernel, with the same logits, several times faster behind a long cached
+    prefix. A group without left padding is every group of
     fresh prompts and every group whose cached prefixes are evened out
     (`_reuse.Reuse.even`). Decode steps (one token a row) are left as they are.
 
@@ -582,22 +570,18 @@ class CausalPrefill:
     the right to `grid_length` (the padding's KV trimmed off again after; a prefill
     step's logits are never read), and its keys and values handed to the attention as
     contiguous arrays. MLX 0.32.4 builds a cuDNN graph for every prefill attention it
-    meets, keyed by the query's and keys' shapes and strides; on an H100 the first call
-    of a shape took 45-110 ms and the same again 0.6 ms, and a whole-model prefill of a
-    new shape 67-215 ms against 10-18 (benchmarks/probes/probe_new_shapes.py,
-    probe_contiguous_kv.py). Every chat turn has lengths of its own, so each paid that
-    build. Keys sliced out of a KV buffer carry the buffer's length in their strides,
+    meets, keyed by the query's and keys' shapes and strides, at tens of ms each time
+    against well under one ms for a shape met before. Every chat turn has lengths of its
+    own, so each would pay that build. Keys sliced out of a KV buffer carry the buffer's length in their strides,
     which depends on the cache's history; a contiguous copy's strides follow its shape
     alone, so a shape built once (in warm-up) is found again. Warm-up builds one row's
     shapes; a step of several rows (a group of follow-ups entering together) would meet
     a new graph for each row count, so its attention runs one row at a time on those:
     `mx.fast.scaled_dot_product_attention` is swapped for `_row_attention`, the same
     function per row, while the forward runs (mlx_lm's models call it through
-    `models.base.scaled_dot_product_attention`, with no hook of their own). In two runs
-    on an H100 (1B; benchmarks/probes/probe_row_attention.py) groups of 2-8 follow-ups behind
-    4-6k cached tokens, at lengths met the first time, took 114 / 97 ms to their first
-    tokens against 198 / 122 (medians), and 115 / 93 against 107 / 93 at lengths met
-    before.
+    `models.base.scaled_dot_product_attention`, with no hook of their own). A group of
+    follow-ups at lengths met the first time then reaches its first tokens sooner, and
+    at lengths met before no later.
 
     On the grid a step that takes the fused attention materializes no scores, so the
     actor leaves its chunk whole (`prefill_chunk` bounds materialized scores); a step

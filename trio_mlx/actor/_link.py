@@ -32,7 +32,7 @@ class ActorPort(Protocol):
 
 class ActorLink(Protocol):
     """How the actor reaches the engine, called on the actor's thread: across a
-    thread (ThreadLink) or a pipe (`_actor_process.PipeLink`)."""
+    thread (`ThreadLink`) or a pipe (`_process.PipeLink`)."""
 
     def ready(self, info: ActorInfo) -> None: ...
     def exchange(self, report: StepReport) -> list[Command]: ...
@@ -58,9 +58,8 @@ class ThreadLink:
     actor builds the next step's graph; commands reach the actor as the engine queues
     them, without a crossing of its own (docs/design.md, rules 2 and 7).
 
-    The actor holds the GIL while it builds a step's graph (~2.8 ms of a ~10 ms decode
-    step at 256 rows of the 1B on an H100, `benchmarks/probes/probe_step_python.py`)
-    and releases it while MLX launches the kernels and waits for them. The tokens a
+    The actor holds the GIL while it builds a step's graph (about a quarter of a decode
+    step at 256 rows of a 1B model on a GPU) and releases it while MLX launches the kernels and waits for them. The tokens a
     report hands over wake the event loop's handlers at that very moment; with both
     threads runnable, CPython passes the GIL back and forth every switch interval, the
     build on the step's critical path stretches, and the loop's work would have fitted
@@ -76,12 +75,11 @@ class ThreadLink:
     link drains the engine's inbox into a deque the actor reads between steps, as the
     process actor reads its pipe, once the loop has run its current tasks.
 
-    Measured on an H100 (1B, c=256, rounds in opposite orders;
-    benchmarks/2026-11-24-h100/thread-gil/): with one synchronous crossing per step the
-    thread actor served 0.77-0.79 of the process actor's tokens, with the wait for the
-    build 0.83-0.87, and with this link 0.84-0.93 (two machines); handing reports over
-    ahead without the wait had served what the synchronous crossing did
-    (benchmarks/2026-11-24-h100/thread-link/).
+    Each part was measured against one synchronous crossing per step, paired with the
+    process actor: the wait for the build and the report a step ahead together close
+    most of the thread actor's gap at high concurrency; the report a step ahead alone
+    served what the synchronous crossing did (BENCHMARKS.md, "What the runtime does
+    because of a measurement").
     """
 
     def __init__(self, port: ActorPort):

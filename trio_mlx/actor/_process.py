@@ -12,7 +12,7 @@ of file (the server went away, however abruptly) is a shutdown.
 Why: decode on a host-bound GPU (kernel launches dominate each step) is
 Python work on the actor thread, and with a thread actor every microsecond the
 event loop spends on HTTP, SSE and detokenizing is taken from it under the
-shared GIL (docs/design.md, rule 7; BENCHMARKS.md has the measurements).
+shared GIL (docs/design.md, rule 7; BENCHMARKS.md, "What limits performance now").
 
 Frames are a 4-byte big-endian length and a pickle. Step reports travel as
 plain tuples: pickling the slotted dataclasses costs ~10x more per token.

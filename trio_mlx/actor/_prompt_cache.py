@@ -309,9 +309,8 @@ class PromptCache:
 
         First, if MLX's buffer cache (freed buffers it keeps for reuse) takes memory past
         the mark too, it is handed back: MLX's CUDA allocator does not reclaim it by itself
-        when an allocation fails. (It is not enough for every load: on an H100, 1B,
-        2026-11-24, 64 conversations of 3-7.5k tokens still ran out of memory in a prefill
-        step with it, the prompt cache on or off; BENCHMARKS.md, "Prompt cache".)"""
+        when an allocation fails. It is not enough for a prefill step whose attention
+        scores alone outgrow the device: `_batch.prefill_chunk` bounds those."""
         if self.pressure_bytes is None:
             return 0
         active = mx.get_active_memory()

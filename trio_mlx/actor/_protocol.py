@@ -52,7 +52,7 @@ class ActorConfig:
     prefill_step: int = 2048
     warmup: bool = True
     # Seconds a new sequence may wait to be admitted together with others while
-    # the batch is decoding (0: no waiting for company). See `_actor._Admission`.
+    # the batch is decoding (0: no waiting for company). See `_admission.Admission`.
     admit_window: float = 0.0
     # The most prompt tokens one prefill step takes, in total across its group, while other
     # sequences decode (`Actor._cut_prefill`): long prompts then go in chunks, each step also

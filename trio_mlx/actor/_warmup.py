@@ -16,10 +16,9 @@ def warm_up(bg: Any, token: int, length: int, groups: int, row: Callable[[], Any
     itself: the group is removed once done).
 
     MLX compiles GPU kernels the first time it meets a shape, and on CUDA
-    that can stall a step for seconds: measured on an H100, the first
-    prefill of one 100-token prompt into a 4-bit 1B model took 59 s and the
-    first of eight 39 s; bf16 models paid 65-350 ms per first visit, 10-25
-    ms after (`benchmarks/probes/probe_steps.py`). Live traffic admits groups of every
+    that can stall a step for seconds (tens of seconds for a 4-bit model's
+    first prefill, tens to hundreds of ms for each new group size of a bf16
+    one, against a few ms after). Live traffic admits groups of every
     size up to the prefill batch, so each size is visited here, before the
     server reports ready, rather than in the middle of someone's stream.
     The prompt length (128 tokens on a GPU, less for a small context) is a
@@ -52,9 +51,8 @@ def prebuild_prefill(forward: Any, layers: int, token: int, limit: int, sizes: l
     `limit` tokens of context, for one row: a query of each length in `sizes` behind every
     multiple of `stride` tokens already cached. Returns how many shapes it ran.
 
-    On CUDA, MLX builds a cuDNN graph for every prefill attention shape it meets, 45-110
-    ms each on an H100 (benchmarks/probes/probe_new_shapes.py), and a chat's turns would
-    otherwise pay one each. `forward` is the grid-prefilling model, so the shapes (and
+    On CUDA, MLX builds a cuDNN graph for every prefill attention shape it meets, at tens
+    of ms each, and a chat's turns would otherwise pay one each. `forward` is the grid-prefilling model, so the shapes (and
     the contiguous keys' strides) are the ones live prefills make. Groups of several rows
     meet their shapes live, and these recur: the grid is coarse.
     """

@@ -264,7 +264,7 @@ async def run_http(
     """Run the plan's levels against `args.url`, each on the next prompts; one stats dict each.
 
     The `warm` prompts go first, all at once with 8 output tokens, unmeasured.
-    With `paired` (a `_bench_limit.Ceiling`), each closed-loop level runs on it
+    With `paired` (a `trio_mlx.actor.ceiling.Ceiling`), each closed-loop level runs on it
     too, interleaved (`_run_paired_level`), and each of the ceiling's levels
     goes to `on_paired_level`.
     """
@@ -625,8 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     prompts, warm = prompts[:total], prompts[total:]
     # The tokenizer and the prompts stay for the whole run: frozen out of the collector's walks,
-    # so that this client's own full collections (up to 484 ms on an H200 host, while it made
-    # its prompts: benchmarks/2026-11-28-h200/gc-pauses/) cannot land in what it measures.
+    # so that this client's own full collections (hundreds of ms once the prompts are made)
+    # cannot land in what it measures.
     heap.freeze()
     if args.suppress_eos:
         bias = {str(t): -100 for t in sorted(getattr(tokenizer, "eos_token_ids", None) or [])}

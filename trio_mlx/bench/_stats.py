@@ -1,6 +1,6 @@
 """Figures and reports of `trio-mlx bench`: per-request records, per-level statistics, the
 markdown table and the PNG. Pure Python (matplotlib only when a plot is drawn), shared by the
-HTTP mode and the in-process ceiling (`_bench_limit.py`)."""
+HTTP mode and the in-process ceiling (`_limit.py`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Token ids of recent chat prompts, so that a prompt extending one is tokenized only past it.
 
 Chat clients and agents resend their whole conversation every turn. Tokenizing
-an 8k-token prompt takes ~4 ms of CPU, with the GIL held by `tokenizers`'
-single-text encode; on an H100 host a follow-up's intake took ~7 ms of a ~30 ms
-turn, and at 8 conversations the turn's intakes ran one after another, 32 ms
-at the median (benchmarks/2026-11-27-h100/prefix-grain/). Here a rendered
+an 8k-token prompt takes milliseconds of CPU, with the GIL held by `tokenizers`'
+single-text encode, so a follow-up's intake is a fair share of a short turn, and
+when several conversations send at once their intakes run one after another
+(BENCHMARKS.md, "Prompt cache"). Here a rendered
 prompt that repeats a recent one up to and including one of its special tokens
 reuses that one's ids and tokenizes only the rest, starting at that token.
 

@@ -2,7 +2,7 @@
 
 MLX's CPU wheel (`mlx[cpu]`) links a reference BLAS, so every float32 matmul on
 the CPU runs through textbook loops: 2.5 GFLOP/s where OpenBLAS makes ~90 on
-one core of the 2-core x86-64 box (2026-11-24). `install()` swaps it, before
+one core of a 2-core x86-64 VM. `install()` swaps it, before
 anything imports `mlx.core`:
 
 1. `scipy-openblas32` (PyPI, Linux x86-64 and aarch64 wheels, no system

@@ -1,10 +1,9 @@
 """A loaded model's decode step made cheaper on MLX's CPU backend: the one place that
 swaps layers for CPU-only versions (`install`, called by `models.load_model` on the CPU).
 
-Measured on the embedded default (float32, OpenBLAS, 2-core AMD EPYC VM,
-2026-11-24; `benchmarks/probes/cpu_gemv.py` and `cpu_forward.py`), a one-token
-step cost ~74 ms of CPU: ~58 in matmuls, ~11-13 in the layers' other ops
-(norms, RoPE, attention, residuals), ~3-4 building the graph. Three swaps,
+On the embedded default (float32, OpenBLAS, a 2-core x86-64 VM), a one-token
+step's CPU goes ~80% to matmuls, ~15% to the layers' other ops (norms, RoPE,
+attention, residuals) and the rest to building the graph. Three swaps,
 each a subclass put in place with `__class__` (the parameters, their names
 and every other path stay as mlx_lm made them; a layer they do not fit keeps
 its own `__call__`):

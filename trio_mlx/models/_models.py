@@ -49,8 +49,7 @@ _CONVERTER_VERSION = 3  # part of the cache key: bump it when convert_gguf's out
 # huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) samples with `temperature=0.2,
 # top_p=0.9`. On this Q4_1 build that is not enough: for "What is the capital of
 # France?" the first token is "The" with p 0.55 and "L" (-> "L'Étoile, la Marseillaise,
-# la femme...") with p 0.36 at temperature 0.2, both inside top_p 0.9 (measured
-# 2026-11-24); at temperature 1 it answers in broken French most of the time. Greedy
+# la femme...") with p 0.36 at temperature 0.2, both inside top_p 0.9; at temperature 1 it answers in broken French most of the time. Greedy
 # decoding answers "The capital of France is Paris.", so greedy is its default.
 _EMBEDDED_SAMPLING = {"do_sample": False, "temperature": 0.0}
 _GGUF_GROUP = 32  # GGUF Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights
@@ -118,7 +117,7 @@ _SHAPES: dict[str, dict[str, Any]] = {
                          rope_scaling={"rope_type": "llama3", "factor": 32.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 8192}),
-    # The Llama-3.1-8B shape, for multi-GPU comparisons (benchmarks/probes/distributed.sh).
+    # The Llama-3.1-8B shape, for comparisons across GPUs and of a model sharded over them.
     "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
                          head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
@@ -215,7 +214,7 @@ def ensure_embedded_model(
     Each variant (dtype, packed or `dequantize`d) is cached under its own name.
     `dequantize` defaults to True on the CPU when an optimized BLAS is loaded
     (`_cpu_blas.py`): there float32 matmuls run on OpenBLAS, ~20x the prompt
-    throughput of MLX's 4-bit CPU kernels on the 2-core box (2026-11-24).
+    throughput of MLX's 4-bit CPU kernels (BENCHMARKS.md, "Linux CPU").
     """
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)  # never imported: it needs `llm`
     where = spec.submodule_search_locations if spec else None
@@ -250,7 +249,7 @@ def ensure_embedded_model(
 def _default_dtype() -> str:
     # float32 on every device. On the CPU backend a 4-bit matmul with fp16 scales is ~35x
     # slower than with fp32, and fp16 flipped the embedded model's first answer token there;
-    # on an H100 (2026-11-24) bfloat16 flipped it too: greedy, "What is the capital of
+    # on a GPU bfloat16 flipped it too: greedy, "What is the capital of
     # France?" began "L'Étoile, la Marseillaise" where float16 and float32 answered "The
     # capital of France is Paris." A 135M model's activations cost little in float32.
     return "float32"
@@ -289,7 +288,7 @@ def convert_gguf(
 
     Q4_0/Q4_1/Q8_0 tensors stay packed (per-layer "quantization" entries), or
     with `dequantize` are unpacked; everything else, scales included, becomes
-    `dtype` (default: float32 on the CPU, bfloat16 on a GPU).
+    `dtype` (default: float32 on every device, `_default_dtype` says why).
     """
     final = pathlib.Path(out_dir)
     with _atomic_dir(final, exist_ok=False) as tmp:
@@ -480,9 +479,8 @@ def _write_tokenizer(
     # reads added tokens in quadratic time (its LLTokenizer took 0.04 s with 4k of
     # them, 0.44 s with 16k, 2.0 s with 32k and 73 s with 128k on the 2-core CPU
     # machine), and the warm-up builds its vocabulary (`actor._actor._warm_grammar`):
-    # 1.1 s with 16k, 50 s with 128k; with 128k a 1B-shape server took 99-213 s from
-    # the start of its warm-up to ready on the H100 host (the servers' logs in
-    # benchmarks/2026-11-24-h100/row-attention/), against 11-12 s without them.
+    # 1.1 s with 16k, 50 s with 128k; with 128k a 1B-shape server took minutes from
+    # the start of its warm-up to ready on a GPU host, against ~12 s without them.
     # Beside 16k spelled ids the model samples its tokenizer's own 512 now and then,
     # and two of those side by side may encode back otherwise: of random 32-token
     # answers 77% encode back exactly (95% with 128k spelled).
