@@ -58,8 +58,10 @@ def engine_factory(**engine_options: Any) -> Callable[[Settings], Engine]:
     """An engine factory with extra Engine options (fault_hook, ...) on top of the settings."""
 
     def make(settings: Settings) -> Engine:
+        # Restarts off unless a test asks: an actor these tests kill breaks the engine.
         opts = dict(max_batch=settings.max_batch, prefill_batch=settings.prefill_batch,
-                    prefill_step=settings.prefill_step, max_queue=settings.max_queue, warmup=False)
+                    prefill_step=settings.prefill_step, max_queue=settings.max_queue, warmup=False,
+                    restart_limit=0)
         return Engine(settings.model, **{**opts, **engine_options})
 
     return make

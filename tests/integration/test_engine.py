@@ -482,7 +482,7 @@ async def test_actor_death_breaks_the_engine_and_wakes_everyone(tiny_model_fp32)
         if stage == "loop" and armed.is_set():
             raise SystemError("injected actor crash")
 
-    async with trio_mlx.open_engine(tiny_model_fp32, fault_hook=hook) as engine:
+    async with trio_mlx.open_engine(tiny_model_fp32, fault_hook=hook, restart_limit=0) as engine:
         finishes = await fault_during_decode(engine, 5, armed)
         assert [f.finish_reason for f in finishes] == ["error"] * 5
         assert engine.statistics().state == "broken"

@@ -200,7 +200,7 @@ class Engine:
         prompt_cache_gb: float | None = None,
         prompt_cache_disk_gb: float = 0.0,
         sampling_defaults: Mapping[str, Any] | None = None,
-        restart_limit: int = 0,
+        restart_limit: int = 3,
         restart_window: float = 300.0,
         restart_backoff: float = 1.0,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
