@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
+from .._fields import ENV_PREFIX as ENV_PREFIX
+from .._fields import doc as _doc
+from .._fields import env_name as env_name
+from .._fields import field_kind as field_kind
+from .._fields import parse_value as parse_value
+from .._fields import read_environ
 from ..engine import ADMIT_WINDOW, DEFAULT_MAX_TOKENS
-
-ENV_PREFIX = "TRIO_MLX_"
 
 # The id /v1/models serves for the embedded default (docs/design.md); as models.EMBEDDED_DEFAULT,
 # which this module does not import (that would import MLX).
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-
-
-def _doc(text: str, **extra: Any) -> dict[str, Any]:
-    return {"doc": text, **extra}
 
 
 @dataclass(frozen=True)
@@ -224,16 +224,7 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Settings from TRIO_MLX_* variables; `overrides` (already typed) win over them."""
         environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            var = env_name(f.name)
-            if var in environ and f.name not in overrides:
-                try:
-                    values[f.name] = parse_value(f, environ[var])
-                except ValueError as exc:
-                    raise ValueError(f"{var}: {exc}") from None
-        values.update(overrides)
-        return cls(**values)
+        return cls(**{**read_environ(dataclasses.fields(cls), environ, overrides), **overrides})
 
     def public(self) -> dict[str, Any]:
         """The settings with secrets masked, for logs."""
@@ -242,42 +233,3 @@ class Settings:
             value = getattr(self, f.name)
             out[f.name] = "***" if f.metadata.get("secret") and value else value
         return out
-
-
-def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
-
-
-def field_kind(f: dataclasses.Field[Any]) -> str:
-    """"str", "int", "float", "bool" or "tuple" (the annotation, as text: `from __future__`)."""
-    ann = str(f.type).replace(" | None", "")
-    return {"tuple[str, ...]": "tuple"}.get(ann, ann)
-
-
-def parse_value(f: dataclasses.Field[Any], raw: str) -> Any:
-    """One setting from its text form (an environment variable or a flag)."""
-    kind = field_kind(f)
-    text = raw.strip()
-    optional = "None" in str(f.type)
-    if optional and text == "":
-        return None
-    if kind == "bool":
-        low = text.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")
-    if kind == "int":
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {raw!r}") from None
-    if kind == "float":
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"expected a number, got {raw!r}") from None
-    if kind == "tuple":
-        return tuple(part.strip() for part in text.split(",") if part.strip())
-    return raw
