@@ -59,8 +59,8 @@ def engine_factory(**engine_options: Any) -> Callable[[Settings], Engine]:
 
     def make(settings: Settings) -> Engine:
         # Restarts off unless a test asks: an actor these tests kill breaks the engine.
-        opts = dict(max_batch=settings.max_batch, prefill_batch=settings.prefill_batch,
-                    prefill_step=settings.prefill_step, max_queue=settings.max_queue, warmup=False,
+        opts = dict(max_batch=settings.tuning.max_batch, prefill_batch=settings.tuning.prefill_batch,
+                    prefill_step=settings.tuning.prefill_step, max_queue=settings.max_queue, warmup=False,
                     restart_limit=0)
         return Engine(settings.model, **{**opts, **engine_options})
 
@@ -93,7 +93,7 @@ async def serve(model: Any, *, factory: Callable[[Settings], Engine] | None = No
     # A thread actor, the server's default, whatever TRIO_MLX_ACTOR says (fault hooks need it,
     # and it starts faster). The process actor has its own tests.
     settings.setdefault("actor", "thread")
-    app = create_app(Settings(model=str(model), **settings), engine_factory=factory)
+    app = create_app(Settings.from_env({}, model=str(model), **settings), engine_factory=factory)
     fatal: list[str] = []
     app.on_fatal = fatal.append  # type: ignore[method-assign]  # a broken engine must not end pytest
     app.fatal = fatal  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """Settings records as text: each field's TRIO_MLX_* variable, and a flag's or variable's value parsed.
 
-A settings record (`server/_settings.Settings`) is a frozen dataclass whose fields carry
-their help text in metadata (`doc`). Everything a field is outside Python derives from it
+The settings records (`server/_settings.Settings`, the `actor/_tuning.ActorTuning` it nests)
+are frozen dataclasses whose fields carry their help text in metadata (`doc`). Everything a field is outside Python derives from it
 here: its variable is TRIO_MLX_ and its name in capitals, and its text form is parsed by
 its annotation. No MLX, nothing of the package: every layer
 may import it.

@@ -182,7 +182,7 @@ async def test_abort_while_queued_never_runs_the_sequence(tiny_model_fp32):
 async def test_max_batch_caps_the_decoding_batch_whatever_the_prefill_batch(tiny_model_fp32, staggered):
     # BatchGenerator widens its batch to prefill_batch_size (8 by default); the engine clamps it.
     async with trio_mlx.open_engine(tiny_model_fp32, max_batch=2) as engine:
-        assert engine.prefill_batch == 2
+        assert engine.tuning.prefill_batch == 2
         widest = 0
 
         async def watch() -> None:

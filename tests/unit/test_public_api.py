@@ -5,6 +5,7 @@ import types
 import trio_mlx
 
 EXPECTED = {
+    "ActorTuning",
     "ContextLengthExceededError",
     "Engine",
     "EngineBrokenError",
