@@ -58,8 +58,10 @@ def engine_factory(**engine_options: Any) -> Callable[[Settings], Engine]:
     """An engine factory with extra Engine options (fault_hook, ...) on top of the settings."""
 
     def make(settings: Settings) -> Engine:
-        opts = dict(max_batch=settings.max_batch, prefill_batch=settings.prefill_batch,
-                    prefill_step=settings.prefill_step, max_queue=settings.max_queue, warmup=False)
+        # Restarts off unless a test asks: an actor these tests kill breaks the engine.
+        opts = dict(max_batch=settings.tuning.max_batch, prefill_batch=settings.tuning.prefill_batch,
+                    prefill_step=settings.tuning.prefill_step, max_queue=settings.max_queue, warmup=False,
+                    restart_limit=0)
         return Engine(settings.model, **{**opts, **engine_options})
 
     return make
@@ -91,7 +93,7 @@ async def serve(model: Any, *, factory: Callable[[Settings], Engine] | None = No
     # A thread actor, the server's default, whatever TRIO_MLX_ACTOR says (fault hooks need it,
     # and it starts faster). The process actor has its own tests.
     settings.setdefault("actor", "thread")
-    app = create_app(Settings(model=str(model), **settings), engine_factory=factory)
+    app = create_app(Settings.from_env({}, model=str(model), **settings), engine_factory=factory)
     fatal: list[str] = []
     app.on_fatal = fatal.append  # type: ignore[method-assign]  # a broken engine must not end pytest
     app.fatal = fatal  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ from ._errors import ModelLoadError as ModelLoadError
 from ._errors import QueueFullError as QueueFullError
 from ._errors import TrioMLXError as TrioMLXError
 from .actor import SamplingParams as SamplingParams
+from .engine import ActorTuning as ActorTuning
 from .engine import Engine as Engine
 from .engine import EngineStatistics as EngineStatistics
 from .engine import Finished as Finished

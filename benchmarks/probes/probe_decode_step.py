@@ -3,7 +3,7 @@
     python benchmarks/probes/probe_decode_step.py MODEL_DIR [--rows 1,8,64] [--steps 200]
         [--rounds 3] [--mode greedy|sample|grammar] [--out RESULTS.json]
 
-Two actors on the same weights, one per decode step (`ActorConfig.decode_step`:
+Two actors on the same weights, one per decode step (`ActorTuning.decode_step`:
 "owned", `actor/_decode.py`, and "mlx", mlx-lm's GenerationBatch), each driven
 through its own `_apply` and `_step` as the server's loop drives it (no engine,
 no HTTP, no link crossing: the step alone). For each width, round after round
@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.actor import Abort, ActorConfig, Grammar, SamplingParams, Submit
+from trio_mlx.actor import Abort, ActorConfig, ActorTuning, Grammar, SamplingParams, Submit
 from trio_mlx.actor._actor import Actor
 from trio_mlx.actor._constrain import json_string_grammar
 
@@ -37,8 +37,9 @@ class _Link:
 
 
 def actor(path: Path, step: str, rows: int) -> Actor:
-    a = Actor(ActorConfig(model_path=path, max_batch=max(rows, 8), prefill_batch=min(rows, 8), warmup=False,
-                          admit_window=0.0, decode_step=step, prompt_cache_gb=0), link=_Link())  # type: ignore[arg-type]
+    tuning = ActorTuning(max_batch=max(rows, 8), prefill_batch=min(rows, 8), warmup=False,
+                         admit_window=0.0, decode_step=step, prompt_cache_gb=0)
+    a = Actor(ActorConfig(model_path=path, tuning=tuning), link=_Link())  # type: ignore[arg-type]
     a._load()
     return a
 

@@ -80,7 +80,7 @@ async def test_a_model_the_process_actor_cannot_load_raises_model_load_error(tmp
 
 async def test_a_killed_actor_process_ends_every_waiter_and_breaks_the_engine(tiny_model_fp32):
     with trio.fail_after(60):
-        async with trio_mlx.open_engine(tiny_model_fp32, actor="process", max_batch=2) as engine:
+        async with trio_mlx.open_engine(tiny_model_fp32, actor="process", max_batch=2, restart_limit=0) as engine:
             assert engine.info is not None
             results = []
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from trio_mlx.actor import Abort, ActorConfig, SamplingParams, Submit, _decode
+from trio_mlx.actor import Abort, ActorConfig, ActorTuning, SamplingParams, Submit, _decode
 from trio_mlx.actor._actor import Actor
 from trio_mlx.actor._decode import Decoder, DecodeRow
 
@@ -241,7 +241,9 @@ class _Link:
 
 
 def _actor(path: Path, **config: Any) -> Actor:
-    actor = Actor(ActorConfig(model_path=path, warmup=False, **config), link=_Link())  # type: ignore[arg-type]
+    # No waiting for company unless a test asks (the actor's own default was 0 when these were written).
+    tuning = ActorTuning(**{"warmup": False, "admit_window": 0.0, **config})
+    actor = Actor(ActorConfig(model_path=path, tuning=tuning), link=_Link())  # type: ignore[arg-type]
     actor._load()
     return actor
 

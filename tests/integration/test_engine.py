@@ -182,7 +182,7 @@ async def test_abort_while_queued_never_runs_the_sequence(tiny_model_fp32):
 async def test_max_batch_caps_the_decoding_batch_whatever_the_prefill_batch(tiny_model_fp32, staggered):
     # BatchGenerator widens its batch to prefill_batch_size (8 by default); the engine clamps it.
     async with trio_mlx.open_engine(tiny_model_fp32, max_batch=2) as engine:
-        assert engine.prefill_batch == 2
+        assert engine.tuning.prefill_batch == 2
         widest = 0
 
         async def watch() -> None:
@@ -482,7 +482,7 @@ async def test_actor_death_breaks_the_engine_and_wakes_everyone(tiny_model_fp32)
         if stage == "loop" and armed.is_set():
             raise SystemError("injected actor crash")
 
-    async with trio_mlx.open_engine(tiny_model_fp32, fault_hook=hook) as engine:
+    async with trio_mlx.open_engine(tiny_model_fp32, fault_hook=hook, restart_limit=0) as engine:
         finishes = await fault_during_decode(engine, 5, armed)
         assert [f.finish_reason for f in finishes] == ["error"] * 5
         assert engine.statistics().state == "broken"

@@ -97,7 +97,7 @@ def asyncio_server(app: TrioMLXApp, kind: str) -> Iterator[int]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["hypercorn", "uvicorn"])
 async def test_disconnect_mid_decode_frees_the_slot_within_a_step(tiny_model_fp32, kind):
-    settings = Settings(model=str(tiny_model_fp32), warmup=False, drain_timeout=2.0, actor="thread")
+    settings = Settings.from_env({}, model=str(tiny_model_fp32), warmup=False, drain_timeout=2.0, actor="thread")
     app = create_app(settings, engine_factory=engine_factory(fault_hook=slow_steps(0.005)))
     with asyncio_server(app, kind) as port:
         engine = app.engine

@@ -137,7 +137,7 @@ async def test_a_bad_retire_setting_fails_the_start_with_its_name(tiny_model_fp3
     with pytest.raises(ValueError, match="TRIO_MLX_RETIRE_STEPS: expected an integer, got 'lots'"):
         Settings.from_env({"TRIO_MLX_RETIRE_STEPS": "lots"})
     with pytest.raises(ValueError, match="retire_steps must be >= 0"):
-        Settings(retire_steps=-1)
+        Settings.from_env({}, retire_steps=-1)
     with pytest.raises(ValueError, match="retire_steps"):
         async with trio_mlx.open_engine(tiny_model_fp32, retire_steps=-1):
             pass

@@ -23,6 +23,7 @@ from trio_mlx.actor import FakeActor
 from trio_mlx.actor._protocol import (
     Abort,
     ActorConfig,
+    ActorTuning,
     SamplingParams,
     Shutdown,
     StepReport,
@@ -196,7 +197,7 @@ def serve(request: pytest.FixtureRequest, tiny_model_fp32: Path) -> Any:
 
     def serve(script: dict[int, list[Any]], steps: int, **config: Any) -> _Driver:
         link = _Driver(script, steps)
-        cfg = ActorConfig(model_path=tiny_model_fp32, warmup=False, admit_window=0.0, **config)
+        cfg = ActorConfig(model_path=tiny_model_fp32, tuning=ActorTuning(warmup=False, admit_window=0.0, **config))
         if request.param == "fake":
             actor: Any = FakeActor(cfg, link)
         else:

@@ -15,6 +15,7 @@ import pytest
 
 from trio_mlx.actor import (
     ActorConfig,
+    ActorTuning,
     SamplingParams,
     Submit,
     _actor,
@@ -27,8 +28,8 @@ from trio_mlx.actor._actor import Actor
 
 
 def _loaded(path: Path, gpu: bool, retire_steps: int = 16, decode_step: str = "owned") -> Actor:
-    config = ActorConfig(model_path=path, prefill_batch=2, admit_window=0.02, retire_steps=retire_steps,
-                         decode_step=decode_step)
+    config = ActorConfig(model_path=path, tuning=ActorTuning(prefill_batch=2, admit_window=0.02,
+                                                             retire_steps=retire_steps, decode_step=decode_step))
     actor = Actor(config, link=None)  # type: ignore[arg-type]
     actor._load()
     actor._gpu = gpu
@@ -180,6 +181,6 @@ def test_on_cuda_the_rehearsal_prefills_a_long_prompt_and_a_hit_on_it(tiny_model
     monkeypatch.setattr(_actor.mx.cuda, "is_available", lambda: cuda)
     actor = _loaded(tiny_model_fp32, gpu=True)
     actor._warmup()
-    long = min(actor._context - 80, 2 * actor.config.prefill_step + 64)  # 944 of the tiny model's 1024
+    long = min(actor._context - 80, 2 * actor.config.tuning.prefill_step + 64)  # 944 of the tiny model's 1024
     assert (max(visits["hits"]) >= long) == cuda
     assert not actor._reuse.cache.enabled and not actor._seqs

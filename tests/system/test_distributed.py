@@ -501,12 +501,12 @@ def test_rank_0_applies_each_steps_commands_a_step_after_it_sends_them(tiny_mode
     from trio_mlx.actor._actor import Actor
     from trio_mlx.actor._distributed import LeaderActor
     from trio_mlx.actor._group import GroupStatus
-    from trio_mlx.actor._protocol import Abort, ActorConfig, SamplingParams, Submit
+    from trio_mlx.actor._protocol import Abort, ActorConfig, ActorTuning, SamplingParams, Submit
 
     greedy = SamplingParams(temperature=0.0)
     kept, dropped = Submit(2, tuple(range(50, 90)), 8, greedy, frozenset()), \
         Submit(1, tuple(range(3, 40)), 8, greedy, frozenset())
-    config = ActorConfig(model_path=tiny_model_fp32, warmup=False)
+    config = ActorConfig(model_path=tiny_model_fp32, tuning=ActorTuning(warmup=False, admit_window=0.0))
     alone = _Script([[kept]])
     Actor(config, alone).run()
 
@@ -543,11 +543,11 @@ def test_a_shutdown_with_a_group_on_its_way_runs_the_step_a_follower_runs_before
 
     from trio_mlx.actor._distributed import LeaderActor
     from trio_mlx.actor._group import GroupStatus
-    from trio_mlx.actor._protocol import ActorConfig, SamplingParams, Shutdown, Submit
+    from trio_mlx.actor._protocol import ActorConfig, ActorTuning, SamplingParams, Shutdown, Submit
 
     long = Submit(7, tuple(3 + i % 400 for i in range(600)), 4, SamplingParams(temperature=0.0), frozenset())
     script = _Script([[long], [Shutdown()]])
-    actor = LeaderActor(ActorConfig(model_path=tiny_model_fp32, warmup=False), script,
+    actor = LeaderActor(ActorConfig(model_path=tiny_model_fp32, tuning=ActorTuning(warmup=False, admit_window=0.0)), script,
                         group=mx.distributed.init(), mode="tensor", status=GroupStatus(mode="tensor"),
                         timeout=30, startup_timeout=60, on_failure=None)
     calls: list[tuple[str, Any]] = []
@@ -581,10 +581,15 @@ def test_rank_0_hands_its_followers_the_prefill_budget_it_runs_with(tiny_model_f
     """The prefill budget changes step shapes, so every rank must cut prompts alike: rank 0's
     hello carries it, its device's default worked out (on this CPU, `PREFILL_BUDGET_CPU`), and
     a value set is passed as it is."""
-    from trio_mlx.actor import ActorConfig
+    from trio_mlx.actor import ActorConfig, ActorTuning
     from trio_mlx.actor._actor import PREFILL_BUDGET_CPU
     from trio_mlx.actor._distributed import hello
 
-    assert hello(ActorConfig(tiny_model_fp32), "tensor", 0)[3]["prefill_budget"] == PREFILL_BUDGET_CPU
-    assert hello(ActorConfig(tiny_model_fp32, prefill_budget=0), "tensor", 0)[3]["prefill_budget"] == 0
-    assert hello(ActorConfig(tiny_model_fp32, prefill_budget=4096), "tensor", 0)[3]["prefill_budget"] == 4096
+    def sent(**knobs: Any) -> ActorTuning:
+        return hello(ActorConfig(tiny_model_fp32, ActorTuning(**knobs)), "tensor", 0)[3]
+
+    assert sent().prefill_budget == PREFILL_BUDGET_CPU
+    assert sent(prefill_budget=0).prefill_budget == 0
+    assert sent(prefill_budget=4096).prefill_budget == 4096
+    # The rest of rank 0's tuning goes whole: batching must match on every rank.
+    assert sent(max_batch=7, retire_steps=3) == ActorTuning(max_batch=7, retire_steps=3, prefill_budget=PREFILL_BUDGET_CPU)

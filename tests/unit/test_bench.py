@@ -115,6 +115,21 @@ def test_levels_and_counts() -> None:
         _bench._parser().parse_args(["--url", "http://x", "--model", "m", "--concurrency", "0"])
 
 
+
+def test_the_engine_mode_tunes_its_actor_as_a_server_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--engine` runs the actor in the bench's process: the TRIO_MLX_* variables that tune a
+    server's actor tune it (through the public `ActorTuning`), under the bench's own flags."""
+    import trio_mlx
+
+    monkeypatch.setenv("TRIO_MLX_RETIRE_STEPS", "3")
+    monkeypatch.setenv("TRIO_MLX_ADMIT_WINDOW", "0.5")
+    argv = ["--engine", "--model", "m"]
+    tuning = _bench.bench_tuning(_bench._parser().parse_args(argv), max_batch=4)
+    assert tuning == trio_mlx.ActorTuning(max_batch=4, retire_steps=3, admit_window=0.5)
+    tuning = _bench.bench_tuning(_bench._parser().parse_args([*argv, "--admit-window", "0"]), max_batch=4)
+    assert tuning.admit_window == 0.0 and tuning.retire_steps == 3
+
+
 # ------------------------------------------------------------ SSE and HTTP/1.1
 
 

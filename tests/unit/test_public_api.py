@@ -5,6 +5,7 @@ import types
 import trio_mlx
 
 EXPECTED = {
+    "ActorTuning",
     "ContextLengthExceededError",
     "Engine",
     "EngineBrokenError",
@@ -107,13 +108,13 @@ import ast  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 PACKAGE = Path(trio_mlx.__file__).parent
-# Each layer may import the ones listed (and itself); `_errors` and `_heap` (imports only `gc`)
-# are the leaves the layers share. The top-level modules (`__init__`, `app`, `cli`) are the
+# Each layer may import the ones listed (and itself); `_errors`, `_fields` (settings as text)
+# and `_heap` (imports only `gc`) are the leaves the layers share. The top-level modules (`__init__`, `app`, `cli`) are the
 # public face over all of them.
 ALLOWED = {
-    "server": {"engine", "_errors"},
-    "engine": {"actor", "models", "_errors", "_heap"},
-    "actor": {"models", "_errors", "_heap"},
+    "server": {"engine", "_errors", "_fields"},
+    "engine": {"actor", "models", "_errors", "_fields", "_heap"},
+    "actor": {"models", "_errors", "_fields", "_heap"},
     "models": {"_errors"},
     "bench": {"engine", "actor", "models", "server", "_errors", "_heap"},
 }

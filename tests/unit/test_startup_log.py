@@ -28,7 +28,7 @@ def test_a_quick_conversion_step_logs_no_progress(caplog):
 
 
 def test_settings_are_logged_one_per_line_with_changes_marked():
-    text = describe_settings(Settings(max_batch=8, api_key="sekret", cors_origins=("https://a.example",)))
+    text = describe_settings(Settings.from_env({}, max_batch=8, api_key="sekret", cors_origins=("https://a.example",)))
     lines = text.splitlines()
     assert lines[0].startswith("settings (* set by a flag or a TRIO_MLX_* variable")
     rows = {re.split(r"\s+", line.strip().lstrip("* "))[0]: line for line in lines[1:]}

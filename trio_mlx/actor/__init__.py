@@ -23,6 +23,7 @@ from ._protocol import Shutdown as Shutdown
 from ._protocol import StepReport as StepReport
 from ._protocol import Submit as Submit
 from ._protocol import TokenOut as TokenOut
+from ._tuning import ActorTuning as ActorTuning
 
 if TYPE_CHECKING:
     from ._actor import Actor as Actor

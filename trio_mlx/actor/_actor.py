@@ -83,7 +83,7 @@ log = logging.getLogger("trio_mlx.actor")  # stages of startup; from any thread,
 _MEMORY_EVERY = 64
 # The warm-up rehearsal's constrained row: any JSON string (llguidance's grammar text).
 _WARM_GRAMMAR = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
-# Without `ActorConfig.prefill_budget`: the prompt tokens a prefill step may take while rows
+# Without `ActorTuning.prefill_budget`: the prompt tokens a prefill step may take while rows
 # decode, on the CPU (on a GPU: no bound, the steps as before). A judgement call from the one
 # measurement we have: on the CPU a 1B model prefilled ~95 tokens/s (eight ~1.9k-token prompts
 # in ~160 s, every running stream stopped meanwhile), so 1,024 tokens hold a running stream's
@@ -93,7 +93,7 @@ _WARM_GRAMMAR = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_s
 # steps would delay its first tokens by as many decode steps for little; a server that wants
 # the bound there sets it.
 PREFILL_BUDGET_CPU = 1024
-# Without `ActorConfig.idle_release`: seconds idle before MLX's buffer cache is
+# Without `ActorTuning.idle_release`: seconds idle before MLX's buffer cache is
 # handed back on a GPU (never on the CPU, where the cache is this process's own heap).
 IDLE_RELEASE = 1.0
 
@@ -113,7 +113,7 @@ def apply_cache_limit(gb: float | None) -> None:
 
 
 def prefill_budget(value: int | None) -> int:
-    """`ActorConfig.prefill_budget` on this device: None is PREFILL_BUDGET_CPU on the CPU and
+    """`ActorTuning.prefill_budget` on this device: None is PREFILL_BUDGET_CPU on the CPU and
     no bound (0) on a GPU."""
     if value is not None:
         return value
@@ -140,18 +140,18 @@ class Actor:
         self._heads = 0  # attention heads, for the prefill chunk (`_batch.prefill_chunk`)
         # The sequence table and the finish, abort and retire rules (`_schedule.py`, shared with
         # the fake actor).
-        self.schedule = Schedule(config.retire_steps)
+        self.schedule = Schedule(config.tuning.retire_steps)
         self._samplers = SamplerCache()
         # The decode step: the actor's own (`_decode.Decoder`, hooked in by `_batch.own_decode`),
         # or mlx_lm's `GenerationBatch` with per-row samplers and processors ("mlx").
-        self._owned = config.decode_step == "owned"
+        self._owned = config.tuning.decode_step == "owned"
         self._decoder: Decoder | None = None
         self._gpu = False  # set in run(), once the device is known
         self._grid = False  # prefill on the shape grid (`_batch.CausalPrefill`): on CUDA
         self._budget = 0  # prompt tokens a prefill step may take while rows decode (0: no bound); set in run()
         self._idle_release: float | None = None  # likewise
-        self._rows, tokens = group_bounds(config.prefill_batch, config.prefill_step, config.max_batch)
-        self._admission = Admission(config.admit_window, config.prefill_batch, self._rows, tokens)
+        self._rows, tokens = group_bounds(config.tuning.prefill_batch, config.tuning.prefill_step, config.tuning.max_batch)
+        self._admission = Admission(config.tuning.admit_window, config.tuning.prefill_batch, self._rows, tokens)
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
         self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
         self._reuse = Reuse(PromptCache(0))  # the prompt cache, off until warm (`_open_cache`)
@@ -190,8 +190,8 @@ class Actor:
             config = self._load()
             t1 = time.perf_counter()
             log.info("loaded %s (%.1f MB of weights) in %.2f s; decode step: %s", config.get("model_type", "the model"),
-                     mx.get_active_memory() / 1e6, t1 - t0, self.config.decode_step)
-            if self.config.warmup:
+                     mx.get_active_memory() / 1e6, t1 - t0, self.config.tuning.decode_step)
+            if self.config.tuning.warmup:
                 log.info("warming up (%s)", "every prefill group size, then a rehearsal" if self._gpu
                          else "one short prompt")
                 self._warmup()
@@ -218,16 +218,16 @@ class Actor:
 
     def _load(self) -> dict[str, Any]:
         """Load the model and make the generator; returns the model's config."""
-        apply_cache_limit(self.config.cache_limit_gb)
+        apply_cache_limit(self.config.tuning.cache_limit_gb)
         self._model, config = self._load_weights()
         self._context = models.context_length(config)
         self._vocab = int(config.get("vocab_size", 0))
         self._heads = int(config.get("num_attention_heads") or config.get("n_heads") or 0)
         self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
         self._grid = prefill_grid() and plain_kv(self._model)
-        self._budget = prefill_budget(self.config.prefill_budget)
+        self._budget = prefill_budget(self.config.tuning.prefill_budget)
         self._bg = self._new_generator()
-        release = self.config.idle_release
+        release = self.config.tuning.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
         return config
 
@@ -238,7 +238,7 @@ class Actor:
     def _open_cache(self) -> None:
         """A fresh, empty prompt cache (`_prompt_cache.py`): once warm, and for the
         warm-up's rehearsal (which drops its own after)."""
-        limit, pressure = budget(self.config.prompt_cache_gb)
+        limit, pressure = budget(self.config.tuning.prompt_cache_gb)
         if limit and not plain_kv(self._model):
             limit = 0  # its cache cannot be cut back to a prefix: no reuse (`_batch.plain_kv`)
         self._reuse = Reuse(PromptCache(limit, pressure))
@@ -246,7 +246,7 @@ class Actor:
     def _disk_folder(self) -> Path | None:
         """Where the prompt cache's disk tier keeps this model's entries; None when off."""
         c = self.config
-        if not c.prompt_cache_disk or not c.prompt_cache_disk_gb or not self._reuse.cache.enabled:
+        if not c.prompt_cache_disk or not c.tuning.prompt_cache_disk_gb or not self._reuse.cache.enabled:
             return None
         return disk_cache.folder(Path(c.prompt_cache_disk), Path(c.model_path))
 
@@ -262,7 +262,7 @@ class Actor:
             return
         t0 = time.perf_counter()
         try:
-            n = disk_cache.save(self._reuse.cache, where, int(self.config.prompt_cache_disk_gb * 1e9))
+            n = disk_cache.save(self._reuse.cache, where, int(self.config.tuning.prompt_cache_disk_gb * 1e9))
         except Exception as exc:  # a full or read-only disk: the stop goes on
             log.warning("prompt cache: could not write %s (%s)", where, exc)
             return
@@ -276,9 +276,9 @@ class Actor:
         bg = BatchGenerator(
             CausalPrefill(self._model, self._grid, self._link and self._link.built, self._heads),  # type: ignore[arg-type]  # called and read as the model
             max_tokens=1,
-            completion_batch_size=self.config.max_batch,
+            completion_batch_size=self.config.tuning.max_batch,
             prefill_batch_size=self._rows,  # a group of short prompts enters whole (`Admission`)
-            prefill_step_size=self.config.prefill_step,
+            prefill_step_size=self.config.tuning.prefill_step,
         )
         move_whole_groups(bg)
         if self._owned:
@@ -300,7 +300,7 @@ class Actor:
             t0 = time.perf_counter()
             with mx.stream(self._bg.stream):
                 ran = prebuild_prefill(CausalPrefill(self._model, grid=True), len(self._model.layers), token,
-                                       min(self._context, GRID_PREBUILD), grid_sizes(self.config.prefill_step),
+                                       min(self._context, GRID_PREBUILD), grid_sizes(self.config.tuning.prefill_step),
                                        GRID_PREFIX)
             log.info("ran %d prefill shapes of the grid in %.2f s", ran, time.perf_counter() - t0)
         if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens
@@ -331,7 +331,7 @@ class Actor:
         differs from B's, so that it does not wait for B's prefill.
         """
         admission = self._admission
-        self._admission = Admission(0.0, self.config.prefill_batch)  # no waiting for company
+        self._admission = Admission(0.0, self.config.tuning.prefill_batch)  # no waiting for company
         prompt = (token,) * length
         every = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
                                presence_penalty=0.5, frequency_penalty=0.5, logit_bias=((token, 1.0),),
@@ -346,7 +346,7 @@ class Actor:
             ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
             ([Abort(c)], lambda n: not self.schedule.seqs),
         ]
-        if mx.cuda.is_available() and (long := min(self._context - 80, 2 * self.config.prefill_step + 64)) > 2 * length:
+        if mx.cuda.is_available() and (long := min(self._context - 80, 2 * self.config.tuning.prefill_step + 64)) > 2 * length:
             # A long prompt, in full chunks and beside a long context, stored as it is
             # prefilled, then a prompt that extends it (a hit): otherwise a chat's first long
             # prompts would pay for the kernels they compile, many times their prefill.
@@ -412,7 +412,7 @@ class Actor:
         # at high concurrency and TTFT grows; handing reports over one step ahead,
         # waiting only for the loop to take the last one in, serves the same as this.
         report, link = StepReport(), self._link
-        trace_path = self.config.step_trace
+        trace_path = self.config.tuning.step_trace
         trace = StepTrace(trace_path) if trace_path else None
         clock = time.perf_counter
         try:
@@ -509,7 +509,7 @@ class Actor:
             if aborted:
                 self._hook("removed")
         subs = self._reuse.split(subs)  # after the removals: they may have stored what subs share
-        subs, later = self._reuse.even(subs, self.config.prefill_step)
+        subs, later = self._reuse.even(subs, self.config.tuning.prefill_step)
         admission.readmit(later, now)
         subs, grammars, failed = self._grammars(subs)
         for rid, _ in failed:  # what waited for a row that never entered goes back to admission
@@ -644,7 +644,7 @@ class Actor:
         of long prompts cut this way leaves the running streams a token every step
         between its chunks, instead of stopping them for its whole prefill."""
         assert self._bg is not None
-        step = self.config.prefill_step
+        step = self.config.tuning.prefill_step
         if not self._grid:
             prompts = [s.prompt_len for s in self.schedule.seqs.values() if s.stage != "decode"]
             step = prefill_chunk(step, len(prompts), max(prompts), self._heads)

@@ -86,9 +86,6 @@ INLINE = 1024
 # error events reach the clients.
 EXIT_GRACE = 2.0
 _LENGTH = struct.Struct(">I")
-# The ActorConfig fields rank 0 hands its followers: batching must match on every rank.
-_KNOBS = ("max_batch", "prefill_batch", "prefill_step", "prefill_budget", "warmup", "admit_window", "retire_steps", "decode_step",
-          "idle_release", "cache_limit_gb", "step_trace")
 
 
 def _env_backend() -> str:
@@ -303,11 +300,12 @@ def fingerprint(path: Path) -> str:
 
 
 def hello(config: ActorConfig, mode: str, cache_bytes: int) -> tuple[Any, ...]:
-    """Rank 0's first message: the mode, the model's fingerprint, the batching knobs and
-    the prompt cache's bound in bytes (`group_cache_budget`)."""
-    knobs = {k: getattr(config, k) for k in _KNOBS}
-    knobs["prefill_budget"] = prefill_budget(config.prefill_budget)  # rank 0's device decides the default
-    return ("hello", mode, fingerprint(config.model_path), knobs, cache_bytes)
+    """Rank 0's first message: the mode, the model's fingerprint, its whole `ActorTuning`
+    (batching must match on every rank) and the prompt cache's bound in bytes
+    (`group_cache_budget`: the followers take it, not the tuning's prompt_cache_gb)."""
+    # Rank 0's device decides the default budget: the other ranks' may differ.
+    tuning = dataclasses.replace(config.tuning, prefill_budget=prefill_budget(config.tuning.prefill_budget))
+    return ("hello", mode, fingerprint(config.model_path), tuning, cache_bytes)
 
 
 def load_shard(path: Path, mode: str, group: Any) -> tuple[Any, dict[str, Any]]:

@@ -46,7 +46,7 @@ class FakeActor:
         self.reply = reply
         self.steps = 0
         # The real actor's table and rules (`_schedule.py`): it ends, aborts and retires alike.
-        self.schedule = Schedule(config.retire_steps)
+        self.schedule = Schedule(config.tuning.retire_steps)
         self._texts: dict[int, tuple[tuple[int, ...], Sequence[int]]] = {}  # rid -> (prompt, script)
         self._uids = itertools.count()
 

@@ -2,7 +2,7 @@
 
 `trio-mlx serve MODEL --distributed tensor` on a rank other than 0 runs
 `follower_main` on the process's main thread. It waits for rank 0's greeting
-(the mode, the model's fingerprint, the batching knobs), checks it holds the
+(the mode, the model's fingerprint, its ActorTuning), checks it holds the
 same model, loads its shard through mlx-lm, warms up exactly as rank 0 does,
 and then loops: one message from rank 0 per step (`_distributed.Channel`),
 received a step ahead of the step it is for, its aborts and admitted submits
@@ -85,7 +85,7 @@ class FollowerActor(Actor):
         try:
             with self._watch.guard("loading the shard", self._startup):
                 self._load()
-                if self.config.warmup:
+                if self.config.tuning.warmup:
                     self._warmup()
                 self._open_cache()
                 heap.freeze()  # as rank 0's actor does: a collection here would stall the group
@@ -109,7 +109,7 @@ class FollowerActor(Actor):
         self._reuse = open_group_cache(self._model, self._cache_bytes, None, leader=False)
 
     def _follow(self) -> None:
-        path = self.config.step_trace  # rank 0's, with this rank's number: its own trace
+        path = self.config.tuning.step_trace  # rank 0's, with this rank's number: its own trace
         trace = None
         if path:
             try:
@@ -189,7 +189,7 @@ def follower_main(model: str | None, *, cache_dir: str | None, backend: str, tim
         message = channel.recv(startup_timeout, "waiting for rank 0 to start")
         if not (isinstance(message, tuple) and message[:1] == ("hello",)):
             raise GroupError(f"expected rank 0's greeting, got {message!r}")
-        _, mode, leader_print, knobs, cache_bytes = message
+        _, mode, leader_print, tuning, cache_bytes = message
         problem = None
         try:
             path = models.resolve_model(model, cache_dir=cache_dir)
@@ -204,7 +204,7 @@ def follower_main(model: str | None, *, cache_dir: str | None, backend: str, tim
             else:
                 log.error("rank %d: another rank could not load the model", rank)
             return 1
-        config = ActorConfig(model_path=path, **knobs)
+        config = ActorConfig(model_path=path, tuning=tuning)
         FollowerActor(config, group=group, mode=mode, channel=channel, watchdog=watchdog,
                       timeout=timeout, startup_timeout=startup_timeout, cache_bytes=cache_bytes).run()
     except GroupError as exc:

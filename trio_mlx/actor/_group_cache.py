@@ -32,7 +32,7 @@ def group_cache_budget(config: ActorConfig, mode: str) -> tuple[int, int | None]
     Pipeline parallelism gives each rank a different run of layers, so the bytes (and
     what a byte bound evicts) would differ: no prompt cache there.
     """
-    limit, pressure = budget(config.prompt_cache_gb)
+    limit, pressure = budget(config.tuning.prompt_cache_gb)
     return (limit, pressure) if mode == "tensor" else (0, None)
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ._tuning import ActorTuning
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 Stage = Literal["queued", "prefill", "decode"]
 
@@ -47,40 +49,11 @@ class ActorConfig:
     """How the actor loads and batches; built by the engine, crosses to a process actor pickled."""
 
     model_path: Path
-    max_batch: int = 64
-    prefill_batch: int = 8
-    prefill_step: int = 2048
-    warmup: bool = True
-    # Seconds a new sequence may wait to be admitted together with others while
-    # the batch is decoding (0: no waiting for company). See `_admission.Admission`.
-    admit_window: float = 0.0
-    # The most prompt tokens one prefill step takes, in total across its group, while other
-    # sequences decode (`Actor._cut_prefill`): long prompts then go in chunks, each step also
-    # a decode step of the running rows. None: 1,024 on the CPU, no bound on a GPU
-    # (`_actor.PREFILL_BUDGET_CPU`); 0: no bound. Never cuts a chunk under 128 tokens (512 on
-    # CUDA's shape grid).
-    prefill_budget: int | None = None
-    # The most steps a finished sequence's row may stay in the batch before it
-    # is removed (`_schedule.Schedule`); 0 removes at once.
-    retire_steps: int = 16
-    # Seconds idle before the actor hands MLX's buffer cache back; None: 1 s on
-    # a GPU, never on the CPU (see `Actor._idle`); 0: never.
-    idle_release: float | None = None
-    # The most freed-buffer memory MLX keeps for reuse, in GB; None: MLX's own.
-    cache_limit_gb: float | None = None
-    # The prompt cache's bound in GB (`_prompt_cache.py`): None: from the device's memory
-    # (a fifth of a GPU's, at most 1 GB on the CPU); 0: off.
-    prompt_cache_gb: float | None = None
-    # The prompt cache's disk tier (`_disk_cache.py`): the folder its entries are kept
-    # under across restarts, and the most KV (GB) written there; None or 0: off.
+    # Every knob a user sets (`_tuning.py`): the engine's record, passed on whole.
+    tuning: ActorTuning = ActorTuning()
+    # The prompt cache's disk tier (`_disk_cache.py`): the folder its entries are kept under
+    # across restarts (the engine's cache_dir/prompt-cache); None: off.
     prompt_cache_disk: str | None = None
-    prompt_cache_disk_gb: float = 0.0
-    # The decode step: "owned", the actor's own (`_decode.py`: one forward over the decoding
-    # batch, sampling batched on the device, pipelined), or "mlx", mlx_lm's GenerationBatch
-    # with a sampler and logits processors per row; kept so that the two can be compared.
-    decode_step: str = "owned"
-    # A file the actor appends one line per step to (`_trace.StepTrace`); None: no trace.
-    step_trace: str | None = None
     # Test-only: called on the actor thread with a stage name ("load", "loop",
     # "step") before that stage runs, and with "removed" right after aborted
     # sequences left the batch; raising from it injects a fault there. A fault

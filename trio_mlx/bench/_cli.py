@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import trio_mlx
+
 from .. import _heap as heap
-from ..engine import ADMIT_WINDOW
-from ._env import actor_knobs
 from ._limit import ceiling_level as run_ceiling_level
 from ._progress import LevelBar, level_label
 from ._stats import (
@@ -493,8 +493,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="drive trio_mlx's engine in-process through the channel API (no HTTP)")  # fmt: skip
     p.add_argument("--actor", choices=("thread", "process"), default="thread",
                    help="with --engine: run the engine's GPU actor on a thread or in a child process")  # fmt: skip
-    p.add_argument("--admit-window", type=float, default=ADMIT_WINDOW, metavar="SECONDS",
-                   help="with --engine: the engine's admit_window (default: %(default)s, the engine's own)")  # fmt: skip
+    p.add_argument("--admit-window", type=float, default=None, metavar="SECONDS",
+                   help="with --engine: the engine's admit_window (default: TRIO_MLX_ADMIT_WINDOW, else the engine's own)")  # fmt: skip
     p.add_argument("--model",
                    help="model path or reference: its tokenizer makes the prompts (and --limit runs it); "
                    "with --url, default: what the server's GET /v1/models names")  # fmt: skip
@@ -671,13 +671,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:
         from ._engine import run_engine
 
-        max_batch = args.max_batch or max(c for c, _ in in_process)
+        tuning = bench_tuning(args, max_batch=args.max_batch or max(c for c, _ in in_process),
+                              prefill_batch=args.prefill_batch_size, prefill_step=args.prefill_step_size)
         result["settings"] = {
-            "max_batch": max_batch,
-            "prefill_batch": args.prefill_batch_size,
-            "prefill_step": args.prefill_step_size,
+            "max_batch": tuning.max_batch,
+            "prefill_batch": tuning.prefill_batch,
+            "prefill_step": tuning.prefill_step,
             "actor": args.actor,
-            "admit_window": args.admit_window,
+            "admit_window": tuning.admit_window,
         }
         result["levels"] = run_engine(
             args.model,
@@ -685,11 +686,8 @@ def main(argv: list[str] | None = None) -> int:
             warmup=[p.ids for p in warm],
             plan=in_process,
             max_tokens=args.max_tokens,
-            max_batch=max_batch,
-            prefill_batch=args.prefill_batch_size,
-            prefill_step=args.prefill_step_size,
+            tuning=tuning,
             actor=args.actor,
-            admit_window=args.admit_window,
             on_level=level_done,
         )
     elif args.limit:
@@ -712,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,
             seed=args.seed,
-            cache_limit_gb=actor_knobs()["cache_limit_gb"],
+            cache_limit_gb=trio_mlx.ActorTuning.from_env().cache_limit_gb,
             on_level=level_done,
             ceilings=ceilings,
         )
@@ -740,6 +738,13 @@ def main(argv: list[str] | None = None) -> int:
         write_plot([result], args.plot)
     errors = sum(lv["errors"]["total"] for lv in result["levels"])
     return 1 if errors else 0
+
+
+def bench_tuning(args: argparse.Namespace, **flags: Any) -> trio_mlx.ActorTuning:
+    """`--engine`'s actor tuning: the TRIO_MLX_* variables that tune a server's actor tune
+    this one too (it runs in the bench's own process), under the bench's own flags."""
+    window = {} if args.admit_window is None else {"admit_window": args.admit_window}
+    return trio_mlx.ActorTuning.from_env(**flags, **window)
 
 
 def _ceilings(choice: str) -> tuple[str, ...]:
@@ -787,7 +792,7 @@ def _run_paired(
     ceiling_api = ceiling_module()
     ceiling = ceiling_api.Ceiling(
         args.model, warmup=[p.ids for p in warm], max_tokens=args.max_tokens, seed=args.seed,
-        cache_limit_gb=actor_knobs()["cache_limit_gb"], trace=os.environ.get(CEILING_TRACE_ENV), **settings)  # fmt: skip
+        cache_limit_gb=trio_mlx.ActorTuning.from_env().cache_limit_gb, trace=os.environ.get(CEILING_TRACE_ENV), **settings)  # fmt: skip
     levels: list[dict[str, Any]] = []
     label = f"{args.label} ceiling (paired)" if args.label else "ceiling (paired)"
     paired = {**result, "label": label, "target": "limit", "paired_with": args.url,

@@ -18,8 +18,6 @@ import trio
 
 import trio_mlx
 
-from ..engine import ADMIT_WINDOW
-from ._env import actor_knobs
 from ._progress import LevelBar, level_label
 from ._stats import RequestRecord, check_length, in_process_level
 
@@ -71,19 +69,13 @@ def run_engine(
     warmup: Sequence[Sequence[int]],
     plan: Sequence[tuple[int, int]],
     max_tokens: int,
-    max_batch: int,
-    prefill_batch: int,
-    prefill_step: int,
+    tuning: trio_mlx.ActorTuning,
     actor: str = "thread",
-    admit_window: float = ADMIT_WINDOW,
     on_level: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     async def main() -> list[dict[str, Any]]:
         levels = []
-        async with trio_mlx.open_engine(
-            model, max_batch=max_batch, prefill_batch=prefill_batch, prefill_step=prefill_step, max_queue=1 << 20,
-            actor=actor, admit_window=admit_window, **actor_knobs(),
-        ) as engine:
+        async with trio_mlx.open_engine(model, tuning=tuning, max_queue=1 << 20, actor=actor) as engine:
             if warmup:
                 await _level(engine, warmup, len(warmup), 4)
             pos = 0

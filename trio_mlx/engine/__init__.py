@@ -6,7 +6,7 @@ talk to it through `open_engine`, `Engine.generate` / `Engine.chat` and the
 events below. No MLX here.
 """
 
-from ._engine import ADMIT_WINDOW as ADMIT_WINDOW
+from ..actor import ActorTuning as ActorTuning
 from ._engine import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from ._engine import Engine as Engine
 from ._engine import RequestStream as RequestStream

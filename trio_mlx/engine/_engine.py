@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import importlib
 import logging
 import math
@@ -46,6 +47,7 @@ from ..actor import (
     ActorConfig,
     ActorInfo,
     ActorLink,
+    ActorTuning,
     Command,
     Grammar,
     SamplingParams,
@@ -90,10 +92,6 @@ _MESSAGE_CHARS = 40
 # _BIG_TOKENIZE_WAITING of them wait (more: 429). Judgement calls.
 _BIG_TOKENIZE_CHARS = 256 * 1024
 _BIG_TOKENIZE_WAITING = 8
-# Seconds a new request may wait to join a decoding batch together with others
-# (`actor/_admission.py` says why, and how the wait shrinks when few sequences
-# decode); 20 ms is a few decode steps of a small model.
-ADMIT_WINDOW = 0.02
 # The most tokens an answer gets when its request names no max_tokens (0: up to the context's
 # end, as OpenAI and vLLM do). A model that never writes its end-of-sequence token, or one
 # looping on a question it cannot answer, would otherwise generate until the context is full:
@@ -105,6 +103,7 @@ MAX_STOP_STRINGS = 16
 # back with each one, so their lengths bound that work (16 stops of 1 MB made one
 # step's check of held text take 0.8 s, on the event loop). Judgement.
 MAX_STOP_CHARS = 1024
+_TUNING_FIELDS = frozenset(f.name for f in dataclasses.fields(ActorTuning))
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_TOP_LOGPROBS = 20
 
@@ -181,70 +180,43 @@ class Engine:
         self,
         model: str | os.PathLike[str] | None = None,
         *,
-        max_batch: int = 64,
-        prefill_batch: int = 8,
-        prefill_step: int = 2048,
-        prefill_budget: int | None = None,
+        tuning: ActorTuning | None = None,
         max_queue: int = 1024,
         cache_dir: os.PathLike[str] | None = None,
-        warmup: bool = True,
         switch_interval: float | None = 0.0001,
         actor: str | Callable[[ActorConfig, ActorLink], Any] = "thread",
-        admit_window: float = ADMIT_WINDOW,
         fault_hook: Any = None,
-        retire_steps: int = 16,
-        decode_step: str = "owned",
-        idle_release: float | None = None,
-        cache_limit_gb: float | None = None,
-        step_trace: str | None = None,
-        prompt_cache_gb: float | None = None,
-        prompt_cache_disk_gb: float = 0.0,
         sampling_defaults: Mapping[str, Any] | None = None,
-        restart_limit: int = 0,
+        restart_limit: int = 3,
         restart_window: float = 300.0,
         restart_backoff: float = 1.0,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        **knobs: Any,
     ):
-        if max_batch < 1 or prefill_batch < 1 or prefill_step < 1 or max_queue < 0:
-            raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_queue >= 0")
-        if prefill_budget is not None and (isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int)
-                                           or prefill_budget < 0):
-            raise ValueError(f"prefill_budget must be an integer >= 0 or None, not {prefill_budget!r}")
-        if not (math.isfinite(admit_window) and admit_window >= 0):
-            raise ValueError(f"admit_window must be a finite number >= 0, not {admit_window!r}")
+        """`tuning`: the actor's (`ActorTuning`'s defaults when None); any of its fields may
+        also be given as a keyword (`max_batch=8`), which wins over the record's."""
+        if stray := sorted(set(knobs) - _TUNING_FIELDS):
+            raise TypeError(f"Engine() got an unexpected keyword argument {stray[0]!r}")
+        tuning = dataclasses.replace(tuning or ActorTuning(), **knobs)  # checks every knob (`ActorTuning`)
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
         if actor not in ("thread", "process") and not callable(actor):
             raise ValueError(f"actor must be 'thread', 'process' or an actor factory, not {actor!r}")
         if actor == "process" and fault_hook is not None:
             raise ValueError("fault_hook needs actor='thread'")
         self.actor_mode = actor
         self.model_ref = model
-        self.max_batch = max_batch
         # mlx_lm's BatchGenerator widens its batch to the prefill batch when that is larger,
         # which would let more than max_batch sequences decode together.
-        self.prefill_batch = min(prefill_batch, max_batch)
-        self.prefill_step = prefill_step
-        self.prefill_budget = prefill_budget  # None: the device's (`ActorConfig.prefill_budget`)
+        self.tuning = dataclasses.replace(tuning, prefill_batch=min(tuning.prefill_batch, tuning.max_batch))
+        self.max_batch = tuning.max_batch  # read by every submit
         self.max_queue = max_queue
-        self.admit_window = admit_window
         self._cache_dir = cache_dir
-        self._warmup = warmup
         self._switch_interval = switch_interval
         self._fault_hook = fault_hook
-        if retire_steps < 0 or any(v is not None and not (math.isfinite(v) and v >= 0)
-                                   for v in (idle_release, cache_limit_gb, prompt_cache_gb, prompt_cache_disk_gb)):
-            raise ValueError("retire_steps, idle_release, prompt_cache_gb, prompt_cache_disk_gb and cache_limit_gb "
-                             "must be >= 0")
-        if decode_step not in ("owned", "mlx"):
-            raise ValueError(f"decode_step must be 'owned' or 'mlx', not {decode_step!r}")
-        self._prompt_cache_disk_gb = prompt_cache_disk_gb
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 0:
             raise ValueError(f"default_max_tokens must be an integer >= 0, not {default_max_tokens!r}")
         self.default_max_tokens = default_max_tokens  # 0: up to the context's end
-        # Actor knobs passed through as they are (`ActorConfig` documents each).
-        self._actor_tuning: dict[str, Any] = dict(retire_steps=retire_steps, decode_step=decode_step,
-                                  idle_release=idle_release,
-                                  cache_limit_gb=cache_limit_gb, step_trace=step_trace,
-                                  prompt_cache_gb=prompt_cache_gb)
 
         if sampling_defaults is not None:  # a bad default fails here, not in every request
             if unknown := set(sampling_defaults) - set(SAMPLING_DEFAULT_KEYS):
@@ -332,20 +304,9 @@ class Engine:
             sys.setswitchinterval(self._switch_interval)
         self._inbox_send, self._inbox_recv = trio.open_memory_channel(math.inf)
 
-        config = ActorConfig(
-            model_path=path,
-            max_batch=self.max_batch,
-            prefill_batch=self.prefill_batch,
-            prefill_step=self.prefill_step,
-            prefill_budget=self.prefill_budget,
-            warmup=self._warmup,
-            admit_window=self.admit_window,
-            fault_hook=self._fault_hook,
-            prompt_cache_disk=str(pathlib.Path(self._cache_dir or models.default_cache_dir()) / "prompt-cache")
-            if self._prompt_cache_disk_gb else None,
-            prompt_cache_disk_gb=self._prompt_cache_disk_gb,
-            **self._actor_tuning,
-        )
+        disk = pathlib.Path(self._cache_dir or models.default_cache_dir()) / "prompt-cache"
+        config = ActorConfig(model_path=path, tuning=self.tuning, fault_hook=self._fault_hook,
+                             prompt_cache_disk=str(disk) if self.tuning.prompt_cache_disk_gb else None)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._run_actor, config)
             await self._ready_or_dead.wait()
@@ -1214,11 +1175,11 @@ async def open_engine(model: str | os.PathLike[str] | None = None, **options: An
     """Load `model` (a hub id, a local MLX directory, or None for the embedded default),
     start its GPU actor and yield the ready `Engine`; close it on exit.
 
-    Options: max_batch, prefill_batch, prefill_step, prefill_budget, max_queue, cache_dir, warmup,
-    switch_interval, actor ("thread" or "process"), admit_window, sampling_defaults (None:
-    the model's generation_config.json), the actor knobs retire_steps, decode_step, idle_release,
-    cache_limit_gb, step_trace, prompt_cache_gb, prompt_cache_disk_gb (see `Engine`, `ActorConfig`), and
-    restart_limit, restart_window, restart_backoff (a dead actor restarted: `_supervise.py`)."""
+    Options: `Engine`'s keywords: tuning (an `ActorTuning`) or any of its fields (max_batch,
+    prefill_batch, admit_window, retire_steps, ...), max_queue, cache_dir, switch_interval,
+    actor ("thread" or "process"), sampling_defaults (None: the model's generation_config.json),
+    restart_limit, restart_window, restart_backoff (a dead actor restarted: `_supervise.py`),
+    default_max_tokens."""
     engine = Engine(model, **options)
     try:
         async with trio.open_nursery() as nursery:

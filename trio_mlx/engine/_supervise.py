@@ -29,7 +29,7 @@ class RestartBudget:
     """At most `limit` restarts within any `window` seconds; the n-th recent one waits
     `backoff * 2**(n-1)` seconds (at most MAX_BACKOFF)."""
 
-    limit: int = 0
+    limit: int = 3
     window: float = 300.0
     backoff: float = 1.0
     _times: collections.deque[float] = field(default_factory=collections.deque)

@@ -60,24 +60,13 @@ def default_engine(settings: Settings) -> Engine:
 
 
 def _engine_options(settings: Settings) -> dict[str, Any]:
+    """The engine's keywords from the settings: the actor's tuning whole, and the engine's own."""
     return dict(
         model=settings.model,
-        max_batch=settings.max_batch,
-        prefill_batch=settings.prefill_batch,
-        prefill_step=settings.prefill_step,
-        prefill_budget=settings.prefill_budget,
-        admit_window=settings.admit_window,
+        tuning=settings.tuning,
         max_queue=settings.max_queue,
         cache_dir=settings.cache_dir,  # type: ignore[arg-type]
-        warmup=settings.warmup,
         actor=settings.actor,
-        retire_steps=settings.retire_steps,
-        decode_step=settings.decode_step,
-        idle_release=settings.idle_release,
-        cache_limit_gb=settings.cache_limit_gb,
-        step_trace=settings.step_trace,
-        prompt_cache_gb=settings.prompt_cache_gb,
-        prompt_cache_disk_gb=settings.prompt_cache_disk_gb,
         sampling_defaults=None if settings.generation_config == "auto" else {},
         restart_limit=settings.restart_limit,
         restart_window=settings.restart_window,
@@ -265,8 +254,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                 app.serving_lock = _workers.acquire(settings)
             engine = app.engine = make_engine(settings)
             await app.nursery.start(engine.run)
-            if settings.step_trace:
-                app.request_trace = RequestTrace(request_trace_path(settings.step_trace))
+            if settings.tuning.step_trace:
+                app.request_trace = RequestTrace(request_trace_path(settings.tuning.step_trace))
                 app.observers.append(app.request_trace.observe)
         except BaseException as exc:
             _release(app)
@@ -283,7 +272,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         cache = info.prompt_cache_bytes if info else 0
         log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s%s, %s actor (pid %s), %s",
                  settings.served_model_name, info.model_type if info else "?",
-                 engine.context_length, settings.max_batch, info.device if info else "?",
+                 engine.context_length, settings.tuning.max_batch, info.device if info else "?",
                  f" with {info.blas}" if info and info.blas else "", _actor_name(engine),
                  info.pid if info else "?",
                  f"prompt cache up to {cache / 1e9:.2f} GB" if cache else "prompt cache off")

@@ -12,13 +12,12 @@ settings exit 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import signal
 import sys
 from typing import Any
 
-from ._settings import Settings, env_name, field_kind, parse_value
+from ._settings import Settings, env_name, field_kind, parse_value, setting_fields
 
 log = logging.getLogger("trio_mlx.serve")
 
@@ -31,10 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("model_arg", nargs="?", metavar="MODEL",
                         help="the model (same as --model): a local MLX directory or a Hugging Face id")
-    defaults = Settings()
-    for f in dataclasses.fields(Settings):
+    defaults = Settings().flat()
+    for f in setting_fields():
         flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
+        default = defaults[f.name]
         shown = "***" if f.metadata.get("secret") and default else default
         help_ = f"{f.metadata['doc']} [env {env_name(f.name)}; default: {shown}]"
         if field_kind(f) == "bool":
@@ -46,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {}
-    for f in dataclasses.fields(Settings):
+    for f in setting_fields():
         value = getattr(args, f.name)
         if value is None:
             continue
@@ -62,7 +61,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def describe_settings(settings: Settings) -> str:
     """The settings for the startup log: one per line, by flag name, secrets masked, and a `*`
     on each value that differs from its default."""
-    defaults = Settings()
+    defaults, values = Settings().flat(), settings.flat()
     public = settings.public()
     width = max(len(name) for name in public)
     lines = ["settings (* set by a flag or a TRIO_MLX_* variable; trio-mlx serve --help says what each does):"]
@@ -74,7 +73,7 @@ def describe_settings(settings: Settings) -> str:
             shown = ", ".join(value) or "-"
         else:
             shown = str(value)
-        mark = "*" if getattr(settings, name) != getattr(defaults, name) else " "
+        mark = "*" if values[name] != defaults[name] else " "
         lines.append(f"  {mark} {name.replace('_', '-'):<{width}}  {shown}")
     return "\n".join(lines)
 

@@ -1,16 +1,19 @@
 """Server settings: one frozen record, read from TRIO_MLX_* environment variables or flags.
 
-Every field of `Settings` is settable three ways, in this order of precedence:
-a `trio-mlx serve` flag (`--max-batch 32`), an environment variable
-(`TRIO_MLX_MAX_BATCH=32`), the default below. `trio_mlx.app:app` under any
-ASGI server reads only the environment. Parsing is strict: a bad value
-names its variable and stops the server before it loads anything.
+Every field of `Settings`, and of the `ActorTuning` it nests (`settings.tuning`, the
+engine's record: one default per knob, the library's), is settable three ways, in this
+order of precedence: a `trio-mlx serve` flag (`--max-batch 32`), an environment variable
+(`TRIO_MLX_MAX_BATCH=32`), the default. Flags and variables name a field flat, nested or
+not (`setting_fields`). `trio_mlx.app:app` under any ASGI server reads only the environment.
+Parsing is strict: a bad value names its variable and stops the server before it loads
+anything.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import os
 from collections.abc import Mapping
@@ -18,17 +21,21 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
-from ..engine import ADMIT_WINDOW, DEFAULT_MAX_TOKENS
-
-ENV_PREFIX = "TRIO_MLX_"
+from .._fields import ENV_PREFIX as ENV_PREFIX
+from .._fields import doc as _doc
+from .._fields import env_name as env_name
+from .._fields import field_kind as field_kind
+from .._fields import parse_value as parse_value
+from .._fields import read_environ
+from ..engine import ActorTuning, Engine
 
 # The id /v1/models serves for the embedded default (docs/design.md); as models.EMBEDDED_DEFAULT,
 # which this module does not import (that would import MLX).
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
-def _doc(text: str, **extra: Any) -> dict[str, Any]:
-    return {"doc": text, **extra}
+# The engine's own defaults, for the settings it shares with the library (one default per knob).
+_LIBRARY = {name: p.default for name, p in inspect.signature(Engine).parameters.items()}
 
 
 @dataclass(frozen=True)
@@ -41,29 +48,13 @@ class Settings:
         "the model id served in /v1/models and accepted in requests; default: derived from the model"))
     host: str = field(default="127.0.0.1", metadata=_doc("address to bind (trio-mlx serve)"))
     port: int = field(default=8000, metadata=_doc("port to bind (trio-mlx serve); 0 picks a free one"))
-    max_batch: int = field(default=64, metadata=_doc("most sequences decoded together"))
-    prefill_batch: int = field(default=8, metadata=_doc(
-        "prompts a prefill group takes whatever their length (at most max_batch); while 32 or more "
-        "sequences decode (at most half of max_batch), short ones make groups of up to that many, "
-        "holding at most prefill_batch x prefill_step / 2 tokens"))
-    prefill_step: int = field(default=2048, metadata=_doc(
-        "most tokens of a prompt processed per prefill step (fewer when many long prompts prefill "
-        "together, so that one step's attention fits 4 GiB)"))
-    prefill_budget: int | None = field(default=None, metadata=_doc(
-        "most prompt tokens one prefill step takes, across its group, while other sequences decode: "
-        "long prompts then prefill in chunks (never under 128 tokens each), with a decode step of the "
-        "running streams between them; unset: 1024 on the CPU, no bound on a GPU; 0: no bound"))
-    admit_window: float = field(default=ADMIT_WINDOW, metadata=_doc(
-        "seconds a new request may wait to join a decoding batch together with others (fewer, "
-        "larger admissions: each one slows the next decode steps), in full once prefill_batch "
-        "sequences decode, in proportion below; 0: no waiting for company"))
-    max_queue: int = field(default=1024, metadata=_doc("waiting requests before new ones get 429"))
+    # The actor's knobs: each is a flag and a variable of its own (`--max-batch`,
+    # TRIO_MLX_MAX_BATCH), listed here in their place; the engine takes the record whole.
+    tuning: ActorTuning = field(default_factory=ActorTuning, metadata=_doc(
+        "the GPU actor's tuning (trio_mlx.ActorTuning)", nested=True))
+    max_queue: int = field(default=_LIBRARY["max_queue"], metadata=_doc("waiting requests before new ones get 429"))
     cache_dir: str | None = field(default=None, metadata=_doc("where converted models are cached"))
-    warmup: bool = field(default=True, metadata=_doc(
-        "generate before reporting ready, so first requests pay no kernel compiles: on a GPU "
-        "a prefill of every group size up to 32 (a group of short prompts; at most half of max_batch) and a rehearsal of the actor's other "
-        "paths (removals, sampling options, logprobs, an abort), on the CPU one short sequence"))
-    actor: str = field(default="thread", metadata=_doc(
+    actor: str = field(default=_LIBRARY["actor"], metadata=_doc(
         "where the GPU actor runs: 'thread' (a dedicated thread of the server's process) or "
         "'process' (a child process with its own GIL, so HTTP work does not slow decoding: "
         "the highest throughput at the top of concurrency; ~1-2 s more to start)"))
@@ -71,12 +62,12 @@ class Settings:
         "sampling defaults for requests that leave temperature, top_p, top_k, min_p or "
         "repetition_penalty out: 'auto' takes the model's generation_config.json (as vLLM "
         "does), 'none' the neutral values (temperature 1, top_p 1, ...)"))
-    restart_limit: int = field(default=3, metadata=_doc(
+    restart_limit: int = field(default=_LIBRARY["restart_limit"], metadata=_doc(
         "times a GPU actor that died is started again within restart_window seconds; past it the "
         "server exits non-zero for its supervisor to act; 0: never (exit at the first death)"))
-    restart_window: float = field(default=300.0, metadata=_doc(
+    restart_window: float = field(default=_LIBRARY["restart_window"], metadata=_doc(
         "seconds over which restart_limit counts restarts"))
-    restart_backoff: float = field(default=1.0, metadata=_doc(
+    restart_backoff: float = field(default=_LIBRARY["restart_backoff"], metadata=_doc(
         "seconds before the first restart; each further one within restart_window waits twice "
         "as long (at most 30)"))
     drain_timeout: float = field(default=20.0, metadata=_doc(
@@ -115,7 +106,7 @@ class Settings:
         "seconds a client may take to send its whole request body (408 after)"))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc(
         "largest request body accepted; larger ones get 413"))
-    default_max_tokens: int = field(default=DEFAULT_MAX_TOKENS, metadata=_doc(
+    default_max_tokens: int = field(default=_LIBRARY["default_max_tokens"], metadata=_doc(
         "the most tokens an answer gets when its request names no max_tokens (the chat page, aider, "
         "Codex and many SDK calls name none), never past the context; 0: up to the context's end"))
     max_n: int = field(default=16, metadata=_doc("largest n (choices per request) accepted"))
@@ -130,32 +121,6 @@ class Settings:
     allow_multiple_workers: bool = field(default=False, metadata=_doc(
         "let several processes (hypercorn workers) serve this model on one device, each loading "
         "its own copy; unset, a second one stops at startup"))
-    retire_steps: int = field(default=16, metadata=_doc(
-        "the most decode steps a finished sequence's row may stay in the batch before it is "
-        "removed together with others (removals cost host time per change); 0: at once"))
-    decode_step: str = field(default="owned", metadata=_doc(
-        "the actor's decode step: 'owned' (one forward over the decoding batch, every row's sampling "
-        "batched on the device, the next step started before this one's tokens are read) or 'mlx' "
-        "(mlx-lm's BatchGenerator step, a sampler and logits processors per row), to compare the two"))
-    idle_release: float | None = field(default=None, metadata=_doc(
-        "seconds idle before the actor hands MLX's buffer cache back; unset: 1 on a GPU, never "
-        "on the CPU; 0: never"))
-    cache_limit_gb: float | None = field(default=None, metadata=_doc(
-        "the most freed-buffer memory (GB) MLX keeps for reuse; unset: MLX's own limit (on CUDA "
-        "80 percent of the device per process), so set it where processes share a GPU"))
-    prompt_cache_gb: float | None = field(default=None, metadata=_doc(
-        "the most memory (GB) the prompt cache holds: the KV of earlier prompts and answers, "
-        "reused by requests that start alike (a chat's next turn, a shared system prompt); "
-        "least recently used entries go first, and all of it before a request would run out of "
-        "memory; unset: a fifth of a GPU's memory, at most 1 GB on the CPU; 0: off"))
-    prompt_cache_disk_gb: float = field(default=0.0, metadata=_doc(
-        "the most KV (GB) the prompt cache keeps on disk across restarts, under cache_dir/prompt-cache: "
-        "written when the server stops cleanly (newest entries first), read back after warm-up; "
-        "0: off; not with distributed"))
-    step_trace: str | None = field(default=None, metadata=_doc(
-        "append one tab-separated line per actor step (times, batch sizes) to this file, and one per "
-        "completion request (arrival, intake, first token, end, tokens) to FILE.requests on the same "
-        "clock; the other ranks of a distributed group append their steps to FILE.rankN on their own hosts"))
     distributed: str | None = field(default=None, metadata=_doc(
         "serve one model sharded over the ranks mlx.launch started: 'tensor' (every rank holds a "
         "slice of each layer) or 'pipeline' (each rank a run of layers; only families whose mlx-lm "
@@ -168,29 +133,22 @@ class Settings:
     log_level: str = field(default="info", metadata=_doc("debug, info, warning or error"))
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "prefill_batch", "prefill_step", "max_n", "max_messages", "backlog"):
+        # The tuning checks its own fields (`ActorTuning.__post_init__`).
+        for name in ("max_n", "max_messages", "backlog"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue", "max_body_bytes", "port", "retire_steps", "restart_limit", "max_connections",
+        for name in ("max_queue", "max_body_bytes", "port", "restart_limit", "max_connections",
                      "max_unread_tokens", "default_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("drain_timeout", "stall_timeout", "watchdog_seconds", "ping_interval", "startup_timeout",
-                     "stream_interval", "max_event_rate", "admit_window", "restart_window", "restart_backoff", "body_timeout"):
+                     "stream_interval", "max_event_rate", "restart_window", "restart_backoff", "body_timeout"):
             value = getattr(self, name)
-            zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "admit_window", "restart_backoff")  # drain 0: end in-flight at once
+            zero_ok = name in ("drain_timeout", "stream_interval", "max_event_rate", "restart_backoff")  # drain 0: end in-flight at once
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
-        if self.prefill_budget is not None and self.prefill_budget < 0:
-            raise ValueError(f"prefill_budget must be >= 0, got {self.prefill_budget}")
-        for name in ("idle_release", "cache_limit_gb", "prompt_cache_gb", "prompt_cache_disk_gb"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
-        if self.decode_step not in ("owned", "mlx"):
-            raise ValueError(f"decode_step must be 'owned' or 'mlx', got {self.decode_step!r}")
         if self.actor not in ("thread", "process"):
             raise ValueError(f"actor must be 'thread' or 'process', got {self.actor!r}")
         if self.distributed not in (None, "tensor", "pipeline"):
@@ -199,7 +157,7 @@ class Settings:
             raise ValueError(f"distributed_backend must be any, ring, jaccl, mpi or nccl, got {self.distributed_backend!r}")
         if not (math.isfinite(self.distributed_timeout) and self.distributed_timeout > 0):
             raise ValueError(f"distributed_timeout must be a finite number > 0, got {self.distributed_timeout}")
-        if self.distributed and self.prompt_cache_disk_gb:
+        if self.distributed and self.tuning.prompt_cache_disk_gb:
             raise ValueError("prompt_cache_disk_gb needs a single rank: each rank of a distributed group "
                              "holds its own shard of the prompt cache")
         if self.distributed and self.actor != "thread":
@@ -222,62 +180,40 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Settings from TRIO_MLX_* variables; `overrides` (already typed) win over them."""
+        """Settings from TRIO_MLX_* variables; `overrides` (already typed, by flat field names:
+        `max_batch=8` sets the tuning's) win over them. A whole `tuning=` record replaces the
+        tuning's variables; flat tuning overrides still apply on top of it."""
         environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            var = env_name(f.name)
-            if var in environ and f.name not in overrides:
-                try:
-                    values[f.name] = parse_value(f, environ[var])
-                except ValueError as exc:
-                    raise ValueError(f"{var}: {exc}") from None
-        values.update(overrides)
+        values = {**read_environ(setting_fields(), environ, overrides), **overrides}
+        knobs = {name: values.pop(name) for name in list(values) if name in _TUNING_NAMES}
+        if "tuning" in overrides:
+            knobs = {name: overrides[name] for name in knobs if name in overrides}
+        values["tuning"] = dataclasses.replace(values.get("tuning") or ActorTuning(), **knobs)
         return cls(**values)
 
-    def public(self) -> dict[str, Any]:
-        """The settings with secrets masked, for logs."""
-        out = {}
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat name (the tuning's in its place), as flags name them."""
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = "***" if f.metadata.get("secret") and value else value
+            if f.metadata.get("nested"):
+                out.update(dataclasses.asdict(getattr(self, f.name)))
+            else:
+                out[f.name] = getattr(self, f.name)
         return out
 
-
-def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
-
-
-def field_kind(f: dataclasses.Field[Any]) -> str:
-    """"str", "int", "float", "bool" or "tuple" (the annotation, as text: `from __future__`)."""
-    ann = str(f.type).replace(" | None", "")
-    return {"tuple[str, ...]": "tuple"}.get(ann, ann)
+    def public(self) -> dict[str, Any]:
+        """The settings with secrets masked, by flat name, for logs."""
+        secret = {f.name for f in setting_fields() if f.metadata.get("secret")}
+        return {name: "***" if name in secret and value else value for name, value in self.flat().items()}
 
 
-def parse_value(f: dataclasses.Field[Any], raw: str) -> Any:
-    """One setting from its text form (an environment variable or a flag)."""
-    kind = field_kind(f)
-    text = raw.strip()
-    optional = "None" in str(f.type)
-    if optional and text == "":
-        return None
-    if kind == "bool":
-        low = text.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")
-    if kind == "int":
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {raw!r}") from None
-    if kind == "float":
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"expected a number, got {raw!r}") from None
-    if kind == "tuple":
-        return tuple(part.strip() for part in text.split(",") if part.strip())
-    return raw
+_TUNING_NAMES = frozenset(f.name for f in dataclasses.fields(ActorTuning))
+
+
+def setting_fields() -> tuple[dataclasses.Field[Any], ...]:
+    """Every field a flag and a variable name: Settings' own, with the tuning's fields in
+    place of the `tuning` record (so a new `ActorTuning` field is a new flag and variable)."""
+    out: list[dataclasses.Field[Any]] = []
+    for f in dataclasses.fields(Settings):
+        out.extend(dataclasses.fields(ActorTuning) if f.metadata.get("nested") else (f,))
+    return tuple(out)

@@ -1,0 +1,102 @@
+"""`ActorTuning`: how the GPU actor batches, admits, retires and caches; one record, one default per knob.
+
+The server nests it in its `Settings`, the engine takes it whole (`Engine(tuning=...)`, or
+any of its fields as a keyword) and hands it on inside `ActorConfig`, rank 0 of a
+distributed group sends it to the other ranks. Every field is also a `trio-mlx serve`
+flag and a TRIO_MLX_* variable, named after it and described by its `doc` (`_fields.py`):
+a new knob is one field here. No MLX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._fields import doc, read_environ
+
+
+@dataclass(frozen=True)
+class ActorTuning:
+    """The GPU actor's tuning; every field is a `trio-mlx serve` flag and a TRIO_MLX_* variable."""
+
+    max_batch: int = field(default=64, metadata=doc("most sequences decoded together"))
+    prefill_batch: int = field(default=8, metadata=doc(
+        "prompts a prefill group takes whatever their length (at most max_batch); while 32 or more "
+        "sequences decode (at most half of max_batch), short ones make groups of up to that many, "
+        "holding at most prefill_batch x prefill_step / 2 tokens"))
+    prefill_step: int = field(default=2048, metadata=doc(
+        "most tokens of a prompt processed per prefill step (fewer when many long prompts prefill "
+        "together, so that one step's attention fits 4 GiB)"))
+    # `Actor._cut_prefill`; None is `_actor.PREFILL_BUDGET_CPU` on the CPU. Never cuts a chunk
+    # under 128 tokens (512 on CUDA's shape grid).
+    prefill_budget: int | None = field(default=None, metadata=doc(
+        "most prompt tokens one prefill step takes, across its group, while other sequences decode: "
+        "long prompts then prefill in chunks (never under 128 tokens each), with a decode step of the "
+        "running streams between them; unset: 1024 on the CPU, no bound on a GPU; 0: no bound"))
+    # `_admission.py` says why, and how the wait shrinks when few sequences decode; 20 ms is a
+    # few decode steps of a small model.
+    admit_window: float = field(default=0.02, metadata=doc(
+        "seconds a new request may wait to join a decoding batch together with others (fewer, "
+        "larger admissions: each one slows the next decode steps), in full once prefill_batch "
+        "sequences decode, in proportion below; 0: no waiting for company"))
+    warmup: bool = field(default=True, metadata=doc(
+        "generate before reporting ready, so first requests pay no kernel compiles: on a GPU "
+        "a prefill of every group size up to 32 (a group of short prompts; at most half of max_batch) "
+        "and a rehearsal of the actor's other paths (removals, sampling options, logprobs, an abort), "
+        "on the CPU one short sequence"))
+    retire_steps: int = field(default=16, metadata=doc(  # `_schedule.Schedule`
+        "the most decode steps a finished sequence's row may stay in the batch before it is "
+        "removed together with others (removals cost host time per change); 0: at once"))
+    decode_step: str = field(default="owned", metadata=doc(  # `_decode.py`, or `_batch.py`'s
+        "the actor's decode step: 'owned' (one forward over the decoding batch, every row's sampling "
+        "batched on the device, the next step started before this one's tokens are read) or 'mlx' "
+        "(mlx-lm's BatchGenerator step, a sampler and logits processors per row), to compare the two"))
+    idle_release: float | None = field(default=None, metadata=doc(  # `Actor._idle`
+        "seconds idle before the actor hands MLX's buffer cache back; unset: 1 on a GPU, never "
+        "on the CPU; 0: never"))
+    cache_limit_gb: float | None = field(default=None, metadata=doc(
+        "the most freed-buffer memory (GB) MLX keeps for reuse; unset: MLX's own limit (on CUDA "
+        "80 percent of the device per process), so set it where processes share a GPU"))
+    prompt_cache_gb: float | None = field(default=None, metadata=doc(  # `_prompt_cache.py`
+        "the most memory (GB) the prompt cache holds: the KV of earlier prompts and answers, "
+        "reused by requests that start alike (a chat's next turn, a shared system prompt); "
+        "least recently used entries go first, and all of it before a request would run out of "
+        "memory; unset: a fifth of a GPU's memory, at most 1 GB on the CPU; 0: off"))
+    prompt_cache_disk_gb: float = field(default=0.0, metadata=doc(  # `_disk_cache.py`
+        "the most KV (GB) the prompt cache keeps on disk across restarts, under cache_dir/prompt-cache: "
+        "written when the server stops cleanly (newest entries first), read back after warm-up; "
+        "0: off; not with distributed"))
+    step_trace: str | None = field(default=None, metadata=doc(  # `_trace.StepTrace`
+        "append one tab-separated line per actor step (times, batch sizes) to this file, and one per "
+        "completion request (arrival, intake, first token, end, tokens) to FILE.requests on the same "
+        "clock; the other ranks of a distributed group append their steps to FILE.rankN on their own hosts"))
+
+    def __post_init__(self) -> None:
+        # Checked here, once, for the server and the library alike; a bad value stops a
+        # server before it loads anything.
+        least = {"max_batch": 1, "prefill_batch": 1, "prefill_step": 1, "retire_steps": 0, "prefill_budget": 0}
+        for name, low in least.items():
+            value = getattr(self, name)
+            if name == "prefill_budget" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be >= {low} (an integer), got {value!r}")
+        for name in ("admit_window", "prompt_cache_disk_gb", "idle_release", "cache_limit_gb", "prompt_cache_gb"):
+            value = getattr(self, name)
+            if value is None and name not in ("admit_window", "prompt_cache_disk_gb"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be >= 0 (a finite number), got {value!r}")
+        if self.decode_step not in ("owned", "mlx"):
+            raise ValueError(f"decode_step must be 'owned' or 'mlx', got {self.decode_step!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ActorTuning:
+        """The tuning TRIO_MLX_* variables set, as a server would read them; `overrides` (typed)
+        win over them. The library reads no environment unless asked so, here."""
+        environ = os.environ if environ is None else environ
+        return cls(**{**read_environ(dataclasses.fields(cls), environ, overrides), **overrides})
