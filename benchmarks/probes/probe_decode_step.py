@@ -1,7 +1,7 @@
 """Probe (GPU investigation): the actor's decode step, owned against mlx-lm's, interleaved in one process.
 
     python benchmarks/probes/probe_decode_step.py MODEL_DIR [--rows 1,8,64] [--steps 200]
-        [--rounds 3] [--mode greedy|sample|grammar] [--out RESULTS.json]
+        [--rounds 3] [--mode greedy|sample|grammar] [--out RESULTS.json] [--profile N]
 
 Two actors on the same weights, one per decode step (`ActorTuning.decode_step`:
 "owned", `actor/_decode.py`, and "mlx", mlx-lm's GenerationBatch), each driven
@@ -12,7 +12,9 @@ of 128 random prompt tokens enter, and once all decode, `steps` decode steps are
 timed: tokens per second and milliseconds per step. Modes: greedy; sample
 (temperature 0.7, top-p 0.9, top-k 50, a seed on every other row, logprobs with
 5 top ones on every fourth); grammar (half the rows held to a JSON string by
-llguidance, the rest free, greedy).
+llguidance, the rest free, greedy). `--profile N`: the owned step alone, one more
+round under cProfile, its N costliest functions by own time printed (where the
+host's time goes: a device wait shows as `tolist`).
 """
 from __future__ import annotations
 
@@ -89,7 +91,23 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--mode", choices=("greedy", "sample", "grammar"), default="greedy")
     p.add_argument("--out", type=Path)
+    p.add_argument("--profile", type=int, default=0)
     args = p.parse_args()
+    if args.profile:
+        import cProfile
+        import pstats
+
+        for rows in [int(r) for r in args.rows.split(",")]:
+            a = actor(args.model, "owned", rows)
+            measure(a, args.mode, rows, 16, 0)
+            prof = cProfile.Profile()
+            prof.enable()
+            m = measure(a, args.mode, rows, args.steps, 1)
+            prof.disable()
+            print(f"rows={rows} {args.mode} owned, profiled: {m['tok_s']:.1f} tok/s {m['ms_step']:.2f} ms/step")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+            a._free()
+        return
     results: list[dict[str, Any]] = []
     for rows in [int(r) for r in args.rows.split(",")]:
         actors = {step: actor(args.model, step, rows) for step in ("owned", "mlx")}

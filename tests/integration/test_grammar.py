@@ -23,8 +23,9 @@ from batch_driver import Row, run_rows
 
 from trio_mlx import models
 from trio_mlx._errors import InvalidRequestError
+from trio_mlx.actor import _constrain, _matcher
 from trio_mlx.actor._constrain import GrammarProcessor
-from trio_mlx.actor._matcher import cached_vocab, grammar_vocab
+from trio_mlx.actor._matcher import cached_vocab, completes, finish, grammar_vocab, jump, resumes
 from trio_mlx.engine import _grammar
 
 pytestmark = pytest.mark.timeout(120)
@@ -150,6 +151,105 @@ def test_processor_masks_exactly_what_llguidance_allows(tiny: tuple[Any, Any]) -
         assert allowed.tolist() == expected[expected < vocab.size].tolist()
         assert allowed.max() < vocab.size
     assert proc.error is None and not proc.forced_finish
+
+
+def _consumes_to_the_end(matcher: Any, tokens: list[int]) -> bool:
+    """`completes` as it was first written: consume in a copy, then ask."""
+    probe = matcher.deep_copy()
+    return bool(probe.consume_tokens(tokens)) and probe.is_accepting()
+
+
+def test_completes_answers_as_consuming_does(tiny: tuple[Any, Any]) -> None:
+    """`completes` validates the tokens and then EOS instead of consuming them in a copy:
+    at every state of a JSON answer written token by token, for the completion found
+    there and for its prefixes and suffixes, both answer alike; `resumes` finds a suffix
+    of an older completion only where one completes."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, FORMATS[2][1])  # items: an array of objects
+    assert grammar is not None
+    matcher = llguidance.LLMatcher(vocab.tokenizer, grammar.source)
+    answer = tok.encode('[{"id": 12, "score": 0.5, "ok": true}, {"id": 3, "score": 1, "ok": false}]')
+    old: list[int] = []
+    yes = no = 0
+    for t in [None, *answer]:
+        if t is not None:
+            assert matcher.consume_token(t)
+        tail = finish(matcher, vocab)
+        assert tail is not None
+        for cut in {0, 1, len(tail) // 2, len(tail) - 1}:
+            for tokens in (tail[cut:], tail[:cut], old[cut:]):
+                got = completes(matcher, vocab, tokens)
+                assert got == _consumes_to_the_end(matcher, tokens), (t, tokens)
+                yes, no = yes + got, no + (not got)
+        found = resumes(matcher, vocab, old)
+        if found is not None:
+            assert _consumes_to_the_end(matcher, found) and found == old[len(old) - len(found):]
+        old = tail
+    assert yes and no  # both answers were exercised
+
+
+def test_a_grammar_start_is_walked_once(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that share a grammar share its completion from the start: the walk that
+    finds it (milliseconds for a long schema) runs for the first row alone, and each
+    row gets its own copy of it."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, FORMATS[2][1])
+    assert grammar is not None
+    walks: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        walks.append(1)
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(_constrain, "finish", counted)
+    _constrain._START_TAILS.pop(vocab, None)
+    procs = [GrammarProcessor(vocab, grammar.source, 40) for _ in range(4)]
+    for p in procs:
+        if p.begin(None):
+            p.fill()
+            p.complete()
+    assert len(walks) == 1
+    tails = [p._tail for p in procs]
+    assert tails[0] and all(t == tails[0] for t in tails)
+    procs[0]._tail.pop(0)
+    assert procs[1]._tail == tails[1] and len(procs[1]._tail) == len(procs[0]._tail) + 1
+
+
+def test_jump_walks_only_for_tokens_that_open_something(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a JSON string every opener is text or the completion's own closing quote:
+    `jump` finds that by validating, with no walk; after a key's colon, a value that
+    opens an object lengthens the completion, and `jump` walks for it."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {}}, "required": ["a"]}
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}})
+    assert grammar is not None
+    walks: list[int] = []
+    real = _matcher.finish
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        walks.append(1)
+        return real(*args, **kwargs)
+
+    def at(text: str) -> tuple[Any, list[int], np.ndarray]:
+        m = llguidance.LLMatcher(vocab.tokenizer, grammar.source)
+        for t in tok.encode(text):
+            assert m.consume_token(t)
+        tail = real(m, vocab)
+        assert tail is not None
+        bitmask = llnp.allocate_token_bitmask(1, vocab.size)
+        llnp.fill_next_token_bitmask(m, bitmask)
+        return m, tail, bitmask.view(np.uint32)
+
+    inside = at('{"a": "x')
+    outside = at('{"a": "x", "b": ')
+    monkeypatch.setattr(_matcher, "finish", counted)
+    assert jump(inside[0], vocab, inside[1], inside[2]) == 0
+    assert not walks
+    assert jump(outside[0], vocab, outside[1], outside[2]) > 0
+    assert walks
 
 
 def test_processor_never_raises(tiny: tuple[Any, Any]) -> None:

@@ -40,14 +40,16 @@ because an exception here would fail the whole batch's step.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import llguidance
 import llguidance.numpy as llnp
 import mlx.core as mx
 import numpy as np
 
-from ._matcher import GrammarVocab, cached_vocab, completes, finish, grammar_vocab, jump
+from ._matcher import GrammarVocab, cached_vocab, completes, finish, grammar_vocab, jump, resumes
 
 # Tokens of slack kept between the tokens left and the completion: a calm
 # token can still lengthen it a little (an escape, half a UTF-8 character,
@@ -83,11 +85,21 @@ def model_vocab(model_path: os.PathLike[str]) -> GrammarVocab:
     return vocab
 
 
+# The completion from a grammar's start, by grammar text: rows that share a grammar (a
+# tool set, a response format sent by many clients) start in the same state, and the walk
+# that finds it takes milliseconds for a long one (`finish` gives up on a string of at
+# least 100,000 characters only after FINISH_LIMIT tokens). Bounded; arbitrary.
+_START_TAILS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, list[int] | None]] = (
+    weakref.WeakKeyDictionary())
+_START_TAILS_KEPT = 64
+
+
 class GrammarProcessor:
     """Masks one row's logits to what its grammar allows; construct it on the actor thread."""
 
     def __init__(self, vocab: GrammarVocab, grammar: str, max_tokens: int):
         self._vocab = vocab
+        self._grammar = grammar
         self._matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
             raise ValueError(f"the grammar does not compile: {self._matcher.get_error()}")
@@ -214,9 +226,10 @@ class GrammarProcessor:
         too little room; far from the end, stay free until a later measurement."""
         # The last completion, if it still completes the grammar from here, saves a
         # walk (inside a string or a number it does); it is the longer one at worst.
-        if self._tail_checked or completes(self._matcher, self._tail):
+        if self._tail_checked or completes(self._matcher, self._vocab, self._tail):
             tail = self._tail
-        elif (found := finish(self._matcher, self._vocab)) is not None:
+        elif (found := _first(resumes(self._matcher, self._vocab, self._tail),
+                              self._finish)) is not None:
             tail = found
         else:  # no completion found: generate freely, max_tokens may cut the row
             self._check_at = self._max_tokens
@@ -235,6 +248,20 @@ class GrammarProcessor:
         else:
             self._mode = "free"
             self._check_at = self._calls + max(1, (left - need - far) // (far + 1))
+
+    def _finish(self) -> list[int] | None:
+        """`finish` from here; at the grammar's start, the one kept for its text."""
+        if self._calls:
+            return finish(self._matcher, self._vocab)
+        kept, key = _START_TAILS.setdefault(self._vocab, OrderedDict()), self._grammar
+        if key in kept:
+            kept.move_to_end(key)
+        else:
+            kept[key] = finish(self._matcher, self._vocab)
+            if len(kept) > _START_TAILS_KEPT:
+                kept.popitem(last=False)
+        tail = kept[key]
+        return None if tail is None else list(tail)  # the row's own: `_advance` pops it
 
     def _end(self) -> None:
         self._mode = "done"
@@ -262,3 +289,8 @@ class GrammarProcessor:
                 [allowed, mx.zeros((1, width - allowed.shape[1]), dtype=mx.bool_)], axis=1
             )
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def _first(found: list[int] | None, otherwise: Callable[[], list[int] | None]) -> list[int] | None:
+    """`found` where it is a list (an empty one too), else what `otherwise` gives."""
+    return found if found is not None else otherwise()
