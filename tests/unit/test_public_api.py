@@ -12,6 +12,7 @@ EXPECTED = {
     "EngineRestartingError",
     "EngineStatistics",
     "Finished",
+    "GenerationOptions",
     "InvalidRequestError",
     "ModelLoadError",
     "QueueFullError",

@@ -71,14 +71,12 @@ class MessagesCall:
         self.stream = req.stream
         # Translated here, so that a bad request gets its 400 before the engine sees it.
         self.messages = req.chat_messages()
-        self.structure = req.structure()
-        if req.prefill():
-            self.structure["continue_final_message"] = True
+        self.options = req.to_options()
         self.clamped = False  # max_tokens did not fit beside the prompt: the context's end is the limit
 
     async def start(self, engine: Engine) -> RequestStream:
         try:
-            stream = await engine.chat(self.messages, **self.structure, **self.req.engine_options()).__aenter__()
+            stream = await engine.chat(self.messages, self.options).__aenter__()
         except ContextLengthExceededError as exc:
             raise too_long(exc) from None
         except InvalidRequestError as exc:

@@ -79,11 +79,11 @@ class ResponsesCall:
         if self.names.skipped:
             log.warning("a responses request named tools this server cannot run (hosted tools); left "
                         "out: %s", ", ".join(self.names.skipped))
-        self.structure = req.structure(self.names.chat_tools)
+        self.options = req.to_options(self.names.chat_tools)
         self.created = int(time.time())
 
     async def start(self, engine: Engine) -> RequestStream:
-        stream = engine.chat(self.messages, **self.structure, **self.req.engine_options())
+        stream = engine.chat(self.messages, self.options)
         try:
             return await stream.__aenter__()
         except InvalidRequestError as exc:
