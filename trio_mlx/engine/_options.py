@@ -197,7 +197,8 @@ def _stops(stop: Any) -> tuple[str, ...]:
         raise InvalidRequestError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings",
                                   param="stop")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise InvalidRequestError(f"a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
+        # Led by its field, as the other messages are: Anthropic's error body has no param.
+        raise InvalidRequestError(f"stop: each string may have at most {MAX_STOP_CHARS} characters", param="stop")
     return tuple(s for s in stops if s)
 
 
