@@ -213,7 +213,8 @@ class _Sampling(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="0 or -1: no top-k")
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    # The range the engine samples with (documented as (0, 100], which refused (0, 0.001) later on).
+    repetition_penalty: float | None = Field(None, ge=0.001, le=100)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
