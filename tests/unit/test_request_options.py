@@ -178,13 +178,14 @@ def test_an_error_names_its_field_and_each_api_maps_it() -> None:
 def test_the_answer_limit_is_one_policy() -> None:
     """max_tokens is read once into the checked record, which fits it beside the prompt:
     None takes the engine's default, fit_max_tokens cuts a ceiling to the room left."""
-    def limit(room: int, **fields: Any) -> int:
+    def limit(room: int, **fields: Any) -> tuple[int, bool]:
         return check_options(GenerationOptions(**fields), {}, 0).answer_limit(room, 100)
 
-    assert limit(50) == 50 and limit(500) == 100
-    assert limit(50, max_tokens=80) == 80  # refused by the caller: past the room
-    assert limit(50, max_tokens=80, fit_max_tokens=True) == 50
-    assert limit(0, max_tokens=80, fit_max_tokens=True) == 80  # no room at all: refused
+    assert limit(50) == (50, False) and limit(500) == (100, False)
+    assert limit(50, max_tokens=80) == (80, False)  # refused by the caller: past the room
+    assert limit(50, max_tokens=80, fit_max_tokens=True) == (50, True)  # clamped
+    assert limit(90, max_tokens=80, fit_max_tokens=True) == (80, False)
+    assert limit(0, max_tokens=80, fit_max_tokens=True) == (80, False)  # no room at all: refused
     assert check_options(GenerationOptions(max_tokens=80, fit_max_tokens=True), {}, 0).least_answer == 1
     with pytest.raises(InvalidRequestError) as info:
         check_options(GenerationOptions(temperature=101), {}, 0)

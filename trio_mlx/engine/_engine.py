@@ -820,7 +820,7 @@ class Engine:
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "text" else "messages")
         room = self.context_length - len(prompt)
-        max_tokens = checked.answer_limit(room, self.default_max_tokens)
+        max_tokens, clamped = checked.answer_limit(room, self.default_max_tokens)
         if room < 1 or max_tokens > room:
             asked = (f"{max_tokens} more were requested" if checked.max_tokens is not None
                      else "that leaves no room for an answer")
@@ -831,7 +831,6 @@ class Engine:
                 prompt_tokens=len(prompt), context_length=self.context_length,
             )
         stops = checked.stop_token_ids | (frozenset() if checked.ignore_eos else self._eos_ids)
-        clamped = checked.max_tokens is not None and max_tokens < checked.max_tokens  # fit_max_tokens cut it
         return _Prepared(prompt, max_tokens, clamped, checked, stops)
 
 

@@ -97,15 +97,16 @@ class Checked:
         """The fewest answer tokens the request insists on beside its prompt."""
         return 1 if self.max_tokens is None or self.fit_max_tokens else self.max_tokens
 
-    def answer_limit(self, room: int, default: int) -> int:
+    def answer_limit(self, room: int, default: int) -> tuple[int, bool]:
         """The answer's max_tokens where `room` tokens are left after the prompt (`default`:
-        the engine's default_max_tokens, 0 for none). The caller refuses a limit past the
-        room; with `fit_max_tokens` that only happens where no room is left."""
+        the engine's default_max_tokens, 0 for none), and whether `fit_max_tokens` cut the
+        asked one to the room. The caller refuses a limit past the room; with
+        `fit_max_tokens` that only happens where no room is left."""
         if self.max_tokens is None:
-            return min(room, default) if default else room
-        if self.fit_max_tokens and room >= 1:
-            return min(self.max_tokens, room)
-        return self.max_tokens
+            return (min(room, default) if default else room), False
+        if self.fit_max_tokens and 1 <= room < self.max_tokens:
+            return room, True
+        return self.max_tokens, False
 
 
 def _number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False) -> Any:
