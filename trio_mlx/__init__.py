@@ -25,6 +25,7 @@ from .engine import ActorTuning as ActorTuning
 from .engine import Engine as Engine
 from .engine import EngineStatistics as EngineStatistics
 from .engine import Finished as Finished
+from .engine import GenerationOptions as GenerationOptions
 from .engine import RequestStream as RequestStream
 from .engine import TextDelta as TextDelta
 from .engine import TokenLogprob as TokenLogprob

@@ -7,6 +7,16 @@ HTTP layer maps these onto OpenAI-shaped responses in one place.
 
 from __future__ import annotations
 
+import re
+
+# A param's leading name: the field it is about (`tools` of `tools[0].function.name`).
+_FIELD = re.compile(r"\w+")
+
+
+def _field(param: str | None) -> str | None:
+    found = _FIELD.match(param) if param else None
+    return found.group() if found else None
+
 
 class TrioMLXError(Exception):
     """Base class of every error trio_mlx raises."""
@@ -17,13 +27,19 @@ class ModelLoadError(TrioMLXError):
 
 
 class InvalidRequestError(TrioMLXError, ValueError):
-    """A request's arguments are invalid; it never reached the actor."""
+    """A request's arguments are invalid; it never reached the actor.
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    `param` says where, in the engine's names: a field of `GenerationOptions` (or `messages`,
+    `prompt`), then the place inside it (`tools[0].function.name`). `field` is that field: the
+    reference each wire API maps to its own parameter's name (`server/_wire.api_error`)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 field: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.field = field if field is not None else _field(param)
 
 
 class ContextLengthExceededError(InvalidRequestError):

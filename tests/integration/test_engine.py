@@ -11,7 +11,7 @@ import trio
 
 import trio_mlx
 from trio_mlx import Finished, TextDelta
-from trio_mlx.engine._engine import MAX_STOP_CHARS
+from trio_mlx.engine._options import MAX_STOP_CHARS
 
 
 async def collect(stream: trio_mlx.RequestStream) -> tuple[list[int], str, Finished]:

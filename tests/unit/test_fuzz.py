@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from trio_mlx._errors import InvalidRequestError
 from trio_mlx.actor import ActorInfo
-from trio_mlx.engine._engine import _validate
+from trio_mlx.engine._options import check_options
 from trio_mlx.server._openai import ChatCompletionRequest, CompletionRequest, error_from_exception
 
 CONTEXT = 48
@@ -80,6 +80,6 @@ def test_request_models_refuse_bad_input_with_a_400_naming_it(obj, chat):
         assert error.status == 400, exc
         return
     try:
-        _validate(req.engine_options(), INFO)
+        check_options(req.to_options(), {}, INFO.vocab_size)
     except InvalidRequestError as exc:
         assert exc.message and error_from_exception(exc).status == 400

@@ -13,6 +13,7 @@ EXPECTED = {
     "EngineRestartingError",
     "EngineStatistics",
     "Finished",
+    "GenerationOptions",
     "InvalidRequestError",
     "ModelLoadError",
     "QueueFullError",
@@ -64,6 +65,14 @@ def test_the_event_records_fields():
         "prompt_cache_lookups", "prompt_cache_hits", "prompt_cache_hit_tokens",
         "prompt_cache_evictions", "prompt_cache_bytes", "prompt_cache_entries", "actor_restarts",
         "tokenizer_prefix_hits", "tokenizer_prefix_tokens"]
+    # One request's options: what every API builds and the engine checks (docs/design.md,
+    # "Adding a sampling parameter").
+    assert names(trio_mlx.GenerationOptions) == [
+        "max_tokens", "fit_max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+        "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos",
+        "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+        "continue_final_message", "chat_template_kwargs"]
+    assert trio_mlx.GenerationOptions.__dataclass_params__.frozen  # type: ignore[attr-defined]
 
 
 def test_errors_share_one_base():

@@ -67,9 +67,21 @@ def test_sampling_defaults_read_the_generation_config(tuned_model: Path, tmp_pat
     assert _models.sampling_defaults(tmp_path) == {}  # no file: no defaults
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": "hot", "top_p": 0, "top_k": 2.5, "min_p": True, "repetition_penalty": 1.3}))
-    assert _models.sampling_defaults(tmp_path) == {"repetition_penalty": 1.3}  # the bad ones dropped
+    # the wrong types dropped; the range (top_p 0) is the engine's to check
+    assert _models.sampling_defaults(tmp_path) == {"top_p": 0.0, "repetition_penalty": 1.3}
     (tmp_path / "generation_config.json").write_text("{not json")
     assert _models.sampling_defaults(tmp_path) == {}
+
+
+async def test_defaults_the_engine_would_refuse_are_left_out(tuned_model: Path, caplog) -> None:
+    """A broken generation_config.json cannot make every request fail: the engine keeps the
+    values its one check accepts, and says which it left out."""
+    (tuned_model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 300, "top_p": 0, "top_k": 7, "repetition_penalty": 1.3}))
+    sampling, defaults = await _sampling_of(tuned_model, {})
+    assert defaults == {"top_k": 7, "repetition_penalty": 1.3}
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, 7)
+    assert "left out of the sampling defaults" in caplog.text and "top_p" in caplog.text
 
 
 async def test_a_request_without_sampling_options_gets_the_models(tuned_model: Path) -> None:

@@ -20,3 +20,4 @@ from ._events import ToolCall as ToolCall
 from ._events import ToolCallDelta as ToolCallDelta
 from ._events import ToolCalls as ToolCalls
 from ._events import Usage as Usage
+from ._options import GenerationOptions as GenerationOptions

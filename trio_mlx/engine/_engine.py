@@ -67,6 +67,13 @@ from ._events import (
     ToolCalls,
     Usage,
 )
+from ._options import (
+    Checked,
+    GenerationOptions,
+    check_options,
+    check_sampling_defaults,
+    usable_defaults,
+)
 from ._prompt import ChatEncoder, max_token_chars, prompt_chars
 from ._structure import NO_STRUCTURE, Structure, check_structure, compile_structure
 from ._supervise import RestartBudget
@@ -98,14 +105,7 @@ _BIG_TOKENIZE_WAITING = 8
 # minutes on a large context, with nobody able to stop a non-streaming request. mlx_lm.server's
 # default is 512; 4096 leaves room for a whole file's edit. Judgement.
 DEFAULT_MAX_TOKENS = 4096
-MAX_STOP_STRINGS = 16
-# A stop string is a marker, not a document: the matcher compares the text it holds
-# back with each one, so their lengths bound that work (16 stops of 1 MB made one
-# step's check of held text take 0.8 s, on the event loop). Judgement.
-MAX_STOP_CHARS = 1024
 _TUNING_FIELDS = frozenset(f.name for f in dataclasses.fields(ActorTuning))
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-MAX_TOP_LOGPROBS = 20
 
 
 def gpu_limiter() -> trio.CapacityLimiter:
@@ -219,12 +219,7 @@ class Engine:
         self.default_max_tokens = default_max_tokens  # 0: up to the context's end
 
         if sampling_defaults is not None:  # a bad default fails here, not in every request
-            if unknown := set(sampling_defaults) - set(SAMPLING_DEFAULT_KEYS):
-                raise ValueError(f"sampling_defaults takes {SAMPLING_DEFAULT_KEYS}, not {sorted(unknown)}")
-            try:
-                _validate(sampling_defaults, None)
-            except InvalidRequestError as exc:
-                raise ValueError(f"sampling_defaults: {exc}") from None
+            check_sampling_defaults(sampling_defaults)
         self._sampling_override = sampling_defaults
         # What a request that leaves a sampling option out gets: the model's
         # generation_config.json (as vLLM does), unless `sampling_defaults` was given.
@@ -291,7 +286,8 @@ class Engine:
             await trio.to_thread.run_sync(importlib.import_module, f"{__package__}._tools")
             log.info("tokenizer loaded in %.2f s", trio.current_time() - t1)
             if self._sampling_override is None:
-                self.sampling_defaults = models.sampling_defaults(path)
+                self.sampling_defaults = usable_defaults(models.sampling_defaults(path),
+                                                         f"{path}/generation_config.json")
         except BaseException:
             self.state = "closed"
             self._actor_done.set()
@@ -654,84 +650,42 @@ class Engine:
             tokenizer_prefix_tokens=self._chat.prefix.reused_tokens if self._chat is not None else 0,
         )
 
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: Mapping[int, float] | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        response_format: Mapping[str, Any] | None = None,
-        fit_max_tokens: bool = False,
-    ) -> RequestStream:
-        """Stream a completion of `prompt` (text, or token ids). With no `max_tokens` the
-        answer gets at most the engine's `default_max_tokens` (and never past the context);
-        with `fit_max_tokens`, `max_tokens` is a ceiling: where it does not fit beside the
-        prompt, the answer may run to the context's end instead of being refused
-        (Anthropic's newer models do so; `RequestStream.clamped` says it happened). `response_format`
-        (OpenAI's: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
-        {"schema": ..., "strict": ...}}) holds the output to it, token by token. A sampling
-        option left out (None) takes the model's default (`sampling_defaults`), else no
-        effect (temperature 1, top_p 1, top_k 0, min_p 0, repetition_penalty 1)."""
-        opts = dict(locals())
-        del opts["self"], opts["prompt"]
-        return RequestStream(self, ("text", prompt, None), opts)
+    def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
+                 **fields: Any) -> RequestStream:
+        """Stream a completion of `prompt` (text, or token ids). `options` is a
+        `GenerationOptions`; its fields may also be given by name (`max_tokens=64,
+        temperature=0`), over `options` where both are. The chat-only fields (tools,
+        tool_choice, parallel_tool_calls, continue_final_message, chat_template_kwargs) are
+        refused here. With no `max_tokens` the answer gets at most the engine's
+        `default_max_tokens` (and never past the context); with `fit_max_tokens`,
+        `max_tokens` is a ceiling (`RequestStream.clamped` says it was cut to the context).
+        A sampling option left out (None) takes the model's default (`sampling_defaults`)."""
+        return RequestStream(self, "text", prompt, _merged(options, fields))
 
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        parallel_tool_calls: bool = True,
-        response_format: Mapping[str, Any] | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        continue_final_message: bool = False,
-        **options: Any,
-    ) -> RequestStream:
+    def chat(self, messages: Sequence[Mapping[str, Any]], options: GenerationOptions | None = None,
+             **fields: Any) -> RequestStream:
         """Stream the assistant's reply to `messages` (the model's chat template applies).
-        Takes the same keyword options as `generate()`, and tool calling in OpenAI's
-        shapes: `tools` (functions, rendered through the template's `tools`),
-        `tool_choice` ("auto", "none", "required" or {"type": "function", "function":
-        {"name": ...}}; the last two are enforced by constrained decoding) and
-        `parallel_tool_calls` (False: at most one call, where enforced). Calls come as
-        `ToolCalls` events and the request ends with finish_reason "tool_calls";
-        while a call is written, `ToolCallDelta`s stream its name and arguments
-        (JSON call formats; docs/engine.md). With `continue_final_message` the last message,
-        the assistant's, is continued rather than answered (a prefill, as vLLM's option of
-        that name and Anthropic's trailing assistant turn): the reply holds only the
+        Takes the same options as `generate()` (a `GenerationOptions`, or its fields by
+        name), and tool calling in OpenAI's shapes: `tools` (functions, rendered through
+        the template's `tools`), `tool_choice` ("auto", "none", "required" or {"type":
+        "function", "function": {"name": ...}}; the last two are enforced by constrained
+        decoding) and `parallel_tool_calls` (False: at most one call, where enforced). Calls
+        come as `ToolCalls` events and the request ends with finish_reason "tool_calls";
+        while a call is written, `ToolCallDelta`s stream its name and arguments (JSON call
+        formats; docs/engine.md). With `continue_final_message` the last message, the
+        assistant's, is continued rather than answered (a prefill, as vLLM's option of that
+        name and Anthropic's trailing assistant turn): the reply holds only the
         continuation; it cannot be held to a grammar (response_format, tool_choice
         "required" or named), which would start mid-message."""
-        if continue_final_message:
-            chat_template_kwargs = {**(chat_template_kwargs or {}), "continue_final_message": True}
-        if tools is not None or tool_choice is not None:
-            options.update(tools=tools, tool_choice=tool_choice)
-        if not parallel_tool_calls:
-            options["parallel_tool_calls"] = False
-        if response_format is not None:
-            options["response_format"] = response_format
-        return RequestStream(self, ("chat", messages, chat_template_kwargs), options)
+        return RequestStream(self, "chat", messages, _merged(options, fields))
 
-    def _check_size_bound(self, kind: str, chars: int, max_tokens: Any) -> None:
+    def _check_size_bound(self, kind: str, chars: int, want: int) -> None:
         """Refuse a prompt that cannot fit before tokenizing it: a text of C characters is at
         least C / (the longest token's characters) tokens. Tokenizing 16 MB costs ~25 s of CPU
         and a gigabyte; this costs nothing."""
         if not chars or not self._max_token_chars or not self.context_length:
             return
         floor = -(-chars // self._max_token_chars)
-        want = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 1
         if floor + want > self.context_length:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.context_length} tokens; the prompt "
@@ -797,7 +751,7 @@ class Engine:
         """The prompt tokens `chat()` would submit for these messages and tools, without
         submitting anything (Anthropic's count_tokens). Tokenizes in a worker thread."""
         self._check_open()
-        options = {"tools": tools, "tool_choice": tool_choice} if tools is not None else {}
+        options = GenerationOptions(tools=tools, tool_choice=tool_choice if tools is not None else None)
         structure = check_structure(self.tokenizer, options, chat=True)
         kwargs = structure.template_kwargs()
         if continue_final_message:
@@ -806,13 +760,14 @@ class Engine:
             self.encode_prompt, "chat", messages, kwargs or None, limiter=_tokenizer_limiter())
         return len(prompt)
 
-    async def _prepare(self, source: tuple[str, Any, Any], opts: dict[str, Any]) -> tuple[list[int], int, SamplingParams, frozenset[int], tuple[str, ...]]:
+    async def _prepare(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None,
+                       options: GenerationOptions) -> _Prepared:
+        """The options checked (once: `check_options`), the prompt tokenized, and the answer's
+        limit fitted beside it."""
         self._check_open()
-        given = {k: v for k, v in opts.items() if v is not None}  # a request's own values win
-        sampling, stop_strings, stop_ids, ignore_eos = _validate({**self.sampling_defaults, **given}, self.info)
-        kind, value, template_kwargs = source
+        checked = check_options(options, self.sampling_defaults, self.info.vocab_size if self.info else 0)
         size = prompt_chars(kind, value)
-        self._check_size_bound(kind, size, None if opts.get("fit_max_tokens") else opts.get("max_tokens"))
+        self._check_size_bound(kind, size, checked.least_answer)
         work = size + (_MESSAGE_CHARS * len(value) if kind == "chat" and isinstance(value, Sequence) else 0)
         if work > _BIG_TOKENIZE_CHARS:
             prompt = await self._tokenize_big(kind, value, template_kwargs)
@@ -824,14 +779,10 @@ class Engine:
             prompt = self.encode_prompt(kind, value, template_kwargs)
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "text" else "messages")
-        max_tokens = opts.get("max_tokens")
         room = self.context_length - len(prompt)
-        if max_tokens is None:
-            max_tokens = min(room, self.default_max_tokens) if self.default_max_tokens else room
-        elif opts.get("fit_max_tokens") and room >= 1:
-            max_tokens = min(max_tokens, room)
+        max_tokens, clamped = checked.answer_limit(room, self.default_max_tokens)
         if room < 1 or max_tokens > room:
-            asked = (f"{max_tokens} more were requested" if "max_tokens" in given
+            asked = (f"{max_tokens} more were requested" if checked.max_tokens is not None
                      else "that leaves no room for an answer")
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.context_length} tokens; the prompt "
@@ -839,8 +790,8 @@ class Engine:
                 param="messages" if kind == "chat" else "prompt",
                 prompt_tokens=len(prompt), context_length=self.context_length,
             )
-        stops = frozenset(stop_ids) | (frozenset() if ignore_eos else self._eos_ids)
-        return prompt, max_tokens, sampling, stops, stop_strings
+        stops = checked.stop_token_ids | (frozenset() if checked.ignore_eos else self._eos_ids)
+        return _Prepared(prompt, max_tokens, clamped, checked, stops)
 
 
 def _trim_memory() -> None:
@@ -852,95 +803,45 @@ def _trim_memory() -> None:
         pass
 
 
-def _number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False) -> Any:
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or value != value or not lo <= value <= hi:
-        what = "an integer" if integer else "a number"
-        raise InvalidRequestError(f"{name} must be {what} in [{lo}, {hi}], got {value!r}", param=name)
-    return value
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A request ready for the actor: its prompt, its answer's limit, its checked options and
+    every stop token (the request's own, and the model's EOS unless it ignores them)."""
+
+    prompt: list[int]
+    max_tokens: int
+    clamped: bool  # `fit_max_tokens` cut max_tokens to the context's end
+    checked: Checked
+    stop_token_ids: frozenset[int]
 
 
-def _validate(opts: Mapping[str, Any], info: ActorInfo | None) -> tuple[SamplingParams, tuple[str, ...], list[int], bool]:
-    """Check every option before anything reaches the actor."""
-    vocab = info.vocab_size if info else 0
-    opts = dict(opts)
-    if opts.get("max_tokens") is not None:
-        _number("max_tokens", opts["max_tokens"], 1, 2**31, integer=True)
-    temperature = float(_number("temperature", opts.get("temperature", 1.0), 0.0, 100.0))
-    top_p = float(_number("top_p", opts.get("top_p", 1.0), 0.0, 1.0))
-    if top_p == 0.0:
-        raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
-    top_k = int(_number("top_k", opts.get("top_k", 0) or 0, 0, 2**31, integer=True))
-    if vocab and top_k >= vocab:
-        top_k = 0  # keeps every token: the same as no top-k
-    min_p = float(_number("min_p", opts.get("min_p", 0.0) or 0.0, 0.0, 1.0))
-    rep = float(_number("repetition_penalty", opts.get("repetition_penalty", 1.0), 1e-3, 100.0))
-    presence = float(_number("presence_penalty", opts.get("presence_penalty", 0.0) or 0.0, -2.0, 2.0))
-    frequency = float(_number("frequency_penalty", opts.get("frequency_penalty", 0.0) or 0.0, -2.0, 2.0))
-    bias_in = opts.get("logit_bias") or {}
-    if not isinstance(bias_in, Mapping):
-        raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias")
-    bias: list[tuple[int, float]] = []
-    named: set[int] = set()
-    for k, v in bias_in.items():
-        # A JSON key is a string of ASCII digits; the channel API may pass ints. Not int()'s
-        # wider reading ("1_0", " +10", other scripts' digits): two keys could name one token.
-        if isinstance(k, str) and k.isascii() and k.isdigit():
-            tid = int(k)
-        elif isinstance(k, int) and not isinstance(k, bool):
-            tid = k
-        else:
-            raise InvalidRequestError(f"logit_bias key {k!r} is not a token id", param="logit_bias")
-        if tid in named:
-            raise InvalidRequestError(f"logit_bias names token {tid} twice", param="logit_bias")
-        named.add(tid)
-        if tid < 0 or (vocab and tid >= vocab) or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise InvalidRequestError(
-                f"logit_bias: token id {k!r} must be in [0, {vocab}) with a bias in [-100, 100]", param="logit_bias"
-            )
-        bias.append((tid, float(v)))
-    seed = opts.get("seed")
-    if seed is not None:
-        seed = int(_number("seed", seed, -(2**63), 2**64 - 1, integer=True)) & 0xFFFFFFFFFFFFFFFF
-    top_logprobs = int(_number("top_logprobs", opts.get("top_logprobs", 0) or 0, 0, MAX_TOP_LOGPROBS, integer=True))
-    want_logprobs = bool(opts.get("logprobs")) or top_logprobs > 0
-    stop = opts.get("stop")
-    stops: tuple[str, ...] = ()
-    if stop is not None:
-        stops = (stop,) if isinstance(stop, str) else tuple(stop)
-        if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops):
-            raise InvalidRequestError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
-        if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise InvalidRequestError(f"a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
-        stops = tuple(s for s in stops if s)
-    stop_ids = list(opts.get("stop_token_ids") or ())
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (vocab or 2**31) for i in stop_ids):
-        raise InvalidRequestError("stop_token_ids must be token ids of this model", param="stop_token_ids")
-    sampling = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=rep,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        logit_bias=tuple(bias),
-        seed=seed,
-        logprobs=want_logprobs,
-        top_logprobs=top_logprobs,
-    )
-    return sampling, stops, stop_ids, bool(opts.get("ignore_eos"))
+def _template_kwargs(o: GenerationOptions, structure: Structure) -> dict[str, Any] | None:
+    """The chat template's extra arguments: the caller's, the prefill's and the tools'."""
+    out = {**(o.chat_template_kwargs or {})}
+    if o.continue_final_message:
+        out["continue_final_message"] = True
+    out.update(structure.template_kwargs())
+    return out or None
+
+
+def _merged(options: GenerationOptions | None, fields: Mapping[str, Any]) -> GenerationOptions:
+    """`options` with `fields` (`GenerationOptions`' names; another name is a TypeError) over it."""
+    if options is not None and not isinstance(options, GenerationOptions):
+        raise TypeError(f"options must be a GenerationOptions, not {type(options).__name__}")
+    base = options if options is not None else GenerationOptions()
+    return dataclasses.replace(base, **fields) if fields else base
 
 
 class RequestStream:
     """One request's events. `async with` submits it; iterate for `TextDelta`s then one
     `Finished`; leaving the block early aborts the sequence on the actor."""
 
-    def __init__(self, engine: Engine, source: tuple[str, Any, Any], opts: dict[str, Any],
+    def __init__(self, engine: Engine, kind: str, prompt: Any, options: GenerationOptions,
                  prepared: tuple[Structure, Grammar | None] | None = None):
         self._engine = engine
-        self._source = source
-        self._opts = opts
+        self._kind = kind  # "chat" (messages) or "text" (a string or token ids)
+        self._prompt = prompt
+        self.options = options  # as given: checked when the stream is entered
         self._prepared = prepared  # a sibling's checked structure and grammar (`again`)
         self._tool_stream: Any = None  # an `_tools.ToolCallStream` when the request has tools
         self._called = False  # whether it reported a call
@@ -952,25 +853,25 @@ class RequestStream:
         self._done = False
         self.prompt_tokens: list[int] = []
         self.completion_tokens = 0
-        self.clamped = False
+        self.max_tokens = 0  # the answer's limit, once entered
+        self.clamped = False  # `fit_max_tokens` cut max_tokens to the context's end
 
     async def __aenter__(self) -> RequestStream:
         engine = self._engine
         engine._check_open()
-        kind, value, template_kwargs = self._source
+        o, chat = self.options, self._kind == "chat"
         if self._prepared is None:
-            structure = check_structure(engine.tokenizer, self._opts, chat=kind == "chat")
-            if structure.uses_tools:
-                template_kwargs = {**(template_kwargs or {}), **structure.template_kwargs()}
+            structure = check_structure(engine.tokenizer, o, chat=chat)
         else:
             structure = self._prepared[0]
-        prompt, max_tokens, sampling, stop_ids, stop_strings = await engine._prepare(
-            (kind, value, template_kwargs), self._opts)
+        template_kwargs = _template_kwargs(o, structure) if chat else None
+        p = await engine._prepare(self._kind, self._prompt, template_kwargs, o)
         if self._prepared is None:
             grammar = await compile_structure(engine.tokenizer, engine.model_path, structure)
         else:
             grammar = self._prepared[1]
-        continuing = kind == "chat" and bool((template_kwargs or {}).get("continue_final_message"))
+        continuing = chat and bool((template_kwargs or {}).get("continue_final_message"))
+        stop_ids = p.stop_token_ids
         if grammar is not None:
             if continuing:
                 raise InvalidRequestError("a continued message (continue_final_message, a prefill) cannot be "
@@ -978,35 +879,33 @@ class RequestStream:
                                           "would start mid-message", param="messages")
             from ._grammar import check_max_tokens
 
-            check_max_tokens(grammar, max_tokens)
+            check_max_tokens(grammar, p.max_tokens)
             stop_ids = stop_ids | engine._eos_ids  # the grammar ends on EOS, ignore_eos or not
         self.structure, self.grammar = structure, grammar
-        self._tool_stream = structure.tool_stream(engine.tokenizer, prompt, grammar)
-        self.prompt_tokens = prompt
-        self.max_tokens = max_tokens
-        asked = self._opts.get("max_tokens")
-        self.clamped = isinstance(asked, int) and max_tokens < asked  # fit_max_tokens cut it to the context
-        self._sampling = sampling
+        self._tool_stream = structure.tool_stream(engine.tokenizer, p.prompt, grammar)
+        self.prompt_tokens = p.prompt
+        self.max_tokens = p.max_tokens
+        self.clamped = p.clamped
+        self._sampling = p.checked.sampling
         self._stop_ids = stop_ids
-        self._stopper = StopMatcher(stop_strings)
+        self._stopper = StopMatcher(p.checked.stop_strings)
         self._detok = engine.tokenizer.detokenizer
-        if self._source[0] == "text" or continuing:  # a continuation: " Paris" after "is"
+        if not chat or continuing:  # a continuation: " Paris" after "is"
             keep_leading_space(self._detok)
         self._held_logprobs = HeldLogprobs()
         self._hidden = engine._special_ids
-        self._req = engine._submit(prompt, max_tokens, sampling, stop_ids, grammar)
+        self._req = engine._submit(p.prompt, p.max_tokens, p.checked.sampling, stop_ids, grammar)
         self._recv = self._req.recv
         return self
 
-    def again(self, **options: Any) -> RequestStream:
+    def again(self, **fields: Any) -> RequestStream:
         """Another request for the same prompt, tools and response format as this
-        entered one (tokenized and compiled once), with `options` changed: OpenAI's
-        `n` choices, each with its own seed."""
+        entered one (tokenized and compiled once), with these `GenerationOptions` fields
+        changed: OpenAI's `n` choices, each with its own seed."""
         if self._req is None:
             raise RuntimeError("again() needs a stream that was entered")
-        opts = {k: v for k, v in self._opts.items() if k not in _STRUCTURE_OPTIONS}
-        opts.update(options)
-        return RequestStream(self._engine, ("text", list(self.prompt_tokens), None), opts,
+        options = dataclasses.replace(self.options, **{**_AGAIN_RESET, **fields})
+        return RequestStream(self._engine, "text", list(self.prompt_tokens), options,
                              (self.structure, self.grammar))
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -1167,7 +1066,9 @@ class RequestStream:
             self._recv.close()
 
 
-_STRUCTURE_OPTIONS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "response_format"})
+# What `again` leaves out of its options: the sibling's structure comes compiled, its prompt as token ids.
+_AGAIN_RESET: dict[str, Any] = dict(tools=None, tool_choice=None, parallel_tool_calls=True, response_format=None,
+                                    continue_final_message=False, chat_template_kwargs=None)
 
 
 @asynccontextmanager

@@ -29,6 +29,7 @@ from trio.lowlevel import RunVar
 
 from .._errors import InvalidRequestError
 from ..actor import Grammar
+from ._options import GenerationOptions
 
 # Compiled grammars kept for reuse, by what they were compiled from. Arbitrary:
 # enough for the tool sets and schemas of a few agents at once.
@@ -81,13 +82,13 @@ class Structure:
 NO_STRUCTURE = Structure()
 
 
-def check_structure(tokenizer: Any, opts: Mapping[str, Any], *, chat: bool) -> Structure:
+def check_structure(tokenizer: Any, options: GenerationOptions, *, chat: bool) -> Structure:
     """Check the options `tools`, `tool_choice`, `parallel_tool_calls` (chat only) and
     `response_format`; cheap, on the event loop."""
     from ._tools import check_tool_choice, check_tools, require_tool_support
 
-    tools_in, choice_in = opts.get("tools"), opts.get("tool_choice")
-    response_format = opts.get("response_format")
+    tools_in, choice_in = options.tools, options.tool_choice
+    response_format = options.response_format
     if response_format is not None and not isinstance(response_format, Mapping):
         raise InvalidRequestError("response_format must be an object", param="response_format")
     if response_format is not None and response_format.get("type") not in ("text", "json_object", "json_schema"):
@@ -96,7 +97,10 @@ def check_structure(tokenizer: Any, opts: Mapping[str, Any], *, chat: bool) -> S
             f"{response_format.get('type')!r}", param="response_format")
     if not chat and (tools_in is not None or choice_in is not None):
         raise InvalidRequestError("tools need a chat request (engine.chat)", param="tools")
-    parallel = opts.get("parallel_tool_calls", True)
+    if not chat and (options.continue_final_message or options.chat_template_kwargs is not None):
+        field = "continue_final_message" if options.continue_final_message else "chat_template_kwargs"
+        raise InvalidRequestError(f"{field} needs a chat request (engine.chat)", param=field)
+    parallel = options.parallel_tool_calls
     if not isinstance(parallel, bool):
         raise InvalidRequestError("parallel_tool_calls must be true or false", param="parallel_tool_calls")
     if tools_in is None and choice_in is None and response_format is None:

@@ -621,28 +621,27 @@ def load_tokenizer(path: os.PathLike[str]) -> Any:
         return mlx_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
 
 
-# generation_config.json keys a request inherits when it leaves them out, with their
-# valid ranges: the ones vLLM reads from it by default (`--generation-config auto`).
-_SAMPLING_KEYS: dict[str, tuple[type, float, float]] = {
-    "temperature": (float, 0.0, 100.0), "top_p": (float, 1e-9, 1.0), "top_k": (int, 0, 2**31),
-    "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, 1e-3, 100.0),
+# generation_config.json keys a request inherits when it leaves them out, with their types:
+# the ones vLLM reads from it by default (`--generation-config auto`).
+_SAMPLING_KEYS: dict[str, type] = {
+    "temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
 }
 
 
 def sampling_defaults(path: os.PathLike[str]) -> dict[str, float | int]:
     """The sampling settings in the model's generation_config.json (none if it has none).
 
-    Values out of range or of the wrong type are left out, so that a broken
-    file cannot make every request fail.
+    Values of the wrong type are left out; their ranges are the engine's to check
+    (`engine/_options.usable_defaults` leaves out what it would refuse).
     """
     try:
         data = json.loads((pathlib.Path(path) / "generation_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     out: dict[str, float | int] = {}
-    for key, (kind, lo, hi) in _SAMPLING_KEYS.items():
+    for key, kind in _SAMPLING_KEYS.items():
         value = data.get(key) if isinstance(data, dict) else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if kind is int and value != int(value):
             continue

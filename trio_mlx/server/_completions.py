@@ -169,17 +169,17 @@ class Completions:
                             f"{settings.served_model_name!r}", param="model", code="model_not_found")
         rec.stream, rec.n = req.stream, req.n
         engine = app.ready_engine()
-        opts = req.engine_options()
-        seed = opts.get("seed")
+        options = req.to_options()
+        seed = options.seed
         streams: list[RequestStream] = []
         try:
             for i in range(req.n):
                 if i > 0:  # tokenized and compiled once; choice i is the same request, seed + i
                     stream = streams[0].again(**({} if seed is None else {"seed": (seed + i) & _SEED_MASK}))
                 elif isinstance(req, ChatCompletionRequest):
-                    stream = engine.chat([m.template_dict() for m in req.messages], **opts)
+                    stream = engine.chat([m.template_dict() for m in req.messages], options)
                 else:
-                    stream = engine.generate(req.engine_prompt(), **opts)
+                    stream = engine.generate(req.engine_prompt(), options)
                 await stream.__aenter__()
                 streams.append(stream)
         except BaseException:

@@ -26,7 +26,7 @@ from .._errors import (
     QueueFullError,
     TrioMLXError,
 )
-from ..engine import Finished, TokenLogprob, ToolCall, ToolCallDelta, Usage
+from ..engine import Finished, GenerationOptions, TokenLogprob, ToolCall, ToolCallDelta, Usage
 
 try:
     import orjson
@@ -213,7 +213,8 @@ class _Sampling(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="0 or -1: no top-k")
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    # The range the engine samples with (documented as (0, 100], which refused (0, 0.001) later on).
+    repetition_penalty: float | None = Field(None, ge=0.001, le=100)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
@@ -226,21 +227,16 @@ class _Sampling(_Strict):
     user: str | None = None
     ignore_eos: bool = False
 
-    def engine_options(self) -> dict[str, Any]:
-        """Keyword options for `engine.chat()` / `engine.generate()`."""
-        opts: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "seed", "stop", "stop_token_ids"):
-            value = getattr(self, name)
-            if value is not None:
-                opts[name] = value
-        if self.top_k is not None:
-            opts["top_k"] = max(self.top_k, 0)  # -1 (vLLM's "off") overrides a model default too
-        if self.logit_bias:
-            opts["logit_bias"] = self.logit_bias  # the engine checks the ids
-        if self.ignore_eos:
-            opts["ignore_eos"] = True
-        return opts
+    def _shared_options(self) -> dict[str, Any]:
+        """The `GenerationOptions` fields both endpoints take alike, by the record's names."""
+        return dict(
+            temperature=self.temperature, top_p=self.top_p,
+            top_k=None if self.top_k is None else max(self.top_k, 0),  # -1 (vLLM's "off") overrides a default
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias or None,  # the engine checks the ids
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -290,23 +286,15 @@ class ChatCompletionRequest(_Sampling):
             raise HTTPError(400, "top_logprobs requires logprobs to be true", param="top_logprobs",
                             code="invalid_value")
 
-    def engine_options(self) -> dict[str, Any]:
-        opts = super().engine_options()
-        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
-        if max_tokens is not None:
-            opts["max_tokens"] = max_tokens
-        if self.logprobs:
-            opts["logprobs"] = True
-            opts["top_logprobs"] = self.top_logprobs or 0
-        if self.tools is not None or self.tool_choice is not None:
-            opts["tools"], opts["tool_choice"] = self.tools, self.tool_choice
-        if not self.parallel_tool_calls:
-            opts["parallel_tool_calls"] = False
-        if self.response_format is not None:
-            opts["response_format"] = self.response_format
-        if self.continue_final_message:
-            opts["continue_final_message"] = True
-        return opts
+    def to_options(self) -> GenerationOptions:
+        """The engine's options for this request: every field is read here, once."""
+        return GenerationOptions(
+            **self._shared_options(),
+            max_tokens=self.max_tokens if self.max_tokens is not None else self.max_completion_tokens,
+            logprobs=self.logprobs, top_logprobs=(self.top_logprobs or 0) if self.logprobs else 0,
+            response_format=self.response_format, tools=self.tools, tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls, continue_final_message=self.continue_final_message,
+        )
 
 
 class CompletionRequest(_Sampling):
@@ -350,16 +338,14 @@ class CompletionRequest(_Sampling):
             return prompt  # type: ignore[return-value]
         return first  # type: ignore[return-value]
 
-    def engine_options(self) -> dict[str, Any]:
-        opts = super().engine_options()
-        if self.max_tokens is not None:
-            opts["max_tokens"] = self.max_tokens
-        if self.logprobs is not None:
-            opts["logprobs"] = True
-            opts["top_logprobs"] = self.logprobs
-        if self.response_format is not None:
-            opts["response_format"] = self.response_format
-        return opts
+    def to_options(self) -> GenerationOptions:
+        """The engine's options for this request: every field is read here, once."""
+        return GenerationOptions(
+            **self._shared_options(), max_tokens=self.max_tokens,
+            # logprobs is how many alternatives, so 0 asks for the chosen tokens' own
+            logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0,
+            response_format=self.response_format,
+        )
 
 
 _PROMPT_FORMS = "prompt must be a string, a list of one string, or a list of token ids"

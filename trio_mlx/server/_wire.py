@@ -7,13 +7,15 @@ engine, the stream pump with its pings, pacing and stall watchdog, aborts on
 disconnect, and the request records that metrics and logs read. What an API
 brings is a `WireAPI`: it parses a body into a call, renders errors in its
 own shape, and its calls translate to and from the engine (`engine.chat`).
-`serve_api` is the ASGI handler of one such endpoint.
+`serve_api` is the ASGI handler of one such endpoint, and `api_error` names an
+engine error's field as the API names it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import trio
@@ -74,24 +76,37 @@ class WireAPI(Protocol):
         """An error response body in this API's shape."""
 
 
-def renamed(exc: InvalidRequestError, names: Sequence[tuple[str, str]]) -> InvalidRequestError:
-    """The engine's error for a translated request, its parameter named as the client named it.
+# The leading place an engine error's message names (`tools[0].function.name` of
+# "tools[0].function.name must be ..."): most of its messages start with their param.
+_PLACE = re.compile(r"[\w.\[\]]+")
 
-    The engine speaks OpenAI chat's names (`response_format`, `stop`, `tools[0].function...`);
-    each (engine name, API name) pair renames a parameter that starts with it, and the message
-    when it starts with it. A message index (`messages[3]`) points into the translated chat,
-    not the client's list, so the index is dropped.
+
+def api_error(exc: InvalidRequestError, params: Mapping[str, str]) -> InvalidRequestError:
+    """The engine's error for a translated request, in that API's names.
+
+    `params` is the API's table: the name of its parameter for each `GenerationOptions`
+    field (and `messages`) it builds. The error's `field` picks the name; the place inside
+    the field is kept, except an index into `messages`, which points into the translated
+    chat and not the client's list, and the `.function.` level of OpenAI's tool shape. A
+    message that starts with that field's place starts with the API's.
     """
-    def fix(text: str) -> str:
-        for old, new in names:
-            if text == old or text.startswith((old + ".", old + "[", old + ":", old + " ")):
-                rest = text[len(old):]
-                if old == "messages" and rest.startswith("["):
-                    rest = rest[rest.find("]") + 1:]
-                return new + rest.replace(".function.", ".")
-        return text
+    field = exc.field
+    name = params.get(field) if field else None
+    if field is None or name is None:
+        return exc
 
-    return InvalidRequestError(fix(exc.message), param=fix(exc.param) if exc.param else None, code=exc.code)
+    def place(where: str) -> str:
+        rest = where[len(field):]
+        if field == "messages" and rest.startswith("["):
+            rest = rest[rest.find("]") + 1:]
+        return name + rest.replace(".function.", ".")
+
+    message = exc.message
+    lead = _PLACE.match(message)
+    if lead is not None and (lead.group() == field or lead.group().startswith((field + ".", field + "["))):
+        message = place(lead.group()) + message[lead.end():]
+    return InvalidRequestError(message, param=place(exc.param) if exc.param else None, code=exc.code,
+                               field=field)
 
 
 async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Receive, send: Send) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...engine import GenerationOptions
 from ...engine._text import media_refusal
 from .._openai import HTTPError, dumps
 
@@ -153,21 +154,18 @@ class MessagesRequest(_Conversation):
     ignore_eos: bool = Field(False, description="an extension (as on the OpenAI endpoints): "
                                                 "generate max_tokens tokens")
 
-    def engine_options(self) -> dict[str, Any]:
+    def to_options(self) -> GenerationOptions:
+        """The engine's options for this request: every field is read here, once (its tools
+        and format translated into OpenAI's shapes, a 400 where they cannot be)."""
         # Anthropic's max_tokens is a ceiling, and clients send large ones (Claude Code asks
         # for tens of thousands whatever the conversation's length): where the prompt fits but
         # the ceiling does not, the answer runs to the context's end, as Anthropic's newer
         # models do (stop_reason "model_context_window_exceeded").
-        opts: dict[str, Any] = {"max_tokens": self.max_tokens, "fit_max_tokens": True}
-        if self.ignore_eos:
-            opts["ignore_eos"] = True
-        if self.stop_sequences:
-            opts["stop"] = self.stop_sequences
-        for name in ("temperature", "top_p", "top_k"):
-            value = getattr(self, name)
-            if value is not None:
-                opts[name] = value
-        return opts
+        return GenerationOptions(
+            max_tokens=self.max_tokens, fit_max_tokens=True, stop=self.stop_sequences or None,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, ignore_eos=self.ignore_eos,
+            **self.structure(), continue_final_message=self.prefill(),
+        )
 
     def structure(self) -> dict[str, Any]:
         """`engine.chat`'s tools, tool_choice, parallel_tool_calls and response_format."""

@@ -20,12 +20,17 @@ from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCallDelta,
 from .._openai import ChoiceResult, HTTPError, dumps
 from .._records import COUNT_TOKENS_PATH as COUNT_TOKENS_PATH
 from .._records import MESSAGES_PATH as MESSAGES_PATH
-from .._wire import renamed
+from .._wire import api_error
 from ._protocol import CountTokensRequest, MessagesRequest, error_body, error_payload
 
-# The engine's (OpenAI chat's) parameter names, as this API names them (`_wire.renamed`).
-ENGINE_NAMES = (("response_format", "output_config.format"), ("stop", "stop_sequences"), ("tools", "tools"),
-                ("messages", "messages"))
+# This API's name for each `GenerationOptions` field `MessagesRequest.to_options` sets, and for
+# the messages: how an engine error names its parameter here (`_wire.api_error`).
+PARAMS = {
+    "max_tokens": "max_tokens", "fit_max_tokens": "max_tokens", "stop": "stop_sequences",
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "ignore_eos": "ignore_eos",
+    "tools": "tools", "tool_choice": "tool_choice", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+    "response_format": "output_config.format", "continue_final_message": "messages", "messages": "messages",
+}
 
 
 def stop_reason(fin: Finished, stop_sequences: Sequence[str], clamped: bool = False) -> tuple[str, str | None]:
@@ -43,7 +48,7 @@ def too_long(exc: ContextLengthExceededError) -> InvalidRequestError:
     """A prompt that does not fit, in Anthropic's wording (`prompt is too long: N tokens > M
     maximum`): the one Claude Code recognizes as an overflow, and compacts its conversation on."""
     if exc.prompt_tokens is None or exc.context_length is None:
-        return renamed(exc, ENGINE_NAMES)
+        return api_error(exc, PARAMS)
     return InvalidRequestError(f"prompt is too long: {exc.prompt_tokens} tokens > {exc.context_length} maximum",
                                param="messages", code=exc.code)
 
@@ -71,18 +76,16 @@ class MessagesCall:
         self.stream = req.stream
         # Translated here, so that a bad request gets its 400 before the engine sees it.
         self.messages = req.chat_messages()
-        self.structure = req.structure()
-        if req.prefill():
-            self.structure["continue_final_message"] = True
+        self.options = req.to_options()
         self.clamped = False  # max_tokens did not fit beside the prompt: the context's end is the limit
 
     async def start(self, engine: Engine) -> RequestStream:
         try:
-            stream = await engine.chat(self.messages, **self.structure, **self.req.engine_options()).__aenter__()
+            stream = await engine.chat(self.messages, self.options).__aenter__()
         except ContextLengthExceededError as exc:
             raise too_long(exc) from None
         except InvalidRequestError as exc:
-            raise renamed(exc, ENGINE_NAMES) from None
+            raise api_error(exc, PARAMS) from None
         self.clamped = stream.clamped
         return stream
 
@@ -125,7 +128,7 @@ class CountTokensCall:
         except ContextLengthExceededError as exc:
             raise too_long(exc) from None
         except InvalidRequestError as exc:
-            raise renamed(exc, ENGINE_NAMES) from None
+            raise api_error(exc, PARAMS) from None
         return dumps({"input_tokens": n})
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...engine import GenerationOptions
 from ...engine._text import media_refusal
 from .._openai import HTTPError, dumps
 
@@ -106,17 +107,13 @@ class ResponsesRequest(_Strict):
         if self.background:
             raise _bad("background", "background responses are not supported by this server")
 
-    def engine_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {}
-        if self.max_output_tokens is not None:
-            opts["max_tokens"] = self.max_output_tokens
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if value is not None:
-                opts[name] = value
-        if self.ignore_eos:
-            opts["ignore_eos"] = True
-        return opts
+    def to_options(self, tools: list[dict[str, Any]] | None = None) -> GenerationOptions:
+        """The engine's options for this request: every field is read here, once (`tools`
+        as `structure` takes them)."""
+        return GenerationOptions(
+            max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
+            ignore_eos=self.ignore_eos, **self.structure(tools),
+        )
 
     def structure(self, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """`engine.chat`'s tools (`tools`, as `ToolNames.chat_tools` made them; made here when

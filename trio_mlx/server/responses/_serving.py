@@ -38,14 +38,18 @@ from ...engine import (
 )
 from .._openai import ChoiceResult, HTTPError, dumps, new_id
 from .._records import RESPONSES_PATH as RESPONSES_PATH
-from .._wire import renamed
+from .._wire import api_error
 from ._protocol import ResponsesRequest
 
 log = logging.getLogger("trio_mlx.http")
 
-# The engine's (OpenAI chat's) parameter names, as this API names them (`_wire.renamed`).
-ENGINE_NAMES = (("response_format", "text.format"), ("max_tokens", "max_output_tokens"), ("tools", "tools"),
-                ("messages", "input"))
+# This API's name for each `GenerationOptions` field `ResponsesRequest.to_options` sets, and for
+# the messages: how an engine error names its parameter here (`_wire.api_error`).
+PARAMS = {
+    "max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p",
+    "ignore_eos": "ignore_eos", "tools": "tools", "tool_choice": "tool_choice",
+    "parallel_tool_calls": "parallel_tool_calls", "response_format": "text.format", "messages": "input",
+}
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -79,15 +83,15 @@ class ResponsesCall:
         if self.names.skipped:
             log.warning("a responses request named tools this server cannot run (hosted tools); left "
                         "out: %s", ", ".join(self.names.skipped))
-        self.structure = req.structure(self.names.chat_tools)
+        self.options = req.to_options(self.names.chat_tools)
         self.created = int(time.time())
 
     async def start(self, engine: Engine) -> RequestStream:
-        stream = engine.chat(self.messages, **self.structure, **self.req.engine_options())
+        stream = engine.chat(self.messages, self.options)
         try:
             return await stream.__aenter__()
         except InvalidRequestError as exc:
-            raise renamed(exc, ENGINE_NAMES) from None
+            raise api_error(exc, PARAMS) from None
 
     def response(self, rid: str, model: str, status: str, output: list[dict[str, Any]],
                  usage: Usage | None = None, error: HTTPError | None = None) -> dict[str, Any]:
