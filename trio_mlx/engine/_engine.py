@@ -74,7 +74,7 @@ from ._options import (
     check_sampling_defaults,
     usable_defaults,
 )
-from ._prompt import ChatEncoder, max_token_chars, prompt_chars
+from ._prompt import ChatEncoder, max_token_chars, prompt_chars, text_chars
 from ._structure import NO_STRUCTURE, Structure, check_structure, compile_structure
 from ._supervise import RestartBudget
 from ._text import HeldLogprobs, StopMatcher, keep_leading_space, normalize_messages
@@ -756,9 +756,28 @@ class Engine:
         kwargs = structure.template_kwargs()
         if continue_final_message:
             kwargs["continue_final_message"] = True
-        prompt = await trio.to_thread.run_sync(
-            self.encode_prompt, "chat", messages, kwargs or None, limiter=_tokenizer_limiter())
-        return len(prompt)
+        # The bounds and lanes of generation: a prompt that cannot fit is refused from its
+        # length, a very long one waits in the lane of its own (issue 35: 15.6 MB took 67 s).
+        return len(await self._encode("chat", messages, kwargs or None, 0))
+
+    async def _encode(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None,
+                      want: int) -> list[int]:
+        """The prompt's token ids, after the cheap bound (its text, the tools and everything
+        else the template renders, against the context with `want` answer tokens beside it),
+        on the event loop, in a worker thread or in the lane of very long prompts, by size."""
+        limit = self.context_length * self._max_token_chars  # past this no prompt fits: stop counting
+        size = prompt_chars(kind, value, limit)
+        if template_kwargs:  # tools of megabytes are prompt text too (issue 35)
+            size += text_chars(template_kwargs, limit and max(1, limit - size))
+        self._check_size_bound(kind, size, want)
+        work = size + (_MESSAGE_CHARS * len(value) if kind == "chat" and isinstance(value, Sequence) else 0)
+        if work > _BIG_TOKENIZE_CHARS:
+            return await self._tokenize_big(kind, value, template_kwargs)
+        if work > _THREAD_TOKENIZE_CHARS:
+            return await trio.to_thread.run_sync(
+                self.encode_prompt, kind, value, template_kwargs, limiter=_tokenizer_limiter()
+            )
+        return self.encode_prompt(kind, value, template_kwargs)
 
     async def _prepare(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None,
                        options: GenerationOptions) -> _Prepared:
@@ -766,17 +785,7 @@ class Engine:
         limit fitted beside it."""
         self._check_open()
         checked = check_options(options, self.sampling_defaults, self.info.vocab_size if self.info else 0)
-        size = prompt_chars(kind, value)
-        self._check_size_bound(kind, size, checked.least_answer)
-        work = size + (_MESSAGE_CHARS * len(value) if kind == "chat" and isinstance(value, Sequence) else 0)
-        if work > _BIG_TOKENIZE_CHARS:
-            prompt = await self._tokenize_big(kind, value, template_kwargs)
-        elif work > _THREAD_TOKENIZE_CHARS:
-            prompt = await trio.to_thread.run_sync(
-                self.encode_prompt, kind, value, template_kwargs, limiter=_tokenizer_limiter()
-            )
-        else:
-            prompt = self.encode_prompt(kind, value, template_kwargs)
+        prompt = await self._encode(kind, value, template_kwargs, checked.least_answer)
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "text" else "messages")
         room = self.context_length - len(prompt)

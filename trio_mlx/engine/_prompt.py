@@ -221,15 +221,41 @@ def max_token_chars(tokenizer: Any) -> int:
     return max((len(k) for k in vocab), default=0)
 
 
-def prompt_chars(kind: str, value: Any) -> int:
-    """Characters of client text in a prompt (chat contents, or the text prompt), read without
-    copying: what the cheap bound against the context counts. Token-id prompts count 0."""
+def text_chars(value: Any, limit: int = 0) -> int:
+    """Characters of the text in a JSON-like `value` as a template renders it: every string
+    (dict keys too; an empty one as 1) and 1 for any other scalar, a lower bound on what its
+    JSON takes. Read without copying; the walk stops once past `limit` (0: none), so its cost
+    is bounded by the limit, not by the value's size."""
+    total = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v) or 1
+        elif isinstance(v, Mapping):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        else:
+            total += 1
+        if limit and total > limit:
+            break
+    return total
+
+
+def prompt_chars(kind: str, value: Any, limit: int = 0) -> int:
+    """Characters of client text in a prompt (chat contents and tool calls' names and
+    arguments, or the text prompt), read without copying: what the cheap bound against the
+    context counts (`limit`: it may stop counting past it). Token-id prompts count 0."""
     if kind == "text":
         return len(value) if isinstance(value, str) else 0
     total = 0
     if isinstance(value, Sequence) and not isinstance(value, str):
         for msg in value:
-            content = msg.get("content") if isinstance(msg, Mapping) else None
+            if not isinstance(msg, Mapping):
+                continue
+            content = msg.get("content")
             if isinstance(content, str):
                 total += len(content)
             elif isinstance(content, Sequence):
@@ -237,4 +263,8 @@ def prompt_chars(kind: str, value: Any) -> int:
                     text = part.get("text") if isinstance(part, Mapping) else None
                     if isinstance(text, str):
                         total += len(text)
+            if calls := msg.get("tool_calls"):  # arguments of megabytes are text like any other
+                total += text_chars(calls, limit and max(1, limit - total))
+            if limit and total > limit:
+                break
     return total

@@ -1,0 +1,99 @@
+"""Hostile sizes refused before they cost anything, over the fake actor (issue 35): tool text
+(definitions, call arguments) on every API, Anthropic's count_tokens, token-id prompts of
+millions of ids. Each is refused in its API's shape within a second while `/health` keeps
+answering (a client polls it throughout and its slowest answer is asserted)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from app_server import CHAT, assert_error, fake_factory, serve
+
+pytestmark = pytest.mark.timeout(60)
+
+MESSAGES = "/v1/messages"
+COUNT = "/v1/messages/count_tokens"
+RESPONSES = "/v1/responses"
+HUGE = "x" * 15_000_000  # 15 MB: under the 16 MiB body limit
+USER = {"role": "user", "content": "Hello there"}
+
+
+@asynccontextmanager
+async def health_watch(client: httpx.AsyncClient) -> AsyncIterator[list[float]]:
+    """Polls `/health` every 20 ms meanwhile; yields the latencies (seconds) seen so far."""
+    seen: list[float] = []
+
+    async def poll() -> None:
+        while True:
+            t0 = time.perf_counter()
+            r = await client.get("/health")
+            assert r.status_code == 200
+            seen.append(time.perf_counter() - t0)
+            await trio.sleep(0.02)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poll)
+        yield seen
+        nursery.cancel_scope.cancel()
+
+
+def openai_shape(r: httpx.Response) -> None:
+    assert_error(r, 400, code="context_length_exceeded")
+
+
+def anthropic_shape(r: httpx.Response) -> None:
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    assert body["error"]["message"].startswith("prompt is too long"), body
+
+
+FN = {"type": "function", "function": {"name": "f", "description": HUGE, "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "' + HUGE + '"}'}}
+CASES: dict[str, tuple[str, dict[str, Any], Callable[[httpx.Response], None]]] = {
+    "chat tools": (CHAT, {"messages": [USER], "tools": [FN], "max_tokens": 2}, openai_shape),
+    "chat tool_calls": (CHAT, {"max_tokens": 2, "messages": [
+        USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}, openai_shape),
+    "anthropic tools": (MESSAGES, {"model": "model", "max_tokens": 2, "messages": [USER], "tools": [
+        {"name": "f", "description": HUGE, "input_schema": {"type": "object"}}]}, anthropic_shape),
+    "anthropic tool_use": (MESSAGES, {"model": "model", "max_tokens": 2, "messages": [
+        USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"a": HUGE}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]},
+        anthropic_shape),
+    "count_tokens": (COUNT, {"model": "model", "messages": [{"role": "user", "content": HUGE}]}, anthropic_shape),
+    "count_tokens tools": (COUNT, {"model": "model", "messages": [USER], "tools": [
+        {"name": "f", "description": HUGE, "input_schema": {"type": "object"}}]}, anthropic_shape),
+    "responses tools": (RESPONSES, {"input": "Hello", "max_output_tokens": 16, "tools": [
+        {"type": "function", "name": "f", "description": HUGE, "parameters": {"type": "object"}}]}, openai_shape),
+    "responses function_call": (RESPONSES, {"max_output_tokens": 16, "input": [
+        {"role": "user", "content": "Hello"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": "' + HUGE + '"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}, openai_shape),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_tool_text_of_megabytes_is_refused_from_its_length_while_health_answers(tool_model_fp32, case):
+    """15.6 MB in a tool's description or a call's arguments froze /health for 34-51 s: only
+    message content was counted, so the template rendered and tokenized it on the event loop."""
+    path, body, shape = CASES[case]
+    async with serve(tool_model_fp32, factory=fake_factory()) as server, server.client(timeout=30) as client:
+        async with health_watch(client) as seen:
+            await trio.sleep(0.1)
+            t0 = time.perf_counter()
+            r = await client.post(path, json=body)
+            took = time.perf_counter() - t0
+            await trio.sleep(0.1)
+        shape(r)
+        assert took < 1.0, took  # measured: 0.22-0.65 s on the shared 2-core box
+        assert seen and max(seen) < 1.0, max(seen)  # measured: 0.02-0.41 s
+        # and the server serves on
+        r = await client.post(CHAT, json={"messages": [USER], "max_tokens": 2})
+        assert r.status_code == 200, r.text
