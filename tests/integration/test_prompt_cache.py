@@ -628,3 +628,54 @@ def test_the_disk_tier_keeps_the_newest_entries_that_fit_its_bound(tmp_path):
     assert load(small, tmp_path, 2) == 1 and small.keys() == [entries[0]]
     assert load(PromptCache(1 << 30), tmp_path, 3) == 0  # a model of another depth: nothing fits
     assert list(tmp_path.glob("*.safetensors")) == []  # and what does not fit the model is dropped
+
+
+async def test_a_cache_salt_keeps_prompts_apart_and_the_same_salt_shares(tiny_model_fp32):
+    """The prompt cache was an oracle across users: `cached_tokens` told one user how much of
+    another's prompt it had guessed (issue 35). A salt partitions it, as vLLM's `cache_salt`."""
+    prompt = ids(200, 3)
+    (expected,) = await cold_runs(tiny_model_fp32, [(prompt, 6)])
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8) as engine:
+        cached = {}
+        for label, salt in [("alice", "a"), ("bob", "b"), ("shared", None), ("alice again", "a"),
+                            ("shared again", None), ("bob again", "b")]:
+            got, _, fin = await run(engine, prompt, max_tokens=6, cache_salt=salt, **GREEDY)
+            assert got == expected, label  # a hit under a salt computes the cold run's tokens
+            cached[label] = fin.usage.cached_tokens
+        # the same prompts in two partitions: both entries stay, neither extends the other
+        together = [engine.generate(prompt, max_tokens=6, cache_salt=s, **GREEDY) for s in ("c", "d")]
+        async with together[0], together[1]:
+            pair = [(await collect(st))[2].usage.cached_tokens for st in together]
+    full = len(prompt) - 1  # the last prompt token always runs for its logits
+    assert cached == {"alice": 0, "bob": 0, "shared": 0, "alice again": full, "shared again": full,
+                      "bob again": full}
+    assert pair == [0, 0]  # arriving together, neither waited for the other's prefill
+
+
+async def test_api_keys_keep_their_own_prompt_cache_when_isolated(tiny_model_fp32):
+    """`prompt_cache_isolation` "key": two API keys of one server share nothing; one key's
+    requests share as before, and a cache_salt partitions a key's part further."""
+    text = " ".join(f"w{i}" for i in range(200))
+    body = {"prompt": text, "max_tokens": 2, "temperature": 0}
+
+    async def cached(client, key: str, **extra) -> int:
+        r = await client.post(COMPLETIONS, json={**body, **extra}, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async with serve(tiny_model_fp32, api_key="key-one, key-two", prompt_cache_isolation="key") as server, \
+            server.client() as client:
+        assert await cached(client, "key-one") == 0
+        assert await cached(client, "key-two") == 0
+        assert await cached(client, "key-one") > 0
+        assert await cached(client, "key-two") > 0
+        assert await cached(client, "key-one", cache_salt="s") == 0
+        assert await cached(client, "key-one", cache_salt="s") > 0
+        r = await client.post(COMPLETIONS, json=body, headers={"Authorization": "Bearer key-three"})
+        assert r.status_code == 401
+    async with serve(tiny_model_fp32, api_key="key-one,key-two") as server, server.client() as client:
+        assert await cached(client, "key-one") == 0
+        assert await cached(client, "key-two") > 0  # shared: the default, documented
+        r = await client.post(CHAT, json={"messages": [{"role": "user", "content": text}], "max_tokens": 2,
+                                          "cache_salt": ""}, headers={"Authorization": "Bearer key-one"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

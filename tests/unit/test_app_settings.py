@@ -27,9 +27,16 @@ def test_environment_variables_are_parsed_strictly():
     for var, value in [("TRIO_MLX_MAX_BATCH", "many"), ("TRIO_MLX_WARMUP", "perhaps"),
                        ("TRIO_MLX_STALL_TIMEOUT", "0"), ("TRIO_MLX_MAX_BATCH", "0"),
                        ("TRIO_MLX_PING_INTERVAL", "nan"), ("TRIO_MLX_LOG_LEVEL", "loud"),
-                       ("TRIO_MLX_PROMPT_CACHE_DISK_GB", "-1")]:
+                       ("TRIO_MLX_PROMPT_CACHE_DISK_GB", "-1"), ("TRIO_MLX_PROMPT_CACHE_ISOLATION", "user")]:
         with pytest.raises(ValueError, match=var.removeprefix("TRIO_MLX_").lower() + "|" + var):
             Settings.from_env({var: value})
+
+
+def test_prompt_cache_isolation_by_key_needs_keys():
+    s = Settings.from_env({"TRIO_MLX_API_KEY": "a,b", "TRIO_MLX_PROMPT_CACHE_ISOLATION": "key"})
+    assert s.prompt_cache_isolation == "key" and Settings.from_env({}).prompt_cache_isolation == "shared"
+    with pytest.raises(ValueError, match="needs api_key"):
+        Settings.from_env({"TRIO_MLX_PROMPT_CACHE_ISOLATION": "key"})
 
 
 def test_the_prompt_caches_disk_tier_needs_a_single_rank():

@@ -745,7 +745,7 @@ class Actor:
             if (g := seq.grammar) is not None and g.error:
                 self._failed_rows.append((seq.rid, f"constrained decoding failed: {g.error}"))
         elif reason is not None:
-            self._reuse.finished(seq.uid, seq.prompt_len + seq.generated)
+            self._reuse.finished(seq.uid, seq.prompt_len + seq.generated, seq.cache_salt)
         return reason
 
     def _add_logprobs(self, out: list[TokenOut], rows: list[tuple[int, Any, Seq]]) -> None:

@@ -57,6 +57,8 @@ def save(cache: PromptCache, where: Path, max_bytes: int) -> int:
     kept: list[Any] = []
     total = 0
     for entry in reversed(cache.entries()):  # the newest first
+        if type(entry.key[0]) is not int:  # salted: kept apart in memory only, never written down
+            continue
         if total + entry.nbytes <= max_bytes:
             kept.append(entry)
             total += entry.nbytes

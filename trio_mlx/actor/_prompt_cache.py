@@ -31,6 +31,12 @@ and looks up is `_reuse.py`. mlx_lm.server's `LRUPromptCache` (and its
 - it bounds entries by count first, and has no eviction counter or pressure hook.
 It keeps `LRUPromptCache`'s rule that an entry which extends another makes the
 shorter one redundant (both are served from the longer).
+
+A salt (a request's `cache_salt`, the server's key isolation) keeps entries apart:
+an entry stored under one salt is found only by lookups with the same salt, so
+one user's `cached_tokens` cannot reveal another's prompt (issue 35). The salt
+joins the first id of the entry's key, so every block hash, prefix comparison and
+redundancy rule above works on salted keys unchanged; no salt is the shared cache.
 """
 
 from __future__ import annotations
@@ -99,13 +105,20 @@ def budget(gb: float | None) -> tuple[int, int | None]:
 @dataclass(slots=True)
 class _Entry:
     eid: int
-    key: tuple[int, ...]
+    key: tuple[Any, ...]  # the token ids, the first paired with the salt if any (`keyed`)
     layers: list[Any]  # one KVCache per layer, batch 1, exactly len(key) tokens
     nbytes: int
     blocks: list[int]  # the chained hashes of its full blocks
 
 
-def _block_hashes(tokens: tuple[int, ...], limit: int | None = None) -> list[int]:
+def keyed(tokens: Sequence[int], salt: str = "") -> tuple[Any, ...]:
+    """The cache's key for `tokens` under `salt`: the ids themselves without one, else with
+    the first id paired with the salt, so that no key of another salt shares a prefix."""
+    key = tuple(tokens)
+    return ((salt, key[0]), *key[1:]) if salt and key else key
+
+
+def _block_hashes(tokens: tuple[Any, ...], limit: int | None = None) -> list[int]:
     """Chained hashes of the full `BLOCK`-token blocks of `tokens` (at most `limit`)."""
     out: list[int] = []
     h = 0
@@ -144,7 +157,7 @@ class PromptCache:
         # tuple is kept, so its id is not reused): one admission asks about each of its prompts
         # up to four times (`_reuse.Reuse.split`, `even`, `lookup`, then `fetch`), ~0.1 ms
         # each for an 8k-token prompt on the CPU machine, on the actor thread.
-        self._memo: dict[int, tuple[tuple[int, ...], _Entry | None, int]] = {}
+        self._memo: dict[int, tuple[tuple[int, ...], str, _Entry | None, int]] = {}
         self.nbytes = 0
         self.lookups = 0
         self.hits = 0
@@ -162,7 +175,7 @@ class PromptCache:
         """The entries, least recently used first (the disk tier writes them)."""
         return list(self._lru.values())
 
-    def keys(self) -> list[tuple[int, ...]]:
+    def keys(self) -> list[tuple[Any, ...]]:
         """The entries' token ids, least recently used first."""
         return [e.key for e in self._lru.values()]
 
@@ -172,7 +185,7 @@ class PromptCache:
 
     # -- lookups -------------------------------------------------------------------
 
-    def _match(self, tokens: tuple[int, ...]) -> tuple[_Entry | None, int]:
+    def _match(self, tokens: tuple[Any, ...]) -> tuple[_Entry | None, int]:
         """The entry sharing the longest prefix with `tokens`, and its length: the prompt's
         blocks are walked while some entry holds them, then the entries holding the last
         one (the newest `_CANDIDATES`) are compared token by token within the next block.
@@ -200,24 +213,24 @@ class PromptCache:
             return None, 0  # the blocks' hashes collided (never seen; checked all the same)
         return best
 
-    def longest(self, prompt: Sequence[int]) -> tuple[_Entry | None, int]:
-        """The entry sharing the longest prefix with `prompt` and how many of its tokens
-        serve it: never the whole prompt (its last token must be prefilled for logits)."""
+    def longest(self, prompt: Sequence[int], salt: str = "") -> tuple[_Entry | None, int]:
+        """The entry under `salt` sharing the longest prefix with `prompt` and how many of its
+        tokens serve it: never the whole prompt (its last token must be prefilled for logits)."""
         if not self._lru or len(prompt) < 2:
             return None, 0
         if type(prompt) is tuple:  # immutable: its answer holds until the entries change
             memo = self._memo.get(id(prompt))
-            if memo is not None and memo[0] is prompt:
-                return memo[1], memo[2]
-        entry, n = self._match(tuple(prompt))
+            if memo is not None and memo[0] is prompt and memo[1] == salt:
+                return memo[2], memo[3]
+        entry, n = self._match(keyed(prompt, salt))
         n = min(n, len(prompt) - 1)
         if type(prompt) is tuple:
             if len(self._memo) >= _MEMO:
                 self._memo.clear()
-            self._memo[id(prompt)] = (prompt, entry, n)
+            self._memo[id(prompt)] = (prompt, salt, entry, n)
         return entry, n
 
-    def fetch(self, prompt: Sequence[int], limit: int | None = None) -> tuple[list[Any] | None, int]:
+    def fetch(self, prompt: Sequence[int], limit: int | None = None, salt: str = "") -> tuple[list[Any] | None, int]:
         """Caches holding the longest cached prefix of `prompt` (at most `limit` tokens), for
         `BatchGenerator.insert(caches=...)`, and its length; (None, 0) on a miss.
 
@@ -227,7 +240,7 @@ class PromptCache:
         if not self.enabled:
             return None, 0
         self.lookups += 1
-        entry, n = self.longest(prompt)
+        entry, n = self.longest(prompt, salt)
         if limit is not None:
             n = min(n, limit)
         if entry is None or n <= 0:
@@ -244,13 +257,14 @@ class PromptCache:
 
     # -- entries -------------------------------------------------------------------
 
-    def store(self, tokens: Sequence[int], layers: list[Any]) -> bool:
+    def store(self, tokens: Sequence[int], layers: list[Any], salt: str = "") -> bool:
         """Keep `layers` (one single-row `KVCache` per layer holding exactly `tokens`) as
-        an entry; returns whether it was kept. An entry that a longer one already holds is
-        not; entries it extends are dropped (a prefix of an entry is served from it)."""
+        an entry under `salt`; returns whether it was kept. An entry that a longer one
+        already holds is not; entries it extends are dropped (a prefix of an entry is
+        served from it)."""
         if not self.enabled or len(tokens) < BLOCK:
             return False
-        key = tuple(tokens)
+        key = keyed(tokens, salt)
         nbytes = sum(kv.keys.nbytes + kv.values.nbytes for kv in layers)
         if nbytes > self.max_bytes:
             return False
@@ -271,7 +285,7 @@ class PromptCache:
         self.shrink(self.max_bytes)
         return True
 
-    def _prefixes_of(self, key: tuple[int, ...], blocks: list[int]) -> list[int]:
+    def _prefixes_of(self, key: tuple[Any, ...], blocks: list[int]) -> list[int]:
         """Entries that are proper prefixes of `key`: each shares all its full blocks with
         it, so it ends where `key`'s blocks pass."""
         out = []

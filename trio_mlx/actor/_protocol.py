@@ -90,6 +90,9 @@ class Submit:
     # Constrained decoding: the actor masks this row's logits to the grammar
     # (`_constrain.GrammarProcessor`), inside the shared batch (rule 5).
     grammar: Grammar | None = None
+    # The prompt cache's partition (`_prompt_cache.keyed`): only requests of one salt share
+    # cached prefixes; "" is the shared cache.
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)

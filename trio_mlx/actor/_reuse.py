@@ -48,15 +48,18 @@ class Reuse:
       its prompt and answer are stored, cut to the tokens it really produced.
     - An aborted or failed row stores nothing after it: an entry only ever holds a
       prompt that was wholly prefilled or a sequence that finished.
+
+    Every lookup and store is under the request's `cache_salt`, and a request waits only
+    for a prefill of its own salt: requests of different salts share nothing.
     """
 
     def __init__(self, cache: PromptCache):
         self.cache = cache
         self._store_at_prefill: set[int] = set()  # rids whose prompt is stored when prefilled
-        self._prefilling: dict[int, tuple[int, ...]] = {}  # rid -> prompt, entered and not yet prefilled
+        self._prefilling: dict[int, Any] = {}  # rid -> Submit, entered and not yet prefilled
         self._waiting: dict[int, list[Any]] = {}  # leader rid -> Submits waiting for its prefill
         self._parked: dict[int, int] = {}  # waiting rid -> its leader's rid
-        self._finishing: dict[int, int] = {}  # uid of a finished row -> tokens to store
+        self._finishing: dict[int, tuple[int, str]] = {}  # uid of a finished row -> (tokens to store, salt)
         self._last_stats: tuple[int, ...] = ()
 
     @property
@@ -71,13 +74,13 @@ class Reuse:
         which see no arrivals (`mark`)."""
         if not self._prefilling or not self.cache.enabled:
             return None
-        prompt = sub.prompt
+        prompt, salt = sub.prompt, sub.cache_salt
         floor = share_floor(len(prompt))
         for rid, other in self._prefilling.items():
-            if rid in self._store_at_prefill:
+            if rid in self._store_at_prefill or other.cache_salt != salt:
                 continue
-            shared = common_prefix(prompt, other, len(prompt) - 1)
-            if shared >= floor and shared - self.cache.longest(prompt)[1] >= floor:
+            shared = common_prefix(prompt, other.prompt, len(prompt) - 1)
+            if shared >= floor and shared - self.cache.longest(prompt, salt)[1] >= floor:
                 self._store_at_prefill.add(rid)
                 return rid
         return None
@@ -97,11 +100,13 @@ class Reuse:
             cap = len(prompt) - 1
             leader, shared = None, 0
             for e in enter:
+                if e.cache_salt != s.cache_salt:
+                    continue
                 n = common_prefix(prompt, e.prompt, cap)
                 if n > shared:
                     leader, shared = e, n
             if leader is not None and shared >= share_floor(len(prompt)):
-                held = self.cache.longest(prompt)[1]
+                held = self.cache.longest(prompt, s.cache_salt)[1]
                 if shared - held >= share_floor(len(prompt)):
                     self._waiting.setdefault(leader.rid, []).append(s)
                     self._parked[s.rid] = leader.rid
@@ -122,7 +127,7 @@ class Reuse:
         prompt among follow-ups) wait for the next group, the longest hits going first."""
         if not self.cache.enabled or len(subs) < 2:
             return subs, []
-        held = [self.cache.longest(s.prompt)[1] for s in subs]
+        held = [self.cache.longest(s.prompt, s.cache_salt)[1] for s in subs]
         floor = max(held) - slack
         return ([s for s, n in zip(subs, held, strict=True) if n >= floor],
                 [s for s, n in zip(subs, held, strict=True) if n < floor])
@@ -138,12 +143,12 @@ class Reuse:
         caches: list[Any] = []
         counts: list[int] = []
         cache.relieve()  # before these prefill: under pressure the cache gives way first
-        limit = min(cache.longest(s.prompt)[1] for s in subs) // grain * grain
+        limit = min(cache.longest(s.prompt, s.cache_salt)[1] for s in subs) // grain * grain
         for s in subs:
-            kv, n = cache.fetch(s.prompt, limit)
+            kv, n = cache.fetch(s.prompt, limit, s.cache_salt)
             caches.append(kv)
             counts.append(n)
-            self._prefilling[s.rid] = s.prompt
+            self._prefilling[s.rid] = s
             if len(s.prompt) >= LONG_PROMPT:
                 self._store_at_prefill.add(s.rid)
         if not any(counts):
@@ -177,36 +182,38 @@ class Reuse:
                 self._prefilling.pop(rid, None)
             return []
         self.cache.relieve()
-        for layers, tokens in copy_rows(bg, marked).values():
-            self.cache.store(tokens, layers)
+        salts = {uid: sub.cache_salt for rid, uid, _ in rows if (sub := self._prefilling.get(rid)) is not None}
+        for uid, (layers, tokens) in copy_rows(bg, marked).items():
+            self.cache.store(tokens, layers, salts.get(uid, ""))
         released: list[Any] = []
         for rid, _, _ in rows:
             released += self.left(rid)
         return released
 
-    def finished(self, uid: int, tokens: int) -> None:
+    def finished(self, uid: int, tokens: int, salt: str = "") -> None:
         """A row finished (not aborted) with `tokens` in its cache that are its own; they
-        are stored when the row leaves the batch (`leaving`)."""
+        are stored under `salt` when the row leaves the batch (`leaving`)."""
         if self.cache.enabled:
-            self._finishing[uid] = tokens
+            self._finishing[uid] = (tokens, salt)
 
     def leaving(self, bg: Any, uids: list[int]) -> None:
         """Rows about to be removed: store the finished ones' prompts and answers."""
         if not self._finishing:
             return
-        lengths = {uid: n for uid in uids if (n := self._finishing.pop(uid, None)) is not None}
-        if not lengths:
+        found = {uid: f for uid in uids if (f := self._finishing.pop(uid, None)) is not None}
+        if not found:
             return
         self.cache.relieve()
-        for layers, tokens in copy_rows(bg, lengths).values():
-            self.cache.store(tokens, layers)
+        for uid, (layers, tokens) in copy_rows(bg, {uid: n for uid, (n, _) in found.items()}).items():
+            self.cache.store(tokens, layers, found[uid][1])
 
     def dropped(self, uid: int, layers: list[Any] | None, tokens: list[int] | None) -> None:
         """A finished row the generator removed itself (its own max_tokens), with the
         cache it extracted (`GenerationBatch.Response.prompt_cache`)."""
-        n = self._finishing.pop(uid, None)
-        if n is None or not layers or not tokens:
+        found = self._finishing.pop(uid, None)
+        if found is None or not layers or not tokens:
             return
+        n, salt = found
         n = min(n, len(tokens), *(kv.offset for kv in layers))
         cut = []
         for kv in layers:
@@ -217,7 +224,7 @@ class Reuse:
             c.offset = n
             cut.append(c)
         self.cache.relieve()
-        self.cache.store(tokens[:n], cut)
+        self.cache.store(tokens[:n], cut, salt)
 
     def reset(self, *, failed: bool) -> list[Any]:
         """The batch was thrown away; forget its rows. After a failed step the cache is

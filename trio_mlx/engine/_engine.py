@@ -583,7 +583,7 @@ class Engine:
         raise EngineClosedError("the engine is shutting down" if self.state == "draining" else "the engine is closed")
 
     def _submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int],
-                grammar: Grammar | None = None) -> _Request:
+                grammar: Grammar | None = None, cache_salt: str = "") -> _Request:
         self._check_open()
         sc = self._stage_counts
         free_slots = max(0, self.max_batch - sc["prefill"] - sc["decode"])
@@ -604,7 +604,7 @@ class Engine:
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._c.submitted += 1
         assert self._inbox_send is not None
-        self._to_actor(Submit(rid, tuple(prompt), max_tokens, sampling, stops, grammar))
+        self._to_actor(Submit(rid, tuple(prompt), max_tokens, sampling, stops, grammar, cache_salt))
         return req
 
     # -- public API ------------------------------------------------------------
@@ -911,7 +911,8 @@ class RequestStream:
             keep_leading_space(self._detok)
         self._held_logprobs = HeldLogprobs()
         self._hidden = engine._special_ids
-        self._req = engine._submit(p.prompt, p.max_tokens, p.checked.sampling, stop_ids, grammar)
+        self._req = engine._submit(p.prompt, p.max_tokens, p.checked.sampling, stop_ids, grammar,
+                                   p.checked.cache_salt)
         self._recv = self._req.recv
         return self
 

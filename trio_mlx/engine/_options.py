@@ -32,6 +32,8 @@ MAX_STOP_STRINGS = 16
 # step's check of held text take 0.8 s, on the event loop). Judgement.
 MAX_STOP_CHARS = 1024
 MAX_TOP_LOGPROBS = 20
+# A salt names a partition of the prompt cache, not a document. Judgement.
+MAX_CACHE_SALT_CHARS = 1024
 # The fields a model's generation_config.json may set for the requests that leave them out
 # (`Engine.sampling_defaults`): the ones vLLM reads from it by default.
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -79,6 +81,10 @@ class GenerationOptions:
     # Continue the last message, the assistant's, rather than answer it (a prefill).
     continue_final_message: bool = False
     chat_template_kwargs: Mapping[str, Any] | None = None
+    # The prompt cache's partition, as vLLM's `cache_salt`: the request reuses and leaves
+    # cached prefixes only among requests of the same salt, so that its `cached_tokens`
+    # reveal nothing of other users' prompts. None: the shared cache.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,7 @@ class Checked:
     ignore_eos: bool
     max_tokens: int | None  # as asked; None: the engine's default
     fit_max_tokens: bool
+    cache_salt: str = ""  # "": the shared prompt cache
 
     @property
     def least_answer(self) -> int:
@@ -158,8 +165,12 @@ def check_options(o: GenerationOptions, defaults: Mapping[str, Any], vocab: int)
     stop_ids = tuple(o.stop_token_ids or ())
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (vocab or 2**31) for i in stop_ids):
         raise InvalidRequestError("stop_token_ids must be token ids of this model", param="stop_token_ids")
+    salt = o.cache_salt
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                  "characters", param="cache_salt")
     return Checked(sampling, _stops(o.stop), frozenset(stop_ids), bool(o.ignore_eos), o.max_tokens,
-                   bool(o.fit_max_tokens))
+                   bool(o.fit_max_tokens), salt or "")
 
 
 def _logit_bias(given: Any, vocab: int) -> tuple[tuple[int, float], ...]:

@@ -57,31 +57,43 @@ def request_id(scope: Scope, default: str) -> str:
     return default
 
 
+def _matching(given: str, api_key: str) -> str | None:
+    """Which of the configured keys (`api_key`: one, or several separated by commas) `given`
+    is, if any; each compared in constant time, and all of them whatever matched."""
+    found = None
+    for key in api_key.split(","):
+        if (key := key.strip()) and hmac.compare_digest(given.strip().encode(), key.encode()):
+            found = key
+    return found
+
+
 def check_api_key(authorization: str | bytes | None, api_key: str | None, *,
-                  x_api_key: str | bytes | None = None, accept_x_api_key: bool = False) -> None:
-    """Raise 401 unless `Authorization: Bearer <api_key>` (when a key is configured).
+                  x_api_key: str | bytes | None = None, accept_x_api_key: bool = False) -> str | None:
+    """Raise 401 unless `Authorization: Bearer <key>` names a configured key (when any is
+    configured: `api_key`, several separated by commas); returns the key (None: no keys).
 
     With `accept_x_api_key` (Anthropic's API, whose clients send the key that
-    way), `x-api-key: <api_key>` (the header's value as `x_api_key`) does too.
+    way), `x-api-key: <key>` (the header's value as `x_api_key`) does too.
     """
     if not api_key:
-        return
+        return None
     if accept_x_api_key and x_api_key is not None:
         if isinstance(x_api_key, bytes):
             x_api_key = x_api_key.decode("latin-1")
-        if hmac.compare_digest(x_api_key.strip().encode(), api_key.encode()):
-            return
+        if (found := _matching(x_api_key, api_key)) is not None:
+            return found
     if isinstance(authorization, bytes):
         authorization = authorization.decode("latin-1")
     scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise HTTPError(
-            401,
-            "a valid API key is required: send 'Authorization: Bearer <key>'"
-            + (" or 'x-api-key: <key>'" if accept_x_api_key else ""),
-            code="invalid_api_key",
-            headers=[("WWW-Authenticate", "Bearer")],
-        )
+    if scheme.lower() == "bearer" and (found := _matching(token, api_key)) is not None:
+        return found
+    raise HTTPError(
+        401,
+        "a valid API key is required: send 'Authorization: Bearer <key>'"
+        + (" or 'x-api-key: <key>'" if accept_x_api_key else ""),
+        code="invalid_api_key",
+        headers=[("WWW-Authenticate", "Bearer")],
+    )
 
 
 def cors_headers(origin: str | bytes | None, allowed: Sequence[str], *, preflight: bool = False) -> RawHeaders:

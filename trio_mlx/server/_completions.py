@@ -21,6 +21,8 @@ their whole answers with their own builder and error shape.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 import trio
 
 from .._errors import TrioMLXError
-from ..engine import Finished, RequestStream, TextDelta, ToolCallDelta, ToolCalls
+from ..engine import Finished, GenerationOptions, RequestStream, TextDelta, ToolCallDelta, ToolCalls
 from ._asgi import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -321,13 +323,30 @@ async def read_json_request(scope: Scope, receive: Receive, app: ServerHost, int
     if scope["method"] != "POST":
         raise HTTPError(405, f"method {scope['method']} is not allowed on {scope['path']}",
                         code="method_not_allowed", headers=[("Allow", "POST, OPTIONS")])
-    check_api_key(header(scope, b"authorization"), settings.api_key,
-                  x_api_key=header(scope, b"x-api-key"), accept_x_api_key=accept_x_api_key)
+    key = check_api_key(header(scope, b"authorization"), settings.api_key,
+                        x_api_key=header(scope, b"x-api-key"), accept_x_api_key=accept_x_api_key)
     require_json(scope)  # no preflight-free cross-origin POSTs (_guard.py)
     body = await read_body(scope, receive, settings.max_body_bytes, settings.body_timeout)
     scope[BODY_READ] = True
-    return await parse_request(body, into, max_messages=settings.max_messages,
+    call = await parse_request(body, into, max_messages=settings.max_messages,
                                context_length=app.engine.context_length if app.engine is not None else 0)
+    if key is not None and settings.prompt_cache_isolation == "key":
+        salt_by_key(call, key)
+    return call
+
+
+def salt_by_key(call: Any, key: str) -> None:
+    """Put a request under its API key's part of the prompt cache (`prompt_cache_isolation`
+    "key"): its cache_salt becomes the key's digest (never the key itself), followed by the
+    request's own salt if any. `call` is a request model whose options are built later
+    (OpenAI's: its `cache_salt`) or a call holding them (`options`)."""
+    part = "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
+    options = getattr(call, "options", None)
+    if isinstance(options, GenerationOptions):
+        own = options.cache_salt
+        call.options = dataclasses.replace(options, cache_salt=part + ("/" + own if own else ""))
+    elif hasattr(call, "cache_salt"):
+        call.cache_salt = part + ("/" + call.cache_salt if call.cache_salt else "")
 
 
 def _record_finish(rec: RequestRecord, fins: list[Finished]) -> None:

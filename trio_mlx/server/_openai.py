@@ -226,6 +226,8 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = Field(None, description="vLLM's: the prompt cache is shared only among "
+                                   "requests of the same salt, so cached_tokens reveal no other user's prompt")
 
     def _shared_options(self) -> dict[str, Any]:
         """The `GenerationOptions` fields both endpoints take alike, by the record's names."""
@@ -236,6 +238,7 @@ class _Sampling(_Strict):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias or None,  # the engine checks the ids
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            cache_salt=self.cache_salt,
         )
 
     @property

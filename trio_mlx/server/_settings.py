@@ -89,7 +89,12 @@ class Settings:
         "(open streams / rate) seconds, at most 0.25, between events, so under load tokens "
         "coalesce into fewer events and the event loop leaves the GIL to the GPU actor; 0: off"))
     api_key: str | None = field(default=None, metadata=_doc(
-        "require 'Authorization: Bearer <key>' on /v1/* when set", secret=True))
+        "require 'Authorization: Bearer <key>' on /v1/* when set; several keys separated by commas",
+        secret=True))
+    prompt_cache_isolation: str = field(default="shared", metadata=_doc(
+        "who shares the prompt cache: 'shared' (every request, as the cached_tokens of each show: "
+        "one user can learn another's prompt from them) or 'key' (only requests made with the same "
+        "API key; needs api_key). A request's cache_salt partitions it further in either case"))
     cors_origins: tuple[str, ...] = field(default=(), metadata=_doc(
         "comma-separated origins allowed by CORS ('*' for any); empty: no CORS headers"))
     allowed_hosts: tuple[str, ...] = field(default=(), metadata=_doc(
@@ -149,6 +154,10 @@ class Settings:
                 raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
+        if self.prompt_cache_isolation not in ("shared", "key"):
+            raise ValueError(f"prompt_cache_isolation must be 'shared' or 'key', got {self.prompt_cache_isolation!r}")
+        if self.prompt_cache_isolation == "key" and not self.api_key:
+            raise ValueError("prompt_cache_isolation 'key' needs api_key: without keys every request is one user's")
         if self.actor not in ("thread", "process"):
             raise ValueError(f"actor must be 'thread' or 'process', got {self.actor!r}")
         if self.distributed not in (None, "tensor", "pipeline"):

@@ -94,6 +94,8 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     ignore_eos: bool = Field(False, description="an extension (as on the chat endpoint): "
                                                 "generate max_output_tokens tokens")
+    cache_salt: str | None = Field(None, description="an extension (as on the chat endpoint): the prompt "
+                                   "cache is shared only among requests of the same salt")
 
     def check(self) -> None:
         if self.previous_response_id is not None:
@@ -112,7 +114,7 @@ class ResponsesRequest(_Strict):
         as `structure` takes them)."""
         return GenerationOptions(
             max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
-            ignore_eos=self.ignore_eos, **self.structure(tools),
+            ignore_eos=self.ignore_eos, cache_salt=self.cache_salt, **self.structure(tools),
         )
 
     def structure(self, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -49,6 +49,7 @@ PARAMS = {
     "max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p",
     "ignore_eos": "ignore_eos", "tools": "tools", "tool_choice": "tool_choice",
     "parallel_tool_calls": "parallel_tool_calls", "response_format": "text.format", "messages": "input",
+    "cache_salt": "cache_salt",
 }
 
 
