@@ -99,6 +99,9 @@ _MESSAGE_CHARS = 40
 # _BIG_TOKENIZE_WAITING of them wait (more: 429). Judgement calls.
 _BIG_TOKENIZE_CHARS = 256 * 1024
 _BIG_TOKENIZE_WAITING = 8
+# count_tokens counts a prompt that does not fit, too (a client checks before it sends), up to
+# this many contexts' worth; past that it is refused from its length as generation is. Judgement.
+_COUNT_CONTEXTS = 4
 # The most tokens an answer gets when its request names no max_tokens (0: up to the context's
 # end, as OpenAI and vLLM do). A model that never writes its end-of-sequence token, or one
 # looping on a question it cannot answer, would otherwise generate until the context is full:
@@ -679,14 +682,14 @@ class Engine:
         "required" or named), which would start mid-message."""
         return RequestStream(self, "chat", messages, _merged(options, fields))
 
-    def _check_size_bound(self, kind: str, chars: int, want: int) -> None:
+    def _check_size_bound(self, kind: str, chars: int, want: int, contexts: int = 1) -> None:
         """Refuse a prompt that cannot fit before tokenizing it: a text of C characters is at
         least C / (the longest token's characters) tokens. Tokenizing 16 MB costs ~25 s of CPU
-        and a gigabyte; this costs nothing."""
+        and a gigabyte; this costs nothing. (`contexts`: a count may hold that many contexts.)"""
         if not chars or not self._max_token_chars or not self.context_length:
             return
         floor = -(-chars // self._max_token_chars)
-        if floor + want > self.context_length:
+        if floor + want > self.context_length * contexts:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.context_length} tokens; the prompt "
                 f"has {chars} characters, at least {floor} tokens, and {want} more were requested",
@@ -758,26 +761,28 @@ class Engine:
         kwargs = structure.template_kwargs()
         if continue_final_message:
             kwargs["continue_final_message"] = True
-        # The bounds and lanes of generation: a prompt that cannot fit is refused from its
-        # length, a very long one waits in the lane of its own (issue 35: 15.6 MB took 67 s).
-        return len(await self._encode("chat", messages, kwargs or None, 0))
+        # The bounds and lanes of generation, over a few contexts: a prompt far past them is
+        # refused from its length, a very long one waits in the lane of its own (issue 35:
+        # 15.6 MB took 67 s, on the lane ordinary prompts share).
+        return len(await self._encode("chat", messages, kwargs or None, 0, contexts=_COUNT_CONTEXTS))
 
     async def _encode(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None,
-                      want: int) -> list[int]:
+                      want: int, contexts: int = 1) -> list[int]:
         """The prompt's token ids, after the cheap bound (its text, the tools and everything
-        else the template renders, against the context with `want` answer tokens beside it),
-        on the event loop, in a worker thread or in the lane of very long prompts, by size."""
+        else the template renders, against `contexts` times the context with `want` answer
+        tokens beside it), on the event loop, in a worker thread or in the lane of very long
+        prompts, by size."""
         if kind == "text" and isinstance(value, Sequence) and not isinstance(value, str) and self.context_length \
                 and len(value) + want > self.context_length:  # token ids: counted, not checked one by one
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.context_length} tokens; the prompt has "
                 f"{len(value)} tokens and {want} more were requested", param="prompt",
                 prompt_tokens=len(value), context_length=self.context_length)
-        limit = self.context_length * self._max_token_chars  # past this no prompt fits: stop counting
+        limit = contexts * self.context_length * self._max_token_chars  # past this none fits: stop counting
         size = prompt_chars(kind, value, limit)
         if template_kwargs:  # tools of megabytes are prompt text too (issue 35)
             size += text_chars(template_kwargs, limit and max(1, limit - size))
-        self._check_size_bound(kind, size, want)
+        self._check_size_bound(kind, size, want, contexts)
         work = size + (_MESSAGE_CHARS * len(value) if kind == "chat" and isinstance(value, Sequence) else 0)
         if work > _BIG_TOKENIZE_CHARS:
             return await self._tokenize_big(kind, value, template_kwargs)
