@@ -9,7 +9,7 @@ events below. No MLX here.
 from ..actor import ActorTuning as ActorTuning
 from ._engine import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from ._engine import Engine as Engine
-from ._engine import RequestStream as RequestStream
+from ._stream import RequestStream as RequestStream
 from ._engine import open_engine as open_engine
 from ._events import EngineStatistics as EngineStatistics
 from ._events import Event as Event
