@@ -118,7 +118,7 @@ async def test_a_response_of_many_logprobs_is_built_off_the_event_loop(
         tiny_model_fp32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """16 choices of 1,000 tokens with 20 alternatives each make a 22 MB body, 0.8 s of
     building: one past 4,096 logprob entries is built in a worker thread."""
-    from trio_mlx.server import _completions
+    from trio_mlx.server import _pump as _completions
 
     built_on_loop: list[bool] = []
     real = _completions.chat_response

@@ -27,17 +27,17 @@ from .._errors import ModelLoadError
 from ..engine import Engine
 from . import _connections, _exit, _intake, _workers
 from ._asgi import REQUEST_ID, check_api_key, cors_headers, log_refusal, request_id, send_error
-from ._completions import Completions
 from ._guard import check_framing, check_host
 from ._guest import GuestBridge, native_trio
 from ._logs import request_done
 from ._metrics import Metrics
-from ._openai import HTTPError, dumps, new_id, unavailable
 from ._pages import add_pages
+from ._pump import Completions
 from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord
 from ._request_trace import RequestTrace, request_trace_path
 from ._settings import Settings
 from ._wire import WireAPI, serve_api
+from .openai._protocol import HTTPError, dumps, new_id, unavailable
 
 log = logging.getLogger("trio_mlx.http")
 _REFUSAL = "trio_mlx.refusal"  # the scope's HTTPError a Quart route answered with, until it is logged

@@ -16,7 +16,7 @@ from typing import Any
 import trio
 
 from .._errors import TrioMLXError
-from ._openai import HTTPError
+from .openai._protocol import HTTPError
 
 log = logging.getLogger("trio_mlx.http")
 

@@ -12,9 +12,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
-from ._openai import ChatCompletionRequest, CompletionRequest
 from ._settings import Settings
 from .anthropic._protocol import CountTokensRequest, MessagesRequest
+from .openai._protocol import ChatCompletionRequest, CompletionRequest
 from .responses._protocol import ResponsesRequest
 
 

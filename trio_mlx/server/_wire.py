@@ -35,9 +35,9 @@ from ._asgi import (
     send_error,
     send_response,
 )
-from ._completions import Completions, StreamEncoder, read_json_request, refuse
-from ._openai import ChoiceResult, HTTPError, new_id
+from ._pump import Completions, StreamEncoder, read_json_request, refuse
 from ._records import RequestRecord
+from .openai._protocol import ChoiceResult, HTTPError, new_id
 
 log = logging.getLogger("trio_mlx.http")
 

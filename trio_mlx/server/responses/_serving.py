@@ -36,9 +36,9 @@ from ...engine import (
     ToolCalls,
     Usage,
 )
-from .._openai import ChoiceResult, HTTPError, dumps, new_id
 from .._records import RESPONSES_PATH as RESPONSES_PATH
 from .._wire import api_error
+from ..openai._protocol import ChoiceResult, HTTPError, dumps, new_id
 from ._protocol import ResponsesRequest
 
 log = logging.getLogger("trio_mlx.http")

@@ -19,14 +19,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .._errors import (
+from ..._errors import (
     EngineBrokenError,
     EngineClosedError,
     InvalidRequestError,
     QueueFullError,
     TrioMLXError,
 )
-from ..engine import Finished, GenerationOptions, TokenLogprob, ToolCall, ToolCallDelta, Usage
+from ...engine import Finished, GenerationOptions, TokenLogprob, ToolCall, ToolCallDelta, Usage
 
 try:
     import orjson

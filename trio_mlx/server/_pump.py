@@ -50,7 +50,8 @@ from ._asgi import (
 )
 from ._guard import BODY_READ, require_json, unread_body_close
 from ._intake import off_loop, parse_request
-from ._openai import (
+from ._records import CHAT_PATH, RequestRecord, ServerHost
+from .openai._protocol import (
     DONE,
     PING,
     ChatCompletionRequest,
@@ -64,7 +65,6 @@ from ._openai import (
     new_id,
     now,
 )
-from ._records import CHAT_PATH, RequestRecord, ServerHost
 
 if TYPE_CHECKING:
     pass
