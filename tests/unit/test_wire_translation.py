@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from trio_mlx.server._http import HTTPError, error_from_exception
 from trio_mlx.server.anthropic._protocol import CountTokensRequest, MessagesRequest
 from trio_mlx.server.anthropic._protocol import error_body as anthropic_error
-from trio_mlx.server.openai._protocol import HTTPError, error_from_exception
 from trio_mlx.server.responses._protocol import ResponsesRequest
 
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

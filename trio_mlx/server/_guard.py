@@ -29,7 +29,7 @@ import ipaddress
 from collections.abc import Sequence
 
 from ._asgi import Scope, header
-from .openai._protocol import HTTPError
+from ._http import HTTPError
 
 
 def _loopback_address(host: str) -> bool:

@@ -36,9 +36,10 @@ from ...engine import (
     ToolCalls,
     Usage,
 )
+from .._http import HTTPError, dumps, new_id
+from .._pump import ChoiceResult
 from .._records import RESPONSES_PATH as RESPONSES_PATH
 from .._wire import api_error
-from ..openai._protocol import ChoiceResult, HTTPError, dumps, new_id
 from ._protocol import ResponsesRequest
 
 log = logging.getLogger("trio_mlx.http")
