@@ -3,7 +3,7 @@
 `create_app(settings)` builds it. The engine lives in `app.nursery`: started
 in `before_serving`, drained and closed in `after_serving` (or earlier, by
 `app.drain()`, which `trio-mlx serve` calls on SIGTERM). The completion
-endpoints are raw ASGI (`_completions.py`): `TrioMLXApp.__call__` routes them
+endpoints are raw ASGI (`_pump.py`, `openai/_serving.py`): `TrioMLXApp.__call__` routes them
 before Quart sees the request. Every error body has OpenAI's shape.
 """
 
@@ -27,17 +27,18 @@ from .._errors import ModelLoadError
 from ..engine import Engine
 from . import _connections, _exit, _intake, _workers
 from ._asgi import REQUEST_ID, check_api_key, cors_headers, log_refusal, request_id, send_error
-from ._completions import Completions
 from ._guard import check_framing, check_host
 from ._guest import GuestBridge, native_trio
+from ._http import HTTPError, dumps, new_id, unavailable
 from ._logs import request_done
 from ._metrics import Metrics
-from ._openai import HTTPError, dumps, new_id, unavailable
 from ._pages import add_pages
+from ._pump import Pump
 from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord
 from ._request_trace import RequestTrace, request_trace_path
 from ._settings import Settings
 from ._wire import WireAPI, serve_api
+from .openai._serving import Completions
 
 log = logging.getLogger("trio_mlx.http")
 _REFUSAL = "trio_mlx.refusal"  # the scope's HTTPError a Quart route answered with, until it is logged
@@ -121,6 +122,7 @@ class TrioMLXApp(QuartTrio):
 
     settings: Settings
     engine: Engine | None
+    pump: Pump
     completions: Completions
     # The other APIs' endpoints on the same machinery (_wire.py), by path.
     wire_apis: dict[str, WireAPI]
@@ -158,7 +160,7 @@ class TrioMLXApp(QuartTrio):
                 if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
                     await self.completions(scope, receive, send)
                 elif (api := self.wire_apis.get(scope["path"])) is not None:
-                    await serve_api(self.completions, api, scope, receive, send)
+                    await serve_api(self.pump, api, scope, receive, send)
                 else:
                     await self.asgi_app(scope, receive, send)
             finally:
@@ -198,7 +200,7 @@ class TrioMLXApp(QuartTrio):
 
     def open_streams(self) -> int:
         """Streamed responses being written now."""
-        return len(self.completions.streams)
+        return len(self.pump.streams)
 
     def observe(self, record: RequestRecord) -> None:
         for observer in self.observers:
@@ -228,7 +230,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.settings = settings
     app.engine = None
     app.observers = []
-    app.completions = Completions(app)
+    app.pump = Pump(app)
+    app.completions = Completions(app, app.pump)
     app.wire_apis = wire_apis()
     app.metrics = Metrics(app)
     app.observers.append(app.metrics.observe)
@@ -266,7 +269,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                     lock_holder=holder, others_may_serve=settings.allow_multiple_workers)
             log.error("trio_mlx could not start: %s", exc)
             raise
-        app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls, _intake.trimmer,
+        app.nursery.start_soon(_run_in(watchdog, app.pump.watch_stalls, _intake.trimmer,
                                        partial(_exit_when_broken, app, engine)))
         info = engine.info
         cache = info.prompt_cache_bytes if info else 0

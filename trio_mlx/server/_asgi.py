@@ -1,6 +1,6 @@
 """Small raw-ASGI helpers for the endpoints served outside Quart's request machinery.
 
-The completion endpoints talk ASGI directly (see `_completions.py`): reading
+The completion endpoints talk ASGI directly (see `_pump.py`): reading
 the body under a size limit, API-key and CORS checks, and sending a whole
 JSON response. The same checks serve Quart's routes (`_app.py`), so both
 paths answer alike.
@@ -16,7 +16,7 @@ from typing import Any
 import trio
 
 from .._errors import TrioMLXError
-from ._openai import HTTPError
+from ._http import HTTPError
 
 log = logging.getLogger("trio_mlx.http")
 
