@@ -39,7 +39,7 @@ class CountingEngine(Engine):
 
 
 def counting(settings: Settings) -> Engine:
-    engine = CountingEngine(settings.model, max_batch=settings.max_batch, warmup=False)
+    engine = CountingEngine(settings.model, max_batch=settings.tuning.max_batch, warmup=False)
     engine.encoded, engine.on_loop = [], []
     return engine
 
@@ -201,7 +201,7 @@ class SlowBigEngine(CountingEngine):
 
 
 def slow_big(settings: Settings) -> Engine:
-    engine = SlowBigEngine(settings.model, max_batch=settings.max_batch, warmup=False)
+    engine = SlowBigEngine(settings.model, max_batch=settings.tuning.max_batch, warmup=False)
     engine.encoded, engine.on_loop = [], []
     return engine
 
