@@ -206,14 +206,17 @@ def completes(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tokens: Sequen
     return matcher.validate_tokens([*tokens, vocab.eos[0]]) == len(tokens) + 1
 
 
-def resumes(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], reach: int = 8) -> list[int] | None:
+def resumes(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], reach: int = 8,
+            after: int | None = None) -> list[int] | None:
     """The longest suffix of `tail` (a completion measured a few tokens ago) that
     completes the grammar from here, dropping at most `reach` of its first tokens, or
     None. The model writes the completion's own next tokens in other spellings (one
     `",` token for a `"` and a `,`): what is left of the old completion then still
-    completes, and `finish`'s walk (milliseconds for a long one) is not needed."""
+    completes, and `finish`'s walk (milliseconds for a long one) is not needed. With
+    `after`, the suffix completes from the state after that token (not consumed)."""
+    first = () if after is None else (after,)
     for k in range(1, min(reach, len(tail)) + 1):
-        if completes(matcher, vocab, tail[k:]):
+        if completes(matcher, vocab, [*first, *tail[k:]]):
             return tail[k:]
     return None
 
@@ -232,13 +235,14 @@ def jump(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], al
     for t in (*vocab.openers, *specials.tolist()):
         if not (words[t >> 5] >> (t & 31)) & 1:
             continue
-        probe = matcher.deep_copy()
-        if not probe.consume_token(t):
-            continue
         # Most openers lengthen nothing: text inside a string (a comma, a brace), or the
         # completion's own next token (the quote that closes the string): what is left of
-        # `tail` still completes, found by validating alone, without `finish`'s walk.
-        if completes(probe, vocab, tail) or resumes(probe, vocab, tail) is not None:
+        # `tail` still completes after it, found by validating alone. Only the others are
+        # consumed (in a copy: consuming a token costs llguidance up to a mask) and walked.
+        if completes(matcher, vocab, [t, *tail]) or resumes(matcher, vocab, tail, after=t) is not None:
+            continue
+        probe = matcher.deep_copy()
+        if not probe.consume_token(t):
             continue
         after = finish(probe, vocab)
         if after is not None:
