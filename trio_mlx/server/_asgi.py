@@ -11,12 +11,14 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from .._errors import TrioMLXError
 from ._openai import HTTPError
+
+T = TypeVar("T")
 
 log = logging.getLogger("trio_mlx.http")
 
@@ -160,6 +162,37 @@ async def send_error(send: Send, error: HTTPError, extra: RawHeaders,
     log_refusal(error, rid)
     body = error.body() if render is None else render(error)
     await send_response(send, error.status, body, [*JSON_HEADERS, *encode_headers(error.headers), *extra])
+
+
+async def unless_disconnected(receive: Receive, start: Callable[[], Awaitable[T]],
+                              discard: Callable[[T], object]) -> T:
+    """`await start()` (the body is already read), cancelled if the client goes away
+    meanwhile: then Disconnected, and what `start` returned, if it did, goes to
+    `discard`. A request's admission can take long (its grammar's check, a long
+    prompt's tokenizing); one whose client left is not worth finishing."""
+    gone = False
+    done: list[T] = []
+    failed: list[Exception] = []  # raised out of the nursery, it would come wrapped in a group
+
+    def left() -> None:
+        nonlocal gone
+        gone = True
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_disconnect, receive, left)
+        try:
+            done.append(await start())
+        except Exception as exc:
+            failed.append(exc)
+        nursery.cancel_scope.cancel()
+    if gone:
+        for value in done:
+            discard(value)
+        raise Disconnected("the client went away while its request was admitted")
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 async def wait_disconnect(receive: Receive, on_disconnect: Callable[[], object]) -> None:

@@ -46,6 +46,7 @@ from ._asgi import (
     request_id,
     send_error,
     send_response,
+    unless_disconnected,
     wait_disconnect,
 )
 from ._guard import BODY_READ, require_json, unread_body_close
@@ -172,21 +173,24 @@ class Completions:
         opts = req.engine_options()
         seed = opts.get("seed")
         streams: list[RequestStream] = []
-        try:
-            for i in range(req.n):
-                if i > 0:  # tokenized and compiled once; choice i is the same request, seed + i
-                    stream = streams[0].again(**({} if seed is None else {"seed": (seed + i) & _SEED_MASK}))
-                elif isinstance(req, ChatCompletionRequest):
-                    stream = engine.chat([m.template_dict() for m in req.messages], **opts)
-                else:
-                    stream = engine.generate(req.engine_prompt(), **opts)
-                await stream.__aenter__()
-                streams.append(stream)
-        except BaseException:
-            for stream in streams:
-                stream.close()
-            raise
-        return req, streams
+
+        async def start() -> list[RequestStream]:
+            try:
+                for i in range(req.n):
+                    if i > 0:  # tokenized and compiled once; choice i is the same request, seed + i
+                        stream = streams[0].again(**({} if seed is None else {"seed": (seed + i) & _SEED_MASK}))
+                    elif isinstance(req, ChatCompletionRequest):
+                        stream = engine.chat([m.template_dict() for m in req.messages], **opts)
+                    else:
+                        stream = engine.generate(req.engine_prompt(), **opts)
+                    await stream.__aenter__()
+                    streams.append(stream)
+            except BaseException:
+                close_all(streams)
+                raise
+            return streams
+
+        return req, await unless_disconnected(receive, start, close_all)
 
     # -- whole responses -------------------------------------------------------
 
@@ -623,6 +627,11 @@ class _Stream:
                 elif parts:
                     await self._send(b"".join(parts))
                     await self._pace()
+
+
+def close_all(streams: Sequence[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
 
 
 async def _read(index: int, stream: RequestStream, out: trio.MemorySendChannel[tuple[int, Any]]) -> None:

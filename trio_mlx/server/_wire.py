@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Protocol, cast
 
 import trio
@@ -32,6 +33,7 @@ from ._asgi import (
     request_id,
     send_error,
     send_response,
+    unless_disconnected,
 )
 from ._completions import Completions, StreamEncoder, read_json_request, refuse
 from ._openai import ChoiceResult, HTTPError, new_id
@@ -121,7 +123,7 @@ async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Rec
         else:
             gen = cast(ApiCall, call)
             rec.stream = gen.stream
-            stream = await gen.start(engine)
+            stream = await unless_disconnected(receive, partial(gen.start, engine), RequestStream.close)
     except Disconnected:
         rec.outcome = "disconnect"
         app.observe(rec)
