@@ -9,18 +9,23 @@ tests/integration/test_probes_and_framing.py.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 from app_server import (
     COMPLETIONS,
+    engine_factory,
     fake_factory,
     open_raw,
     read_response,
     serve,
+    until,
 )
 
+from trio_mlx.actor import FakeActor
 from trio_mlx.server._serve import build_parser, hypercorn_config, settings_from_args
 from trio_mlx.server._settings import Settings
 
@@ -50,3 +55,20 @@ def test_the_listen_backlog_is_a_setting_with_a_larger_default() -> None:
     assert hypercorn_config(Settings()).backlog == 2048  # hypercorn's own: 100
     args = build_parser().parse_args(["--backlog", "4096"])
     assert hypercorn_config(settings_from_args(args)).backlog == 4096
+
+
+async def test_a_reader_that_stops_is_cut_by_what_all_its_choices_left_unread(tiny_model_fp32: Path) -> None:
+    # n > 1 drained every choice into an unbounded channel, where the unread cap never looked:
+    # 16 requests of n=16 with logprobs held 32 MB for one client until the 30 s stall timeout.
+    records: list[Any] = []
+    slow = partial(FakeActor, step_seconds=0.005)  # 600 steps take 3 s or more: still decoding when cut
+    async with serve(tiny_model_fp32, factory=engine_factory(actor=slow), stall_timeout=30,
+                     max_unread_tokens=64, max_batch=8) as server:
+        server.app.observers.append(records.append)
+        body = {"prompt": "a", "max_tokens": 600, "n": 4, "stream": True, "logprobs": 5}
+        sock = await open_raw(server.port, COMPLETIONS, body, rcvbuf=4096)
+        t0 = trio.current_time()
+        await until(lambda: any(r.outcome == "stall" for r in records), within=15)
+        assert trio.current_time() - t0 < 10  # long before the 30 s stall timeout
+        assert server.engine.statistics().aborts_by_cause.get("stall") == 4  # every choice
+        sock.close()

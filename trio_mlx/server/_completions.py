@@ -22,7 +22,6 @@ their whole answers with their own builder and error shape.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
@@ -558,13 +557,18 @@ class _Stream:
                 raise _Gone from None
 
     async def _many(self) -> None:
-        """n > 1: one reader task per choice; what is waiting goes out as one send."""
+        """n > 1: one reader task per choice; what is waiting goes out as one send.
+
+        The readers hand their events over unbuffered: each holds at most the one it
+        took, and what the client has not taken waits in the choices' own channels,
+        where `RequestStream.unread` counts it and the watchdog's cap sees the sum
+        over the choices (an unbounded channel here held 32 MB for one client)."""
         n = len(self.streams)
         tpl, logprobs = self.tpl, self.logprobs
         role_sent = [False] * n
         streamed: list[set[int]] = [set() for _ in range(n)]  # per choice, as in `_one`
         fins: list[Finished] = []
-        send_ch, recv_ch = trio.open_memory_channel[tuple[int, Any]](math.inf)
+        send_ch, recv_ch = trio.open_memory_channel[tuple[int, Any]](0)
         async with trio.open_nursery() as nursery:
             for i, stream in enumerate(self.streams):
                 nursery.start_soon(_read, i, stream, send_ch.clone())
@@ -638,6 +642,6 @@ async def _read(index: int, stream: RequestStream, out: trio.MemorySendChannel[t
     with out:
         try:
             async for ev in stream:
-                out.send_nowait((index, ev))
-        except trio.ClosedResourceError:
+                await out.send((index, ev))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # closed by an abort
