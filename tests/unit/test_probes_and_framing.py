@@ -72,3 +72,36 @@ async def test_a_reader_that_stops_is_cut_by_what_all_its_choices_left_unread(ti
         assert trio.current_time() - t0 < 10  # long before the 30 s stall timeout
         assert server.engine.statistics().aborts_by_cause.get("stall") == 4  # every choice
         sock.close()
+
+
+async def _probe_during_a_long_prefill(model: Path, chunk: int) -> list[int]:
+    """/health's statuses while a prompt of 900 tokens prefills at 1 ms a token (0.9 s of
+    prefill) under a 0.5 s watchdog, in chunks of `chunk` tokens (0: in one step)."""
+    actor = partial(FakeActor, prefill_seconds=0.001, prefill_chunk=chunk)
+    statuses: list[int] = []
+    async with serve(model, factory=engine_factory(actor=actor), watchdog_seconds=0.5) as server, \
+            server.client() as client:
+        async with trio.open_nursery() as nursery:
+            done = trio.Event()
+
+            async def ask() -> None:
+                r = await client.post(COMPLETIONS, json={"prompt": [5] * 900, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                done.set()
+
+            nursery.start_soon(ask)
+            while not done.is_set():
+                statuses.append((await client.get("/health")).status_code)
+                await trio.sleep(0.05)
+    return statuses
+
+
+async def test_health_is_not_stalled_while_a_long_prefill_reports_its_chunks(tiny_model_fp32: Path) -> None:
+    # Each prefill chunk is a step with its report, which is the progress the watchdog wants
+    # (the actor cuts an idle batch's long prefill so: `_actor.PROGRESS_SECONDS`). In one
+    # step of the same length, "stalled" once the watchdog's 0.5 s pass: eight ~1.9k-token
+    # prompts into an idle CPU server were one step of ~160 s, stalled from 30 s on.
+    chunked = await _probe_during_a_long_prefill(tiny_model_fp32, chunk=128)
+    assert chunked and set(chunked) == {200}, chunked
+    whole = await _probe_during_a_long_prefill(tiny_model_fp32, chunk=0)
+    assert 503 in whole, whole
