@@ -9,6 +9,7 @@ tests/integration/test_probes_and_framing.py.
 from __future__ import annotations
 
 import json
+import logging
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,29 @@ async def test_content_length_with_transfer_encoding_is_refused_and_closed(tiny_
         sock = await open_raw(server.port, COMPLETIONS, body)
         assert (await read_response(sock)).startswith(b"HTTP/1.1 200")
         sock.close()
+
+
+async def test_framing_refused_with_a_request_pipelined_behind_is_answered_without_a_traceback(
+        tiny_model_fp32: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Hypercorn closed the socket while the 400 was being written (h11 took the pipelined
+    # bytes behind a `Connection: close` answer as an error): the client got no response and
+    # the log a trio.BusyResourceError traceback, for every such request.
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server:
+        body = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        pipelined = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        for _ in range(5):
+            sock = await open_raw(server.port, COMPLETIONS, chunked + pipelined,
+                                  headers={"Content-Length": str(len(chunked)), "Transfer-Encoding": "chunked"})
+            raw = b""
+            with trio.fail_after(5):
+                while chunk := await sock.recv(65536):  # the 400, then the server closes
+                    raw += chunk
+            sock.close()
+            assert raw.startswith(b"HTTP/1.1 400") and b"invalid_framing" in raw, raw[:300]
+            assert raw.count(b"HTTP/1.1") == 1, raw  # the pipelined request was not served
+    bad = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not bad, [r.getMessage() for r in bad]
 
 
 def test_the_listen_backlog_is_a_setting_with_a_larger_default() -> None:

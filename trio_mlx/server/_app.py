@@ -26,7 +26,15 @@ from werkzeug.exceptions import HTTPException
 from .._errors import ModelLoadError
 from ..engine import Engine
 from . import _connections, _exit, _intake, _workers
-from ._asgi import REQUEST_ID, check_api_key, cors_headers, log_refusal, request_id, send_error
+from ._asgi import (
+    REQUEST_ID,
+    check_api_key,
+    cors_headers,
+    drain_body,
+    log_refusal,
+    request_id,
+    send_error,
+)
 from ._completions import Completions
 from ._guard import check_framing, check_host
 from ._guest import GuestBridge, native_trio
@@ -163,6 +171,8 @@ class TrioMLXApp(QuartTrio):
                     check_host(scope, self.settings.allowed_hosts)  # DNS rebinding (_guard.py)
                     check_framing(scope)
                 except HTTPError as error:
+                    if error.code == "invalid_framing":  # its answer closes the connection
+                        await drain_body(receive)
                     api = self.wire_api_under(scope["path"])
                     await send_error(send, error, [], api.error_body if api is not None else None)
                     return
