@@ -16,7 +16,7 @@ in one of a few worker processes (`python -m trio_mlx.engine._grammar_worker`),
 each holding the model's tokenizer in llguidance's form (built at its start
 from the tokenizer's JSON). A check that runs past `CHECK_SECONDS`, or whose
 worker dies (on Linux its address space is capped at `CHECK_MEMORY` bytes
-above what it held once ready; a Rust panic), is a 400 for that request alone:
+above what it held when the check began; a Rust panic), is a 400 for that request alone:
 the worker is killed and the next check starts a fresh one; the same grammar
 sent again is refused at once. A check whose request is cancelled (the client
 left) kills its worker too. Up to `workers()` checks run at once, each in its
@@ -53,7 +53,7 @@ log = logging.getLogger("trio_mlx.grammar")
 # milliseconds (a schema of many large tools in tens of them); a grammar that takes
 # seconds here takes as long again for each row the actor builds a matcher for.
 CHECK_SECONDS = 5.0
-# How much memory one check may take beyond what its worker held once ready (Linux;
+# How much memory one check may take beyond what its worker held when it began (Linux;
 # elsewhere the time bound alone bounds it: the 20-pattern schema grew ~50 MB/s).
 CHECK_MEMORY = 1 << 30
 # How many grammars that timed out or killed their worker are remembered, so that one

@@ -49,15 +49,15 @@ def worker_main() -> int:
     from ..actor._matcher import vocab_from_source
     from ._grammar import Draft, check_draft
 
-    vocab, held = None, None
+    vocab = None
     while (message := _read(rin)) is not None:
         if message[0] == "init":
             _, text, eos = message
             vocab = vocab_from_source(text, eos)
-            held = _address_space()
             _write(wout, ("ready",))
             continue
         _, source, kind, param, memory = message
+        held = _address_space()  # what this worker holds now: earlier checks may have grown it
         if held is not None:
             _limit_memory(held + memory)
         assert vocab is not None
