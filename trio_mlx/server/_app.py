@@ -23,7 +23,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from .._errors import ModelLoadError
+from .._errors import ModelLoadError, TrioMLXError
 from ..engine import Engine
 from . import _connections, _exit, _intake, _workers
 from ._asgi import (
@@ -154,6 +154,8 @@ class TrioMLXApp(QuartTrio):
     _serve: Callable[[Any, Any, Any], Awaitable[None]] | None = None
     # The ASGI server, read off the lifespan: a failed startup must stop it non-zero (_exit.py).
     asgi_server: _exit.ServerInfo = _exit.ServerInfo()
+    # Why the engine could not start, once it could not (logged in one line by start_engine).
+    start_failure: BaseException | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         serve = self._serve
@@ -193,8 +195,10 @@ class TrioMLXApp(QuartTrio):
         return next((a for p, a in self.wire_apis.items() if path == p or path.startswith(p + "/")), None)
 
     def log_exception(self, exc_info: Any) -> None:
-        if isinstance(exc_info[1], ModelLoadError):
-            return  # start_engine logged it in one line; its traceback says nothing more
+        if isinstance(exc_info[1], ModelLoadError) or (
+                exc_info[1] is self.start_failure and isinstance(exc_info[1], TrioMLXError)):
+            return  # start_engine logged it in one line (a model that fails to load, the serving
+            # lock held); its traceback says nothing more
         super().log_exception(exc_info)
 
     def on_fatal(self, reason: str) -> None:
@@ -280,6 +284,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                 app.observers.append(app.request_trace.observe)
         except BaseException as exc:
             _release(app)
+            app.start_failure = exc
             if isinstance(exc, Exception):  # where the server would not exit non-zero, exit (_exit.py)
                 holder = (exc.holder, exc.holder_parent) if isinstance(exc, _workers.AlreadyServing) else None
                 _exit.exit_if_unseen(
