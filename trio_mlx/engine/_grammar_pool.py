@@ -56,6 +56,9 @@ CHECK_SECONDS = 5.0
 # How much memory one check may take beyond what its worker held when it began (Linux;
 # elsewhere the time bound alone bounds it: the 20-pattern schema grew ~50 MB/s).
 CHECK_MEMORY = 1 << 30
+# How long a worker may take to start (import llguidance, build the tokenizer: ~0.5-1.5 s
+# on the 2-core box). Arbitrary.
+START_SECONDS = 60.0
 # How many grammars that timed out or killed their worker are remembered, so that one
 # sent again is refused at once. Arbitrary.
 _FAILED_SIZE = 256
@@ -99,11 +102,15 @@ class _Worker:
             # server's log gets one line instead (`GrammarPool._fail`).
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
         )
+        timer = threading.Timer(START_SECONDS, self.proc.kill)  # a start that hangs fails, not waits
+        timer.start()
         try:
             reply = self.ask(("init", *source))
         except BaseException:
             self.kill()
             raise
+        finally:
+            timer.cancel()
         if reply[0] != "ready":
             self.kill()
             raise RuntimeError(f"a grammar worker failed to start: {reply}")
