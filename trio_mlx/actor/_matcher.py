@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 
 # The bytes `finish` tries, in order, when nothing is forced: the ones that
@@ -85,19 +84,51 @@ def grammar_vocab(tokenizer: Any, *, key: str | None = None) -> GrammarVocab:
         return vocab
 
 
+def is_panic(exc: BaseException) -> bool:
+    """Whether `exc` is a Rust panic out of llguidance: pyo3 raises it as
+    `pyo3_runtime.PanicException`, a BaseException (not an Exception) that no
+    module exports, so it is known by its name."""
+    return type(exc).__name__ == "PanicException"
+
+
 def cached_vocab(key: str) -> GrammarVocab | None:
     """The GrammarVocab kept under `key` by `grammar_vocab`, if any."""
     with _lock:
         return _by_key.get(key)
 
 
-def _build(tokenizer: Any) -> GrammarVocab:
+def tokenizer_source(tokenizer: Any) -> tuple[str, list[int]]:
+    """What llguidance builds its tokenizer from: the fast tokenizer's JSON (padding and
+    truncation off, as `llguidance.hf` makes it) and the EOS ids. A process without
+    the HF tokenizer (the grammar checkers, `engine/_grammar_pool.py`) builds the same
+    GrammarVocab from it with `vocab_from_source`. Raises ValueError as `grammar_vocab`."""
+    import copy
+
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper keeps the HF one here
     eos_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:  # llguidance reads only "fast" (Rust tokenizers) tokenizers
+        raise ValueError("llguidance cannot read this tokenizer: only fast tokenizers are supported")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str(), eos_ids
+
+
+def vocab_from_source(text: str, eos_ids: list[int]) -> GrammarVocab:
+    """The GrammarVocab of `tokenizer_source`'s answer."""
     try:
-        lltok = llguidance.hf.from_tokenizer(hf, eos_token=eos_ids)
-    except Exception as exc:  # llguidance reads only "fast" (Rust tokenizers) tokenizers
+        lltok = llguidance.LLTokenizer(text, eos_token=eos_ids)
+    except Exception as exc:
         raise ValueError(f"llguidance cannot read this tokenizer: {exc}") from exc
+    return _from_lltokenizer(lltok)
+
+
+def _build(tokenizer: Any) -> GrammarVocab:
+    return vocab_from_source(*tokenizer_source(tokenizer))
+
+
+def _from_lltokenizer(lltok: llguidance.LLTokenizer) -> GrammarVocab:
     singles: dict[int, int] = {}
     for b in _PRIORITY:
         ids = lltok.tokenize_bytes(bytes([b]))

@@ -436,16 +436,16 @@ class Engine:
         return RequestStream(self._port, "chat", messages, _merged(options, fields))
 
     def _check_size_bound(self, kind: str, chars: int, want: int) -> None:
-        """Refuse a prompt that cannot fit before tokenizing it: a text of C characters is at
-        least C / (the longest token's characters) tokens. Tokenizing 16 MB costs ~25 s of CPU
-        and a gigabyte; this costs nothing."""
+        """Refuse a prompt that cannot fit before tokenizing it: a text of B bytes (`chars`,
+        UTF-8) is at least B / (the longest token's bytes) tokens. Tokenizing 16 MB costs ~25 s
+        of CPU and a gigabyte; this costs nothing."""
         if not chars or not self._max_token_chars or not self.context_length:
             return
         floor = -(-chars // self._max_token_chars)
         if floor + want > self.context_length:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.context_length} tokens; the prompt "
-                f"has {chars} characters, at least {floor} tokens, and {want} more were requested",
+                f"has {chars} bytes of text, at least {floor} tokens, and {want} more were requested",
                 param="messages" if kind == "chat" else "prompt",
                 prompt_tokens=floor, context_length=self.context_length,
             )

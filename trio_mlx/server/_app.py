@@ -23,10 +23,18 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from .._errors import ModelLoadError
+from .._errors import ModelLoadError, TrioMLXError
 from ..engine import Engine
 from . import _connections, _exit, _intake, _workers
-from ._asgi import REQUEST_ID, check_api_key, cors_headers, log_refusal, request_id, send_error
+from ._asgi import (
+    REQUEST_ID,
+    check_api_key,
+    cors_headers,
+    drain_body,
+    log_refusal,
+    request_id,
+    send_error,
+)
 from ._guard import check_framing, check_host
 from ._guest import GuestBridge, native_trio
 from ._http import HTTPError, dumps, new_id, unavailable
@@ -137,6 +145,8 @@ class TrioMLXApp(QuartTrio):
     _serve: Callable[[Any, Any, Any], Awaitable[None]] | None = None
     # The ASGI server, read off the lifespan: a failed startup must stop it non-zero (_exit.py).
     asgi_server: _exit.ServerInfo = _exit.ServerInfo()
+    # Why the engine could not start, once it could not (logged in one line by start_engine).
+    start_failure: BaseException | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         serve = self._serve
@@ -154,6 +164,8 @@ class TrioMLXApp(QuartTrio):
                     check_host(scope, self.settings.allowed_hosts)  # DNS rebinding (_guard.py)
                     check_framing(scope)
                 except HTTPError as error:
+                    if error.code == "invalid_framing":  # its answer closes the connection
+                        await drain_body(receive)
                     api = self.wire_api_under(scope["path"])
                     await send_error(send, error, [], api.error_body if api is not None else None)
                     return
@@ -174,8 +186,10 @@ class TrioMLXApp(QuartTrio):
         return next((a for p, a in self.wire_apis.items() if path == p or path.startswith(p + "/")), None)
 
     def log_exception(self, exc_info: Any) -> None:
-        if isinstance(exc_info[1], ModelLoadError):
-            return  # start_engine logged it in one line; its traceback says nothing more
+        if isinstance(exc_info[1], ModelLoadError) or (
+                exc_info[1] is self.start_failure and isinstance(exc_info[1], TrioMLXError)):
+            return  # start_engine logged it in one line (a model that fails to load, the serving
+            # lock held); its traceback says nothing more
         super().log_exception(exc_info)
 
     def on_fatal(self, reason: str) -> None:
@@ -262,6 +276,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                 app.observers.append(app.request_trace.observe)
         except BaseException as exc:
             _release(app)
+            app.start_failure = exc
             if isinstance(exc, Exception):  # where the server would not exit non-zero, exit (_exit.py)
                 holder = (exc.holder, exc.holder_parent) if isinstance(exc, _workers.AlreadyServing) else None
                 _exit.exit_if_unseen(

@@ -25,7 +25,6 @@ when the request ends: the hook for metrics.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar, cast
@@ -429,10 +428,15 @@ class _Stream:
             await self._end(enc.finish(ev))
 
     async def _many(self, enc: ChoicesEncoder) -> None:
-        """n > 1: one reader task per choice; what is waiting goes out as one send."""
+        """n > 1: one reader task per choice; what is waiting goes out as one send.
+
+        The readers hand their events over unbuffered: each holds at most the one it
+        took, and what the client has not taken waits in the choices' own channels,
+        where `RequestStream.unread` counts it and the watchdog's cap sees the sum
+        over the choices (an unbounded channel here held 32 MB for one client)."""
         n = len(self.streams)
         fins: list[Finished] = []
-        send_ch, recv_ch = trio.open_memory_channel[tuple[int, Any]](math.inf)
+        send_ch, recv_ch = trio.open_memory_channel[tuple[int, Any]](0)
         async with trio.open_nursery() as nursery:
             for i, stream in enumerate(self.streams):
                 nursery.start_soon(_read, i, stream, send_ch.clone())
@@ -478,10 +482,15 @@ class _Stream:
                     await self._pace()
 
 
+def close_all(streams: Sequence[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
 async def _read(index: int, stream: RequestStream, out: trio.MemorySendChannel[tuple[int, Any]]) -> None:
     with out:
         try:
             async for ev in stream:
-                out.send_nowait((index, ev))
-        except trio.ClosedResourceError:
+                await out.send((index, ev))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # closed by an abort

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, Protocol, cast
 
 import trio
@@ -34,6 +35,7 @@ from ._asgi import (
     request_id,
     send_error,
     send_response,
+    unless_disconnected,
 )
 from ._http import HTTPError, new_id
 from ._pump import ChoiceResult, Pump, StreamEncoder, read_json_request, refuse
@@ -136,7 +138,7 @@ async def serve_api(pump: Pump, api: WireAPI, scope: Scope, receive: Receive, se
         else:
             gen = cast(ApiCall, call)
             rec.stream = gen.stream
-            stream = await gen.start(engine)
+            stream = await unless_disconnected(receive, partial(gen.start, engine), RequestStream.close)
     except Disconnected:
         rec.outcome = "disconnect"
         app.observe(rec)

@@ -38,9 +38,10 @@ from .._asgi import (
     request_id,
     send_error,
     send_response,
+    unless_disconnected,
 )
 from .._http import HTTPError, dumps, new_id, now
-from .._pump import ChoiceResult, Pump, log, read_json_request, refuse
+from .._pump import ChoiceResult, Pump, close_all, log, read_json_request, refuse
 from .._records import CHAT_PATH, RequestRecord, ServerHost
 from ._protocol import ChatCompletionRequest, CompletionRequest
 
@@ -357,18 +358,23 @@ class Completions:
         options = req.to_options()
         seed = options.seed
         streams: list[RequestStream] = []
-        try:
-            for i in range(req.n):
-                if i > 0:  # tokenized and compiled once; choice i is the same request, seed + i
-                    stream = streams[0].again(**({} if seed is None else {"seed": (seed + i) & _SEED_MASK}))
-                elif isinstance(req, ChatCompletionRequest):
-                    stream = engine.chat([m.template_dict() for m in req.messages], options)
-                else:
-                    stream = engine.generate(req.engine_prompt(), options)
-                await stream.__aenter__()
-                streams.append(stream)
-        except BaseException:
-            for stream in streams:
-                stream.close()
-            raise
-        return req, streams
+
+        async def start() -> list[RequestStream]:
+            try:
+                for i in range(req.n):
+                    if i > 0:  # tokenized and compiled once; choice i is the same request, seed + i
+                        stream = streams[0].again(**({} if seed is None else {"seed": (seed + i) & _SEED_MASK}))
+                    elif isinstance(req, ChatCompletionRequest):
+                        stream = engine.chat([m.template_dict() for m in req.messages], options)
+                    else:
+                        stream = engine.generate(req.engine_prompt(), options)
+                    await stream.__aenter__()
+                    streams.append(stream)
+            except BaseException:
+                close_all(streams)
+                raise
+            return streams
+
+        # a client that leaves while its request is admitted (a grammar checked, a long
+        # prompt tokenized) cancels the admission
+        return req, await unless_disconnected(receive, start, close_all)
