@@ -49,6 +49,21 @@ async def test_the_process_actor_gives_the_thread_actors_answers_and_exits_with_
     assert not alive(process_pid)
 
 
+async def test_the_process_actor_uses_the_servers_blas(tiny_model_fp32):
+    # Its child imported mlx.core (through the actor) before trio_mlx.models could load
+    # OpenBLAS under it, and ran the CPU wheel's reference BLAS: "mlx was imported before
+    # trio_mlx.models".
+    from trio_mlx import models
+
+    async with trio_mlx.open_engine(tiny_model_fp32, actor="process", warmup=False) as engine:
+        assert engine.info is not None
+        here = models.cpu_blas_status()
+        if engine.info.device.startswith("Device(gpu"):
+            pytest.skip("the BLAS is the CPU's")
+        assert "imported before" not in engine.info.blas, engine.info.blas
+        assert engine.info.blas == here.description, (engine.info.blas, here.description)
+
+
 async def test_an_abort_reaches_the_process_actor_and_frees_the_slot(tiny_model_fp32):
     with trio.fail_after(60):
         async with trio_mlx.open_engine(tiny_model_fp32, actor="process", max_batch=1) as engine:

@@ -380,7 +380,8 @@ async def test_on_the_shape_grid_unpadded_prompts_prefill_whole(tiny_model_fp32,
 
     monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", 5_000_000)
     monkeypatch.setattr(_actor, "prefill_grid", lambda: True)
-    on_grid, rows = await _serve_long_prompts(tiny_model_fp32, tmp_path / "grid.tsv", warmup=False)
+    # CUDA's default: no prompt-token budget (the CPU's would cut a fresh actor's first step)
+    on_grid, rows = await _serve_long_prompts(tiny_model_fp32, tmp_path / "grid.tsv", warmup=False, prefill_budget=0)
     monkeypatch.setattr(_actor, "prefill_grid", lambda: False)
     cut, rows_cut = await _serve_long_prompts(tiny_model_fp32, tmp_path / "cut.tsv", warmup=False)
     assert on_grid == cut and all(len(t) == 6 for t in on_grid)
@@ -450,10 +451,29 @@ async def test_on_the_shape_grid_the_budget_cuts_in_multiples_of_512(tiny_model_
 
 
 async def test_the_budget_leaves_a_group_whole_when_nothing_decodes(tiny_model_fp32, tmp_path):
-    """The budget bounds only the steps beside decoding rows: a group arriving at an idle
-    batch prefills as it did (all four prompts in one step, within `prefill_step`)."""
+    """Beside no decoding rows the budget cuts a group only where its step would take longer
+    than PROGRESS_SECONDS at the prefill rate the actor measured: a fresh actor's first
+    chunk stays within the budget (4 x 128) and measures the rate, and the tiny model's rest
+    goes whole (all four prompts in one step, within `prefill_step`)."""
     _, rows = await _serve_long_prompts(tiny_model_fp32, tmp_path / "idle.tsv", prefill_budget=512)
-    assert max(r["prompt_tokens"] for r in rows) == 4 * 599
+    assert [r["prompt_tokens"] for r in rows if r["prompt_tokens"]] == [4 * 128, 4 * 471]
+
+
+async def test_an_idle_batch_s_long_prefill_is_cut_so_that_each_chunk_reports_progress(
+        tiny_model_fp32, tmp_path, monkeypatch):
+    """Issue 35: eight ~1.9k-token prompts into an idle CPU server were one step of ~160 s, with
+    no report to the engine meanwhile, and /health said "stalled" from 30 s on. A group whose
+    step would take longer than PROGRESS_SECONDS at the measured prefill rate goes in chunks
+    within the budget, each a step whose report is progress; the tokens are the whole step's."""
+    from trio_mlx.actor import _actor
+
+    monkeypatch.setattr(_actor, "PROGRESS_SECONDS", 1e-9)  # any step is too long: the tiny model is fast
+    cut, rows = await _serve_long_prompts(tiny_model_fp32, tmp_path / "cut.tsv", prefill_budget=512)
+    whole, rows_whole = await _serve_long_prompts(tiny_model_fp32, tmp_path / "whole.tsv", prefill_budget=0)
+    assert cut == whole and all(len(t) == 6 for t in cut)
+    per_step = [r["prompt_tokens"] for r in rows if r["prompt_tokens"]]
+    assert max(per_step) <= 512 and sum(per_step) == 4 * 599 and len(per_step) >= 5
+    assert max(r["prompt_tokens"] for r in rows_whole) == 4 * 599  # no budget: one step, as before
 
 
 def test_the_budget_chunk_fills_the_budget_on_the_rounding_of_prefill_chunk():

@@ -253,7 +253,7 @@ async def test_a_client_that_stops_reading_is_cut_by_the_stall_watchdog(tiny_mod
         assert engine.statistics().generated_tokens < 1000
         sock.close()
         r = await client.post(MESSAGES, json={"model": "model", "max_tokens": 2, "messages": USER})
-        assert r.status_code == 200 and not server.app.completions.streams
+        assert r.status_code == 200 and not server.app.pump.streams
 
 
 async def test_a_final_assistant_turn_is_a_prefill_the_answer_continues(tiny_model_fp32):

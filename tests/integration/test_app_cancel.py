@@ -67,7 +67,7 @@ async def assert_disconnects_free_the_slot(model, path: str, body: dict) -> None
             assert engine.statistics().aborts_by_stage["decode"] == before + 1
         await until(lambda: len(records) == 2)
         assert [(r.endpoint, r.outcome) for r in records] == [(path, "disconnect")] * 2
-        assert not server.app.completions.streams
+        assert not server.app.pump.streams
 
 
 async def test_disconnect_mid_decode_frees_the_slot_within_a_step(tiny_model_fp32):
@@ -113,7 +113,7 @@ async def test_a_client_that_stops_reading_is_aborted_after_the_stall_timeout(ti
         received = await read_until_eof(sock)
         assert received.startswith(b"HTTP/1.1 200")
         sock.close()
-        assert not server.app.completions.streams
+        assert not server.app.pump.streams
         assert (await client.post(CHAT, json=chat_body(max_tokens=2))).status_code == 200
 
 
@@ -136,7 +136,7 @@ async def test_many_disconnects_leave_nothing_behind(tiny_model_fp32):
         # disconnect (the actor's `active` and the completion streams can read 0 before that)
         def drained() -> bool:
             s = engine.statistics()
-            return s.active == s.queued == s.prefilling == s.decoding == 0 and not server.app.completions.streams
+            return s.active == s.queued == s.prefilling == s.decoding == 0 and not server.app.pump.streams
 
         await until(drained, within=10)
         r = await client.post(COMPLETIONS, json={"prompt": "still fine", "max_tokens": 5, "ignore_eos": True})

@@ -386,7 +386,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_fp32, mo
             return original(*args, **kwargs)
 
         monkeypatch.setattr(engine, "encode_prompt", spy)
-        monkeypatch.setattr(trio_mlx.engine._engine, "_THREAD_TOKENIZE_CHARS", 100)
+        monkeypatch.setattr(trio_mlx.engine._lanes, "_THREAD_TOKENIZE_CHARS", 100)
         await run(engine, "word " * 40 + "end", max_tokens=2, ignore_eos=True)
         await run(engine, "short", max_tokens=2, ignore_eos=True)
         main = threading.get_ident()

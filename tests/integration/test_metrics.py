@@ -33,7 +33,7 @@ async def test_requests_tokens_latencies_and_engine_gauges(tiny_model_fp32):
         assert (await client.post(CHAT, json={"messages": []})).status_code == 400
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/no/such/path")).status_code == 404
-        await until(lambda: not server.app.completions.streams)  # the stream's record is observed
+        await until(lambda: not server.app.pump.streams)  # the stream's record is observed
         m = await scrape(client)
 
     total = "trio_mlx_requests_total"
@@ -78,7 +78,7 @@ async def test_aborts_by_stage_and_cause_and_two_apps_keep_their_own_registry(ti
         await until(lambda: engine.statistics().decoding == 1)
         during = await scrape(ca)
         sock.close()
-        await until(lambda: engine.statistics().active == 0 and not a.app.completions.streams)
+        await until(lambda: engine.statistics().active == 0 and not a.app.pump.streams)
         ma = await scrape(ca)
     async with serve(tiny_model_fp32) as b, b.client() as cb:
         assert (await cb.post(CHAT, json=chat_body(max_tokens=2))).status_code == 200
@@ -120,7 +120,7 @@ async def test_metrics_cost_nothing_per_token(tiny_model_fp32, monkeypatch):
         async with client.stream("POST", COMPLETIONS, json=body) as resp:
             raw = b"".join([c async for c in resp.aiter_raw()])
         assert raw.endswith(b"data: [DONE]\n\n")
-        await until(lambda: not server.app.completions.streams)  # the pump observes, then leaves
+        await until(lambda: not server.app.pump.streams)  # the pump observes, then leaves
         return calls["n"] - before
 
     async with serve(tiny_model_fp32, max_event_rate=0) as server, server.client() as client:
@@ -158,7 +158,7 @@ async def test_the_request_trace_lines_requests_up_with_the_step_trace(tiny_mode
             usages.append(r.json()["usage"])
         async with client.stream("POST", CHAT, json=chat_body(max_tokens=3, ignore_eos=True, stream=True)) as resp:
             assert b"[DONE]" in b"".join([c async for c in resp.aiter_raw()])
-        await until(lambda: not server.app.completions.streams)  # the stream's record is observed
+        await until(lambda: not server.app.pump.streams)  # the stream's record is observed
     t1 = time.perf_counter()
     header, *lines = (tmp_path / "steps.tsv.requests").read_text().splitlines()
     assert header == RequestTrace.HEADER.rstrip("\n")

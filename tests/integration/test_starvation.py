@@ -39,7 +39,7 @@ class CountingEngine(Engine):
 
 
 def counting(settings: Settings) -> Engine:
-    engine = CountingEngine(settings.model, max_batch=settings.max_batch, warmup=False)
+    engine = CountingEngine(settings.model, max_batch=settings.tuning.max_batch, warmup=False)
     engine.encoded, engine.on_loop = [], []
     return engine
 
@@ -118,7 +118,7 @@ async def test_a_response_of_many_logprobs_is_built_off_the_event_loop(
         tiny_model_fp32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """16 choices of 1,000 tokens with 20 alternatives each make a 22 MB body, 0.8 s of
     building: one past 4,096 logprob entries is built in a worker thread."""
-    from trio_mlx.server import _completions
+    from trio_mlx.server.openai import _serving as _completions
 
     built_on_loop: list[bool] = []
     real = _completions.chat_response
@@ -201,7 +201,7 @@ class SlowBigEngine(CountingEngine):
 
 
 def slow_big(settings: Settings) -> Engine:
-    engine = SlowBigEngine(settings.model, max_batch=settings.max_batch, warmup=False)
+    engine = SlowBigEngine(settings.model, max_batch=settings.tuning.max_batch, warmup=False)
     engine.encoded, engine.on_loop = [], []
     return engine
 
@@ -210,7 +210,7 @@ async def test_very_long_prompts_have_a_lane_of_their_own(tiny_model_fp32: Path,
     """With the lane's threshold lowered to fit the tiny model's context: while very long prompts
     are tokenized one at a time (a second each), an ordinary long prompt is served at once, and
     very long ones past the lane's few waiting places get 429."""
-    from trio_mlx.engine import _engine
+    from trio_mlx.engine import _lanes as _engine
 
     monkeypatch.setattr(_engine, "_BIG_TOKENIZE_CHARS", 6000)
     monkeypatch.setattr(_engine, "_BIG_TOKENIZE_WAITING", 2)

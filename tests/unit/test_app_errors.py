@@ -94,6 +94,34 @@ async def test_400_context_length_exceeded(tiny_model_fp32):
                      code="context_length_exceeded", param="prompt")
 
 
+async def test_astral_text_is_refused_by_its_bytes_before_tokenizing(tiny_model_fp32):
+    # 650,000 astral characters (2.6 MB) passed a bound that counted characters against the
+    # longest token (81 characters for the embedded default): 7.2 s and 610 MB before the 400.
+    # Here 10,000 of them: 770 tokens by characters (13 a token, the tiny model's longest
+    # entry), 3,077 by bytes, in a context of 1,024.
+    encoded: list[int] = []
+
+    class Counting(Engine):
+        def encode_prompt(self, kind, value, template_kwargs=None):
+            encoded.append(1)
+            return super().encode_prompt(kind, value, template_kwargs)
+
+    def make(settings):
+        return Counting(settings.model, actor=FakeActor, warmup=False)
+
+    async with serve(tiny_model_fp32, factory=make) as server, server.client() as client:
+        astral = "\U0001F600" * 10_000
+        r = await client.post(COMPLETIONS, json={"prompt": astral, "max_tokens": 4})
+        err = assert_error(r, 400, code="context_length_exceeded", param="prompt")
+        assert "40000 bytes of text, at least 3077 tokens" in err["message"], err
+        r = await client.post(CHAT, json={"messages": [{"role": "user", "content": astral}], "max_tokens": 4})
+        assert_error(r, 400, code="context_length_exceeded", param="messages")
+        assert encoded == []  # neither reached the tokenizer
+        r = await client.post(COMPLETIONS, json={"prompt": "\U0001F600" * 50, "max_tokens": 4})
+        assert r.status_code == 200, r.text  # a short one is served
+        assert encoded == [1]
+
+
 async def test_401_with_an_api_key(tiny_model_fp32):
     async with serve(tiny_model_fp32, factory=fake_factory(), api_key="s3cret") as server, server.client() as client:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):

@@ -24,7 +24,8 @@ from pydantic import ValidationError
 from trio_mlx._errors import InvalidRequestError
 from trio_mlx.actor import ActorInfo
 from trio_mlx.engine._options import check_options
-from trio_mlx.server._openai import ChatCompletionRequest, CompletionRequest, error_from_exception
+from trio_mlx.server._http import error_from_exception
+from trio_mlx.server.openai._protocol import ChatCompletionRequest, CompletionRequest
 
 CONTEXT = 48
 MAX_N = 2

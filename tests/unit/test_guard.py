@@ -14,7 +14,7 @@ import pytest
 from app_server import CHAT, COMPLETIONS, HELLO, assert_error, fake_factory, serve
 
 from trio_mlx.server._guard import check_host
-from trio_mlx.server._openai import HTTPError
+from trio_mlx.server._http import HTTPError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,10 +17,10 @@ from app_server import HELLO, fake_factory, serve
 
 from trio_mlx import GenerationOptions, InvalidRequestError
 from trio_mlx.engine._options import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_options
-from trio_mlx.server._openai import ChatCompletionRequest, CompletionRequest
 from trio_mlx.server._wire import api_error
 from trio_mlx.server.anthropic import _serving as anthropic
 from trio_mlx.server.anthropic._protocol import MessagesRequest
+from trio_mlx.server.openai._protocol import ChatCompletionRequest, CompletionRequest
 from trio_mlx.server.responses import _serving as responses
 from trio_mlx.server.responses._protocol import ResponsesRequest
 

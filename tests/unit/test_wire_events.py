@@ -18,7 +18,8 @@ from anthropic.types import Message
 from openai.types.responses import Response
 
 from trio_mlx.engine import Finished, TextDelta, ToolCall, ToolCallDelta, ToolCalls, Usage
-from trio_mlx.server._openai import ChoiceResult, HTTPError
+from trio_mlx.server._http import HTTPError
+from trio_mlx.server._pump import ChoiceResult
 from trio_mlx.server.anthropic._protocol import MessagesRequest
 from trio_mlx.server.anthropic._serving import MessagesCall
 from trio_mlx.server.responses._protocol import ResponsesRequest

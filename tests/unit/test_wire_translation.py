@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from trio_mlx.server._openai import HTTPError, error_from_exception
+from trio_mlx.server._http import HTTPError, error_from_exception
 from trio_mlx.server.anthropic._protocol import CountTokensRequest, MessagesRequest
 from trio_mlx.server.anthropic._protocol import error_body as anthropic_error
 from trio_mlx.server.responses._protocol import ResponsesRequest

@@ -93,6 +93,17 @@ _WARM_GRAMMAR = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_s
 # steps would delay its first tokens by as many decode steps for little; a server that wants
 # the bound there sets it.
 PREFILL_BUDGET_CPU = 1024
+# How long one prefill step of a group entering an idle batch may be expected to take, on a
+# device with a prefill budget (the CPU by default), before the actor cuts it into chunks
+# within the budget: each chunk is a step, and each step's report is the progress the
+# engine's watchdog looks for (`/health` says "stalled" after `watchdog_seconds`, 30 s by
+# default, without one). Eight ~1.9k-token prompts into an idle CPU server were one step of
+# ~160 s, and /health answered "stalled" from 30 s on. Arbitrary: a sixth of the default
+# watchdog. Expected from the prompt tokens and the last prefill rate the actor measured.
+PROGRESS_SECONDS = 5.0
+# Prefill steps with fewer prompt tokens than this do not update the measured rate (their
+# time is mostly overhead). Arbitrary.
+_RATE_MIN_TOKENS = 64
 # Without `ActorTuning.idle_release`: seconds idle before MLX's buffer cache is
 # handed back on a GPU (never on the CPU, where the cache is this process's own heap).
 IDLE_RELEASE = 1.0
@@ -149,6 +160,7 @@ class Actor:
         self._gpu = False  # set in run(), once the device is known
         self._grid = False  # prefill on the shape grid (`_batch.CausalPrefill`): on CUDA
         self._budget = 0  # prompt tokens a prefill step may take while rows decode (0: no bound); set in run()
+        self._prefill_rate: float | None = None  # prompt tokens per second, last measured (`PROGRESS_SECONDS`)
         self._idle_release: float | None = None  # likewise
         self._rows, tokens = group_bounds(config.tuning.prefill_batch, config.tuning.prefill_step, config.tuning.max_batch)
         self._admission = Admission(config.tuning.admit_window, config.tuning.prefill_batch, self._rows, tokens)
@@ -611,6 +623,7 @@ class Actor:
             except Exception as exc:
                 return self._recover(exc, failed)
         prompt_tokens = take_prompt_tokens(self._bg)
+        self._measure_prefill(prompt_tokens, time.perf_counter() - t0)
         schedule.steps += 1
         memory: tuple[int, int, int] | None = None
         if not schedule.seqs:
@@ -635,6 +648,10 @@ class Actor:
             prompt_cache=self._reuse.stats(),
         )
 
+    # Whether an idle batch's long prefill is cut for progress (`PROGRESS_SECONDS`): not in a
+    # distributed group, whose ranks must cut every step alike (a rate measured per rank would not).
+    progress_cut = True
+
     def _cut_prefill(self) -> None:
         """Cut the next prefill step's chunk: so that its attention scratch fits the prompts
         in the batch (off the shape grid; on it the model does, for the steps that
@@ -648,9 +665,24 @@ class Actor:
         if not self._grid:
             prompts = [s.prompt_len for s in self.schedule.seqs.values() if s.stage != "decode"]
             step = prefill_chunk(step, len(prompts), max(prompts), self._heads)
-        if self._budget and self.schedule.decoding:
+        if self._budget and (self.schedule.decoding or self._long_step(step)):
             step = budget_chunk(step, prompts_left(self._bg), self._budget, self._grid)
         set_prefill_chunk(self._bg, step)
+
+    def _long_step(self, step: int) -> bool:
+        """Whether a prefill step in chunks of `step` would take longer than PROGRESS_SECONDS
+        at the rate last measured. Before any measurement, a step past the budget is cut
+        (its first chunk, within the budget, measures the rate for the rest)."""
+        if not self.progress_cut:
+            return False
+        assert self._bg is not None
+        tokens = sum(min(n, step) for n in prompts_left(self._bg))
+        rate = self._prefill_rate
+        return tokens > self._budget if rate is None else tokens > rate * PROGRESS_SECONDS
+
+    def _measure_prefill(self, prompt_tokens: int, seconds: float) -> None:
+        if prompt_tokens >= _RATE_MIN_TOKENS and seconds > 0:
+            self._prefill_rate = prompt_tokens / seconds
 
     def _first_tokens(self, uids: list[int]) -> tuple[TokenOut, ...]:
         """The first tokens of rows that start decoding in an otherwise idle batch, out with

@@ -49,7 +49,16 @@ import llguidance.numpy as llnp
 import mlx.core as mx
 import numpy as np
 
-from ._matcher import GrammarVocab, cached_vocab, completes, finish, grammar_vocab, jump, resumes
+from ._matcher import (
+    GrammarVocab,
+    cached_vocab,
+    completes,
+    finish,
+    grammar_vocab,
+    is_panic,
+    jump,
+    resumes,
+)
 
 # Tokens of slack kept between the tokens left and the completion: a calm
 # token can still lengthen it a little (an escape, half a UTF-8 character,
@@ -100,7 +109,12 @@ class GrammarProcessor:
     def __init__(self, vocab: GrammarVocab, grammar: str, max_tokens: int):
         self._vocab = vocab
         self._grammar = grammar
-        self._matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
+        try:
+            self._matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
+        except BaseException as exc:  # a Rust panic is a BaseException: the row fails, not the actor
+            if not is_panic(exc):
+                raise
+            raise ValueError(f"the grammar engine failed on the grammar: {exc}") from None
         if self._matcher.is_error():
             raise ValueError(f"the grammar does not compile: {self._matcher.get_error()}")
         self._bitmask = llnp.allocate_token_bitmask(1, vocab.size)
@@ -151,7 +165,9 @@ class GrammarProcessor:
         try:
             if self._advance(token):
                 return True
-        except Exception as exc:  # a bug: end the row rather than fail the batch
+        except BaseException as exc:  # a bug (or a Rust panic): end the row rather than fail the batch
+            if not (isinstance(exc, Exception) or is_panic(exc)):
+                raise
             self._fail(exc)
         self._calls += 1
         return False
@@ -162,11 +178,13 @@ class GrammarProcessor:
     def complete(self) -> None:
         try:
             self._after_fill()
-        except Exception as exc:
+        except BaseException as exc:
+            if not (isinstance(exc, Exception) or is_panic(exc)):
+                raise
             self._fail(exc)
         self._calls += 1
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: BaseException) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
         self._end()
 

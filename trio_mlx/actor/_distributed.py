@@ -477,6 +477,8 @@ class LeaderActor(Actor):
     milliseconds) on admissions and aborts.
     """
 
+    progress_cut = False  # every rank cuts its steps alike: by no rate measured on one
+
     def __init__(self, config: ActorConfig, link: ActorLink, *, group: Any, mode: str, status: GroupStatus,
                  timeout: float, startup_timeout: float, on_failure: Callable[[str], None] | None):
         super().__init__(config, _BeatingLink(link, self._beat))

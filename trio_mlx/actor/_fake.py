@@ -40,9 +40,12 @@ class FakeActor:
 
     def __init__(self, config: ActorConfig, link: ActorLink, *, vocab_size: int = 512,
                  context_length: int = 2048, step_seconds: float = 0.0,
-                 reply: Callable[[tuple[int, ...]], Sequence[int]] | None = None):
+                 reply: Callable[[tuple[int, ...]], Sequence[int]] | None = None,
+                 prefill_seconds: float = 0.0, prefill_chunk: int = 0):
         self.config, self._link = config, link
         self.vocab_size, self.context_length, self.step_seconds = vocab_size, context_length, step_seconds
+        self.prefill_seconds, self.prefill_chunk = prefill_seconds, prefill_chunk
+        self._left: dict[int, int] = {}  # rid -> prompt tokens still to prefill
         self.reply = reply
         self.steps = 0
         # The real actor's table and rules (`_schedule.py`): it ends, aborts and retires alike.
@@ -76,6 +79,7 @@ class FakeActor:
                     case Abort(rid=rid):
                         if arrived.pop(rid, None) is None and schedule.abort(rid) is not None:
                             self._texts.pop(rid, None)
+                            self._left.pop(rid, None)
                             removed = True
                     case Shutdown():
                         return
@@ -83,17 +87,30 @@ class FakeActor:
             for sub in arrived.values():
                 schedule.enter(Seq.of(sub, next(self._uids)))
                 self._texts[sub.rid] = (sub.prompt, self.reply(sub.prompt) if self.reply else ())
+                self._left[sub.rid] = len(sub.prompt)
             report = self._step(list(arrived))
 
     def _step(self, new: list[int]) -> StepReport:
-        """One step: a new sequence's prefill and first token, a token for every other."""
+        """One step: a chunk of each prompt still prefilling (a sequence whose prompt ends in
+        it decodes its first token in it), a token for every other."""
         if self.step_seconds:
             time.sleep(self.step_seconds)
         self.steps += 1
         schedule = self.schedule
         out = []
+        prefilled = 0
+        prefilling, decoding = list(new), []
         for seq in list(schedule.seqs.values()):
-            schedule.started(seq)
+            left = self._left.get(seq.rid, 0)
+            if left:
+                take = min(left, self.prefill_chunk or left)
+                prefilled += take
+                self._left[seq.rid] = left = left - take
+                schedule.started(seq)
+                if left:
+                    continue  # still prefilling: no token yet
+                del self._left[seq.rid]
+                decoding.append(seq.rid)
             schedule.decodes(seq)
             prompt, script = self._texts[seq.rid]
             if seq.generated < len(script):
@@ -108,9 +125,10 @@ class FakeActor:
                 out.append(TokenOut(seq.rid, token, reason, 0.0, top))
             else:
                 out.append(TokenOut(seq.rid, token, reason))
+        if self.prefill_seconds and prefilled:
+            time.sleep(self.prefill_seconds * prefilled)
         if out:
             schedule.steps += 1
         schedule.dry()
-        return StepReport(tokens=tuple(out), prefilling=tuple(new), decoding=tuple(new),
-                          prompt_tokens=sum(len(self._texts[r][0]) for r in new if r in self._texts),
-                          live=len(schedule.seqs))
+        return StepReport(tokens=tuple(out), prefilling=tuple(prefilling), decoding=tuple(decoding),
+                          prompt_tokens=prefilled, live=len(schedule.seqs))

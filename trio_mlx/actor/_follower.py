@@ -73,6 +73,8 @@ class _NoLink:
 class FollowerActor(Actor):
     """The actor on a rank other than 0 (module docstring)."""
 
+    progress_cut = False  # every rank cuts its steps alike: by no rate measured on one
+
     def __init__(self, config: ActorConfig, *, group: Any, mode: str, channel: Channel, watchdog: Watchdog,
                  timeout: float, startup_timeout: float, cache_bytes: int = 0):
         super().__init__(config, _NoLink())

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 
 # The bytes `finish` tries, in order, when nothing is forced: the ones that
@@ -85,19 +84,51 @@ def grammar_vocab(tokenizer: Any, *, key: str | None = None) -> GrammarVocab:
         return vocab
 
 
+def is_panic(exc: BaseException) -> bool:
+    """Whether `exc` is a Rust panic out of llguidance: pyo3 raises it as
+    `pyo3_runtime.PanicException`, a BaseException (not an Exception) that no
+    module exports, so it is known by its name."""
+    return type(exc).__name__ == "PanicException"
+
+
 def cached_vocab(key: str) -> GrammarVocab | None:
     """The GrammarVocab kept under `key` by `grammar_vocab`, if any."""
     with _lock:
         return _by_key.get(key)
 
 
-def _build(tokenizer: Any) -> GrammarVocab:
+def tokenizer_source(tokenizer: Any) -> tuple[str, list[int]]:
+    """What llguidance builds its tokenizer from: the fast tokenizer's JSON (padding and
+    truncation off, as `llguidance.hf` makes it) and the EOS ids. A process without
+    the HF tokenizer (the grammar checkers, `engine/_grammar_pool.py`) builds the same
+    GrammarVocab from it with `vocab_from_source`. Raises ValueError as `grammar_vocab`."""
+    import copy
+
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper keeps the HF one here
     eos_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:  # llguidance reads only "fast" (Rust tokenizers) tokenizers
+        raise ValueError("llguidance cannot read this tokenizer: only fast tokenizers are supported")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str(), eos_ids
+
+
+def vocab_from_source(text: str, eos_ids: list[int]) -> GrammarVocab:
+    """The GrammarVocab of `tokenizer_source`'s answer."""
     try:
-        lltok = llguidance.hf.from_tokenizer(hf, eos_token=eos_ids)
-    except Exception as exc:  # llguidance reads only "fast" (Rust tokenizers) tokenizers
+        lltok = llguidance.LLTokenizer(text, eos_token=eos_ids)
+    except Exception as exc:
         raise ValueError(f"llguidance cannot read this tokenizer: {exc}") from exc
+    return _from_lltokenizer(lltok)
+
+
+def _build(tokenizer: Any) -> GrammarVocab:
+    return vocab_from_source(*tokenizer_source(tokenizer))
+
+
+def _from_lltokenizer(lltok: llguidance.LLTokenizer) -> GrammarVocab:
     singles: dict[int, int] = {}
     for b in _PRIORITY:
         ids = lltok.tokenize_bytes(bytes([b]))
@@ -206,14 +237,17 @@ def completes(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tokens: Sequen
     return matcher.validate_tokens([*tokens, vocab.eos[0]]) == len(tokens) + 1
 
 
-def resumes(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], reach: int = 8) -> list[int] | None:
+def resumes(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], reach: int = 8,
+            after: int | None = None) -> list[int] | None:
     """The longest suffix of `tail` (a completion measured a few tokens ago) that
     completes the grammar from here, dropping at most `reach` of its first tokens, or
     None. The model writes the completion's own next tokens in other spellings (one
     `",` token for a `"` and a `,`): what is left of the old completion then still
-    completes, and `finish`'s walk (milliseconds for a long one) is not needed."""
+    completes, and `finish`'s walk (milliseconds for a long one) is not needed. With
+    `after`, the suffix completes from the state after that token (not consumed)."""
+    first = () if after is None else (after,)
     for k in range(1, min(reach, len(tail)) + 1):
-        if completes(matcher, vocab, tail[k:]):
+        if completes(matcher, vocab, [*first, *tail[k:]]):
             return tail[k:]
     return None
 
@@ -232,13 +266,14 @@ def jump(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], al
     for t in (*vocab.openers, *specials.tolist()):
         if not (words[t >> 5] >> (t & 31)) & 1:
             continue
-        probe = matcher.deep_copy()
-        if not probe.consume_token(t):
-            continue
         # Most openers lengthen nothing: text inside a string (a comma, a brace), or the
         # completion's own next token (the quote that closes the string): what is left of
-        # `tail` still completes, found by validating alone, without `finish`'s walk.
-        if completes(probe, vocab, tail) or resumes(probe, vocab, tail) is not None:
+        # `tail` still completes after it, found by validating alone. Only the others are
+        # consumed (in a copy: consuming a token costs llguidance up to a mask) and walked.
+        if completes(matcher, vocab, [t, *tail]) or resumes(matcher, vocab, tail, after=t) is not None:
+            continue
+        probe = matcher.deep_copy()
+        if not probe.consume_token(t):
             continue
         after = finish(probe, vocab)
         if after is not None:

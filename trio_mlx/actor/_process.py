@@ -176,6 +176,10 @@ def child_main() -> int:
     config = link.config()
     if config is None:
         return 0
+    # trio_mlx.models first: it loads OpenBLAS under MLX's Linux CPU wheel, which only works
+    # before anything imports mlx.core, and `_actor` imports mlx.core before it (the child
+    # reported the reference BLAS, "mlx was imported before trio_mlx.models").
+    from .. import models  # noqa: F401
     from ._actor import Actor
 
     try:

@@ -9,7 +9,6 @@ events below. No MLX here.
 from ..actor import ActorTuning as ActorTuning
 from ._engine import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from ._engine import Engine as Engine
-from ._engine import RequestStream as RequestStream
 from ._engine import open_engine as open_engine
 from ._events import EngineStatistics as EngineStatistics
 from ._events import Event as Event
@@ -21,3 +20,4 @@ from ._events import ToolCallDelta as ToolCallDelta
 from ._events import ToolCalls as ToolCalls
 from ._events import Usage as Usage
 from ._options import GenerationOptions as GenerationOptions
+from ._stream import RequestStream as RequestStream

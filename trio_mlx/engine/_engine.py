@@ -1,12 +1,13 @@
-"""The trio-side engine: admission, the request registry and per-request event streams.
+"""The engine: one model's lifecycle, its GPU actor's supervision, and admission.
 
 `open_engine()` starts the GPU actor (one thread for the engine's whole life,
 see `actor/_actor.py`, or a child process: `actor/_process.py`) and yields an
-`Engine`. `engine.generate()` / `engine.chat()`
-return `RequestStream`s: async context managers that tokenize and validate on
-entry, then iterate `TextDelta` events and one terminal `Finished`. Leaving
-the `async with` early, for any reason, sends an abort the actor applies
-before its next decode step.
+`Engine`; an actor that dies while serving is started again within a restart
+budget (`_supervise.py`). `engine.generate()` / `engine.chat()` return
+`RequestStream`s (`_stream.py`): entering one checks its options once
+(`_options.check_options`), tokenizes the prompt in a lane that fits its size
+(`_lanes.py`) and submits it to the registry (`_registry.py`), which holds the
+requests in flight and exchanges commands and step reports with the actor.
 
 All registry state lives on the trio thread; the actor's link reaches it there
 (`deliver()` with each step's report, `drain_commands()` for what the actor is
@@ -15,18 +16,14 @@ to apply), never from the actor's thread; no locks.
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import dataclasses
 import importlib
 import logging
-import math
 import os
 import pathlib
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -40,10 +37,8 @@ from .._errors import (
     EngineRestartingError,
     InvalidRequestError,
     ModelLoadError,
-    QueueFullError,
 )
 from ..actor import (
-    Abort,
     ActorConfig,
     ActorInfo,
     ActorLink,
@@ -53,52 +48,21 @@ from ..actor import (
     SamplingParams,
     Shutdown,
     StepReport,
-    Submit,
-    TokenOut,
 )
-from ._events import (
-    EngineStatistics,
-    Event,
-    Finished,
-    TextDelta,
-    TokenLogprob,
-    ToolCall,
-    ToolCallDelta,
-    ToolCalls,
-    Usage,
-)
-from ._options import (
-    Checked,
-    GenerationOptions,
-    check_options,
-    check_sampling_defaults,
-    usable_defaults,
-)
+from ._events import EngineStatistics
+from ._lanes import TokenizingLanes
+from ._options import GenerationOptions, check_options, check_sampling_defaults, usable_defaults
 from ._prompt import ChatEncoder, max_token_chars, prompt_chars, text_chars
-from ._structure import NO_STRUCTURE, Structure, check_structure, compile_structure
+from ._registry import Registry, Request, Terminal
+from ._stream import Prepared, RequestStream
+from ._structure import check_structure
 from ._supervise import RestartBudget
-from ._text import HeldLogprobs, StopMatcher, keep_leading_space, normalize_messages
+from ._text import normalize_messages
 
 log = logging.getLogger("trio_mlx.engine")
 
 # One GPU, one actor: every engine in a process shares this limiter (rule 1).
 _GPU_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_gpu_limiter")
-_TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_tokenizer_limiter")
-_BIG_TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_big_tokenizer_limiter")
-# Prompts longer than this many characters are tokenized in a worker thread so
-# the event loop keeps serving; shorter ones cost less than the thread hop.
-# The number is a judgement call, not a measurement.
-_THREAD_TOKENIZE_CHARS = 4096
-# For those two choices a chat message counts this many characters besides its text: its
-# template costs about that much tokenizing (SmolLM2's template on the 2-core CPU box:
-# 1,000 empty messages took 18 ms, 4,096 characters of text in one message 1.9 ms), so a
-# request of many empty messages is not templated on the event loop.
-_MESSAGE_CHARS = 40
-# Prompts longer than this (a long document, not a chat turn) take a lane of their own, one at
-# a time, so a few of them never keep ordinary long prompts waiting; at most
-# _BIG_TOKENIZE_WAITING of them wait (more: 429). Judgement calls.
-_BIG_TOKENIZE_CHARS = 256 * 1024
-_BIG_TOKENIZE_WAITING = 8
 # count_tokens counts a prompt that does not fit, too (a client checks before it sends), up to
 # this many contexts' worth; past that it is refused from its length as generation is. Judgement.
 _COUNT_CONTEXTS = 4
@@ -117,62 +81,6 @@ def gpu_limiter() -> trio.CapacityLimiter:
     except LookupError:
         _GPU_LIMITER.set(limiter := trio.CapacityLimiter(1))
         return limiter
-
-
-def _big_tokenizer_limiter() -> trio.CapacityLimiter:
-    try:
-        return _BIG_TOKENIZER_LIMITER.get()
-    except LookupError:
-        _BIG_TOKENIZER_LIMITER.set(limiter := trio.CapacityLimiter(1))
-        return limiter
-
-
-def _tokenizer_limiter() -> trio.CapacityLimiter:
-    try:
-        return _TOKENIZER_LIMITER.get()
-    except LookupError:
-        _TOKENIZER_LIMITER.set(limiter := trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2)))
-        return limiter
-
-
-@dataclass(frozen=True, slots=True)
-class _Terminal:
-    """Put into a request's channel by the engine itself (failure, shutdown)."""
-
-    finish_reason: str
-    error: str | None
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: int
-    send: trio.MemorySendChannel[Any]
-    recv: trio.MemoryReceiveChannel[Any]
-    stage: str = "queued"
-    ended: trio.Event = field(default_factory=trio.Event)  # set when the engine is done with it
-    cached: int = 0  # prompt tokens the actor took from its prompt cache
-
-
-@dataclass
-class _Counters:
-    submitted: int = 0
-    finished: int = 0
-    rejected: int = 0
-    steps: int = 0
-    generated: int = 0
-    prompt_tokens: int = 0
-    step_seconds_total: float = 0.0
-    last_step_seconds: float = 0.0
-    aborts: int = 0
-    aborts_by_stage: collections.Counter[str] = field(default_factory=collections.Counter)
-    aborts_by_cause: collections.Counter[str] = field(default_factory=collections.Counter)
-    step_failures: int = 0
-    restarts: int = 0
-
-
-# EngineStatistics' names for the actor's prompt cache figures (StepReport.prompt_cache), in order.
-_PROMPT_CACHE_FIELDS = ("prompt_cache_lookups", "prompt_cache_hits", "prompt_cache_hit_tokens",
-                        "prompt_cache_evictions", "prompt_cache_bytes", "prompt_cache_entries")
 
 
 class Engine:
@@ -234,23 +142,12 @@ class Engine:
         self.tokenizer: Any = None
         self._chat: ChatEncoder | None = None
         self._max_token_chars = 0  # 0: no cheap size bound (engine/_prompt.py)
-        self._big_waiting = 0
+        self._lanes = TokenizingLanes()
         self._special_ids: frozenset[int] = frozenset()
         self._eos_ids: frozenset[int] = frozenset()
-        self._requests: dict[int, _Request] = {}
-        self._stage_counts: collections.Counter[str] = collections.Counter()
-        self._next_rid = 0
-        self._live = 0
-        self._c = _Counters()
-        self._last_progress: float | None = None
-        self._memory: tuple[int, int, int] = (0, 0, 0)  # MLX (active, peak, cache) bytes, as the actor reads them
-        self._prompt_cache: tuple[int, ...] = (0, 0, 0, 0, 0, 0)  # the actor's prompt cache figures
+        self._registry = Registry()
+        self._port = _Port(self)  # what its streams reach (`_stream.StreamPort`)
         self._actor_error: BaseException | None = None
-        self._inbox_send: trio.MemorySendChannel[Command] | None = None
-        self._inbox_recv: trio.MemoryReceiveChannel[Command] | None = None
-        # Called on the trio thread after each command queued for the actor: a thread actor's
-        # link takes commands as they come (`actor._link.ThreadLink`); None otherwise.
-        self.on_command: Callable[[], None] | None = None
         # A distributed group's status (`actor/_group.GroupStatus`) when this engine is rank 0
         # of one (`engine/_distributed.py`); None on a single device.
         self.group: Any = None
@@ -259,7 +156,6 @@ class Engine:
         self._broken = trio.Event()
         self._stop_restarting = trio.Event()
         self._restarts = RestartBudget(restart_limit, restart_window, restart_backoff)
-        self._idle = trio.Event()
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -301,7 +197,7 @@ class Engine:
         if self._switch_interval is not None:
             # The actor and the event loop share the GIL (docs/design.md, rule 7).
             sys.setswitchinterval(self._switch_interval)
-        self._inbox_send, self._inbox_recv = trio.open_memory_channel(math.inf)
+        self._registry.open_inbox()
 
         disk = pathlib.Path(self._cache_dir or models.default_cache_dir()) / "prompt-cache"
         config = ActorConfig(model_path=path, tuning=self.tuning, fault_hook=self._fault_hook,
@@ -359,7 +255,7 @@ class Engine:
                         return  # a failed first start (run() raises it), or the end of a drain
                 # Died while serving: every request in flight ends now (rule 8), then a restart.
                 error = self._actor_error
-                self._fail_all(_Terminal("error", "the GPU actor died"))
+                self._registry.fail_all(Terminal("error", "the GPU actor died"))
                 delay = self._restarts.next_delay(trio.current_time())
                 if delay is None:
                     log.error("the GPU actor died (%s: %s); %s", type(error).__name__, error,
@@ -369,13 +265,14 @@ class Engine:
                     self.state = "broken"
                     return
                 log.warning("the GPU actor died (%s: %s); starting a new one in %.1f s (restart %d)",
-                            type(error).__name__, error, delay, self._c.restarts + 1,
+                            type(error).__name__, error, delay, self._registry.c.restarts + 1,
                             exc_info=error if self.actor_mode != "process" else None)  # a child: no traceback
                 self.state = "restarting"
-                self._c.restarts += 1
-                self._live, self._memory = 0, (0, 0, 0)  # the dead actor's; the new one reports its own
+                self._registry.c.restarts += 1
+                registry = self._registry
+                registry.live, registry.memory = 0, (0, 0, 0)  # the dead actor's; the new one reports its own
                 # Commands for the dead actor (aborts of the requests just failed) go with it.
-                self._inbox_send, self._inbox_recv = trio.open_memory_channel(math.inf)
+                registry.open_inbox()
                 with trio.move_on_after(delay):
                     await self._stop_restarting.wait()
                 if self.state != "restarting":
@@ -391,9 +288,8 @@ class Engine:
             elif self.state != "closed":
                 self.state = "closed"
             reason = "the engine closed" if self.state == "closed" else "the GPU actor died"
-            self._fail_all(_Terminal("error" if self.state == "broken" else "abort", reason))
-            if self._inbox_send is not None:
-                self._inbox_send.close()
+            self._registry.fail_all(Terminal("error" if self.state == "broken" else "abort", reason))
+            self._registry.close_inbox()
             self._ready_or_dead.set()
             self._actor_done.set()
 
@@ -405,7 +301,7 @@ class Engine:
             return
         self._actor_error = RuntimeError(reason)
         self.state = "broken"
-        self._fail_all(_Terminal("error", reason))
+        self._registry.fail_all(Terminal("error", reason))
         self._ready_or_dead.set()
 
     @property
@@ -429,12 +325,12 @@ class Engine:
             self._stop_restarting.set()
         elif self.state == "ready":
             self.state = "draining"
-            if self._requests and drain_timeout > 0:
+            if self._registry.requests and drain_timeout > 0:
                 with trio.move_on_after(drain_timeout):
-                    await self._idle.wait()
-            self._fail_all(_Terminal("abort", "the server is shutting down"))
+                    await self._registry.idle.wait()
+            self._registry.fail_all(Terminal("abort", "the server is shutting down"))
             try:
-                self._to_actor(Shutdown())
+                self._registry.to_actor(Shutdown())
             except trio.ClosedResourceError:
                 pass
         await self._actor_done.wait()
@@ -452,127 +348,31 @@ class Engine:
             if self.state == "restarting":
                 log.info("the new GPU actor is ready (pid %s)", info.pid)
             self.state = "ready"
-        self._last_progress = trio.current_time()
+        self._registry.last_progress = trio.current_time()
         self._ready_or_dead.set()
 
     async def wait_commands(self) -> list[Command]:
-        assert self._inbox_recv is not None
-        try:
-            first = await self._inbox_recv.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            return [Shutdown()]
-        return [first, *self.drain_commands()]
+        return await self._registry.wait_commands()
 
     def drain_commands(self) -> list[Command]:
         """The commands queued for the actor, taken out of the inbox (a Shutdown once it is closed)."""
-        assert self._inbox_recv is not None
-        out: list[Command] = []
-        while True:
-            try:
-                out.append(self._inbox_recv.receive_nowait())
-            except trio.WouldBlock:
-                return out
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                out.append(Shutdown())
-                return out
+        return self._registry.drain_commands()
 
     def deliver(self, report: StepReport) -> None:
         """Hand one step's tokens to their requests; update stages and counters."""
-        now = trio.current_time()
-        self._last_progress = now
-        c = self._c
-        if report.tokens:
-            c.steps += 1
-            c.generated += len(report.tokens)
-            c.step_seconds_total += report.step_seconds
-            c.last_step_seconds = report.step_seconds
-        c.prompt_tokens += report.prompt_tokens
-        self._live = report.live
-        if report.memory is not None:
-            self._memory = report.memory
-        if report.prompt_cache is not None:
-            self._prompt_cache = report.prompt_cache
-        requests = self._requests
-        for rid, n in report.cached:
-            if (req := requests.get(rid)) is not None:
-                req.cached = n
-        for rid in report.prefilling:
-            if (req := requests.get(rid)) is not None:
-                self._set_stage(req, "prefill")
-        for rid in report.decoding:
-            if (req := requests.get(rid)) is not None:
-                self._set_stage(req, "decode")
-        for tok in report.tokens:
-            req = requests.get(tok.rid)
-            if req is None:
-                continue  # aborted; the actor learns at this exchange
-            try:
-                req.send.send_nowait(tok)
-            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                self._abort(req, "gone")  # the reader is gone (rule 3)
-                continue
-            if tok.finish_reason is not None:
-                self._finish(req)
-        for rid, reason in report.failed:
-            if (req := requests.get(rid)) is not None:
-                c.step_failures += 1
-                self._deliver_terminal(req, _Terminal("error", reason))
+        self._registry.deliver(report)
 
-    # -- registry --------------------------------------------------------------
+    @property
+    def on_command(self) -> Callable[[], None] | None:
+        """Called on the trio thread after each command queued for the actor: a thread actor's
+        link takes commands as they come (`actor._link.ThreadLink`); None otherwise."""
+        return self._registry.on_command  # type: ignore[no-any-return]
 
-    def _set_stage(self, req: _Request, stage: str) -> None:
-        self._stage_counts[req.stage] -= 1
-        self._stage_counts[stage] += 1
-        req.stage = stage
+    @on_command.setter
+    def on_command(self, hook: Callable[[], None] | None) -> None:
+        self._registry.on_command = hook
 
-    def _finish(self, req: _Request) -> None:
-        if self._requests.pop(req.rid, None) is None:
-            return
-        self._stage_counts[req.stage] -= 1
-        self._c.finished += 1
-        req.send.close()
-        req.ended.set()
-        if not self._requests:
-            self._idle.set()
-
-    def _deliver_terminal(self, req: _Request, term: _Terminal) -> None:
-        try:
-            req.send.send_nowait(term)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        self._finish(req)
-
-    def _abort(self, req: _Request, cause: str) -> None:
-        """Forget a request whose reader left; the actor drops its sequence at the next step."""
-        if req.rid not in self._requests:
-            return
-        self._drop_sequence(req, cause)
-        self._finish(req)
-
-    def _fail_all(self, term: _Terminal) -> None:
-        """End every request with `term`; on shutdown ("abort") also drop their sequences."""
-        for req in list(self._requests.values()):
-            if term.finish_reason == "abort":
-                self._drop_sequence(req, "shutdown")
-            self._deliver_terminal(req, term)
-
-    def _drop_sequence(self, req: _Request, cause: str) -> None:
-        """Count an abort by stage and cause and tell the actor (sync, non-blocking)."""
-        self._c.aborts += 1
-        self._c.aborts_by_stage[req.stage] += 1
-        self._c.aborts_by_cause[cause] += 1
-        try:
-            self._to_actor(Abort(req.rid))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
-
-    def _to_actor(self, command: Command) -> None:
-        """Queue a command for the actor, and tell its link (`on_command`) if it listens."""
-        if self._inbox_send is None:
-            return
-        self._inbox_send.send_nowait(command)
-        if self.on_command is not None:
-            self.on_command()
+    # -- admission -------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self.state == "ready":
@@ -586,29 +386,10 @@ class Engine:
         raise EngineClosedError("the engine is shutting down" if self.state == "draining" else "the engine is closed")
 
     def _submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int],
-                grammar: Grammar | None = None, cache_salt: str = "") -> _Request:
+                grammar: Grammar | None = None, cache_salt: str = "") -> Request:
         self._check_open()
-        sc = self._stage_counts
-        free_slots = max(0, self.max_batch - sc["prefill"] - sc["decode"])
-        if sc["queued"] - free_slots >= self.max_queue:  # waiting beyond the batch's free slots
-            self._c.rejected += 1
-            raise QueueFullError(
-                f"too many requests are waiting ({self.max_queue}); retry shortly",
-                retry_after=max(1.0, self.mean_step_seconds * max_tokens / 4),
-            )
-        if not self._requests and not self._live:
-            # The watchdog counts from the first work after idle, not from the last step before it.
-            self._last_progress = trio.current_time()
-        rid = self._next_rid = self._next_rid + 1
-        send, recv = trio.open_memory_channel[Any](max_tokens + 2)
-        req = _Request(rid, send, recv)
-        self._requests[rid] = req
-        self._stage_counts["queued"] += 1
-        self._idle = trio.Event() if self._idle.is_set() else self._idle
-        self._c.submitted += 1
-        assert self._inbox_send is not None
-        self._to_actor(Submit(rid, tuple(prompt), max_tokens, sampling, stops, grammar, cache_salt))
-        return req
+        return self._registry.submit(prompt, max_tokens, sampling, stops, grammar,
+                                     max_batch=self.max_batch, max_queue=self.max_queue, cache_salt=cache_salt)
 
     # -- public API ------------------------------------------------------------
 
@@ -618,37 +399,12 @@ class Engine:
 
     @property
     def mean_step_seconds(self) -> float:
-        return self._c.step_seconds_total / self._c.steps if self._c.steps else 0.0
+        return self._registry.mean_step_seconds
 
     def statistics(self) -> EngineStatistics:
-        sc = self._stage_counts
-        since = None
-        if self._last_progress is not None and (self._requests or self._live):
-            since = trio.current_time() - self._last_progress
         return EngineStatistics(
             state=self.state,  # type: ignore[arg-type]
-            queued=sc["queued"],
-            prefilling=sc["prefill"],
-            decoding=sc["decode"],
-            active=self._live,
-            requests_submitted=self._c.submitted,
-            requests_finished=self._c.finished,
-            requests_rejected=self._c.rejected,
-            decode_steps=self._c.steps,
-            generated_tokens=self._c.generated,
-            prompt_tokens=self._c.prompt_tokens,
-            last_step_seconds=self._c.last_step_seconds,
-            mean_step_seconds=self.mean_step_seconds,
-            aborts=self._c.aborts,
-            aborts_by_stage=dict(self._c.aborts_by_stage),
-            aborts_by_cause=dict(self._c.aborts_by_cause),
-            active_memory_bytes=self._memory[0],
-            peak_memory_bytes=self._memory[1],
-            cache_memory_bytes=self._memory[2],
-            step_failures=self._c.step_failures,
-            actor_restarts=self._c.restarts,
-            seconds_since_step=since,
-            **dict(zip(_PROMPT_CACHE_FIELDS, self._prompt_cache, strict=True)),
+            **self._registry.figures(),
             tokenizer_prefix_hits=self._chat.prefix.hits if self._chat is not None else 0,
             tokenizer_prefix_tokens=self._chat.prefix.reused_tokens if self._chat is not None else 0,
         )
@@ -663,7 +419,7 @@ class Engine:
         `default_max_tokens` (and never past the context); with `fit_max_tokens`,
         `max_tokens` is a ceiling (`RequestStream.clamped` says it was cut to the context).
         A sampling option left out (None) takes the model's default (`sampling_defaults`)."""
-        return RequestStream(self, "text", prompt, _merged(options, fields))
+        return RequestStream(self._port, "text", prompt, _merged(options, fields))
 
     def chat(self, messages: Sequence[Mapping[str, Any]], options: GenerationOptions | None = None,
              **fields: Any) -> RequestStream:
@@ -680,41 +436,22 @@ class Engine:
         name and Anthropic's trailing assistant turn): the reply holds only the
         continuation; it cannot be held to a grammar (response_format, tool_choice
         "required" or named), which would start mid-message."""
-        return RequestStream(self, "chat", messages, _merged(options, fields))
+        return RequestStream(self._port, "chat", messages, _merged(options, fields))
 
     def _check_size_bound(self, kind: str, chars: int, want: int, contexts: int = 1) -> None:
-        """Refuse a prompt that cannot fit before tokenizing it: a text of C characters is at
-        least C / (the longest token's characters) tokens. Tokenizing 16 MB costs ~25 s of CPU
-        and a gigabyte; this costs nothing. (`contexts`: a count may hold that many contexts.)"""
+        """Refuse a prompt that cannot fit before tokenizing it: a text of B bytes (`chars`,
+        UTF-8) is at least B / (the longest token's bytes) tokens. Tokenizing 16 MB costs ~25 s
+        of CPU and a gigabyte; this costs nothing."""
         if not chars or not self._max_token_chars or not self.context_length:
             return
         floor = -(-chars // self._max_token_chars)
         if floor + want > self.context_length * contexts:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.context_length} tokens; the prompt "
-                f"has {chars} characters, at least {floor} tokens, and {want} more were requested",
+                f"has {chars} bytes of text, at least {floor} tokens, and {want} more were requested",
                 param="messages" if kind == "chat" else "prompt",
                 prompt_tokens=floor, context_length=self.context_length,
             )
-
-    async def _tokenize_big(self, kind: str, value: Any, template_kwargs: Any) -> list[int]:
-        """Very long prompts are tokenized in a lane of their own (one at a time, a few waiting),
-        so that they never hold up the ordinary ones; memory goes back to the system after."""
-        if self._big_waiting >= _BIG_TOKENIZE_WAITING:
-            raise QueueFullError(f"too many very long prompts ({self._big_waiting}) are waiting to be "
-                                 "tokenized; retry shortly", retry_after=5.0)
-
-        def job() -> list[int]:
-            try:
-                return self.encode_prompt(kind, value, template_kwargs)
-            finally:
-                _trim_memory()
-
-        self._big_waiting += 1
-        try:
-            return await trio.to_thread.run_sync(job, limiter=_big_tokenizer_limiter())
-        finally:
-            self._big_waiting -= 1
 
     def encode_prompt(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Prompt -> token ids (synchronous; may be slow for long prompts)."""
@@ -754,7 +491,7 @@ class Engine:
         continue_final_message: bool = False,
     ) -> int:
         """The prompt tokens `chat()` would submit for these messages and tools, without
-        submitting anything (Anthropic's count_tokens). Tokenizes in a worker thread."""
+        submitting anything (Anthropic's count_tokens). Tokenizes in the lane its size picks."""
         self._check_open()
         options = GenerationOptions(tools=tools, tool_choice=tool_choice if tools is not None else None)
         structure = check_structure(self.tokenizer, options, chat=True)
@@ -770,8 +507,7 @@ class Engine:
                       want: int, contexts: int = 1) -> list[int]:
         """The prompt's token ids, after the cheap bound (its text, the tools and everything
         else the template renders, against `contexts` times the context with `want` answer
-        tokens beside it), on the event loop, in a worker thread or in the lane of very long
-        prompts, by size."""
+        tokens beside it), in the lane its size picks (`_lanes.py`)."""
         if kind == "text" and isinstance(value, Sequence) and not isinstance(value, str) and self.context_length \
                 and len(value) + want > self.context_length:  # token ids: counted, not checked one by one
             raise ContextLengthExceededError(
@@ -783,17 +519,10 @@ class Engine:
         if template_kwargs:  # tools of megabytes are prompt text too (issue 35)
             size += text_chars(template_kwargs, limit and max(1, limit - size))
         self._check_size_bound(kind, size, want, contexts)
-        work = size + (_MESSAGE_CHARS * len(value) if kind == "chat" and isinstance(value, Sequence) else 0)
-        if work > _BIG_TOKENIZE_CHARS:
-            return await self._tokenize_big(kind, value, template_kwargs)
-        if work > _THREAD_TOKENIZE_CHARS:
-            return await trio.to_thread.run_sync(
-                self.encode_prompt, kind, value, template_kwargs, limiter=_tokenizer_limiter()
-            )
-        return self.encode_prompt(kind, value, template_kwargs)
+        return await self._lanes.encode(self.encode_prompt, kind, value, template_kwargs, size)
 
     async def _prepare(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None,
-                       options: GenerationOptions) -> _Prepared:
+                       options: GenerationOptions) -> Prepared:
         """The options checked (once: `check_options`), the prompt tokenized, and the answer's
         limit fitted beside it."""
         self._check_open()
@@ -813,37 +542,47 @@ class Engine:
                 prompt_tokens=len(prompt), context_length=self.context_length,
             )
         stops = checked.stop_token_ids | (frozenset() if checked.ignore_eos else self._eos_ids)
-        return _Prepared(prompt, max_tokens, clamped, checked, stops)
+        return Prepared(prompt, max_tokens, clamped, checked, stops)
 
 
-def _trim_memory() -> None:
-    """Hand freed heap memory back to the system (glibc keeps it otherwise): after a prompt of
-    megabytes, the process's resident size returns to where it was."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):  # not glibc
-        pass
 
+class _Port:
+    """The engine as its request streams see it (`_stream.StreamPort`): all they reach of it."""
 
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    """A request ready for the actor: its prompt, its answer's limit, its checked options and
-    every stop token (the request's own, and the model's EOS unless it ignores them)."""
+    __slots__ = ("_engine",)
 
-    prompt: list[int]
-    max_tokens: int
-    clamped: bool  # `fit_max_tokens` cut max_tokens to the context's end
-    checked: Checked
-    stop_token_ids: frozenset[int]
+    def __init__(self, engine: Engine):
+        self._engine = engine
 
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
 
-def _template_kwargs(o: GenerationOptions, structure: Structure) -> dict[str, Any] | None:
-    """The chat template's extra arguments: the caller's, the prefill's and the tools'."""
-    out = {**(o.chat_template_kwargs or {})}
-    if o.continue_final_message:
-        out["continue_final_message"] = True
-    out.update(structure.template_kwargs())
-    return out or None
+    @property
+    def model_path(self) -> os.PathLike[str] | None:
+        return self._engine.model_path
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._engine._eos_ids
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._engine._special_ids
+
+    def check_open(self) -> None:
+        self._engine._check_open()
+
+    async def prepare(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None,
+                      options: GenerationOptions) -> Prepared:
+        return await self._engine._prepare(kind, value, template_kwargs, options)
+
+    def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int],
+               grammar: Grammar | None, cache_salt: str = "") -> Request:
+        return self._engine._submit(prompt, max_tokens, sampling, stops, grammar, cache_salt)
+
+    def abort(self, req: Request, cause: str) -> None:
+        self._engine._registry.abort(req, cause)
 
 
 def _merged(options: GenerationOptions | None, fields: Mapping[str, Any]) -> GenerationOptions:
@@ -853,245 +592,6 @@ def _merged(options: GenerationOptions | None, fields: Mapping[str, Any]) -> Gen
     base = options if options is not None else GenerationOptions()
     return dataclasses.replace(base, **fields) if fields else base
 
-
-class RequestStream:
-    """One request's events. `async with` submits it; iterate for `TextDelta`s then one
-    `Finished`; leaving the block early aborts the sequence on the actor."""
-
-    def __init__(self, engine: Engine, kind: str, prompt: Any, options: GenerationOptions,
-                 prepared: tuple[Structure, Grammar | None] | None = None):
-        self._engine = engine
-        self._kind = kind  # "chat" (messages) or "text" (a string or token ids)
-        self._prompt = prompt
-        self.options = options  # as given: checked when the stream is entered
-        self._prepared = prepared  # a sibling's checked structure and grammar (`again`)
-        self._tool_stream: Any = None  # an `_tools.ToolCallStream` when the request has tools
-        self._called = False  # whether it reported a call
-        self.structure: Structure = NO_STRUCTURE  # the request's checked tools and response format
-        self.grammar: Grammar | None = None  # what the actor enforces, if anything
-        self._req: _Request | None = None
-        self._recv: trio.MemoryReceiveChannel[Any] | None = None
-        self._pending: collections.deque[Event] = collections.deque()
-        self._done = False
-        self.prompt_tokens: list[int] = []
-        self.completion_tokens = 0
-        self.max_tokens = 0  # the answer's limit, once entered
-        self.clamped = False  # `fit_max_tokens` cut max_tokens to the context's end
-
-    async def __aenter__(self) -> RequestStream:
-        engine = self._engine
-        engine._check_open()
-        o, chat = self.options, self._kind == "chat"
-        if self._prepared is None:
-            structure = check_structure(engine.tokenizer, o, chat=chat)
-        else:
-            structure = self._prepared[0]
-        template_kwargs = _template_kwargs(o, structure) if chat else None
-        p = await engine._prepare(self._kind, self._prompt, template_kwargs, o)
-        if self._prepared is None:
-            grammar = await compile_structure(engine.tokenizer, engine.model_path, structure)
-        else:
-            grammar = self._prepared[1]
-        continuing = chat and bool((template_kwargs or {}).get("continue_final_message"))
-        stop_ids = p.stop_token_ids
-        if grammar is not None:
-            if continuing:
-                raise InvalidRequestError("a continued message (continue_final_message, a prefill) cannot be "
-                                          "held to response_format or a required tool_choice: the grammar "
-                                          "would start mid-message", param="messages")
-            from ._grammar import check_max_tokens
-
-            check_max_tokens(grammar, p.max_tokens)
-            stop_ids = stop_ids | engine._eos_ids  # the grammar ends on EOS, ignore_eos or not
-        self.structure, self.grammar = structure, grammar
-        self._tool_stream = structure.tool_stream(engine.tokenizer, p.prompt, grammar)
-        self.prompt_tokens = p.prompt
-        self.max_tokens = p.max_tokens
-        self.clamped = p.clamped
-        self._sampling = p.checked.sampling
-        self._stop_ids = stop_ids
-        self._stopper = StopMatcher(p.checked.stop_strings)
-        self._detok = engine.tokenizer.detokenizer
-        if not chat or continuing:  # a continuation: " Paris" after "is"
-            keep_leading_space(self._detok)
-        self._held_logprobs = HeldLogprobs()
-        self._hidden = engine._special_ids
-        self._req = engine._submit(p.prompt, p.max_tokens, p.checked.sampling, stop_ids, grammar,
-                                   p.checked.cache_salt)
-        self._recv = self._req.recv
-        return self
-
-    def again(self, **fields: Any) -> RequestStream:
-        """Another request for the same prompt, tools and response format as this
-        entered one (tokenized and compiled once), with these `GenerationOptions` fields
-        changed: OpenAI's `n` choices, each with its own seed."""
-        if self._req is None:
-            raise RuntimeError("again() needs a stream that was entered")
-        options = dataclasses.replace(self.options, **{**_AGAIN_RESET, **fields})
-        return RequestStream(self._engine, "text", list(self.prompt_tokens), options,
-                             (self.structure, self.grammar))
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self, cause: str = "cancelled") -> None:
-        """End the request; if it is still running, abort it, counted under `cause`
-        (statistics().aborts_by_cause). Synchronous and non-blocking: safe in any
-        `finally` (docs/design.md, rule 4)."""
-        if self._req is not None:
-            self._engine._abort(self._req, cause)
-        if self._recv is not None:
-            self._recv.close()
-        self._done = True
-
-    @property
-    def stage(self) -> str:
-        """"queued", "prefill", "decode" or "done"."""
-        req = self._req
-        return req.stage if req is not None and req.rid in self._engine._requests else "done"
-
-    @property
-    def unread(self) -> int:
-        """Tokens the engine has delivered that this stream's reader has not taken yet."""
-        return self._recv.statistics().current_buffer_used if self._recv is not None and not self._done else 0
-
-    async def wait_ended(self) -> None:
-        """Return once the request has ended (at once if it has): for a reader that
-        paces itself, so that a stream's last tokens and its end are never held back."""
-        if not self._done and self._req is not None:
-            await self._req.ended.wait()
-
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self
-
-    async def __anext__(self) -> Event:
-        while True:
-            if self._pending:
-                return self._pending.popleft()
-            if self._done or self._recv is None:
-                raise StopAsyncIteration
-            try:
-                item = await self._recv.receive()
-            except trio.EndOfChannel:
-                self._end("error", error="the engine dropped this request")
-                continue
-            batch = [item]
-            while True:  # tokens already waiting go out together (adaptive coalescing)
-                try:
-                    batch.append(self._recv.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                    break  # Closed: close() ran (another task) after this task was handed `item`
-            self._process(batch)
-
-    def _process(self, batch: list[Any]) -> None:
-        ids: list[int] = []
-        lps: list[TokenLogprob] | None = [] if self._sampling.logprobs else None
-        text: list[str] = []
-        detok, stopper = self._detok, self._stopper
-        held = self._held_logprobs  # logprobs go out with their text (stop strings hold both)
-        for item in batch:
-            if isinstance(item, _Terminal):
-                text.append(stopper.flush())
-                if lps is not None:
-                    lps += held.rest()
-                self._emit(text, ids, lps)
-                self._end(item.finish_reason, error=item.error)
-                return
-            assert isinstance(item, TokenOut)
-            tok = item.token
-            self.completion_tokens += 1
-            ids.append(tok)
-            ends_on_stop_token = item.finish_reason == "stop" and tok in self._stop_ids
-            if lps is not None and item.logprob is not None and not ends_on_stop_token:
-                held.token(self._logprob(item))
-            if not ends_on_stop_token and tok not in self._hidden:
-                detok.add_token(tok)
-            if item.finish_reason is not None:
-                detok.finalize()
-            segment = released = detok.last_segment
-            if stopper:
-                released, matched = stopper.feed(segment)
-                if matched is not None:
-                    text.append(released)
-                    if lps is not None:
-                        lps += held.text(segment, released)  # the stop string's tokens stay out
-                    self._emit(text, ids, lps)
-                    if self._req is not None:
-                        self._engine._abort(self._req, "stop_string")
-                    self._end("stop", stop=matched)
-                    return
-            text.append(released)
-            if lps is not None:
-                lps += held.text(segment, released)
-            if item.finish_reason is not None:
-                text.append(stopper.flush())
-                if lps is not None:
-                    lps += held.rest()
-                self._emit(text, ids, lps)
-                self._end(item.finish_reason, stop=tok if ends_on_stop_token else None)
-                return
-        self._emit(text, ids, lps)
-
-    def _logprob(self, item: TokenOut) -> TokenLogprob:
-        dec = self._engine.tokenizer.decode
-        top = tuple((i, dec([i]), lp) for i, lp in (item.top_logprobs or ()))
-        return TokenLogprob(item.token, dec([item.token]), float(item.logprob or 0.0), top)
-
-    def _emit(self, text: list[str], ids: list[int], lps: list[TokenLogprob] | None) -> None:
-        joined = "".join(text)
-        if self._tool_stream is not None:
-            self._emit_split(self._tool_stream.feed(joined) if joined else None, ids, lps)
-        elif joined or ids:
-            self._pending.append(TextDelta(joined, tuple(ids), tuple(lps) if lps is not None else None))
-
-    def _emit_split(self, delta: Any, ids: list[int], lps: list[TokenLogprob] | None) -> None:
-        """A ToolCallStream's delta, in its text's order: reasoning and the content before
-        any call as one TextDelta (with the token ids), then the calls' `ToolCallDelta`s,
-        whole calls (`ToolCalls`) and later content. Call text the family's parser
-        could not read is content: nothing the model wrote is lost (vLLM does the same)."""
-        items: tuple[Any, ...] = delta.items if delta is not None else ()
-        lead = 0
-        while lead < len(items) and type(items[lead]) is str:
-            lead += 1
-        content = "".join(items[:lead])
-        reasoning = delta.reasoning if delta is not None else ""
-        if content or reasoning or ids:
-            self._pending.append(TextDelta(content, tuple(ids), tuple(lps) if lps is not None else None, reasoning))
-        whole: list[ToolCall] = []
-        for item in items[lead:]:
-            if type(item) is ToolCall:
-                whole.append(item)
-                continue
-            if whole:
-                self._called = True
-                self._pending.append(ToolCalls(tuple(whole)))
-                whole = []
-            if type(item) is ToolCallDelta:
-                self._pending.append(item)
-            else:  # content after a call, or a refused call's text
-                self._pending.append(TextDelta(item if type(item) is str else item.text, ()))
-        if whole:
-            self._called = True
-            self._pending.append(ToolCalls(tuple(whole)))
-
-    def _end(self, reason: str, *, error: str | None = None, stop: str | int | None = None) -> None:
-        if self._tool_stream is not None:
-            stream, self._tool_stream = self._tool_stream, None
-            self._emit_split(stream.finish(), [], None)
-            if self._called and reason == "stop":
-                reason = "tool_calls"
-        self._pending.append(
-            Finished(reason, Usage(len(self.prompt_tokens), self.completion_tokens,  # type: ignore[arg-type]
-                                   self._req.cached if self._req is not None else 0), error, stop)
-        )
-        self._done = True
-        if self._recv is not None:
-            self._recv.close()
-
-
-# What `again` leaves out of its options: the sibling's structure comes compiled, its prompt as token ids.
-_AGAIN_RESET: dict[str, Any] = dict(tools=None, tool_choice=None, parallel_tool_calls=True, response_format=None,
-                                    continue_final_message=False, chat_template_kwargs=None)
 
 
 @asynccontextmanager

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -31,10 +32,13 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from .._errors import InvalidRequestError
-from ..actor._matcher import GrammarVocab, finish, grammar_vocab
+from ..actor._matcher import GrammarVocab, finish, grammar_vocab, is_panic
 from ..actor._protocol import Grammar, GrammarKind
 
-__all__ = ["Grammar", "GrammarKind", "compile_json_schema", "compile_lark", "compile_response_format"]
+__all__ = [
+    "Draft", "Grammar", "GrammarKind", "check_draft", "compile_json_schema", "compile_lark",
+    "compile_response_format", "draft_lark", "draft_response_format",
+]
 
 # llguidance's JSON compiler options; a schema's "x-guidance" overrides them.
 JSON_OPTIONS: dict[str, Any] = {
@@ -58,6 +62,16 @@ def vocab_for(tokenizer: Any, *, param: str | None = None) -> GrammarVocab:
         ) from exc
 
 
+@dataclass(frozen=True)
+class Draft:
+    """A grammar's text before it is checked against the tokenizer: cheap to make (the
+    request's own JSON, rewritten); checking it (`check_draft`) is what may cost."""
+
+    source: str
+    kind: GrammarKind
+    param: str | None
+
+
 def compile_response_format(
     tokenizer: Any, response_format: Any, *, param: str = "response_format"
 ) -> Grammar | None:
@@ -67,15 +81,24 @@ def compile_response_format(
     `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": bool}}`:
     that schema (`strict` may also sit beside `json_schema`). Raises
     InvalidRequestError, naming the problem, for anything else or a schema that
-    does not compile.
+    does not compile. In this thread, with no bound on time or memory: the server
+    checks drafts in its grammar checkers (`_grammar_pool.py`) instead.
     """
+    draft = draft_response_format(response_format, param=param)
+    return None if draft is None else check_draft(vocab_for(tokenizer, param=param), draft)
+
+
+def draft_response_format(response_format: Any, *, param: str = "response_format") -> Draft | None:
+    """`compile_response_format`'s grammar text, unchecked; None for plain text."""
     spec = _format_spec(response_format, param)
     if spec is None:
         return None
     kind, schema, strict = spec
     if kind == "json_object":
-        return _compile_json(tokenizer, schema, strict=True, kind="json_object", param=param)
-    return compile_json_schema(tokenizer, schema, strict=strict, param=param)
+        return _draft_json(schema, strict=True, kind="json_object", param=param)
+    if isinstance(schema, bool) or not isinstance(schema, Mapping):
+        raise InvalidRequestError(f"{param}: the JSON schema must be an object", param=param)
+    return _draft_json(schema, strict=strict, kind="json_schema", param=param)
 
 
 def answer_schema(response_format: Any, *, param: str = "response_format") -> dict[str, Any] | None:
@@ -127,12 +150,18 @@ def compile_json_schema(
     regex, an unknown type) is refused."""
     if isinstance(schema, bool) or not isinstance(schema, Mapping):
         raise InvalidRequestError(f"{param}: the JSON schema must be an object", param=param)
-    return _compile_json(tokenizer, schema, strict=strict, kind="json_schema", param=param)
+    draft = _draft_json(schema, strict=strict, kind="json_schema", param=param)
+    return check_draft(vocab_for(tokenizer, param=param), draft)
 
 
 def compile_lark(tokenizer: Any, lark: str, *, kind: GrammarKind = "lark", param: str | None = None) -> Grammar:
     """A Lark grammar in llguidance's dialect (it may inline `%json {...}`) -> a Grammar."""
-    return _check(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), kind, param)
+    return check_draft(vocab_for(tokenizer, param=param), draft_lark(lark, kind=kind, param=param))
+
+
+def draft_lark(lark: str, *, kind: GrammarKind = "lark", param: str | None = None) -> Draft:
+    """`compile_lark`'s grammar text, unchecked."""
+    return Draft(llguidance.LLMatcher.grammar_from_lark(lark), kind, param)
 
 
 def check_max_tokens(grammar: Grammar, max_tokens: int, *, param: str = "max_tokens") -> None:
@@ -145,9 +174,7 @@ def check_max_tokens(grammar: Grammar, max_tokens: int, *, param: str = "max_tok
         )
 
 
-def _compile_json(
-    tokenizer: Any, schema: Mapping[str, Any], *, strict: bool, kind: GrammarKind, param: str
-) -> Grammar:
+def _draft_json(schema: Mapping[str, Any], *, strict: bool, kind: GrammarKind, param: str) -> Draft:
     try:
         text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -161,12 +188,26 @@ def _compile_json(
         source = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)  # type: ignore[arg-type]
     except ValueError as exc:
         raise InvalidRequestError(f"{param}: invalid JSON schema: {exc}", param=param) from exc
-    return _check(tokenizer, source, kind, param)
+    return Draft(source, kind, param)
 
 
-def _check(tokenizer: Any, source: str, kind: GrammarKind, param: str | None) -> Grammar:
-    """Validate `source` against the model's tokenizer and measure its shortest output."""
-    vocab = vocab_for(tokenizer, param=param)
+def check_draft(vocab: GrammarVocab, draft: Draft) -> Grammar:
+    """Validate a draft against the model's tokenizer and measure its shortest output: a
+    Grammar, or InvalidRequestError naming the problem. A panic of the grammar library
+    is the request's fault too. This is the part that may take long or much memory
+    (a schema of many intersected patterns: seconds to minutes, gigabytes), so the
+    server runs it in a child process it can kill (`_grammar_pool.py`)."""
+    try:
+        return _check(vocab, draft.source, draft.kind, draft.param)
+    except BaseException as exc:
+        if not is_panic(exc):
+            raise
+        what = "the JSON schema" if draft.kind in ("json_schema", "json_object") else "the grammar"
+        raise InvalidRequestError(f"{draft.param or 'grammar'}: {what} cannot be enforced: the grammar "
+                                  f"engine failed on it ({str(exc)[:200]})", param=draft.param) from None
+
+
+def _check(vocab: GrammarVocab, source: str, kind: GrammarKind, param: str | None) -> Grammar:
     limits = llguidance.LLParserLimits(**LIMITS)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         source, vocab.tokenizer, limits=limits

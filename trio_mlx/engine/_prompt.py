@@ -209,20 +209,42 @@ def _map_strings(value: Any, fn: Any) -> Any:
 
 
 def max_token_chars(tokenizer: Any) -> int:
-    """The most characters one token can stand for: the longest vocabulary entry. A byte-level
-    entry has one character per byte and a SentencePiece one per character (byte-fallback
-    entries like `<0xE2>` are longer than their byte), so this bounds what a token covers
-    from above, and a text of C characters is at least C / max_token_chars tokens."""
+    """The most bytes of UTF-8 text one token can stand for: the longest vocabulary entry,
+    in bytes. A byte-level entry has one character per byte (GPT-2's byte alphabet: `Ġ` is
+    the byte of a space), so its length; any other entry (SentencePiece's, one character a
+    character) its UTF-8 length, which bounds what it covers from above (byte-fallback
+    entries like `<0xE2>` are longer than their byte). A text of B bytes is at least
+    B / max_token_chars tokens. Counted in bytes, not characters: 650,000 astral characters
+    (2.6 MB, ~2 M tokens) passed a bound of characters over the embedded default's
+    81-character longest entry, and cost 7.2 s of CPU and 610 MB before their 400."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     try:
         vocab = hf.get_vocab()
     except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary map: no bound
         return 0
-    return max((len(k) for k in vocab), default=0)
+    if set().union(*vocab) <= _BYTE_ALPHABET:
+        return max((len(k) for k in vocab), default=0)
+    return max((len(k.encode("utf-8", "surrogatepass")) for k in vocab), default=0)
+
+
+def _byte_alphabet() -> frozenset[str]:
+    """The 256 characters byte-level BPE vocabularies spell bytes with (GPT-2's map)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = (b for b in range(256) if b not in kept)
+    return frozenset(map(chr, kept)) | frozenset(chr(256 + n) for n, _ in enumerate(extra))
+
+
+_BYTE_ALPHABET = _byte_alphabet()
+
+
+def text_size(text: str) -> int:
+    """`text`'s length in UTF-8 bytes (what `max_token_chars` bounds a token by); an ASCII
+    text's without copying it."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def text_chars(value: Any, limit: int = 0) -> int:
-    """Characters of the text in a JSON-like `value` as a template renders it: every string
+    """Bytes (UTF-8) of the text in a JSON-like `value` as a template renders it: every string
     (dict keys too; an empty one as 1) and 1 for any other scalar, a lower bound on what its
     JSON takes. Read without copying; the walk stops once past `limit` (0: none), so its cost
     is bounded by the limit, not by the value's size."""
@@ -231,7 +253,7 @@ def text_chars(value: Any, limit: int = 0) -> int:
     while stack:
         v = stack.pop()
         if isinstance(v, str):
-            total += len(v) or 1
+            total += text_size(v) or 1
         elif isinstance(v, Mapping):
             stack.extend(v.keys())
             stack.extend(v.values())
@@ -245,11 +267,11 @@ def text_chars(value: Any, limit: int = 0) -> int:
 
 
 def prompt_chars(kind: str, value: Any, limit: int = 0) -> int:
-    """Characters of client text in a prompt (chat contents and tool calls' names and
-    arguments, or the text prompt), read without copying: what the cheap bound against the
-    context counts (`limit`: it may stop counting past it). Token-id prompts count 0."""
+    """Bytes (UTF-8) of client text in a prompt (chat contents and tool calls' names and
+    arguments, or the text prompt): what the cheap bound against the context counts
+    (`max_token_chars`; `limit`: it may stop counting past it). Token-id prompts count 0."""
     if kind == "text":
-        return len(value) if isinstance(value, str) else 0
+        return text_size(value) if isinstance(value, str) else 0
     total = 0
     if isinstance(value, Sequence) and not isinstance(value, str):
         for msg in value:
@@ -257,12 +279,12 @@ def prompt_chars(kind: str, value: Any, limit: int = 0) -> int:
                 continue
             content = msg.get("content")
             if isinstance(content, str):
-                total += len(content)
+                total += text_size(content)
             elif isinstance(content, Sequence):
                 for part in content:
                     text = part.get("text") if isinstance(part, Mapping) else None
                     if isinstance(text, str):
-                        total += len(text)
+                        total += text_size(text)
             if calls := msg.get("tool_calls"):  # arguments of megabytes are text like any other
                 total += text_chars(calls, limit and max(1, limit - total))
             if limit and total > limit:

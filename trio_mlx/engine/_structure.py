@@ -20,16 +20,21 @@ import collections
 import json
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from trio.lowlevel import RunVar
 
 from .._errors import InvalidRequestError
 from ..actor import Grammar
+from ._grammar_pool import grammar_pool
 from ._options import GenerationOptions
+
+if TYPE_CHECKING:
+    from ._grammar import Draft
 
 # Compiled grammars kept for reuse, by what they were compiled from. Arbitrary:
 # enough for the tool sets and schemas of a few agents at once.
@@ -129,7 +134,12 @@ async def compile_structure(tokenizer: Any, model_path: Any, s: Structure) -> Gr
     key = (str(model_path), *_key(s, enforced))
     if (hit := _cache.get(key)) is not None:
         return hit
-    grammar = await trio.to_thread.run_sync(_compile, tokenizer, model_path, s, enforced, limiter=_compile_limiter())
+    draft, source = await trio.to_thread.run_sync(_draft, tokenizer, model_path, s, enforced,
+                                                  limiter=_compile_limiter())
+    if draft is None:
+        return None
+    # The check may take long and much memory: in a worker process, bounded (`_grammar_pool.py`).
+    grammar = await grammar_pool(str(model_path), source).check(draft)
     _cache.put(key, grammar)
     return grammar
 
@@ -143,19 +153,44 @@ def _key(s: Structure, enforced: bool) -> tuple[Any, ...]:
     return ("format", fmt)
 
 
-def _compile(tokenizer: Any, model_path: Any, s: Structure, enforced: bool) -> Grammar | None:
-    from ..actor._matcher import grammar_vocab
-    from ._grammar import answer_schema, compile_response_format
-    from ._tools import tool_grammar
+def _draft(tokenizer: Any, model_path: Any, s: Structure, enforced: bool) -> tuple[Draft | None, Any]:
+    """The grammar's text (unchecked) and what the grammar workers build the tokenizer from."""
+    from ..actor._matcher import grammar_vocab, is_panic
+    from ._grammar import answer_schema, draft_response_format, vocab_for
+    from ._tools import tool_draft
 
     try:  # kept under the model's path too, where an actor in this process finds it
         grammar_vocab(tokenizer, key=str(model_path))
     except ValueError:
-        pass  # the compile below makes the 400 that names it
-    if enforced:
-        answer = answer_schema(s.response_format) if s.tool_choice == "auto" else None
-        return tool_grammar(tokenizer, list(s.tools), s.tool_choice, parallel=s.parallel_tool_calls, answer=answer)
-    return compile_response_format(tokenizer, s.response_format)
+        pass
+    vocab_for(tokenizer, param="tools" if enforced else "response_format")  # the 400 that names it
+    try:
+        if enforced:
+            answer = answer_schema(s.response_format) if s.tool_choice == "auto" else None
+            draft = tool_draft(tokenizer, list(s.tools), s.tool_choice, parallel=s.parallel_tool_calls,
+                               answer=answer)
+        else:
+            draft = draft_response_format(s.response_format)
+    except BaseException as exc:
+        if not is_panic(exc):
+            raise
+        param = "tools" if enforced else "response_format"
+        raise InvalidRequestError(f"{param}: the grammar engine failed on it ({str(exc)[:200]})",
+                                  param=param) from None
+    return draft, _tokenizer_source(tokenizer)
+
+
+_sources: weakref.WeakKeyDictionary[Any, tuple[str, list[int]]] = weakref.WeakKeyDictionary()
+
+
+def _tokenizer_source(tokenizer: Any) -> tuple[str, list[int]]:
+    """`_matcher.tokenizer_source` once per tokenizer (a large vocabulary's JSON takes ~0.1 s)."""
+    source = _sources.get(tokenizer)
+    if source is None:
+        from ..actor._matcher import tokenizer_source
+
+        source = _sources[tokenizer] = tokenizer_source(tokenizer)
+    return source
 
 
 class _Cache:

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from .._errors import InvalidRequestError
 from ._events import ToolCall, ToolCallDelta
-from ._grammar import JSON_OPTIONS, Grammar, compile_lark, vocab_for
+from ._grammar import JSON_OPTIONS, Draft, Grammar, check_draft, draft_lark, vocab_for
 
 log = logging.getLogger("trio_mlx.tools")
 
@@ -175,7 +175,17 @@ def tool_grammar(
     tokenizer: Any, tools: Sequence[Mapping[str, Any]], tool_choice: ToolChoice, *, parallel: bool = True,
     answer: Mapping[str, Any] | None = None,
 ) -> Grammar | None:
-    """The grammar that enforces `tool_choice` ("required" or a function's name);
+    """`tool_draft`'s grammar, checked in this thread (the server checks it in its
+    grammar checkers, `_grammar_pool.py`, under a bound on time and memory)."""
+    draft = tool_draft(tokenizer, tools, tool_choice, parallel=parallel, answer=answer)
+    return None if draft is None else check_draft(vocab_for(tokenizer, param=draft.param), draft)
+
+
+def tool_draft(
+    tokenizer: Any, tools: Sequence[Mapping[str, Any]], tool_choice: ToolChoice, *, parallel: bool = True,
+    answer: Mapping[str, Any] | None = None,
+) -> Draft | None:
+    """The grammar text (unchecked) that enforces `tool_choice` ("required" or a function's name);
     None for "auto" and "none", which leave the model free. `tools` as `check_tools`
     returns them. With `answer` (a JSON schema, with tool_choice "auto"): the
     model either calls tools or answers in that schema, nothing else (OpenAI's
@@ -212,9 +222,9 @@ def tool_grammar(
         json.dumps(schema, ensure_ascii=False), parallel,
     )
     if answer is None:
-        return compile_lark(tokenizer, "start: calls\n" + lark, kind="tools", param="tools")
+        return draft_lark("start: calls\n" + lark, kind="tools", param="tools")
     lark = f"start: calls | answer\nanswer: %json {json.dumps(answer, ensure_ascii=False)}\n" + lark
-    return compile_lark(tokenizer, lark, kind="tools", param="response_format")
+    return draft_lark(lark, kind="tools", param="response_format")
 
 
 # -- reading calls out of the text --------------------------------------------------------

@@ -3,7 +3,7 @@
 `create_app(settings)` builds it. The engine lives in `app.nursery`: started
 in `before_serving`, drained and closed in `after_serving` (or earlier, by
 `app.drain()`, which `trio-mlx serve` calls on SIGTERM). The completion
-endpoints are raw ASGI (`_completions.py`): `TrioMLXApp.__call__` routes them
+endpoints are raw ASGI (`_pump.py`, `openai/_serving.py`): `TrioMLXApp.__call__` routes them
 before Quart sees the request. Every error body has OpenAI's shape.
 """
 
@@ -23,21 +23,30 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from .._errors import ModelLoadError
+from .._errors import ModelLoadError, TrioMLXError
 from ..engine import Engine
 from . import _connections, _exit, _intake, _workers
-from ._asgi import REQUEST_ID, check_api_key, cors_headers, log_refusal, request_id, send_error
-from ._completions import Completions
+from ._asgi import (
+    REQUEST_ID,
+    check_api_key,
+    cors_headers,
+    drain_body,
+    log_refusal,
+    request_id,
+    send_error,
+)
 from ._guard import check_framing, check_host
 from ._guest import GuestBridge, native_trio
+from ._http import HTTPError, dumps, new_id, unavailable
 from ._logs import request_done
 from ._metrics import Metrics
-from ._openai import HTTPError, dumps, new_id, unavailable
 from ._pages import add_pages
+from ._pump import Pump
 from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord
 from ._request_trace import RequestTrace, request_trace_path
 from ._settings import Settings
 from ._wire import WireAPI, serve_api
+from .openai._serving import Completions
 
 log = logging.getLogger("trio_mlx.http")
 _REFUSAL = "trio_mlx.refusal"  # the scope's HTTPError a Quart route answered with, until it is logged
@@ -121,6 +130,7 @@ class TrioMLXApp(QuartTrio):
 
     settings: Settings
     engine: Engine | None
+    pump: Pump
     completions: Completions
     # The other APIs' endpoints on the same machinery (_wire.py), by path.
     wire_apis: dict[str, WireAPI]
@@ -135,6 +145,8 @@ class TrioMLXApp(QuartTrio):
     _serve: Callable[[Any, Any, Any], Awaitable[None]] | None = None
     # The ASGI server, read off the lifespan: a failed startup must stop it non-zero (_exit.py).
     asgi_server: _exit.ServerInfo = _exit.ServerInfo()
+    # Why the engine could not start, once it could not (logged in one line by start_engine).
+    start_failure: BaseException | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         serve = self._serve
@@ -152,13 +164,15 @@ class TrioMLXApp(QuartTrio):
                     check_host(scope, self.settings.allowed_hosts)  # DNS rebinding (_guard.py)
                     check_framing(scope)
                 except HTTPError as error:
+                    if error.code == "invalid_framing":  # its answer closes the connection
+                        await drain_body(receive)
                     api = self.wire_api_under(scope["path"])
                     await send_error(send, error, [], api.error_body if api is not None else None)
                     return
                 if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
                     await self.completions(scope, receive, send)
                 elif (api := self.wire_apis.get(scope["path"])) is not None:
-                    await serve_api(self.completions, api, scope, receive, send)
+                    await serve_api(self.pump, api, scope, receive, send)
                 else:
                     await self.asgi_app(scope, receive, send)
             finally:
@@ -172,8 +186,10 @@ class TrioMLXApp(QuartTrio):
         return next((a for p, a in self.wire_apis.items() if path == p or path.startswith(p + "/")), None)
 
     def log_exception(self, exc_info: Any) -> None:
-        if isinstance(exc_info[1], ModelLoadError):
-            return  # start_engine logged it in one line; its traceback says nothing more
+        if isinstance(exc_info[1], ModelLoadError) or (
+                exc_info[1] is self.start_failure and isinstance(exc_info[1], TrioMLXError)):
+            return  # start_engine logged it in one line (a model that fails to load, the serving
+            # lock held); its traceback says nothing more
         super().log_exception(exc_info)
 
     def on_fatal(self, reason: str) -> None:
@@ -198,7 +214,7 @@ class TrioMLXApp(QuartTrio):
 
     def open_streams(self) -> int:
         """Streamed responses being written now."""
-        return len(self.completions.streams)
+        return len(self.pump.streams)
 
     def observe(self, record: RequestRecord) -> None:
         for observer in self.observers:
@@ -228,7 +244,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.settings = settings
     app.engine = None
     app.observers = []
-    app.completions = Completions(app)
+    app.pump = Pump(app)
+    app.completions = Completions(app, app.pump)
     app.wire_apis = wire_apis()
     app.metrics = Metrics(app)
     app.observers.append(app.metrics.observe)
@@ -259,6 +276,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                 app.observers.append(app.request_trace.observe)
         except BaseException as exc:
             _release(app)
+            app.start_failure = exc
             if isinstance(exc, Exception):  # where the server would not exit non-zero, exit (_exit.py)
                 holder = (exc.holder, exc.holder_parent) if isinstance(exc, _workers.AlreadyServing) else None
                 _exit.exit_if_unseen(
@@ -266,7 +284,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                     lock_holder=holder, others_may_serve=settings.allow_multiple_workers)
             log.error("trio_mlx could not start: %s", exc)
             raise
-        app.nursery.start_soon(_run_in(watchdog, app.completions.watch_stalls, _intake.trimmer,
+        app.nursery.start_soon(_run_in(watchdog, app.pump.watch_stalls, _intake.trimmer,
                                        partial(_exit_when_broken, app, engine)))
         info = engine.info
         cache = info.prompt_cache_bytes if info else 0

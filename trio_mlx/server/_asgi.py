@@ -1,6 +1,6 @@
 """Small raw-ASGI helpers for the endpoints served outside Quart's request machinery.
 
-The completion endpoints talk ASGI directly (see `_completions.py`): reading
+The completion endpoints talk ASGI directly (see `_pump.py`): reading
 the body under a size limit, API-key and CORS checks, and sending a whole
 JSON response. The same checks serve Quart's routes (`_app.py`), so both
 paths answer alike.
@@ -11,12 +11,14 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from .._errors import TrioMLXError
-from ._openai import HTTPError
+from ._http import HTTPError
+
+T = TypeVar("T")
 
 log = logging.getLogger("trio_mlx.http")
 
@@ -146,6 +148,33 @@ async def read_body(scope: Scope, receive: Receive, limit: int, seconds: float =
     return b"".join(chunks)
 
 
+# How much of a refused request's body `drain_body` reads, and for how long. Arbitrary:
+# enough for any body a client pipelines another request behind.
+DRAIN_BYTES = 1 << 20
+DRAIN_SECONDS = 2.0
+
+
+async def drain_body(receive: Receive) -> None:
+    """Read and drop the request body (up to DRAIN_BYTES, for up to DRAIN_SECONDS), before
+    an answer that closes the connection.
+
+    Hypercorn 0.18 feeds the client's bytes to h11 while the app answers. Once a response
+    saying `Connection: close` has gone out, h11 takes any byte after the request's end as
+    an error ("Got data when expecting EOF"), and hypercorn then closes the socket at
+    once, while the response is still being written: the app's send fails with
+    trio.BusyResourceError (logged with a traceback) and the client gets nothing. A
+    request with both Content-Length and Transfer-Encoding and another request pipelined
+    behind it did exactly that. With the body read first, h11 has reached the request's
+    end and waits (its PAUSED) until the answer is out, and only then meets the rest."""
+    size = 0
+    with trio.move_on_after(DRAIN_SECONDS):
+        while size <= DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            size += len(message.get("body", b""))
+
+
 def _too_large(limit: int) -> HTTPError:
     return HTTPError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
                      headers=[("Connection", "close")])
@@ -172,6 +201,37 @@ async def send_error(send: Send, error: HTTPError, extra: RawHeaders,
     log_refusal(error, rid)
     body = error.body() if render is None else render(error)
     await send_response(send, error.status, body, [*JSON_HEADERS, *encode_headers(error.headers), *extra])
+
+
+async def unless_disconnected(receive: Receive, start: Callable[[], Awaitable[T]],
+                              discard: Callable[[T], object]) -> T:
+    """`await start()` (the body is already read), cancelled if the client goes away
+    meanwhile: then Disconnected, and what `start` returned, if it did, goes to
+    `discard`. A request's admission can take long (its grammar's check, a long
+    prompt's tokenizing); one whose client left is not worth finishing."""
+    gone = False
+    done: list[T] = []
+    failed: list[Exception] = []  # raised out of the nursery, it would come wrapped in a group
+
+    def left() -> None:
+        nonlocal gone
+        gone = True
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_disconnect, receive, left)
+        try:
+            done.append(await start())
+        except Exception as exc:
+            failed.append(exc)
+        nursery.cancel_scope.cancel()
+    if gone:
+        for value in done:
+            discard(value)
+        raise Disconnected("the client went away while its request was admitted")
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 async def wait_disconnect(receive: Receive, on_disconnect: Callable[[], object]) -> None:

@@ -29,7 +29,7 @@ import ipaddress
 from collections.abc import Sequence
 
 from ._asgi import Scope, header
-from ._openai import HTTPError
+from ._http import HTTPError
 
 
 def _loopback_address(host: str) -> bool:

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import trio
 from trio.lowlevel import RunVar
 
-from ._openai import HTTPError, parse_json
+from ._http import HTTPError, parse_json
 
 # Bodies larger than this are parsed off the event loop. Below it, parsing and validating take
 # well under a millisecond and the thread hop would cost more. Judgement.

@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document of the server (`GET /openapi.json`), made from the pydantic models.
 
-Request schemas are the very models that validate requests (`_openai.py`);
+Request schemas are the very models that validate requests (`openai/_protocol.py` and the other APIs' `_protocol.py`);
 the response models below exist only to document what the builders emit.
 Built by the app once, in a worker thread, at the first request for it (`_app.py`).
 """
@@ -12,9 +12,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
-from ._openai import ChatCompletionRequest, CompletionRequest
 from ._settings import Settings
 from .anthropic._protocol import CountTokensRequest, MessagesRequest
+from .openai._protocol import ChatCompletionRequest, CompletionRequest
 from .responses._protocol import ResponsesRequest
 
 

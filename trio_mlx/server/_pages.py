@@ -18,7 +18,7 @@ from typing import Any
 
 from quart import Response, request, send_from_directory
 
-from ._openai import HTTPError
+from ._http import HTTPError
 
 STATIC = Path(__file__).with_name("static")
 # The page's own files; anything else under /static is a 404.

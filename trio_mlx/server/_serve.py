@@ -12,6 +12,7 @@ settings exit 2.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
 import sys
@@ -145,12 +146,64 @@ async def serve(app: Any, config: Any) -> bool:
                 finally:
                     nursery.cancel_scope.cancel()
 
-            # Started once the model is ready; hypercorn has logged "Running on http://HOST:PORT".
-            binds = await nursery.start(run_hypercorn)
-            if binds:
-                log.info("open %s/ in a browser for the chat page; the API's reference is at %s/docs",
-                         binds[0], binds[0])
+            # Started once the model is ready, or hypercorn's lifespan is over after a failed start
+            # (hypercorn 0.18 binds and says "Running on" even then: `_HideRunningOn`).
+            hide = _HideRunningOn(app)
+            logging.getLogger("hypercorn.error").addFilter(hide)
+            try:
+                binds = await nursery.start(run_hypercorn)
+                if binds and app.start_failure is None:
+                    url = local_url(binds[0])
+                    log.info("open %s/ in a browser for the chat page; the API's reference is at %s/docs",
+                             url, url)
+            finally:
+                logging.getLogger("hypercorn.error").removeFilter(hide)
     return not forced
+
+
+class _HideRunningOn(logging.Filter):
+    """Drops hypercorn's "Running on http://..." once the app's start failed: hypercorn 0.18
+    sets its lifespan's startup event even when the app reports `lifespan.startup.failed`,
+    binds and says it runs, after the app said it could not start."""
+
+    def __init__(self, app: Any):
+        super().__init__()
+        self._app = app
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self._app.start_failure is None or not str(record.msg).startswith("Running on")
+
+
+def local_url(bind: str) -> str:
+    """A URL for `bind` (hypercorn's "http://HOST:PORT") that a browser on this machine can
+    open: a wildcard address (0.0.0.0, [::]) is where the server listens, not one to ask
+    (it answered 403: a foreign Host over loopback), so the loopback address instead."""
+    scheme, _, rest = bind.partition("://")
+    host, _, port = rest.rpartition(":")
+    if host == "0.0.0.0":
+        host = "127.0.0.1"
+    elif host in ("[::]", "::"):
+        host = "[::1]"
+    return f"{scheme}://{host}:{port}"
+
+
+def warn_if_open(settings: Settings) -> None:
+    """A warning for a server bound beyond loopback without an API key: over another
+    interface any Host is accepted (the DNS-rebinding guard holds over loopback only), so
+    anyone who can reach the port can use it."""
+    if settings.api_key or _loopback_host(settings.host):
+        return
+    log.warning("listening on %s without --api-key (TRIO_MLX_API_KEY): anyone who can reach this port "
+                "can use the server; set an API key, or bind to 127.0.0.1", settings.host)
+
+
+def _loopback_host(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
@@ -199,6 +252,7 @@ def _serve_app(settings: Settings, engine_factory: Any) -> int:
     )
 
     app = create_app(settings, engine_factory=engine_factory)
+    warn_if_open(settings)
     cap = connection_cap(settings.max_connections)
     quiet_accept_errors()
     log.info("at most %d open connections (open-file limit %d)", cap, raise_soft_limit()[0])

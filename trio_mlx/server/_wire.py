@@ -1,7 +1,7 @@
-"""How an API other than OpenAI's completions plugs into the completion machinery.
+"""How an API other than OpenAI's completions plugs into the shared machinery.
 
 Anthropic's Messages API (`server/anthropic/`) and OpenAI's Responses API
-(`server/responses/`) share everything of `_completions.py` that is not their
+(`server/responses/`) share everything of `_pump.py` that is not their
 shape on the wire: the request checks (method, API key, body limit, JSON), the
 engine, the stream pump with its pings, pacing and stall watchdog, aborts on
 disconnect, and the request records that metrics and logs read. What an API
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, Protocol, cast
 
 import trio
@@ -34,9 +35,10 @@ from ._asgi import (
     request_id,
     send_error,
     send_response,
+    unless_disconnected,
 )
-from ._completions import Completions, StreamEncoder, read_json_request, refuse
-from ._openai import ChoiceResult, HTTPError, new_id
+from ._http import HTTPError, new_id
+from ._pump import ChoiceResult, Pump, StreamEncoder, read_json_request, refuse
 from ._records import RequestRecord
 
 log = logging.getLogger("trio_mlx.http")
@@ -109,9 +111,9 @@ def api_error(exc: InvalidRequestError, params: Mapping[str, str]) -> InvalidReq
                                field=field)
 
 
-async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Receive, send: Send) -> None:
+async def serve_api(pump: Pump, api: WireAPI, scope: Scope, receive: Receive, send: Send) -> None:
     """The ASGI handler of one of `api`'s endpoints (`TrioMLXApp.serve_trio` routes here)."""
-    app = owner.app
+    app = pump.app
     settings = app.settings
     cors = cors_headers(header(scope, b"origin"), settings.cors_origins,
                         preflight=scope["method"] == "OPTIONS")
@@ -136,7 +138,7 @@ async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Rec
         else:
             gen = cast(ApiCall, call)
             rec.stream = gen.stream
-            stream = await gen.start(engine)
+            stream = await unless_disconnected(receive, partial(gen.start, engine), RequestStream.close)
     except Disconnected:
         rec.outcome = "disconnect"
         app.observe(rec)
@@ -154,7 +156,7 @@ async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Rec
     model = settings.served_model_name
     if gen.stream:
         enc = gen.encoder(rid, model, rec.prompt_tokens)
-        await owner._serve_stream(receive, send, [stream], enc, rec, False, extra)
+        await pump.serve_stream(receive, send, [stream], enc, rec, extra)
         return
     whole = gen.whole
 
@@ -162,8 +164,7 @@ async def serve_api(owner: Completions, api: WireAPI, scope: Scope, receive: Rec
         return whole(rid, model, results[0])
 
     try:
-        await owner._serve_whole(receive, send, [stream], True, rid, rec, False, extra,
-                                 build=build, render=api.error_body)
+        await pump.serve_whole(receive, send, [stream], rec, extra, build, render=api.error_body)
     except Exception:
         log.exception("request %s failed", rec.request_id)
         rec.status, rec.outcome = 500, "failed"

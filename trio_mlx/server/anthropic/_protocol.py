@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine import GenerationOptions
 from ...engine._text import media_refusal
-from .._openai import HTTPError, dumps
+from .._http import HTTPError, dumps
 
 # Anthropic's error types by HTTP status (docs.anthropic.com, "Errors").
 _ERROR_TYPES = {

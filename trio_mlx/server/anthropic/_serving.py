@@ -17,7 +17,8 @@ from typing import Any
 
 from ..._errors import ContextLengthExceededError, InvalidRequestError
 from ...engine import Engine, Finished, RequestStream, TextDelta, ToolCallDelta, ToolCalls, Usage
-from .._openai import ChoiceResult, HTTPError, dumps
+from .._http import HTTPError, dumps
+from .._pump import ChoiceResult
 from .._records import COUNT_TOKENS_PATH as COUNT_TOKENS_PATH
 from .._records import MESSAGES_PATH as MESSAGES_PATH
 from .._wire import api_error

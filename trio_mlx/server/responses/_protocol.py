@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine import GenerationOptions
 from ...engine._text import media_refusal
-from .._openai import HTTPError, dumps
+from .._http import HTTPError, dumps
 
 
 class _Strict(BaseModel):

@@ -36,7 +36,8 @@ from ...engine import (
     ToolCalls,
     Usage,
 )
-from .._openai import ChoiceResult, HTTPError, dumps, new_id
+from .._http import HTTPError, dumps, new_id
+from .._pump import ChoiceResult
 from .._records import RESPONSES_PATH as RESPONSES_PATH
 from .._wire import api_error
 from ._protocol import ResponsesRequest

@@ -1,4 +1,12 @@
-"""POST /v1/chat/completions and /v1/completions, served on raw ASGI.
+"""The machinery every generation endpoint shares, on raw ASGI: the stream pump and the stall watchdog.
+
+OpenAI's completions (`openai/`), Anthropic's Messages (`anthropic/`) and OpenAI's
+Responses (`responses/`) read and check their request with `read_json_request`,
+refuse it with `refuse` (in their error shape), and answer through one `Pump`:
+`serve_whole` collects the choices and builds the body with the API's builder;
+`serve_stream` writes a stream through the API's encoder (`StreamEncoder`, or a
+`ChoicesEncoder` for n choices), with pings while queued, pacing, and aborts on
+disconnect.
 
 Why not a Quart route: (1) each SSE event should cost one `send` and nothing
 more on the event loop (docs/design.md, rule 7); (2) a client that stops reading
@@ -12,11 +20,6 @@ which makes hypercorn close the connection and so unblocks the send.
 
 Per-request timings land in a `RequestRecord` handed to `app.observers`
 when the request ends: the hook for metrics.
-
-The same machinery serves the other APIs (`_wire.py`: Anthropic's Messages
-API, OpenAI's Responses API): `read_json_request` checks their requests, the
-pump writes their streams through a `StreamEncoder`, and `_serve_whole` builds
-their whole answers with their own builder and error shape.
 """
 
 from __future__ import annotations
@@ -24,52 +27,39 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import trio
 
 from .._errors import TrioMLXError
-from ..engine import Finished, GenerationOptions, RequestStream, TextDelta, ToolCallDelta, ToolCalls
+from ..engine import (
+    Finished,
+    GenerationOptions,
+    RequestStream,
+    TextDelta,
+    TokenLogprob,
+    ToolCall,
+    ToolCalls,
+)
 from ._asgi import (
     JSON_HEADERS,
-    REQUEST_ID,
-    Disconnected,
     RawHeaders,
     Receive,
     Scope,
     Send,
     check_api_key,
-    cors_headers,
     header,
     read_body,
-    request_id,
     send_error,
     send_response,
     wait_disconnect,
 )
 from ._guard import BODY_READ, require_json, unread_body_close
+from ._http import HTTPError, error_from_exception
 from ._intake import off_loop, parse_request
-from ._openai import (
-    DONE,
-    PING,
-    ChatCompletionRequest,
-    ChoiceResult,
-    ChunkTemplates,
-    CompletionRequest,
-    HTTPError,
-    chat_response,
-    completion_response,
-    error_from_exception,
-    new_id,
-    now,
-)
-from ._records import CHAT_PATH, RequestRecord, ServerHost
-
-if TYPE_CHECKING:
-    pass
+from ._records import RequestRecord, ServerHost
 
 T = TypeVar("T")
 log = logging.getLogger("trio_mlx.http")
@@ -80,7 +70,7 @@ _MAX_GAP = 0.25
 # built off the event loop (`_intake.off_loop`): ~2.3 us an entry, so ~10 ms here. Judgement.
 _LARGE_LOGPROBS = 4096
 
-_SEED_MASK = 2**64 - 1
+PING = b": ping\n\n"
 _SSE_HEADERS: RawHeaders = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -89,8 +79,8 @@ _SSE_HEADERS: RawHeaders = [
 
 
 class StreamEncoder(Protocol):
-    """The bytes of one streamed answer of another API (`_wire.py`), made as the engine's
-    events arrive (on the event loop, once per SSE event: keep it cheap, docs/design.md rule 7)."""
+    """The bytes of one streamed answer in an API's shape, made as the engine's events
+    arrive (on the event loop, once per SSE event: keep it cheap, docs/design.md rule 7)."""
 
     def start(self) -> bytes:
         """The events sent before the first token (the response's opening)."""
@@ -105,99 +95,54 @@ class StreamEncoder(Protocol):
         """The last event of a stream that failed after it started."""
 
 
+class ChoicesEncoder(Protocol):
+    """The bytes of a streamed answer of n choices (OpenAI's `n`), in one stream."""
+
+    def event_at(self, index: int, ev: Any) -> bytes:
+        """The events for choice `index`'s engine event other than `Finished` (may be empty)."""
+
+    def finish_at(self, index: int, fin: Finished) -> bytes:
+        """The closing events of choice `index`, which ended normally."""
+
+    def close(self, fins: Sequence[Finished]) -> bytes:
+        """The stream's last events, once every choice has finished."""
+
+    def error(self, err: HTTPError) -> bytes:
+        """The last event of a stream that failed after it started."""
+
+
+class ChoiceResult:
+    """What one choice of a non-streamed request accumulated."""
+
+    __slots__ = ("text", "reasoning", "logprobs", "tool_calls", "finished")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.tool_calls: list[ToolCall] = []
+        self.finished: Finished | None = None
+
+
+
 class _Gone(Exception):
     """The stream was aborted (disconnect, stall, shutdown): stop writing."""
 
 
-class Completions:
-    """The raw-ASGI handler of both completion endpoints, and its streams' stall watchdog."""
+class Pump:
+    """Every API's whole answers and streams, and the streams' stall watchdog."""
 
     def __init__(self, app: ServerHost):
         self.app = app
         self.streams: set[_Stream] = set()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        app = self.app
-        settings = app.settings
-        chat = scope["path"] == CHAT_PATH
-        cors = cors_headers(header(scope, b"origin"), settings.cors_origins,
-                            preflight=scope["method"] == "OPTIONS")
-        if scope["method"] == "OPTIONS":
-            await send_response(send, 204, b"", [(b"allow", b"POST, OPTIONS"), *cors])
-            return
-        rid = new_id("chatcmpl-" if chat else "cmpl-")
-        rec = RequestRecord(request_id(scope, rid), scope["path"], trio.current_time())
-        scope[REQUEST_ID] = rec.request_id
-        extra = [(b"x-request-id", rec.request_id.encode()), *cors]
-        try:
-            req, streams = await self._admit(scope, receive, chat, rec)
-        except Disconnected:
-            rec.outcome = "disconnect"
-            app.observe(rec)
-            return
-        except Exception as exc:
-            await refuse(app, scope, send, exc, rec, extra)
-            return
-        rec.admitted = trio.current_time()
-        rec.prompt_tokens = len(streams[0].prompt_tokens)
-        model = settings.served_model_name
-        # chat: a bool; completions: how many alternatives, so 0 asks for the chosen tokens' own
-        logprobs = req.logprobs is not None and req.logprobs is not False
-        if req.stream:
-            tpl = ChunkTemplates(chat=chat, rid=rid, created=now(), model=model, n=req.n,
-                                 include_usage=req.include_usage)
-            await self._serve_stream(receive, send, streams, tpl, rec, logprobs, extra)
-        else:
-            try:
-                await self._serve_whole(receive, send, streams, chat, rid, rec, logprobs, extra)
-            except Exception:
-                log.exception("request %s failed", rec.request_id)
-                rec.status, rec.outcome = 500, "failed"
-                app.observe(rec)
-                await send_error(send, HTTPError(500, "internal server error", type="server_error",
-                                                 code="internal_error"), extra)
-
-    # -- admission -------------------------------------------------------------
-
-    async def _admit(
-        self, scope: Scope, receive: Receive, chat: bool, rec: RequestRecord
-    ) -> tuple[ChatCompletionRequest | CompletionRequest, list[RequestStream]]:
-        app, settings = self.app, self.app.settings
-        req: ChatCompletionRequest | CompletionRequest = await read_json_request(
-            scope, receive, app, (ChatCompletionRequest if chat else CompletionRequest).model_validate)
-        req.check(settings.max_n)
-        if req.model is not None and req.model != settings.served_model_name:
-            raise HTTPError(404, f"the model {req.model!r} does not exist; this server serves "
-                            f"{settings.served_model_name!r}", param="model", code="model_not_found")
-        rec.stream, rec.n = req.stream, req.n
-        engine = app.ready_engine()
-        options = req.to_options()
-        seed = options.seed
-        streams: list[RequestStream] = []
-        try:
-            for i in range(req.n):
-                if i > 0:  # tokenized and compiled once; choice i is the same request, seed + i
-                    stream = streams[0].again(**({} if seed is None else {"seed": (seed + i) & _SEED_MASK}))
-                elif isinstance(req, ChatCompletionRequest):
-                    stream = engine.chat([m.template_dict() for m in req.messages], options)
-                else:
-                    stream = engine.generate(req.engine_prompt(), options)
-                await stream.__aenter__()
-                streams.append(stream)
-        except BaseException:
-            for stream in streams:
-                stream.close()
-            raise
-        return req, streams
-
     # -- whole responses -------------------------------------------------------
 
-    async def _serve_whole(self, receive: Receive, send: Send, streams: list[RequestStream], chat: bool,
-                           rid: str, rec: RequestRecord, logprobs: bool, extra: RawHeaders, *,
-                           build: Callable[[Sequence[ChoiceResult]], bytes] | None = None,
-                           render: Callable[[HTTPError], bytes] | None = None) -> None:
-        """Collect the choices, then answer: `build` and `render` make the body and the error
-        body of another API (`_wire.py`); by default, OpenAI's."""
+    async def serve_whole(self, receive: Receive, send: Send, streams: list[RequestStream], rec: RequestRecord,
+                          extra: RawHeaders, build: Callable[[Sequence[ChoiceResult]], bytes], *,
+                          logprobs: bool = False, render: Callable[[HTTPError], bytes] | None = None) -> None:
+        """Collect the choices, then answer: `build` makes the API's body of them, `render`
+        its error body (None: OpenAI's shape); `logprobs`: the choices carry them."""
         results = [ChoiceResult() for _ in streams]
 
         async def collect(stream: RequestStream, result: ChoiceResult) -> None:
@@ -251,11 +196,7 @@ class Completions:
             self.app.observe(rec)
             await send_error(send, error, extra, render)
             return
-        if build is None:
-            make = partial(chat_response if chat else completion_response,
-                           rid, now(), self.app.settings.served_model_name, results, logprobs)
-        else:
-            make = partial(build, results)
+        make = partial(build, results)
         entries = sum(1 + len(lp.top) for r in results for lp in r.logprobs) if logprobs else 0
         body = make() if entries <= _LARGE_LOGPROBS else await off_loop(make)
         rec.status = 200
@@ -264,9 +205,10 @@ class Completions:
 
     # -- streams ---------------------------------------------------------------
 
-    async def _serve_stream(self, receive: Receive, send: Send, streams: list[RequestStream],
-                            tpl: ChunkTemplates | StreamEncoder, rec: RequestRecord, logprobs: bool, extra: RawHeaders) -> None:
-        pump = _Stream(self, send, streams, tpl, rec, logprobs, [*_SSE_HEADERS, *extra])
+    async def serve_stream(self, receive: Receive, send: Send, streams: list[RequestStream],
+                           encoder: StreamEncoder | ChoicesEncoder, rec: RequestRecord, extra: RawHeaders) -> None:
+        """Stream the choices through `encoder` (a `ChoicesEncoder` when there are several)."""
+        pump = _Stream(self, send, streams, encoder, rec, [*_SSE_HEADERS, *extra])
         self.streams.add(pump)
         try:
             # Hypercorn's sends need this task alive (they use the connection's task group,
@@ -372,17 +314,13 @@ def _terminal_error(fin: Finished | None, rec: RequestRecord) -> HTTPError:
 class _Stream:
     """One streamed response: the pump that writes it, and the controls the watchdog uses."""
 
-    def __init__(self, owner: Completions, send: Send, streams: list[RequestStream],
-                 tpl: ChunkTemplates | StreamEncoder,
-                 rec: RequestRecord, logprobs: bool, headers: RawHeaders):
+    def __init__(self, owner: Pump, send: Send, streams: list[RequestStream],
+                 encoder: StreamEncoder | ChoicesEncoder, rec: RequestRecord, headers: RawHeaders):
         self.owner = owner
         self._asgi_send = send
         self.streams = streams
-        # OpenAI's byte templates, or another API's encoder (then `tpl` is unused).
-        self.encoder: StreamEncoder | None = None if isinstance(tpl, ChunkTemplates) else tpl
-        self.tpl = cast(ChunkTemplates, tpl)
+        self.encoder = encoder
         self.rec = rec
-        self.logprobs = logprobs
         self.headers = headers
         self.ping = owner.app.settings.ping_interval
         self.interval = owner.app.settings.stream_interval
@@ -428,12 +366,10 @@ class _Stream:
         self.rec.status = 200
         try:
             await self._send_raw({"type": "http.response.start", "status": 200, "headers": self.headers})
-            if self.encoder is not None:
-                await self._encoded(self.encoder)
-            elif len(self.streams) == 1:
-                await self._one()
+            if len(self.streams) == 1:
+                await self._one(cast(StreamEncoder, self.encoder))
             else:
-                await self._many()
+                await self._many(cast(ChoicesEncoder, self.encoder))
         except _Gone:
             pass
         except Exception:
@@ -443,7 +379,7 @@ class _Stream:
             self.rec.outcome = "failed"
             error = HTTPError(500, "internal server error", type="server_error", code="internal_error")
             try:
-                await self._end(error.sse() if self.encoder is None else self.encoder.error(error))
+                await self._end(self.encoder.error(error))
             except Exception:
                 pass
 
@@ -484,13 +420,6 @@ class _Stream:
         self.finishing = True
         await self._send_raw({"type": "http.response.body", "body": body, "more_body": False})
 
-    def _final(self, fins: list[Finished], parts: list[bytes]) -> bytes:
-        _record_finish(self.rec, fins)
-        if self.tpl.include_usage:
-            parts.append(self.tpl.usage([f.usage for f in fins]))
-        parts.append(DONE)
-        return b"".join(parts)
-
     async def _first(self, stream: RequestStream) -> Any:
         """The first event, with ': ping' comments while the request is queued or prefilling."""
         while True:
@@ -501,10 +430,12 @@ class _Stream:
                     raise _Gone from None
             await self._send(PING)
 
-    async def _encoded(self, enc: StreamEncoder) -> None:
-        """Another API's stream (`_wire.py`): one choice, whose events its encoder makes."""
+    async def _one(self, enc: StreamEncoder) -> None:
+        """The hot path: one choice, whose events its API's encoder makes; one `send` per
+        engine wake-up."""
         stream = self.streams[0]
-        await self._send(enc.start())
+        if opening := enc.start():
+            await self._send(opening)
         ev = await self._first(stream)
         while type(ev) is not Finished:
             data = enc.event(ev)
@@ -523,63 +454,16 @@ class _Stream:
             _record_finish(self.rec, [ev])
             await self._end(enc.finish(ev))
 
-    async def _one(self) -> None:
-        """The hot path: one choice; one `send` per engine wake-up."""
-        stream = self.streams[0]
-        tpl, send, logprobs, pace = self.tpl, self._send, self.logprobs, self._pace
-        first = True
-        streamed: set[int] = set()  # calls whose deltas went out: their ToolCalls entry is not sent again
-        ev = await self._first(stream)
-        while True:
-            if type(ev) is TextDelta:
-                if ev.reasoning:
-                    if first:
-                        self.rec.first_token = trio.current_time()
-                    await send(tpl.reasoning(0, ev.reasoning, first))
-                    first = False
-                if ev.text or (logprobs and ev.logprobs):
-                    if first:
-                        self.rec.first_token = trio.current_time()
-                    if logprobs:
-                        await send(tpl.delta_logprobs(0, ev.text, first, ev.logprobs or ()))
-                    else:
-                        await send(tpl.delta(0, ev.text, first))
-                    first = False
-                    await pace()
-            elif type(ev) is ToolCallDelta:
-                if first:
-                    self.rec.first_token = trio.current_time()
-                opening = ev.index not in streamed
-                streamed.add(ev.index)
-                await send(tpl.tool_call_delta(0, ev, first, opening))
-                first = False
-                await pace()
-            elif type(ev) is ToolCalls:
-                calls = [c for c in ev.calls if c.index not in streamed]
-                if calls:
-                    if first:
-                        self.rec.first_token = trio.current_time()
-                    await send(tpl.tool_calls(0, calls, first))
-                    first = False
-            else:
-                if ev.finish_reason in ("abort", "error"):
-                    await self._end(_terminal_error(ev, self.rec).sse())
-                else:
-                    await self._end(self._final([ev], [tpl.finish(0, ev.finish_reason, not first)]))
-                return
-            try:
-                ev = await stream.__anext__()
-            except StopAsyncIteration:
-                raise _Gone from None
+    async def _many(self, enc: ChoicesEncoder) -> None:
+        """n > 1: one reader task per choice; what is waiting goes out as one send.
 
-    async def _many(self) -> None:
-        """n > 1: one reader task per choice; what is waiting goes out as one send."""
+        The readers hand their events over unbuffered: each holds at most the one it
+        took, and what the client has not taken waits in the choices' own channels,
+        where `RequestStream.unread` counts it and the watchdog's cap sees the sum
+        over the choices (an unbounded channel here held 32 MB for one client)."""
         n = len(self.streams)
-        tpl, logprobs = self.tpl, self.logprobs
-        role_sent = [False] * n
-        streamed: list[set[int]] = [set() for _ in range(n)]  # per choice, as in `_one`
         fins: list[Finished] = []
-        send_ch, recv_ch = trio.open_memory_channel[tuple[int, Any]](math.inf)
+        send_ch, recv_ch = trio.open_memory_channel[tuple[int, Any]](0)
         async with trio.open_nursery() as nursery:
             for i, stream in enumerate(self.streams):
                 nursery.start_soon(_read, i, stream, send_ch.clone())
@@ -603,51 +487,37 @@ class _Stream:
                         break
                 parts: list[bytes] = []
                 for i, ev in batch:
-                    if type(ev) is TextDelta:
-                        chunks = [tpl.reasoning(i, ev.reasoning, not role_sent[i])] if ev.reasoning else []
-                        if ev.text or (logprobs and ev.logprobs):
-                            first = not (role_sent[i] or chunks)
-                            chunks.append(tpl.delta_logprobs(i, ev.text, first, ev.logprobs or ())
-                                          if logprobs else tpl.delta(i, ev.text, first))
-                        if chunks:
+                    if type(ev) is not Finished:
+                        if data := enc.event_at(i, ev):
                             if self.rec.first_token is None:
                                 self.rec.first_token = trio.current_time()
-                            parts.extend(chunks)
-                            role_sent[i] = True
-                    elif type(ev) is ToolCallDelta:
-                        if self.rec.first_token is None:
-                            self.rec.first_token = trio.current_time()
-                        opening = ev.index not in streamed[i]
-                        streamed[i].add(ev.index)
-                        parts.append(tpl.tool_call_delta(i, ev, not role_sent[i], opening))
-                        role_sent[i] = True
-                    elif type(ev) is ToolCalls:
-                        calls = [c for c in ev.calls if c.index not in streamed[i]]
-                        if calls:
-                            if self.rec.first_token is None:
-                                self.rec.first_token = trio.current_time()
-                            parts.append(tpl.tool_calls(i, calls, not role_sent[i]))
-                            role_sent[i] = True
+                            parts.append(data)
                     elif ev.finish_reason in ("abort", "error"):
-                        parts.append(_terminal_error(ev, self.rec).sse())
+                        parts.append(enc.error(_terminal_error(ev, self.rec)))
                         await self._end(b"".join(parts))
                         nursery.cancel_scope.cancel()
                         return
                     else:
                         fins.append(ev)
-                        parts.append(tpl.finish(i, ev.finish_reason, role_sent[i]))
-                        role_sent[i] = True
+                        parts.append(enc.finish_at(i, ev))
                 if len(fins) == n:
-                    await self._end(self._final(fins, parts))
+                    _record_finish(self.rec, fins)
+                    parts.append(enc.close(fins))
+                    await self._end(b"".join(parts))
                 elif parts:
                     await self._send(b"".join(parts))
                     await self._pace()
+
+
+def close_all(streams: Sequence[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
 
 
 async def _read(index: int, stream: RequestStream, out: trio.MemorySendChannel[tuple[int, Any]]) -> None:
     with out:
         try:
             async for ev in stream:
-                out.send_nowait((index, ev))
-        except trio.ClosedResourceError:
+                await out.send((index, ev))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # closed by an abort
