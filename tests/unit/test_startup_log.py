@@ -83,7 +83,7 @@ async def test_a_refused_start_says_so_in_one_line_and_never_that_it_runs(why, t
     from trio_mlx.server._app import create_app
 
     caplog.set_level(logging.INFO)
-    settings = Settings(model=str(tiny_model_fp32), warmup=False)
+    settings = Settings.from_env({}, model=str(tiny_model_fp32), warmup=False)
 
     def broken(settings: Settings) -> Any:
         raise ModelLoadError("could not load the model: no weights here")
