@@ -407,6 +407,7 @@ class Actor:
                 self._bg.close()
         finally:
             self._bg = None
+            self._decoder = None  # its plan holds the batch's per-row arrays
             self._model = None
             heap.thaw()  # the model's cycles, frozen at startup, can go now
             gc.collect()
