@@ -27,7 +27,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
-from trio.lowlevel import RunVar
 
 from .. import _heap as heap
 from .._errors import (
@@ -51,6 +50,7 @@ from ..actor import (
 )
 from ._events import EngineStatistics
 from ._lanes import TokenizingLanes
+from ._limiters import RunLimiter
 from ._options import GenerationOptions, check_options, check_sampling_defaults, usable_defaults
 from ._prompt import ChatEncoder, max_token_chars, prompt_chars, text_chars
 from ._registry import Registry, Request, Terminal
@@ -62,7 +62,6 @@ from ._text import normalize_messages
 log = logging.getLogger("trio_mlx.engine")
 
 # One GPU, one actor: every engine in a process shares this limiter (rule 1).
-_GPU_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_gpu_limiter")
 # count_tokens counts a prompt that does not fit, too (a client checks before it sends), up to
 # this many contexts' worth; past that it is refused from its length as generation is. Judgement.
 _COUNT_CONTEXTS = 4
@@ -73,14 +72,10 @@ _COUNT_CONTEXTS = 4
 # default is 512; 4096 leaves room for a whole file's edit. Judgement.
 DEFAULT_MAX_TOKENS = 4096
 _TUNING_FIELDS = frozenset(f.name for f in dataclasses.fields(ActorTuning))
+# The one thread the GPU actor runs on, for every engine of the run: MLX's state is the actor's.
+gpu_limiter = RunLimiter("trio_mlx_gpu_limiter", lambda: 1)
 
 
-def gpu_limiter() -> trio.CapacityLimiter:
-    try:
-        return _GPU_LIMITER.get()
-    except LookupError:
-        _GPU_LIMITER.set(limiter := trio.CapacityLimiter(1))
-        return limiter
 
 
 class Engine:

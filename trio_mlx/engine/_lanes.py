@@ -10,17 +10,18 @@ it grew goes back to the system after.
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import trio
-from trio.lowlevel import RunVar
 
 from .._errors import QueueFullError
+from ._limiters import RunLimiter, half_the_cores
 
-_TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_tokenizer_limiter")
-_BIG_TOKENIZER_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_big_tokenizer_limiter")
+# The worker threads long prompts are tokenized in: half the cores, for every engine; the very
+# long ones, one at a time.
+tokenizer_limiter = RunLimiter("trio_mlx_tokenizer_limiter", half_the_cores)
+_big_tokenizer_limiter = RunLimiter("trio_mlx_big_tokenizer_limiter", lambda: 1)
 # Prompts longer than this many characters are tokenized in a worker thread so
 # the event loop keeps serving; shorter ones cost less than the thread hop.
 # The number is a judgement call, not a measurement.
@@ -39,21 +40,6 @@ _BIG_TOKENIZE_WAITING = 8
 Encode = Callable[[str, Any, "Mapping[str, Any] | None"], list[int]]
 
 
-def _big_tokenizer_limiter() -> trio.CapacityLimiter:
-    try:
-        return _BIG_TOKENIZER_LIMITER.get()
-    except LookupError:
-        _BIG_TOKENIZER_LIMITER.set(limiter := trio.CapacityLimiter(1))
-        return limiter
-
-
-def tokenizer_limiter() -> trio.CapacityLimiter:
-    """The worker threads long prompts are tokenized in: half the cores, for every engine."""
-    try:
-        return _TOKENIZER_LIMITER.get()
-    except LookupError:
-        _TOKENIZER_LIMITER.set(limiter := trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2)))
-        return limiter
 
 
 def _trim_memory() -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -26,11 +25,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
-from trio.lowlevel import RunVar
 
 from .._errors import InvalidRequestError
 from ..actor import Grammar
 from ._grammar_pool import grammar_pool
+from ._limiters import RunLimiter, half_the_cores
 from ._options import GenerationOptions
 
 if TYPE_CHECKING:
@@ -39,15 +38,9 @@ if TYPE_CHECKING:
 # Compiled grammars kept for reuse, by what they were compiled from. Arbitrary:
 # enough for the tool sets and schemas of a few agents at once.
 _CACHE_SIZE = 128
-_COMPILE_LIMITER: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_grammar_limiter")
+_compile_limiter = RunLimiter("trio_mlx_grammar_limiter", half_the_cores)
 
 
-def _compile_limiter() -> trio.CapacityLimiter:
-    try:
-        return _COMPILE_LIMITER.get()
-    except LookupError:
-        _COMPILE_LIMITER.set(limiter := trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2)))
-        return limiter
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,30 @@
+"""Capacity limiters that live as long as one trio run: the GPU actor's thread, the tokenizer
+lanes and the grammar drafts each have one, shared by every engine of that run and made at
+first use (a `RunVar`: a limiter belongs to the run whose tasks wait on it)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import trio
+from trio.lowlevel import RunVar
+
+
+def half_the_cores() -> int:
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+class RunLimiter:
+    """`limiter()`: this run's `trio.CapacityLimiter` of `tokens()` tokens."""
+
+    def __init__(self, name: str, tokens: Callable[[], int]):
+        self._var: RunVar[trio.CapacityLimiter] = RunVar(name)
+        self._tokens = tokens
+
+    def __call__(self) -> trio.CapacityLimiter:
+        try:
+            return self._var.get()
+        except LookupError:
+            self._var.set(limiter := trio.CapacityLimiter(self._tokens()))
+            return limiter
