@@ -44,6 +44,18 @@ async def health_watch(client: httpx.AsyncClient) -> AsyncIterator[list[float]]:
         nursery.cancel_scope.cancel()
 
 
+async def post_watched(client: httpx.AsyncClient, path: str, data: bytes) -> tuple[httpx.Response, float, list[float]]:
+    """POST `data` (JSON, encoded beforehand: the client shares the server's event loop) while
+    `/health` is polled: (the response, its seconds, the health latencies seen meanwhile)."""
+    async with health_watch(client) as seen:
+        await trio.sleep(0.1)
+        t0 = time.perf_counter()
+        r = await client.post(path, content=data, headers={"content-type": "application/json"})
+        took = time.perf_counter() - t0
+        await trio.sleep(0.1)
+    return r, took, seen
+
+
 def openai_shape(r: httpx.Response) -> None:
     assert_error(r, 400, code="context_length_exceeded")
 
@@ -85,14 +97,8 @@ async def test_tool_text_of_megabytes_is_refused_from_its_length_while_health_an
     """15.6 MB in a tool's description or a call's arguments froze /health for 34-51 s: only
     message content was counted, so the template rendered and tokenized it on the event loop."""
     path, body, shape = CASES[case]
-    data = json.dumps(body).encode()  # beforehand: the client shares the server's event loop
     async with serve(tool_model_fp32, factory=fake_factory()) as server, server.client(timeout=30) as client:
-        async with health_watch(client) as seen:
-            await trio.sleep(0.1)
-            t0 = time.perf_counter()
-            r = await client.post(path, content=data, headers={"content-type": "application/json"})
-            took = time.perf_counter() - t0
-            await trio.sleep(0.1)
+        r, took, seen = await post_watched(client, path, json.dumps(body).encode())
         shape(r)
         assert took < 3.0, took  # measured: 0.22-1.04 s on the shared 2-core box under load (before: 34-67 s)
         assert seen and max(seen) < 1.5, max(seen)  # measured: 0.02-0.41 s
@@ -109,12 +115,7 @@ async def test_a_token_id_prompt_of_millions_is_counted_before_its_ids_are_valid
     data = json.dumps({"prompt": [ids] if nested else ids, "max_tokens": 2}).encode()  # 15 MB, encoded beforehand
     async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client(timeout=30) as client:
         context = server.engine.context_length
-        async with health_watch(client) as seen:
-            await trio.sleep(0.1)
-            t0 = time.perf_counter()
-            r = await client.post(COMPLETIONS, content=data, headers={"content-type": "application/json"})
-            took = time.perf_counter() - t0
-            await trio.sleep(0.1)
+        r, took, seen = await post_watched(client, COMPLETIONS, data)
         err = assert_error(r, 400, code="context_length_exceeded", param="prompt")
         # refused by the intake, from the count (the engine says "tokens"), before any id was validated
         assert str(context) in err["message"] and "5000000 token ids" in err["message"]
