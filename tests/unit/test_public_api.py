@@ -119,13 +119,14 @@ from pathlib import Path  # noqa: E402
 PACKAGE = Path(trio_mlx.__file__).parent
 # Each layer may import the ones listed (and itself); `_errors`, `_fields` (settings as text)
 # and `_heap` (imports only `gc`) are the leaves the layers share. The top-level modules (`__init__`, `app`, `cli`) are the
-# public face over all of them.
+# public face over all of them. `bench` is a client beside the runtime, through public names only
+# (`test_bench_imports_only_public_names`); no layer imports it.
 ALLOWED = {
     "server": {"engine", "_errors", "_fields"},
     "engine": {"actor", "models", "_errors", "_fields", "_heap"},
     "actor": {"models", "_errors", "_fields", "_heap"},
     "models": {"_errors"},
-    "bench": {"engine", "actor", "models", "server", "_errors", "_heap"},
+    "bench": {"engine", "actor", "models"},
 }
 MLX_USERS = {"actor", "models"}
 
@@ -196,3 +197,38 @@ def test_no_module_imports_itself_back_through_a_circle():
         if start not in done:
             visit(start, [start])
     assert circles == []
+
+
+def test_bench_imports_only_public_names():
+    """`trio-mlx bench` uses the runtime as a client would (docs/design.md, "Where things
+    live"): every module it imports from the runtime and every name it imports from one are
+    public, whatever its own private modules are; an attribute it reads off a module it imports
+    is public too (`actor.ceiling`, the one it reads that way)."""
+    bad = []
+    for path in sorted((PACKAGE / "bench").rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = _absolute(path, node)
+                names = [f"{module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                names = [f"{node.value.id}.{node.attr}"] if node.value.id in ("trio_mlx", "actor", "models") else []
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] in ("trio_mlx", "actor", "models") and parts[:2] != ["trio_mlx", "bench"]:
+                    if any(p.startswith("_") and not p.startswith("__") for p in parts):
+                        bad.append(f"{rel}:{node.lineno} uses {name}")
+    assert bad == []
+
+
+def _absolute(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module of a `from ... import` in `path`."""
+    if not node.level:
+        return node.module or ""
+    pkg = list(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    return ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else []))

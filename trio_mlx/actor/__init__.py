@@ -4,6 +4,10 @@ The engine talks to it only through the messages of `_protocol.py`. Importing
 this package does not import MLX: `Actor`, `ThreadLink`, `run_actor_process`
 and the ceiling load on first use (PEP 562), so a server whose actor runs in a
 child process never loads MLX itself.
+
+`ceiling` (`_ceiling.py`, mlx-lm's BatchGenerator and MLX's bare forward in a closed loop,
+no server) is public for `trio-mlx bench`, which measures servers against it and imports no
+private module of the runtime; it lives here because only `actor/` and `models/` import MLX.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio_mlx
 
-from .. import _heap as heap
+from ..engine import freeze_heap
 from ._limit import ceiling_level as run_ceiling_level
 from ._progress import LevelBar, level_label
 from ._stats import (
@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     # The tokenizer and the prompts stay for the whole run: frozen out of the collector's walks,
     # so that this client's own full collections (hundreds of ms once the prompts are made)
     # cannot land in what it measures.
-    heap.freeze()
+    freeze_heap()
     if args.suppress_eos:
         bias = {str(t): -100 for t in sorted(getattr(tokenizer, "eos_token_ids", None) or [])}
         args.extra_body = {"logit_bias": bias, **args.extra_body}

@@ -4,8 +4,14 @@ It starts the GPU actor (`trio_mlx.actor`) and talks to it only through the
 actor's protocol messages; the HTTP layer (`trio_mlx.server`) and library users
 talk to it through `open_engine`, `Engine.generate` / `Engine.chat` and the
 events below. No MLX here.
+
+`freeze_heap` is what the engine does once its startup is over (`trio_mlx/_heap.py`): every
+object alive now leaves the cyclic collector's walks. It is public for a process that holds
+long-lived objects of its own and no engine: `trio-mlx bench`'s client (its tokenizer and
+prompts), which imports only public names of the runtime.
 """
 
+from .._heap import freeze as freeze_heap  # noqa: F401  (a re-export under a public name: see above)
 from ..actor import ActorTuning as ActorTuning
 from ._engine import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from ._engine import Engine as Engine

@@ -1,18 +1,19 @@
-"""The quart-trio application: the engine's lifecycle, probes, /v1/models, OpenAPI, error shapes.
+"""The quart-trio application: the engine's lifecycle, the dispatch, the checks every request
+passes, error shapes.
 
 `create_app(settings)` builds it. The engine lives in `app.nursery`: started
-in `before_serving`, drained and closed in `after_serving` (or earlier, by
-`app.drain()`, which `trio-mlx serve` calls on SIGTERM). The completion
-endpoints are raw ASGI (`_pump.py`, `openai/_serving.py`): `TrioMLXApp.__call__` routes them
-before Quart sees the request. Every error body has OpenAI's shape.
+in `before_serving` (`TrioMLXApp.start_engine`), drained and closed in `after_serving`
+(or earlier, by `app.drain()`, which `trio-mlx serve` calls on SIGTERM). The endpoints are
+the route table's (`_routes.py`): the generation endpoints on raw ASGI, which
+`TrioMLXApp.serve_trio` hands their requests before Quart sees them, the rest Quart's
+routes. Every error body has OpenAI's shape, or, under another API's path, that API's.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -37,15 +38,14 @@ from ._asgi import (
 )
 from ._guard import check_framing, check_host
 from ._guest import GuestBridge, native_trio
-from ._http import HTTPError, dumps, new_id, unavailable
+from ._http import HTTPError, new_id, unavailable
 from ._logs import request_done
 from ._metrics import Metrics
-from ._pages import add_pages
 from ._pump import Pump
-from ._records import CHAT_PATH, COMPLETIONS_PATH, RequestRecord
+from ._records import RequestRecord
 from ._request_trace import RequestTrace, request_trace_path
+from ._routes import ROUTES, Route, actor_name, api_under, json_response
 from ._settings import Settings
-from ._wire import WireAPI, serve_api
 from .openai._serving import Completions
 
 log = logging.getLogger("trio_mlx.http")
@@ -84,17 +84,6 @@ def _engine_options(settings: Settings) -> dict[str, Any]:
     )
 
 
-def _openapi_document(settings: Settings) -> dict[str, Any]:
-    """The OpenAPI document (`_openapi.py`, imported only when asked for)."""
-    from . import _openapi
-
-    return _openapi.openapi_document(settings)
-
-
-def _actor_name(engine: Engine) -> str:
-    return engine.actor_mode if isinstance(engine.actor_mode, str) else "thread"
-
-
 class _HTTPConnection(TrioASGIHTTPConnection):
     """quart-trio's HTTP connection, minus a race that leaks keep-alive connections.
 
@@ -124,21 +113,26 @@ class _HTTPConnection(TrioASGIHTTPConnection):
 
 
 class TrioMLXApp(QuartTrio):
-    """A QuartTrio app that owns one Engine and serves the completion endpoints on raw ASGI."""
+    """A QuartTrio app that owns one Engine and serves the route table (`_routes.py`)."""
 
     asgi_http_class = _HTTPConnection
 
     settings: Settings
     engine: Engine | None
+    make_engine: EngineFactory
     pump: Pump
     completions: Completions
-    # The other APIs' endpoints on the same machinery (_wire.py), by path.
-    wire_apis: dict[str, WireAPI]
+    # The routes served on raw ASGI, by path (the rest are Quart's): `mount` fills both.
+    asgi_routes: dict[str, Route]
     metrics: Metrics
     serving_lock: _workers.ServingLock | None
     request_trace: RequestTrace | None  # with the step trace (`_request_trace.py`)
     # Called with every completion request's record when it ends (sync, must be quick).
     observers: list[Callable[[RequestRecord], None]]
+    started_at: int  # the model cards' `created`
+    openapi_doc: dict[str, Any] | None  # built by the first request for it (`_routes.openapi`)
+    # Around the tasks that watch the serving engine (stalls, the heap's trim, a broken engine).
+    watchdog: trio.CancelScope
 
     # How the app is served, fixed by the first ASGI call (the lifespan): natively on trio
     # (hypercorn -k trio, trio-mlx serve) or, under an asyncio server, through trio's guest mode.
@@ -166,13 +160,11 @@ class TrioMLXApp(QuartTrio):
                 except HTTPError as error:
                     if error.code == "invalid_framing":  # its answer closes the connection
                         await drain_body(receive)
-                    api = self.wire_api_under(scope["path"])
+                    api = api_under(scope["path"])
                     await send_error(send, error, [], api.error_body if api is not None else None)
                     return
-                if scope["path"] in (CHAT_PATH, COMPLETIONS_PATH):
-                    await self.completions(scope, receive, send)
-                elif (api := self.wire_apis.get(scope["path"])) is not None:
-                    await serve_api(self.pump, api, scope, receive, send)
+                if (route := self.asgi_routes.get(scope["path"])) is not None:
+                    await route.handler(self, scope, receive, send)
                 else:
                     await self.asgi_app(scope, receive, send)
             finally:
@@ -180,10 +172,59 @@ class TrioMLXApp(QuartTrio):
             return
         await self.asgi_app(scope, receive, send)
 
-    def wire_api_under(self, path: str) -> WireAPI | None:
-        """The other API whose path `path` is, or lies under: its errors take that API's shape
-        (an Anthropic SDK reads only Anthropic's errors, `/v1/messages/batches` included)."""
-        return next((a for p, a in self.wire_apis.items() if path == p or path.startswith(p + "/")), None)
+    async def start_engine(self) -> None:
+        """Lifespan startup: take the serving lock, start the engine, watch it, log what serves."""
+        settings = self.settings
+        _connections.raise_soft_limit()  # every connection is a descriptor (_connections.py)
+        _connections.quiet_accept_errors()
+        _intake.return_large_allocations()
+        try:
+            if not settings.allow_multiple_workers:
+                self.serving_lock = _workers.acquire(settings)
+            engine = self.engine = self.make_engine(settings)
+            await self.nursery.start(engine.run)
+            if settings.tuning.step_trace:
+                self.request_trace = RequestTrace(request_trace_path(settings.tuning.step_trace))
+                self.observers.append(self.request_trace.observe)
+        except BaseException as exc:
+            self.release_lock()
+            self.start_failure = exc
+            if isinstance(exc, Exception):  # where the server would not exit non-zero, exit (_exit.py)
+                holder = (exc.holder, exc.holder_parent) if isinstance(exc, _workers.AlreadyServing) else None
+                _exit.exit_if_unseen(
+                    self.asgi_server, str(exc) if holder else f"trio_mlx could not start: {exc}",
+                    lock_holder=holder, others_may_serve=settings.allow_multiple_workers)
+            log.error("trio_mlx could not start: %s", exc)
+            raise
+        self.nursery.start_soon(_run_in(self.watchdog, self.pump.watch_stalls, _intake.trimmer,
+                                        partial(_exit_when_broken, self, engine)))
+        info = engine.info
+        cache = info.prompt_cache_bytes if info else 0
+        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s%s, %s actor (pid %s), %s",
+                 settings.served_model_name, info.model_type if info else "?",
+                 engine.context_length, settings.tuning.max_batch, info.device if info else "?",
+                 f" with {info.blas}" if info and info.blas else "", actor_name(engine),
+                 info.pid if info else "?",
+                 f"prompt cache up to {cache / 1e9:.2f} GB" if cache else "prompt cache off")
+        log.info("sampling defaults (generation_config %s): %s", settings.generation_config,
+                 ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()) or "none")
+        if engine.group is not None:
+            log.info("distributed: %s", engine.group.describe())
+
+    async def stop_engine(self) -> None:
+        """Lifespan shutdown: drain, stop watching, let go of the lock and the request trace."""
+        try:
+            await self.drain()
+        finally:
+            self.watchdog.cancel()
+            self.release_lock()
+            if self.request_trace is not None:
+                self.request_trace.close()
+
+    def release_lock(self) -> None:
+        if self.serving_lock is not None:
+            self.serving_lock.release()
+            self.serving_lock = None
 
     def log_exception(self, exc_info: Any) -> None:
         if isinstance(exc_info[1], ModelLoadError) or (
@@ -243,218 +284,108 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app = TrioMLXApp("trio_mlx", static_folder=None)  # _pages.py serves /static itself
     app.settings = settings
     app.engine = None
+    app.make_engine = engine_factory or default_engine
     app.observers = []
     app.pump = Pump(app)
     app.completions = Completions(app, app.pump)
-    app.wire_apis = wire_apis()
     app.metrics = Metrics(app)
     app.observers.append(app.metrics.observe)
     app.serving_lock = None
     app.request_trace = None
+    app.started_at = int(time.time())
+    app.openapi_doc = None
+    app.watchdog = trio.CancelScope()
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
         BODY_TIMEOUT=settings.body_timeout,
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=settings.drain_timeout + SHUTDOWN_MARGIN,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
-    make_engine = engine_factory or default_engine
-    started_at = int(time.time())
-    watchdog = trio.CancelScope()
-
-    @app.before_serving
-    async def start_engine() -> None:
-        _connections.raise_soft_limit()  # every connection is a descriptor (_connections.py)
-        _connections.quiet_accept_errors()
-        _intake.return_large_allocations()
-        try:
-            if not settings.allow_multiple_workers:
-                app.serving_lock = _workers.acquire(settings)
-            engine = app.engine = make_engine(settings)
-            await app.nursery.start(engine.run)
-            if settings.tuning.step_trace:
-                app.request_trace = RequestTrace(request_trace_path(settings.tuning.step_trace))
-                app.observers.append(app.request_trace.observe)
-        except BaseException as exc:
-            _release(app)
-            app.start_failure = exc
-            if isinstance(exc, Exception):  # where the server would not exit non-zero, exit (_exit.py)
-                holder = (exc.holder, exc.holder_parent) if isinstance(exc, _workers.AlreadyServing) else None
-                _exit.exit_if_unseen(
-                    app.asgi_server, str(exc) if holder else f"trio_mlx could not start: {exc}",
-                    lock_holder=holder, others_may_serve=settings.allow_multiple_workers)
-            log.error("trio_mlx could not start: %s", exc)
-            raise
-        app.nursery.start_soon(_run_in(watchdog, app.pump.watch_stalls, _intake.trimmer,
-                                       partial(_exit_when_broken, app, engine)))
-        info = engine.info
-        cache = info.prompt_cache_bytes if info else 0
-        log.info("ready: serving %r (%s, context %s tokens, max batch %d) on %s%s, %s actor (pid %s), %s",
-                 settings.served_model_name, info.model_type if info else "?",
-                 engine.context_length, settings.tuning.max_batch, info.device if info else "?",
-                 f" with {info.blas}" if info and info.blas else "", _actor_name(engine),
-                 info.pid if info else "?",
-                 f"prompt cache up to {cache / 1e9:.2f} GB" if cache else "prompt cache off")
-        log.info("sampling defaults (generation_config %s): %s", settings.generation_config,
-                 ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()) or "none")
-        if engine.group is not None:
-            log.info("distributed: %s", engine.group.describe())
-
-    @app.after_serving
-    async def stop_engine() -> None:
-        try:
-            await app.drain()
-        finally:
-            watchdog.cancel()
-            _release(app)
-            if app.request_trace is not None:
-                app.request_trace.close()
-
-    @app.before_request
-    async def authenticate() -> None:
-        if request.method != "OPTIONS" and request.path.startswith("/v1/"):
-            check_api_key(request.headers.get("Authorization"), settings.api_key)
-
-    @app.after_request
-    async def add_cors(response: Response) -> Response:
-        origin = request.headers.get("Origin")
-        for key, value in cors_headers(origin, settings.cors_origins, preflight=request.method == "OPTIONS"):
-            response.headers[key.decode()] = value.decode()
-        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
-        rid = scope[REQUEST_ID] = request_id(scope, new_id("req-"))
-        response.headers["X-Request-Id"] = rid
-        if (refusal := scope.pop(_REFUSAL, None)) is not None:
-            log_refusal(refusal, rid)
-        rule = request.url_rule
-        app.metrics.observe_route(rule.rule if rule is not None else "unmatched", response.status_code)
-        return response
-
-    def model_card() -> dict[str, Any]:
-        engine = app.engine
-        return {"id": settings.served_model_name, "object": "model", "created": started_at,
-                "owned_by": "trio_mlx", "context_length": engine.context_length if engine else None,
-                "root": str(engine.model_path) if engine and engine.model_path else None,  # as vLLM
-                # what a request that leaves these out samples with (the model's generation_config.json)
-                "sampling_defaults": dict(engine.sampling_defaults) if engine else None}
-
-    @app.get("/v1/models")
-    async def list_models() -> Response:
-        return json_response({"object": "list", "data": [model_card()]})
-
-    @app.get("/v1/models/<path:model_id>")
-    async def get_model(model_id: str) -> Response:
-        if model_id != settings.served_model_name:
-            raise HTTPError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
-        return json_response(model_card())
-
-    @app.get("/health")
-    async def health() -> Response:
-        """Liveness: 200 while the actor is alive and stepping or idle."""
-        engine = app.engine
-        if engine is None:
-            return json_response({"status": "starting"})
-        stats = engine.statistics()
-        body: dict[str, Any] = {"status": "ok", "state": stats.state, "queued": stats.queued,
-                                "prefilling": stats.prefilling, "decoding": stats.decoding}
-        if engine.info is not None:
-            body.update(actor=_actor_name(engine), actor_pid=engine.info.pid)
-        if engine.group is not None:
-            body["group"] = engine.group.snapshot()
-        if stats.state in ("broken", "closed"):
-            body["status"] = stats.state
-            return json_response(body, 503)
-        if stats.state == "restarting":  # alive, and recovering by itself: not a liveness failure
-            body.update(status="restarting", actor_restarts=stats.actor_restarts)
-            return json_response(body)
-        since = stats.seconds_since_step
-        if since is not None and since > settings.watchdog_seconds:
-            body.update(status="stalled", seconds_since_step=_stalled_for(since))
-            return json_response(body, 503)
-        return json_response(body)
-
-    @app.get("/ready")
-    @app.get("/health/ready")
-    async def ready() -> Response:
-        """Readiness: 200 once the model is loaded and warm, 503 before, while the actor restarts,
-        while draining, and while the actor is stalled (as /health says)."""
-        state = app.engine.state if app.engine is not None else "starting"
-        if state == "ready":
-            since = app.engine.statistics().seconds_since_step if app.engine is not None else None
-            if since is not None and since > settings.watchdog_seconds:
-                return json_response({"status": "stalled", "seconds_since_step": _stalled_for(since)}, 503)
-            return json_response({"status": "ready"})
-        retry = {"Retry-After": "5"} if state in ("starting", "restarting") else None
-        return json_response({"status": state}, 503, retry)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        """Prometheus metrics (text format): per-request histograms and counters, engine gauges."""
-        body, content_type = app.metrics.render(request.headers.get("Accept"))
-        return Response(body, status=200, content_type=content_type)
-
-    openapi_doc: list[dict[str, Any]] = []  # built once, by the first request for it
-
-    @app.get("/openapi.json")
-    async def openapi() -> Response:
-        if not openapi_doc:  # the module's import and pydantic's schemas (~70 ms on the CPU dev
-            # box) in a worker thread, not on the event loop that every stream shares
-            openapi_doc.append(await trio.to_thread.run_sync(_openapi_document, settings))
-        return json_response(openapi_doc[0])
-
-    def index_json() -> Response:
-        return json_response({"name": "trio_mlx", "model": settings.served_model_name,
-                              "endpoints": [CHAT_PATH, COMPLETIONS_PATH, *app.wire_apis, "/v1/models", "/health",
-                                            "/ready", "/metrics", "/openapi.json", "/docs"]})
-
-    add_pages(app, index_json)  # `/`: the chat page for browsers, index_json for API clients
-
-    def error_response(error: HTTPError, headers: dict[str, str]) -> Response:
-        """`error` in the shape of the API whose path was asked for (`wire_api_under`)."""
-        scope: dict[str, Any] = request.scope  # type: ignore[assignment]
-        scope[_REFUSAL] = error  # logged with its request id (add_cors)
-        api = app.wire_api_under(request.path)
-        if api is None:
-            return json_response(error.payload(), error.status, headers)
-        return Response(api.error_body(error), status=error.status, headers=headers, content_type="application/json")
-
-    @app.errorhandler(HTTPError)
-    async def api_error(error: HTTPError) -> Response:
-        return error_response(error, dict(error.headers))
-
-    @app.errorhandler(HTTPException)
-    async def http_exception(exc: HTTPException) -> Response:
-        status = exc.code or 500
-        headers: dict[str, str] = {}
-        if status == 404:
-            error = HTTPError(404, f"Invalid URL ({request.method} {request.path})", code="not_found")
-        elif status == 405:
-            allowed = ", ".join(getattr(exc, "valid_methods", None) or ())
-            headers["Allow"] = allowed
-            error = HTTPError(405, f"method {request.method} is not allowed on {request.path}",
-                              code="method_not_allowed")
-        elif status == 413:
-            error = HTTPError(413, f"the request body is larger than {settings.max_body_bytes} bytes",
-                              code="request_too_large")
-        elif status >= 500:
-            error = HTTPError(status, "internal server error", type="server_error", code="internal_error")
-        else:
-            error = HTTPError(status, exc.description or exc.name, code=exc.name.lower().replace(" ", "_"))
-        return error_response(error, headers)
-
-    @app.errorhandler(Exception)
-    async def internal_error(exc: Exception) -> Response:
-        log.exception("internal error on %s %s", request.method, request.path)
-        error = HTTPError(500, "internal server error", type="server_error", code="internal_error")
-        return json_response(error.payload(), 500)
-
+    app.before_serving(app.start_engine)
+    app.after_serving(app.stop_engine)
+    app.before_request(partial(authenticate, app))
+    app.after_request(partial(add_headers, app))
+    app.register_error_handler(HTTPError, partial(api_error, app))
+    app.register_error_handler(HTTPException, partial(http_exception, app))
+    app.register_error_handler(Exception, partial(internal_error, app))
+    mount(app, ROUTES)
     return app
 
 
-def wire_apis() -> dict[str, WireAPI]:
-    from . import anthropic, responses
+def mount(app: TrioMLXApp, routes: Sequence[Route]) -> None:
+    """The dispatch, from the route table: the raw routes by path (`serve_trio`), the rest
+    as Quart's routes (each named by its path), their handlers given the app."""
+    app.asgi_routes = {}
+    for route in routes:
+        if route.asgi:
+            app.asgi_routes[route.path] = route
+        else:
+            app.add_url_rule(route.path, endpoint=route.path, view_func=partial(route.handler, app),
+                             methods=route.methods)
 
-    return {anthropic.MESSAGES_PATH: anthropic.MessagesAPI(),
-            anthropic.COUNT_TOKENS_PATH: anthropic.CountTokensAPI(),
-            responses.RESPONSES_PATH: responses.ResponsesAPI()}
+
+# ------------------------------------------------------- what every Quart route's request passes
+
+
+async def authenticate(app: TrioMLXApp) -> None:
+    if request.method != "OPTIONS" and request.path.startswith("/v1/"):
+        check_api_key(request.headers.get("Authorization"), app.settings.api_key)
+
+
+async def add_headers(app: TrioMLXApp, response: Response) -> Response:
+    """CORS and X-Request-Id on every Quart answer; its refusal logged; its route counted."""
+    origin = request.headers.get("Origin")
+    for key, value in cors_headers(origin, app.settings.cors_origins, preflight=request.method == "OPTIONS"):
+        response.headers[key.decode()] = value.decode()
+    scope: dict[str, Any] = request.scope  # type: ignore[assignment]
+    rid = scope[REQUEST_ID] = request_id(scope, new_id("req-"))
+    response.headers["X-Request-Id"] = rid
+    if (refusal := scope.pop(_REFUSAL, None)) is not None:
+        log_refusal(refusal, rid)
+    rule = request.url_rule
+    app.metrics.observe_route(rule.rule if rule is not None else "unmatched", response.status_code)
+    return response
+
+
+def error_response(error: HTTPError, headers: dict[str, str]) -> Response:
+    """`error` in the shape of the API whose path was asked for (`_routes.api_under`)."""
+    scope: dict[str, Any] = request.scope  # type: ignore[assignment]
+    scope[_REFUSAL] = error  # logged with its request id (add_headers)
+    api = api_under(request.path)
+    if api is None:
+        return json_response(error.payload(), error.status, headers)
+    return Response(api.error_body(error), status=error.status, headers=headers, content_type="application/json")
+
+
+async def api_error(app: TrioMLXApp, error: HTTPError) -> Response:
+    return error_response(error, dict(error.headers))
+
+
+async def http_exception(app: TrioMLXApp, exc: HTTPException) -> Response:
+    """Werkzeug's errors (no route, a method it lacks, a body too large) as ours."""
+    status = exc.code or 500
+    headers: dict[str, str] = {}
+    if status == 404:
+        error = HTTPError(404, f"Invalid URL ({request.method} {request.path})", code="not_found")
+    elif status == 405:
+        allowed = ", ".join(getattr(exc, "valid_methods", None) or ())
+        headers["Allow"] = allowed
+        error = HTTPError(405, f"method {request.method} is not allowed on {request.path}",
+                          code="method_not_allowed")
+    elif status == 413:
+        error = HTTPError(413, f"the request body is larger than {app.settings.max_body_bytes} bytes",
+                          code="request_too_large")
+    elif status >= 500:
+        error = HTTPError(status, "internal server error", type="server_error", code="internal_error")
+    else:
+        error = HTTPError(status, exc.description or exc.name, code=exc.name.lower().replace(" ", "_"))
+    return error_response(error, headers)
+
+
+async def internal_error(app: TrioMLXApp, exc: Exception) -> Response:
+    log.exception("internal error on %s %s", request.method, request.path)
+    error = HTTPError(500, "internal server error", type="server_error", code="internal_error")
+    return json_response(error.payload(), 500)
 
 
 async def _exit_when_broken(app: TrioMLXApp, engine: Engine) -> None:
@@ -466,16 +397,6 @@ async def _exit_when_broken(app: TrioMLXApp, engine: Engine) -> None:
                  f"within {budget.window:g} s): {engine.actor_error!r}")
 
 
-def _release(app: TrioMLXApp) -> None:
-    if app.serving_lock is not None:
-        app.serving_lock.release()
-        app.serving_lock = None
-
-
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(dumps(obj), status=status, headers=headers, content_type="application/json")
-
-
 def _run_in(scope: trio.CancelScope, *fns: Callable[[], Any]) -> Callable[[], Any]:
     async def run() -> None:
         with scope:
@@ -484,10 +405,3 @@ def _run_in(scope: trio.CancelScope, *fns: Callable[[], Any]) -> Callable[[], An
                     nursery.start_soon(fn)
 
     return run
-
-
-def _stalled_for(since: float) -> float:
-    """Seconds since the last step, for a "stalled" answer: rounded up to the millisecond, so
-    that the figure is past the watchdog whenever the status says so (0.3002 s would round
-    to 0.3, no more than a watchdog of 0.3)."""
-    return math.ceil(since * 1000) / 1000

@@ -4,7 +4,8 @@ The page is plain HTML, CSS and ES modules in `server/static/` (package data; no
 step, nothing from a CDN). It talks to the server's own `/v1/chat/completions` like any
 client. `GET /` answers JSON to clients that prefer it (`Accept: application/json`, or
 curl's `*/*`) and the page to browsers (which ask for `text/html`). Swagger UI's files
-come from the `swagger-ui-py` package, served under `/docs/assets/`.
+come from the `swagger-ui-py` package, served under `/docs/assets/`. The handlers below are
+entries of the route table (`_routes.py`), which also makes `/`'s JSON.
 
 Every page is sent with a strict Content-Security-Policy: scripts only from this server
 and never inline, so even a rendering bug could not run script from a model's answer.
@@ -13,6 +14,7 @@ and never inline, so even a rendering bug could not run script from a model's an
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,40 +49,41 @@ def wants_json() -> bool:
     return request.accept_mimetypes.best_match(["application/json", "text/html"]) != "text/html"
 
 
-def add_pages(app: Any, index_json: Any) -> None:
-    """Mount `/`, `/static/<file>`, `/docs` and `/docs/assets/<file>` on `app`;
-    `index_json()` is the JSON answer of `GET /` for API clients."""
+async def file_from(directory: Path, name: str, allowed: frozenset[str], csp: str) -> Response:
+    if name not in allowed:
+        raise HTTPError(404, f"Invalid URL (GET {request.path})", code="not_found")
+    response = await send_from_directory(directory, name)
+    response.headers["Content-Security-Policy"] = csp
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Cache-Control"] = "no-cache"  # revalidate (ETag): an upgrade shows at once
+    return response
 
-    async def file_from(directory: Path, name: str, allowed: frozenset[str], csp: str) -> Response:
-        if name not in allowed:
-            raise HTTPError(404, f"Invalid URL (GET {request.path})", code="not_found")
-        response = await send_from_directory(directory, name)
-        response.headers["Content-Security-Policy"] = csp
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Cache-Control"] = "no-cache"  # revalidate (ETag): an upgrade shows at once
-        return response
 
-    @app.get("/")
-    async def index() -> Response:
-        if wants_json():
-            response: Response = index_json()
-        else:
-            response = await file_from(STATIC, "index.html", PAGE_FILES, PAGE_CSP)
-            response.headers["Referrer-Policy"] = "no-referrer"
-        response.headers["Vary"] = "Accept"
-        return response
+# The handlers of `/` (through `front`), `/static/<file>`, `/docs` and `/docs/assets/<file>`,
+# in the route table (`_routes.py`); they take the app as every route's handler does.
 
-    @app.get("/static/<path:name>")
-    async def static_file(name: str) -> Response:
-        return await file_from(STATIC, name, PAGE_FILES - {"index.html"}, PAGE_CSP)
 
-    @app.get("/docs")
-    async def docs() -> Response:
-        return await file_from(STATIC, "docs.html", frozenset({"docs.html"}), DOCS_CSP)
+async def front(index_json: Callable[[], Response]) -> Response:
+    """`GET /`: `index_json()` for API clients, the chat page for browsers."""
+    if wants_json():
+        response = index_json()
+    else:
+        response = await file_from(STATIC, "index.html", PAGE_FILES, PAGE_CSP)
+        response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["Vary"] = "Accept"
+    return response
 
-    @app.get("/docs/assets/<path:name>")
-    async def docs_asset(name: str) -> Response:
-        directory = swagger_dir()
-        if directory is None:
-            raise HTTPError(404, "Swagger UI is not installed (pip install swagger-ui-py)", code="not_found")
-        return await file_from(directory, name, SWAGGER_FILES, DOCS_CSP)
+
+async def static_file(app: Any, name: str) -> Response:
+    return await file_from(STATIC, name, PAGE_FILES - {"index.html"}, PAGE_CSP)
+
+
+async def docs(app: Any) -> Response:
+    return await file_from(STATIC, "docs.html", frozenset({"docs.html"}), DOCS_CSP)
+
+
+async def docs_asset(app: Any, name: str) -> Response:
+    directory = swagger_dir()
+    if directory is None:
+        raise HTTPError(404, "Swagger UI is not installed (pip install swagger-ui-py)", code="not_found")
+    return await file_from(directory, name, SWAGGER_FILES, DOCS_CSP)

@@ -112,7 +112,7 @@ def api_error(exc: InvalidRequestError, params: Mapping[str, str]) -> InvalidReq
 
 
 async def serve_api(pump: Pump, api: WireAPI, scope: Scope, receive: Receive, send: Send) -> None:
-    """The ASGI handler of one of `api`'s endpoints (`TrioMLXApp.serve_trio` routes here)."""
+    """The ASGI handler of one of `api`'s endpoints (its entry in the route table, `_routes.wire`)."""
     app = pump.app
     settings = app.settings
     cors = cors_headers(header(scope, b"origin"), settings.cors_origins,

@@ -1,0 +1,216 @@
+"""Every endpoint of the server in one table, `ROUTES`: its path, methods, handler and what it is.
+
+The app's dispatch is built from it (`TrioMLXApp`, `server/_app.py`): a route marked `asgi`
+is served on raw ASGI before Quart sees the request (the generation endpoints: their handler
+answers its own methods, OPTIONS and errors, in its API's shape); every other route becomes
+a Quart route. The JSON index at `GET /` is the table's `listed` paths, in its order. A new
+endpoint is one entry here; tests/unit/test_routes.py checks that every route is served and
+that the index holds the listed ones and nothing else.
+
+Handlers are module functions of the app: a Quart route's takes `(app, **its path's
+parameters)` and returns a Response; a raw one takes `(app, scope, receive, send)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+from quart import Response, request
+
+from . import _pages
+from ._http import HTTPError, dumps
+from ._records import CHAT_PATH, COMPLETIONS_PATH, ServerHost
+from ._wire import WireAPI, serve_api
+from .anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH, CountTokensAPI, MessagesAPI
+from .responses import RESPONSES_PATH, ResponsesAPI
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ._asgi import Receive, Scope, Send
+    from ._metrics import Metrics
+    from ._pump import Pump
+    from .openai._serving import Completions
+
+
+class RouteHost(ServerHost, Protocol):
+    """The app, as the handlers below see it (`TrioMLXApp` is the one implementation)."""
+
+    pump: Pump
+    completions: Completions
+    metrics: Metrics
+    started_at: int  # the model cards' `created`
+    openapi_doc: dict[str, Any] | None  # built by the first request for it
+
+
+GET = ("GET",)
+POST = ("POST",)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    path: str  # Quart's rule syntax: `/v1/models/<path:model_id>`
+    methods: tuple[str, ...]  # what it serves (OPTIONS and HEAD come with them)
+    handler: Callable[..., Awaitable[Any]]
+    summary: str  # what it is, in a line
+    asgi: bool = False  # served on raw ASGI, before Quart
+    listed: bool = True  # in the index at `/`
+    api: WireAPI | None = None  # the API whose shape its errors take (`_wire.py`); None: OpenAI's
+
+
+# ------------------------------------------------------------- the generation endpoints
+
+
+async def completions(app: RouteHost, scope: Scope, receive: Receive, send: Send) -> None:
+    """OpenAI's Chat Completions and Completions (`openai/_serving.py`)."""
+    await app.completions(scope, receive, send)
+
+
+def wire(path: str, api: WireAPI, summary: str) -> Route:
+    """The route of another API's endpoint, on the shared machinery (`_wire.py`)."""
+
+    async def handler(app: RouteHost, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve_api(app.pump, api, scope, receive, send)
+
+    return Route(path, POST, handler, summary, asgi=True, api=api)
+
+
+# ------------------------------------------------------------------------- models and probes
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(obj), status=status, headers=headers, content_type="application/json")
+
+
+def model_card(app: RouteHost) -> dict[str, Any]:
+    engine = app.engine
+    return {"id": app.settings.served_model_name, "object": "model", "created": app.started_at,
+            "owned_by": "trio_mlx", "context_length": engine.context_length if engine else None,
+            "root": str(engine.model_path) if engine and engine.model_path else None,  # as vLLM
+            # what a request that leaves these out samples with (the model's generation_config.json)
+            "sampling_defaults": dict(engine.sampling_defaults) if engine else None}
+
+
+async def list_models(app: RouteHost) -> Response:
+    return json_response({"object": "list", "data": [model_card(app)]})
+
+
+async def get_model(app: RouteHost, model_id: str) -> Response:
+    if model_id != app.settings.served_model_name:
+        raise HTTPError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+    return json_response(model_card(app))
+
+
+def actor_name(engine: Engine) -> str:
+    return engine.actor_mode if isinstance(engine.actor_mode, str) else "thread"
+
+
+async def health(app: RouteHost) -> Response:
+    """Liveness: 200 while the actor is alive and stepping or idle."""
+    engine = app.engine
+    if engine is None:
+        return json_response({"status": "starting"})
+    stats = engine.statistics()
+    body: dict[str, Any] = {"status": "ok", "state": stats.state, "queued": stats.queued,
+                            "prefilling": stats.prefilling, "decoding": stats.decoding}
+    if engine.info is not None:
+        body.update(actor=actor_name(engine), actor_pid=engine.info.pid)
+    if engine.group is not None:
+        body["group"] = engine.group.snapshot()
+    if stats.state in ("broken", "closed"):
+        body["status"] = stats.state
+        return json_response(body, 503)
+    if stats.state == "restarting":  # alive, and recovering by itself: not a liveness failure
+        body.update(status="restarting", actor_restarts=stats.actor_restarts)
+        return json_response(body)
+    since = stats.seconds_since_step
+    if since is not None and since > app.settings.watchdog_seconds:
+        body.update(status="stalled", seconds_since_step=_stalled_for(since))
+        return json_response(body, 503)
+    return json_response(body)
+
+
+async def ready(app: RouteHost) -> Response:
+    """Readiness: 200 once the model is loaded and warm, 503 before, while the actor restarts,
+    while draining, and while the actor is stalled (as /health says)."""
+    engine = app.engine
+    state = engine.state if engine is not None else "starting"
+    if state == "ready":
+        since = engine.statistics().seconds_since_step if engine is not None else None
+        if since is not None and since > app.settings.watchdog_seconds:
+            return json_response({"status": "stalled", "seconds_since_step": _stalled_for(since)}, 503)
+        return json_response({"status": "ready"})
+    retry = {"Retry-After": "5"} if state in ("starting", "restarting") else None
+    return json_response({"status": state}, 503, retry)
+
+
+def _stalled_for(since: float) -> float:
+    """Seconds since the last step, for a "stalled" answer: rounded up to the millisecond, so
+    that the figure is past the watchdog whenever the status says so (0.3002 s would round
+    to 0.3, no more than a watchdog of 0.3)."""
+    return math.ceil(since * 1000) / 1000
+
+
+async def metrics(app: RouteHost) -> Response:
+    """Prometheus metrics (text format): per-request histograms and counters, engine gauges."""
+    body, content_type = app.metrics.render(request.headers.get("Accept"))
+    return Response(body, status=200, content_type=content_type)
+
+
+async def openapi(app: RouteHost) -> Response:
+    if app.openapi_doc is None:  # the module's import and pydantic's schemas (~70 ms on the CPU
+        # dev box) in a worker thread, not on the event loop that every stream shares
+        app.openapi_doc = await trio.to_thread.run_sync(_openapi_document, app)
+    return json_response(app.openapi_doc)
+
+
+def _openapi_document(app: RouteHost) -> dict[str, Any]:
+    """The OpenAPI document (`_openapi.py`, imported only when asked for)."""
+    from . import _openapi
+
+    return _openapi.openapi_document(app.settings)
+
+
+async def index(app: RouteHost) -> Response:
+    """`GET /`: the listed endpoints for API clients, the chat page for browsers (`_pages.py`)."""
+
+    def listing() -> Response:
+        return json_response({"name": "trio_mlx", "model": app.settings.served_model_name,
+                              "endpoints": INDEX})
+
+    return await _pages.front(listing)
+
+
+# ----------------------------------------------------------------------------------- the table
+
+ROUTES: tuple[Route, ...] = (
+    Route(CHAT_PATH, POST, completions, "OpenAI's Chat Completions", asgi=True),
+    Route(COMPLETIONS_PATH, POST, completions, "OpenAI's (text) Completions", asgi=True),
+    wire(MESSAGES_PATH, MessagesAPI(), "Anthropic's Messages API"),
+    wire(COUNT_TOKENS_PATH, CountTokensAPI(), "Anthropic's token count of a request"),
+    wire(RESPONSES_PATH, ResponsesAPI(), "OpenAI's Responses API (stateless)"),
+    Route("/v1/models", GET, list_models, "The served model"),
+    Route("/v1/models/<path:model_id>", GET, get_model, "One model", listed=False),
+    Route("/health", GET, health, "Liveness: the GPU actor is alive and stepping or idle"),
+    Route("/ready", GET, ready, "Readiness: the model is loaded and warm, not draining"),
+    Route("/health/ready", GET, ready, "Readiness (alias of /ready)", listed=False),
+    Route("/metrics", GET, metrics, "Prometheus metrics (text exposition format)"),
+    Route("/openapi.json", GET, openapi, "This API's OpenAPI document"),
+    Route("/docs", GET, _pages.docs, "Swagger UI over /openapi.json"),
+    Route("/", GET, index, "This index (JSON), or the chat page for browsers", listed=False),
+    Route("/static/<path:name>", GET, _pages.static_file, "The chat page's files", listed=False),
+    Route("/docs/assets/<path:name>", GET, _pages.docs_asset, "Swagger UI's files", listed=False),
+)
+
+INDEX = [route.path for route in ROUTES if route.listed]
+# The other APIs' endpoints by path: a path under one of them takes its error shape (`api_under`).
+WIRE_APIS = {route.path: route.api for route in ROUTES if route.api is not None}
+
+
+def api_under(path: str) -> WireAPI | None:
+    """The other API whose path `path` is, or lies under: its errors take that API's shape
+    (an Anthropic SDK reads only Anthropic's errors, `/v1/messages/batches` included)."""
+    return next((a for p, a in WIRE_APIS.items() if path == p or path.startswith(p + "/")), None)
