@@ -104,12 +104,12 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
 
     store, fetch = _prompt_cache.PromptCache.store, _prompt_cache.PromptCache.fetch
 
-    def spy_store(self: Any, tokens: Any, layers: Any) -> bool:
-        seen["stores"].append(store(self, tokens, layers))
+    def spy_store(self: Any, tokens: Any, layers: Any, salt: str = "") -> bool:
+        seen["stores"].append(store(self, tokens, layers, salt))
         return seen["stores"][-1]
 
-    def spy_fetch(self: Any, prompt: Any, limit: Any = None) -> Any:
-        got = fetch(self, prompt, limit)
+    def spy_fetch(self: Any, prompt: Any, limit: Any = None, salt: str = "") -> Any:
+        got = fetch(self, prompt, limit, salt)
         seen["hits"].append(got[1])
         return got
 
