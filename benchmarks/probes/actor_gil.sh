@@ -11,7 +11,7 @@
 # serves with each actor in the order given and loads it with `trio-mlx bench`
 # (CONC levels, default 256; 128-token prompts and answers, 4 x c requests a level).
 # For each run: the bench's JSON, the server log, the step trace (gzipped) and
-# trace_summary.py's lines; each line of `summary.txt` names the run.
+# `trio-mlx bench trace`'s lines; each line of `summary.txt` names the run.
 set -uo pipefail
 out="$1"; shift; order=("$@")
 mkdir -p "$out"
@@ -44,6 +44,6 @@ for lv in json.load(open(sys.argv[1]))["levels"]:
           f"loop us/token {lv.get('server_main_thread_cpu_us_per_token', float('nan')):.1f} "
           f"server us/token {lv.get('server_cpu_us_per_token', float('nan')):.1f}")
 PY
-  $py benchmarks/probes/trace_summary.py "$out/trace-$name.tsv" | sed "s/^/$name trace /" | tee -a "$out/summary.txt"
+  $py -m trio_mlx.cli bench trace "$out/trace-$name.tsv" | sed "s/^/$name trace /" | tee -a "$out/summary.txt"
   gzip -f "$out/trace-$name.tsv"
 done

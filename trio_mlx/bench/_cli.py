@@ -14,7 +14,8 @@ one distinct so that prefix caches don't flatter; outputs have a fixed length
 end-to-end latency (mean/p50/p90/p99), output tok/s, requests/s and every
 failed request by reason; it writes JSON (`--out`), a PNG (`--plot`), and
 compares runs: `trio-mlx bench plot a.json b.json -o x.png`,
-`trio-mlx bench table a.json b.json`.
+`trio-mlx bench table a.json b.json`. `trio-mlx bench trace` reads step
+traces level by level (`_trace.py`).
 
 This module makes the prompts, runs the sweep and owns the command line.
 """
@@ -479,11 +480,14 @@ def _parser() -> argparse.ArgumentParser:
         usage="%(prog)s (--url URL | --limit | --engine) [--model MODEL] [options]\n"
         "       %(prog)s plot A.json [B.json ...] -o OUT.png\n"
         "       %(prog)s table A.json [B.json ...] [--ceiling C.json] [-o OUT.md]\n"
-        "       %(prog)s chat --url URL [options]",
+        "       %(prog)s chat --url URL [options]\n"
+        "       %(prog)s trace SERVER_TRACE [CEILING_TRACE]",
         description="Load-test an OpenAI-compatible endpoint (--url) or the raw ceilings "
         "(--limit: mlx_lm's BatchGenerator and MLX's bare pipelined forward). Also: `trio-mlx bench plot A.json [B.json ...] -o out.png` and "
         "`trio-mlx bench table A.json [B.json ...] [--ceiling C.json]`; multi-turn conversations "
-        "with a shared system prompt (the prompt cache's load): `trio-mlx bench chat --url URL`.",
+        "with a shared system prompt (the prompt cache's load): `trio-mlx bench chat --url URL`; "
+        "step traces (TRIO_MLX_STEP_TRACE) read level by level: `trio-mlx bench trace SERVER_TRACE "
+        "[CEILING_TRACE]`.",
     )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="base URL of the server, e.g. http://127.0.0.1:8080")
@@ -591,6 +595,10 @@ def main(argv: list[str] | None = None) -> int:
         from ._chat import main as chat_main
 
         return chat_main(argv[1:])
+    if argv and argv[0] == "trace":
+        from ._trace import main as trace_main
+
+        return trace_main(argv[1:])
     args = _parser().parse_args(argv)
     if (args.limit or args.engine or args.paired) and args.rate:
         raise SystemExit("trio-mlx bench: --limit/--engine/--paired run the closed loop only (use --concurrency)")

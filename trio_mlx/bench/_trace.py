@@ -1,41 +1,43 @@
-"""Read step traces (TRIO_MLX_STEP_TRACE / TRIO_MLX_CEILING_TRACE) level by level.
+"""`trio-mlx bench trace`: read step traces (TRIO_MLX_STEP_TRACE / TRIO_MLX_CEILING_TRACE) level by level.
 
-    python benchmarks/probes/trace_summary.py SERVER_TRACE [CEILING_TRACE]
+    trio-mlx bench trace SERVER_TRACE [CEILING_TRACE]
 
-Each row of a trace is one step (see `_actor._StepTrace`). Per concurrency
-level (a steady decode step's row count, rounded up to 1/8/32/64/128/256),
-prints for the server: the median decode step, its loop's period, exchange and
-CPU (the turn from one decode step to the next), the time between steps spent
-outside `next()` and the exchange (the actor's own work: inserting, removing
-rows), split into steps that removed rows and the rest; and, given the
-ceiling's trace, its median decode step at the same level. A server whose
-decode steps run slower than the ceiling's at the same level lost to the
-host, not to its scheduling. Then every step's time by kind (prefill, insert,
-removal, decode), whatever its level; and, where the server wrote its request
-trace beside (SERVER_TRACE.requests), its requests' intake and the gap from
-one request's end to the next arrival. Traces may be gzipped.
+Each row of a trace is one step of the actor (or of the ceiling of `trio-mlx bench
+--limit`, in the same columns); the columns are read by the names of the trace's own
+header line. Per concurrency level (a steady decode step's row count, rounded up to
+1/8/32/64/128/256), prints for the server: the median decode step, its loop's period,
+exchange and CPU (the turn from one decode step to the next), the time between steps
+spent outside `next()` and the exchange (the actor's own work: inserting, removing
+rows), split into steps that removed rows and the rest; and, given the ceiling's trace,
+its median decode step at the same level. A server whose decode steps run slower than
+the ceiling's at the same level lost to the host, not to its scheduling. Then every
+step's time by kind (prefill, insert, removal, decode), whatever its level; and, where
+the server wrote its request trace beside (SERVER_TRACE.requests), its requests' intake
+and the gap from one request's end to the next arrival. Traces may be gzipped.
 """
+
 from __future__ import annotations
 
+import argparse
 import bisect
 import gzip
 import statistics
 import sys
 
 LEVELS = (1, 8, 32, 64, 128, 256)
-# the columns read here, by the names of the trace's own header line (`_StepTrace.HEADER`)
+# the columns read here, by the names of the trace's own header line (the actor's StepTrace)
 T, EXCHANGE, NEXT, INSERTED, GENERATED, PROMPT, LIVE, RETIRED, CPU = (
-    "t", "exchange_s", "next_s", "inserted", "generated", "prompt_tokens", "live", "retired", "cpu_s")
+    "t", "exchange_s", "next_s", "inserted", "generated", "prompt_tokens", "live", "retired", "cpu_s")  # fmt: skip
 
 
 def rows(path: str) -> list[dict[str, str]]:
     """The lines of a tab-separated trace, one dict per line keyed by its header; a trace
     appended to by several runs repeats the header, which is skipped."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
+    f = gzip.open(path, "rt") if path.endswith(".gz") else open(path)  # noqa: SIM115
+    with f:
         header = next(f).rstrip("\n").split("\t")
         return [dict(zip(header, line.rstrip("\n").split("\t"), strict=True))
-                for line in f if not line.startswith(header[0] + "\t")]
+                for line in f if not line.startswith(header[0] + "\t")]  # fmt: skip
 
 
 def load(path: str) -> list[dict[str, float]]:
@@ -43,8 +45,10 @@ def load(path: str) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in r.items()} for r in rows(path)]
 
 
-def level(rows: float) -> int:
-    return LEVELS[min(bisect.bisect_left(LEVELS, rows), len(LEVELS) - 1)]
+def level(n: float) -> int:
+    """The level a step of `n` rows counts at: the least of LEVELS at or above it (the
+    largest beyond them)."""
+    return LEVELS[min(bisect.bisect_left(LEVELS, n), len(LEVELS) - 1)]
 
 
 def plain_decode(r: dict[str, float]) -> int | None:
@@ -105,7 +109,7 @@ def step_kinds(trace: list[dict[str, float]]) -> dict[str, list[float]]:
         if not (r[GENERATED] or r[PROMPT]):
             continue  # an empty turn: an idle actor's
         kind = ("prefill" if r[PROMPT] else "insert" if r[INSERTED] else
-                "removal" if r[RETIRED] else "decode")
+                "removal" if r[RETIRED] else "decode")  # fmt: skip
         k = out.setdefault(kind, [0, 0.0, 0.0])
         k[0] += 1
         k[1] += r[NEXT]
@@ -133,16 +137,19 @@ def requests_summary(path: str) -> str | None:
         if i and t - ends[i - 1] < 1.0:
             gaps.append(1e3 * (t - ends[i - 1]))
     line = (f"requests: {len(done)}; intake p50 {statistics.median(intake):.1f} ms, "
-            f"max {max(intake):.1f}")
+            f"max {max(intake):.1f}")  # fmt: skip
     if gaps:
         line += f"; return gap p50 {statistics.median(gaps):.1f} ms, max {max(gaps):.1f} ({len(gaps)} requests)"
     return line
 
 
-def main() -> None:
-    server = load(sys.argv[1])
-    ceiling = decode_steps(load(sys.argv[2])) if len(sys.argv) > 2 else {}
+def report(server_path: str, ceiling_path: str | None = None) -> list[str]:
+    """The report's lines: one per level the server's trace reached, its steps by kind,
+    and its requests' line where it wrote a request trace beside."""
+    server = load(server_path)
+    ceiling = decode_steps(load(ceiling_path)) if ceiling_path else {}
     steps, work, loops = decode_steps(server), own_work(server), decode_loops(server)
+    lines = []
     for lv in LEVELS:
         if lv not in steps:
             continue
@@ -154,18 +161,38 @@ def main() -> None:
             line += f"; {kind} p50 {statistics.median(ms):.2f}"
         for kind, ms in sorted(work.get(lv, {}).items()):
             line += f"; {kind}: {len(ms)} steps, p50 {statistics.median(ms):.2f} ms, {sum(ms) / 1e3:.2f} s"
-        print(line)
+        lines.append(line)
     kinds = step_kinds(server)
     total = sum(k[1] for k in kinds.values()) or 1.0
-    print("steps by kind: " + "; ".join(
+    lines.append("steps by kind: " + "; ".join(
         f"{kind} {int(n)} steps, {s:.2f} s ({s / total:.0%}), mean {1e3 * s / n:.1f} ms, cpu {c:.2f} s"
-        for kind, (n, s, c) in sorted(kinds.items())))
-    base = sys.argv[1][:-3] if sys.argv[1].endswith(".gz") else sys.argv[1]
+        for kind, (n, s, c) in sorted(kinds.items())))  # fmt: skip
+    base = server_path[:-3] if server_path.endswith(".gz") else server_path
     for path in (base + ".requests", base + ".requests.gz"):
-        if (line := requests_summary(path)) is not None:
-            print(line)
+        if (summary := requests_summary(path)) is not None:
+            lines.append(summary)
             break
+    return lines
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="trio-mlx bench trace",
+        description="Read a server's step trace (TRIO_MLX_STEP_TRACE) level by level, beside the "
+        "ceiling's (TRIO_MLX_CEILING_TRACE) if given: median decode step, loop period, exchange, "
+        "CPU and the actor's own work per level, every step's time by kind, and the request "
+        "trace beside (SERVER_TRACE.requests) where there is one. Traces may be gzipped.",
+    )
+    p.add_argument("server", metavar="SERVER_TRACE", help="the server's step trace")
+    p.add_argument("ceiling", metavar="CEILING_TRACE", nargs="?",
+                   help="the ceiling's step trace, for its median decode step per level")  # fmt: skip
+    a = p.parse_args(argv)
+    try:
+        lines = report(a.server, a.ceiling)
+    except KeyError as exc:
+        raise SystemExit(f"trio-mlx bench trace: the trace has no column {exc} (a trace older "
+                         "than the columns read here?)") from None
+    except (OSError, StopIteration, ValueError) as exc:
+        raise SystemExit(f"trio-mlx bench trace: cannot read the trace: {exc!r}") from None
+    sys.stdout.write("".join(line + "\n" for line in lines))
+    return 0
