@@ -473,7 +473,7 @@ async def stall(port: int, tally: Tally, hold: float, n: int = 1, chat: bool = T
 
     With n > 1 (--hostile) every choice streams into the one connection: what they all left
     unread counts against the server's unread cap, and the cut ends every choice."""
-    body: dict[str, Any] = {"max_tokens": 900, "ignore_eos": True, "stream": True, "n": n}
+    body: dict[str, Any] = {"max_tokens": 900, "ignore_eos": True, "stream": True, **({"n": n} if n > 1 else {})}
     if chat:
         body.update(messages=HELLO, logprobs=True, top_logprobs=20)
     else:

@@ -64,7 +64,7 @@ async def test_short_hostile_soak(tool_model_fp32):
     assert planned["n_stall"] > 0 and outcomes["n_stall_reaped"] > 0  # the stall aborts: judged in the report
     health = report["health"]
     assert health["statuses"] == {200: health["polls"]} and health["polls"] > 100
-    # 2 s allowed (the 2-core box shared with the rest of the suite); measured here: p99 0.06 s, max 0.17 s
+    # 2 s allowed (the 2-core box shared with the rest of the suite); measured here: p99 0.06-0.09 s, max 0.17-0.20 s
     assert health["p99_seconds"] < opts.health_p99
     assert outcomes["completed"] > 0.3 * sum(report["planned"].values())
     assert report["rss_growth"] <= opts.rss_tolerance
