@@ -3,7 +3,8 @@
     python tests/soak.py --requests 2000 --concurrency 32 [--model DIR] [--seed 1] [--json OUT]
 
 Starts `trio-mlx serve` on 127.0.0.1 (port 0) with the tiny random-weight model
-(built in a temp dir unless --model names one), a small batch so requests
+(built in a temp dir unless --model names one; with --hostile, one whose
+template renders tools, as a --model given should), a small batch so requests
 queue, small prefill chunks so long prompts spend several steps in prefill,
 and a short stall timeout. A warm-up phase and then the soak phase run the
 same mix of clients:
@@ -34,16 +35,43 @@ both readings leave it out), is exact, so it must come back to its warm-up level
 (1 MiB: a tiny model's KV cache alone is 128 KB a sequence). `run()` returns the report (`report["failures"]` is empty
 when all held); `main()` prints it as JSON and exits 1 on any failure.
 
-`--hostile` mixes attacks into the same soak, against a process actor:
-huge prompts (megabytes of text: each must be refused with 400
-`context_length_exceeded`), slow bodies (sent in pieces, answered whole; or
-never finished: 408 after `--body-timeout`), and `--kill-actor N` SIGKILLs of
-the actor process mid-soak. Requests in flight at a kill end with an error
-(counted `cut_by_kill`, deliberately cut); well-behaved clients retry the 503
-(`Retry-After`) the server answers while the new actor loads; every other
-request must be served whole (0 lost), the server must be ready again within
-`--restart-within` seconds of each kill, and its memory must come back as in
-the plain soak.
+`--hostile` mixes attacks into the same soak, against a process actor, each
+from a few percent of the clients (`--huge`, `--slow-body`, ...: their shares),
+each with the answer it must get:
+
+- huge prompts (1-4 MB of text): 400 `context_length_exceeded`;
+- slow bodies (sent in pieces, answered whole; or never finished: 408 after
+  `--body-timeout`);
+- grammar bombs (`--grammar-bomb`, keep it rare: each holds a grammar worker,
+  a core, for the check's 5 s bound): a JSON schema whose string has an
+  `allOf` of 20-22 patterns `.*a.*`, new to the server each time, on chat or
+  completions: 400 naming `response_format`;
+- tool text (`--tool-text`): 1, 4 or 15 MB in a tool's description or a
+  call's arguments, on chat, Anthropic's messages or Responses: 400 in that
+  API's shape (`context_length_exceeded`, or Anthropic's "prompt is too long");
+- count_tokens (`--count-tokens`): 1-15 MB in a message or a tool of
+  `/v1/messages/count_tokens`: 400 in Anthropic's shape;
+- token ids (`--token-ids`): 1-5 million ids on `/v1/completions`, bare or a
+  list of one: 400 `context_length_exceeded` naming the count;
+- n=4 readers that stop reading (`--n-stall`): cut as stalled (by the unread
+  cap over all choices, `--max-unread-tokens`, or the stall timeout), no
+  `[DONE]`, four stall aborts (every choice);
+- ambiguous framing (`--framing`): Content-Length and Transfer-Encoding, a
+  request pipelined behind, over a raw socket: one 400 `invalid_framing`, the
+  connection closed, the pipelined request not served;
+- `--kill-actor N` SIGKILLs of the actor process mid-soak.
+
+Requests in flight at a kill end with an error (counted `cut_by_kill`,
+deliberately cut); well-behaved clients retry the 503 (`Retry-After`) the
+server answers while the new actor loads; every other request must be served
+whole (0 lost), the server must be ready again within `--restart-within`
+seconds of each kill, and its memory must come back as in the plain soak.
+
+Throughout the mix (warm-up and soak, plain or hostile) a monitor polls
+`/health` every `--health-interval` seconds on a fresh connection: every answer
+must be 200 (a "stalled" 503 while the server works would be false) and the
+p99 of its latency under `--health-p99` seconds; the report gives its p50, p99
+and max.
 """
 
 from __future__ import annotations
@@ -69,12 +97,16 @@ import trio
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+MESSAGES, COUNT_TOKENS, RESPONSES = "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"
+SERVED = "soak"  # with --hostile, the model's name (`--model-name`): Anthropic's API names it in every request
 HELLO = [{"role": "user", "content": "Hello there"}]
 GREEDY_PROMPTS = ("The quick brown fox", "Once upon a time", "In the beginning", "Soak test")
 GREEDY_TOKENS = 24
 VOCAB = range(5, 500)  # token ids the tiny model has (vocab 512), clear of its special ids
-# All the server may log at WARNING or above during a soak; anything else fails it.
-EXPECTED_WARNING = re.compile(r"the client took no data for .* aborting it")
+# All the server may log at WARNING or above during a soak; anything else fails it: a stalled
+# reader cut by the stall timeout, or (with --hostile) by the unread cap; a grammar bomb refused.
+EXPECTED_WARNING = re.compile(r"the client took no data for .* aborting it|the client is \d+ tokens behind; aborting it"
+                              r"|grammar check refused \(response_format\): checking it took")
 # With --hostile, the actor kills' own lines: the death, and each request it ended.
 EXPECTED_KILL_LINE = re.compile(r"the GPU actor died \(ActorProcessError: the actor process exited with signal 9\)"
                                 r"|failed on the engine: the GPU actor died")
@@ -117,6 +149,15 @@ class Options:
     kill_actor: int = 1  # with --hostile: SIGKILLs of the actor process during the soak
     body_timeout: float = 5.0  # with --hostile: the server's --body-timeout
     restart_within: float = 20.0  # with --hostile: seconds a killed actor may take to serve again
+    grammar_bomb: float = 0.01  # with --hostile: share sending a JSON schema whose check never ends (5 s each)
+    tool_text: float = 0.02  # with --hostile: share sending megabytes of tool description or call arguments
+    count_tokens: float = 0.015  # with --hostile: share asking /v1/messages/count_tokens about megabytes
+    token_ids: float = 0.015  # with --hostile: share sending a /v1/completions prompt of millions of ids
+    n_stall: float = 0.02  # with --hostile: share of n=4 streaming readers that stop reading
+    framing: float = 0.02  # with --hostile: share sending Content-Length and Transfer-Encoding, pipelined
+    max_unread_tokens: int = 256  # with --hostile: the server's --max-unread-tokens (its default: 2048)
+    health_interval: float = 0.05  # seconds between /health polls during the mix (0: none)
+    health_p99: float = 2.0  # seconds /health's p99 latency during the mix must stay under
 
 
 @dataclass
@@ -130,6 +171,13 @@ class Tally:
     greedy: dict[str, set[str]] = field(default_factory=dict)
     chat_prompt_tokens: set[int] = field(default_factory=set)
     kills: Kills | None = None  # with --hostile: when the actor was killed and when it served again
+    counted_4xx: int = 0  # attacks refused with a 4xx on /v1/chat/completions or /v1/completions (in /metrics)
+    attack_seconds: dict[str, list[float]] = field(default_factory=dict)  # how long each attack's refusal took
+
+    def refused(self, kind: str, path: str, seconds: float) -> None:
+        self.outcomes[f"{kind}_rejected"] += 1
+        self.counted_4xx += path in (CHAT, TEXT)
+        self.attack_seconds.setdefault(kind, []).append(seconds)
 
     def fail(self, what: str) -> None:
         self.outcomes["failed"] += 1
@@ -223,9 +271,11 @@ async def fetch_retrying(port: int, path: str, body: bytes, tally: Tally,
     while True:
         started = trio.current_time()
         r = await fetch(port, "POST", path, body, content_type)
-        if r.status == 503 and tally.kills is not None and b"service_unavailable" in r.body and (
+        if r.status == 503 and tally.kills is not None and (
+                b"service_unavailable" in r.body or b"overloaded_error" in r.body) and (  # OpenAI's, Anthropic's
                 tally.kills.restarting() or tally.kills.cut(started, trio.current_time())):
-            tally.outcomes["restarting_503"] += 1
+            # the judge holds 503s on chat and completions (in /metrics) to this count
+            tally.outcomes["restarting_503" if path in (CHAT, TEXT) else "restarting_503_other_api"] += 1
             await trio.sleep(0.2)
             continue
         return r
@@ -266,12 +316,8 @@ def plan(opts: Options, count: int, rng: random.Random) -> list[tuple[str, dict[
             out.append(("stall", {}))
         elif x < opts.hangup + opts.stall + opts.invalid:
             out.append(("invalid", {"case": rng.randrange(len(INVALID))}))
-        elif opts.hostile and x < opts.hangup + opts.stall + opts.invalid + opts.huge:
-            out.append(("huge", {"chars": rng.randint(1, 4) * 1_000_000, "chat": rng.random() < 0.7}))
-        elif opts.hostile and x < opts.hangup + opts.stall + opts.invalid + opts.huge + opts.slow_body:
-            out.append(("slow_body", {"finish": rng.random() < 0.67, "pieces": rng.randint(2, 6),
-                                      "max_tokens": rng.randint(1, 24),
-                                      "prompt": [rng.choice(VOCAB) for _ in range(rng.randint(3, 60))]}))
+        elif opts.hostile and (attack := hostile_attack(opts, x - opts.hangup - opts.stall - opts.invalid, rng)):
+            out.append(attack)
         else:
             greedy = rng.random() < 0.25
             n = 2 if not greedy and rng.random() < 0.15 else 1
@@ -284,6 +330,38 @@ def plan(opts: Options, count: int, rng: random.Random) -> list[tuple[str, dict[
                 "prompt": [rng.choice(VOCAB) for _ in range(rng.randint(3, 60))],
             }))
     return out
+
+
+def hostile_attack(opts: Options, x: float, rng: random.Random) -> tuple[str, dict[str, Any]] | None:
+    """The attack of a client whose draw, past the plain mix's shares, is `x`; None: well-behaved."""
+    shares = (("huge", opts.huge), ("slow_body", opts.slow_body), ("grammar_bomb", opts.grammar_bomb),
+              ("tool_text", opts.tool_text), ("count_tokens", opts.count_tokens), ("token_ids", opts.token_ids),
+              ("n_stall", opts.n_stall), ("framing", opts.framing))
+    kind = None
+    for name, share in shares:
+        if x < share:
+            kind = name
+            break
+        x -= share
+    if kind is None:
+        return None
+    if kind == "huge":
+        return kind, {"chars": rng.randint(1, 4) * 1_000_000, "chat": rng.random() < 0.7}
+    if kind == "slow_body":
+        return kind, {"finish": rng.random() < 0.67, "pieces": rng.randint(2, 6), "max_tokens": rng.randint(1, 24),
+                      "prompt": [rng.choice(VOCAB) for _ in range(rng.randint(3, 60))]}
+    if kind == "grammar_bomb":  # 20-22 of the 26 letters: each client's schema is new to the server
+        return kind, {"letters": "".join(rng.sample("abcdefghijklmnopqrstuvwxyz", rng.randint(20, 22))),
+                      "chat": rng.random() < 0.7}
+    if kind == "tool_text":
+        return kind, {"case": rng.choice(sorted(TOOL_TEXT)), "mb": rng.choice((1, 4, 15))}
+    if kind == "count_tokens":
+        return kind, {"in_tool": rng.random() < 0.5, "mb": rng.choice((1, 4, 15))}
+    if kind == "token_ids":
+        return kind, {"ids": rng.randint(1, 5) * 1_000_000, "nested": rng.random() < 0.5}
+    if kind == "n_stall":
+        return kind, {"chat": rng.random() < 0.5}
+    return kind, {"pipelined": rng.choice(("GET /health", "POST"))}
 
 
 def ok_body(p: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -382,7 +460,7 @@ async def hang_up(port: int, p: dict[str, Any], tally: Tally) -> None:
     tally.outcomes["hung_up"] += 1
 
 
-async def stall(port: int, tally: Tally, hold: float) -> None:
+async def stall(port: int, tally: Tally, hold: float, n: int = 1, chat: bool = True) -> None:
     """Ask for big chunks, read until the first event, stop reading for `hold` seconds, then
     read what is left: the server must have cut the stream (no [DONE]) and closed the connection.
 
@@ -391,14 +469,21 @@ async def stall(port: int, tally: Tally, hold: float) -> None:
     (The server's FIN is queued behind the unread data, so a client cannot see the cut without
     reading.) It starts at the first event, not at the send: with 32 clients on 8 rows a request
     may wait in the queue for seconds, and one that started decoding only after a hold counted
-    from the send met a reader again and was served whole."""
-    body = {"messages": HELLO, "max_tokens": 900, "ignore_eos": True, "stream": True, "logprobs": True,
-            "top_logprobs": 20}
+    from the send met a reader again and was served whole.
+
+    With n > 1 (--hostile) every choice streams into the one connection: what they all left
+    unread counts against the server's unread cap, and the cut ends every choice."""
+    body: dict[str, Any] = {"max_tokens": 900, "ignore_eos": True, "stream": True, **({"n": n} if n > 1 else {})}
+    if chat:
+        body.update(messages=HELLO, logprobs=True, top_logprobs=20)
+    else:
+        body.update(prompt="Hello there", logprobs=5)
     conn = await Conn.open(port, rcvbuf=4096)
     raw = b""
     started = trio.current_time()
+    kind = "stall" if n == 1 else "n_stall"
     try:
-        await conn.send("POST", CHAT, dumps(body))
+        await conn.send("POST", CHAT if chat else TEXT, dumps(body))
         with trio.fail_after(60):
             while b"\ndata: " not in raw and (chunk := await conn.sock.recv(1 << 12)):
                 raw += chunk  # the headers, then the first event (after its chunk's size): tokens come
@@ -409,12 +494,13 @@ async def stall(port: int, tally: Tally, hold: float) -> None:
     finally:
         conn.close()
     if tally.kills is not None and tally.kills.cut(started, trio.current_time()):
-        tally.outcomes["stall_during_kill"] += 1  # the kill may have ended it first
+        tally.outcomes[f"{kind}_during_kill"] += 1  # the kill may have ended it first
         if raw.startswith(b"HTTP/1.1 503") or b"generation_failed" in raw:
             return  # it arrived while the actor restarted, or the kill ended it (error, then [DONE])
     if not raw.startswith(b"HTTP/1.1 200") or b"data: [DONE]" in raw:
-        return tally.fail(f"a stalled reader's stream was not cut by the server: {raw[:60]!r}...{raw[-100:]!r}")
-    tally.outcomes["stall_reaped"] += 1
+        return tally.fail(f"a stalled reader's stream (n={n}) was not cut by the server: "
+                          f"{raw[:60]!r}...{raw[-100:]!r}")
+    tally.outcomes[f"{kind}_reaped"] += 1
 
 
 async def invalid(port: int, p: dict[str, Any], tally: Tally) -> None:
@@ -437,6 +523,130 @@ async def huge(port: int, p: dict[str, Any], tally: Tally) -> None:
     if r.status != 400 or b"context_length_exceeded" not in r.body:
         return tally.fail(f"a prompt of {p['chars']} characters: HTTP {r.status} {r.body[:200]!r}")
     tally.outcomes["huge_rejected"] += 1
+
+
+def _tool_fn(text: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "description": text, "parameters": {"type": "object"}}}
+
+
+def _anthropic_tool(text: str) -> dict[str, Any]:
+    return {"name": "f", "description": text, "input_schema": {"type": "object"}}
+
+
+# Megabytes of tool text, each API's way (tests/unit/test_hostile_bounds.py): (path, body of the
+# text, the error's shape). The cheap bound counts tool definitions and calls' arguments too.
+TOOL_TEXT: dict[str, tuple[str, Any, str]] = {
+    "chat tools": (CHAT, lambda t: {"messages": HELLO, "tools": [_tool_fn(t)], "max_tokens": 2}, "openai"),
+    "chat tool_calls": (CHAT, lambda t: {"max_tokens": 2, "messages": [
+        *HELLO, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"a": t})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}, "openai"),
+    "anthropic tools": (MESSAGES, lambda t: {"model": SERVED, "max_tokens": 2, "messages": HELLO,
+                                             "tools": [_anthropic_tool(t)]}, "anthropic"),
+    "anthropic tool_use": (MESSAGES, lambda t: {"model": SERVED, "max_tokens": 2, "messages": [
+        *HELLO, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"a": t}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]}, "anthropic"),
+    "responses tools": (RESPONSES, lambda t: {"input": "Hello", "max_output_tokens": 16, "tools": [
+        {"type": "function", "name": "f", "description": t, "parameters": {"type": "object"}}]}, "openai"),
+    "responses function_call": (RESPONSES, lambda t: {"max_output_tokens": 16, "input": [
+        {"role": "user", "content": "Hello"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": json.dumps({"a": t})},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}, "openai"),
+}
+
+
+def refusal(r: Response, shape: str, **want: str) -> str | None:
+    """None if `r` is a 400 in its API's error shape (`want`: fields the error must hold), else what is wrong."""
+    try:
+        assert r.status == 400, r.status
+        body = json.loads(r.body)
+        if shape == "anthropic":  # Anthropic's: the message says why
+            assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+            assert body["error"]["message"].startswith("prompt is too long"), body
+        else:
+            err = body["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+            for key, value in want.items():
+                assert value in str(err[key]), (key, value, err)
+    except (AssertionError, KeyError, TypeError, ValueError) as exc:
+        return f"HTTP {r.status} {r.body[:300]!r} ({exc})"
+    return None
+
+
+async def grammar_bomb(port: int, p: dict[str, Any], tally: Tally) -> None:
+    """A JSON schema under 1 KB whose check took 45 s and 2.3 GB (500 patterns: a panic that ended
+    the server): checked in a worker process, killed at its 5 s bound; a 400 for this request only."""
+    allof = [{"pattern": f".*{c}.*"} for c in p["letters"]]
+    schema = {"type": "object", "properties": {"a": {"type": "string", "allOf": allof}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "bomb", "schema": schema}}
+    path, body = (CHAT, {"messages": HELLO}) if p["chat"] else (TEXT, {"prompt": "Hello"})
+    started = trio.current_time()
+    r = await fetch_retrying(port, path, dumps({**body, "max_tokens": 4, "response_format": fmt}), tally)
+    if wrong := refusal(r, "openai", param="response_format", message="cannot be enforced"):
+        return tally.fail(f"a grammar bomb of {len(allof)} patterns: {wrong}")
+    tally.refused("grammar_bomb", path, trio.current_time() - started)
+
+
+async def tool_text(port: int, p: dict[str, Any], tally: Tally) -> None:
+    """Megabytes in a tool's description or a call's arguments: 400 from its length, before rendering."""
+    path, build, shape = TOOL_TEXT[p["case"]]
+    data = dumps(build("x" * (p["mb"] * 1_000_000)))
+    started = trio.current_time()
+    r = await fetch_retrying(port, path, data, tally)
+    if wrong := refusal(r, shape, code="context_length_exceeded"):
+        return tally.fail(f"{p['mb']} MB of tool text ({p['case']}): {wrong}")
+    tally.refused("tool_text", path, trio.current_time() - started)
+
+
+async def count_tokens(port: int, p: dict[str, Any], tally: Tally) -> None:
+    """Megabytes to count (in a message, or a tool): 400 from the length, as generation has."""
+    text = "x" * (p["mb"] * 1_000_000)
+    body: dict[str, Any] = {"model": SERVED, "messages": [{"role": "user", "content": text}]}
+    if p["in_tool"]:
+        body = {"model": SERVED, "messages": HELLO, "tools": [_anthropic_tool(text)]}
+    started = trio.current_time()
+    r = await fetch_retrying(port, COUNT_TOKENS, dumps(body), tally)
+    if wrong := refusal(r, "anthropic"):
+        return tally.fail(f"count_tokens of {p['mb']} MB: {wrong}")
+    tally.refused("count_tokens", COUNT_TOKENS, trio.current_time() - started)
+
+
+async def token_ids(port: int, p: dict[str, Any], tally: Tally) -> None:
+    """A prompt of millions of token ids: refused from its count, before any id is validated."""
+    ids = b"[" + b"5, " * (p["ids"] - 1) + b"5]"
+    data = b'{"max_tokens": 2, "prompt": ' + (b"[" + ids + b"]" if p["nested"] else ids) + b"}"
+    started = trio.current_time()
+    r = await fetch_retrying(port, TEXT, data, tally)
+    if wrong := refusal(r, "openai", code="context_length_exceeded", param="prompt",
+                        message=f"{p['ids']} token ids"):
+        return tally.fail(f"a prompt of {p['ids']} token ids: {wrong}")
+    tally.refused("token_ids", TEXT, trio.current_time() - started)
+
+
+async def framing(port: int, p: dict[str, Any], tally: Tally) -> None:
+    """Content-Length and Transfer-Encoding both (a smuggling attempt), a request pipelined behind:
+    one 400 `invalid_framing`, then the connection closed; the pipelined request is not served."""
+    body = dumps({"prompt": "a", "max_tokens": 1})
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    behind = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" if p["pipelined"] == "GET /health" else
+              b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (TEXT.encode(), len(body), body))
+    head = (f"POST {TEXT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(chunked)}\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+    conn = await Conn.open(port)
+    started = trio.current_time()
+    raw = b""
+    try:
+        await conn.sock.send(head + chunked + behind)
+        with trio.fail_after(20):
+            while chunk := await conn.sock.recv(1 << 16):  # the 400, then the server closes
+                raw += chunk
+    finally:
+        conn.close()
+    if not raw.startswith(b"HTTP/1.1 400") or b"invalid_framing" not in raw or raw.count(b"HTTP/1.1 ") != 1 \
+            or b"connection: close" not in raw.lower():
+        return tally.fail(f"Content-Length with Transfer-Encoding, {p['pipelined']} behind: {raw[:400]!r}")
+    tally.refused("framing", "", trio.current_time() - started)
 
 
 async def slow_body(port: int, p: dict[str, Any], tally: Tally, body_timeout: float) -> None:
@@ -478,6 +688,10 @@ async def slow_body(port: int, p: dict[str, Any], tally: Tally, body_timeout: fl
         tally.outcomes["slow_body_timed_out"] += 1
 
 
+ATTACKS = {"grammar_bomb": grammar_bomb, "tool_text": tool_text, "count_tokens": count_tokens,
+           "token_ids": token_ids, "framing": framing}
+
+
 async def kill_actor(port: int, tally: Tally, when: Any, within: float) -> None:
     """When `when()` says so, SIGKILL the actor process, then wait for /ready 200 again."""
     assert tally.kills is not None
@@ -516,6 +730,10 @@ async def run_mix(port: int, opts: Options, items: list[tuple[str, dict[str, Any
                         await huge(port, p, tally)
                     elif kind == "slow_body":
                         await slow_body(port, p, tally, opts.body_timeout)
+                    elif kind == "n_stall":
+                        await stall(port, tally, opts.stall_hold or max(3.0, 6 * opts.stall_timeout), 4, p["chat"])
+                    elif kind in ATTACKS:
+                        await ATTACKS[kind](port, p, tally)
                     else:
                         await invalid(port, p, tally)
             except (OSError, trio.TooSlowError, h11.ProtocolError, AssertionError) as exc:
@@ -524,6 +742,43 @@ async def run_mix(port: int, opts: Options, items: list[tuple[str, dict[str, Any
     async with trio.open_nursery() as nursery:
         for _ in range(opts.concurrency):
             nursery.start_soon(worker)
+
+
+@dataclass
+class Health:
+    """A well-behaved monitor: `GET /health` every `interval` seconds while the clients run (`on`),
+    each on a fresh connection; what it waited and what it got."""
+
+    interval: float
+    on: bool = False
+    seconds: list[float] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)
+
+    async def poll(self, port: int) -> None:
+        while True:
+            if self.on:
+                started = trio.current_time()
+                try:
+                    with trio.fail_after(30):
+                        r = await fetch(port, "GET", "/health")
+                    self.statuses[r.status] += 1
+                    if r.status != 200 and len(self.errors) < 5:  # "stalled" while it works would be false
+                        self.errors.append(f"HTTP {r.status} {r.body[:200]!r}")
+                except (OSError, trio.TooSlowError, h11.ProtocolError, AssertionError) as exc:
+                    self.statuses[0] += 1
+                    if len(self.errors) < 5:
+                        self.errors.append(f"{type(exc).__name__}: {exc}")
+                self.seconds.append(trio.current_time() - started)
+            await trio.sleep(self.interval)
+
+    def report(self) -> dict[str, Any]:
+        ordered = sorted(self.seconds)
+
+        def at(q: float) -> float:
+            return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) if ordered else 0.0
+        return {"polls": len(ordered), "statuses": dict(self.statuses), "p50_seconds": at(0.5),
+                "p99_seconds": at(0.99), "max_seconds": at(1.0)}
 
 
 # ---- the server -------------------------------------------------------------------------------
@@ -612,7 +867,8 @@ def server_command(model: str, opts: Options) -> list[str]:
             "--prefill-batch", "2", "--prefill-step", "16", "--ping-interval", "1", "--drain-timeout", "5",
             "--access-log" if opts.access_log else "--no-access-log", "--log-level", "info",
             *(["--actor", "process", "--body-timeout", str(opts.body_timeout), "--restart-limit",
-               str(opts.kill_actor + 1), "--restart-backoff", "0.5"] if opts.hostile else [])]
+               str(opts.kill_actor + 1), "--restart-backoff", "0.5",
+               "--max-unread-tokens", str(opts.max_unread_tokens), "--model-name", SERVED] if opts.hostile else [])]
 
 
 # ---- the soak ---------------------------------------------------------------------------------
@@ -627,9 +883,11 @@ async def run(opts: Options) -> dict[str, Any]:
         if model is None:
             from trio_mlx.models import _models
 
-            model = str(_models.build_test_model(Path(tmp) / "tiny", dtype="float32"))
+            # with --hostile, one whose template renders tools: tool text meets the bound, not "no tools here"
+            model = str(_models.build_test_model(Path(tmp) / "tiny", dtype="float32", tools=opts.hostile))
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         report: dict[str, Any] = {"options": asdict(opts), "warmup_requests": warm_n}
+        health = Health(opts.health_interval)
         t_start = trio.current_time()
         with trio.fail_after(opts.deadline):
             async with trio.open_nursery() as nursery:
@@ -645,7 +903,11 @@ async def run(opts: Options) -> dict[str, Any]:
                     server.thread_actor = not opts.hostile
                     if opts.hostile:
                         soak.kills = Kills()
+                    if opts.health_interval > 0:
+                        nursery.start_soon(health.poll, server.port)
+                    health.on = True
                     await run_mix(server.port, opts, warm_items, warm)
+                    health.on = False
                     rss_warm = await server.steady_rss()
                     t_soak = trio.current_time()
                     rss_timeline, idle_seconds = [rss_warm], 0.0
@@ -661,7 +923,9 @@ async def run(opts: Options) -> dict[str, Any]:
                                 mix.start_soon(kill_actor, server.port, soak,
                                                lambda mark=mark: sum(soak.planned.values()) >= mark,
                                                opts.restart_within)
+                            health.on = True
                             await run_mix(server.port, opts, soak_items[i:i + part], soak)
+                            health.on = False
                         t_idle = trio.current_time()
                         rss_timeline.append(await server.steady_rss())
                         idle_seconds += trio.current_time() - t_idle
@@ -678,7 +942,7 @@ async def run(opts: Options) -> dict[str, Any]:
         if opts.server_log:
             await trio.Path(opts.server_log).write_bytes(server.log)
         log = server.log.decode("utf-8", "replace")
-        report.update(judge(opts, warm, soak, m, rss_warm, rss_after, server.active, log, proc.returncode))
+        report.update(judge(opts, warm, soak, m, rss_warm, rss_after, server.active, log, proc.returncode, health))
         report["rss_timeline_bytes"] = rss_timeline  # less MLX's buffer cache (below)
         report["mlx_cache_timeline_bytes"] = server.caches
         report["mlx_active_timeline_bytes"] = server.active  # idle: weights and whatever was left behind
@@ -689,7 +953,7 @@ async def run(opts: Options) -> dict[str, Any]:
 
 
 def judge(opts: Options, warm: Tally, soak: Tally, m: Any, rss_warm: int, rss_after: int, active: list[int],
-          log: str, rc: int | None) -> dict[str, Any]:
+          log: str, rc: int | None, health: Health) -> dict[str, Any]:
     failures = [f"warm-up: {f}" for f in warm.failures] + soak.failures
     both = Tally(planned=warm.planned + soak.planned, outcomes=warm.outcomes + soak.outcomes)
     statuses = Counter[str]()
@@ -698,22 +962,36 @@ def judge(opts: Options, warm: Tally, soak: Tally, m: Any, rss_warm: int, rss_af
             statuses[labels["status"]] += int(v)
     # 5xx only from the kills: 500 for requests in flight, 503 while the new actor loaded; a client that
     # hung up or stalled across a kill may have had one it never read.
-    unread = both.outcomes["hangup_during_kill"] + both.outcomes["stall_during_kill"]
+    unread = both.outcomes["hangup_during_kill"] + both.outcomes["stall_during_kill"] \
+        + both.outcomes["n_stall_during_kill"]
     if not both.outcomes["cut_by_kill_500"] <= statuses["500"] <= both.outcomes["cut_by_kill_500"] + unread \
             or not both.outcomes["restarting_503"] <= statuses["503"] <= both.outcomes["restarting_503"] + unread \
             or any(s.startswith("5") and s not in ("500", "503") for s in statuses):
         failures.append(f"5xx answers: {dict(statuses)}; requests cut by a kill {both.outcomes['cut_by_kill_500']}, "
                         f"503s while restarting {both.outcomes['restarting_503']}, unread {unread}")
     fourxx = sum(v for s, v in statuses.items() if s.startswith("4"))
-    expected_4xx = both.planned["invalid"] + both.outcomes["huge_rejected"] + both.outcomes["slow_body_timed_out"]
+    attacks_4xx = warm.counted_4xx + soak.counted_4xx  # grammar bombs, tool text, token ids on these paths
+    expected_4xx = both.planned["invalid"] + both.outcomes["huge_rejected"] + both.outcomes["slow_body_timed_out"] \
+        + attacks_4xx
     if fourxx != expected_4xx:
         failures.append(f"{fourxx} 4xx answers for {both.planned['invalid']} invalid bodies, "
                         f"{both.outcomes['huge_rejected']} huge prompts, {both.outcomes['slow_body_timed_out']} "
-                        "unfinished bodies")
+                        f"unfinished bodies, {attacks_4xx} other attacks refused on these paths")
+    for kind in ATTACKS:
+        if both.planned[kind] != both.outcomes[f"{kind}_rejected"]:
+            failures.append(f"{both.planned[kind]} {kind} attacks, {both.outcomes[f'{kind}_rejected']} refused")
+    # one stall abort per reaped reader, four for an n=4 one (every choice); fewer if a kill ended it first
     stalls = value(m, "trio_mlx_aborts_by_cause_total", cause="stall")
-    reaped = both.outcomes["stall_reaped"]
-    if not reaped - both.outcomes["stall_during_kill"] <= stalls <= reaped:
-        failures.append(f"{stalls} stall aborts for {reaped} reaped readers")
+    reaped = both.outcomes["stall_reaped"] + 4 * both.outcomes["n_stall_reaped"]
+    if not reaped - both.outcomes["stall_during_kill"] - 4 * both.outcomes["n_stall_during_kill"] <= stalls <= reaped:
+        failures.append(f"{stalls} stall aborts for {both.outcomes['stall_reaped']} reaped readers and "
+                        f"{both.outcomes['n_stall_reaped']} reaped n=4 readers")
+    health_report = health.report()
+    if health.interval > 0 and (not health.seconds or health_report["p99_seconds"] >= opts.health_p99):
+        failures.append(f"/health's p99 latency {health_report['p99_seconds']} s (>= {opts.health_p99} s): "
+                        f"{health_report}")
+    if health.errors:
+        failures.append(f"/health answered other than 200: {health.errors}")
     for t in (warm, soak):
         for key, texts in t.greedy.items():
             if len(texts) != 1:
@@ -745,11 +1023,16 @@ def judge(opts: Options, warm: Tally, soak: Tally, m: Any, rss_warm: int, rss_af
             failures.append(f"{opts.kill_actor} kills planned, {len(soak.kills.at)} made, {len(restart)} recovered")
         if lost:
             failures.append(f"{lost} well-behaved requests neither completed nor were cut by a kill")
+        seconds = {k: warm.attack_seconds.get(k, []) + soak.attack_seconds.get(k, []) for k in ATTACKS}
         hostile = {"actor_kills": len(soak.kills.at), "serving_again_after_seconds": restart,
-                   "lost_requests": lost, "actor_restarts": int(value(m, "trio_mlx_actor_restarts_total"))}
+                   "lost_requests": lost, "actor_restarts": int(value(m, "trio_mlx_actor_restarts_total")),
+                   "attack_refused_within_seconds": {k: round(max(v), 2) for k, v in seconds.items() if v},
+                   "stall_cuts": {"stall_timeout": len(re.findall(r"the client took no data for", log)),
+                                  "unread_cap": len(re.findall(r"tokens behind; aborting it", log))}}
     return {
         "failures": failures,
         **hostile,
+        "health": health_report,
         "planned": dict(both.planned),
         "client_outcomes": dict(both.outcomes),
         "http_statuses": dict(statuses),

@@ -38,13 +38,18 @@ async def test_short_soak(tiny_model_fp32):
     assert report["server_exit_code"] == 0
 
 
-@pytest.mark.timeout(110)
-async def test_short_hostile_soak(tiny_model_fp32):
+@pytest.mark.timeout(140)
+async def test_short_hostile_soak(tool_model_fp32):
     """The same mix with attacks in it, against a process actor: prompts of megabytes (400 before
-    tokenizing), slow bodies (served whole, or 408 when never finished) and a SIGKILL of the actor
-    mid-soak. Nothing lost but what the kill cut; serving again within the restart time; memory back."""
-    opts = soak.Options(requests=160, warmup=40, concurrency=32, model=str(tiny_model_fp32), seed=3,
-                        rss_samples=1, rss_tolerance=0.15, deadline=100, hostile=True, kill_actor=1)
+    tokenizing), slow bodies (served whole, or 408 when never finished), a SIGKILL of the actor
+    mid-soak, and issue 35's attacks: a grammar bomb (400 at the check's 5 s bound), megabytes of
+    tool text and of count_tokens (400), millions of token ids (400), n=4 readers that stop
+    reading (cut as stalls, every choice), Content-Length with Transfer-Encoding and a request
+    pipelined behind (400, closed). Nothing lost but what the kill cut; serving again within the
+    restart time; memory back; `/health`, polled every 50 ms throughout, answers 200 with a low p99."""
+    # the tiny model with a template that renders tools: tool text is judged by the bound
+    opts = soak.Options(requests=160, warmup=40, concurrency=32, model=str(tool_model_fp32), seed=3,
+                        rss_samples=1, rss_tolerance=0.15, deadline=120, hostile=True, kill_actor=1)
     report = await soak.run(opts)
     assert report["failures"] == [], json.dumps(report, indent=2, default=str)
     outcomes = report["client_outcomes"]
@@ -53,6 +58,14 @@ async def test_short_hostile_soak(tiny_model_fp32):
     assert len(report["serving_again_after_seconds"]) == 1
     assert report["serving_again_after_seconds"][0] < opts.restart_within
     assert outcomes["huge_rejected"] > 0 and outcomes["slow_body_served"] > 0
+    planned = report["planned"]
+    for kind in ("grammar_bomb", "tool_text", "count_tokens", "token_ids", "framing"):
+        assert planned[kind] == outcomes[f"{kind}_rejected"] > 0, kind  # seed 3 plans each at least once
+    assert planned["n_stall"] > 0 and outcomes["n_stall_reaped"] > 0  # the stall aborts: judged in the report
+    health = report["health"]
+    assert health["statuses"] == {200: health["polls"]} and health["polls"] > 100
+    # 2 s allowed (the 2-core box shared with the rest of the suite); measured here: p99 0.06-0.09 s, max 0.17-0.20 s
+    assert health["p99_seconds"] < opts.health_p99
     assert outcomes["completed"] > 0.3 * sum(report["planned"].values())
     assert report["rss_growth"] <= opts.rss_tolerance
     assert report["mlx_active_timeline_bytes"][1] - report["mlx_active_timeline_bytes"][0] <= opts.mlx_tolerance
