@@ -414,7 +414,7 @@ async def _group_beside_a_stream(model: Path, trace: Path, **options: Any) -> tu
 
 
 async def test_a_long_group_prefills_within_the_budget_while_a_stream_decodes(tiny_model_fp32, tmp_path):
-    """Issue 36: while a stream decodes, a group of long prompts prefills at most
+    """While a stream decodes, a group of long prompts prefills at most
     `prefill_budget` prompt tokens a step (4 prompts of 599 tokens to go, budget 512: chunks
     of 128), and every such step is also a decode step of the running stream, so its tokens
     keep coming between the group's chunks; the group's tokens are those of an unbounded
@@ -461,7 +461,7 @@ async def test_the_budget_leaves_a_group_whole_when_nothing_decodes(tiny_model_f
 
 async def test_an_idle_batch_s_long_prefill_is_cut_so_that_each_chunk_reports_progress(
         tiny_model_fp32, tmp_path, monkeypatch):
-    """Issue 35: eight ~1.9k-token prompts into an idle CPU server were one step of ~160 s, with
+    """Eight ~1.9k-token prompts into an idle CPU server were one step of ~160 s, with
     no report to the engine meanwhile, and /health said "stalled" from 30 s on. A group whose
     step would take longer than PROGRESS_SECONDS at the measured prefill rate goes in chunks
     within the budget, each a step whose report is progress; the tokens are the whole step's."""

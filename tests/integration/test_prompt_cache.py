@@ -632,7 +632,7 @@ def test_the_disk_tier_keeps_the_newest_entries_that_fit_its_bound(tmp_path):
 
 async def test_a_cache_salt_keeps_prompts_apart_and_the_same_salt_shares(tiny_model_fp32):
     """The prompt cache was an oracle across users: `cached_tokens` told one user how much of
-    another's prompt it had guessed (issue 35). A salt partitions it, as vLLM's `cache_salt`."""
+    another's prompt it had guessed. A salt partitions it, as vLLM's `cache_salt`."""
     prompt = ids(200, 3)
     (expected,) = await cold_runs(tiny_model_fp32, [(prompt, 6)])
     async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8) as engine:

@@ -42,7 +42,7 @@ async def test_short_soak(tiny_model_fp32):
 async def test_short_hostile_soak(tool_model_fp32):
     """The same mix with attacks in it, against a process actor: prompts of megabytes (400 before
     tokenizing), slow bodies (served whole, or 408 when never finished), a SIGKILL of the actor
-    mid-soak, and issue 35's attacks: a grammar bomb (400 at the check's 5 s bound), megabytes of
+    mid-soak, and the input attacks: a grammar bomb (400 at the check's 5 s bound), megabytes of
     tool text and of count_tokens (400), millions of token ids (400), n=4 readers that stop
     reading (cut as stalls, every choice), Content-Length with Transfer-Encoding and a request
     pipelined behind (400, closed). Nothing lost but what the kill cut; serving again within the

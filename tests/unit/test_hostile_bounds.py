@@ -1,4 +1,4 @@
-"""Hostile sizes refused before they cost anything, over the fake actor (issue 35): tool text
+"""Hostile sizes refused before they cost anything, over the fake actor: tool text
 (definitions, call arguments) on every API, Anthropic's count_tokens, token-id prompts of
 millions of ids. Each is refused in its API's shape within a second (3 s allowed: a shared,
 loaded box) while `/health` keeps answering (a client polls it throughout and its slowest answer is asserted)."""

@@ -34,7 +34,7 @@ shorter one redundant (both are served from the longer).
 
 A salt (a request's `cache_salt`, the server's key isolation) keeps entries apart:
 an entry stored under one salt is found only by lookups with the same salt, so
-one user's `cached_tokens` cannot reveal another's prompt (issue 35). The salt
+one user's `cached_tokens` cannot reveal another's prompt. The salt
 joins the first id of the entry's key, so every block hash, prefix comparison and
 redundancy rule above works on salted keys unchanged; no salt is the shared cache.
 """

@@ -494,8 +494,8 @@ class Engine:
         if continue_final_message:
             kwargs["continue_final_message"] = True
         # The bounds and lanes of generation, over a few contexts: a prompt far past them is
-        # refused from its length, a very long one waits in the lane of its own (issue 35:
-        # 15.6 MB took 67 s, on the lane ordinary prompts share).
+        # refused from its length, a very long one waits in the lane of its own (15.6 MB took
+        # 67 s on the lane ordinary prompts share).
         return len(await self._encode("chat", messages, kwargs or None, 0, contexts=_COUNT_CONTEXTS))
 
     async def _encode(self, kind: str, value: Any, template_kwargs: Mapping[str, Any] | None,
@@ -511,7 +511,7 @@ class Engine:
                 prompt_tokens=len(value), context_length=self.context_length)
         limit = contexts * self.context_length * self._max_token_chars  # past this none fits: stop counting
         size = prompt_chars(kind, value, limit)
-        if template_kwargs:  # tools of megabytes are prompt text too (issue 35)
+        if template_kwargs:  # tools of megabytes are prompt text too
             size += text_chars(template_kwargs, limit and max(1, limit - size))
         self._check_size_bound(kind, size, want, contexts)
         return await self._lanes.encode(self.encode_prompt, kind, value, template_kwargs, size)
