@@ -194,6 +194,20 @@ async def scrape(client: httpx.AsyncClient) -> Scrape:
     return Scrape(r.text)
 
 
+async def disconnect_mid_decode(engine: Any, port: int, *, stream: bool) -> None:
+    """Start a long chat on `port` with a raw socket, close the socket once it decodes, and
+    check the engine aborted it in the decode stage within a few steps."""
+    before = engine.statistics().aborts_by_stage.get("decode", 0)
+    sock = await open_raw(port, CHAT, chat_body(max_tokens=900, stream=stream, ignore_eos=True))
+    await until(lambda: engine.statistics().decoding == 1 and engine.statistics().generated_tokens > 0)
+    steps = engine.statistics().decode_steps
+    sock.close()
+    await until(lambda: engine.statistics().active == 0, within=5)
+    stats = engine.statistics()
+    assert stats.aborts_by_stage["decode"] == before + 1
+    assert stats.decode_steps - steps <= 3  # the abort is applied at the next exchange
+
+
 async def open_raw(port: int, path: str, body: Any = None, *, method: str | None = None,
                    headers: dict[str, str] | None = None, rcvbuf: int | None = None) -> trio.socket.SocketType:
     """A trio socket with one HTTP/1.1 request sent; `body` is JSON-encoded unless it is bytes."""
