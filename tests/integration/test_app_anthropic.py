@@ -13,10 +13,10 @@ import re
 import anthropic
 import pytest
 import trio
-from app_server import engine_factory, serve, slow_steps, until
+from app_server import engine_factory, open_raw, serve, slow_steps, until
 from tool_schemas import ASK, WEATHER_DESCRIPTION, search_parameters, weather_parameters
 
-from integration.test_app_cancel import assert_disconnects_free_the_slot, open_request
+from integration.test_app_cancel import assert_disconnects_free_the_slot
 
 MESSAGES = "/v1/messages"
 USER = [{"role": "user", "content": "Hello there"}]
@@ -246,7 +246,7 @@ async def test_a_client_that_stops_reading_is_cut_by_the_stall_watchdog(tiny_mod
         server.app.observers.append(records.append)
         engine = server.engine
         body = {"model": "model", "max_tokens": 1000, "messages": USER, "stream": True, "ignore_eos": True}
-        sock = await open_request(server.port, MESSAGES, body, rcvbuf=4096)
+        sock = await open_raw(server.port, MESSAGES, body, rcvbuf=4096)
         await until(lambda: any(r.outcome == "stall" for r in records), within=20)
         await until(lambda: engine.statistics().active == 0, within=2)
         assert engine.statistics().aborts_by_cause.get("stall") == 1

@@ -10,13 +10,13 @@ from app_server import (
     COMPLETIONS,
     chat_body,
     engine_factory,
+    open_raw,
     scrape,
     serve,
     slow_steps,
     until,
 )
 
-from integration.test_app_cancel import open_request
 from trio_mlx import Engine
 from trio_mlx.server._request_trace import RequestTrace
 
@@ -74,7 +74,7 @@ async def test_aborts_by_stage_and_cause_and_two_apps_keep_their_own_registry(ti
     factory = engine_factory(fault_hook=slow_steps(0.005))
     async with serve(tiny_model_fp32, factory=factory) as a, a.client() as ca:
         engine = a.engine
-        sock = await open_request(a.port, CHAT, chat_body(max_tokens=900, stream=True, ignore_eos=True))
+        sock = await open_raw(a.port, CHAT, chat_body(max_tokens=900, stream=True, ignore_eos=True))
         await until(lambda: engine.statistics().decoding == 1)
         during = await scrape(ca)
         sock.close()
