@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import llguidance
 import llguidance.numpy as llnp
@@ -244,14 +244,15 @@ class GrammarProcessor:
         too little room; far from the end, stay free until a later measurement."""
         # The last completion, if it still completes the grammar from here, saves a
         # walk (inside a string or a number it does); it is the longer one at worst.
-        if self._tail_checked or completes(self._matcher, self._vocab, self._tail):
-            tail = self._tail
-        elif (found := _first(resumes(self._matcher, self._vocab, self._tail),
-                              self._finish)) is not None:
-            tail = found
-        else:  # no completion found: generate freely, max_tokens may cut the row
+        found: list[int] | None = self._tail
+        if not (self._tail_checked or completes(self._matcher, self._vocab, self._tail)):
+            found = resumes(self._matcher, self._vocab, self._tail)  # what is left of it, if any
+            if found is None:
+                found = self._finish()
+        if found is None:  # no completion found: generate freely, max_tokens may cut the row
             self._check_at = self._max_tokens
             return
+        tail = found
         self._tail, self._tail_checked = tail, True
         need = len(tail) + 1 + BUDGET_MARGIN  # + 1: the EOS
         if left <= need:
@@ -307,8 +308,3 @@ class GrammarProcessor:
                 [allowed, mx.zeros((1, width - allowed.shape[1]), dtype=mx.bool_)], axis=1
             )
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
-
-
-def _first(found: list[int] | None, otherwise: Callable[[], list[int] | None]) -> list[int] | None:
-    """`found` where it is a list (an empty one too), else what `otherwise` gives."""
-    return found if found is not None else otherwise()
