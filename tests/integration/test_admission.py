@@ -333,22 +333,24 @@ def test_admit_window_is_validated():
 _LONG_PROMPTS = [[5 + (7 * i + 13 * k) % 400 for i in range(600)] for k in range(4)]
 
 
+async def _long_prompt(engine: trio_mlx.Engine, k: int, out: list[list[int]]) -> None:
+    """_LONG_PROMPTS[k], greedy, 6 tokens, into out[k]."""
+    async with engine.generate(_LONG_PROMPTS[k], temperature=0, ignore_eos=True, max_tokens=6) as events:
+        async for ev in events:
+            if isinstance(ev, trio_mlx.TextDelta):
+                out[k].extend(ev.token_ids)
+
+
 async def _serve_long_prompts(model: Path, trace: Path, **options: Any) -> tuple[list[list[int]], list[dict[str, float]]]:
     """_LONG_PROMPTS at once (greedy, 6 tokens each; prefill batch 4, steps of 1024, no
     prompt cache): each one's tokens, and the step trace."""
     out: list[list[int]] = [[] for _ in _LONG_PROMPTS]
     async with trio_mlx.open_engine(model, step_trace=str(trace), max_batch=8, prefill_batch=4, prefill_step=1024,
                                     prompt_cache_gb=0, **options) as engine:
-        async def one(k: int) -> None:
-            async with engine.generate(_LONG_PROMPTS[k], temperature=0, ignore_eos=True, max_tokens=6) as events:
-                async for ev in events:
-                    if isinstance(ev, trio_mlx.TextDelta):
-                        out[k].extend(ev.token_ids)
-
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 for k in range(len(_LONG_PROMPTS)):
-                    nursery.start_soon(one, k)
+                    nursery.start_soon(_long_prompt, engine, k, out)
     return out, _trace(trace)
 
 
@@ -396,18 +398,12 @@ async def _group_beside_a_stream(model: Path, trace: Path, **options: Any) -> tu
     out: list[list[int]] = [[] for _ in _LONG_PROMPTS]
     async with trio_mlx.open_engine(model, step_trace=str(trace), max_batch=8, prefill_batch=4, prefill_step=1024,
                                     prompt_cache_gb=0, admit_window=0.5, **options) as engine:
-        async def one(k: int) -> None:
-            async with engine.generate(_LONG_PROMPTS[k], temperature=0, ignore_eos=True, max_tokens=6) as events:
-                async for ev in events:
-                    if isinstance(ev, trio_mlx.TextDelta):
-                        out[k].extend(ev.token_ids)
-
         with trio.fail_after(60):
             async with engine.generate([5, 6, 7], temperature=0, ignore_eos=True, max_tokens=300) as running:
                 await _first_token(running)
                 async with trio.open_nursery() as nursery:
                     for k in range(len(_LONG_PROMPTS)):
-                        nursery.start_soon(one, k)
+                        nursery.start_soon(_long_prompt, engine, k, out)
                 async for _ in running:  # to its end, so that its steps are in the trace
                     pass
     return out, _trace(trace)
