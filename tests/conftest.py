@@ -63,3 +63,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     twice = [nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1]
     if twice:
         raise pytest.UsageError(f"tests that share a node id (pytest-xdist would run one of each): {twice}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under `--dist loadfile` (scripts/test.sh), the longest work first (tests/xdist_schedule.py)."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist_schedule import LongestFirst
+
+    return LongestFirst(config, log)
