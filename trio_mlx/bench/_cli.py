@@ -15,7 +15,9 @@ end-to-end latency (mean/p50/p90/p99), output tok/s, requests/s and every
 failed request by reason; it writes JSON (`--out`), a PNG (`--plot`), and
 compares runs: `trio-mlx bench plot a.json b.json -o x.png`,
 `trio-mlx bench table a.json b.json`. `trio-mlx bench trace` reads step
-traces level by level (`_trace.py`).
+traces level by level (`_trace.py`); `trio-mlx bench compare` starts servers
+one after another in alternating rounds and runs this bench against each
+(`_compare.py`).
 
 This module owns the command line: it reads the flags, plans the levels, makes the
 prompts (`_prompts.py`), hands them to the target (`_sweep.py` for a server, `_limit.py`,
@@ -85,13 +87,15 @@ def _parser() -> argparse.ArgumentParser:
         "       %(prog)s plot A.json [B.json ...] -o OUT.png\n"
         "       %(prog)s table A.json [B.json ...] [--ceiling C.json] [-o OUT.md]\n"
         "       %(prog)s chat --url URL [options]\n"
-        "       %(prog)s trace SERVER_TRACE [CEILING_TRACE]",
+        "       %(prog)s trace SERVER_TRACE [CEILING_TRACE]\n"
+        "       %(prog)s compare --out DIR --side NAME=COMMAND --side NAME=COMMAND [...] -- [chat] BENCH_ARGS...",
         description="Load-test an OpenAI-compatible endpoint (--url) or the raw ceilings "
         "(--limit: mlx_lm's BatchGenerator and MLX's bare pipelined forward). Also: `trio-mlx bench plot A.json [B.json ...] -o out.png` and "
         "`trio-mlx bench table A.json [B.json ...] [--ceiling C.json]`; multi-turn conversations "
         "with a shared system prompt (the prompt cache's load): `trio-mlx bench chat --url URL`; "
         "step traces (TRIO_MLX_STEP_TRACE) read level by level: `trio-mlx bench trace SERVER_TRACE "
-        "[CEILING_TRACE]`.",
+        "[CEILING_TRACE]`; servers side by side, each started and loaded in turn in rounds of "
+        "alternating order: `trio-mlx bench compare --out DIR --side NAME=COMMAND ... -- BENCH_ARGS`.",
     )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="base URL of the server, e.g. http://127.0.0.1:8080")
@@ -203,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         from ._trace import main as trace_main
 
         return trace_main(argv[1:])
+    if argv and argv[0] == "compare":
+        from ._compare import main as compare_main
+
+        return compare_main(argv[1:], main)
     args = _parser().parse_args(argv)
     if (args.limit or args.engine or args.paired) and args.rate:
         raise SystemExit("trio-mlx bench: --limit/--engine/--paired run the closed loop only (use --concurrency)")
