@@ -644,8 +644,8 @@ async def test_connection_refused_is_an_error_not_a_crash(tokenizer: Any) -> Non
     assert lv["errors"]["by_reason"] == {"connect": 3} and lv["completed"] == 0
 
 
-def test_help_shows_the_plot_table_chat_and_trace_forms() -> None:
+def test_help_shows_the_plot_table_chat_trace_and_compare_forms() -> None:
     usage = _bench._parser().format_usage()
     for form in ("trio-mlx bench plot A.json", "trio-mlx bench table A.json", "trio-mlx bench chat",
-                 "trio-mlx bench trace SERVER_TRACE"):
+                 "trio-mlx bench trace SERVER_TRACE", "trio-mlx bench compare --out DIR"):
         assert form in usage, usage
