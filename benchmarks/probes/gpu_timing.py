@@ -1,6 +1,6 @@
 """Shared by the GPU probes run as scripts (probe_new_shapes.py, probe_contiguous_kv.py,
-probe_row_attention.py, probe_step_python.py, probe_grid_steps.py, probe_followup.py): the
-model under test, and timers that wait for the device on both sides of the call."""
+probe_step_python.py, probe_followup.py): the model under test, and timers that wait for the
+device on both sides of the call."""
 import time
 
 import mlx.core as mx

@@ -17,6 +17,7 @@ import trio
 
 from trio_mlx import _heap
 from trio_mlx.bench import _cli as _bench
+from trio_mlx.bench._prompts import model_from_server
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ async def test_url_mode_takes_the_model_from_the_server(tiny_model: Path, tmp_pa
 
     async with serve(tiny_model, model_name="tiny-served") as server:
         url = f"http://127.0.0.1:{server.port}"
-        ref, served = await trio.to_thread.run_sync(_bench.model_from_server, url, 10.0)
+        ref, served = await trio.to_thread.run_sync(model_from_server, url, 10.0)
         real = str(server.engine.model_path)  # the tiny model's directory, resolved
         assert (ref, served) == (real, "tiny-served")
         out = tmp_path / "run.json"

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from trio_mlx.bench import _cli as _bench
+from trio_mlx.bench import _sweep
 from trio_mlx.bench._stats import (
     format_table,
 )
@@ -133,7 +134,7 @@ def test_paired_mode_interleaves_the_ceiling_with_the_server(
     from trio_mlx.actor import _ceiling as _bench_limit
 
     order: list[tuple[str, int]] = []
-    drive, run_level = _bench_limit.Ceiling.drive, _bench._run_level
+    drive, run_level = _bench_limit.Ceiling.drive, _sweep._run_level
 
     def logged_drive(self: Any, prompts: Any, concurrency: int, max_tokens: int, *rest: Any) -> Any:
         order.append(("ceiling", len(prompts)))
@@ -144,7 +145,7 @@ def test_paired_mode_interleaves_the_ceiling_with_the_server(
         return await run_level(client, path, bodies, *a)
 
     monkeypatch.setattr(_bench_limit.Ceiling, "drive", logged_drive)
-    monkeypatch.setattr(_bench, "_run_level", logged_level)
+    monkeypatch.setattr(_sweep, "_run_level", logged_level)
     out, ceiling = tmp_path / "server.json", tmp_path / "ceiling.json"
     rc = _bench.main(
         ["--url", mlx_lm_server, "--paired", str(ceiling), "--model", str(tiny_model),

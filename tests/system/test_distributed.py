@@ -168,7 +168,7 @@ def reference(tiny_model_fp32: Path) -> dict[str, str]:
 
 
 # Every rank of the module's group warms up as on a GPU: the warm-up's rehearsal serves a
-# short script through the actor's own steps (`Actor._rehearse`), which a rank must not
+# short script through the actor's own steps (`_warmup.rehearse`), which a rank must not
 # count into what it compares with rank 0 once serving.
 GPU_WARMUP = """
 import trio_mlx.actor._actor as actor

@@ -35,6 +35,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from unit.test_fuzz import json_values, request_objects
 
 from trio_mlx.server._openapi import openapi_document
+from trio_mlx.server._routes import ROUTES
 from trio_mlx.server._settings import Settings
 
 CONTEXT = 48
@@ -119,7 +120,7 @@ def assert_anthropic_error(r: httpx.Response | Any, *, allow_ok: bool = False) -
 
 # ---- schemathesis, from the server's own OpenAPI document -------------------------------------
 
-schema = schemathesis.openapi.from_dict(openapi_document(Settings(model_name="fuzz", max_n=MAX_N)))
+schema = schemathesis.openapi.from_dict(openapi_document(Settings(model_name="fuzz", max_n=MAX_N), ROUTES))
 schema.config.max_stream_events = 1000  # read streams whole (schemathesis stops at 20 events by default)
 # A request the schema allows may still be refused for what it means (an unsupported value, a
 # prompt longer than the context): a 400 there is right, so this one check does not apply.

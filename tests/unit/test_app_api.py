@@ -60,9 +60,9 @@ async def test_the_openapi_document_is_built_once_off_the_event_loop(tiny_model_
     built_in = []
     real = _openapi.openapi_document
 
-    def recording(settings):
+    def recording(settings, routes):
         built_in.append(threading.current_thread())
-        return real(settings)
+        return real(settings, routes)
 
     monkeypatch.setattr(_openapi, "openapi_document", recording)
     async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:

@@ -21,8 +21,9 @@ import trio
 
 from trio_mlx.bench import _cli as _bench
 from trio_mlx.bench import _http as _bench_http
-from trio_mlx.bench._cli import make_prompts
+from trio_mlx.bench import _sweep
 from trio_mlx.bench._http import SSEReader
+from trio_mlx.bench._prompts import load_tokenizer, make_prompts
 from trio_mlx.bench._stats import (
     RequestRecord,
     check_length,
@@ -42,7 +43,7 @@ def tiny_model(tiny_model_fp32: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model: Path) -> Any:
-    return _bench.load_tokenizer(str(tiny_model))
+    return load_tokenizer(str(tiny_model))
 
 
 # ---------------------------------------------------------------- statistics
@@ -513,7 +514,7 @@ async def _run_against(app: FakeOpenAI, tokenizer: Any, argv: list[str]) -> list
             plan = _bench.levels_and_counts(args)
             warm = _bench.warmup_count(args)
             prompts = make_prompts(tokenizer, warm + sum(n for *_, n in plan), 16)
-            levels = await _bench.run_http(args, plan, prompts[warm:], prompts[:warm])
+            levels = await _sweep.run_http(args, plan, prompts[warm:], prompts[:warm])
             nursery.cancel_scope.cancel()
     return levels
 
@@ -637,14 +638,14 @@ async def test_connection_refused_is_an_error_not_a_crash(tokenizer: Any) -> Non
         ]
     )
     with trio.fail_after(10):
-        (lv,) = await _bench.run_http(
+        (lv,) = await _sweep.run_http(
             args, _bench.levels_and_counts(args), make_prompts(tokenizer, 3, 8)
         )
     assert lv["errors"]["by_reason"] == {"connect": 3} and lv["completed"] == 0
 
 
-def test_help_shows_the_plot_table_chat_and_trace_forms() -> None:
+def test_help_shows_the_plot_table_chat_trace_and_compare_forms() -> None:
     usage = _bench._parser().format_usage()
     for form in ("trio-mlx bench plot A.json", "trio-mlx bench table A.json", "trio-mlx bench chat",
-                 "trio-mlx bench trace SERVER_TRACE"):
+                 "trio-mlx bench trace SERVER_TRACE", "trio-mlx bench compare --out DIR"):
         assert form in usage, usage

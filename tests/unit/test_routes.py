@@ -1,15 +1,20 @@
-"""The route table (`server/_routes.py`) is both the server's dispatch and its index at `/`:
-every route in it is served on each of its methods, the app serves no route the table lacks,
-and the index lists the table's listed paths, in its order, and nothing else. Over the fake
+"""The route table (`server/_routes.py`) is the server's dispatch, its index at `/`, its OpenAPI
+document and the metrics' generation endpoints: every route in it is served on each of its
+methods, the app serves no route the table lacks, the index lists the table's listed paths and
+the OpenAPI document its documented ones, each in its order, and nothing else. Over the fake
 actor (no answer here depends on a model)."""
 
 from __future__ import annotations
 
-import re
+import dataclasses
 
+import pytest
 from app_server import fake_factory, serve
 
-from trio_mlx.server._routes import INDEX, ROUTES
+from trio_mlx.server._asgi import needs_key
+from trio_mlx.server._openapi import openapi_document, openapi_path
+from trio_mlx.server._routes import GENERATION_PATHS, INDEX, ROUTES, Route
+from trio_mlx.server._settings import Settings
 
 # A concrete request path for each route with parameters: a new one needs its sample here.
 SAMPLES = {
@@ -59,10 +64,52 @@ async def test_every_route_is_served_and_the_index_is_the_tables(tiny_model_fp32
         assert listed == ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
                           "/v1/responses", "/v1/models", "/health", "/ready", "/metrics", "/openapi.json", "/docs"]
 
-        # What the OpenAPI document describes is served: each of its paths is a route's.
+        # The OpenAPI document is the table's documented routes, in its order: each with its
+        # methods and its summary, every API path (those that take the key) among them.
         doc = (await client.get("/openapi.json")).json()
+        documented = [route for route in ROUTES if route.documented]
+        assert list(doc["paths"]) == [openapi_path(route.path) for route in documented]
+        for route in documented:
+            operations = doc["paths"][openapi_path(route.path)]
+            assert set(operations) == {m.lower() for m in route.methods}, route.path
+            assert all(op["summary"] == route.summary for op in operations.values()), route.path
+        assert {route.path for route in ROUTES if needs_key(route.path)} <= {route.path for route in documented}
+        # the paths as they were kept by hand, before the table
+        assert list(doc["paths"]) == ["/v1/chat/completions", "/v1/completions", "/v1/messages",
+                                      "/v1/messages/count_tokens", "/v1/responses", "/v1/models",
+                                      "/v1/models/{model_id}", "/health", "/ready", "/health/ready", "/metrics"]
+        assert doc["paths"]["/v1/models/{model_id}"]["get"]["parameters"] == [
+            {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
 
-        def shape(path: str) -> str:  # `/v1/models/{model}` and `/v1/models/<path:model_id>` alike
-            return re.sub(r"\{[^}]*\}|<[^>]*>", "{}", path)
 
-        assert {shape(p) for p in doc["paths"]} <= {shape(route.path) for route in ROUTES}
+def test_the_openapi_document_has_schemas_for_each_documented_route_and_no_other():
+    """A documented route without its schemas in `_openapi`, or schemas for a path no
+    documented route has, fails the build rather than leave the document short or stale."""
+    settings = Settings(model_name="m")
+    new = Route("/v1/new", ("POST",), ROUTES[0].handler, "A new endpoint")
+    with pytest.raises(LookupError, match="/v1/new"):
+        openapi_document(settings, (*ROUTES, new))
+    with pytest.raises(LookupError, match="/metrics"):
+        openapi_document(settings, [route for route in ROUTES if route.path != "/metrics"])
+    openapi_document(settings, (*ROUTES, dataclasses.replace(new, documented=False)))  # not documented: fine
+
+
+def test_with_an_api_key_each_api_path_asks_for_it_and_anthropics_also_as_x_api_key():
+    doc = openapi_document(Settings(model_name="m", api_key="k"), ROUTES)
+    for route in ROUTES:
+        if not route.documented:
+            continue
+        for op in doc["paths"][openapi_path(route.path)].values():
+            wanted = [{"bearer": []}] if needs_key(route.path) else None
+            if wanted and route.path.startswith("/v1/messages"):  # Anthropic's clients send x-api-key
+                wanted.append({"x-api-key": []})
+            assert op.get("security") == wanted, route.path
+    assert set(doc["components"]["securitySchemes"]) == {"bearer", "x-api-key"}
+    assert "securitySchemes" not in openapi_document(Settings(model_name="m"), ROUTES)["components"]
+
+
+def test_the_generation_paths_are_the_tables_generating_routes():
+    """The endpoints whose outcomes the metrics count from the start: the table's, as they
+    were kept by hand before it (count_tokens answers without generating)."""
+    assert GENERATION_PATHS == tuple(route.path for route in ROUTES if route.generates) == (
+        "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")

@@ -15,14 +15,13 @@ arrays never do.
 
 from __future__ import annotations
 
-import collections
 import gc
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ from ._batch import (
     set_prefill_chunk,
     take_prompt_tokens,
 )
-from ._constrain import GrammarProcessor, json_string_grammar, model_vocab
+from ._constrain import GrammarProcessor, model_vocab
 from ._decode import Decoder, DecodeRow
 from ._link import ActorLink
 from ._prompt_cache import PromptCache, budget
@@ -62,7 +61,6 @@ from ._protocol import (
     ActorInfo,
     Command,
     FinishReason,
-    Grammar,
     SamplingParams,
     Shutdown,
     StepReport,
@@ -73,7 +71,7 @@ from ._reuse import Reuse
 from ._sampling import SamplerCache, make_processors
 from ._schedule import Schedule, Seq
 from ._trace import StepTrace
-from ._warmup import WARMUP_PROMPT, prebuild_prefill, warm_up
+from ._warmup import WARMUP_PROMPT, prebuild_prefill, rehearse, warm_up
 
 log = logging.getLogger("trio_mlx.actor")  # stages of startup; from any thread, through logging
 
@@ -81,8 +79,6 @@ log = logging.getLogger("trio_mlx.actor")  # stages of startup; from any thread,
 # the report of a step that leaves the batch empty (so an idle server's figures
 # are current); the number is arbitrary, small enough for a scrape to see it move.
 _MEMORY_EVERY = 64
-# The warm-up rehearsal's constrained row: any JSON string (llguidance's grammar text).
-_WARM_GRAMMAR = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
 # Without `ActorTuning.prefill_budget`: the prompt tokens a prefill step may take while rows
 # decode, on the CPU (on a GPU: no bound, the steps as before). A judgement call from the one
 # measurement we have: on the CPU a 1B model prefilled ~95 tokens/s (eight ~1.9k-token prompts
@@ -301,7 +297,7 @@ class Actor:
     def _warmup(self) -> None:
         """Visit, before the server reports ready, what live traffic will make MLX
         compile: every prefill group size (`warm_up`), then, on a GPU, a
-        rehearsal of the actor's other paths (`_rehearse`)."""
+        rehearsal of the actor's other paths (`_warmup.rehearse`)."""
         assert self._bg is not None
         gpu = self._gpu
         length = max(1, min(WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
@@ -316,85 +312,9 @@ class Actor:
                                        GRID_PREFIX)
             log.info("ran %d prefill shapes of the grid in %.2f s", ran, time.perf_counter() - t0)
         if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens
-            self._rehearse(token, length)
+            rehearse(self, token, length)
         self._reset_batch()
         self.schedule.steps = 0
-
-    def _rehearse(self, token: int, length: int) -> None:
-        """Serve a short script of requests through the actor's own `_apply` and
-        `_step`, as live traffic would; the caller forgets them (`_reset_batch`).
-
-        On CUDA, MLX compiles some kernels (with NVRTC, for seconds) the first
-        time an operation meets a dtype, not a shape. The prefill groups of
-        `warm_up` never remove a row that others outlive, and the first such
-        removal, gathering the kept rows' next tokens (`gather_uint32_int32`),
-        would stall a live decode step for seconds. The warm-up exists so that no
-        request pays a compile after ready (BENCHMARKS.md, "What the runtime does
-        because of a measurement").
-        Sampling, penalties, logit bias and logprobs have kernels of their own.
-        The script: A (greedy) decodes; B (every sampling option, logprobs)
-        and C (seeded, held to a JSON grammar: the mask's kernels, and the
-        tokenizer's grammar vocabulary built now rather than at the first
-        constrained request) join it, padded; A finishes and retires; D enters, so
-        A's row leaves with B and C kept, trimming the padding they share; C
-        is aborted; the rest finish and the batch runs dry. The prompt cache is
-        open meanwhile (and emptied after): A's prompt and answer are copied out
-        as its row leaves, and D, with A's prompt, enters with that KV. C's prompt
-        differs from B's, so that it does not wait for B's prefill.
-        """
-        admission = self._admission
-        self._admission = Admission(0.0, self.config.tuning.prefill_batch)  # no waiting for company
-        prompt = (token,) * length
-        every = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
-                               presence_penalty=0.5, frequency_penalty=0.5, logit_bias=((token, 1.0),),
-                               logprobs=True, top_logprobs=5)
-        a, b, c, d = -1, -2, -3, -4  # rids no request has
-        script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]] = [
-            ([Submit(a, prompt, 8, SamplingParams(temperature=0.0), frozenset())], lambda n: n[a] >= 3),
-            ([Submit(b, prompt, 12, every, frozenset()),
-              Submit(c, (token + 1,) + prompt[1:], 12, SamplingParams(temperature=0.7, seed=0), frozenset(),
-                     self._warm_grammar())],
-             lambda n: n[a] >= 8),
-            ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
-            ([Abort(c)], lambda n: not self.schedule.seqs),
-        ]
-        if mx.cuda.is_available() and (long := min(self._context - 80, 2 * self.config.tuning.prefill_step + 64)) > 2 * length:
-            # A long prompt, in full chunks and beside a long context, stored as it is
-            # prefilled, then a prompt that extends it (a hit): otherwise a chat's first long
-            # prompts would pay for the kernels they compile, many times their prefill.
-            e, f = -5, -6
-            story = (token,) * long
-            script += [
-                ([Submit(e, story, 2, SamplingParams(temperature=0.0), frozenset())], lambda n: n[e] >= 2),
-                ([Submit(f, story + (token + 1,) * 64, 2, SamplingParams(temperature=0.0), frozenset())],
-                 lambda n: n[f] >= 2),
-            ]
-        counts: collections.Counter[int] = collections.Counter()
-        self._open_cache()
-        try:
-            for commands, done in script:
-                failed = self._apply(commands)
-                for _ in range(64):  # the bound only guards a bug
-                    report = self._step(failed or [])
-                    if report.failed:
-                        raise RuntimeError(f"warm-up rehearsal failed: {report.failed}")
-                    counts.update(t.rid for t in report.tokens)
-                    if done(counts):
-                        break
-                    failed = self._apply([])
-                else:
-                    raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
-        finally:
-            self._admission = admission
-            self._reuse = Reuse(PromptCache(0))
-
-    def _warm_grammar(self) -> Grammar | None:
-        """The rehearsal's grammar, if this model's tokenizer takes constrained decoding."""
-        try:
-            model_vocab(self.config.model_path)
-        except Exception:  # its requests get a 400 from the engine; nothing to warm
-            return None
-        return _WARM_GRAMMAR
 
     def _free(self) -> None:
         """Drop every array on this thread and synchronize, so the process exits cleanly."""

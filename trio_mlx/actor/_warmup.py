@@ -1,12 +1,27 @@
 """Warm-up: visit, before the server reports ready, every path live traffic will make MLX
-compile, so no request pays a kernel compile (seconds on CUDA)."""
+compile, so no request pays a kernel compile (seconds on CUDA): every prefill group size
+(`warm_up`), the shape grid's prefills (`prebuild_prefill`), and a rehearsal of the actor's
+own paths through its own steps (`rehearse`). `Actor._warmup` runs them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import collections
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from ._admission import Admission
+from ._constrain import json_string_grammar, model_vocab
+from ._prompt_cache import PromptCache
+from ._protocol import Abort, ActorConfig, Command, Grammar, SamplingParams, StepReport, Submit
+from ._reuse import Reuse
+from ._schedule import Schedule
 
 WARMUP_PROMPT = 128  # tokens per warm-up prompt on a GPU (see warm_up)
+# The rehearsal's constrained row: any JSON string (llguidance's grammar text).
+_WARM_GRAMMAR = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
 
 
 def warm_up(bg: Any, token: int, length: int, groups: int, row: Callable[[], Any] | None = None) -> None:
@@ -56,7 +71,6 @@ def prebuild_prefill(forward: Any, layers: int, token: int, limit: int, sizes: l
     the contiguous keys' strides) are the ones live prefills make. Groups of several rows
     meet their shapes live, and these recur: the grid is coarse.
     """
-    import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
     caches = [BatchKVCache([0]) for _ in range(layers)]
@@ -75,3 +89,96 @@ def prebuild_prefill(forward: Any, layers: int, token: int, limit: int, sizes: l
         forward(mx.full((1, stride), token, dtype=mx.int32), cache=caches)
         mx.eval([a for c in caches for a in (c.keys, c.values)])
         cached += stride
+
+
+class Rehearsed(Protocol):
+    """What the rehearsal drives of the actor (`_actor.Actor`): its own steps, its
+    admission and its prompt cache."""
+
+    config: ActorConfig
+    schedule: Schedule
+    _admission: Admission
+    _reuse: Reuse
+    _context: int
+
+    def _open_cache(self) -> None: ...
+    def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None: ...
+    def _step(self, failed: list[tuple[int, str]]) -> StepReport: ...
+
+
+def rehearse(actor: Rehearsed, token: int, length: int) -> None:
+    """Serve a short script of requests through the actor's own `_apply` and
+    `_step`, as live traffic would; the caller forgets them (`Actor._reset_batch`).
+
+    On CUDA, MLX compiles some kernels (with NVRTC, for seconds) the first
+    time an operation meets a dtype, not a shape. The prefill groups of
+    `warm_up` never remove a row that others outlive, and the first such
+    removal, gathering the kept rows' next tokens (`gather_uint32_int32`),
+    would stall a live decode step for seconds. The warm-up exists so that no
+    request pays a compile after ready (BENCHMARKS.md, "What the runtime does
+    because of a measurement").
+    Sampling, penalties, logit bias and logprobs have kernels of their own.
+    The script: A (greedy) decodes; B (every sampling option, logprobs)
+    and C (seeded, held to a JSON grammar: the mask's kernels, and the
+    tokenizer's grammar vocabulary built now rather than at the first
+    constrained request) join it, padded; A finishes and retires; D enters, so
+    A's row leaves with B and C kept, trimming the padding they share; C
+    is aborted; the rest finish and the batch runs dry. The prompt cache is
+    open meanwhile (and emptied after): A's prompt and answer are copied out
+    as its row leaves, and D, with A's prompt, enters with that KV. C's prompt
+    differs from B's, so that it does not wait for B's prefill.
+    """
+    admission = actor._admission
+    actor._admission = Admission(0.0, actor.config.tuning.prefill_batch)  # no waiting for company
+    prompt = (token,) * length
+    every = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+                           presence_penalty=0.5, frequency_penalty=0.5, logit_bias=((token, 1.0),),
+                           logprobs=True, top_logprobs=5)
+    a, b, c, d = -1, -2, -3, -4  # rids no request has
+    script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]] = [
+        ([Submit(a, prompt, 8, SamplingParams(temperature=0.0), frozenset())], lambda n: n[a] >= 3),
+        ([Submit(b, prompt, 12, every, frozenset()),
+          Submit(c, (token + 1,) + prompt[1:], 12, SamplingParams(temperature=0.7, seed=0), frozenset(),
+                 _warm_grammar(actor.config.model_path))],
+         lambda n: n[a] >= 8),
+        ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
+        ([Abort(c)], lambda n: not actor.schedule.seqs),
+    ]
+    if mx.cuda.is_available() and (long := min(actor._context - 80, 2 * actor.config.tuning.prefill_step + 64)) > 2 * length:
+        # A long prompt, in full chunks and beside a long context, stored as it is
+        # prefilled, then a prompt that extends it (a hit): otherwise a chat's first long
+        # prompts would pay for the kernels they compile, many times their prefill.
+        e, f = -5, -6
+        story = (token,) * long
+        script += [
+            ([Submit(e, story, 2, SamplingParams(temperature=0.0), frozenset())], lambda n: n[e] >= 2),
+            ([Submit(f, story + (token + 1,) * 64, 2, SamplingParams(temperature=0.0), frozenset())],
+             lambda n: n[f] >= 2),
+        ]
+    counts: collections.Counter[int] = collections.Counter()
+    actor._open_cache()
+    try:
+        for commands, done in script:
+            failed = actor._apply(commands)
+            for _ in range(64):  # the bound only guards a bug
+                report = actor._step(failed or [])
+                if report.failed:
+                    raise RuntimeError(f"warm-up rehearsal failed: {report.failed}")
+                counts.update(t.rid for t in report.tokens)
+                if done(counts):
+                    break
+                failed = actor._apply([])
+            else:
+                raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
+    finally:
+        actor._admission = admission
+        actor._reuse = Reuse(PromptCache(0))
+
+
+def _warm_grammar(model_path: os.PathLike[str]) -> Grammar | None:
+    """The rehearsal's grammar, if this model's tokenizer takes constrained decoding."""
+    try:
+        model_vocab(model_path)
+    except Exception:  # its requests get a 400 from the engine; nothing to warm
+        return None
+    return _WARM_GRAMMAR

@@ -15,167 +15,36 @@ end-to-end latency (mean/p50/p90/p99), output tok/s, requests/s and every
 failed request by reason; it writes JSON (`--out`), a PNG (`--plot`), and
 compares runs: `trio-mlx bench plot a.json b.json -o x.png`,
 `trio-mlx bench table a.json b.json`. `trio-mlx bench trace` reads step
-traces level by level (`_trace.py`).
+traces level by level (`_trace.py`); `trio-mlx bench compare` starts servers
+one after another in alternating rounds and runs this bench against each
+(`_compare.py`).
 
-This module makes the prompts, runs the sweep and owns the command line.
+This module owns the command line: it reads the flags, plans the levels, makes the
+prompts (`_prompts.py`), hands them to the target (`_sweep.py` for a server, `_limit.py`,
+`_engine.py`) and writes the results.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
-import random
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio_mlx
 
 from ..engine import freeze_heap
-from ._limit import ceiling_level as run_ceiling_level
-from ._progress import LevelBar, level_label
-from ._stats import (
-    RequestRecord,
-    format_table,
-    in_process_level,
-    level_stats,
-    load_results,
-    write_plot,
-)
-
-if TYPE_CHECKING:
-    from ._http import HttpxClient, RawClient
+from ._prompts import load_tokenizer, make_prompts, model_from_server
+from ._stats import format_table, load_results, write_plot
+from ._sweep import print_level, run_http, run_paired
 
 SCHEMA = "trio-mlx-bench/1"
 LIMIT_WARMUP = 4  # sequences in --limit's warm-up batch: arbitrary, just small
-
-
-# ------------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True, slots=True)
-class Prompt:
-    text: str
-    ids: tuple[int, ...]  # what the server's tokenizer makes of it, template included (chat)
-
-
-def load_tokenizer(model: str) -> Any:
-    from .. import models
-
-    return models.load_tokenizer(models.resolve_model(model))
-
-
-def make_prompts(
-    tokenizer: Any, n: int, length: int, *, seed: int = 0, chat: bool = False
-) -> list[Prompt]:
-    """`n` distinct prompts that the tokenizer encodes to exactly `length` tokens.
-
-    Random token ids are decoded to text and the text re-encoded the way a
-    server does (`encode(text)` with the tokenizer's default special tokens,
-    or the chat template around a user message); merges across token
-    boundaries change the count, so ids are dropped or added until it fits.
-    """
-    if chat:
-
-        def encode(text: str) -> list[int]:
-            return list(
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True
-                )
-            )
-    else:
-
-        def encode(text: str) -> list[int]:
-            return list(tokenizer.encode(text))
-
-    overhead = len(encode(""))
-    if length - overhead < 1:
-        raise ValueError(f"prompt length {length} leaves no room after {overhead} template tokens")
-    # Where the content starts (after a BOS or the chat template's head): no
-    # two prompts share their first two content tokens, so no prefix cache
-    # can reuse one prompt's work for another beyond the template itself.
-    a, b = encode("hello"), encode("world")
-    lead = next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
-    ordinary = _ordinary_ids(tokenizer)
-    if len(ordinary) < 2:
-        raise ValueError("the tokenizer has no ordinary tokens to draw from")
-    rng = random.Random(seed)
-
-    def draw() -> int:
-        return ordinary[rng.randrange(len(ordinary))]
-
-    prompts: list[Prompt] = []
-    heads: set[tuple[int, ...]] = set()
-    for _attempt in range(100 * n + 100):  # arbitrary bound: fails loudly, never spins
-        if len(prompts) == n:
-            break
-        content = [draw() for _ in range(length - overhead)]
-        for _ in range(64):  # arbitrary; it fits within a few rounds in practice
-            text = tokenizer.decode(content)
-            ids = tuple(encode(text))
-            diff = len(ids) - length
-            if diff == 0:
-                head = ids[lead : lead + 2]
-                if head not in heads:
-                    heads.add(head)
-                    prompts.append(Prompt(text, ids))
-                break
-            if diff > 0:
-                content = content[:-diff] if diff < len(content) else [draw()]
-            else:
-                content += [draw() for _ in range(-diff)]
-    else:
-        raise ValueError(f"could not make {n} distinct prompts of {length} tokens")
-    return prompts
-
-
-def _ordinary_ids(tokenizer: Any) -> list[int]:
-    """The ids encoding can produce: a token decoded alone re-encodes to itself.
-
-    That leaves out special and added tokens (`<|im_end|>`), vocabulary
-    padding no merge reaches (the test models' `<|x123|>`), and lone pieces of
-    multi-byte characters. One batch through the Rust tokenizer when there is
-    one (~1 s for a 128k vocabulary on 2 cores), else one id at a time.
-    """
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx_lm's TokenizerWrapper wraps HF's
-    banned = set(getattr(hf, "all_special_ids", None) or [])
-    banned |= set(getattr(hf, "added_tokens_decoder", None) or {})
-    ids = [i for i in range(len(hf)) if i not in banned]
-    rust: Any = getattr(hf, "_tokenizer", None)
-    if hasattr(rust, "decode_batch") and hasattr(rust, "encode_batch"):
-        texts = rust.decode_batch([[i] for i in ids], skip_special_tokens=False)
-        again = [e.ids for e in rust.encode_batch(texts, add_special_tokens=False)]
-    else:
-        again = [hf.encode(hf.decode([i]), add_special_tokens=False) for i in ids]
-    return [i for i, e in zip(ids, again, strict=True) if list(e) == [i]]
-
-
-def model_from_server(url: str, timeout: float) -> tuple[str, str]:
-    """(a model reference to load the tokenizer from, the served id), from GET /v1/models:
-    the card's `root` (the directory the server loaded, as vLLM names it) when it exists
-    here, else its id (the embedded default's, or a hub id, resolves as such)."""
-    import httpx
-
-    try:
-        resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=min(timeout, 30.0))
-        resp.raise_for_status()
-        card = (resp.json().get("data") or [None])[0]
-    except (httpx.HTTPError, ValueError, AttributeError) as exc:
-        raise SystemExit(f"trio-mlx bench: no --model given and {url}/v1/models failed: {exc}") from None
-    if not isinstance(card, dict) or not isinstance(card.get("id"), str):
-        raise SystemExit(f"trio-mlx bench: {url}/v1/models names no model; pass --model")
-    root = card.get("root")
-    if isinstance(root, str) and Path(root).is_dir():
-        return root, card["id"]
-    return card["id"], card["id"]
 
 
 def warmup_count(args: argparse.Namespace) -> int:
@@ -198,269 +67,6 @@ def levels_and_counts(args: argparse.Namespace) -> list[tuple[int | None, float 
     return out
 
 
-def request_body(args: argparse.Namespace, prompt: Prompt, max_tokens: int, model: str) -> bytes:
-    from ._http import dumps
-
-    body: dict[str, Any] = {
-        "model": model,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        "temperature": args.temperature,
-    }
-    if args.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt.text}]
-    else:
-        body["prompt"] = prompt.text
-    body.update(args.extra_body)
-    return dumps(body)
-
-
-def _proc_cpu(pid: int | None) -> tuple[float, float] | None:
-    """(whole process, main thread) CPU seconds of a local process, from /proc (Linux).
-
-    The process figure comes from /proc/PID/stat (clock ticks, and it keeps
-    the time of threads that have exited), plus that of its running children
-    (a process actor, `--actor process`); the main thread's (the event loop
-    of a trio server) from its schedstat, in nanoseconds, where available.
-    """
-    if pid is None:
-        return None
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def ticks(path: str) -> float:
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-
-    try:
-        total = ticks(f"/proc/{pid}/stat")
-    except OSError:
-        return None
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:  # its parent
-                        total += ticks(f"/proc/{entry}/stat")
-            except (OSError, ValueError, IndexError):
-                pass  # gone meanwhile
-    try:
-        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
-            main_thread = int(f.read().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
-        main_thread = ticks(f"/proc/{pid}/task/{pid}/stat")
-    return total, main_thread
-
-
-async def run_http(
-    args: argparse.Namespace,
-    plan: list[tuple[int | None, float | None, int]],
-    prompts: list[Prompt],
-    warm: Sequence[Prompt] = (),
-    paired: Any = None,
-    on_paired_level: Callable[[dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Run the plan's levels against `args.url`, each on the next prompts; one stats dict each.
-
-    The `warm` prompts go first, all at once with 8 output tokens, unmeasured.
-    With `paired` (a `trio_mlx.actor.ceiling.Ceiling`), each closed-loop level runs on it
-    too, interleaved (`_run_paired_level`), and each of the ceiling's levels
-    goes to `on_paired_level`.
-    """
-    import trio
-
-    from ._http import HttpxClient, RawClient, stream_request
-
-    base = args.url.rstrip("/")
-    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
-    peak = max((c or 0) for c, _, _ in plan) or None
-    client: RawClient | HttpxClient = (
-        HttpxClient(base, peak, args.timeout) if args.client == "httpx" else RawClient(base)
-    )
-    levels: list[dict[str, Any]] = []
-    try:
-        if not args.served_model_name:
-            data = (await client.get_json("/v1/models")).get("data") or []
-            if not data:
-                raise SystemExit(f"{base}/v1/models lists no model; pass --served-model-name")
-            args.served_model_name = str(data[0]["id"])
-        model = args.served_model_name
-        pos = 0
-        async with trio.open_nursery() as nursery:
-            for p in warm:
-                body = request_body(args, p, 8, model)
-                nursery.start_soon(stream_request, client, path, body, 8, args.timeout)
-        for concurrency, rate, n in plan:
-            mine = prompts[pos : pos + n]
-            bodies = [request_body(args, p, args.max_tokens, model) for p in mine]
-            pos += n
-            if paired is not None and concurrency is not None and n >= 2:
-                assert on_paired_level is not None
-                records, duration, client_cpu, srv0, ceiling_level = await _run_paired_level(
-                    client, path, bodies, [p.ids for p in mine], concurrency, args, paired)
-                on_paired_level(ceiling_level)
-            else:
-                cpu0, srv0 = time.process_time(), _proc_cpu(args.server_pid)
-                t0 = time.perf_counter()
-                records = await _run_level(client, path, bodies, concurrency, rate, args)
-                duration = time.perf_counter() - t0
-                client_cpu = time.process_time() - cpu0
-            extra = _cpu_figures(records, client_cpu, srv0, args.server_pid)
-            levels.append(
-                level_stats(
-                    records, duration=duration, concurrency=concurrency, rate=rate, extra=extra
-                )
-            )
-            _print_level(levels[-1], args)
-            if (checkpoint := getattr(args, "checkpoint", None)) is not None:
-                checkpoint(levels)
-    finally:
-        await client.aclose()
-    return levels
-
-
-async def _run_paired_level(
-    client: RawClient | HttpxClient,
-    path: str,
-    bodies: list[bytes],
-    ids: Sequence[Sequence[int]],
-    concurrency: int,
-    args: argparse.Namespace,
-    paired: Any,
-) -> tuple[list[RequestRecord], float, float, tuple[float, float] | None, dict[str, Any]]:
-    """One level on the server and on the ceiling, interleaved so that both see the host
-    at the same moments: its requests split into 2 x R chunks (R = --paired-rounds, fewer
-    where a chunk would hold fewer than `concurrency` requests), each round running
-    ceiling, server, server, ceiling on its two chunks (a host that speeds up or slows
-    down steadily weighs on both alike). Returns the server's records, seconds and
-    client CPU seconds (its runs only), its server CPU at the start, and the ceiling's
-    level."""
-    n = len(bodies)
-    rounds = max(1, min(args.paired_rounds, n // (2 * concurrency)))
-    cut = [n * i // (2 * rounds) for i in range(2 * rounds + 1)]
-    records: list[RequestRecord] = []
-    ceiling: list[RequestRecord] = []
-    duration = client_cpu = ceiling_s = ceiling_cpu = 0.0
-    srv0 = _proc_cpu(args.server_pid)
-    srv_idle = [0.0, 0.0]  # the server's CPU while the ceiling ran (an idle server's housekeeping)
-    for r in range(rounds):
-        a, b, c = cut[2 * r], cut[2 * r + 1], cut[2 * r + 2]
-        for on_server, lo, hi in ((False, a, b), (True, a, b), (True, b, c), (False, b, c)):
-            if on_server:
-                cpu0, t0 = time.process_time(), time.perf_counter()
-                records += await _run_level(client, path, bodies[lo:hi], concurrency, None, args)
-                duration += time.perf_counter() - t0
-                client_cpu += time.process_time() - cpu0
-            else:
-                before = _proc_cpu(args.server_pid)
-                recs, seconds, cpu = run_ceiling_level(paired, ids[lo:hi], concurrency, args.max_tokens)
-                after = _proc_cpu(args.server_pid)
-                if before is not None and after is not None:
-                    srv_idle = [srv_idle[i] + after[i] - before[i] for i in (0, 1)]
-                ceiling += recs
-                ceiling_s += seconds
-                ceiling_cpu += cpu
-    if srv0 is not None:
-        srv0 = (srv0[0] + srv_idle[0], srv0[1] + srv_idle[1])
-    ceiling_level = in_process_level(
-        ceiling, duration=ceiling_s, concurrency=concurrency, cpu_s=ceiling_cpu, cpu_name="client",
-    )  # fmt: skip
-    return records, duration, client_cpu, srv0, ceiling_level
-
-
-async def _run_level(
-    client: RawClient | HttpxClient,
-    path: str,
-    bodies: list[bytes],
-    concurrency: int | None,
-    rate: float | None,
-    args: argparse.Namespace,
-) -> list[RequestRecord]:
-    """Send every body, closed loop (`concurrency` in flight) or Poisson arrivals at `rate`/s."""
-    import trio
-
-    from ._http import stream_request
-
-    records = [RequestRecord() for _ in bodies]
-    bar = LevelBar(level_label(concurrency, rate), len(bodies))
-
-    async def one(i: int) -> None:
-        records[i] = await stream_request(client, path, bodies[i], args.max_tokens, args.timeout)
-        bar.done(records[i].output_tokens)
-
-    with bar:
-        async with trio.open_nursery() as nursery:
-            if concurrency is not None:
-                todo = iter(range(len(bodies)))
-
-                async def worker() -> None:
-                    for i in todo:  # one shared iterator: the closed loop
-                        await one(i)
-
-                for _ in range(min(concurrency, len(bodies))):
-                    nursery.start_soon(worker)
-            else:
-                assert rate is not None
-                rng = random.Random(args.seed + 1)
-                cap = trio.CapacityLimiter(args.max_concurrency or 1_000_000)
-
-                async def capped(i: int) -> None:
-                    async with cap:
-                        await one(i)
-
-                t = trio.current_time()
-                for i in range(len(bodies)):
-                    if math.isfinite(rate):
-                        t += rng.expovariate(rate)
-                        await trio.sleep_until(t)
-                    nursery.start_soon(capped, i)
-    return records
-
-
-def _cpu_figures(
-    records: Sequence[RequestRecord],
-    client_cpu: float,
-    srv0: tuple[float, float] | None,
-    pid: int | None,
-) -> dict[str, Any]:
-    tokens = sum(r.output_tokens for r in records) or 1
-    out: dict[str, Any] = {
-        "client_cpu_s": client_cpu,
-        "client_cpu_us_per_token": client_cpu / tokens * 1e6,
-    }
-    srv1 = _proc_cpu(pid)
-    if srv0 is not None and srv1 is not None:
-        out["server_cpu_s"] = srv1[0] - srv0[0]
-        out["server_cpu_us_per_token"] = (srv1[0] - srv0[0]) / tokens * 1e6
-        out["server_main_thread_cpu_s"] = srv1[1] - srv0[1]
-        out["server_main_thread_cpu_us_per_token"] = (srv1[1] - srv0[1]) / tokens * 1e6
-    return out
-
-
-def _print_level(lv: dict[str, Any], args: argparse.Namespace) -> None:
-    if args.quiet:
-        return
-    where = f"c={lv['concurrency']}" if lv["concurrency"] is not None else f"rate={lv['rate']}/s"
-    if lv.get("ceiling") == "bare":
-        where += " bare"
-    ttft, tpot = lv["ttft_ms"], lv["tpot_ms"]
-
-    def f(x: float | None, spec: str = ".1f") -> str:
-        return "-" if x is None else format(x, spec)
-
-    errs = lv["errors"]
-    line = (
-        f"{where:>10}  {f(lv['output_throughput'])} tok/s  {f(lv['request_throughput'], '.2f')} req/s  "
-        f"TTFT p50 {f(ttft['p50'])} p99 {f(ttft['p99'])} ms  TPOT p50 {f(tpot['p50'], '.2f')} ms  "
-        f"errors {errs['total']}/{lv['requests']}"
-    )
-    if errs["total"]:
-        line += " " + json.dumps(errs["by_reason"])
-    print(line, file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------- CLI
 
 
@@ -481,13 +87,15 @@ def _parser() -> argparse.ArgumentParser:
         "       %(prog)s plot A.json [B.json ...] -o OUT.png\n"
         "       %(prog)s table A.json [B.json ...] [--ceiling C.json] [-o OUT.md]\n"
         "       %(prog)s chat --url URL [options]\n"
-        "       %(prog)s trace SERVER_TRACE [CEILING_TRACE]",
+        "       %(prog)s trace SERVER_TRACE [CEILING_TRACE]\n"
+        "       %(prog)s compare --out DIR --side NAME=COMMAND --side NAME=COMMAND [...] -- [chat] BENCH_ARGS...",
         description="Load-test an OpenAI-compatible endpoint (--url) or the raw ceilings "
         "(--limit: mlx_lm's BatchGenerator and MLX's bare pipelined forward). Also: `trio-mlx bench plot A.json [B.json ...] -o out.png` and "
         "`trio-mlx bench table A.json [B.json ...] [--ceiling C.json]`; multi-turn conversations "
         "with a shared system prompt (the prompt cache's load): `trio-mlx bench chat --url URL`; "
         "step traces (TRIO_MLX_STEP_TRACE) read level by level: `trio-mlx bench trace SERVER_TRACE "
-        "[CEILING_TRACE]`.",
+        "[CEILING_TRACE]`; servers side by side, each started and loaded in turn in rounds of "
+        "alternating order: `trio-mlx bench compare --out DIR --side NAME=COMMAND ... -- BENCH_ARGS`.",
     )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="base URL of the server, e.g. http://127.0.0.1:8080")
@@ -599,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         from ._trace import main as trace_main
 
         return trace_main(argv[1:])
+    if argv and argv[0] == "compare":
+        from ._compare import main as compare_main
+
+        return compare_main(argv[1:], main)
     args = _parser().parse_args(argv)
     if (args.limit or args.engine or args.paired) and args.rate:
         raise SystemExit("trio-mlx bench: --limit/--engine/--paired run the closed loop only (use --concurrency)")
@@ -668,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps({**result, "levels": levels, "partial": True}, indent=1) + "\n")
 
     def level_done(lv: dict[str, Any]) -> None:
-        _print_level(lv, args)
+        print_level(lv, args)
         done.append(lv)
         checkpoint(done)
 
@@ -727,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         import trio
 
         if args.paired:
-            result["levels"] = _run_paired(args, plan, prompts, warm, result)
+            result["levels"] = run_paired(args, plan, prompts, warm, result)
         else:
             result["levels"] = trio.run(run_http, args, plan, prompts, warm)
         result["served_model_name"] = args.served_model_name
@@ -780,45 +392,6 @@ def _physical_record(args: argparse.Namespace, fp: dict[str, Any] | None, device
     gbs = args.bandwidth_gbs if args.bandwidth_gbs is not None else known
     source = "--bandwidth-gbs" if args.bandwidth_gbs is not None else "device table" if known else None
     return {**(fp or {}), "bandwidth_gbs": gbs, "bandwidth_source": source, "device_name": device_name}
-
-
-def _run_paired(
-    args: argparse.Namespace,
-    plan: list[tuple[int | None, float | None, int]],
-    prompts: list[Prompt],
-    warm: Sequence[Prompt],
-    result: dict[str, Any],
-) -> list[dict[str, Any]]:
-    """`--paired`: the server's levels, with the ceiling's interleaved and written to args.paired."""
-    import trio
-
-    from ._limit import CEILING_TRACE_ENV, ceiling_module
-
-    max_batch = args.max_batch or max(c for c, _, _ in plan if c is not None)
-    settings = {"completion_batch_size": max_batch, "prefill_batch_size": args.prefill_batch_size,
-                "prefill_step_size": args.prefill_step_size}  # fmt: skip
-    ceiling_api = ceiling_module()
-    ceiling = ceiling_api.Ceiling(
-        args.model, warmup=[p.ids for p in warm], max_tokens=args.max_tokens, seed=args.seed,
-        cache_limit_gb=trio_mlx.ActorTuning.from_env().cache_limit_gb, trace=os.environ.get(CEILING_TRACE_ENV), **settings)  # fmt: skip
-    levels: list[dict[str, Any]] = []
-    label = f"{args.label} ceiling (paired)" if args.label else "ceiling (paired)"
-    paired = {**result, "label": label, "target": "limit", "paired_with": args.url,
-              "settings": settings, "device": ceiling_api.device_info(), "levels": levels}  # fmt: skip
-
-    def save() -> None:
-        Path(args.paired).write_text(json.dumps(paired, indent=1) + "\n")
-
-    def add(level: dict[str, Any]) -> None:  # saved at once: a run cut short by a time cap keeps it
-        levels.append(level)
-        save()
-
-    try:
-        served = trio.run(run_http, args, plan, prompts, warm, ceiling, add)
-    finally:
-        ceiling.close()
-        save()
-    return served
 
 
 if __name__ == "__main__":

@@ -478,7 +478,7 @@ def _write_tokenizer(
     # 128k of the 1B shape would cost a server's start over a minute: llguidance
     # reads added tokens in quadratic time (its LLTokenizer took 0.04 s with 4k of
     # them, 0.44 s with 16k, 2.0 s with 32k and 73 s with 128k on the 2-core CPU
-    # machine), and the warm-up builds its vocabulary (`actor._actor._warm_grammar`):
+    # machine), and the warm-up builds its vocabulary (`actor._warmup._warm_grammar`):
     # 1.1 s with 16k, 50 s with 128k; with 128k a 1B-shape server took minutes from
     # the start of its warm-up to ready on a GPU host, against ~12 s without them.
     # Beside 16k spelled ids the model samples its tokenizer's own 512 now and then,

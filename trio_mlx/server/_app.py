@@ -33,6 +33,7 @@ from ._asgi import (
     cors_headers,
     drain_body,
     log_refusal,
+    needs_key,
     request_id,
     send_error,
 )
@@ -44,7 +45,7 @@ from ._metrics import Metrics
 from ._pump import Pump
 from ._records import RequestRecord
 from ._request_trace import RequestTrace, request_trace_path
-from ._routes import ROUTES, Route, actor_name, api_under, json_response
+from ._routes import GENERATION_PATHS, ROUTES, Route, actor_name, api_under, json_response
 from ._settings import Settings
 from .openai._serving import Completions
 
@@ -288,7 +289,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.observers = []
     app.pump = Pump(app)
     app.completions = Completions(app, app.pump)
-    app.metrics = Metrics(app)
+    app.metrics = Metrics(app, GENERATION_PATHS)
     app.observers.append(app.metrics.observe)
     app.serving_lock = None
     app.request_trace = None
@@ -328,7 +329,7 @@ def mount(app: TrioMLXApp, routes: Sequence[Route]) -> None:
 
 
 async def authenticate(app: TrioMLXApp) -> None:
-    if request.method != "OPTIONS" and request.path.startswith("/v1/"):
+    if request.method != "OPTIONS" and needs_key(request.path):
         check_api_key(request.headers.get("Authorization"), app.settings.api_key)
 
 

@@ -69,6 +69,12 @@ def _matching(given: str, api_key: str) -> str | None:
     return found
 
 
+def needs_key(path: str) -> bool:
+    """Whether a request to `path` must carry the API key (when the server has one): the API's
+    paths under `/v1/`, not the probes, the metrics or the pages."""
+    return path.startswith("/v1/")
+
+
 def check_api_key(authorization: str | bytes | None, api_key: str | None, *,
                   x_api_key: str | bytes | None = None, accept_x_api_key: bool = False) -> str | None:
     """Raise 401 unless `Authorization: Bearer <key>` names a configured key (when any is

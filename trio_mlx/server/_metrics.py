@@ -14,14 +14,14 @@ one, so several apps in one process (tests) do not collide.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from ._records import GENERATION_PATHS, RequestRecord, ServerHost
+from ._records import RequestRecord, ServerHost
 
 PREFIX = "trio_mlx_"
 STATES = ("starting", "ready", "restarting", "draining", "closed", "broken")
@@ -41,7 +41,9 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.
 class Metrics:
     """The metrics of one app; `render()` is the body of `GET /metrics`."""
 
-    def __init__(self, app: ServerHost):
+    def __init__(self, app: ServerHost, generation_paths: Sequence[str]):
+        """`generation_paths`: the endpoints whose outcomes are counted from the start, at 0
+        (the route table's generating ones, `_routes.GENERATION_PATHS`)."""
         self.registry = reg = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "HTTP requests answered, by endpoint and status "
                                 "(status 'none': the client left before any response)",
@@ -62,7 +64,7 @@ class Metrics:
                                      "requests", ["endpoint"], registry=reg)
         self.completion_tokens = Counter(PREFIX + "completion_tokens", "tokens generated for completed "
                                          "requests", ["endpoint"], registry=reg)
-        for endpoint in GENERATION_PATHS:
+        for endpoint in generation_paths:
             for outcome in OUTCOMES:
                 self.outcomes.labels(endpoint, outcome)
         reg.register(_EngineCollector(app))

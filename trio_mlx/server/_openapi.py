@@ -1,21 +1,49 @@
-"""The OpenAPI 3.1 document of the server (`GET /openapi.json`), made from the pydantic models.
+"""The OpenAPI 3.1 document of the server (`GET /openapi.json`), made from the route table
+and the pydantic models.
 
-Request schemas are the very models that validate requests (`openai/_protocol.py` and the other APIs' `_protocol.py`);
-the response models below exist only to document what the builders emit.
-Built by the app once, in a worker thread, at the first request for it (`_app.py`).
+Its paths, methods and summaries are the route table's documented routes (`_routes.ROUTES`),
+in its order; which need the API key is the app's own rule (`_asgi.needs_key`). What this
+module adds is each route's schemas (`_OPERATIONS`, by the route's path): a documented route
+without them, or schemas for a path the table lacks, fails the document's build.
+Request schemas are the very models that validate requests (`openai/_protocol.py` and the
+other APIs' `_protocol.py`); the response models below exist only to document what the
+builders emit. Built by the app once, in a worker thread, at the first request for it
+(`_routes.openapi`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
+from ._asgi import needs_key
+from ._records import CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, MESSAGES_PATH, RESPONSES_PATH
 from ._settings import Settings
 from .anthropic._protocol import CountTokensRequest, MessagesRequest
 from .openai._protocol import ChatCompletionRequest, CompletionRequest
 from .responses._protocol import ResponsesRequest
+
+if TYPE_CHECKING:
+    from ._wire import WireAPI
+
+
+class DocumentedRoute(Protocol):
+    """A route of the table (`_routes.Route`), as the document reads it."""
+
+    @property
+    def path(self) -> str: ...  # Quart's rule syntax: `/v1/models/<path:model_id>`
+    @property
+    def methods(self) -> tuple[str, ...]: ...
+    @property
+    def summary(self) -> str: ...
+    @property
+    def documented(self) -> bool: ...
+    @property
+    def api(self) -> WireAPI | None: ...
 
 
 class _Doc(BaseModel):
@@ -247,10 +275,8 @@ _SSE_EVENT: dict[str, Any] = {
 }
 
 
-def _completion_op(summary: str, request: type[BaseModel], whole: type[BaseModel],
-                   chunk: type[BaseModel]) -> dict[str, Any]:
-    return {"post": {
-        "summary": summary,
+def _completion_op(request: type[BaseModel], whole: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+    return {
         "requestBody": {"required": True, "content": _json(request)},
         "responses": {
             "200": {"description": f"a {whole.__name__}, or with stream=true server-sent events: "
@@ -258,10 +284,10 @@ def _completion_op(summary: str, request: type[BaseModel], whole: type[BaseModel
                     "content": {**_json(whole), "text/event-stream": {"schema": _SSE_EVENT}}},
             **_errors(400, 401, 403, 404, 413, 415, 429, 500, 503),
         },
-    }}
+    }
 
 
-def _api_op(summary: str, request: type[BaseModel], whole: type[BaseModel], events: str | None,
+def _api_op(request: type[BaseModel], whole: type[BaseModel], events: str | None,
             error: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
     """An endpoint of another API (Anthropic's, the Responses API): `event:` + `data:` events."""
     content = _json(whole)
@@ -269,65 +295,76 @@ def _api_op(summary: str, request: type[BaseModel], whole: type[BaseModel], even
     if events:
         content["text/event-stream"] = {"schema": _SSE_EVENT}
         description += f", or with stream=true server-sent events ({events})"
-    return {"post": {
-        "summary": summary,
+    return {
         "requestBody": {"required": True, "content": _json(request)},
         "responses": {"200": {"description": description, "content": content},
                       **_errors(400, 401, 403, 404, 413, 415, 429, 500, 503, model=error)},
-    }}
+    }
 
 
-def _get(summary: str, model: type[BaseModel], *errors: int, params: list[Any] | None = None) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary,
-                          "responses": {"200": {"description": "OK", "content": _json(model)}, **_errors(*errors)}}
-    if params:
-        op["parameters"] = params
-    return {"get": op}
+def _get(model: type[BaseModel], *errors: int) -> dict[str, Any]:
+    return {"responses": {"200": {"description": "OK", "content": _json(model)}, **_errors(*errors)}}
 
 
-def openapi_document(settings: Settings) -> dict[str, Any]:
+_PROBE: dict[str, Any] = {"responses": {"200": {"description": "OK", "content": _json(Status)},
+                                        "503": {"description": "not OK", "content": _json(Status)}}}
+
+# Each documented route's operation but its summary (the table's), by the route's path.
+_OPERATIONS: dict[str, dict[str, Any]] = {
+    CHAT_PATH: _completion_op(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
+    COMPLETIONS_PATH: _completion_op(CompletionRequest, Completion, Completion),
+    MESSAGES_PATH: _api_op(MessagesRequest, AnthropicMessage,
+                           "message_start, content_block_start/delta/stop, message_delta, message_stop",
+                           AnthropicError),
+    COUNT_TOKENS_PATH: _api_op(CountTokensRequest, MessageTokensCount, None, AnthropicError),
+    RESPONSES_PATH: _api_op(ResponsesRequest, ResponseObject,
+                            "response.created ... response.completed or response.incomplete"),
+    "/v1/models": _get(ModelList, 401),
+    "/v1/models/<path:model_id>": _get(ModelCard, 401, 404),
+    "/health": _PROBE,
+    "/ready": _PROBE,
+    "/health/ready": _PROBE,
+    "/metrics": {"responses": {
+        "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}},
+}
+
+_PARAMETER = re.compile(r"<(?:[^:>]+:)?([^>]+)>")  # a Quart rule's `<converter:name>`
+
+
+def openapi_path(path: str) -> str:
+    """A route's path as OpenAPI writes it: `/v1/models/<path:model_id>` -> `/v1/models/{model_id}`."""
+    return _PARAMETER.sub(r"{\1}", path)
+
+
+def openapi_document(settings: Settings, routes: Sequence[DocumentedRoute]) -> dict[str, Any]:
+    """The document of `routes`' documented ones (the app passes `_routes.ROUTES`)."""
+    documented = [route for route in routes if route.documented]
+    if missing := [r.path for r in documented if r.path not in _OPERATIONS]:
+        raise LookupError(f"documented routes with no schemas in _openapi._OPERATIONS: {missing}")
+    if unrouted := sorted(set(_OPERATIONS) - {r.path for r in documented}):
+        raise LookupError(f"schemas in _openapi._OPERATIONS for no documented route: {unrouted}")
     _, top = models_json_schema([(m, "validation") for m in _MODELS],
                                 ref_template="#/components/schemas/{model}")
-    probe = {"200": {"description": "OK", "content": _json(Status)},
-             "503": {"description": "not OK", "content": _json(Status)}}
-    doc: dict[str, Any] = {
+    schemes: dict[str, Any] = {"bearer": {"type": "http", "scheme": "bearer"},
+                               "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+    paths: dict[str, Any] = {}
+    for route in documented:
+        op: dict[str, Any] = {"summary": route.summary, **_OPERATIONS[route.path]}
+        if names := _PARAMETER.findall(route.path):
+            op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                for n in names]
+        if settings.api_key and needs_key(route.path):
+            op["security"] = [{"bearer": []}]
+            if route.api is not None and route.api.accept_x_api_key:
+                op["security"].append({"x-api-key": []})
+        paths[openapi_path(route.path)] = {m.lower(): op for m in route.methods}
+    components: dict[str, Any] = {"schemas": top.get("$defs", {})}
+    if settings.api_key:
+        components["securitySchemes"] = schemes
+    return {
         "openapi": "3.1.0",
         "info": {"title": "trio_mlx", "version": "0.1.0",
                  "description": f"OpenAI-compatible API serving {settings.served_model_name!r}"},
-        "paths": {
-            "/v1/chat/completions": _completion_op("Chat completion", ChatCompletionRequest, ChatCompletion,
-                                                   ChatCompletionChunk),
-            "/v1/completions": _completion_op("Text completion", CompletionRequest, Completion, Completion),
-            "/v1/messages": _api_op(
-                "Anthropic's Messages API", MessagesRequest, AnthropicMessage,
-                "message_start, content_block_start/delta/stop, message_delta, message_stop",
-                AnthropicError),
-            "/v1/messages/count_tokens": _api_op("Anthropic's token count of a request", CountTokensRequest,
-                                                 MessageTokensCount, None, AnthropicError),
-            "/v1/responses": _api_op(
-                "OpenAI's Responses API (stateless)", ResponsesRequest, ResponseObject,
-                "response.created ... response.completed or response.incomplete"),
-            "/v1/models": _get("The served model", ModelList, 401),
-            "/v1/models/{model}": _get("One model", ModelCard, 401, 404, params=[
-                {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
-            "/health": {"get": {"summary": "Liveness: the GPU actor is alive and stepping or idle",
-                                "responses": probe}},
-            "/ready": {"get": {"summary": "Readiness: the model is loaded and warm, not draining",
-                               "responses": probe}},
-            "/health/ready": {"get": {"summary": "Readiness (alias of /ready)", "responses": probe}},
-            "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format)", "responses": {
-                "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-        },
-        "components": {"schemas": top.get("$defs", {})},
+        "paths": paths,
+        "components": components,
     }
-    if settings.api_key:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        doc["components"]["securitySchemes"]["x-api-key"] = {"type": "apiKey", "in": "header",
-                                                              "name": "x-api-key"}
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
-                     "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
-            for op in doc["paths"][path].values():
-                op["security"] = [{"bearer": []}]
-                if path.startswith("/v1/messages"):
-                    op["security"].append({"x-api-key": []})
-    return doc

@@ -29,8 +29,6 @@ COMPLETIONS_PATH = "/v1/completions"
 MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API (server/anthropic/)
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 RESPONSES_PATH = "/v1/responses"  # OpenAI's Responses API (server/responses/)
-# The endpoints that generate, whose records carry tokens and timings.
-GENERATION_PATHS = (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, RESPONSES_PATH)
 
 
 @dataclass(slots=True)

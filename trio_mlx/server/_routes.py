@@ -3,9 +3,12 @@
 The app's dispatch is built from it (`TrioMLXApp`, `server/_app.py`): a route marked `asgi`
 is served on raw ASGI before Quart sees the request (the generation endpoints: their handler
 answers its own methods, OPTIONS and errors, in its API's shape); every other route becomes
-a Quart route. The JSON index at `GET /` is the table's `listed` paths, in its order. A new
-endpoint is one entry here; tests/unit/test_routes.py checks that every route is served and
-that the index holds the listed ones and nothing else.
+a Quart route. The JSON index at `GET /` is the table's `listed` paths, in its order; the
+OpenAPI document (`_openapi.py`) describes its `documented` ones, under their summaries; the
+metrics count the outcomes of its `generates` ones from the start (`GENERATION_PATHS`). A new
+endpoint is one entry here (and, if documented, its schemas in `_openapi.py`);
+tests/unit/test_routes.py checks that every route is served and that the index and the
+OpenAPI document hold the table's paths and nothing else.
 
 Handlers are module functions of the app: a Quart route's takes `(app, **its path's
 parameters)` and returns a Response; a raw one takes `(app, scope, receive, send)`.
@@ -58,6 +61,8 @@ class Route:
     summary: str  # what it is, in a line
     asgi: bool = False  # served on raw ASGI, before Quart
     listed: bool = True  # in the index at `/`
+    documented: bool = True  # in the OpenAPI document (`_openapi.py`): the API, not the pages
+    generates: bool = False  # generates tokens: its requests' records carry tokens and timings
     api: WireAPI | None = None  # the API whose shape its errors take (`_wire.py`); None: OpenAI's
 
 
@@ -69,13 +74,13 @@ async def completions(app: RouteHost, scope: Scope, receive: Receive, send: Send
     await app.completions(scope, receive, send)
 
 
-def wire(path: str, api: WireAPI, summary: str) -> Route:
+def wire(path: str, api: WireAPI, summary: str, *, generates: bool = True) -> Route:
     """The route of another API's endpoint, on the shared machinery (`_wire.py`)."""
 
     async def handler(app: RouteHost, scope: Scope, receive: Receive, send: Send) -> None:
         await serve_api(app.pump, api, scope, receive, send)
 
-    return Route(path, POST, handler, summary, asgi=True, api=api)
+    return Route(path, POST, handler, summary, asgi=True, generates=generates, api=api)
 
 
 # ------------------------------------------------------------------------- models and probes
@@ -171,7 +176,7 @@ def _openapi_document(app: RouteHost) -> dict[str, Any]:
     """The OpenAPI document (`_openapi.py`, imported only when asked for)."""
     from . import _openapi
 
-    return _openapi.openapi_document(app.settings)
+    return _openapi.openapi_document(app.settings, ROUTES)
 
 
 async def index(app: RouteHost) -> Response:
@@ -187,10 +192,10 @@ async def index(app: RouteHost) -> Response:
 # ----------------------------------------------------------------------------------- the table
 
 ROUTES: tuple[Route, ...] = (
-    Route(CHAT_PATH, POST, completions, "OpenAI's Chat Completions", asgi=True),
-    Route(COMPLETIONS_PATH, POST, completions, "OpenAI's (text) Completions", asgi=True),
+    Route(CHAT_PATH, POST, completions, "OpenAI's Chat Completions", asgi=True, generates=True),
+    Route(COMPLETIONS_PATH, POST, completions, "OpenAI's (text) Completions", asgi=True, generates=True),
     wire(MESSAGES_PATH, MessagesAPI(), "Anthropic's Messages API"),
-    wire(COUNT_TOKENS_PATH, CountTokensAPI(), "Anthropic's token count of a request"),
+    wire(COUNT_TOKENS_PATH, CountTokensAPI(), "Anthropic's token count of a request", generates=False),
     wire(RESPONSES_PATH, ResponsesAPI(), "OpenAI's Responses API (stateless)"),
     Route("/v1/models", GET, list_models, "The served model"),
     Route("/v1/models/<path:model_id>", GET, get_model, "One model", listed=False),
@@ -198,14 +203,17 @@ ROUTES: tuple[Route, ...] = (
     Route("/ready", GET, ready, "Readiness: the model is loaded and warm, not draining"),
     Route("/health/ready", GET, ready, "Readiness (alias of /ready)", listed=False),
     Route("/metrics", GET, metrics, "Prometheus metrics (text exposition format)"),
-    Route("/openapi.json", GET, openapi, "This API's OpenAPI document"),
-    Route("/docs", GET, _pages.docs, "Swagger UI over /openapi.json"),
-    Route("/", GET, index, "This index (JSON), or the chat page for browsers", listed=False),
-    Route("/static/<path:name>", GET, _pages.static_file, "The chat page's files", listed=False),
-    Route("/docs/assets/<path:name>", GET, _pages.docs_asset, "Swagger UI's files", listed=False),
+    Route("/openapi.json", GET, openapi, "This API's OpenAPI document", documented=False),
+    Route("/docs", GET, _pages.docs, "Swagger UI over /openapi.json", documented=False),
+    Route("/", GET, index, "This index (JSON), or the chat page for browsers", listed=False, documented=False),
+    Route("/static/<path:name>", GET, _pages.static_file, "The chat page's files", listed=False,
+          documented=False),
+    Route("/docs/assets/<path:name>", GET, _pages.docs_asset, "Swagger UI's files", listed=False,
+          documented=False),
 )
 
 INDEX = [route.path for route in ROUTES if route.listed]
+GENERATION_PATHS = tuple(route.path for route in ROUTES if route.generates)
 # The other APIs' endpoints by path: a path under one of them takes its error shape (`api_under`).
 WIRE_APIS = {route.path: route.api for route in ROUTES if route.api is not None}
 
