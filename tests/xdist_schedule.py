@@ -21,7 +21,7 @@ from xdist.scheduler import LoadFileScheduling
 # Seconds a test takes, by node id prefix (the longest prefix that matches wins), from
 # `pytest --durations` on the 2-core dev machine with two workers.
 COST = {
-    "tests/system/test_process_exit.py": 40,
+    "tests/system/test_process_exit.py": 20,
     "tests/system/test_soak.py": 36,
     "tests/system/test_distributed.py": 4,  # the module's group of ranks: ~30 s once
     "tests/system/test_distributed.py::test_a_follower_that_dies_or_hangs": 24,
