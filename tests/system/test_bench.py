@@ -178,3 +178,25 @@ def test_paired_mode_interleaves_the_ceiling_with_the_server(
         [("ceiling", 3), ("server", 3), ("server", 3), ("ceiling", 3)]
     for res in (json.loads(out.read_text()), json.loads(ceiling.read_text())):
         assert [(lv["requests"], lv["completed"]) for lv in res["levels"]] == [(6, 6), (6, 6)]
+    # --ceiling bare: the bare forward's waves of c rows take the ceiling's turns instead
+    bare = _bench_limit.Ceiling.bare
+    waves: list[int] = []
+
+    def logged_bare(self: Any, prompts: Any, max_tokens: int) -> Any:
+        waves.append(len(prompts))
+        return bare(self, prompts, max_tokens)
+
+    monkeypatch.setattr(_bench_limit.Ceiling, "bare", logged_bare)
+    order.clear()
+    rc = _bench.main(
+        ["--url", mlx_lm_server, "--paired", str(ceiling), "--ceiling", "bare", "--model", str(tiny_model),
+         "--served-model-name", "default_model", "--concurrency", "1,2", "--requests-per-level", "4",
+         "--prompt-tokens", "24", "--max-tokens", "8", "--warmup", "2", "--out", str(out), "--quiet",
+         "--timeout", "30"]
+    )  # fmt: skip
+    assert rc == 0
+    assert [o for o in order if o[0] == "ceiling"] == []  # no BatchGenerator ran
+    assert waves == [1, 1, 1, 1, 2, 2]  # c=1: a wave per request; c=2: one of two per chunk
+    lim = json.loads(ceiling.read_text())
+    assert [(lv["ceiling"], lv["completed"], lv["output_tokens"]) for lv in lim["levels"]] == [
+        ("bare", 4, 32), ("bare", 4, 32)]

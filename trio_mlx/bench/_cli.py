@@ -157,7 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     lim.add_argument("--ceiling", choices=("both", "bare", "batchgenerator"), default="both",
                      help="which ceilings --limit measures, level by level on the same model: mlx_lm's "
                      "BatchGenerator in a closed loop, MLX's bare pipelined decode forward (one wave of "
-                     "c rows over plain KV caches), or both (default)")  # fmt: skip
+                     "c rows over plain KV caches), or both (default); with --paired, the one it "
+                     "interleaves (default: the BatchGenerator; bare: waves of c rows, one after another)")  # fmt: skip
     p.add_argument("--bandwidth-gbs", type=float, metavar="GB/S",
                    help="the device's memory bandwidth, for each level's fraction of the physical limit "
                    "(bytes a decode step reads over it); default: by MLX's device name where known "
@@ -218,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("trio-mlx bench: --paired-rounds must be at least 1")
     if args.paired and not args.url:
         raise SystemExit("trio-mlx bench: --paired pairs a server (--url) with the ceiling")
-    if args.ceiling != "both" and not args.limit:
-        raise SystemExit("trio-mlx bench: --ceiling picks what --limit measures (--paired: the BatchGenerator)")
+    if args.ceiling != "both" and not (args.limit or args.paired):
+        raise SystemExit("trio-mlx bench: --ceiling picks what --limit or --paired measures")
+    if args.paired and args.ceiling == "both":
+        args.ceiling = "batchgenerator"  # --paired interleaves one ceiling with the server
     if args.bandwidth_gbs is not None and args.bandwidth_gbs <= 0:
         raise SystemExit("trio-mlx bench: --bandwidth-gbs must be positive")
     if args.limit and args.endpoint == "chat":

@@ -48,6 +48,28 @@ def ceiling_level(ceiling: Any, prompts: Sequence[Sequence[int]], concurrency: i
     return records, seconds, cpu
 
 
+def bare_waves(ceiling: Any, prompts: Sequence[Sequence[int]], concurrency: int,
+               max_tokens: int) -> tuple[list[RequestRecord], float, float]:
+    """`prompts` through the bare forward in waves of `concurrency` rows, one after another
+    (a closed loop's shape without its overlap: each wave starts when the last ends), as
+    `ceiling_level` returns a closed loop's: (records, seconds, CPU seconds)."""
+    records: list[RequestRecord] = []
+    seconds = cpu = 0.0
+    for lo in range(0, len(prompts), concurrency):
+        rows = prompts[lo : lo + concurrency]
+        wave = ceiling.bare(rows, max_tokens)
+        times = [wave["ttft"], *wave["token_times"]]
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        for _ in rows:
+            r = RequestRecord(ttft=wave["ttft"], e2e=times[-1], output_tokens=max_tokens, events=max_tokens,
+                              itl=list(gaps), finish_reason="length")  # fmt: skip
+            check_length(r, max_tokens)
+            records.append(r)
+        seconds += times[-1]
+        cpu += wave["cpu_s"]
+    return records, seconds, cpu
+
+
 def bare_level(ceiling: Any, prompts: Sequence[Sequence[int]], concurrency: int,
                max_tokens: int) -> dict[str, Any]:
     """The bare forward's level at `concurrency`: one wave of its first `concurrency` prompts

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio_mlx
 
+from ._limit import bare_waves
 from ._limit import ceiling_level as run_ceiling_level
 from ._progress import LevelBar, level_label
 from ._prompts import Prompt
@@ -184,7 +185,8 @@ async def _run_paired_level(
                 client_cpu += time.process_time() - cpu0
             else:
                 before = _proc_cpu(args.server_pid)
-                recs, seconds, cpu = run_ceiling_level(paired, ids[lo:hi], concurrency, args.max_tokens)
+                run = bare_waves if paired.bg is None else run_ceiling_level
+                recs, seconds, cpu = run(paired, ids[lo:hi], concurrency, args.max_tokens)
                 after = _proc_cpu(args.server_pid)
                 if before is not None and after is not None:
                     srv_idle = [srv_idle[i] + after[i] - before[i] for i in (0, 1)]
@@ -196,6 +198,7 @@ async def _run_paired_level(
     ceiling_level = in_process_level(
         ceiling, duration=ceiling_s, concurrency=concurrency, cpu_s=ceiling_cpu, cpu_name="client",
     )  # fmt: skip
+    ceiling_level["ceiling"] = "bare" if paired.bg is None else "batchgenerator"
     return records, duration, client_cpu, srv0, ceiling_level
 
 
@@ -308,7 +311,8 @@ def run_paired(
     ceiling_api = ceiling_module()
     ceiling = ceiling_api.Ceiling(
         args.model, warmup=[p.ids for p in warm], max_tokens=args.max_tokens, seed=args.seed,
-        cache_limit_gb=trio_mlx.ActorTuning.from_env().cache_limit_gb, trace=os.environ.get(CEILING_TRACE_ENV), **settings)  # fmt: skip
+        cache_limit_gb=trio_mlx.ActorTuning.from_env().cache_limit_gb, trace=os.environ.get(CEILING_TRACE_ENV),
+        batch_generator=args.ceiling != "bare", **settings)  # fmt: skip
     levels: list[dict[str, Any]] = []
     label = f"{args.label} ceiling (paired)" if args.label else "ceiling (paired)"
     paired = {**result, "label": label, "target": "limit", "paired_with": args.url,
