@@ -163,3 +163,19 @@ def _chi2_limit(df: int, z: float = 3.29) -> float:
     """The chi-square statistic exceeded with probability ~5e-4 (Wilson-Hilferty)."""
     a = 2.0 / (9.0 * df)
     return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def test_the_tuning_names_one_speculation_and_checks_it():
+    from trio_mlx import ActorTuning
+
+    assert ActorTuning().speculation is None
+    assert ActorTuning(speculative="ngram").speculation == "ngram"
+    assert ActorTuning(speculative="ngram").draft_tokens == 8
+    assert ActorTuning(draft_model="/m").speculation == "draft"  # implied by the draft model
+    assert ActorTuning(draft_model="/m", num_draft_tokens=2).draft_tokens == 2
+    assert ActorTuning(speculative="draft", draft_model="/m").draft_tokens == 4
+    for bad in (dict(speculative="eagle"), dict(speculative="draft"), dict(speculative="ngram", draft_model="/m"),
+                dict(num_draft_tokens=0), dict(num_draft_tokens=65), dict(ngram_size=0),
+                dict(speculative="ngram", decode_step="mlx")):
+        with pytest.raises(ValueError):
+            ActorTuning(**bad)  # type: ignore[arg-type]
