@@ -263,3 +263,80 @@ def _fields(sp: SamplingParams) -> dict[str, Any]:
     import dataclasses
 
     return {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}
+
+
+# -- a draft model ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random model of the same shape and tokenizer as the tiny one, other weights: it
+    drafts what the target almost never makes."""
+    from trio_mlx.models import _models
+
+    return _models.build_test_model(tmp_path_factory.mktemp("draft") / "model", dtype="float32", seed=1)
+
+
+@pytest.mark.parametrize("sp", [GREEDY, EVERYTHING], ids=["greedy", "penalties-logprobs"])
+def test_a_draft_model_keeps_outputs_a_copy_of_the_target_is_always_right_and_another_seldom(
+        tiny_model_fp32, other_draft, sp):
+    base = _one(tiny_model_fp32, sp, 60)
+    same = _one(tiny_model_fp32, sp, 60, draft_model=str(tiny_model_fp32))
+    other = _one(tiny_model_fp32, sp, 60, draft_model=str(other_draft))
+    assert same.tokens[1] == other.tokens[1] == base.tokens[1]
+    if sp.logprobs:
+        for run in (same, other):
+            for (a, _), (b, _) in zip(run.logprobs[1], base.logprobs[1], strict=True):
+                assert a == pytest.approx(b, abs=1e-4)
+    if sp.greedy:  # the copy drafts the target's own argmax: every draft kept, K+1 tokens a step
+        assert sum(d for _, d, _ in same.speculated) == sum(a for _, _, a in same.speculated) > 40
+        assert same.steps < base.steps // 3
+    drafted = sum(d for _, d, _ in other.speculated)
+    assert sum(a for _, _, a in other.speculated) <= drafted // 4
+    assert drafted < 60 * 4 // 2  # the policy stopped it for a while
+
+
+def test_the_draft_models_kv_is_trimmed_to_the_rows_tokens(tiny_model_fp32, other_draft):
+    """Mid-generation, the draft model's cache for the row holds exactly the keys and values a
+    fresh forward of the row's tokens gives, however many of its drafts were rejected."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from trio_mlx import models
+
+    actor = _actor(tiny_model_fp32, draft_model=str(other_draft), num_draft_tokens=3)
+    run = _serve(actor, {0: [Submit(1, PROMPT, 60, SamplingParams(temperature=1.0, seed=5), frozenset())]}, steps=5)
+    assert run.speculated and len(run.tokens[1]) < 60
+    batch: Any = actor._bg._generation_batch  # type: ignore[union-attr]
+    state = batch.samplers[0].spec.draft
+    held = batch.tokens[0][: state.held]
+    assert len(PROMPT) < state.held <= len(batch.tokens[0])  # at most what the row's own KV holds
+    model, _ = models.load_model(other_draft)
+    fresh = make_prompt_cache(model)
+    model(mx.array(held)[None], cache=fresh)
+    for a, b in zip(state.cache, fresh, strict=True):
+        assert a.offset == b.offset == len(held)
+        assert np.allclose(np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]), atol=1e-4)
+        assert np.allclose(np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]), atol=1e-4)
+
+
+async def test_an_engine_with_a_draft_model_serves_the_same_text_and_counts_its_drafts(tiny_model_fp32, embedded_model):
+    import trio_mlx
+
+    async def answer(**options: Any) -> tuple[str, Any]:
+        async with trio_mlx.open_engine(tiny_model_fp32, warmup=False, **options) as engine:
+            async with engine.generate("The quick brown fox", max_tokens=24, temperature=0.0,
+                                       ignore_eos=True) as events:
+                text = ""
+                async for ev in events:
+                    if isinstance(ev, trio_mlx.TextDelta):
+                        text += ev.text
+                    else:
+                        return text, ev.usage
+        raise AssertionError("no Finished")
+
+    plain, usage = await answer()
+    assert usage.draft_tokens == 0
+    drafted, usage = await answer(draft_model=str(tiny_model_fp32), num_draft_tokens=3)
+    assert drafted == plain and usage.accepted_draft_tokens == usage.draft_tokens > 0
+    with pytest.raises(trio_mlx.ModelLoadError, match="another tokenizer"):
+        await answer(draft_model=str(embedded_model))
