@@ -31,6 +31,7 @@ from trio_mlx.actor import (
     _drafting,
 )
 from trio_mlx.actor._actor import Actor
+from trio_mlx.actor._batch import batch_rows
 from trio_mlx.actor._decode import Decoder, DecodeRow
 from trio_mlx.actor._drafting import Proposal
 
@@ -63,6 +64,7 @@ class Run:
         self.speculated: list[tuple[int, int, int]] = []
         self.spec_steps: list[int] = []  # the steps that were speculative
         self.last: dict[int, int] = {}  # the step each rid's last token came in
+        self.rows: list[int] = []  # the decoding batch's rows after each step
         self.steps = 0
 
 
@@ -82,6 +84,7 @@ def _serve(actor: Actor, script: dict[int, list[Any]], steps: int = 200) -> Run:
                 run.reasons[t.rid] = t.finish_reason
         run.speculated += report.speculated
         run.spec_steps += [k] * len(report.speculated)
+        run.rows.append(batch_rows(actor._bg))
         run.steps = k + 1
         if k >= max(script, default=0) and not actor._seqs:
             break
@@ -208,14 +211,16 @@ def test_an_abort_between_speculative_steps_ends_the_row(tiny_model_fp32, monkey
 
 def test_two_rows_do_not_speculate_and_a_row_left_alone_does(tiny_model_fp32):
     """Two greedy rows on repeating prompts: no speculative step while both decode; once the
-    short one's row has left, the other speculates. Both outputs are mlx_lm's."""
+    short one has ended, its row leaves at the next step (not after retire_steps), and the
+    other speculates. Both outputs are what each makes alone."""
     short, long = Submit(1, REPEATING, 8, GREEDY, frozenset()), Submit(2, REPEATING[1:], 60, GREEDY, frozenset())
     alone = {rid: _one(tiny_model_fp32, GREEDY, s.max_tokens, s.prompt).tokens[1] for rid, s in ((1, short), (2, long))}
-    actor = _actor(tiny_model_fp32, speculative="ngram", retire_steps=0)
+    actor = _actor(tiny_model_fp32, speculative="ngram")
     run = _serve(actor, {0: [short, long]})
     assert run.tokens[1] == alone[1] and run.tokens[2] == alone[2]
     assert run.speculated and all(rid == 2 for rid, _, _ in run.speculated)
     assert min(run.spec_steps) > run.last[1]  # none while both decoded
+    assert run.rows[run.last[1]] == 2 and run.rows[run.last[1] + 1] == 1
 
 
 def test_a_constrained_row_does_not_speculate_and_stays_valid(tiny_model_fp32):

@@ -462,7 +462,9 @@ class Actor:
         assert self._bg is not None
         subs = admission.due(now, schedule.decoding, schedule.prefilling)
         aborted = bool(removes)
-        removes.extend(schedule.leaving(bool(removes or subs)))
+        # A lone live row speculates only once finished rows are out of its batch (`_drafting.py`).
+        lone = self._drafter is not None and len(schedule.seqs) == schedule.decoding == 1
+        removes.extend(schedule.leaving(bool(removes or subs) or lone))
         if removes:
             self._reuse.leaving(self._bg, removes)  # finished rows' KV, before it goes
             remove_rows(self._bg, removes)
