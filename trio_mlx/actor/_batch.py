@@ -11,7 +11,9 @@ just started decoding (`first_tokens`), or move KV at the device's copy rate
 where mlx-lm gathers it (a removal's kept rows, `take_rows`; a right-padded
 group's roll, `roll_right`; a finished group handed to decoding, `_split`), or
 take the decode step over (`own_decode`: one forward over the decoding batch,
-then the actor's own batched sampling, `_decode.Decoder`).
+then the actor's own batched sampling, `_decode.Decoder`), or give a lone row a
+speculative step (`_speculative_step`: one forward over its drafts, its KV trimmed
+past the rejected ones).
 Each helper names the private attribute it
 relies on; tests/integration/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
 upgrade that changes one fails there first.
