@@ -267,6 +267,8 @@ class Actor:
             if not plain_kv(draft):
                 raise ValueError(f"the draft model at {path} needs a plain KV cache per layer")
             log.info("loaded the draft model %s in %.2f s", path, time.perf_counter() - t0)
+        log.info("speculative decoding: %s, up to %d drafted tokens a step, for a sequence decoding alone",
+                 "prompt lookup" if draft is None else "a draft model", tuning.draft_tokens)
         return Drafter(tuning.draft_tokens, tuning.ngram_size, draft, self._vocab, tuning.prefill_step)
 
     def _open_cache(self) -> None:
