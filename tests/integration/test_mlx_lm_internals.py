@@ -641,3 +641,31 @@ def test_a_dropped_generator_with_the_owned_step_is_freed_without_the_cyclic_col
         assert batch() is None
     finally:
         gc.enable()
+
+
+def test_trimming_a_one_row_batch_cache_is_as_if_the_trimmed_tokens_never_went_in(tiny_model_fp32):
+    """`_batch._speculative_step` trims a lone row's `BatchKVCache` past its rejected drafts
+    (`trim`: `_idx` and `offset` back by n; the next tokens written over the stale ones):
+    the logits and the KV after are those of a cache that never held the rejected tokens."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, _ = _models.load_model(tiny_model_fp32)
+    layers = len(model.layers)
+    prompt, kept, rejected, then = [5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15]
+    spec = [BatchKVCache([0]) for _ in range(layers)]
+    model(mx.array([prompt]), cache=spec)
+    model(mx.array([kept + rejected]), cache=spec)
+    for c in spec:
+        c.trim(len(rejected))
+    plain = [BatchKVCache([0]) for _ in range(layers)]
+    model(mx.array([prompt]), cache=plain)
+    model(mx.array([kept]), cache=plain)
+    a, b = model(mx.array([then]), cache=spec), model(mx.array([then]), cache=plain)
+    assert np.allclose(np.array(a), np.array(b), atol=1e-5)
+    for x, y in zip(spec, plain, strict=True):
+        assert x._idx == y._idx and x.offset.tolist() == y.offset.tolist()
+        kx, _ = x.keys_and_values()
+        ky, _ = y.keys_and_values()
+        assert np.allclose(np.array(kx), np.array(ky), atol=1e-5)

@@ -27,9 +27,10 @@ from trio_mlx.actor import (
 from trio_mlx.actor._actor import Actor
 
 
-def _loaded(path: Path, gpu: bool, retire_steps: int = 16, decode_step: str = "owned") -> Actor:
+def _loaded(path: Path, gpu: bool, retire_steps: int = 16, decode_step: str = "owned", **tuning: Any) -> Actor:
     config = ActorConfig(model_path=path, tuning=ActorTuning(prefill_batch=2, admit_window=0.02,
-                                                             retire_steps=retire_steps, decode_step=decode_step))
+                                                             retire_steps=retire_steps, decode_step=decode_step,
+                                                             **tuning))
     actor = Actor(config, link=None)  # type: ignore[arg-type]
     actor._load()
     actor._gpu = gpu
@@ -164,6 +165,28 @@ def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits, 
     cold = _loaded(tiny_model_fp32, gpu=False)
     prompt = tuple(range(5, 25))
     assert _greedy(warmed, prompt, 12) == _greedy(cold, prompt, 12)
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_with_speculation_the_rehearsal_verifies_greedy_and_sampled_rows(tiny_model_fp32, visits, monkeypatch, mode):
+    """A lone greedy row and a lone seeded row with every sampling option take speculative
+    steps in the rehearsal: the verifier's kernels are built before ready."""
+    from trio_mlx.actor._decode import Decoder
+
+    verified: list[Any] = []
+    real = Decoder.verify
+
+    def spy(self: Any, logits: Any, row: Any, drafts: Any) -> Any:
+        verified.append(row.sampling)
+        return real(self, logits, row, drafts)
+
+    monkeypatch.setattr(Decoder, "verify", spy)
+    options = {"speculative": "ngram"} if mode == "ngram" else {"draft_model": str(tiny_model_fp32)}
+    actor = _loaded(tiny_model_fp32, gpu=True, **options)
+    actor._warmup()
+    assert any(sp.greedy for sp in verified)
+    assert any(sp.seed is not None and sp.logprobs and sp.repetition_penalty != 1.0 for sp in verified)
+    assert not actor._seqs and actor._bg is not None and not actor._bg._generation_batch.uids
 
 
 def test_the_cpu_warm_up_is_one_short_sequence(tiny_model_fp32, visits):

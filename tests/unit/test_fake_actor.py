@@ -92,3 +92,58 @@ async def test_concurrent_requests_each_get_their_own_continuation(tiny_model_fp
                     nursery.start_soon(one, i)
     for i, (prompt, ids) in results.items():
         assert ids == FakeActor.continuation(prompt, 5 + i)
+
+
+async def test_several_tokens_of_a_request_in_one_step_each_meet_the_finish_rule(tiny_model_fp32):
+    """A step that brings a request several tokens (speculative decoding keeps drafts): the
+    stream takes them in order, max_tokens ends it at its exact count, and its usage and the
+    engine's statistics count the drafted and kept tokens."""
+    async with trio_mlx.open_engine(tiny_model_fp32, actor=fake(tokens_per_step=4)) as engine:
+        async with engine.generate("The quick brown fox", max_tokens=10, ignore_eos=True) as events:
+            prompt = list(events.prompt_tokens)
+            ids, text, fin = await collect(events)
+        stats = engine.statistics()
+    assert ids == FakeActor.continuation(prompt, 10) and text == engine.tokenizer.decode(ids)
+    assert fin.finish_reason == "length" and fin.usage.completion_tokens == 10
+    # steps of 4, 4, 2 tokens: 3 drafted each, 3 + 3 + 1 kept
+    assert (fin.usage.draft_tokens, fin.usage.accepted_draft_tokens) == (9, 7)
+    assert (stats.draft_tokens, stats.accepted_draft_tokens) == (9, 7)
+
+
+async def test_a_stop_string_inside_one_steps_tokens_ends_the_text_before_it(tiny_model_fp32):
+    async with trio_mlx.open_engine(tiny_model_fp32, actor=fake(tokens_per_step=6)) as engine:
+        async with engine.generate("abc", max_tokens=40, ignore_eos=True) as events:
+            prompt = list(events.prompt_tokens)
+        ids = FakeActor.continuation(prompt, 40)
+        full = engine.tokenizer.decode(ids)
+        stop = full[10:13]
+        assert stop and full.index(stop) == 10
+        async with engine.generate("abc", max_tokens=40, ignore_eos=True, stop=[stop]) as events:
+            got, text, fin = await collect(events)
+        async with engine.generate("abc", max_tokens=40, stop_token_ids=[ids[8]]) as events:
+            stopped, _, by_token = await collect(events)
+    assert fin.finish_reason == "stop" and fin.stop == stop and text == full[:10]
+    assert len(got) < 40 and fin.usage.completion_tokens == len(got)
+    assert by_token.finish_reason == "stop" and by_token.stop == ids[8] and by_token.usage.completion_tokens == 9
+    assert stopped == ids[:9]
+
+
+async def test_openai_usage_and_metrics_report_drafted_and_kept_tokens(tiny_model_fp32):
+    """A completion's usage says, as OpenAI reports predicted outputs, how many drafted tokens
+    its completion kept and how many it did not; /metrics counts both over the server's life.
+    A request without drafts has no completion_tokens_details."""
+    from app_server import engine_factory, serve
+
+    async with serve(tiny_model_fp32, factory=engine_factory(actor=fake(tokens_per_step=4))) as server, \
+            server.client() as client:
+        body = {"prompt": "abc", "max_tokens": 10, "ignore_eos": True}
+        r = await client.post("/v1/completions", json=body)
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] == 10
+        assert usage["completion_tokens_details"] == {"accepted_prediction_tokens": 7, "rejected_prediction_tokens": 2}
+        metrics = (await client.get("/metrics")).text
+    assert "trio_mlx_draft_tokens_total 9.0" in metrics
+    assert "trio_mlx_accepted_draft_tokens_total 7.0" in metrics
+    async with serve(tiny_model_fp32, factory=engine_factory(actor=FakeActor)) as server, server.client() as client:
+        r = await client.post("/v1/completions", json=body)
+        assert "completion_tokens_details" not in r.json()["usage"]

@@ -53,6 +53,7 @@ from ._batch import (
 )
 from ._constrain import GrammarProcessor, model_vocab
 from ._decode import Decoder, DecodeRow
+from ._drafting import Drafter
 from ._link import ActorLink
 from ._prompt_cache import PromptCache, budget
 from ._protocol import (
@@ -164,6 +165,8 @@ class Actor:
         self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
         self._reuse = Reuse(PromptCache(0))  # the prompt cache, off until warm (`_open_cache`)
         self._cached: list[tuple[int, int]] = []  # (rid, prompt tokens from the cache) this step
+        self._spec_counts: list[tuple[int, int, int]] = []  # (rid, drafted, kept) this step (`_speculated`)
+        self._drafter: Drafter | None = None  # speculative decoding's drafts (`_drafting.py`); set in _load
 
     # The schedule's table under the names tests and probes read it by.
     @property
@@ -234,6 +237,7 @@ class Actor:
         self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
         self._grid = prefill_grid() and plain_kv(self._model)
         self._budget = prefill_budget(self.config.tuning.prefill_budget)
+        self._drafter = self._load_drafter()
         self._bg = self._new_generator()
         release = self.config.tuning.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
@@ -242,6 +246,30 @@ class Actor:
     def _load_weights(self) -> tuple[Any, dict[str, Any]]:
         """(model, config); a distributed rank loads its shard instead (`_distributed.py`)."""
         return models.load_model(self.config.model_path)
+
+    def _load_drafter(self) -> Drafter | None:
+        """Speculative decoding's drafter, if the tuning asks for one (`_drafting.py`), with
+        its draft model loaded. Both models' caches must be plain KV caches (`plain_kv`):
+        a rejected draft's KV is trimmed off, which a rotating or state-space cache cannot do."""
+        tuning = self.config.tuning
+        mode = tuning.speculation
+        if mode is None:
+            return None
+        if not plain_kv(self._model):
+            raise ValueError("speculative decoding needs a model whose cache is a plain KV cache per layer "
+                             "(rejected drafts are trimmed off it)")
+        draft = None
+        if mode == "draft":
+            path = self.config.draft_model_path or tuning.draft_model
+            assert path is not None
+            t0 = time.perf_counter()
+            draft, _ = models.load_model(Path(path))
+            if not plain_kv(draft):
+                raise ValueError(f"the draft model at {path} needs a plain KV cache per layer")
+            log.info("loaded the draft model %s in %.2f s", path, time.perf_counter() - t0)
+        log.info("speculative decoding: %s, up to %d drafted tokens a step, for a sequence decoding alone",
+                 "prompt lookup" if draft is None else "a draft model", tuning.draft_tokens)
+        return Drafter(tuning.draft_tokens, tuning.ngram_size, draft, self._vocab, tuning.prefill_step)
 
     def _open_cache(self) -> None:
         """A fresh, empty prompt cache (`_prompt_cache.py`): once warm, and for the
@@ -290,7 +318,7 @@ class Actor:
         )
         move_whole_groups(bg)
         if self._owned:
-            self._decoder = Decoder()
+            self._decoder = Decoder(self._drafter)
             own_decode(bg, self._decoder)
         return bg
 
@@ -328,6 +356,7 @@ class Actor:
         finally:
             self._bg = None
             self._decoder = None  # its plan holds the batch's per-row arrays
+            self._drafter = None  # the draft model's weights
             self._model = None
             heap.thaw()  # the model's cycles, frozen at startup, can go now
             gc.collect()
@@ -435,7 +464,9 @@ class Actor:
         assert self._bg is not None
         subs = admission.due(now, schedule.decoding, schedule.prefilling)
         aborted = bool(removes)
-        removes.extend(schedule.leaving(bool(removes or subs)))
+        # A lone live row speculates only once finished rows are out of its batch (`_drafting.py`).
+        lone = self._drafter is not None and len(schedule.seqs) == schedule.decoding == 1
+        removes.extend(schedule.leaving(bool(removes or subs) or lone))
         if removes:
             self._reuse.leaving(self._bg, removes)  # finished rows' KV, before it goes
             remove_rows(self._bg, removes)
@@ -473,7 +504,8 @@ class Actor:
         """`BatchGenerator.insert`'s samplers and logits processors for `subs`: for the owned
         decode step a `DecodeRow` each (`_decode.py`), for mlx_lm's its own per-row kind."""
         if self._owned:
-            return {"samplers": [DecodeRow(s.sampling, s.prompt, g) for s, g in zip(subs, grammars, strict=True)]}
+            return {"samplers": [DecodeRow(s.sampling, s.prompt, g, s.max_tokens, s.stop_token_ids)
+                                 for s, g in zip(subs, grammars, strict=True)]}
         return {
             "samplers": [self._samplers.get(s.sampling) for s in subs],
             "logits_processors": [
@@ -556,6 +588,7 @@ class Actor:
         elif schedule.steps % _MEMORY_EVERY == 1:
             memory = _memory()
         cached, self._cached = tuple(self._cached), []
+        speculated, self._spec_counts = tuple(self._spec_counts), []
         return StepReport(
             memory=memory,
             tokens=tokens,
@@ -567,6 +600,7 @@ class Actor:
             live=len(schedule.seqs) + len(self._admission.pending) + self._reuse.parked,
             cached=cached,
             prompt_cache=self._reuse.stats(),
+            speculated=speculated,
         )
 
     # Whether an idle batch's long prefill is cut for progress (`PROGRESS_SECONDS`): not in a
@@ -665,6 +699,8 @@ class Actor:
     def _decoded(self, step: Decoded) -> tuple[TokenOut, ...]:
         """`_tokens` for the owned decode step: no row ended by the generator, and the
         logprobs of rows that asked already read (`DecodeRow.out`)."""
+        if step.spec is not None:
+            return self._speculated(step)
         out: list[TokenOut] = []
         ended = 0
         by_uid = self.schedule.by_uid
@@ -685,6 +721,46 @@ class Actor:
                 out.append(TokenOut(seq.rid, token, reason, logprob, top))
             else:
                 out.append(TokenOut(seq.rid, token, reason))
+        if ended:
+            self._admission.finished(time.perf_counter(), ended)
+        return tuple(out)
+
+    def _speculated(self, step: Decoded) -> tuple[TokenOut, ...]:
+        """`_decoded` for a speculative step (`_batch._speculative_step`): a row's token, then
+        the drafted tokens the model kept, each through the finish rule in order; the tokens
+        after one that ends the sequence are dropped. Each row's drafted and kept counts go
+        in the step's report (`StepReport.speculated`)."""
+        assert step.spec is not None
+        out: list[TokenOut] = []
+        ended = 0
+        by_uid = self.schedule.by_uid
+        for uid, token, row, spec in zip(step.uids, step.tokens, step.rows, step.spec, strict=True):
+            seq = by_uid.get(uid)
+            if seq is None:
+                continue
+            run: list[tuple[int, Any, bool]] = [(token, row.out, False)]
+            if spec is not None:
+                outs = spec.outs or [None] * len(spec.tokens)
+                run += [(t, o, True) for t, o in zip(spec.tokens, outs, strict=True)]
+            if seq.ahead:  # its first token, already out (`_first_tokens`)
+                seq.ahead = False
+                run = run[1:]
+            kept = 0
+            for tok, lp, drafted in run:
+                reason = self._finish(seq, tok, None)
+                if reason == "error":
+                    ended += 1
+                    break  # reported in the step's `failed`
+                kept += drafted
+                if seq.sampling.logprobs and lp is not None:
+                    out.append(TokenOut(seq.rid, tok, reason, lp[0], lp[1]))
+                else:
+                    out.append(TokenOut(seq.rid, tok, reason))
+                if reason is not None:
+                    ended += 1
+                    break
+            if spec is not None:
+                self._spec_counts.append((seq.rid, spec.drafted, kept))
         if ended:
             self._admission.finished(time.perf_counter(), ended)
         return tuple(out)
@@ -731,6 +807,7 @@ class Actor:
         self._reset_batch(failed=True)
         mx.clear_cache()  # what the failed step left allocated goes back (it may have run out)
         self._cached.clear()
+        self._spec_counts.clear()
         return StepReport(failed=tuple(failed), live=len(self._admission.pending), prompt_cache=self._reuse.stats())
 
     def _reset_batch(self, *, failed: bool = False) -> None:

@@ -11,7 +11,9 @@ just started decoding (`first_tokens`), or move KV at the device's copy rate
 where mlx-lm gathers it (a removal's kept rows, `take_rows`; a right-padded
 group's roll, `roll_right`; a finished group handed to decoding, `_split`), or
 take the decode step over (`own_decode`: one forward over the decoding batch,
-then the actor's own batched sampling, `_decode.Decoder`).
+then the actor's own batched sampling, `_decode.Decoder`), or give a lone row a
+speculative step (`_speculative_step`: one forward over its drafts, its KV trimmed
+past the rejected ones).
 Each helper names the private attribute it
 relies on; tests/integration/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
 upgrade that changes one fails there first.
@@ -30,6 +32,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt_cache
 
 from ._decode import Decoder, DecodeRow
+from ._speculate import accepted
 
 
 def batch_rows(bg: Any) -> int:
@@ -248,16 +251,29 @@ def _split_rows(batch: Any, indices: list[int]) -> Any:
     return moved
 
 
+class Speculated:
+    """A speculative step's outcome for its row (`_speculative_step`): the drafted tokens
+    the target kept (reported after the row's token in `Decoded.tokens`, in order), their
+    logprobs where the row asks (`outs`), and how many were drafted."""
+
+    __slots__ = ("tokens", "outs", "drafted")
+
+    def __init__(self, tokens: list[int], outs: list[Any], drafted: int):
+        self.tokens, self.outs, self.drafted = tokens, outs, drafted
+
+
 class Decoded:
     """One owned decode step's report (`own_decode`): the rows' uids, the tokens reported
     this step (each row's input to the step's forward), and the rows' `DecodeRow`s, whose
-    `out` holds the logprobs of those tokens for the rows that asked. Its length is the
-    tokens' count, as mlx_lm's list of responses counts them."""
+    `out` holds the logprobs of those tokens for the rows that asked; `spec`, where the
+    step was a speculative one, each row's `Speculated` (None for a row that did not). Its
+    length is the tokens' count, as mlx_lm's list of responses counts them."""
 
-    __slots__ = ("uids", "tokens", "rows")
+    __slots__ = ("uids", "tokens", "rows", "spec")
 
-    def __init__(self, uids: list[int], tokens: list[int], rows: list[DecodeRow]):
-        self.uids, self.tokens, self.rows = uids, tokens, rows
+    def __init__(self, uids: list[int], tokens: list[int], rows: list[DecodeRow],
+                 spec: list[Speculated | None] | None = None):
+        self.uids, self.tokens, self.rows, self.spec = uids, tokens, rows, spec
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -287,7 +303,7 @@ def own_decode(bg: Any, decoder: Decoder) -> None:
     # collector ran (as `unmask_unpadded` says of the caches).
     ref = weakref.proxy(batch)
     vars(batch)["_step"] = functools.partial(_owned_step, decoder, ref, False)
-    vars(batch)["next"] = functools.partial(_owned_next, ref)
+    vars(batch)["next"] = functools.partial(_owned_next, decoder, ref)
 
 
 def owns_decode(bg: Any) -> bool:
@@ -353,13 +369,58 @@ def unmask_unpadded(caches: list[Any]) -> None:
     vars(first)["_trio_padding_seen"] = padding
 
 
-def _owned_next(batch: Any) -> Decoded:
-    """`GenerationBatch.next`: one owned step; no row ends here (the actor retires them)."""
+def _owned_next(decoder: Decoder, batch: Any) -> Decoded:
+    """`GenerationBatch.next`: one owned step; no row ends here (the actor retires them). A
+    lone row may take a speculative step instead (`_speculative_step`)."""
     if not batch.uids:
         return Decoded([], [], [])
+    if decoder.drafter is not None and len(batch.uids) == 1:
+        step = _speculative_step(decoder, batch)
+        if step is not None:
+            return Decoded(list(batch.uids), [step[0]], list(batch.samplers), [step[1]])
     fed, _ = batch._step()
     # copies: a group joining in this same `BatchGenerator.next` extends the batch's lists
     return Decoded(list(batch.uids), fed, list(batch.samplers))
+
+
+def _speculative_step(decoder: Decoder, batch: Any) -> tuple[int, Speculated] | None:
+    """A lone row's speculative step, if its drafter proposes one (`_drafting.Drafter`):
+    one forward over the row's pending token and K drafted tokens (1, K+1), the target's
+    own token at each position (`Decoder.verify`), the longest prefix of the drafts that
+    equals them kept (`_speculate.accepted`) and the KV trimmed past it. At one row a
+    uniform `trim` of every layer's `BatchKVCache` is exact. Not pipelined: the drafts of
+    the next step depend on the tokens read back here. The target's token after the kept
+    drafts is the row's pending token, fed by the next step as a plain step's would be; the
+    pending token and the kept drafts are in the KV and in `tokens`, and are reported."""
+    drafter = decoder.drafter
+    row, held = batch.samplers[0], batch.tokens[0]
+    proposal = drafter.propose(row, held, batch._next_tokens)
+    if proposal is None:
+        return None
+    batch._current_tokens = batch._next_tokens
+    batch._current_logprobs = batch._next_logprobs
+    unmask_unpadded(batch.prompt_cache)
+    logits = batch.model.verify(proposal.inputs, cache=batch.prompt_cache)[0]
+    sampled, lp = decoder.verify(logits, row, proposal.drafts)
+    if proposal.host is None:
+        fed_all: list[int] = proposal.inputs[0].tolist()  # type: ignore[assignment]
+        first, drafts = fed_all[0], fed_all[1:]
+    else:
+        assert proposal.first is not None
+        first, drafts = proposal.first, proposal.host
+    targets: list[int] = sampled.tolist()  # type: ignore[assignment]
+    k = len(drafts)
+    a = accepted(drafts, targets)
+    if k > a:
+        for c in batch.prompt_cache:
+            c.trim(k - a)
+    drafter.settle(row, proposal, a)
+    outs = decoder.settle(row, targets[: a + 1], lp)
+    held.append(first)
+    held.extend(drafts[:a])
+    batch._next_tokens = sampled[a : a + 1]
+    batch._next_logprobs = [None]
+    return first, Speculated(drafts[:a], outs, k)
 
 
 def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]]) -> Any:
@@ -617,6 +678,15 @@ class CausalPrefill:
                 if type(c) is BatchKVCache and c._right_padding is not None and "finalize" not in vars(c):
                     vars(c)["finalize"] = functools.partial(_finalize, c)  # the prompt batch rolls after
         out = self._forward(inputs, cache, **kwargs)
+        if self._built is not None:
+            self._built()
+        return out
+
+    def verify(self, inputs: Any, cache: Any) -> Any:
+        """The forward of a speculative step (`_speculative_step`): a decoding row's pending
+        token and its drafts, a few tokens behind its KV, with mlx_lm's own mask (the row's
+        left padding, if any): none of the prefill's grid or chunking applies."""
+        out = self._model(inputs, cache=cache)
         if self._built is not None:
             self._built()
         return out

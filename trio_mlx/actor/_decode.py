@@ -64,13 +64,20 @@ class DecodeRow:
     with its row whatever else enters or leaves. Not callable: a step of mlx-lm's own
     that met it would fail at once rather than sample with the wrong rule."""
 
-    __slots__ = ("serial", "sampling", "prompt", "grammar", "steps", "counts", "seen", "pending", "out")
+    __slots__ = ("serial", "sampling", "prompt", "grammar", "steps", "counts", "seen", "pending", "out",
+                 "max_tokens", "stops", "spec")
 
-    def __init__(self, sampling: SamplingParams, prompt: Sequence[int] = (), grammar: GrammarProcessor | None = None):
+    def __init__(self, sampling: SamplingParams, prompt: Sequence[int] = (), grammar: GrammarProcessor | None = None,
+                 max_tokens: int = 0, stops: frozenset[int] = frozenset()):
         self.serial = next(_serials)  # identifies the row in a plan's key: ids of freed objects recur
         self.sampling = sampling
         self.prompt = tuple(prompt)  # the repetition penalty's first tokens
         self.grammar = grammar
+        # What speculation reads (`_drafting.py`): the row's answer limit (0: unknown, no
+        # speculation) and stop tokens, and its speculation state (`_speculate.RowSpec`).
+        self.max_tokens = max_tokens
+        self.stops = stops
+        self.spec: Any = None
         self.steps = 0  # tokens sampled for this row so far (a seeded row's key counter)
         self.counts: Any = None  # (1, V) float32: how often each token was generated (penalty rows)
         self.seen: Any = None  # (1, V) float32: 1 where the prompt or the output holds the token
@@ -201,9 +208,11 @@ def _init_penalty_state(row: DecodeRow, width: int) -> None:
 class Decoder:
     """Processes and samples a decoding batch's logits; one per generator (`_batch.own_decode`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, drafter: Any = None) -> None:
         self._plan: _Plan | None = None
         self._executor: Any = None  # llguidance's thread pool, made at the first batch of masks
+        # Speculative decoding's drafts (`_drafting.Drafter`), verified by `verify`; None: off.
+        self.drafter = drafter
 
     def step(self, logits: Any, rows: Sequence[DecodeRow], inputs: Any, first: bool) -> tuple[Any, list[int]]:
         """Sample every row's next token from `logits` (B, V), the forward of `inputs` (B,):
@@ -232,6 +241,73 @@ class Decoder:
         for i in plan.seeded:
             plan.rows[i].steps += 1
         return sampled, fed
+
+    def verify(self, logits: Any, row: DecodeRow, drafts: Any) -> tuple[Any, _Logprobs | None]:
+        """The target's own token at each position of a lone row's speculative step: `logits`
+        (K+1, V) are the forward of the row's pending token and the K `drafts` after it
+        (`_speculate.py`: the drafts the target keeps are those equal to these tokens).
+        Position i is processed as a plain step would process it after the first i drafts:
+        the same bias, the penalties counting those drafts, the same filters and temperature;
+        a seeded row draws position i from its key for the token it would be (its step
+        count plus i). Returns the tokens (lazy, started) and, for a row that asks for
+        logprobs, theirs; the row's logprobs of its pending token are read into `row.out`.
+        Constrained rows do not speculate (`_drafting.Drafter`)."""
+        width = logits.shape[-1]
+        plan = self._plan_for([row], width)
+        pending = row.pending
+        n = logits.shape[0]
+        x = logits.astype(mx.float32)
+        if plan.bias is not None:
+            _, ids, vals = plan.bias
+            x = x + mx.zeros((width,), dtype=mx.float32).at[ids].add(vals)
+        if plan.penalized:
+            drafted = (drafts[:, None] == mx.arange(width)[None]).astype(mx.float32)
+            before = mx.concatenate([mx.zeros((1, width), dtype=mx.float32), mx.cumsum(drafted, axis=0)])
+            counts = plan.counts + before
+            seen = mx.maximum(plan.seen, mx.minimum(before, 1.0))
+            x = mx.where(seen > 0, mx.where(x < 0, x * plan.rep, x / plan.rep), x)
+            x = x - plan.freq * counts - plan.pres * (counts > 0)
+        if plan.all_greedy:
+            sampled = mx.argmax(x, axis=-1)
+        else:
+            noise = None
+            if plan.seeded:
+                seed = row.sampling.seed
+                assert seed is not None
+                keys = [((k := _mix64(seed, row.steps + i)) >> 32, k & 0xFFFFFFFF) for i in range(n)]
+                noise = mx.vmap(lambda key: mx.random.gumbel((width,), key=key))(mx.array(keys, dtype=mx.uint32))
+            sampled = self._draw(plan, x, noise)
+        lp = None
+        outputs: list[Any] = []
+        if plan.logprobs:
+            lp = self._position_logprobs(x, sampled, row.sampling.top_logprobs)
+            outputs = lp.arrays()
+        mx.async_eval(sampled, *outputs)
+        if pending is not None:
+            prior, i = pending
+            row.out = prior.read(i, row.sampling.top_logprobs)
+        return sampled, lp
+
+    def settle(self, row: DecodeRow, tokens: list[int], lp: _Logprobs | None) -> list[Any]:
+        """After `verify`: the row took `tokens` (the accepted drafts and the target's token
+        after them, which is pending now). Advances its seeded key's count and its penalty
+        counts by them, and returns the logprobs of the accepted drafts (for a row that asks:
+        positions 0.. of `lp`), the pending token's kept for the next step."""
+        plan = self._plan
+        assert plan is not None and plan.rows == [row], "settle follows verify"
+        if plan.seeded:
+            row.steps += len(tokens)
+        if plan.penalized:
+            j = mx.zeros((len(tokens),), dtype=mx.int32)
+            ids = mx.array(tokens)
+            plan.counts = plan.counts.at[j, ids].add(1.0)
+            plan.seen = plan.seen.at[j, ids].maximum(1.0)
+        if lp is None:
+            return []
+        top = row.sampling.top_logprobs
+        outs = [lp.read(i, top) for i in range(len(tokens) - 1)]
+        row.pending = (lp, len(tokens) - 1)
+        return outs
 
     def read_ahead(self, rows: Sequence[DecodeRow]) -> None:
         """Read the logprobs of the tokens last sampled for `rows` now (`_batch.first_tokens`)."""
@@ -325,8 +401,9 @@ class Decoder:
             outputs += self._logprobs(plan, x, sampled).arrays()
         return sampled, outputs
 
-    def _draw(self, plan: _Plan, x: Any) -> Any:
-        """Every sampling row's token: filtered, tempered, drawn by Gumbel-max."""
+    def _draw(self, plan: _Plan, x: Any, noise: Any = None) -> Any:
+        """Every sampling row's token: filtered, tempered, drawn by Gumbel-max (with `noise`,
+        if given, instead of the plan's own)."""
         if plan.sort or plan.use_min_p:
             lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
             threshold = None
@@ -345,7 +422,7 @@ class Decoder:
             assert threshold is not None
             x = mx.where(lp >= threshold, x, -mx.inf)
         y = x * plan.inv_temp
-        return mx.argmax(y + self._noise(plan, y.shape), axis=-1)
+        return mx.argmax(y + (self._noise(plan, y.shape) if noise is None else noise), axis=-1)
 
     def _noise(self, plan: _Plan, shape: tuple[int, ...]) -> Any:
         """Gumbel noise per row: a seeded row's from its own key, the others' from the global PRNG."""
@@ -364,6 +441,17 @@ class Decoder:
         noise = mx.random.gumbel(shape) if plan.unseeded else mx.zeros(shape, dtype=mx.float32)
         noise[mx.array(plan.seeded)] = own
         return noise
+
+    @staticmethod
+    def _position_logprobs(x: Any, sampled: Any, top: int) -> _Logprobs:
+        """Every position's chosen token's log-probability and the top ones (`verify`)."""
+        lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp, sampled[:, None], axis=-1)[:, 0]
+        idx = vals = None
+        if top:
+            idx = mx.argpartition(-lp, kth=top - 1, axis=-1)[:, :top]
+            vals = mx.take_along_axis(lp, idx, axis=-1)
+        return _Logprobs(chosen, idx, vals)
 
     def _logprobs(self, plan: _Plan, x: Any, sampled: Any) -> _Logprobs:
         """The chosen token's log-probability and the top ones, for the rows that asked;

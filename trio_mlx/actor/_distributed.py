@@ -481,6 +481,8 @@ class LeaderActor(Actor):
 
     def __init__(self, config: ActorConfig, link: ActorLink, *, group: Any, mode: str, status: GroupStatus,
                  timeout: float, startup_timeout: float, on_failure: Callable[[str], None] | None):
+        if config.tuning.speculation is not None:  # its steps' shapes follow tokens each rank reads back
+            raise ValueError("speculative decoding needs a single rank, not a distributed group")
         super().__init__(config, _BeatingLink(link, self._beat))
         self._group, self._mode, self._status = group, mode, status
         self._timeout, self._startup = timeout, startup_timeout

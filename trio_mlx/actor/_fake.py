@@ -15,8 +15,12 @@ counting up from the prompt's last token, wrapping inside [first, vocab); or,
 given `reply`, with the tokens `reply(prompt)` returns (asked once per
 request, on the actor's thread), and the counting continuation after them: a
 scripted model, for tests of what a client does with a given answer (a tool
-call, then text). `step_seconds` paces the steps like a slow GPU. (The engine
-still loads the model directory's tokenizer; only the weights are never read.)
+call, then text). `step_seconds` paces the steps like a slow GPU. With
+`tokens_per_step` above 1, every decoding sequence gets that many tokens a step, as a
+speculative step gives a lone row its kept drafts: each through the finish rule in
+order, those after the one that ends it dropped, the ones past the first reported as
+drafted and kept (`StepReport.speculated`). (The engine still loads the model
+directory's tokenizer; only the weights are never read.)
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ class FakeActor:
     def __init__(self, config: ActorConfig, link: ActorLink, *, vocab_size: int = 512,
                  context_length: int = 2048, step_seconds: float = 0.0,
                  reply: Callable[[tuple[int, ...]], Sequence[int]] | None = None,
-                 prefill_seconds: float = 0.0, prefill_chunk: int = 0):
+                 prefill_seconds: float = 0.0, prefill_chunk: int = 0, tokens_per_step: int = 1):
         self.config, self._link = config, link
         self.vocab_size, self.context_length, self.step_seconds = vocab_size, context_length, step_seconds
         self.prefill_seconds, self.prefill_chunk = prefill_seconds, prefill_chunk
+        self.tokens_per_step = tokens_per_step
         self._left: dict[int, int] = {}  # rid -> prompt tokens still to prefill
         self.reply = reply
         self.steps = 0
@@ -98,6 +103,7 @@ class FakeActor:
         self.steps += 1
         schedule = self.schedule
         out = []
+        speculated = []
         prefilled = 0
         prefilling, decoding = list(new), []
         for seq in list(schedule.seqs.values()):
@@ -113,22 +119,29 @@ class FakeActor:
                 decoding.append(seq.rid)
             schedule.decodes(seq)
             prompt, script = self._texts[seq.rid]
-            if seq.generated < len(script):
-                token = script[seq.generated]
-            else:
-                token = self.continuation(prompt, seq.generated + 1, self.vocab_size)[-1]
-            reason = schedule.finish(seq, token)
-            if reason is not None:
-                del self._texts[seq.rid]
-            if seq.sampling.logprobs:  # the fake model is certain of every token
-                top = ((token, 0.0),) if seq.sampling.top_logprobs else ()
-                out.append(TokenOut(seq.rid, token, reason, 0.0, top))
-            else:
-                out.append(TokenOut(seq.rid, token, reason))
+            made = 0
+            while made < self.tokens_per_step:
+                made += 1
+                if seq.generated < len(script):
+                    token = script[seq.generated]
+                else:
+                    token = self.continuation(prompt, seq.generated + 1, self.vocab_size)[-1]
+                reason = schedule.finish(seq, token)
+                if reason is not None:
+                    del self._texts[seq.rid]
+                if seq.sampling.logprobs:  # the fake model is certain of every token
+                    top = ((token, 0.0),) if seq.sampling.top_logprobs else ()
+                    out.append(TokenOut(seq.rid, token, reason, 0.0, top))
+                else:
+                    out.append(TokenOut(seq.rid, token, reason))
+                if reason is not None:
+                    break
+            if self.tokens_per_step > 1:
+                speculated.append((seq.rid, self.tokens_per_step - 1, made - 1))
         if self.prefill_seconds and prefilled:
             time.sleep(self.prefill_seconds * prefilled)
         if out:
             schedule.steps += 1
         schedule.dry()
         return StepReport(tokens=tuple(out), prefilling=tuple(prefilling), decoding=tuple(decoding),
-                          prompt_tokens=prefilled, live=len(schedule.seqs))
+                          prompt_tokens=prefilled, live=len(schedule.seqs), speculated=tuple(speculated))

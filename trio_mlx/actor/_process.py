@@ -60,13 +60,13 @@ def _frame(obj: Any) -> bytes:
 def _encode_report(r: StepReport) -> tuple[Any, ...]:
     toks = tuple((t.rid, t.token, t.finish_reason, t.logprob, t.top_logprobs) for t in r.tokens)
     return ("step", toks, r.prefilling, r.decoding, r.failed, r.prompt_tokens, r.step_seconds, r.live, r.memory,
-            r.cached, r.prompt_cache)
+            r.cached, r.prompt_cache, r.speculated)
 
 
 def _decode_report(m: tuple[Any, ...]) -> StepReport:
-    _, toks, prefilling, decoding, failed, prompt_tokens, step_seconds, live, memory, cached, pcache = m
+    _, toks, prefilling, decoding, failed, prompt_tokens, step_seconds, live, memory, cached, pcache, spec = m
     return StepReport(tuple(TokenOut(*t) for t in toks), prefilling, decoding, failed, prompt_tokens,
-                      step_seconds, live, memory, cached, pcache)
+                      step_seconds, live, memory, cached, pcache, spec)
 
 
 class _Frames:

@@ -54,6 +54,9 @@ class ActorConfig:
     # The prompt cache's disk tier (`_disk_cache.py`): the folder its entries are kept under
     # across restarts (the engine's cache_dir/prompt-cache); None: off.
     prompt_cache_disk: str | None = None
+    # The draft model of speculative decoding, resolved to a directory by the engine
+    # (`ActorTuning.draft_model` names it); None: the tuning's draft_model as a path.
+    draft_model_path: Path | None = None
     # Test-only: called on the actor thread with a stage name ("load", "loop",
     # "step") before that stage runs, and with "removed" right after aborted
     # sequences left the batch; raising from it injects a fault there. A fault
@@ -139,6 +142,9 @@ class StepReport:
     cached: tuple[tuple[int, int], ...] = ()  # (rid, prompt tokens taken from the prompt cache), on entry
     # The prompt cache's (lookups, hits, hit tokens, evictions, bytes held, entries), when they changed.
     prompt_cache: tuple[int, ...] | None = None
+    # Speculative decoding: (rid, tokens drafted, drafted tokens kept in its output) per
+    # sequence that took a speculative step in this step.
+    speculated: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

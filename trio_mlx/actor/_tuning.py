@@ -18,6 +18,10 @@ from typing import Any
 
 from .._fields import doc, read_environ
 
+# The most drafted tokens per speculative step, and the longest n-gram: a bound on one
+# step's width (a forward over 65 tokens is a short prefill), not a recommendation.
+MAX_DRAFT = 64
+
 
 @dataclass(frozen=True)
 class ActorTuning:
@@ -55,6 +59,22 @@ class ActorTuning:
         "the actor's decode step: 'owned' (one forward over the decoding batch, every row's sampling "
         "batched on the device, the next step started before this one's tokens are read) or 'mlx' "
         "(mlx-lm's BatchGenerator step, a sampler and logits processors per row), to compare the two"))
+    # `_speculate.py` (the rules), `_drafting.py` (the drafters), `_batch._speculative_step`.
+    speculative: str | None = field(default=None, metadata=doc(
+        "speculative decoding, for a sequence that decodes alone (a batch of one): 'ngram' (prompt "
+        "lookup: drafts copied from the sequence's own prompt and output where its last tokens "
+        "occurred before) or 'draft' (a draft model: draft_model, which implies it); each step verifies "
+        "the drafts in one forward and keeps those the model agrees with, so outputs are unchanged; "
+        "a sequence whose drafts are seldom accepted stops speculating for a while; unset: off"))
+    num_draft_tokens: int | None = field(default=None, metadata=doc(
+        "the most tokens drafted and verified per speculative step; unset: 8 with ngram, 4 with "
+        "a draft model"))
+    ngram_size: int = field(default=3, metadata=doc(
+        "prompt lookup's longest match: the drafts follow the latest earlier occurrence of the "
+        "longest suffix of the sequence, of this many tokens down to one"))
+    draft_model: str | None = field(default=None, metadata=doc(
+        "the draft model of speculative decoding (a local MLX model directory or a Hugging Face id): "
+        "any mlx-lm model with the served model's tokenizer, much smaller than it"))
     idle_release: float | None = field(default=None, metadata=doc(  # `Actor._idle`
         "seconds idle before the actor hands MLX's buffer cache back; unset: 1 on a GPU, never "
         "on the CPU; 0: never"))
@@ -93,6 +113,33 @@ class ActorTuning:
                 raise ValueError(f"{name} must be >= 0 (a finite number), got {value!r}")
         if self.decode_step not in ("owned", "mlx"):
             raise ValueError(f"decode_step must be 'owned' or 'mlx', got {self.decode_step!r}")
+        for name in ("num_draft_tokens", "ngram_size"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DRAFT:
+                raise ValueError(f"{name} must be an integer from 1 to {MAX_DRAFT}, got {value!r}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative must be 'ngram' or 'draft', got {self.speculative!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative 'draft' needs draft_model")
+        if self.speculative == "ngram" and self.draft_model:
+            raise ValueError("draft_model goes with speculative 'draft' (or unset), not 'ngram'")
+        if self.speculation is not None and self.decode_step != "owned":
+            raise ValueError("speculative decoding needs decode_step 'owned'")
+
+    @property
+    def speculation(self) -> str | None:
+        """The speculative decoding in force: 'ngram', 'draft' (set, or implied by
+        draft_model), or None."""
+        return self.speculative or ("draft" if self.draft_model else None)
+
+    @property
+    def draft_tokens(self) -> int:
+        """Tokens drafted per speculative step: `num_draft_tokens`, or its default for the mode."""
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        return 8 if self.speculation == "ngram" else 4
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ActorTuning:

@@ -6,6 +6,7 @@ own paths through its own steps (`rehearse`). `Actor._warmup` runs them."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -100,6 +101,7 @@ class Rehearsed(Protocol):
     _admission: Admission
     _reuse: Reuse
     _context: int
+    _drafter: Any  # speculative decoding's (`_drafting.Drafter`), or None
 
     def _open_cache(self) -> None: ...
     def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None: ...
@@ -144,6 +146,12 @@ def rehearse(actor: Rehearsed, token: int, length: int) -> None:
         ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
         ([Abort(c)], lambda n: not actor.schedule.seqs),
     ]
+    if actor._drafter is not None:
+        # A lone row's speculative steps, seeded, with every option; biased to repeat its
+        # prompt, so that prompt lookup finds drafts and the target keeps them.
+        g = -7
+        spec = dataclasses.replace(every, seed=1, logit_bias=((token, 100.0),))
+        script.append(([Submit(g, prompt, 12, spec, frozenset())], lambda n: n[g] >= 12))
     if mx.cuda.is_available() and (long := min(actor._context - 80, 2 * actor.config.tuning.prefill_step + 64)) > 2 * length:
         # A long prompt, in full chunks and beside a long context, stored as it is
         # prefilled, then a prompt that extends it (a hit): otherwise a chat's first long

@@ -182,6 +182,7 @@ class Engine:
             if self._sampling_override is None:
                 self.sampling_defaults = usable_defaults(models.sampling_defaults(path),
                                                          f"{path}/generation_config.json")
+            draft_path = await self._resolve_draft() if self.tuning.draft_model else None
         except BaseException:
             self.state = "closed"
             self._actor_done.set()
@@ -196,7 +197,8 @@ class Engine:
 
         disk = pathlib.Path(self._cache_dir or models.default_cache_dir()) / "prompt-cache"
         config = ActorConfig(model_path=path, tuning=self.tuning, fault_hook=self._fault_hook,
-                             prompt_cache_disk=str(disk) if self.tuning.prompt_cache_disk_gb else None)
+                             prompt_cache_disk=str(disk) if self.tuning.prompt_cache_disk_gb else None,
+                             draft_model_path=draft_path)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._run_actor, config)
             await self._ready_or_dead.wait()
@@ -212,6 +214,22 @@ class Engine:
                 f"could not load model {str(self.model_ref or 'default')!r} from {path}: "
                 f"{type(error).__name__}: {error}"
             ) from error
+
+    async def _resolve_draft(self) -> pathlib.Path:
+        """The draft model's directory (`ActorTuning.draft_model`), resolved as the model's is,
+        once its tokenizer is found to be the model's: a draft's tokens must mean the same."""
+        from .. import models
+
+        ref = self.tuning.draft_model
+        path = await trio.to_thread.run_sync(lambda: models.resolve_model(ref, cache_dir=self._cache_dir))
+        draft = await trio.to_thread.run_sync(models.load_tokenizer, path)
+        mine = self.tokenizer
+        same = await trio.to_thread.run_sync(lambda: draft.get_vocab() == mine.get_vocab())
+        if not same:
+            raise ModelLoadError(f"the draft model {ref!r} ({path}) has another tokenizer than the model's: "
+                                 "speculative decoding needs the same token ids")
+        log.info("draft model: %s", path)
+        return path
 
     async def _run_one_actor(self, config: Any) -> None:
         """One actor's life: from starting it until it stops or dies."""

@@ -22,11 +22,15 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class Usage:
     """Token counts of one request; `cached_tokens` of the prompt's came from the prompt
-    cache (not prefilled again)."""
+    cache (not prefilled again). With speculative decoding (`ActorTuning.speculative`),
+    `draft_tokens` were drafted for it and `accepted_draft_tokens` of them kept in its
+    completion (counted in `completion_tokens` too)."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -138,3 +142,6 @@ class EngineStatistics:
     # tokenizing that saved (engine/_prefix_tokens.py).
     tokenizer_prefix_hits: int = 0
     tokenizer_prefix_tokens: int = 0
+    # Speculative decoding: tokens drafted, and drafted tokens kept in an output.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0

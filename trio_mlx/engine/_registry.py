@@ -41,6 +41,8 @@ class Request:
     stage: str = "queued"
     ended: trio.Event = field(default_factory=trio.Event)  # set when the engine is done with it
     cached: int = 0  # prompt tokens the actor took from its prompt cache
+    drafted: int = 0  # speculative decoding: tokens drafted for it
+    accepted: int = 0  # ... and kept in its output
 
 
 @dataclass
@@ -58,6 +60,8 @@ class Counters:
     aborts_by_cause: collections.Counter[str] = field(default_factory=collections.Counter)
     step_failures: int = 0
     restarts: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
 
 class Registry:
@@ -140,6 +144,12 @@ class Registry:
         for rid, n in report.cached:
             if (req := requests.get(rid)) is not None:
                 req.cached = n
+        for rid, drafted, kept in report.speculated:  # before the tokens: a last token ends its request
+            c.drafted += drafted
+            c.accepted += kept
+            if (req := requests.get(rid)) is not None:
+                req.drafted += drafted
+                req.accepted += kept
         for rid in report.prefilling:
             if (req := requests.get(rid)) is not None:
                 self._set_stage(req, "prefill")
@@ -268,5 +278,7 @@ class Registry:
             step_failures=c.step_failures,
             actor_restarts=c.restarts,
             seconds_since_step=since,
+            draft_tokens=c.drafted,
+            accepted_draft_tokens=c.accepted,
             **dict(zip(PROMPT_CACHE_FIELDS, self.prompt_cache, strict=True)),
         )

@@ -316,10 +316,10 @@ class RequestStream:
             self._emit_split(stream.finish(), [], None)
             if self._called and reason == "stop":
                 reason = "tool_calls"
-        self._pending.append(
-            Finished(reason, Usage(len(self.prompt_tokens), self.completion_tokens,  # type: ignore[arg-type]
-                                   self._req.cached if self._req is not None else 0), error, stop)
-        )
+        req = self._req
+        usage = Usage(len(self.prompt_tokens), self.completion_tokens, req.cached if req is not None else 0,
+                      req.drafted if req is not None else 0, req.accepted if req is not None else 0)
+        self._pending.append(Finished(reason, usage, error, stop))  # type: ignore[arg-type]
         self._done = True
         if self._recv is not None:
             self._recv.close()

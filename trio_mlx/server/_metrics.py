@@ -165,6 +165,9 @@ class _EngineCollector:
              "prompt they repeat"),
             ("tokenizer_prefix_tokens", "tokenizer_prefix_tokens", "prompt tokens taken from a recent prompt's "
              "ids instead of tokenized again"),
+            ("draft_tokens", "draft_tokens", "tokens speculative decoding drafted"),
+            ("accepted_draft_tokens", "accepted_draft_tokens", "drafted tokens kept in an output (with "
+             "draft_tokens_total: the acceptance rate)"),
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=num(attr))
         yield GaugeMetricFamily(PREFIX + "prompt_cache_bytes", "bytes of KV the prompt cache holds",

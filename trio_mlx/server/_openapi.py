@@ -65,11 +65,17 @@ class PromptTokensDetails(_Doc):
     cached_tokens: int  # prompt tokens served from the prompt cache, not prefilled again
 
 
+class CompletionTokensDetails(_Doc):
+    accepted_prediction_tokens: int  # speculative decoding: drafted tokens kept in the completion
+    rejected_prediction_tokens: int  # ... and drafted tokens not kept
+
+
 class UsageInfo(_Doc):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None  # with speculative decoding only
 
 
 class CalledFunction(_Doc):

@@ -169,6 +169,9 @@ class Settings:
         if self.distributed and self.tuning.prompt_cache_disk_gb:
             raise ValueError("prompt_cache_disk_gb needs a single rank: each rank of a distributed group "
                              "holds its own shard of the prompt cache")
+        if self.distributed and self.tuning.speculation is not None:
+            raise ValueError("speculative decoding (speculative, draft_model) needs a single rank, not a "
+                             "distributed group")
         if self.distributed and self.actor != "thread":
             raise ValueError("distributed needs actor 'thread': rank 0's collectives run on its actor thread")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

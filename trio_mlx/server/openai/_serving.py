@@ -57,12 +57,20 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
 def total_usage(usages: Sequence[Usage]) -> dict[str, Any]:
     """n choices share one prompt: it is counted once, completions are summed. Its
     `cached_tokens` (OpenAI's `prompt_tokens_details`) are the fewest any choice took from
-    the prompt cache: the first choice's prompt is the one the others reuse."""
+    the prompt cache: the first choice's prompt is the one the others reuse. Where
+    speculative decoding drafted tokens for them, `completion_tokens_details` says how many
+    were kept and how many were not, as OpenAI reports its predicted outputs."""
     prompt = usages[0].prompt_tokens if usages else 0
     completion = sum(u.completion_tokens for u in usages)
     cached = min((u.cached_tokens for u in usages), default=0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    drafted = sum(u.draft_tokens for u in usages)
+    if drafted:
+        accepted = sum(u.accepted_draft_tokens for u in usages)
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+    return out
 
 
 def _lp(value: float) -> float:

@@ -1,0 +1,347 @@
+"""Speculative decoding through the actor (`actor/_drafting.py`, `_batch._speculative_step`,
+`_decode.Decoder.verify`), on the tiny fp32 model.
+
+A random model never copies its context, so besides the real prompt lookup these tests
+draft with an oracle: the tokens the same request makes without speculation, some of
+them spoiled on purpose. Whatever the drafts, every output must be the one without
+speculation, token for token (greedy and seeded rows alike: the verifier draws each
+position as a plain step would), the KV the row leaves behind the same, and the finish
+rule applied token by token.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from trio_mlx.actor import (
+    Abort,
+    ActorConfig,
+    ActorTuning,
+    Grammar,
+    SamplingParams,
+    Submit,
+    _drafting,
+)
+from trio_mlx.actor._actor import Actor
+from trio_mlx.actor._batch import batch_rows
+from trio_mlx.actor._decode import Decoder, DecodeRow
+from trio_mlx.actor._drafting import Proposal
+
+PROMPT = tuple(range(5, 40))
+REPEATING = tuple([5, 6, 7, 8, 9, 10, 11, 12] * 6)
+GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=3)
+EVERYTHING = SamplingParams(temperature=0.8, top_k=40, min_p=0.02, seed=11, repetition_penalty=1.2,
+                            frequency_penalty=0.3, presence_penalty=0.2, logit_bias=((50, 2.0),), logprobs=True,
+                            top_logprobs=2)
+
+
+class _Link:
+    def built(self) -> None:
+        pass
+
+
+def _actor(path: Path, **tuning: Any) -> Actor:
+    actor = Actor(ActorConfig(model_path=path, tuning=ActorTuning(**{"warmup": False, "admit_window": 0.0,
+                                                                      **tuning})), link=_Link())  # type: ignore[arg-type]
+    actor._load()
+    return actor
+
+
+class Run:
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = collections.defaultdict(list)
+        self.reasons: dict[int, str | None] = {}
+        self.logprobs: dict[int, list[Any]] = collections.defaultdict(list)
+        self.speculated: list[tuple[int, int, int]] = []
+        self.spec_steps: list[int] = []  # the steps that were speculative
+        self.last: dict[int, int] = {}  # the step each rid's last token came in
+        self.rows: list[int] = []  # the decoding batch's rows after each step
+        self.steps = 0
+
+
+def _serve(actor: Actor, script: dict[int, list[Any]], steps: int = 200) -> Run:
+    """The actor's own `_apply` and `_step` until it runs dry, `script[k]` applied before step k."""
+    run = Run()
+    for k in range(steps):
+        failed = actor._apply(script.get(k, []))
+        report = actor._step(failed or [])
+        assert not report.failed, report.failed
+        for t in report.tokens:
+            assert t.rid not in run.reasons, "a token after the sequence ended"
+            run.tokens[t.rid].append(t.token)
+            run.logprobs[t.rid].append((t.logprob, t.top_logprobs))
+            run.last[t.rid] = k
+            if t.finish_reason is not None:
+                run.reasons[t.rid] = t.finish_reason
+        run.speculated += report.speculated
+        run.spec_steps += [k] * len(report.speculated)
+        run.rows.append(batch_rows(actor._bg))
+        run.steps = k + 1
+        if k >= max(script, default=0) and not actor._seqs:
+            break
+    return run
+
+
+def _one(path: Path, sp: SamplingParams, max_tokens: int = 48, prompt: tuple[int, ...] = PROMPT,
+         stops: frozenset[int] = frozenset(), **tuning: Any) -> Run:
+    return _serve(_actor(path, **tuning), {0: [Submit(1, prompt, max_tokens, sp, stops)]})
+
+
+def _oracle(monkeypatch: pytest.MonkeyPatch, answer: list[int], spoil: float = 0.0, seed: int = 0) -> None:
+    """Prompt lookup replaced by drafts from `answer` (the request's tokens without speculation),
+    each proposal spoiled at a random position with probability `spoil`."""
+    rng = random.Random(seed)
+
+    def lookup(self: Any, row: DecodeRow, spec: Any, held: list[int], pending: Any, k: int) -> Proposal | None:
+        first = int(pending.item())
+        out = len(held) - len(row.prompt)  # tokens out so far: `first` is the next
+        assert first == answer[out]
+        drafts = list(answer[out + 1 : out + 1 + k]) or [7]
+        if rng.random() < spoil:
+            j = rng.randrange(len(drafts))
+            drafts[j] = 3 + (drafts[j] + 1) % 90
+        inputs = mx.array([[first, *drafts]], dtype=pending.dtype)
+        return Proposal(inputs, inputs[0, 1:], first, drafts, len(held))
+
+    monkeypatch.setattr(_drafting.Drafter, "_lookup", lookup)
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED, EVERYTHING], ids=["greedy", "seeded", "penalties-logprobs"])
+def test_outputs_and_logprobs_are_unchanged_whatever_the_drafts_hold(tiny_model_fp32, monkeypatch, sp):
+    """Drafts that are all right (every one kept: a step makes K+1 tokens), then drafts spoiled
+    at random (some kept, the KV trimmed past the rest): the same tokens as without
+    speculation, and the same logprobs for every token, drafted or not."""
+    base = _one(tiny_model_fp32, sp)
+    answer = base.tokens[1]
+    assert len(answer) == 48 and base.reasons[1] == "length"
+    for spoil in (0.0, 0.5):
+        _oracle(monkeypatch, answer, spoil)
+        spec = _one(tiny_model_fp32, sp, speculative="ngram", num_draft_tokens=5)
+        assert spec.tokens[1] == answer, spoil
+        assert spec.reasons[1] == "length"
+        drafted = sum(d for _, d, _ in spec.speculated)
+        kept = sum(a for _, _, a in spec.speculated)
+        if spoil == 0.0:
+            assert kept == drafted > 0 and spec.steps < base.steps // 4
+        else:
+            assert 0 < kept < drafted
+        if sp.logprobs:
+            for (a, top_a), (b, top_b) in zip(spec.logprobs[1], base.logprobs[1], strict=True):
+                assert a == pytest.approx(b, abs=1e-4)
+                assert [t for t, _ in top_a] == [t for t, _ in top_b]
+
+
+def test_prompt_lookup_on_a_repeating_prompt_keeps_greedy_tokens_and_its_drafts_pay(tiny_model_fp32):
+    """The real drafter: a prompt that repeats a phrase, a greedy row; the tiny model's output
+    falls into loops, which prompt lookup drafts. Same tokens as without speculation (and
+    as mlx_lm's own generation); some drafts kept."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    base = _one(tiny_model_fp32, GREEDY, 60, REPEATING)
+    spec = _one(tiny_model_fp32, GREEDY, 60, REPEATING, speculative="ngram")
+    assert spec.tokens[1] == base.tokens[1]
+    model, _ = load_model(tiny_model_fp32)
+    assert spec.tokens[1] == [int(t) for t, _ in generate_step(mx.array(REPEATING), model, max_tokens=60)]
+    assert sum(a for _, _, a in spec.speculated) > 0
+
+
+def test_seeded_sampling_with_prompt_lookup_is_reproducible(tiny_model_fp32):
+    runs = [_one(tiny_model_fp32, SEEDED, 60, REPEATING, speculative="ngram").tokens[1] for _ in range(2)]
+    assert runs[0] == runs[1] == _one(tiny_model_fp32, SEEDED, 60, REPEATING).tokens[1]
+
+
+def test_the_kv_left_behind_is_the_kv_without_speculation(tiny_model_fp32, monkeypatch):
+    """With spoiled drafts trimmed off after most steps, the finished row's KV (as the prompt
+    cache stores it: its prompt and answer) holds the same keys and values as without
+    speculation."""
+
+    def stored(run_actor: Actor) -> list[Any]:
+        _serve(run_actor, {0: [Submit(1, PROMPT, 40, GREEDY, frozenset())]})
+        entries = run_actor._reuse.cache.entries()
+        assert len(entries) == 1 and len(entries[0].key) >= len(PROMPT) + 39
+        return entries[0].layers
+
+    plain = _actor(tiny_model_fp32, prompt_cache_gb=0.1)
+    plain._open_cache()
+    base = _one(tiny_model_fp32, GREEDY, 40)
+    _oracle(monkeypatch, base.tokens[1], spoil=0.7)
+    spec = _actor(tiny_model_fp32, prompt_cache_gb=0.1, speculative="ngram", num_draft_tokens=6)
+    spec._open_cache()
+    for a, b in zip(stored(plain), stored(spec), strict=True):
+        assert a.keys.shape == b.keys.shape
+        assert np.allclose(np.array(a.keys), np.array(b.keys), atol=1e-4)
+        assert np.allclose(np.array(a.values), np.array(b.values), atol=1e-4)
+
+
+def test_a_stop_token_or_max_tokens_inside_the_drafts_ends_the_sequence_there(tiny_model_fp32, monkeypatch):
+    """A stop token among kept drafts ends the sequence with it; the kept drafts after it are
+    dropped. With drafts past max_tokens allowed (the drafter's own bound taken away), the
+    finish rule still ends the sequence at its max_tokens-th token."""
+    base = _one(tiny_model_fp32, GREEDY, 48)
+    answer = base.tokens[1]
+    stop = next(t for t in answer[10:] if answer.index(t) >= 10)  # its first occurrence is past token 10
+    at = answer.index(stop)
+    _oracle(monkeypatch, answer)
+    spec = _one(tiny_model_fp32, GREEDY, 48, stops=frozenset({stop}), speculative="ngram", num_draft_tokens=8)
+    assert spec.tokens[1] == answer[: at + 1] and spec.reasons[1] == "stop"
+    monkeypatch.setattr(_drafting, "room", lambda k, max_tokens, generated: k)
+    spec = _one(tiny_model_fp32, GREEDY, 21, speculative="ngram", num_draft_tokens=8)
+    assert spec.tokens[1] == answer[:21] and spec.reasons[1] == "length"
+    assert sum(d for _, d, _ in spec.speculated) > sum(a for _, _, a in spec.speculated)
+
+
+def test_an_abort_between_speculative_steps_ends_the_row(tiny_model_fp32, monkeypatch):
+    base = _one(tiny_model_fp32, GREEDY, 48)
+    _oracle(monkeypatch, base.tokens[1])
+    actor = _actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=4)
+    run = _serve(actor, {0: [Submit(1, PROMPT, 48, GREEDY, frozenset())], 3: [Abort(1)]}, steps=6)
+    assert 0 < len(run.tokens[1]) < 48 and run.tokens[1] == base.tokens[1][: len(run.tokens[1])]
+    assert not actor._seqs and not actor._bg._generation_batch.uids  # type: ignore[union-attr]
+
+
+def test_two_rows_do_not_speculate_and_a_row_left_alone_does(tiny_model_fp32):
+    """Two greedy rows on repeating prompts: no speculative step while both decode; once the
+    short one has ended, its row leaves at the next step (not after retire_steps), and the
+    other speculates. Both outputs are what each makes alone."""
+    short, long = Submit(1, REPEATING, 8, GREEDY, frozenset()), Submit(2, REPEATING[1:], 60, GREEDY, frozenset())
+    alone = {rid: _one(tiny_model_fp32, GREEDY, s.max_tokens, s.prompt).tokens[1] for rid, s in ((1, short), (2, long))}
+    actor = _actor(tiny_model_fp32, speculative="ngram")
+    run = _serve(actor, {0: [short, long]})
+    assert run.tokens[1] == alone[1] and run.tokens[2] == alone[2]
+    assert run.speculated and all(rid == 2 for rid, _, _ in run.speculated)
+    assert min(run.spec_steps) > run.last[1]  # none while both decoded
+    assert run.rows[run.last[1]] == 2 and run.rows[run.last[1] + 1] == 1
+
+
+def test_a_constrained_row_does_not_speculate_and_stays_valid(tiny_model_fp32):
+    from trio_mlx.actor._constrain import json_string_grammar, model_vocab
+
+    grammar = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
+    stops = frozenset(model_vocab(tiny_model_fp32).eos)
+    actor = _actor(tiny_model_fp32, speculative="ngram")
+    run = _serve(actor, {0: [Submit(1, REPEATING, 24, SamplingParams(temperature=1.0, seed=2), stops, grammar)]})
+    assert not run.speculated
+    from trio_mlx import models
+
+    text = models.load_tokenizer(tiny_model_fp32).decode([t for t in run.tokens[1] if t not in stops])
+    assert isinstance(json.loads(text), str), text
+
+
+def test_the_verifier_draws_each_position_as_a_plain_step_would():
+    """On synthetic logits: `Decoder.verify`'s token at position i for a seeded row is the
+    token a plain step draws from the same logits with the row's step count advanced by i;
+    over many seeds the first position's tokens follow the row's distribution."""
+    logits = np.array([[2.0, 1.4, 1.1, 0.6, 0.0, -0.4, -1.0, -1.6]] * 3, dtype=np.float32)
+    logits[1] = logits[1][::-1]
+    sp = SamplingParams(temperature=1.0, top_k=6)
+    counts = np.zeros(8)
+    for seed in range(600):
+        row = DecodeRow(SamplingParams(**{**_fields(sp), "seed": seed}), (0,))
+        sampled, _ = Decoder().verify(mx.array(logits), row, mx.array([1, 2]))
+        spec = sampled.tolist()
+        for i in range(3):
+            plain = DecodeRow(row.sampling, (0,))
+            plain.steps = i
+            token, _ = Decoder().step(mx.array(logits[i : i + 1]), [plain], mx.array([0]), False)
+            assert spec[i] == token.tolist()[0], (seed, i)
+        counts[spec[0]] += 1
+    p = np.exp(logits[0] - logits[0].max())
+    p[np.argsort(logits[0])[:2]] = 0.0  # top_k 6 of 8
+    p /= p.sum()
+    live = p > 0
+    assert counts[~live].sum() == 0
+    stat = float(((counts[live] - 600 * p[live]) ** 2 / (600 * p[live])).sum())
+    assert stat < 25.0  # chi-square, 5 degrees of freedom: p ~ 1e-4
+
+
+def _fields(sp: SamplingParams) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}
+
+
+# -- a draft model ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random model of the same shape and tokenizer as the tiny one, other weights: it
+    drafts what the target almost never makes."""
+    from trio_mlx.models import _models
+
+    return _models.build_test_model(tmp_path_factory.mktemp("draft") / "model", dtype="float32", seed=1)
+
+
+@pytest.mark.parametrize("sp", [GREEDY, EVERYTHING], ids=["greedy", "penalties-logprobs"])
+def test_a_draft_model_keeps_outputs_a_copy_of_the_target_is_always_right_and_another_seldom(
+        tiny_model_fp32, other_draft, sp):
+    base = _one(tiny_model_fp32, sp, 60)
+    same = _one(tiny_model_fp32, sp, 60, draft_model=str(tiny_model_fp32))
+    other = _one(tiny_model_fp32, sp, 60, draft_model=str(other_draft))
+    assert same.tokens[1] == other.tokens[1] == base.tokens[1]
+    if sp.logprobs:
+        for run in (same, other):
+            for (a, _), (b, _) in zip(run.logprobs[1], base.logprobs[1], strict=True):
+                assert a == pytest.approx(b, abs=1e-4)
+    if sp.greedy:  # the copy drafts the target's own argmax: every draft kept, K+1 tokens a step
+        assert sum(d for _, d, _ in same.speculated) == sum(a for _, _, a in same.speculated) > 40
+        assert same.steps < base.steps // 3
+    drafted = sum(d for _, d, _ in other.speculated)
+    assert sum(a for _, _, a in other.speculated) <= drafted // 4
+    assert drafted < 60 * 4 // 2  # the policy stopped it for a while
+
+
+def test_the_draft_models_kv_is_trimmed_to_the_rows_tokens(tiny_model_fp32, other_draft):
+    """Mid-generation, the draft model's cache for the row holds exactly the keys and values a
+    fresh forward of the row's tokens gives, however many of its drafts were rejected."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from trio_mlx import models
+
+    actor = _actor(tiny_model_fp32, draft_model=str(other_draft), num_draft_tokens=3)
+    run = _serve(actor, {0: [Submit(1, PROMPT, 60, SamplingParams(temperature=1.0, seed=5), frozenset())]}, steps=5)
+    assert run.speculated and len(run.tokens[1]) < 60
+    batch: Any = actor._bg._generation_batch  # type: ignore[union-attr]
+    state = batch.samplers[0].spec.draft
+    held = batch.tokens[0][: state.held]
+    assert len(PROMPT) < state.held <= len(batch.tokens[0])  # at most what the row's own KV holds
+    model, _ = models.load_model(other_draft)
+    fresh = make_prompt_cache(model)
+    model(mx.array(held)[None], cache=fresh)
+    for a, b in zip(state.cache, fresh, strict=True):
+        assert a.offset == b.offset == len(held)
+        assert np.allclose(np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]), atol=1e-4)
+        assert np.allclose(np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]), atol=1e-4)
+
+
+async def test_an_engine_with_a_draft_model_serves_the_same_text_and_counts_its_drafts(tiny_model_fp32, embedded_model):
+    import trio_mlx
+
+    async def answer(**options: Any) -> tuple[str, Any]:
+        async with trio_mlx.open_engine(tiny_model_fp32, warmup=False, **options) as engine:
+            async with engine.generate("The quick brown fox", max_tokens=24, temperature=0.0,
+                                       ignore_eos=True) as events:
+                text = ""
+                async for ev in events:
+                    if isinstance(ev, trio_mlx.TextDelta):
+                        text += ev.text
+                    else:
+                        return text, ev.usage
+        raise AssertionError("no Finished")
+
+    plain, usage = await answer()
+    assert usage.draft_tokens == 0
+    drafted, usage = await answer(draft_model=str(tiny_model_fp32), num_draft_tokens=3)
+    assert drafted == plain and usage.accepted_draft_tokens == usage.draft_tokens > 0
+    with pytest.raises(trio_mlx.ModelLoadError, match="another tokenizer"):
+        await answer(draft_model=str(embedded_model))

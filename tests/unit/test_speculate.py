@@ -1,0 +1,181 @@
+"""Speculative decoding's rules with no model (`actor/_speculate.py`): prompt-lookup drafts,
+the acceptance rule and the per-row policy."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from trio_mlx.actor import _speculate
+from trio_mlx.actor._speculate import NgramIndex, RowSpec, accepted, room
+
+
+def _index(tokens: list[int], n: int = 3) -> NgramIndex:
+    index = NgramIndex(n)
+    index.extend(tokens)
+    return index
+
+
+def test_prompt_lookup_follows_the_latest_earlier_occurrence_of_the_longest_suffix():
+    # "1 2 3" occurs once before (followed by 4 5); its shorter suffix "2 3" also
+    # occurred later (followed by 9): the longest match wins, not the latest short one.
+    tokens = [1, 2, 3, 4, 5, 6, 2, 3, 9, 7, 1, 2, 3]
+    assert _index(tokens).draft(2) == [4, 5]
+    # With n = 2 only "2 3" is looked up: its latest earlier occurrence is followed by 9.
+    assert _index(tokens, n=2).draft(2) == [9, 7]
+    # The latest of several occurrences.
+    assert _index([7, 8, 1, 7, 8, 2, 7, 8]).draft(1) == [2]
+
+
+def test_prompt_lookup_falls_back_to_shorter_matches_and_proposes_nothing_without_one():
+    assert _index([5, 6, 7, 1, 2, 8, 9, 7]).draft(3) == [1, 2, 8]  # only "7" matches
+    assert _index([1, 2, 3, 4]).draft(4) == []
+    assert _index([]).draft(4) == [] and _index([3]).draft(4) == []
+    assert _index([1, 2, 1]).draft(0) == []
+
+
+def test_prompt_lookup_continues_a_copy_past_the_end_of_the_tokens():
+    """A repeating pattern drafts its continuation for as many tokens as asked."""
+    assert _index([4, 1, 2, 1, 2]).draft(5) == [1, 2, 1, 2, 1]
+    assert _index([9, 9, 9]).draft(4) == [9, 9, 9, 9]
+
+
+def test_the_index_grown_token_by_token_drafts_as_one_built_at_once():
+    rng = random.Random(3)
+    tokens = [rng.randrange(6) for _ in range(300)]
+    grown = NgramIndex(3)
+    for i, t in enumerate(tokens):
+        grown.extend([t])
+        whole = _index(tokens[: i + 1])
+        assert grown.draft(4) == whole.draft(4)
+        assert grown.draft(4) == _brute_force(tokens[: i + 1], 3, 4)
+    assert len(grown) == len(tokens)
+
+
+def _brute_force(tokens: list[int], n: int, k: int) -> list[int]:
+    """The rule written out: the longest suffix (n tokens at most) found earlier, at its latest
+    occurrence that has a token after it, and the copy from there."""
+    size = len(tokens)
+    for m in range(min(n, size - 1), 0, -1):
+        suffix = tokens[size - m :]
+        for start in range(size - m - 1, -1, -1):
+            if tokens[start : start + m] == suffix:
+                seq = list(tokens)
+                at = start + m
+                for i in range(k):
+                    seq.append(seq[at + i])
+                return seq[size:]
+    return []
+
+
+def test_the_index_needs_a_length():
+    with pytest.raises(ValueError):
+        NgramIndex(0)
+
+
+def test_the_target_keeps_the_longest_prefix_of_drafts_equal_to_its_own_tokens():
+    assert accepted([4, 5, 6], [4, 5, 6, 7]) == 3
+    assert accepted([4, 5, 6], [4, 9, 6, 7]) == 1
+    assert accepted([4, 5, 6], [8, 5, 6, 7]) == 0
+    assert accepted([], [3]) == 0
+
+
+def test_room_leaves_the_pending_token_and_the_drafts_within_max_tokens():
+    assert room(8, 100, 10) == 8
+    assert room(8, 15, 10) == 4  # 10 out, 1 pending, 4 drafts: 15
+    assert room(8, 11, 10) == 0  # the pending token is the last
+    assert room(8, 0, 0) == 0
+
+
+def test_a_row_with_low_acceptance_stops_speculating_for_longer_each_time():
+    spec = RowSpec()
+    position = 100
+    for _ in range(_speculate.WINDOW):
+        assert spec.allowed(position)
+        position += 1
+        spec.record(8, 0, position)
+    assert not spec.allowed(position)
+    assert spec.resume_at == position + _speculate.BACKOFF
+    position = spec.resume_at
+    assert spec.allowed(position)
+    for _ in range(_speculate.WINDOW):
+        position += 1
+        spec.record(8, 0, position)
+    assert spec.resume_at == position + 2 * _speculate.BACKOFF
+    for _ in range(20):  # never past MAX_BACKOFF
+        for _ in range(_speculate.WINDOW):
+            position += 1
+            spec.record(8, 0, position)
+    assert spec.resume_at - position == _speculate.MAX_BACKOFF
+    assert spec.drafted == 8 * _speculate.WINDOW * 22 and spec.accepted == 0
+
+
+def test_a_row_whose_drafts_are_accepted_keeps_speculating():
+    spec = RowSpec()
+    for i in range(100):
+        spec.record(4, 2 if i % 2 else 0, 10 + i)  # one kept a step on average: the bound
+        assert spec.allowed(10 + i)
+    assert spec.accepted == 100
+
+
+def _gumbel_max(logp: np.ndarray, rng: np.random.Generator) -> int:
+    return int(np.argmax(logp + rng.gumbel(size=logp.shape)))
+
+
+def test_drawing_from_the_target_and_keeping_an_equal_draft_is_the_speculative_sampling_rule():
+    """For a point-mass draft t the standard rule accepts t with probability p(t) and else
+    samples the residual max(p - q, 0), normalized. The verifier draws x ~ p and keeps t when
+    x == t: over many draws the two give the same distribution (p, unchanged), the same
+    acceptance rate, and on rejection the residual: checked by chi-square on 6 tokens."""
+    p = np.array([0.35, 0.25, 0.2, 0.1, 0.07, 0.03])
+    logp = np.log(p)
+    rng = np.random.default_rng(7)
+    draws = 40_000
+    for t in (0, 3, 5):  # a likely draft, a middling one, an unlikely one
+        out = np.zeros(len(p))
+        rejected = np.zeros(len(p))
+        kept = 0
+        for _ in range(draws):
+            x = _gumbel_max(logp, rng)
+            out[x] += 1
+            if x == t:
+                kept += 1
+            else:
+                rejected[x] += 1
+        assert abs(kept / draws - p[t]) < 4 * math.sqrt(p[t] * (1 - p[t]) / draws)
+        assert _chi2(out, p * draws) < _chi2_limit(len(p) - 1)
+        residual = p.copy()
+        residual[t] = 0.0
+        residual /= residual.sum()
+        live = residual > 0
+        assert rejected[~live].sum() == 0
+        assert _chi2(rejected[live], residual[live] * rejected.sum()) < _chi2_limit(int(live.sum()) - 1)
+
+
+def _chi2(observed: np.ndarray, expected: np.ndarray) -> float:
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def _chi2_limit(df: int, z: float = 3.29) -> float:
+    """The chi-square statistic exceeded with probability ~5e-4 (Wilson-Hilferty)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def test_the_tuning_names_one_speculation_and_checks_it():
+    from trio_mlx import ActorTuning
+
+    assert ActorTuning().speculation is None
+    assert ActorTuning(speculative="ngram").speculation == "ngram"
+    assert ActorTuning(speculative="ngram").draft_tokens == 8
+    assert ActorTuning(draft_model="/m").speculation == "draft"  # implied by the draft model
+    assert ActorTuning(draft_model="/m", num_draft_tokens=2).draft_tokens == 2
+    assert ActorTuning(speculative="draft", draft_model="/m").draft_tokens == 4
+    for bad in (dict(speculative="eagle"), dict(speculative="draft"), dict(speculative="ngram", draft_model="/m"),
+                dict(num_draft_tokens=0), dict(num_draft_tokens=65), dict(ngram_size=0),
+                dict(speculative="ngram", decode_step="mlx")):
+        with pytest.raises(ValueError):
+            ActorTuning(**bad)  # type: ignore[arg-type]

@@ -1,0 +1,155 @@
+"""Speculative decoding's drafters: prompt lookup, or a small draft model, for a lone row.
+
+`Drafter.propose` says whether a row speculates this step and with which drafted
+tokens; `_batch.py` runs the step (one forward over the row's pending token and the
+drafts, `_decode.Decoder.verify`, the KV trimmed past the rejected drafts) and hands the
+outcome back (`Drafter.settle`). The rules (the n-gram index, the acceptance rule, the
+per-row policy) are `_speculate.py`'s, with no MLX.
+
+- **Prompt lookup** (`mode="ngram"`) drafts from the row's own tokens. It looks first at
+  the tokens the row's KV holds, on the host: no earlier occurrence of their suffix, no
+  speculation, and the step stays a plain, pipelined one (random text costs nothing).
+  With one, it reads the pending token back (the step would wait for it anyway), and
+  drafts from the longest suffix that includes it.
+- **A draft model** (`mode="draft"`) drafts K tokens greedily, each from its own KV cache
+  (a plain mlx-lm cache per layer, filled with the row's prompt and output the first time
+  the row speculates, and kept after). Its input starts with the row's pending token as
+  the device computes it: the draft, the verification and the sampling are one graph,
+  read back once. Its cache is trimmed past the drafts the target rejected, as the
+  target's is.
+
+Only public mlx-lm API here (a model's call, `make_prompt_cache`, a cache's `trim`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from ._decode import DecodeRow
+from ._speculate import NgramIndex, RowSpec, room
+
+
+class DraftState:
+    """A row's KV in the draft model: its caches and how many of the row's tokens they hold."""
+
+    __slots__ = ("cache", "held")
+
+    def __init__(self, cache: list[Any]):
+        self.cache = cache
+        self.held = 0
+
+
+class Proposal:
+    """One speculative step's drafts for a row: the forward's `inputs` (1, K+1): the row's
+    pending token and then `drafts` (K,), lazy for a draft model's; `first` and `host`, the
+    pending token and the drafts as read on the host where the drafter read them."""
+
+    __slots__ = ("inputs", "drafts", "first", "host", "position")
+
+    def __init__(self, inputs: Any, drafts: Any, first: int | None, host: list[int] | None, position: int):
+        self.inputs, self.drafts, self.first, self.host = inputs, drafts, first, host
+        self.position = position  # the tokens the row's KV held before the step
+
+    @property
+    def k(self) -> int:
+        return int(self.drafts.shape[0])
+
+
+class Drafter:
+    """Drafts for lone rows: prompt lookup (`ngram`: the longest suffix of up to `ngram`
+    tokens), or a draft `model` (its logits cut to the target's `width`); `k` drafted tokens
+    a step at most."""
+
+    def __init__(self, k: int, ngram: int = 3, model: Any = None, width: int = 0, prefill_step: int = 2048):
+        if k < 1:
+            raise ValueError(f"speculation needs at least one drafted token a step, got {k}")
+        self.k = k
+        self.ngram = ngram
+        self.model = model
+        self.width = width
+        self.prefill_step = max(1, prefill_step)
+
+    @property
+    def mode(self) -> str:
+        return "ngram" if self.model is None else "draft"
+
+    def propose(self, row: DecodeRow, held: list[int], pending: Any) -> Proposal | None:
+        """The drafts for `row` this step, or None: it takes a plain step. `held`: the tokens
+        its KV holds (prompt and output); `pending`: its next token, sampled last step (on
+        the device, (1,))."""
+        if row.grammar is not None or row.max_tokens <= 0:
+            return None  # constrained rows do not speculate (docs/design.md)
+        spec = row.spec
+        if spec is None:
+            row.spec = spec = RowSpec()
+        position = len(held)
+        if not spec.allowed(position):
+            return None
+        k = room(self.k, row.max_tokens, position - len(row.prompt))
+        if k <= 0:
+            return None
+        if self.model is None:
+            return self._lookup(row, spec, held, pending, k)
+        return self._draft(spec, held, pending, k)
+
+    def settle(self, row: DecodeRow, proposal: Proposal, accepted: int) -> None:
+        """The step kept `accepted` of the proposal's drafts: the draft model's cache drops
+        what it holds past them, and the row's policy counts the step."""
+        spec = row.spec
+        assert spec is not None
+        k = proposal.k
+        state = spec.draft
+        if isinstance(state, DraftState):
+            # It fed the pending token and the first k-1 drafts; the row keeps the pending
+            # token and `accepted` drafts (and the target's next token, fed next step).
+            extra = max(0, k - 1 - accepted)
+            if extra:
+                for c in state.cache:
+                    c.trim(extra)
+                state.held -= extra
+        spec.record(k, accepted, proposal.position + 1 + accepted)
+
+    # -- the drafters ---------------------------------------------------------------
+
+    def _lookup(self, row: DecodeRow, spec: RowSpec, held: list[int], pending: Any, k: int) -> Proposal | None:
+        index = spec.index
+        if index is None:
+            spec.index = index = NgramIndex(self.ngram)
+        elif len(index) > len(held):  # not the row's tokens (a bug's guard: the index only grows with them)
+            spec.index = index = NgramIndex(self.ngram)
+        index.extend(held[len(index):])
+        if not index.draft(1):
+            return None  # nothing before repeats the row's last tokens: a plain step, pipelined
+        first = int(pending.item())  # the last step's token: this step would wait for it anyway
+        index.extend((first,))  # the step feeds it, speculative or not
+        drafts = index.draft(k) if first not in row.stops else []
+        if not drafts:
+            spec.record(0, 0, len(held))
+            return None
+        inputs = mx.array([[first, *drafts]], dtype=pending.dtype)
+        return Proposal(inputs, inputs[0, 1:], first, drafts, len(held))
+
+    def _draft(self, spec: RowSpec, held: list[int], pending: Any, k: int) -> Proposal:
+        model = self.model
+        state = spec.draft
+        if not isinstance(state, DraftState):
+            spec.draft = state = DraftState(make_prompt_cache(model))
+        cache = state.cache
+        new = held[state.held:]
+        step = self.prefill_step
+        while len(new) > step:  # a long history (the row's first speculation): in chunks
+            model(mx.array(new[:step], dtype=pending.dtype)[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            new = new[step:]
+        x = mx.concatenate([mx.array(new, dtype=pending.dtype), pending]) if new else pending
+        drafts = []
+        for _ in range(k):
+            logits = model(x[None], cache=cache)[:, -1, : self.width or None]
+            x = mx.argmax(logits, axis=-1).astype(pending.dtype)
+            drafts.append(x)
+        state.held = len(held) + k  # the history, the pending token, every draft but the last
+        d = mx.concatenate(drafts)
+        return Proposal(mx.concatenate([pending, d])[None], d, None, None, len(held))

@@ -1,0 +1,143 @@
+"""Speculative decoding's rules with no MLX in them: prompt-lookup drafts, the acceptance
+rule, and when a row speculates.
+
+A speculative step feeds a decoding row its pending token and up to K drafted tokens
+in one forward, and keeps the longest prefix of the drafts that the target model
+itself would have produced, plus the target's own token after it (`_batch.py` runs the
+step, `_decode.Decoder.verify` samples the target's tokens). Drafts come from the row's
+own tokens (`NgramIndex`: "prompt lookup") or from a small draft model (`_draft.py`).
+
+**The acceptance rule.** Both drafters propose one token per position deterministically
+(the n-gram's continuation, the draft model's argmax): the draft distribution q is a
+point mass at the drafted token t. The standard speculative-sampling rule then accepts t
+with probability min(1, p(t)/q(t)) = p(t), and on a rejection samples from the residual
+max(p - q, 0), normalized: p with t taken out. Drawing x ~ p and accepting t exactly when
+x == t does the same: P(accept) = P(x = t) = p(t), and given x != t, x is distributed as
+p restricted to the other tokens, which is that residual; the drawn x is then the
+position's token. So the verifier samples every position as a plain step would (greedy
+rows take the argmax, sampled ones draw by Gumbel-max over the row's processed
+distribution, a seeded row from its own key for that token's index) and keeps drafts
+while they equal what it drew (`accepted`): a seeded row's tokens are the same with
+speculation on and off, and a greedy row's are the same as without it.
+
+**The policy.** Verifying pays only where one forward over K+1 tokens costs little more
+than one over a token, and where drafts are accepted: on an H200 a forward over 8 tokens
+costs 1.7-1.9x one token's, and a speculative step gives up the pipelining of plain
+steps (its drafts depend on the tokens read back). So a row speculates only while it is
+the batch's only row, and each row keeps a window of its last `WINDOW` speculative steps:
+when they accepted fewer than `MIN_ACCEPTED` drafted tokens a step on average, the row
+stops speculating for `BACKOFF` tokens, twice as long at each further stop (at most
+`MAX_BACKOFF`), then tries again (what a row writes changes: an agent starts quoting a file).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+
+# Speculative steps in a row's acceptance window; arbitrary, a few steps' evidence.
+WINDOW = 8
+# Drafted tokens a speculative step must accept on average over the window, or the row stops
+# speculating for a while. A judgement from the one measurement there is (a forward over 8
+# tokens at 1.7-1.9x one token's, on an H200): a step that accepts one drafted token gives
+# 2 tokens for well under 2 steps' time; one that accepts none costs more than a plain step.
+MIN_ACCEPTED = 1.0
+# Tokens a row with low acceptance goes without speculating, doubled at each further stop.
+BACKOFF = 32
+MAX_BACKOFF = 1024
+
+
+class NgramIndex:
+    """Prompt-lookup drafting over one sequence of tokens (a row's prompt and output).
+
+    For each length m = 1..n, where each m-gram last occurred with a token after it
+    (`extend` keeps it current as tokens arrive, in O(n) per token). `draft(k)` finds the
+    longest suffix of the sequence, n tokens at most, that occurred earlier in it and
+    proposes the k tokens that followed that occurrence, continuing the copy past the end of
+    the sequence (a loop repeats: "a b a b" drafts "a b a b ...")."""
+
+    __slots__ = ("n", "tokens", "_last")
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError(f"an n-gram index needs n >= 1, got {n}")
+        self.n = n
+        self.tokens: list[int] = []
+        self._last: list[dict[tuple[int, ...], int]] = [{} for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, new: Iterable[int]) -> None:
+        toks, last, n = self.tokens, self._last, self.n
+        for t in new:
+            j = len(toks)  # t's index: the m-grams that end just before it are followed by it
+            for m in range(1, min(n, j) + 1):
+                last[m - 1][tuple(toks[j - m : j])] = j
+            toks.append(t)
+
+    def draft(self, k: int) -> list[int]:
+        """Up to `k` tokens to follow the sequence (none if no suffix occurred before)."""
+        toks = self.tokens
+        size = len(toks)
+        if k <= 0:
+            return []
+        for m in range(min(self.n, size - 1), 0, -1):
+            at = self._last[m - 1].get(tuple(toks[size - m :]))
+            if at is None:
+                continue
+            out: list[int] = []
+            for i in range(k):
+                p = at + i
+                out.append(toks[p] if p < size else out[p - size])
+            return out
+        return []
+
+
+def accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """How many of `drafts` the target keeps: the longest prefix equal, position by position,
+    to `targets`, the target's own token at each position (the module's docstring)."""
+    n = 0
+    for d, t in zip(drafts, targets, strict=False):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+def room(k: int, max_tokens: int, generated: int) -> int:
+    """Drafted tokens a step may verify for a row that has `generated` tokens out and a
+    pending one: the step reports the pending token and the accepted drafts, so no more
+    than `max_tokens` allows after that one."""
+    return max(0, min(k, max_tokens - generated - 1))
+
+
+class RowSpec:
+    """One row's speculation: its drafter's state, its acceptance window, and from which of
+    its tokens it may speculate again (the module's docstring, "The policy")."""
+
+    __slots__ = ("index", "draft", "window", "resume_at", "stops", "drafted", "accepted")
+
+    def __init__(self) -> None:
+        self.index: NgramIndex | None = None  # prompt lookup's index of the row's tokens
+        self.draft: object = None  # the draft model's state for the row (`_draft.DraftState`)
+        self.window: collections.deque[int] = collections.deque(maxlen=WINDOW)
+        self.resume_at = 0  # the row's token count from which it may speculate
+        self.stops = 0  # times low acceptance stopped it
+        self.drafted = 0  # tokens drafted for the row, all told
+        self.accepted = 0  # ... and accepted
+
+    def allowed(self, position: int) -> bool:
+        """Whether the row, holding `position` tokens, may speculate now."""
+        return position >= self.resume_at
+
+    def record(self, drafted: int, accepted: int, position: int) -> None:
+        """A speculative step's outcome, the row holding `position` tokens after it."""
+        self.drafted += drafted
+        self.accepted += accepted
+        w = self.window
+        w.append(accepted)
+        if len(w) == WINDOW and sum(w) < MIN_ACCEPTED * WINDOW:
+            self.resume_at = position + min(MAX_BACKOFF, BACKOFF << self.stops)
+            self.stops += 1
+            w.clear()
