@@ -138,3 +138,6 @@ class EngineStatistics:
     # tokenizing that saved (engine/_prefix_tokens.py).
     tokenizer_prefix_hits: int = 0
     tokenizer_prefix_tokens: int = 0
+    # The prompts' tokens of the requests in flight (queued, prefilling or decoding): the load
+    # a router reads (`/get_load`).
+    prompt_tokens_in_flight: int = 0

@@ -285,6 +285,12 @@ def _get(summary: str, model: type[BaseModel], *errors: int, params: list[Any] |
     return {"get": op}
 
 
+def _router_probe(summary: str, kind: str = "object") -> dict[str, Any]:
+    """A GET a router makes of a worker: a JSON body in SGLang's fields (docs/server.md)."""
+    return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": {
+        "application/json": {"schema": {"type": kind}}}}}}}
+
+
 def openapi_document(settings: Settings) -> dict[str, Any]:
     _, top = models_json_schema([(m, "validation") for m in _MODELS],
                                 ref_template="#/components/schemas/{model}")
@@ -317,6 +323,10 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
             "/health/ready": {"get": {"summary": "Readiness (alias of /ready)", "responses": probe}},
             "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format)", "responses": {
                 "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/server_info": _router_probe("The served model and this replica, for a router (SGLang's fields)"),
+            "/model_info": _router_probe("The model's family and architectures, for a router (SGLang's fields)"),
+            "/get_load": _router_probe("Requests running and queued, and their prompts' tokens, for a router",
+                                       "array"),
         },
         "components": {"schemas": top.get("$defs", {})},
     }

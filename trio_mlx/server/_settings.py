@@ -123,6 +123,11 @@ class Settings:
         "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve)"))
     access_log: bool = field(default=True, metadata=_doc(
         "log one line per request, ending with its X-Request-Id (trio-mlx serve)"))
+    replica: str | None = field(default=None, metadata=_doc(
+        "this server's name among several replicas of the model on one host (behind a router, "
+        "docs/distributed.md, \"Scaling out\"): replicas with different names may serve the same "
+        "model on the same device, a second server of the same name is refused; shown on /health "
+        "and /server_info"))
     allow_multiple_workers: bool = field(default=False, metadata=_doc(
         "let several processes (hypercorn workers) serve this model on one device, each loading "
         "its own copy; unset, a second one stops at startup"))
@@ -176,6 +181,9 @@ class Settings:
             raise ValueError("distributed needs actor 'thread': rank 0's server watches its group (the ranks' "
                              "states on /health, a lost rank failing every request) through the actor it runs "
                              "in its own process; the process actor is for a single device")
+        if self.replica is not None and not (
+                0 < len(self.replica) <= 64 and all(c.isalnum() or c in "-_." for c in self.replica)):
+            raise ValueError(f"replica must be up to 64 letters, digits, '-', '_' or '.', got {self.replica!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
