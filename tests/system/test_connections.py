@@ -1,4 +1,4 @@
-"""File descriptors (server/_connections.py, trio_mlx/_fdlimit.py): the open-file limit is raised, not
+"""Connections (server/_connections.py, trio_mlx/_fdlimit.py): the open-file limit is raised, not
 lowered by mlx-lm; connections over the cap get a clear 503 at once; slow bodies are cut by the body
 timeout; accept errors are logged once in a while, not ten times a second.
 
@@ -86,5 +86,49 @@ async def test_connections_over_the_cap_get_503_at_once_and_slow_bodies_are_cut(
         finally:
             for s in held:
                 s.close()
+            p.proc.kill()
+            nursery.cancel_scope.cancel()
+
+
+def _probe_then_goaway(port: int) -> None:
+    """What sglang-router's gRPC health check does to a worker that speaks HTTP: an HTTP/2
+    request without TLS, and the connection ended (GOAWAY) as soon as the answer's headers
+    come, while the server is still writing its body."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        stream_id = conn.get_next_available_stream_id()
+        conn.send_headers(stream_id, [(":method", "POST"), (":path", "/grpc.health.v1.Health/Check"),
+                                      (":scheme", "http"), (":authority", f"127.0.0.1:{port}"),
+                                      ("content-type", "application/grpc"), ("te", "trailers")])
+        conn.send_data(stream_id, b"\0\0\0\0\0", end_stream=True)
+        s.sendall(conn.data_to_send())
+        answered = False
+        while not answered and (data := s.recv(65536)):
+            answered = any(isinstance(e, h2.events.ResponseReceived) for e in conn.receive_data(data))
+        conn.close_connection()
+        s.sendall(conn.data_to_send())
+
+
+async def test_http2_probes_that_hang_up_mid_answer_leave_the_server_serving(tiny_model_fp32) -> None:
+    """Hypercorn half-closed such a connection beside the send of its answer's body, and the
+    BusyResourceError that trio raised ended the whole server (server/_connections.py,
+    `OneSender`): it took at most some 50 probes."""
+    async with trio.open_nursery() as nursery:
+        p = await start(nursery, [*SERVE, str(tiny_model_fp32), "--port", "0", "--no-warmup", "--no-access-log"])
+        try:
+            with trio.fail_after(60):
+                await p.has_url.wait()
+            port = int((p.url or "").rsplit(":", 1)[1])
+            for _ in range(200):
+                await trio.to_thread.run_sync(_probe_then_goaway, port)
+            async with httpx.AsyncClient(base_url=p.url or "", timeout=30) as client:
+                assert (await client.get("/health")).status_code == 200
+            assert p.proc.returncode is None and "BusyResourceError" not in p.text, p.text[-3000:]
+        finally:
             p.proc.kill()
             nursery.cancel_scope.cancel()

@@ -15,7 +15,8 @@ the bound; SIGTERM to rank 0 stops both ranks with status 0. Rank 0 sends each
 step's commands a step ahead of applying them: requests dropped as soon as
 sent keep the ranks in step, and rank 0 alone (a group of one, scripted) sends
 an abort decided while its row's insert is on its way in the next message and
-runs the step a follower runs before it reads "stop".
+runs the step a follower runs before it reads "stop". Each rank's group is bound to the
+thread that joined it, as on CUDA (THREAD_BOUND_GROUP): rank 0 joins on its actor's thread.
 """
 
 from __future__ import annotations
@@ -185,11 +186,47 @@ def _as_on_a_gpu(self):
 actor.Actor._load = _as_on_a_gpu
 """
 
+# And as on CUDA, a rank's group is bound to the thread that joined it: MLX streams are
+# thread-local, and on CUDA a group joined on one thread and used on another failed in
+# mlx-lm's `sharded_load` with "There is no Stream(gpu, 2) in current thread". The CPU
+# build does not show it (the ring backend resolves its stream on each call, on the
+# calling thread), so every rank here refuses a collective of its group on any other
+# thread than the one that joined it, with CUDA's error.
+THREAD_BOUND_GROUP = """
+import threading
+
+import mlx.core as mx
+
+_init = mx.distributed.init
+_joined_on = []
+
+
+def _join(*args, **kwargs):
+    group = _init(*args, **kwargs)
+    if group.size() > 1 and not _joined_on:
+        _joined_on.append(threading.get_ident())
+    return group
+
+
+def _bound(op):
+    def collective(*args, **kwargs):
+        if _joined_on and _joined_on[0] != threading.get_ident():
+            raise RuntimeError("There is no Stream(gpu, 2) in current thread.")
+        return op(*args, **kwargs)
+    return collective
+
+
+mx.distributed.init = _join
+for name in ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "recv_like", "sum_scatter"):
+    if hasattr(mx.distributed, name):
+        setattr(mx.distributed, name, _bound(getattr(mx.distributed, name)))
+"""
+
 
 @pytest.fixture(scope="module")
 def group(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory):
     site = tmp_path_factory.mktemp("gpu-warmup")
-    (site / "sitecustomize.py").write_text(GPU_WARMUP)  # imported at start by every rank
+    (site / "sitecustomize.py").write_text(GPU_WARMUP + THREAD_BOUND_GROUP)  # imported at start by every rank
     env = {**ENV, "PYTHONPATH": str(site) + os.pathsep + ENV["PYTHONPATH"]}
     g = Group(tiny_model_fp32, tmp_path_factory.mktemp("group") / "launch.log", env=env)
     try:
@@ -210,6 +247,10 @@ def test_greedy_tokens_equal_the_single_device_alone_and_in_a_batch_of_8(group: 
     assert texts == [reference[p] for p in PROMPTS]
     assert "distributed: 2 ranks over ring, tensor parallel" in group.text()
     assert "warming up (every prefill group size, then a rehearsal)" in group.text()
+    # Rank 0 joined on its actor's thread, where it loads, steps and sends (its group is
+    # bound to that thread here, as on CUDA: THREAD_BOUND_GROUP).
+    joined = re.search(r"rank 0 of 2 joined the group over ring on the actor's thread \((.+?)\)", group.text())
+    assert joined is not None and joined.group(1) != "MainThread", group.text()[-3000:]
 
 
 def test_an_abort_mid_decode_frees_the_row_on_both_ranks(group: Group, reference: dict) -> None:
@@ -491,16 +532,32 @@ class _Script:
         return self.exchange(StepReport())
 
 
+def _leader_alone(config: Any, script: _Script, spies: Any) -> Any:
+    """Rank 0 alone: a `LeaderActor` in a group of one (its collectives are its own), joined
+    as rank 0 joins, on the thread that runs it; `spies(actor)` then wraps its channel."""
+    import mlx.core as mx
+
+    from trio_mlx.actor._distributed import Channel, LeaderActor
+    from trio_mlx.actor._group import GroupStatus
+
+    class Alone(LeaderActor):
+        def _join(self) -> None:
+            self._group = mx.distributed.init()
+            assert self._group.size() == 1
+            self._channel = Channel(self._group, self._watch, self._status)
+            spies(self)
+
+    return Alone(config, script, backend="any", mode="tensor", status=GroupStatus(mode="tensor"), timeout=30,
+                 startup_timeout=60, on_failure=None)
+
+
 def test_rank_0_applies_each_steps_commands_a_step_after_it_sends_them(tiny_model_fp32: Path) -> None:
     """Rank 0 alone (a group of one: its collectives are its own): a group admitted in one
     exchange and an abort of one of its rows in the next, decided while that row's insert
     was still on its way; the message carrying the abort follows the one admitting it,
     the row aborted never finishes, and the other gives the single device's tokens."""
-    import mlx.core as mx
 
     from trio_mlx.actor._actor import Actor
-    from trio_mlx.actor._distributed import LeaderActor
-    from trio_mlx.actor._group import GroupStatus
     from trio_mlx.actor._protocol import Abort, ActorConfig, ActorTuning, SamplingParams, Submit
 
     greedy = SamplingParams(temperature=0.0)
@@ -511,20 +568,20 @@ def test_rank_0_applies_each_steps_commands_a_step_after_it_sends_them(tiny_mode
     Actor(config, alone).run()
 
     script = _Script([[dropped, kept], [Abort(1)]])
-    group = mx.distributed.init()
-    assert group.size() == 1
-    actor = LeaderActor(config, script, group=group, mode="tensor", status=GroupStatus(mode="tensor"),
-                        timeout=30, startup_timeout=60, on_failure=None)
     sent: list[tuple[Any, ...]] = []
-    post = actor._channel.post
 
-    def spy(message: Any, bound: float, what: str = "") -> bytes:
-        sent.append(message)
-        if message[1]:  # the abort of row 1, decided before its insert was applied
-            assert 1 not in actor._seqs and actor._ahead is not None and [s.rid for s in actor._ahead[1]] == [1, 2]
-        return post(message, bound)
+    def spies(actor: Any) -> None:
+        post = actor._channel.post
 
-    actor._channel.post = spy  # type: ignore[method-assign]
+        def spy(message: Any, bound: float, what: str = "") -> bytes:
+            sent.append(message)
+            if message[1]:  # the abort of row 1, decided before its insert was applied
+                assert 1 not in actor._seqs and actor._ahead is not None and [s.rid for s in actor._ahead[1]] == [1, 2]
+            return post(message, bound)
+
+        actor._channel.post = spy
+
+    actor = _leader_alone(config, script, spies)
     actor.run()
     assert [m[0] for m in sent[:2]] == ["step", "step"]
     assert [s.rid for s in sent[0][2]] == [1, 2] and sent[0][1] == ()
@@ -539,35 +596,34 @@ def test_a_shutdown_with_a_group_on_its_way_runs_the_step_a_follower_runs_before
     holds, and runs that step before it reads it: rank 0 must run it too, or the
     follower would wait forever in that step's all-reduces. The admitted prompt is long:
     its message's tail goes after that step."""
-    import mlx.core as mx
 
-    from trio_mlx.actor._distributed import LeaderActor
-    from trio_mlx.actor._group import GroupStatus
     from trio_mlx.actor._protocol import ActorConfig, ActorTuning, SamplingParams, Shutdown, Submit
 
     long = Submit(7, tuple(3 + i % 400 for i in range(600)), 4, SamplingParams(temperature=0.0), frozenset())
     script = _Script([[long], [Shutdown()]])
-    actor = LeaderActor(ActorConfig(model_path=tiny_model_fp32, tuning=ActorTuning(warmup=False, admit_window=0.0)), script,
-                        group=mx.distributed.init(), mode="tensor", status=GroupStatus(mode="tensor"),
-                        timeout=30, startup_timeout=60, on_failure=None)
     calls: list[tuple[str, Any]] = []
-    channel = actor._channel
-    post, post_tail, send = channel.post, channel.post_tail, channel.send
 
-    def spy_post(message: Any, bound: float, what: str = "") -> bytes:
-        tail = post(message, bound)
-        calls.append(("post", (message[0], [s.rid for s in message[2]], len(tail))))
-        return tail
+    def spies(actor: Any) -> None:
+        channel = actor._channel
+        post, post_tail, send = channel.post, channel.post_tail, channel.send
 
-    def spy_tail(tail: bytes, bound: float) -> None:
-        calls.append(("tail", actor._steps))
-        post_tail(tail, bound)
+        def spy_post(message: Any, bound: float, what: str = "") -> bytes:
+            tail = post(message, bound)
+            calls.append(("post", (message[0], [s.rid for s in message[2]], len(tail))))
+            return tail
 
-    def spy_send(message: Any, bound: float, what: str = "") -> None:
-        calls.append(("send", (message[0], actor._steps)))
-        send(message, bound, what)
+        def spy_tail(tail: bytes, bound: float) -> None:
+            calls.append(("tail", actor._steps))
+            post_tail(tail, bound)
 
-    channel.post, channel.post_tail, channel.send = spy_post, spy_tail, spy_send  # type: ignore[method-assign]
+        def spy_send(message: Any, bound: float, what: str = "") -> None:
+            calls.append(("send", (message[0], actor._steps)))
+            send(message, bound, what)
+
+        channel.post, channel.post_tail, channel.send = spy_post, spy_tail, spy_send
+
+    actor = _leader_alone(ActorConfig(model_path=tiny_model_fp32, tuning=ActorTuning(warmup=False, admit_window=0.0)),
+                          script, spies)
     actor.run()
     [(_, (kind, rids, tail))] = [c for c in calls if c[0] == "post"]
     assert kind == "step" and rids == [7] and tail > 0 and ("tail", 0) in calls

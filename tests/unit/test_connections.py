@@ -11,8 +11,10 @@ import logging
 import sys
 
 import pytest
+import trio
+import trio.testing
 
-from trio_mlx.server._connections import AcceptErrorFilter
+from trio_mlx.server._connections import AcceptErrorFilter, OneSender
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -21,6 +23,72 @@ def test_hypercorn_still_calls_the_handler_the_cap_wraps() -> None:
     import hypercorn.trio.run as run
 
     assert "TCPServer" in run.worker_serve.__code__.co_names
+
+
+class _Stream:
+    """A socket stream's sending side as trio guards it: one sender at a time (a second one
+    raises BusyResourceError); `send_eof` yields while it holds it (here until `gate`)."""
+
+    socket = "the socket"
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.sent: list[bytes] = []
+        self.gate = trio.Event()
+
+    async def _hold(self, until: trio.Event | None) -> None:
+        if self.busy:
+            raise trio.BusyResourceError("another task is currently sending data on this SocketStream")
+        self.busy = True
+        try:
+            if until is not None:
+                await until.wait()
+            else:
+                await trio.lowlevel.checkpoint()
+        finally:
+            self.busy = False
+
+    async def send_all(self, data: bytes) -> None:
+        await self._hold(self.gate if data == b"blocked" else None)
+        self.sent.append(data)
+
+    async def send_eof(self) -> None:
+        await self._hold(self.gate)
+
+
+async def test_a_half_close_beside_a_send_no_longer_breaks_the_connection() -> None:
+    """Hypercorn half-closes a stream (`send_eof`) outside the lock its sends take, and trio's
+    `send_eof` yields holding the stream's sending side: a send that came then raised
+    BusyResourceError and ended the server. Through `OneSender` the send waits its turn, and
+    a half-close beside a send is refused as trio refuses it (hypercorn then closes)."""
+    bare = _Stream()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bare.send_eof)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.BusyResourceError):  # what ended the server
+            await bare.send_all(b"data")
+        bare.gate.set()
+
+    inner = _Stream()
+    stream = OneSender(inner)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.send_eof)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(stream.send_all, b"data")
+        await trio.testing.wait_all_tasks_blocked()
+        assert inner.sent == []  # it waits for the half-close
+        inner.gate.set()
+    assert inner.sent == [b"data"]
+    assert stream.socket == "the socket"  # the rest is the stream's own
+
+    inner = _Stream()
+    stream = OneSender(inner)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.send_all, b"blocked")  # a send the peer does not read
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.BusyResourceError):
+            await stream.send_eof()
+        inner.gate.set()
 
 
 def test_accept_errors_are_logged_once_per_interval() -> None:

@@ -62,10 +62,11 @@ def test_the_event_records_fields():
                                      "accepted_draft_tokens"]
     assert trio_mlx.Usage(3, 2).cached_tokens == 0 and trio_mlx.Usage(3, 2).total_tokens == 5
     assert names(trio_mlx.Finished) == ["finish_reason", "usage", "error", "stop"]
-    assert names(trio_mlx.EngineStatistics)[-11:] == [
+    assert names(trio_mlx.EngineStatistics)[-12:] == [
         "prompt_cache_lookups", "prompt_cache_hits", "prompt_cache_hit_tokens",
         "prompt_cache_evictions", "prompt_cache_bytes", "prompt_cache_entries", "actor_restarts",
-        "tokenizer_prefix_hits", "tokenizer_prefix_tokens", "draft_tokens", "accepted_draft_tokens"]
+        "tokenizer_prefix_hits", "tokenizer_prefix_tokens", "draft_tokens", "accepted_draft_tokens",
+        "prompt_tokens_in_flight"]
     # One request's options: what every API builds and the engine checks (docs/design.md,
     # "Adding a sampling parameter").
     assert names(trio_mlx.GenerationOptions) == [

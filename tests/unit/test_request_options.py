@@ -140,6 +140,18 @@ def test_each_translated_api_names_every_field_it_builds() -> None:
     assert request.max_tokens == 5 and request.response_format == {"type": "json_object"}
 
 
+def test_a_responses_request_through_sglang_router_keeps_its_meaning() -> None:
+    """sglang-router re-serializes a Responses request with every field it knows, `stream: null`
+    among them when the client left it out: null is not streamed, as OpenAI's API takes it."""
+    from trio_mlx.server.responses._serving import ResponsesCall
+
+    routed = {"input": "Hello", "max_output_tokens": 4, "model": "m", "store": False, "stream": None,
+              "temperature": 1.0, "top_p": 1.0, "priority": 0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    call = ResponsesCall(ResponsesRequest.model_validate(routed))
+    assert call.stream is False and call.options.max_tokens == 4
+    assert ResponsesCall(ResponsesRequest.model_validate({**routed, "stream": True})).stream is True
+
+
 def test_openai_requests_build_the_record_in_the_records_names() -> None:
     chat = ChatCompletionRequest.model_validate({
         "messages": HELLO, "max_completion_tokens": 7, "top_k": -1, "logprobs": True, "top_logprobs": 2,

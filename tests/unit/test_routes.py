@@ -62,7 +62,8 @@ async def test_every_route_is_served_and_the_index_is_the_tables(tiny_model_fp32
         assert r.json()["endpoints"] == listed == INDEX  # each listed route, nothing the table lacks
         # the index as it was kept by hand, before the table: the same list, in the same order
         assert listed == ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-                          "/v1/responses", "/v1/models", "/health", "/ready", "/metrics", "/openapi.json", "/docs"]
+                          "/v1/responses", "/v1/models", "/health", "/ready", "/metrics", "/server_info",
+                          "/model_info", "/get_load", "/openapi.json", "/docs"]
 
         # The OpenAPI document is the table's documented routes, in its order: each with its
         # methods and its summary, every API path (those that take the key) among them.
@@ -77,7 +78,8 @@ async def test_every_route_is_served_and_the_index_is_the_tables(tiny_model_fp32
         # the paths as they were kept by hand, before the table
         assert list(doc["paths"]) == ["/v1/chat/completions", "/v1/completions", "/v1/messages",
                                       "/v1/messages/count_tokens", "/v1/responses", "/v1/models",
-                                      "/v1/models/{model_id}", "/health", "/ready", "/health/ready", "/metrics"]
+                                      "/v1/models/{model_id}", "/health", "/ready", "/health/ready", "/metrics",
+                                      "/server_info", "/model_info", "/get_load"]
         assert doc["paths"]["/v1/models/{model_id}"]["get"]["parameters"] == [
             {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
 
@@ -113,3 +115,33 @@ def test_the_generation_paths_are_the_tables_generating_routes():
     were kept by hand before it (count_tokens answers without generating)."""
     assert GENERATION_PATHS == tuple(route.path for route in ROUTES if route.generates) == (
         "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
+
+
+async def test_what_a_router_reads_names_the_model_the_replica_and_the_load(tiny_model_fp32):
+    """sglang-router names each worker's model from /server_info (its /v1/models then lists it)
+    and reads /get_load for its load-based policies; /health names the replica."""
+    async with serve(tiny_model_fp32, factory=fake_factory(), model_name="tiny-test", replica="r1") as server, \
+            server.client() as client:
+        info = (await client.get("/server_info")).json()
+        assert info["served_model_name"] == "tiny-test" and info["replica"] == "r1"
+        assert info["model_path"] == str(tiny_model_fp32) and info["max_running_requests"] > 0
+        assert (await client.get("/get_server_info")).json() == info
+        model = (await client.get("/model_info")).json()
+        assert model["model_type"] == "llama" and model["architectures"] == ["LlamaForCausalLM"]
+        assert model["is_generation"] is True and (await client.get("/get_model_info")).json() == model
+        load = (await client.get("/get_load")).json()
+        assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+        assert (await client.get("/health")).json()["replica"] == "r1"
+
+
+async def test_the_load_counts_the_prompts_of_the_requests_in_flight():
+    from trio_mlx.actor import SamplingParams
+    from trio_mlx.engine._registry import Registry
+
+    registry = Registry()
+    registry.open_inbox()
+    a = registry.submit([1, 2, 3], 4, SamplingParams(), frozenset(), None, max_batch=8, max_queue=8)
+    registry.submit([4, 5], 4, SamplingParams(), frozenset(), None, max_batch=8, max_queue=8)
+    assert registry.figures()["prompt_tokens_in_flight"] == 5
+    registry.abort(a, "disconnect")
+    assert registry.figures()["prompt_tokens_in_flight"] == 2

@@ -8,6 +8,8 @@ tests/system/test_workers.py.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -41,3 +43,28 @@ def test_the_lock_is_per_model_and_device_and_shared_within_a_process(tmp_path, 
     second.release()
     done = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_replicas_of_one_model_on_one_device_hold_locks_of_their_own(tmp_path, monkeypatch):
+    """Replicas behind a router may share a device: each named (`--replica`) holds its own lock, a
+    second server of the same name is refused, and an unnamed server keeps the lock it always had."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    plain = Settings(model=str(tmp_path))
+    one, two = Settings(model=str(tmp_path), replica="1"), Settings(model=str(tmp_path), replica="2")
+    assert len({_workers.lock_path(s) for s in (plain, one, two)}) == 3
+    assert _workers.lock_path(Settings(model=str(tmp_path), replica="1")) == _workers.lock_path(one)
+    assert _workers.model_key(plain) == json.dumps([f"path:{os.path.realpath(tmp_path)}", "0"])
+    held = _workers.acquire(one)
+    try:
+        code = ("import sys; from trio_mlx.server import _workers; from trio_mlx.server._settings import Settings\n"
+                "try:\n    _workers.acquire(Settings(model=sys.argv[1], replica=sys.argv[2]))\n"
+                "except _workers.AlreadyServing as e:\n    print(e); sys.exit(7)\n")
+        env = {**ENV, "CUDA_VISIBLE_DEVICES": "0"}
+        same = subprocess.run([sys.executable, "-c", code, str(tmp_path), "1"], env=env, capture_output=True,
+                              text=True, timeout=30)
+        assert same.returncode == 7 and "as replica '1'" in same.stdout and "--replica NAME" in same.stdout
+        other = subprocess.run([sys.executable, "-c", code, str(tmp_path), "2"], env=env, capture_output=True,
+                               text=True, timeout=30)
+        assert other.returncode == 0, other.stdout + other.stderr
+    finally:
+        held.release()

@@ -6,7 +6,9 @@ rank joins one `mx.distributed` group and loads its shard with mlx-lm's
 `pipeline` method for pipeline parallelism; nothing is sharded here by hand).
 Rank 0 runs the server, the engine and `LeaderActor`, the usual actor on its
 one thread (docs/design.md, rule 1); every other rank runs `FollowerActor`
-(`_follower.py`) on its main thread, with no HTTP and no trio. The model's
+(`_follower.py`) on its main thread, with no HTTP and no trio. Each joins the
+group on that thread, the one that runs all of its collectives
+(`init_group`). The model's
 own collectives (an all-reduce after the attention and after the MLP of
 every layer) need every rank to run the same forward passes on the same
 batch, so the followers replay rank 0's steps:
@@ -70,7 +72,7 @@ from mlx_lm.generate import generation_stream
 from .._errors import ModelLoadError
 from ._actor import Actor, prefill_budget
 from ._admission import Admission
-from ._group import GroupError, GroupStatus
+from ._group import GroupError, GroupStatus, env_backend
 from ._group_cache import GroupCache, GroupReuse, group_cache_budget, open_group_cache
 from ._link import ActorLink
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, Shutdown, StepReport, Submit
@@ -88,24 +90,16 @@ EXIT_GRACE = 2.0
 _LENGTH = struct.Struct(">I")
 
 
-def _env_backend() -> str:
-    """The backend `mlx.launch` set up, from the variables it exports."""
-    env = os.environ
-    if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
-        return "jaccl"
-    if "NCCL_PORT" in env:
-        return "nccl"
-    if "MLX_HOSTFILE" in env:
-        return "ring"
-    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
-        return "mpi"
-    return "any"
-
-
 def init_group(backend: str = "any") -> tuple[Any, str]:
     """Join the group `mlx.launch` started: (group, backend name). Raises GroupError
-    when this process is not one of at least two ranks."""
-    name = _env_backend() if backend == "any" else backend
+    when this process is not one of at least two ranks.
+
+    Call it on the thread that will use the group, and nowhere else first: MLX makes a
+    backend's group once per process (a second call returns the first's), and its
+    streams are thread-local, so a group joined on one thread and used on another failed
+    on CUDA with "There is no Stream(gpu, N) in current thread" (rank 0 joins on its
+    actor's thread, `LeaderActor.run`; a follower on its main thread)."""
+    name = env_backend() if backend == "any" else backend
     try:
         group = mx.distributed.init(strict=True, backend=name)
     except Exception as exc:
@@ -327,8 +321,10 @@ def load_shard(path: Path, mode: str, group: Any) -> tuple[Any, dict[str, Any]]:
             str(path), pipeline_group=group if mode == "pipeline" else None,
             tensor_group=group if mode == "tensor" else None, return_config=True)
     except ValueError as exc:  # "The model does not support pipelining / tensor parallelism"
+        hint = ("; `trio-mlx serve --help` (--distributed) and docs/distributed.md name the families mlx-lm "
+                "pipelines, and --distributed tensor shards most others" if mode == "pipeline" else "")
         raise ModelLoadError(
-            f"mlx-lm cannot shard this model ({config.get('model_type', '?')}) for {mode} parallelism: {exc}"
+            f"mlx-lm cannot shard this model ({config.get('model_type', '?')}) for {mode} parallelism: {exc}{hint}"
         ) from exc
     except FileNotFoundError as exc:
         raise ModelLoadError(f"could not load a {mode}-parallel shard from {str(path)!r}: {exc}"
@@ -479,15 +475,16 @@ class LeaderActor(Actor):
 
     progress_cut = False  # every rank cuts its steps alike: by no rate measured on one
 
-    def __init__(self, config: ActorConfig, link: ActorLink, *, group: Any, mode: str, status: GroupStatus,
+    def __init__(self, config: ActorConfig, link: ActorLink, *, backend: str, mode: str, status: GroupStatus,
                  timeout: float, startup_timeout: float, on_failure: Callable[[str], None] | None):
         if config.tuning.speculation is not None:  # its steps' shapes follow tokens each rank reads back
             raise ValueError("speculative decoding needs a single rank, not a distributed group")
         super().__init__(config, _BeatingLink(link, self._beat))
-        self._group, self._mode, self._status = group, mode, status
+        self._backend, self._mode, self._status = backend, mode, status
         self._timeout, self._startup = timeout, startup_timeout
         self._watch = Watchdog(on_failure, grace=EXIT_GRACE, status=status)
-        self._channel = Channel(group, self._watch, status)
+        self._group: Any = None  # joined in `run`, on this actor's thread (`_join`)
+        self._channel: Channel  # made there too
         self._real = self._admission  # the queue and the decisions; `_loop` steps through a Replay
         self._replay = Replay(self._real)
         self._stopped = False
@@ -498,6 +495,7 @@ class LeaderActor(Actor):
     def run(self) -> None:
         try:
             with self._watch.guard("starting the group", self._startup):
+                self._join()
                 self._status.set_all("loading", leader="loading")
                 self._channel.send(hello(self.config, self._mode, self._cache_bytes), self._startup,
                                    "greeting the followers")
@@ -508,6 +506,18 @@ class LeaderActor(Actor):
         finally:
             if not self._watch.failed:
                 self._watch.stop()
+
+    def _join(self) -> None:
+        """Join the group here, on the thread that runs every collective of this rank
+        (`init_group` says why), as rank 0 of the size the launcher announced."""
+        group, name = init_group(self._backend)
+        if group.rank() != 0 or group.size() != self._status.size:
+            raise GroupError(f"joined as rank {group.rank()} of {group.size()}, but the launcher announced "
+                             f"rank 0 of {self._status.size}")
+        self._group = group
+        self._channel = Channel(group, self._watch, self._status)
+        log.info("rank 0 of %d joined the group over %s on the actor's thread (%s)", group.size(), name,
+                 threading.current_thread().name)
 
     def _load_weights(self) -> tuple[Any, dict[str, Any]]:
         with self._failing(), self._watch.guard("loading the shards", self._startup):

@@ -179,11 +179,15 @@ class FollowerActor(Actor):
 
 
 def follower_main(model: str | None, *, cache_dir: str | None, backend: str, timeout: float,
-                  startup_timeout: float, group: Any = None) -> int:
-    """Run this rank as a follower until rank 0 stops the group; the process's exit status."""
+                  startup_timeout: float) -> int:
+    """Run this rank as a follower until rank 0 stops the group; the process's exit status.
+    It joins the group here, on the thread that follows (`_distributed.init_group`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
-    if group is None:
+    try:
         group, backend = init_group(backend)
+    except GroupError as exc:
+        log.error("%s", exc)
+        return 1
     watchdog = Watchdog(None, grace=0.0)
     channel = Channel(group, watchdog)
     rank = group.rank()

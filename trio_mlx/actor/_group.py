@@ -1,4 +1,4 @@
-"""What rank 0 knows about its distributed group: plain Python, no MLX.
+"""What a rank knows about its distributed group without MLX: its place, and rank 0's status.
 
 A model sharded over several processes (`--distributed tensor|pipeline`,
 launched by `mlx.launch`) is served by rank 0's engine and actor; every other
@@ -7,10 +7,19 @@ rank runs a follower (`_follower.py`) that mirrors rank 0's steps
 as the group works and what `/health` and `/metrics` read: written on the
 actor thread (or the watchdog's), read on the trio thread, each field a
 single assignment under the GIL.
+
+`launched` reads a rank's number, the group's size and its backend from the
+variables `mlx.launch` (or `mpirun`) sets, without MLX: the process's main
+thread decides with it whether to serve HTTP or follow, and only the thread
+that will use the group joins it (`_distributed.init_group`). MLX streams
+are thread-local, and a group joined on one thread and used on another
+failed on CUDA (docs/design.md, rule 1).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +30,61 @@ BACKENDS = ("any", "ring", "jaccl", "mpi", "nccl")
 
 class GroupError(RuntimeError):
     """The group can no longer serve: a rank died, hung, or fell out of step. Fatal for every rank."""
+
+
+def env_backend() -> str:
+    """The backend `mlx.launch` set up, from the variables it exports ("any": none of them)."""
+    env = os.environ
+    if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
+        return "jaccl"
+    if "NCCL_PORT" in env:
+        return "nccl"
+    if "MLX_HOSTFILE" in env:
+        return "ring"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "mpi"
+    return "any"
+
+
+_LAUNCH_HINT = ("start every rank with mlx.launch, e.g. `mlx.launch --backend ring -n 2 -- trio-mlx serve MODEL "
+                "--distributed tensor`")
+
+
+def launched(backend: str = "any") -> tuple[int, int, str]:
+    """(this process's rank, the group's size, the backend's name), read from the variables
+    the launcher set (MLX_RANK and MLX_HOSTFILE, MLX_WORLD_SIZE or MLX_IBV_DEVICES; MPI's
+    own), without MLX. Raises GroupError outside a group of at least two ranks."""
+    env = os.environ
+    name = env_backend() if backend == "any" else backend
+    if name == "any":
+        raise GroupError(f"not started as a rank of a distributed group (none of the launcher's variables "
+                         f"is set); {_LAUNCH_HINT}")
+    try:
+        if name == "mpi":
+            rank = int(env.get("OMPI_COMM_WORLD_RANK") or env["PMI_RANK"])
+            size = int(env.get("OMPI_COMM_WORLD_SIZE") or env["PMI_SIZE"])
+        else:
+            rank = int(env["MLX_RANK"])
+            if name == "nccl":
+                size = int(env["MLX_WORLD_SIZE"])
+            elif name in ("ring", "jaccl"):
+                path = env["MLX_HOSTFILE" if name == "ring" else "MLX_IBV_DEVICES"]
+                with open(path, encoding="utf-8") as f:
+                    text = f.read().strip()
+                size = len(json.loads(text)) if text else 1  # mlx.launch writes "" for one rank
+            else:
+                raise GroupError(f"unknown distributed backend {name!r}")
+    except KeyError as exc:
+        raise GroupError(f"not started as a rank of a distributed group (backend {name}: {exc.args[0]} is "
+                         f"not set); {_LAUNCH_HINT}") from None
+    except (OSError, ValueError) as exc:
+        raise GroupError(f"could not read this rank's place in the group (backend {name}): {exc}") from None
+    if size < 2:
+        raise GroupError("--distributed needs at least 2 ranks: start them with mlx.launch "
+                         "(e.g. `mlx.launch --hostfile hosts.json -- trio-mlx serve MODEL --distributed tensor`)")
+    if not 0 <= rank < size:
+        raise GroupError(f"rank {rank} is outside a group of {size}")
+    return rank, size, name
 
 
 @dataclass

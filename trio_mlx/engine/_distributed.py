@@ -1,11 +1,13 @@
 """Serving a model sharded over several processes: rank 0's engine, and the way in for the others.
 
 Under `mlx.launch`, `trio-mlx serve MODEL --distributed tensor|pipeline`
-starts on every rank. `join_group` joins the `mx.distributed` group; rank 0
-builds its engine with `leader_engine` (an ordinary `Engine` whose thread
-actor is `actor._distributed.LeaderActor`) and serves HTTP as always; every
-other rank calls `run_follower` instead and never starts a server
-(`actor/_follower.py`). docs/distributed.md has the whole design.
+starts on every rank. `launched` reads the rank from the launcher's variables,
+without MLX: rank 0 builds its engine with `leader_engine` (an ordinary
+`Engine` whose thread actor is `actor._distributed.LeaderActor`, which joins
+the `mx.distributed` group on its own thread) and serves HTTP as always; every
+other rank calls `run_follower` instead, which joins the group on the main
+thread it follows on, and never starts a server (`actor/_follower.py`).
+docs/distributed.md has the whole design.
 
 MLX stays in `actor/`: this module imports it only through the actor package,
 and only when `--distributed` is set.
@@ -24,18 +26,14 @@ from ..actor._group import GroupError as GroupError
 from ..actor._group import GroupStatus as GroupStatus
 from ._engine import Engine
 
-_JOINED: tuple[Any, str] | None = None
 
+def launched(backend: str = "any") -> tuple[int, int, str]:
+    """(rank, size, backend) of this process in the group `mlx.launch` started, read from
+    the launcher's variables without MLX (`actor/_group.launched`). Raises `GroupError`
+    outside a group of at least two ranks."""
+    from ..actor._group import launched as read
 
-def join_group(backend: str = "any") -> tuple[Any, str]:
-    """(group, backend name) of the group `mlx.launch` started, joined once per process.
-    Raises `actor._group.GroupError` outside a group of at least two ranks."""
-    global _JOINED
-    if _JOINED is None:
-        from ..actor._distributed import init_group
-
-        _JOINED = init_group(backend)
-    return _JOINED
+    return read(backend)
 
 
 def leader_engine(mode: str, *, backend: str = "any", timeout: float = 60.0, startup_timeout: float = 600.0,
@@ -46,10 +44,11 @@ def leader_engine(mode: str, *, backend: str = "any", timeout: float = 60.0, sta
     `startup_timeout` loading and warm-up; past either the group fails.
     """
     from ..actor._distributed import LeaderActor
-    group, name = join_group(backend)
-    if group.rank() != 0:
-        raise GroupError(f"rank {group.rank()} cannot serve HTTP: only rank 0 does (start ranks with trio-mlx serve)")
-    status = GroupStatus(mode=mode, size=group.size(), backend=name)
+
+    rank, size, name = launched(backend)
+    if rank != 0:
+        raise GroupError(f"rank {rank} cannot serve HTTP: only rank 0 does (start ranks with trio-mlx serve)")
+    status = GroupStatus(mode=mode, size=size, backend=name)
     status.set_all("starting")
     token = trio.lowlevel.current_trio_token()
     engine: Engine | None = None
@@ -59,10 +58,13 @@ def leader_engine(mode: str, *, backend: str = "any", timeout: float = 60.0, sta
             trio.from_thread.run_sync(engine.fail, f"the distributed group failed: {reason}", trio_token=token)
 
     def actor(config: Any, link: Any) -> LeaderActor:
-        return LeaderActor(config, link, group=group, mode=mode, status=status, timeout=timeout,
+        return LeaderActor(config, link, backend=name, mode=mode, status=status, timeout=timeout,
                            startup_timeout=startup_timeout, on_failure=on_failure)
 
     engine_options.pop("actor", None)  # always a thread actor: rule 1 holds its collectives
+    # No restarts: the followers stop with a failed leader, and MLX keeps the group of the
+    # thread that first joined it, which a new actor thread could not use.
+    engine_options["restart_limit"] = 0
     engine = Engine(actor=actor, **engine_options)
     engine.group = status
     return engine
@@ -73,9 +75,8 @@ def run_follower(model: str | None, *, cache_dir: str | None, backend: str = "an
     """Serve as a follower rank until rank 0 stops the group; the process's exit status."""
     from ..actor._follower import follower_main
 
-    group, name = join_group(backend)
-    return follower_main(model, cache_dir=cache_dir, backend=name, timeout=timeout,
-                         startup_timeout=startup_timeout, group=group)
+    return follower_main(model, cache_dir=cache_dir, backend=backend, timeout=timeout,
+                         startup_timeout=startup_timeout)
 
 
 def leave(status: int) -> NoReturn:

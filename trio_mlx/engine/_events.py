@@ -145,3 +145,6 @@ class EngineStatistics:
     # Speculative decoding: tokens drafted, and drafted tokens kept in an output.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # The prompts' tokens of the requests in flight (queued, prefilling or decoding): the load
+    # a router reads (`/get_load`).
+    prompt_tokens_in_flight: int = 0

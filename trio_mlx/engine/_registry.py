@@ -43,6 +43,7 @@ class Request:
     cached: int = 0  # prompt tokens the actor took from its prompt cache
     drafted: int = 0  # speculative decoding: tokens drafted for it
     accepted: int = 0  # ... and kept in its output
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Registry:
         self.last_progress: float | None = None
         self.memory: tuple[int, int, int] = (0, 0, 0)  # MLX (active, peak, cache) bytes, as the actor reads them
         self.prompt_cache: tuple[int, ...] = (0, 0, 0, 0, 0, 0)  # the actor's prompt cache figures
+        self.prompt_tokens_in_flight = 0  # the prompts' tokens of `requests`
         self._inbox_send: trio.MemorySendChannel[Command] | None = None
         self._inbox_recv: trio.MemoryReceiveChannel[Command] | None = None
         # Called on the trio thread after each command queued for the actor: a thread actor's
@@ -189,8 +191,9 @@ class Registry:
             self.last_progress = trio.current_time()
         rid = self._next_rid = self._next_rid + 1
         send, recv = trio.open_memory_channel[Any](max_tokens + 2)
-        req = Request(rid, send, recv)
+        req = Request(rid, send, recv, prompt_tokens=len(prompt))
         self.requests[rid] = req
+        self.prompt_tokens_in_flight += req.prompt_tokens
         self.stage_counts["queued"] += 1
         self.idle = trio.Event() if self.idle.is_set() else self.idle
         self.c.submitted += 1
@@ -221,6 +224,7 @@ class Registry:
         if self.requests.pop(req.rid, None) is None:
             return
         self.stage_counts[req.stage] -= 1
+        self.prompt_tokens_in_flight -= req.prompt_tokens
         self.c.finished += 1
         req.send.close()
         req.ended.set()
@@ -281,4 +285,5 @@ class Registry:
             draft_tokens=c.drafted,
             accepted_draft_tokens=c.accepted,
             **dict(zip(PROMPT_CACHE_FIELDS, self.prompt_cache, strict=True)),
+            prompt_tokens_in_flight=self.prompt_tokens_in_flight,
         )

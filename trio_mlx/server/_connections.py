@@ -18,6 +18,15 @@ The cap wraps hypercorn's per-connection handler (`hypercorn.trio.run.TCPServer`
 the name its trio worker calls for each accepted stream): hypercorn has no
 connection limit of its own. `tests/unit/test_connections.py` pins that name.
 Under other ASGI servers use theirs (uvicorn `--limit-concurrency`).
+
+The same wrapper hands hypercorn each connection's stream with its sends taken
+one at a time (`OneSender`). Hypercorn 0.18's trio worker sends under a lock,
+but half-closes the stream (`send_eof`, when the client ends the connection)
+outside it, and trio's `send_eof` yields while it holds the stream's sending
+side: an HTTP/2 response still being written then raised `BusyResourceError`
+out of the connection's task group and ended the whole server. sglang-router's
+probe of each worker (a gRPC health check, HTTP/2 without TLS, then a GOAWAY)
+did that to a replica now and then.
 """
 
 from __future__ import annotations
@@ -75,6 +84,34 @@ def _refusal(retry_after: int) -> bytes:
             b"retry-after: %d\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % (retry_after, len(body)) + body)
 
 
+class OneSender:
+    """A connection's stream whose `send_all` calls wait for each other and whose `send_eof`
+    never runs beside one: it refuses with `BusyResourceError` while a send is on its way,
+    as trio's own `send_eof` does when it notices (hypercorn then closes the stream). The
+    rest is the stream's own."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self._sending = trio.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        async with self._sending:
+            await self._stream.send_all(data)
+
+    async def send_eof(self) -> None:
+        try:
+            self._sending.acquire_nowait()
+        except trio.WouldBlock:
+            raise trio.BusyResourceError("another task is currently sending data on this stream") from None
+        try:
+            await self._stream.send_eof()
+        finally:
+            self._sending.release()
+
+
 class ConnectionGate:
     """Counts hypercorn's connections; refuses those over `limit`."""
 
@@ -106,7 +143,7 @@ class ConnectionGate:
                 return  # trio.serve_listeners closes the stream
             self.open += 1
             try:
-                await handler(app, config, context, state, stream)
+                await handler(app, config, context, state, OneSender(stream))
             finally:
                 self.open -= 1
 

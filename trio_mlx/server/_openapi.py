@@ -315,6 +315,9 @@ def _get(model: type[BaseModel], *errors: int) -> dict[str, Any]:
 _PROBE: dict[str, Any] = {"responses": {"200": {"description": "OK", "content": _json(Status)},
                                         "503": {"description": "not OK", "content": _json(Status)}}}
 
+_ROUTER_PROBE: dict[str, Any] = {"responses": {"200": {"description": "OK", "content": {
+    "application/json": {"schema": {"type": "object"}}}}}}
+
 # Each documented route's operation but its summary (the table's), by the route's path.
 _OPERATIONS: dict[str, dict[str, Any]] = {
     CHAT_PATH: _completion_op(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
@@ -332,6 +335,11 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
     "/health/ready": _PROBE,
     "/metrics": {"responses": {
         "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}},
+    # What a router reads of a worker: JSON bodies in SGLang's fields (docs/server.md)
+    "/server_info": _ROUTER_PROBE,
+    "/model_info": _ROUTER_PROBE,
+    "/get_load": {"responses": {"200": {"description": "OK", "content": {
+        "application/json": {"schema": {"type": "array", "items": {"type": "object"}}}}}}},
 }
 
 _PARAMETER = re.compile(r"<(?:[^:>]+:)?([^>]+)>")  # a Quart rule's `<converter:name>`

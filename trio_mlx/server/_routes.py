@@ -123,6 +123,8 @@ async def health(app: RouteHost) -> Response:
                             "prefilling": stats.prefilling, "decoding": stats.decoding}
     if engine.info is not None:
         body.update(actor=actor_name(engine), actor_pid=engine.info.pid)
+    if app.settings.replica is not None:
+        body["replica"] = app.settings.replica
     if engine.group is not None:
         body["group"] = engine.group.snapshot()
     if stats.state in ("broken", "closed"):
@@ -157,6 +159,67 @@ def _stalled_for(since: float) -> float:
     that the figure is past the watchdog whenever the status says so (0.3002 s would round
     to 0.3, no more than a watchdog of 0.3)."""
     return math.ceil(since * 1000) / 1000
+
+
+# ------------------------------------------------------------------ what a router reads
+# A router in front of several replicas (sglang-router's cache-aware policy, docs/distributed.md,
+# "Scaling out") asks each worker once what it serves (SGLang's /server_info and /model_info,
+# which name its model in the router's /v1/models) and, for its load-based policies, its load
+# (/get_load); vLLM's router asks the same.
+
+
+async def server_info(app: RouteHost) -> Response:
+    """The served model's name and directory, this replica's name and the batch's bound, in the
+    fields SGLang's /server_info has."""
+    engine = app.engine
+    return json_response({
+        "served_model_name": app.settings.served_model_name,
+        "model_path": str(engine.model_path) if engine and engine.model_path else None,
+        "replica": app.settings.replica,
+        "max_running_requests": app.settings.tuning.max_batch,
+        "max_queued_requests": app.settings.max_queue,
+        "context_length": engine.context_length if engine else None,
+        "state": engine.state if engine else "starting",
+    })
+
+
+async def model_info(app: RouteHost) -> Response:
+    """The model's family and architectures (its config.json), in SGLang's /model_info fields."""
+    engine = app.engine
+    path = engine.model_path if engine else None
+    config = await trio.to_thread.run_sync(_model_config, path) if path else {}
+    return json_response({
+        "model_path": str(path) if path else None,
+        "tokenizer_path": str(path) if path else None,
+        "is_generation": True,
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+    })
+
+
+def _model_config(path: Any) -> dict[str, Any]:
+    import json
+    import pathlib
+
+    try:
+        config = json.loads((pathlib.Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+async def get_load(app: RouteHost) -> Response:
+    """The load now, as SGLang's /get_load reports it (one entry per data-parallel rank; this
+    server is one): requests decoding or prefilling, requests queued, and the prompts' tokens of
+    all of them."""
+    engine = app.engine
+    stats = engine.statistics() if engine is not None else None
+    return json_response([{
+        "dp_rank": 0,
+        "num_reqs": stats.prefilling + stats.decoding if stats else 0,
+        "num_waiting_reqs": stats.queued if stats else 0,
+        "num_tokens": stats.prompt_tokens_in_flight if stats else 0,
+    }])
 
 
 async def metrics(app: RouteHost) -> Response:
@@ -203,6 +266,11 @@ ROUTES: tuple[Route, ...] = (
     Route("/ready", GET, ready, "Readiness: the model is loaded and warm, not draining"),
     Route("/health/ready", GET, ready, "Readiness (alias of /ready)", listed=False),
     Route("/metrics", GET, metrics, "Prometheus metrics (text exposition format)"),
+    Route("/server_info", GET, server_info, "The served model and this replica, for a router"),
+    Route("/get_server_info", GET, server_info, "Alias of /server_info", listed=False, documented=False),
+    Route("/model_info", GET, model_info, "The model's family and architectures, for a router"),
+    Route("/get_model_info", GET, model_info, "Alias of /model_info", listed=False, documented=False),
+    Route("/get_load", GET, get_load, "Requests running and queued, and their prompts' tokens, for a router"),
     Route("/openapi.json", GET, openapi, "This API's OpenAPI document", documented=False),
     Route("/docs", GET, _pages.docs, "Swagger UI over /openapi.json", documented=False),
     Route("/", GET, index, "This index (JSON), or the chat page for browsers", listed=False, documented=False),

@@ -225,12 +225,12 @@ def main(argv: list[str] | None = None, *, engine_factory: Any = None) -> int:
         from ..engine import _distributed
         from ..engine._distributed import GroupError
 
-        try:
-            group, _ = _distributed.join_group(settings.distributed_backend)
+        try:  # the rank alone, from the launcher's variables: no MLX on this thread
+            rank, _, _ = _distributed.launched(settings.distributed_backend)
         except GroupError as exc:
             print(f"trio-mlx serve: {exc}", file=sys.stderr)
             return 2
-        if group.rank() != 0:
+        if rank != 0:
             _distributed.leave(_distributed.run_follower(
                 settings.model, cache_dir=settings.cache_dir, backend=settings.distributed_backend,
                 timeout=settings.distributed_timeout, startup_timeout=settings.startup_timeout))

@@ -123,13 +123,21 @@ class Settings:
         "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve)"))
     access_log: bool = field(default=True, metadata=_doc(
         "log one line per request, ending with its X-Request-Id (trio-mlx serve)"))
+    replica: str | None = field(default=None, metadata=_doc(
+        "this server's name among several replicas of the model on one host (behind a router, "
+        "docs/distributed.md, \"Scaling out\"): replicas with different names may serve the same "
+        "model on the same device, a second server of the same name is refused; shown on /health "
+        "and /server_info"))
     allow_multiple_workers: bool = field(default=False, metadata=_doc(
         "let several processes (hypercorn workers) serve this model on one device, each loading "
         "its own copy; unset, a second one stops at startup"))
     distributed: str | None = field(default=None, metadata=_doc(
         "serve one model sharded over the ranks mlx.launch started: 'tensor' (every rank holds a "
-        "slice of each layer) or 'pipeline' (each rank a run of layers; only families whose mlx-lm "
-        "model can pipeline); rank 0 serves HTTP, the others follow (docs/distributed.md)"))
+        "slice of each layer: llama, mistral, qwen2, qwen3, qwen3_moe, deepseek, glm4_moe, gpt_oss and "
+        "the other families whose mlx-lm model has a shard method) or 'pipeline' (each rank a run of "
+        "layers; in mlx-lm 0.32 qwen2, qwen3_moe, qwen3_5, qwen3_next, deepseek_v2/v3/v32/v41, "
+        "glm4_moe(_lite), kimi_k3, ministral3, mistral4, minimax_m3_vl, bailing_hybrid and muse_spark, "
+        "not llama, mistral or dense qwen3); rank 0 serves HTTP, the others follow (docs/distributed.md)"))
     distributed_backend: str = field(default="any", metadata=_doc(
         "mx.distributed backend: ring, jaccl, mpi, nccl, or 'any' (the one mlx.launch set up)"))
     distributed_timeout: float = field(default=60.0, metadata=_doc(
@@ -173,7 +181,12 @@ class Settings:
             raise ValueError("speculative decoding (speculative, draft_model) needs a single rank, not a "
                              "distributed group")
         if self.distributed and self.actor != "thread":
-            raise ValueError("distributed needs actor 'thread': rank 0's collectives run on its actor thread")
+            raise ValueError("distributed needs actor 'thread': rank 0's server watches its group (the ranks' "
+                             "states on /health, a lost rank failing every request) through the actor it runs "
+                             "in its own process; the process actor is for a single device")
+        if self.replica is not None and not (
+                0 < len(self.replica) <= 64 and all(c.isalnum() or c in "-_." for c in self.replica)):
+            raise ValueError(f"replica must be up to 64 letters, digits, '-', '_' or '.', got {self.replica!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

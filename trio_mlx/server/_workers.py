@@ -4,10 +4,12 @@ Every hypercorn, uvicorn or granian worker is a process that runs the whole app,
 lifespan included: with `hypercorn -w 2` each would load its own copy of the model onto
 the same device (twice the memory, two GPU actors contending for one GPU).
 So before the engine starts, the app takes an advisory lock (`flock`) named
-after the model and the device. A second process serving the same model on
-the same device finds it held and stops at startup with a message saying
-why, unless `allow_multiple_workers` (TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1) is
-set. The kernel drops the lock when its process dies, SIGKILL included, so a
+after the model, the device and the server's replica name (`--replica`,
+empty by default). A second process serving the same model on the same
+device under the same name finds it held and stops at startup with a message
+saying why, unless `allow_multiple_workers` (TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1)
+is set. Replicas behind a router are several servers meant to share a device
+(a Mac, the CPU): each gets a name of its own, and holds a lock of its own. The kernel drops the lock when its process dies, SIGKILL included, so a
 restarted server is never blocked by a dead one. Several apps in one process
 (tests) share the lock: they are one process.
 """
@@ -63,7 +65,10 @@ def model_key(settings: Settings) -> str:
     else:
         what = "hub:" + model
     # The device: MLX has one GPU per process; CUDA picks it from CUDA_VISIBLE_DEVICES.
-    return json.dumps([what, os.environ.get("CUDA_VISIBLE_DEVICES", "")])
+    key = [what, os.environ.get("CUDA_VISIBLE_DEVICES", "")]
+    if settings.replica:  # one of several replicas meant to share the device
+        key.append(settings.replica)
+    return json.dumps(key)
 
 
 def lock_path(settings: Settings) -> Path:
@@ -108,10 +113,12 @@ def acquire(settings: Settings) -> ServingLock:
         pid, parent = _holder(fd)
         os.close(fd)
         model = settings.model or DEFAULT_MODEL_NAME
+        named = f" as replica {settings.replica!r}" if settings.replica else ""
         raise AlreadyServing(
             f"another trio_mlx server process (pid {pid or '?'}) already serves {model!r} on this "
-            "device; several server workers would each load the model onto it. Run one worker "
-            "(hypercorn, uvicorn and granian: -w 1 / --workers 1; trio-mlx serve always does), or "
+            f"device{named}; several server workers would each load the model onto it. Run one worker "
+            "(hypercorn, uvicorn and granian: -w 1 / --workers 1; trio-mlx serve always does); for "
+            "replicas behind a router give each server its own --replica NAME (TRIO_MLX_REPLICA); or "
             "set TRIO_MLX_ALLOW_MULTIPLE_WORKERS=1 to let each process load its own copy",
             pid, parent,
         ) from None

@@ -86,7 +86,7 @@ class ResponsesRequest(_Strict):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    stream: bool = False
+    stream: bool | None = Field(False, description="null: false (as OpenAI's API takes it; sglang-router sends it)")
     store: bool | None = Field(None, description="must be false or absent: this server keeps no responses")
     previous_response_id: str | None = None
     conversation: Any = None

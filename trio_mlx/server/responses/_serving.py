@@ -78,7 +78,7 @@ class ResponsesCall:
         req.check()
         self.req = req
         self.model: str | None = req.model
-        self.stream = req.stream
+        self.stream = bool(req.stream)
         # Translated here, so that a bad request gets its 400 before the engine sees it.
         self.messages = req.chat_messages()
         self.names = req.tool_names()
