@@ -189,6 +189,32 @@ def test_completes_answers_as_consuming_does(tiny: tuple[Any, Any]) -> None:
     assert yes and no  # both answers were exercised
 
 
+def test_finish_rejoins_its_hint(tiny: tuple[Any, Any]) -> None:
+    """After the first byte of a UTF-8 character inside a string, the last completion no
+    longer fits; `finish` with it as a hint walks the continuation bytes and then takes
+    the hint, a few tokens of walk instead of the whole. What it finds completes the
+    grammar, as the whole walk's answer does; a hint that never fits changes nothing."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 20, "maxItems": 20}
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    m = llguidance.LLMatcher(vocab.tokenizer, grammar.source)
+    for t in tok.encode('["ab", "c'):
+        assert m.consume_token(t)
+    hint = finish(m, vocab)
+    assert hint is not None and len(hint) > 40
+    (lead,) = vocab.tokenizer.tokenize_bytes(b"\xc3")
+    assert m.consume_token(lead) and not completes(m, vocab, hint)
+    found = finish(m, vocab, hint=hint)
+    walked = finish(m, vocab)
+    assert found is not None and walked is not None
+    assert completes(m, vocab, found) and completes(m, vocab, walked)
+    assert found[len(found) - len(hint) + _matcher.HINT_DROPS:] == hint[_matcher.HINT_DROPS:]
+    assert len(found) - len(hint) <= _matcher.HINT_STEPS and abs(len(found) - len(walked)) <= 1
+    assert finish(m, vocab, hint=list(reversed(hint))) == walked
+
+
 def test_a_grammar_start_is_walked_once(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows that share a grammar share its completion from the start: the walk that
     finds it (milliseconds for a long schema) runs for the first row alone, and each

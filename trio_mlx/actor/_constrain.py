@@ -271,7 +271,7 @@ class GrammarProcessor:
     def _finish(self) -> list[int] | None:
         """`finish` from here; at the grammar's start, the one kept for its text."""
         if self._calls:
-            return finish(self._matcher, self._vocab)
+            return finish(self._matcher, self._vocab, hint=self._tail)
         kept, key = _START_TAILS.setdefault(self._vocab, OrderedDict()), self._grammar
         if key in kept:
             kept.move_to_end(key)

@@ -42,6 +42,11 @@ _PRIORITY = _FIRST + bytes([0x80, 0x90, 0xA0, 0xB0]) + bytes(
 # few levels deep with a few required keys closes in well under 100 tokens.
 FINISH_LIMIT = 512
 _REPEATS = 4  # arbitrary: numbers and padded strings need a few repeats, never many
+# How many of its first tokens `finish` tries its hint after (a UTF-8 character's
+# continuation bytes, an escape's next byte). Arbitrary: each try validates the hint,
+# tens of microseconds for a long one.
+HINT_STEPS = 4
+HINT_DROPS = 1  # ... and with how many of the hint's first tokens dropped (a byte the old walk put in a string)
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,10 +159,20 @@ def _from_lltokenizer(lltok: llguidance.LLTokenizer) -> GrammarVocab:
 
 
 def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINISH_LIMIT,
-           errors: list[str] | None = None) -> list[int] | None:
+           errors: list[str] | None = None, hint: Sequence[int] = ()) -> list[int] | None:
     """Tokens that take `matcher` (left as it is) to a state where its grammar may end,
     or None if none were found within `limit` tokens. If the walk put the matcher in
     error (one of llguidance's limits, met on the way), the error is added to `errors`.
+
+    `hint`: a completion from a state a few tokens back (the one the caller measured
+    last). After each of the walk's first `HINT_STEPS` tokens, if the hint (or the hint
+    less its first `HINT_DROPS` tokens) completes the grammar from where the walk
+    stands, the walk stops there: the model left the old completion by a token that
+    needs a few more before the rest of it fits again (the first byte of a UTF-8
+    character, an escape). The answer, the walk's few tokens and the hint, is a
+    completion as any other (validated to the end), found in tens of microseconds where
+    the whole walk takes milliseconds; it may be a token longer or shorter than the
+    walk's own.
 
     A greedy walk, not a search for the shortest: forced tokens first, then a
     closing bracket that ends the grammar outright, then the first single-byte
@@ -172,6 +187,10 @@ def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINI
     while not m.is_accepting():
         if len(out) >= limit or m.is_stopped():  # stopped but not accepting: an error state
             return _gave_up(m, errors)
+        if hint and 0 < len(out) <= HINT_STEPS:
+            for k in reversed(range(min(HINT_DROPS + 1, len(hint)))):  # the shorter first
+                if completes(m, vocab, hint[k:]):
+                    return [*out, *hint[k:]]
         forced = m.compute_ff_tokens()
         if forced and (n := m.try_consume_tokens(forced)):
             out.extend(forced[:n])
