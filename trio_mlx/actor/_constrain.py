@@ -258,6 +258,9 @@ class GrammarProcessor:
         if left <= need:
             self._mode = "forcing"
             return
+        if left <= need + BUDGET_MARGIN:  # calm whatever the jump: it is not measured
+            self._mode, self._check_at = "calm", self._calls + 1
+            return
         far = JUMP_FACTOR * max(JUMP_GUESS, self._jump) + BUDGET_MARGIN  # the most one token may add
         if left <= need + far:
             here = jump(self._matcher, self._vocab, tail, self._words)

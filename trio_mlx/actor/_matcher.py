@@ -283,8 +283,8 @@ def jump(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], al
         specials = specials[(words[specials >> 5] >> (specials & 31).astype(np.uint32)) & 1 == 1]
     worst = 0
     for t in (*vocab.openers, *specials.tolist()):
-        if not (words[t >> 5] >> (t & 31)) & 1:
-            continue
+        if not (words[t >> 5] >> (t & 31)) & 1 or (tail and t == tail[0]):
+            continue  # not allowed, or the completion's own next token: the rest of it follows
         # Most openers lengthen nothing: text inside a string (a comma, a brace), or the
         # completion's own next token (the quote that closes the string): what is left of
         # `tail` still completes after it, found by validating alone. Only the others are
