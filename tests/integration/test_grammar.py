@@ -306,6 +306,46 @@ def test_the_budgets_skips_change_no_mask(tiny: tuple[Any, Any], schema: dict[st
     assert {"free", "calm", "forcing"} <= modes
 
 
+@pytest.mark.parametrize("schema", [ITEMS, ARRAY], ids=["items", "array"])
+def test_a_batch_gets_the_masks_each_row_gets_alone(tiny: tuple[Any, Any], schema: dict[str, Any]) -> None:
+    """The decode step's host side for many rows at once (llguidance's batch consume and
+    fill, the budget checks) makes each row the masks it makes alone, step by step, rows
+    leaving as they end (EOS drawn, or max_tokens reached)."""
+    from trio_mlx.actor._decode import Decoder, DecodeRow
+    from trio_mlx.actor._protocol import SamplingParams
+
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    rng = np.random.default_rng(3)
+    budgets = [grammar.min_tokens + k for k in (0, 3, 9, 20, 40, 80)] * 2
+    rows = [DecodeRow(SamplingParams(temperature=0.0), grammar=GrammarProcessor(vocab, grammar.source, n))
+            for n in budgets]
+    budget = {id(r): n for r, n in zip(rows, budgets, strict=True)}
+    tokens: dict[int, list[int]] = {id(r): [] for r in rows}
+    masks: dict[int, list[np.ndarray]] = {id(r): [] for r in rows}
+    decoder, live, fed = Decoder(), list(rows), None
+    while live:
+        plan = decoder._plan_for(live, vocab.size)
+        decoder._masks(plan, fed)
+        assert plan.bitmask is not None
+        going = []
+        for j, r in enumerate(live):
+            words = plan.bitmask[j : j + 1].view(np.uint32)
+            masks[id(r)].append(words.copy())
+            allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+            tokens[id(r)].append(t := int(rng.choice(allowed)))
+            if t not in vocab.eos and len(tokens[id(r)]) < budget[id(r)]:
+                going.append(r)
+        live, fed = going, [tokens[id(r)][-1] for r in going]
+    for r, n in zip(rows, budgets, strict=True):
+        got = tokens[id(r)]
+        assert len(got) <= n and got[-1] in vocab.eos and r.grammar.error is None  # type: ignore[union-attr]
+        check(tok.decode(got[:-1]), schema)
+        assert np.array_equal(np.concatenate(masks[id(r)]), _masks_of(GrammarProcessor(vocab, grammar.source, n), got[:-1]))
+
+
 def test_a_grammar_start_is_walked_once(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows that share a grammar share its completion from the start: the walk that
     finds it (milliseconds for a long schema) runs for the first row alone, and each

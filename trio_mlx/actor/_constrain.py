@@ -161,9 +161,15 @@ class GrammarProcessor:
         self._bitmask = row
         self._words = row.view(np.uint32)
 
-    def begin(self, token: int | None) -> bool:
+    def consumes(self, token: int | None) -> bool:
+        """Whether `begin(token)` feeds the token to the matcher (a batch may feed it first)."""
+        return token is not None and self._mode != "done"
+
+    def begin(self, token: int | None, consumed: bool | None = None) -> bool:
+        """`consumed`: the matcher was fed `token` already (llguidance's batch consume, for
+        the rows where `consumes(token)`), and this was its answer."""
         try:
-            if self._advance(token):
+            if self._advance(token, consumed):
                 return True
         except BaseException as exc:  # a bug (or a Rust panic): end the row rather than fail the batch
             if not (isinstance(exc, Exception) or is_panic(exc)):
@@ -184,14 +190,20 @@ class GrammarProcessor:
             self._fail(exc)
         self._calls += 1
 
+    def fail(self, exc: BaseException) -> None:
+        """End the row (EOS from now on), keeping why; a batch call that fed its matcher
+        failed. A `begin` must still follow, as every step."""
+        self._fail(exc)
+
     def _fail(self, exc: BaseException) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
         self._end()
 
     # -- host side: the matcher and the bitmask -------------------------------------
 
-    def _advance(self, token: int | None) -> bool:
-        """Feed the matcher; True when the mask needs the matcher's fill, then `_after_fill`."""
+    def _advance(self, token: int | None, consumed: bool | None = None) -> bool:
+        """Feed the matcher (unless `consumed` says how it took the token already); True when
+        the mask needs the matcher's fill, then `_after_fill`."""
         m = self._matcher
         if token is not None and self._mode != "done":
             if self._tail and token == self._tail[0]:
@@ -200,7 +212,7 @@ class GrammarProcessor:
                 self._tail_checked = False
                 if self._mode == "forcing":
                     self._mode, self._check_at = "calm", self._calls
-            if not m.consume_token(token):
+            if not (m.consume_token(token) if consumed is None else consumed):
                 self.error = f"the grammar refused token {token}: {m.get_error()}"
                 self._end()
                 return False
@@ -258,7 +270,9 @@ class GrammarProcessor:
         if left <= need:
             self._mode = "forcing"
             return
-        if left <= need + BUDGET_MARGIN:  # calm whatever the jump: it is not measured
+        # Calm whatever the jump: it is not measured (nor kept in `_jump`, which only
+        # says when the endgame starts, and the row is well inside it).
+        if left <= need + BUDGET_MARGIN:
             self._mode, self._check_at = "calm", self._calls + 1
             return
         far = JUMP_FACTOR * max(JUMP_GUESS, self._jump) + BUDGET_MARGIN  # the most one token may add
