@@ -146,8 +146,10 @@ def timed(clock: dict[str, float], counts: dict[str, int], name: str, fn: Any) -
 def split(vocab: Any, source: str, args: argparse.Namespace) -> None:
     clock: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    saved = {n: getattr(GrammarProcessor, n) for n in ("begin", "fill", "complete", "_measure")}
+    saved = {n: getattr(GrammarProcessor, n) for n in ("begin", "measure", "fill", "complete", "_measure")
+             if hasattr(GrammarProcessor, n)}
     saved_many = _decode.Decoder._fill_many
+    saved_consume = getattr(_decode.Decoder, "_consume_many", None)
     checks = ("completes", "resumes", "finish", "jump")  # what `_measure` calls (_constrain's names)
     saved_checks = {n: getattr(_constrain, n) for n in checks if hasattr(_constrain, n)}
     try:
@@ -156,8 +158,12 @@ def split(vocab: Any, source: str, args: argparse.Namespace) -> None:
         for n, f in saved_checks.items():
             setattr(_constrain, n, timed(clock, counts, n, f))
         _decode.Decoder._fill_many = timed(clock, counts, "fill_many", saved_many)  # type: ignore[method-assign]
+        if saved_consume is not None:
+            _decode.Decoder._consume_many = timed(clock, counts, "consume_many", saved_consume)  # type: ignore[method-assign]
         out = episode(vocab, source, args, args.seed)
     finally:
+        if saved_consume is not None:
+            _decode.Decoder._consume_many = saved_consume  # type: ignore[method-assign]
         for n, f in saved.items():
             setattr(GrammarProcessor, n, f)
         for n, f in saved_checks.items():
@@ -165,7 +171,7 @@ def split(vocab: Any, source: str, args: argparse.Namespace) -> None:
         _decode.Decoder._fill_many = saved_many  # type: ignore[method-assign]
     steps = out["steps"]
     print(f"  split over {steps} steps ({out['ms']:.2f} ms/step with the wrappers), ms per step:")
-    for n in ("begin", "fill_many", "fill", "complete", "_measure", *checks):
+    for n in ("consume_many", "begin", "fill_many", "measure", "fill", "complete", "_measure", *checks):
         if counts[n]:
             print(f"    {n:10s} {1e3 * clock[n] / steps:7.3f}  ({counts[n] / steps:.1f} calls/step, "
                   f"{1e6 * clock[n] / counts[n]:.1f} us/call)")

@@ -219,12 +219,12 @@ class _EveryStep(GrammarProcessor):
     """The budget's rule with no measurement skipped: in the endgame, the jump at every
     step, calm or not (as before the skips)."""
 
-    def _measure(self, left: int) -> None:
+    def _measure(self, m: Any, left: int) -> None:  # after the fill (begin, fill, complete)
         found: list[int] | None = self._tail
-        if not (self._tail_checked or completes(self._matcher, self._vocab, self._tail)):
-            found = resumes(self._matcher, self._vocab, self._tail)
+        if not (self._tail_checked or completes(m, self._vocab, self._tail)):
+            found = resumes(m, self._vocab, self._tail)
             if found is None:
-                found = self._finish()
+                found = self._finish(m)
         if found is None:
             self._check_at = self._max_tokens
             return
@@ -235,7 +235,7 @@ class _EveryStep(GrammarProcessor):
             return
         far = _constrain.JUMP_FACTOR * max(_constrain.JUMP_GUESS, self._jump) + _constrain.BUDGET_MARGIN
         if left <= need + far:
-            here = _every_jump(self._matcher, self._vocab, found, self._words)
+            here = _every_jump(m, self._vocab, found, self._words)
             self._jump = max(self._jump, here)
             calm = left <= need + _constrain.JUMP_FACTOR * here + _constrain.BUDGET_MARGIN
             self._mode, self._check_at = ("calm" if calm else "free"), self._calls + 1

@@ -44,6 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
@@ -55,6 +56,11 @@ from ._protocol import SamplingParams
 from ._sampling import _mix64
 
 _serials = itertools.count()
+
+
+def _measure_all(grammars: list[GrammarProcessor], matchers: list[Any]) -> None:
+    for g, m in zip(grammars, matchers, strict=True):
+        g.measure(m)
 
 
 class DecodeRow:
@@ -205,6 +211,7 @@ class Decoder:
     def __init__(self) -> None:
         self._plan: _Plan | None = None
         self._executor: Any = None  # llguidance's thread pool, made at the first batch of masks
+        self._measurer: ThreadPoolExecutor | None = None  # the budget checks' thread (`_fill_many`)
 
     def step(self, logits: Any, rows: Sequence[DecodeRow], inputs: Any, first: bool) -> tuple[Any, list[int]]:
         """Sample every row's next token from `logits` (B, V), the forward of `inputs` (B,):
@@ -294,9 +301,24 @@ class Decoder:
         return dict(zip(feed, ok, strict=True))
 
     def _fill_many(self, fill: list[tuple[Any, int]], bitmask: np.ndarray) -> None:
+        """llguidance's batch fill of the rows' masks (its threads, the GIL released). The
+        rows that measure their budget this step do the part that needs no mask meanwhile,
+        in a thread of the decoder's own, each on a copy of its matcher (the fill holds the
+        matchers): a budget check validates the row's completion (tens of microseconds for
+        a long one) and the fill of a 128k vocabulary takes hundreds, so each hides the
+        other instead of following it."""
         import llguidance.numpy as llnp
 
-        llnp.fill_next_token_bitmask_par(self._pool(), [(g.matcher, j) for g, j in fill], bitmask)
+        early = [g for g, _ in fill if g.measures()]
+        copies = [g.matcher.deep_copy() for g in early]  # before the fill borrows the matchers
+        if self._measurer is None and early:
+            self._measurer = ThreadPoolExecutor(1, thread_name_prefix="trio-mlx-grammar")
+        done = self._measurer.submit(_measure_all, early, copies) if early else None  # type: ignore[union-attr]
+        try:
+            llnp.fill_next_token_bitmask_par(self._pool(), [(g.matcher, j) for g, j in fill], bitmask)
+        finally:
+            if done is not None:
+                done.result()
 
     def _pool(self) -> Any:
         """llguidance's thread pool for the batch's masks and consumes, made at first use."""

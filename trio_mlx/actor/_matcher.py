@@ -275,26 +275,34 @@ def jump(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], al
     """How many tokens longer than `tail` (the completion from here) the completion
     may get after one more token: measured for the single-byte openers and the
     special tokens that `allowed` (the current bitmask, uint32 words) lets
-    through. A longer token that opens several things at once (`{"`) may jump
-    further; callers leave room for that."""
+    through (`growth` of each). A longer token that opens several things at once
+    (`{"`) may jump further; callers leave room for that."""
+    return max((growth(matcher, vocab, tail, t) for t in jumpers(vocab, allowed)), default=0)
+
+
+def jumpers(vocab: GrammarVocab, allowed: np.ndarray) -> list[int]:
+    """The tokens `jump` measures that `allowed` (a bitmask, uint32 words) lets through:
+    the single-byte openers, then the special tokens."""
     words = allowed.reshape(-1)
     specials = vocab.specials
     if len(specials):
         specials = specials[(words[specials >> 5] >> (specials & 31).astype(np.uint32)) & 1 == 1]
-    worst = 0
-    for t in (*vocab.openers, *specials.tolist()):
-        if not (words[t >> 5] >> (t & 31)) & 1 or (tail and t == tail[0]):
-            continue  # not allowed, or the completion's own next token: the rest of it follows
-        # Most openers lengthen nothing: text inside a string (a comma, a brace), or the
-        # completion's own next token (the quote that closes the string): what is left of
-        # `tail` still completes after it, found by validating alone. Only the others are
-        # consumed (in a copy: consuming a token costs llguidance up to a mask) and walked.
-        if completes(matcher, vocab, [t, *tail]) or resumes(matcher, vocab, tail, after=t) is not None:
-            continue
-        probe = matcher.deep_copy()
-        if not probe.consume_token(t):
-            continue
-        after = finish(probe, vocab)
-        if after is not None:
-            worst = max(worst, len(after) + 1 - len(tail))
-    return worst
+    return [t for t in vocab.openers if (words[t >> 5] >> (t & 31)) & 1] + specials.tolist()
+
+
+def growth(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], token: int) -> int:
+    """How many tokens longer than `tail` (the completion from here) the completion gets
+    after `token` (allowed here), 0 when no longer."""
+    if tail and token == tail[0]:
+        return 0  # the completion's own next token: the rest of it follows
+    # Most openers lengthen nothing: text inside a string (a comma, a brace), or the
+    # completion's own next token in another spelling: what is left of `tail` still
+    # completes after it, found by validating alone. Only the others are consumed (in a
+    # copy: consuming a token costs llguidance up to a mask) and walked.
+    if completes(matcher, vocab, [token, *tail]) or resumes(matcher, vocab, tail, after=token) is not None:
+        return 0
+    probe = matcher.deep_copy()
+    if not probe.consume_token(token):
+        return 0
+    after = finish(probe, vocab)
+    return 0 if after is None else max(0, len(after) + 1 - len(tail))
