@@ -15,8 +15,9 @@ fill the next-token bitmask (numpy, one bit per tokenizer token) and set the
 logits of every token it forbids to -inf; tokens past the tokenizer's vocabulary
 (logits are often wider) are forbidden too. The actor's own decode step
 (`_decode.Decoder`) does the host side for every constrained row of the batch
-at once (`begin`, llguidance's batch fill, `complete`) while the device runs
-the step's forward, and applies the masks as one batched op; under mlx-lm's
+at once (llguidance's batch consume, `begin`, llguidance's batch fill with the
+budget's `measure` beside it, `complete`) while the device runs the step's
+forward, and applies the masks as one batched op; under mlx-lm's
 step (`decode_step="mlx"`) the generator calls the processor per row
 (`__call__`), and reading the sampled token from the context waits for the
 previous step's sampling in the middle of building the next step.
