@@ -14,7 +14,8 @@ uniform over the allowed ids, as a random-weight model over the 128k vocabulary 
 `low`: among the ids under 512 (the tokenizer's own, the rest are padding entries
 `<|x123|>`) when the mask allows any). A row that draws EOS, or reaches max_tokens,
 leaves the batch, as the actor retires it (a new plan, as the actor's step gets). Its
-text must parse as JSON and its tokens stay within max_tokens, or the probe fails.
+text must parse as JSON and its tokens stay within max_tokens, or the probe fails
+(the string's rows, which cannot finish, must run to max_tokens).
 
 Schemas: `array` (the grammar-budget figure's: 60 strings of at most 12 characters,
 every row ends before max_tokens by its budget) and `string` (at least 100,000
@@ -25,11 +26,21 @@ Rounds alternate the schemas. Prints, per round and schema: host ms per step (me
 over the episode's steps, and its first, middle and last thirds), the steps, the
 tokens, and a digest of every mask of the episode (the same digest before and
 after a change that must not change what rows may output, same `--seed`).
+llguidance's batch calls run on its own pool: 80% of the cores (one thread on a
+2-core machine, 12 on a 16-core GPU host), so the fill's share depends on the host.
 
-`--split`: one more episode per schema with begin / fill / complete and
-`_measure` (the budget checks, inside complete) timed apart (wrappers add ~0.3 us
-a call). `--profile SCHEMA`: one more episode under cProfile, its `--top`
-costliest functions by own time.
+`--split`: one more episode per schema with each part timed apart (ms per step,
+calls per step, us per call; wrappers add ~0.3 us a call): the batch consume
+(`consume_many`), `begin`, the batch fill (`fill_many`, which includes waiting for
+the budget checks that run beside it, `measure`), `complete`, and within the checks
+`_measure` and the functions it calls (`completes`, `resumes`, `finish`, the
+openers' `growth`). `--profile SCHEMA`: one more episode under cProfile (the
+decoder's thread for the checks is not profiled), its `--top` costliest functions
+by own time.
+
+Before and after a change, interleaved (a shared machine drifts): run it with
+PYTHONPATH at each tree in turn, e.g. the base exported by
+`git archive BASE trio_mlx | tar -x -C /tmp/base`.
 """
 
 from __future__ import annotations
@@ -150,7 +161,7 @@ def split(vocab: Any, source: str, args: argparse.Namespace) -> None:
              if hasattr(GrammarProcessor, n)}
     saved_many = _decode.Decoder._fill_many
     saved_consume = getattr(_decode.Decoder, "_consume_many", None)
-    checks = ("completes", "resumes", "finish", "jump")  # what `_measure` calls (_constrain's names)
+    checks = ("completes", "resumes", "finish", "jump", "growth")  # what `_measure` calls (_constrain's names)
     saved_checks = {n: getattr(_constrain, n) for n in checks if hasattr(_constrain, n)}
     try:
         for n, f in saved.items():
