@@ -189,6 +189,163 @@ def test_completes_answers_as_consuming_does(tiny: tuple[Any, Any]) -> None:
     assert yes and no  # both answers were exercised
 
 
+def test_finish_rejoins_its_hint(tiny: tuple[Any, Any]) -> None:
+    """After the first byte of a UTF-8 character inside a string, the last completion no
+    longer fits; `finish` with it as a hint walks the continuation bytes and then takes
+    the hint, a few tokens of walk instead of the whole. What it finds completes the
+    grammar, as the whole walk's answer does; a hint that never fits changes nothing."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 20, "maxItems": 20}
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    m = llguidance.LLMatcher(vocab.tokenizer, grammar.source)
+    for t in tok.encode('["ab", "c'):
+        assert m.consume_token(t)
+    hint = finish(m, vocab)
+    assert hint is not None and len(hint) > 40
+    (lead,) = vocab.tokenizer.tokenize_bytes(b"\xc3")
+    assert m.consume_token(lead) and not completes(m, vocab, hint)
+    found = finish(m, vocab, hint=hint)
+    walked = finish(m, vocab)
+    assert found is not None and walked is not None
+    assert completes(m, vocab, found) and completes(m, vocab, walked)
+    assert found[len(found) - len(hint) + _matcher.HINT_DROPS:] == hint[_matcher.HINT_DROPS:]
+    assert len(found) - len(hint) <= _matcher.HINT_STEPS and abs(len(found) - len(walked)) <= 1
+    assert finish(m, vocab, hint=list(reversed(hint))) == walked
+
+
+class _EveryStep(GrammarProcessor):
+    """The budget's rule with no measurement skipped: in the endgame, the jump at every
+    step, calm or not (as before the skips)."""
+
+    def _measure(self, m: Any, left: int) -> None:  # after the fill (begin, fill, complete)
+        found: list[int] | None = self._tail
+        if not (self._tail_checked or completes(m, self._vocab, self._tail)):
+            found = resumes(m, self._vocab, self._tail)
+            if found is None:
+                found = self._finish(m)
+        if found is None:
+            self._check_at = self._max_tokens
+            return
+        self._tail, self._tail_checked = found, True
+        need = len(found) + 1 + _constrain.BUDGET_MARGIN
+        if left <= need:
+            self._mode = "forcing"
+            return
+        far = _constrain.JUMP_FACTOR * max(_constrain.JUMP_GUESS, self._jump) + _constrain.BUDGET_MARGIN
+        if left <= need + far:
+            here = _every_jump(m, self._vocab, found, self._words)
+            self._jump = max(self._jump, here)
+            calm = left <= need + _constrain.JUMP_FACTOR * here + _constrain.BUDGET_MARGIN
+            self._mode, self._check_at = ("calm" if calm else "free"), self._calls + 1
+        else:
+            self._mode = "free"
+            self._check_at = self._calls + max(1, (left - need - far) // (far + 1))
+
+
+def _every_jump(matcher: Any, vocab: Any, tail: list[int], allowed: np.ndarray) -> int:
+    """`jump` measuring every opener the mask allows, the completion's own next one too."""
+    words = allowed.reshape(-1)
+    worst = 0
+    for t in (*vocab.openers, *vocab.specials.tolist()):
+        if not (words[t >> 5] >> (t & 31)) & 1:
+            continue
+        if completes(matcher, vocab, [t, *tail]) or resumes(matcher, vocab, tail, after=t) is not None:
+            continue
+        probe = matcher.deep_copy()
+        if probe.consume_token(t) and (after := finish(probe, vocab)) is not None:
+            worst = max(worst, len(after) + 1 - len(tail))
+    return worst
+
+
+def _masks_of(proc: GrammarProcessor, tokens: list[int]) -> np.ndarray:
+    """The processor's mask after each of `tokens` (the first before any), one step each."""
+    out = []
+    for i in range(len(tokens) + 1):
+        if proc.begin(tokens[i - 1] if i else None):
+            proc.fill()
+            proc.complete()
+        out.append(proc._words.copy())
+    return np.concatenate(out)
+
+
+ARRAY = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 20, "maxItems": 20}
+
+
+@pytest.mark.parametrize("schema", [PERSON, ITEMS, ARRAY], ids=["person", "items", "array"])
+def test_the_budgets_skips_change_no_mask(tiny: tuple[Any, Any], schema: dict[str, Any]) -> None:
+    """The measurements the budget skips (the jump where the row is calm whatever it is,
+    the completion's own next token in the jump) could not have changed a mask: rows fed
+    random tokens from their masks, from max_tokens where the endgame starts at once to
+    where the row forces its completion, get the masks the rule measuring everything
+    gets, step by step, and their text parses within max_tokens."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    rng = np.random.default_rng(7)
+    modes: set[str] = set()
+    for max_tokens in (grammar.min_tokens, grammar.min_tokens + 12, grammar.min_tokens + 40):
+        for _ in range(3):
+            proc, tokens = GrammarProcessor(vocab, grammar.source, max_tokens), []
+            while True:
+                if proc.begin(tokens[-1] if tokens else None):
+                    proc.fill()
+                    proc.complete()
+                modes.add(proc._mode)
+                allowed = np.flatnonzero(np.unpackbits(proc._words.view(np.uint8), bitorder="little"))
+                tokens.append(int(rng.choice(allowed)))
+                if tokens[-1] in vocab.eos:
+                    break
+            assert len(tokens) <= max_tokens and proc.error is None
+            check(tok.decode(tokens[:-1]), schema)
+            reference = _masks_of(_EveryStep(vocab, grammar.source, max_tokens), tokens[:-1])
+            again = _masks_of(GrammarProcessor(vocab, grammar.source, max_tokens), tokens[:-1])
+            assert np.array_equal(again, reference)
+    assert {"free", "calm", "forcing"} <= modes
+
+
+@pytest.mark.parametrize("schema", [ITEMS, ARRAY], ids=["items", "array"])
+def test_a_batch_gets_the_masks_each_row_gets_alone(tiny: tuple[Any, Any], schema: dict[str, Any]) -> None:
+    """The decode step's host side for many rows at once (llguidance's batch consume and
+    fill, the budget checks) makes each row the masks it makes alone, step by step, rows
+    leaving as they end (EOS drawn, or max_tokens reached)."""
+    from trio_mlx.actor._decode import Decoder, DecodeRow
+    from trio_mlx.actor._protocol import SamplingParams
+
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    rng = np.random.default_rng(3)
+    budgets = [grammar.min_tokens + k for k in (0, 3, 9, 20, 40, 80)] * 2
+    rows = [DecodeRow(SamplingParams(temperature=0.0), grammar=GrammarProcessor(vocab, grammar.source, n))
+            for n in budgets]
+    budget = {id(r): n for r, n in zip(rows, budgets, strict=True)}
+    tokens: dict[int, list[int]] = {id(r): [] for r in rows}
+    masks: dict[int, list[np.ndarray]] = {id(r): [] for r in rows}
+    decoder, live, fed = Decoder(), list(rows), None
+    while live:
+        plan = decoder._plan_for(live, vocab.size)
+        decoder._masks(plan, fed)
+        assert plan.bitmask is not None
+        going = []
+        for j, r in enumerate(live):
+            words = plan.bitmask[j : j + 1].view(np.uint32)
+            masks[id(r)].append(words.copy())
+            allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+            tokens[id(r)].append(t := int(rng.choice(allowed)))
+            if t not in vocab.eos and len(tokens[id(r)]) < budget[id(r)]:
+                going.append(r)
+        live, fed = going, [tokens[id(r)][-1] for r in going]
+    for r, n in zip(rows, budgets, strict=True):
+        got = tokens[id(r)]
+        assert len(got) <= n and got[-1] in vocab.eos and r.grammar.error is None  # type: ignore[union-attr]
+        check(tok.decode(got[:-1]), schema)
+        assert np.array_equal(np.concatenate(masks[id(r)]), _masks_of(GrammarProcessor(vocab, grammar.source, n), got[:-1]))
+
+
 def test_a_grammar_start_is_walked_once(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows that share a grammar share its completion from the start: the walk that
     finds it (milliseconds for a long schema) runs for the first row alone, and each

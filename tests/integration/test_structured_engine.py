@@ -177,10 +177,10 @@ async def test_a_failing_processor_fails_only_its_row(tiny_model_fp32: Path, mon
 
     real = _constrain.GrammarProcessor._advance
 
-    def broken(self: Any, token: int | None) -> bool:
+    def broken(self: Any, token: int | None, *rest: Any) -> bool:
         if self._max_tokens == 33:  # the row to break
             raise RuntimeError("injected")
-        return real(self, token)
+        return real(self, token, *rest)
 
     monkeypatch.setattr(_constrain.GrammarProcessor, "_advance", broken)
     async with trio_mlx.open_engine(tiny_model_fp32, warmup=False) as engine:

@@ -15,8 +15,9 @@ fill the next-token bitmask (numpy, one bit per tokenizer token) and set the
 logits of every token it forbids to -inf; tokens past the tokenizer's vocabulary
 (logits are often wider) are forbidden too. The actor's own decode step
 (`_decode.Decoder`) does the host side for every constrained row of the batch
-at once (`begin`, llguidance's batch fill, `complete`) while the device runs
-the step's forward, and applies the masks as one batched op; under mlx-lm's
+at once (llguidance's batch consume, `begin`, llguidance's batch fill with the
+budget's `measure` beside it, `complete`) while the device runs the step's
+forward, and applies the masks as one batched op; under mlx-lm's
 step (`decode_step="mlx"`) the generator calls the processor per row
 (`__call__`), and reading the sampled token from the context waits for the
 previous step's sampling in the middle of building the next step.
@@ -55,8 +56,9 @@ from ._matcher import (
     completes,
     finish,
     grammar_vocab,
+    growth,
     is_panic,
-    jump,
+    jumpers,
     resumes,
 )
 
@@ -125,6 +127,10 @@ class GrammarProcessor:
         self._tail: list[int] = []  # the completion, as last measured
         self._tail_checked = False  # whether it is known to complete the grammar from here
         self._jump = 0  # the largest jump measured so far
+        self._jumps: dict[int, int] | None = None  # this step's growth by opener, in the endgame
+        self._room = 0  # ... and how far the completion may grow before the row must go calm
+        self._measured = -1  # the call whose budget `measure` measured
+        self._failure: BaseException | None = None  # what failed in `measure`, for `complete`
         self._mode = "free"  # -> "calm" -> "forcing" -> "done" (only EOS)
         self.forced_finish = False
         self.error: str | None = None
@@ -144,8 +150,11 @@ class GrammarProcessor:
     # at the first step); when it returns True the row's mask needs the matcher's own
     # (`fill()`, or llguidance's batch fill into the bitmask `bind` gave it), and then
     # `complete()`. The actor's decode step (`_decode.Decoder`) does that for every
-    # constrained row of the batch at once; `__call__` for one. A failure in either part
-    # ends the row (EOS) and is kept in `error`: it never raises.
+    # constrained row of the batch at once; `__call__` for one. Where `measures()`, the
+    # step also measures the row against its budget; the part of it that needs no mask,
+    # `measure(copy)`, may run on a copy of the matcher while llguidance fills the masks
+    # (else `complete()` runs it). A failure in any part ends the row (EOS) and is kept
+    # in `error`: it never raises.
 
     @property
     def matcher(self) -> llguidance.LLMatcher:
@@ -161,9 +170,15 @@ class GrammarProcessor:
         self._bitmask = row
         self._words = row.view(np.uint32)
 
-    def begin(self, token: int | None) -> bool:
+    def consumes(self, token: int | None) -> bool:
+        """Whether `begin(token)` feeds the token to the matcher (a batch may feed it first)."""
+        return token is not None and self._mode != "done"
+
+    def begin(self, token: int | None, consumed: bool | None = None) -> bool:
+        """`consumed`: the matcher was fed `token` already (llguidance's batch consume, for
+        the rows where `consumes(token)`), and this was its answer."""
         try:
-            if self._advance(token):
+            if self._advance(token, consumed):
                 return True
         except BaseException as exc:  # a bug (or a Rust panic): end the row rather than fail the batch
             if not (isinstance(exc, Exception) or is_panic(exc)):
@@ -172,17 +187,41 @@ class GrammarProcessor:
         self._calls += 1
         return False
 
+    def measures(self) -> bool:
+        """Whether this step (`begin` returned True) measures the row against its budget."""
+        return self._calls >= self._check_at
+
+    def measure(self, matcher: llguidance.LLMatcher) -> None:
+        """The budget's measurement that needs no mask, on `matcher`: a copy of this row's
+        matcher as `begin` left it, so that it may run while llguidance fills the mask from
+        the row's own (in another thread: it writes nothing to the mask)."""
+        self._measured = self._calls
+        try:
+            self._measure(matcher, self._max_tokens - self._calls)
+        except BaseException as exc:
+            if not (isinstance(exc, Exception) or is_panic(exc)):
+                raise
+            self._failure = exc  # `complete` ends the row: the mask may be filling now
+
     def fill(self) -> None:
         llnp.fill_next_token_bitmask(self._matcher, self._bitmask)
 
     def complete(self) -> None:
         try:
+            if self._failure is not None:
+                raise self._failure
             self._after_fill()
         except BaseException as exc:
             if not (isinstance(exc, Exception) or is_panic(exc)):
                 raise
             self._fail(exc)
+        self._failure = None
         self._calls += 1
+
+    def fail(self, exc: BaseException) -> None:
+        """End the row (EOS from now on), keeping why; a batch call that fed its matcher
+        failed. A `begin` must still follow, as every step."""
+        self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
@@ -190,8 +229,9 @@ class GrammarProcessor:
 
     # -- host side: the matcher and the bitmask -------------------------------------
 
-    def _advance(self, token: int | None) -> bool:
-        """Feed the matcher; True when the mask needs the matcher's fill, then `_after_fill`."""
+    def _advance(self, token: int | None, consumed: bool | None = None) -> bool:
+        """Feed the matcher (unless `consumed` says how it took the token already); True when
+        the mask needs the matcher's fill, then `_after_fill`."""
         m = self._matcher
         if token is not None and self._mode != "done":
             if self._tail and token == self._tail[0]:
@@ -200,7 +240,7 @@ class GrammarProcessor:
                 self._tail_checked = False
                 if self._mode == "forcing":
                     self._mode, self._check_at = "calm", self._calls
-            if not m.consume_token(token):
+            if not (m.consume_token(token) if consumed is None else consumed):
                 self.error = f"the grammar refused token {token}: {m.get_error()}"
                 self._end()
                 return False
@@ -221,7 +261,10 @@ class GrammarProcessor:
     def _after_fill(self) -> None:
         """The rest of a step whose mask the matcher filled: the budget's measurement, calm."""
         if self._calls >= self._check_at:
-            self._measure(self._max_tokens - self._calls)
+            if self._measured != self._calls:
+                self._measure(self._matcher, self._max_tokens - self._calls)
+            if self._jumps is not None:
+                self._decide_calm()
             if self._mode == "forcing":
                 return self._advance_forced()
         if self._mode == "calm":
@@ -238,17 +281,20 @@ class GrammarProcessor:
         else:  # the grammar may end here, and there is no room to go on: it does
             self._end()
 
-    def _measure(self, left: int) -> None:
-        """Where the row stands against its budget: force the completion now; in the
-        endgame, measure every step and go calm when one opening token could leave
-        too little room; far from the end, stay free until a later measurement."""
+    def _measure(self, m: llguidance.LLMatcher, left: int) -> None:
+        """Where the row stands against its budget (`m`: its matcher, or a copy of it):
+        force the completion now; in the endgame, measure every step and go calm when
+        one opening token could leave too little room (`_decide_calm`, once the mask
+        says which tokens it allows); far from the end, stay free until a later
+        measurement."""
+        self._jumps = None
         # The last completion, if it still completes the grammar from here, saves a
         # walk (inside a string or a number it does); it is the longer one at worst.
         found: list[int] | None = self._tail
-        if not (self._tail_checked or completes(self._matcher, self._vocab, self._tail)):
-            found = resumes(self._matcher, self._vocab, self._tail)  # what is left of it, if any
+        if not (self._tail_checked or completes(m, self._vocab, self._tail)):
+            found = resumes(m, self._vocab, self._tail)  # what is left of it, if any
             if found is None:
-                found = self._finish()
+                found = self._finish(m)
         if found is None:  # no completion found: generate freely, max_tokens may cut the row
             self._check_at = self._max_tokens
             return
@@ -258,25 +304,46 @@ class GrammarProcessor:
         if left <= need:
             self._mode = "forcing"
             return
+        # Calm whatever the jump: it is not measured (nor kept in `_jump`, which only
+        # says when the endgame starts, and the row is well inside it).
+        if left <= need + BUDGET_MARGIN:
+            self._mode, self._check_at = "calm", self._calls + 1
+            return
         far = JUMP_FACTOR * max(JUMP_GUESS, self._jump) + BUDGET_MARGIN  # the most one token may add
         if left <= need + far:
-            here = jump(self._matcher, self._vocab, tail, self._words)
-            self._jump = max(self._jump, here)
-            calm = left <= need + JUMP_FACTOR * here + BUDGET_MARGIN
-            self._mode, self._check_at = ("calm" if calm else "free"), self._calls + 1
+            # The jump: the openers the grammar allows here (validated: the mask may be
+            # filling), each one's growth; `_decide_calm` adds what else the mask allows.
+            self._room = left - need - BUDGET_MARGIN
+            self._jumps = {t: growth(m, self._vocab, tail, t)
+                           for t in self._vocab.openers if m.validate_tokens([t])}
         else:
             self._mode = "free"
             self._check_at = self._calls + max(1, (left - need - far) // (far + 1))
 
-    def _finish(self) -> list[int] | None:
-        """`finish` from here; at the grammar's start, the one kept for its text."""
+    def _decide_calm(self) -> None:
+        """The endgame's step, with the mask filled: calm when one of the openers or special
+        tokens it allows could lengthen the completion past the room left (their `jump`)."""
+        jumps, self._jumps = self._jumps, None
+        assert jumps is not None
+        here = 0
+        for t in jumpers(self._vocab, self._words):
+            if t not in jumps:  # a special token (too many to validate each), or an opener
+                jumps[t] = growth(self._matcher, self._vocab, self._tail, t)  # the mask alone allows
+            here = max(here, jumps[t])
+        self._jump = max(self._jump, here)
+        calm = self._room <= JUMP_FACTOR * here
+        self._mode, self._check_at = ("calm" if calm else "free"), self._calls + 1
+
+    def _finish(self, m: llguidance.LLMatcher) -> list[int] | None:
+        """`finish` from `m` (the row's matcher or a copy); at the grammar's start, the one
+        kept for its text."""
         if self._calls:
-            return finish(self._matcher, self._vocab)
+            return finish(m, self._vocab, hint=self._tail)
         kept, key = _START_TAILS.setdefault(self._vocab, OrderedDict()), self._grammar
         if key in kept:
             kept.move_to_end(key)
         else:
-            kept[key] = finish(self._matcher, self._vocab)
+            kept[key] = finish(m, self._vocab)
             if len(kept) > _START_TAILS_KEPT:
                 kept.popitem(last=False)
         tail = kept[key]

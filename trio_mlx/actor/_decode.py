@@ -44,16 +44,23 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from ._constrain import GrammarProcessor
+from ._matcher import is_panic
 from ._protocol import SamplingParams
 from ._sampling import _mix64
 
 _serials = itertools.count()
+
+
+def _measure_all(grammars: list[GrammarProcessor], matchers: list[Any]) -> None:
+    for g, m in zip(grammars, matchers, strict=True):
+        g.measure(m)
 
 
 class DecodeRow:
@@ -213,6 +220,7 @@ class Decoder:
         self._executor: Any = None  # llguidance's thread pool, made at the first batch of masks
         # Speculative decoding's drafts (`_drafting.Drafter`), verified by `verify`; None: off.
         self.drafter = drafter
+        self._measurer: ThreadPoolExecutor | None = None  # the budget checks' thread (`_fill_many`)
 
     def step(self, logits: Any, rows: Sequence[DecodeRow], inputs: Any, first: bool) -> tuple[Any, list[int]]:
         """Sample every row's next token from `logits` (B, V), the forward of `inputs` (B,):
@@ -332,10 +340,11 @@ class Decoder:
         """Advance each grammar row's matcher by the token it was fed and fill its mask (a row
         of `plan.bitmask`); the matchers that need llguidance's full mask fill in one batch."""
         fill: list[tuple[Any, int]] = []
-        for j, i in enumerate(plan.grammar):
-            g = plan.rows[i].grammar
-            assert g is not None
-            if g.begin(None if fed is None else fed[i]):
+        grammars: list[Any] = [plan.rows[i].grammar for i in plan.grammar]
+        tokens = [None if fed is None else fed[i] for i in plan.grammar]
+        consumed = self._consume_many(grammars, tokens)
+        for j, (g, token) in enumerate(zip(grammars, tokens, strict=True)):
+            if g.begin(token) if j not in consumed else g.begin(token, consumed[j]):
                 fill.append((g, j))
         if fill:
             assert plan.bitmask is not None
@@ -347,13 +356,53 @@ class Decoder:
                 g.complete()
         return mx.array(plan.bitmask.view(np.uint32))  # type: ignore[union-attr]  # copied now: the buffer is reused
 
+    def _consume_many(self, grammars: list[Any], tokens: list[int | None]) -> dict[int, bool]:
+        """Feed each grammar row's matcher its token in one llguidance batch (its threads, the
+        GIL released: a consume costs up to a mask's computation, ~70 us inside a long string
+        on a 128k vocabulary); {row: whether the matcher took it}, for the rows fed. A failed
+        batch (never seen: llguidance keeps a matcher's own failures inside it) ends its rows."""
+        if len(grammars) < 2:
+            return {}  # one row: its own consume, without a pool's round trip
+        feed = [j for j, (g, t) in enumerate(zip(grammars, tokens, strict=True)) if g.consumes(t)]
+        if len(feed) < 2:
+            return {}
+        try:
+            ok = self._pool().consume_token_par([(grammars[j].matcher, tokens[j]) for j in feed])
+        except BaseException as exc:  # a Rust panic is a BaseException: the rows fail, not the batch's step
+            if not (isinstance(exc, Exception) or is_panic(exc)):
+                raise
+            for j in feed:
+                grammars[j].fail(exc)
+            return dict.fromkeys(feed, False)
+        return dict(zip(feed, ok, strict=True))
+
     def _fill_many(self, fill: list[tuple[Any, int]], bitmask: np.ndarray) -> None:
-        import llguidance
+        """llguidance's batch fill of the rows' masks (its threads, the GIL released). The
+        rows that measure their budget this step do the part that needs no mask meanwhile,
+        in a thread of the decoder's own, each on a copy of its matcher (the fill holds the
+        matchers): a budget check validates the row's completion (tens of microseconds for
+        a long one) and the fill of a 128k vocabulary takes hundreds, so each hides the
+        other instead of following it."""
         import llguidance.numpy as llnp
 
+        early = [g for g, _ in fill if g.measures()]
+        copies = [g.matcher.deep_copy() for g in early]  # before the fill borrows the matchers
+        if self._measurer is None and early:
+            self._measurer = ThreadPoolExecutor(1, thread_name_prefix="trio-mlx-grammar")
+        done = self._measurer.submit(_measure_all, early, copies) if early else None  # type: ignore[union-attr]
+        try:
+            llnp.fill_next_token_bitmask_par(self._pool(), [(g.matcher, j) for g, j in fill], bitmask)
+        finally:
+            if done is not None:
+                done.result()
+
+    def _pool(self) -> Any:
+        """llguidance's thread pool for the batch's masks and consumes, made at first use."""
         if self._executor is None:
+            import llguidance
+
             self._executor = llguidance.LLExecutor()
-        llnp.fill_next_token_bitmask_par(self._executor, [(g.matcher, j) for g, j in fill], bitmask)
+        return self._executor
 
     # -- the device side: one graph for the batch ---------------------------------
 

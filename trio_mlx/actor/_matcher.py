@@ -42,6 +42,11 @@ _PRIORITY = _FIRST + bytes([0x80, 0x90, 0xA0, 0xB0]) + bytes(
 # few levels deep with a few required keys closes in well under 100 tokens.
 FINISH_LIMIT = 512
 _REPEATS = 4  # arbitrary: numbers and padded strings need a few repeats, never many
+# How many of its first tokens `finish` tries its hint after (a UTF-8 character's
+# continuation bytes, an escape's next byte). Arbitrary: each try validates the hint,
+# tens of microseconds for a long one.
+HINT_STEPS = 4
+HINT_DROPS = 1  # ... and with how many of the hint's first tokens dropped (a byte the old walk put in a string)
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,10 +159,20 @@ def _from_lltokenizer(lltok: llguidance.LLTokenizer) -> GrammarVocab:
 
 
 def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINISH_LIMIT,
-           errors: list[str] | None = None) -> list[int] | None:
+           errors: list[str] | None = None, hint: Sequence[int] = ()) -> list[int] | None:
     """Tokens that take `matcher` (left as it is) to a state where its grammar may end,
     or None if none were found within `limit` tokens. If the walk put the matcher in
     error (one of llguidance's limits, met on the way), the error is added to `errors`.
+
+    `hint`: a completion from a state a few tokens back (the one the caller measured
+    last). After each of the walk's first `HINT_STEPS` tokens, if the hint (or the hint
+    less its first `HINT_DROPS` tokens) completes the grammar from where the walk
+    stands, the walk stops there: the model left the old completion by a token that
+    needs a few more before the rest of it fits again (the first byte of a UTF-8
+    character, an escape). The answer, the walk's few tokens and the hint, is a
+    completion as any other (validated to the end), found in tens of microseconds where
+    the whole walk takes milliseconds; it may be a token longer or shorter than the
+    walk's own.
 
     A greedy walk, not a search for the shortest: forced tokens first, then a
     closing bracket that ends the grammar outright, then the first single-byte
@@ -172,6 +187,10 @@ def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINI
     while not m.is_accepting():
         if len(out) >= limit or m.is_stopped():  # stopped but not accepting: an error state
             return _gave_up(m, errors)
+        if hint and 0 < len(out) <= HINT_STEPS:
+            for k in reversed(range(min(HINT_DROPS + 1, len(hint)))):  # the shorter first
+                if completes(m, vocab, hint[k:]):
+                    return [*out, *hint[k:]]
         forced = m.compute_ff_tokens()
         if forced and (n := m.try_consume_tokens(forced)):
             out.extend(forced[:n])
@@ -256,26 +275,34 @@ def jump(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], al
     """How many tokens longer than `tail` (the completion from here) the completion
     may get after one more token: measured for the single-byte openers and the
     special tokens that `allowed` (the current bitmask, uint32 words) lets
-    through. A longer token that opens several things at once (`{"`) may jump
-    further; callers leave room for that."""
+    through (`growth` of each). A longer token that opens several things at once
+    (`{"`) may jump further; callers leave room for that."""
+    return max((growth(matcher, vocab, tail, t) for t in jumpers(vocab, allowed)), default=0)
+
+
+def jumpers(vocab: GrammarVocab, allowed: np.ndarray) -> list[int]:
+    """The tokens `jump` measures that `allowed` (a bitmask, uint32 words) lets through:
+    the single-byte openers, then the special tokens."""
     words = allowed.reshape(-1)
     specials = vocab.specials
     if len(specials):
         specials = specials[(words[specials >> 5] >> (specials & 31).astype(np.uint32)) & 1 == 1]
-    worst = 0
-    for t in (*vocab.openers, *specials.tolist()):
-        if not (words[t >> 5] >> (t & 31)) & 1:
-            continue
-        # Most openers lengthen nothing: text inside a string (a comma, a brace), or the
-        # completion's own next token (the quote that closes the string): what is left of
-        # `tail` still completes after it, found by validating alone. Only the others are
-        # consumed (in a copy: consuming a token costs llguidance up to a mask) and walked.
-        if completes(matcher, vocab, [t, *tail]) or resumes(matcher, vocab, tail, after=t) is not None:
-            continue
-        probe = matcher.deep_copy()
-        if not probe.consume_token(t):
-            continue
-        after = finish(probe, vocab)
-        if after is not None:
-            worst = max(worst, len(after) + 1 - len(tail))
-    return worst
+    return [t for t in vocab.openers if (words[t >> 5] >> (t & 31)) & 1] + specials.tolist()
+
+
+def growth(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], token: int) -> int:
+    """How many tokens longer than `tail` (the completion from here) the completion gets
+    after `token` (allowed here), 0 when no longer."""
+    if tail and token == tail[0]:
+        return 0  # the completion's own next token: the rest of it follows
+    # Most openers lengthen nothing: text inside a string (a comma, a brace), or the
+    # completion's own next token in another spelling: what is left of `tail` still
+    # completes after it, found by validating alone. Only the others are consumed (in a
+    # copy: consuming a token costs llguidance up to a mask) and walked.
+    if completes(matcher, vocab, [token, *tail]) or resumes(matcher, vocab, tail, after=token) is not None:
+        return 0
+    probe = matcher.deep_copy()
+    if not probe.consume_token(token):
+        return 0
+    after = finish(probe, vocab)
+    return 0 if after is None else max(0, len(after) + 1 - len(tail))
