@@ -121,6 +121,22 @@ def test_a_row_whose_drafts_are_accepted_keeps_speculating():
     assert spec.accepted == 100
 
 
+def test_a_row_whose_speculative_steps_give_tokens_slower_than_plain_steps_stops_speculating():
+    """Acceptance alone does not say a step pays: a speculative step is not pipelined, and on a
+    GPU one that keeps a drafted token now and then took 2.7x a plain step. A window whose
+    steps took longer per token they gave than a lone row's plain step stops the row."""
+    fast, slow = RowSpec(), RowSpec()
+    for i in range(_speculate.WINDOW):
+        # 2 drafts kept a step (3 tokens): 9 ms a step is 3 ms a token, against plain steps of 2.5 ms
+        slow.record(4, 2, 100 + i, seconds=0.009, plain=0.0025)
+        fast.record(4, 2, 100 + i, seconds=0.006, plain=0.0025)  # 2 ms a token: it pays
+    assert not slow.allowed(100 + _speculate.WINDOW) and fast.allowed(100 + _speculate.WINDOW)
+    unknown = RowSpec()  # no plain step measured yet: acceptance decides alone
+    for i in range(_speculate.WINDOW):
+        unknown.record(4, 2, 100 + i, seconds=1.0, plain=None)
+    assert unknown.allowed(100 + _speculate.WINDOW)
+
+
 def _gumbel_max(logp: np.ndarray, rng: np.random.Generator) -> int:
     return int(np.argmax(logp + rng.gumbel(size=logp.shape)))
 

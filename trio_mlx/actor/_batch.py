@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -374,11 +375,18 @@ def _owned_next(decoder: Decoder, batch: Any) -> Decoded:
     lone row may take a speculative step instead (`_speculative_step`)."""
     if not batch.uids:
         return Decoded([], [], [])
-    if decoder.drafter is not None and len(batch.uids) == 1:
+    lone = decoder.drafter is not None and len(batch.uids) == 1
+    if lone:
         step = _speculative_step(decoder, batch)
         if step is not None:
             return Decoded(list(batch.uids), [step[0]], list(batch.samplers), [step[1]])
+    t0 = time.perf_counter()
     fed, _ = batch._step()
+    if lone and not decoder.speculated_last:
+        # pipelined: a step's wall time here is the device's step time (the first plain step
+        # after a speculative one found nothing in flight, so it is not counted)
+        decoder.lone_steps.append(time.perf_counter() - t0)
+    decoder.speculated_last = False
     # copies: a group joining in this same `BatchGenerator.next` extends the batch's lists
     return Decoded(list(batch.uids), fed, list(batch.samplers))
 
@@ -394,6 +402,7 @@ def _speculative_step(decoder: Decoder, batch: Any) -> tuple[int, Speculated] | 
     pending token and the kept drafts are in the KV and in `tokens`, and are reported."""
     drafter = decoder.drafter
     row, held = batch.samplers[0], batch.tokens[0]
+    t0 = time.perf_counter()
     proposal = drafter.propose(row, held, batch._next_tokens)
     if proposal is None:
         return None
@@ -414,7 +423,8 @@ def _speculative_step(decoder: Decoder, batch: Any) -> tuple[int, Speculated] | 
     if k > a:
         for c in batch.prompt_cache:
             c.trim(k - a)
-    drafter.settle(row, proposal, a)
+    drafter.settle(row, proposal, a, time.perf_counter() - t0, decoder.lone_step())
+    decoder.speculated_last = True
     outs = decoder.settle(row, targets[: a + 1], lp)
     held.append(first)
     held.extend(drafts[:a])

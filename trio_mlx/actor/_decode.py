@@ -41,6 +41,7 @@ No mlx-lm here: `_batch.py` holds every use of its internals.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections.abc import Sequence
@@ -220,7 +221,15 @@ class Decoder:
         self._executor: Any = None  # llguidance's thread pool, made at the first batch of masks
         # Speculative decoding's drafts (`_drafting.Drafter`), verified by `verify`; None: off.
         self.drafter = drafter
+        # wall seconds of a lone row's last plain steps: what a speculative step is judged against
+        self.lone_steps: collections.deque[float] = collections.deque(maxlen=16)
+        self.speculated_last = False  # the last step was a speculative one (`_batch._owned_next`)
         self._measurer: ThreadPoolExecutor | None = None  # the budget checks' thread (`_fill_many`)
+
+    def lone_step(self) -> float | None:
+        """A lone row's plain step in seconds (the median of the last ones), None before any."""
+        steps = sorted(self.lone_steps)
+        return steps[len(steps) // 2] if steps else None
 
     def step(self, logits: Any, rows: Sequence[DecodeRow], inputs: Any, first: bool) -> tuple[Any, list[int]]:
         """Sample every row's next token from `logits` (B, V), the forward of `inputs` (B,):

@@ -95,9 +95,11 @@ class Drafter:
             return self._lookup(row, spec, held, pending, k)
         return self._draft(spec, held, pending, k)
 
-    def settle(self, row: DecodeRow, proposal: Proposal, accepted: int) -> None:
-        """The step kept `accepted` of the proposal's drafts: the draft model's cache drops
-        what it holds past them, and the row's policy counts the step."""
+    def settle(self, row: DecodeRow, proposal: Proposal, accepted: int, seconds: float | None = None,
+               plain: float | None = None) -> None:
+        """The step kept `accepted` of the proposal's drafts, in `seconds`: the draft model's
+        cache drops what it holds past them, and the row's policy counts the step against
+        `plain`, a lone row's plain step (`RowSpec.record`)."""
         spec = row.spec
         assert spec is not None
         k = proposal.k
@@ -110,7 +112,7 @@ class Drafter:
                 for c in state.cache:
                     c.trim(extra)
                 state.held -= extra
-        spec.record(k, accepted, proposal.position + 1 + accepted)
+        spec.record(k, accepted, proposal.position + 1 + accepted, seconds, plain)
 
     # -- the drafters ---------------------------------------------------------------
 

@@ -25,9 +25,13 @@ than one over a token, and where drafts are accepted: on an H200 a forward over 
 costs 1.7-1.9x one token's, and a speculative step gives up the pipelining of plain
 steps (its drafts depend on the tokens read back). So a row speculates only while it is
 the batch's only row, and each row keeps a window of its last `WINDOW` speculative steps:
-when they accepted fewer than `MIN_ACCEPTED` drafted tokens a step on average, the row
-stops speculating for `BACKOFF` tokens, twice as long at each further stop (at most
-`MAX_BACKOFF`), then tries again (what a row writes changes: an agent starts quoting a file).
+when they accepted fewer than `MIN_ACCEPTED` drafted tokens a step on average, or took
+longer per token they gave than the plain steps of a lone row take (the decoder's
+measure of those, when it has one), the row stops speculating for `BACKOFF` tokens,
+twice as long at each further stop (at most `MAX_BACKOFF`), then tries again (what a row
+writes changes: an agent starts quoting a file). The time is the judge because what a
+step costs differs by device: on an H200 a speculative step of the 1B shape that kept
+a drafted token now and then cost 2.7x a pipelined plain step (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -116,12 +120,13 @@ class RowSpec:
     """One row's speculation: its drafter's state, its acceptance window, and from which of
     its tokens it may speculate again (the module's docstring, "The policy")."""
 
-    __slots__ = ("index", "draft", "window", "resume_at", "stops", "drafted", "accepted")
+    __slots__ = ("index", "draft", "window", "seconds", "resume_at", "stops", "drafted", "accepted")
 
     def __init__(self) -> None:
         self.index: NgramIndex | None = None  # prompt lookup's index of the row's tokens
         self.draft: object = None  # the draft model's state for the row (`_draft.DraftState`)
         self.window: collections.deque[int] = collections.deque(maxlen=WINDOW)
+        self.seconds: collections.deque[float] = collections.deque(maxlen=WINDOW)  # each step's wall time
         self.resume_at = 0  # the row's token count from which it may speculate
         self.stops = 0  # times low acceptance stopped it
         self.drafted = 0  # tokens drafted for the row, all told
@@ -131,13 +136,23 @@ class RowSpec:
         """Whether the row, holding `position` tokens, may speculate now."""
         return position >= self.resume_at
 
-    def record(self, drafted: int, accepted: int, position: int) -> None:
-        """A speculative step's outcome, the row holding `position` tokens after it."""
+    def record(self, drafted: int, accepted: int, position: int, seconds: float | None = None,
+               plain: float | None = None) -> None:
+        """A speculative step's outcome, the row holding `position` tokens after it: it took
+        `seconds` (None: not timed), and a lone row's plain step takes `plain` seconds (None:
+        not known yet)."""
         self.drafted += drafted
         self.accepted += accepted
-        w = self.window
+        w, t = self.window, self.seconds
         w.append(accepted)
-        if len(w) == WINDOW and sum(w) < MIN_ACCEPTED * WINDOW:
+        if seconds is not None:
+            t.append(seconds)
+        if len(w) < WINDOW:
+            return
+        # a speculative step gives its kept drafts and the target's own token
+        slower = plain is not None and len(t) == WINDOW and sum(t) > plain * (sum(w) + WINDOW)
+        if sum(w) < MIN_ACCEPTED * WINDOW or slower:
             self.resume_at = position + min(MAX_BACKOFF, BACKOFF << self.stops)
             self.stops += 1
             w.clear()
+            t.clear()
