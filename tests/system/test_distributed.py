@@ -638,8 +638,8 @@ def test_rank_0_hands_its_followers_the_prefill_budget_it_runs_with(tiny_model_f
     hello carries it, its device's default worked out (on this CPU, `PREFILL_BUDGET_CPU`), and
     a value set is passed as it is."""
     from trio_mlx.actor import ActorConfig, ActorTuning
-    from trio_mlx.actor._actor import PREFILL_BUDGET_CPU
     from trio_mlx.actor._distributed import hello
+    from trio_mlx.actor._memory import PREFILL_BUDGET_CPU
 
     def sent(**knobs: Any) -> ActorTuning:
         return hello(ActorConfig(tiny_model_fp32, ActorTuning(**knobs)), "tensor", 0)[3]

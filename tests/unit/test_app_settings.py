@@ -92,7 +92,7 @@ def test_importing_the_app_is_cheap_and_loads_no_model():
 
 def test_the_prefill_budget_reaches_the_actor_with_one_default():
     """`--prefill-budget` / TRIO_MLX_PREFILL_BUDGET: the server's default is the library's and the
-    actor's (None: the device decides, `_actor.PREFILL_BUDGET_CPU`), a value reaches the engine,
+    actor's (None: the device decides, `_memory.PREFILL_BUDGET_CPU`), a value reaches the engine,
     and a negative one stops the server."""
     from trio_mlx import Engine
     from trio_mlx.actor import ActorConfig

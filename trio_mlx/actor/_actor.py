@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import threading
 import time
@@ -55,6 +54,7 @@ from ._constrain import GrammarProcessor, model_vocab
 from ._decode import Decoder, DecodeRow
 from ._drafting import Drafter
 from ._link import ActorLink
+from ._memory import IDLE_RELEASE, apply_cache_limit, memory_figures, prefill_budget
 from ._prompt_cache import PromptCache, budget
 from ._protocol import (
     Abort,
@@ -80,16 +80,6 @@ log = logging.getLogger("trio_mlx.actor")  # stages of startup; from any thread,
 # the report of a step that leaves the batch empty (so an idle server's figures
 # are current); the number is arbitrary, small enough for a scrape to see it move.
 _MEMORY_EVERY = 64
-# Without `ActorTuning.prefill_budget`: the prompt tokens a prefill step may take while rows
-# decode, on the CPU (on a GPU: no bound, the steps as before). A judgement call from the one
-# measurement we have: on the CPU a 1B model prefilled ~95 tokens/s (eight ~1.9k-token prompts
-# in ~160 s, every running stream stopped meanwhile), so 1,024 tokens hold a running stream's
-# next token to ~10 s, and 1,024 is also what a group of `prefill_batch` (8) prompts takes at
-# the chunk's floor of 128 anyway. On a GPU nothing measured says a smaller step pays: a
-# prefill step there costs tens of ms, where cutting a group's prefill into more
-# steps would delay its first tokens by as many decode steps for little; a server that wants
-# the bound there sets it.
-PREFILL_BUDGET_CPU = 1024
 # How long one prefill step of a group entering an idle batch may be expected to take, on a
 # device with a prefill budget (the CPU by default), before the actor cuts it into chunks
 # within the budget: each chunk is a step, and each step's report is the progress the
@@ -101,36 +91,8 @@ PROGRESS_SECONDS = 5.0
 # Prefill steps with fewer prompt tokens than this do not update the measured rate (their
 # time is mostly overhead). Arbitrary.
 _RATE_MIN_TOKENS = 64
-# Without `ActorTuning.idle_release`: seconds idle before MLX's buffer cache is
-# handed back on a GPU (never on the CPU, where the cache is this process's own heap).
-IDLE_RELEASE = 1.0
 
 
-def apply_cache_limit(gb: float | None) -> None:
-    """Bound MLX's buffer cache at `gb` gigabytes (None: MLX's own limit).
-
-    MLX keeps freed buffers for reuse up to a limit of its own, on CUDA 80% of
-    the GPU's memory in every process: measured on an H100, a 1B model's
-    server process grew to 27 GB under 256 streams (MLX's own peak: 10 GB),
-    and a second MLX process on the same GPU ran out of memory. A limit lets
-    processes share a GPU, at the price of allocations the cache would have
-    saved.
-    """
-    if gb is not None and math.isfinite(gb):
-        mx.set_cache_limit(int(gb * 1e9))
-
-
-def prefill_budget(value: int | None) -> int:
-    """`ActorTuning.prefill_budget` on this device: None is PREFILL_BUDGET_CPU on the CPU and
-    no bound (0) on a GPU."""
-    if value is not None:
-        return value
-    return 0 if mx.default_device().type == mx.DeviceType.gpu else PREFILL_BUDGET_CPU
-
-
-def _memory() -> tuple[int, int, int]:
-    """MLX's (active, peak, cache) bytes; the cache holds freed buffers kept for reuse."""
-    return mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()
 
 
 
@@ -439,7 +401,7 @@ class Actor:
         if commands:
             return commands
         mx.clear_cache()
-        commands = link.exchange(StepReport(memory=_memory()))  # the engine's figures, current
+        commands = link.exchange(StepReport(memory=memory_figures()))  # the engine's figures, current
         return commands or link.wait_commands()
 
     def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None:
@@ -539,7 +501,7 @@ class Actor:
         schedule = self.schedule
         if not schedule.seqs:
             self._link.built()  # likewise
-            return StepReport(failed=tuple(failed), live=len(self._admission.pending), memory=_memory())
+            return StepReport(failed=tuple(failed), live=len(self._admission.pending), memory=memory_figures())
         assert self._bg is not None
         t0 = time.perf_counter()
         try:
@@ -584,9 +546,9 @@ class Actor:
             # copies into the prompt cache (async_eval'd) and the removal run first, or the
             # read still counts the batch's buffers they free (the soak test saw 1.3 MB).
             mx.synchronize(self._bg.stream)
-            memory = _memory()
+            memory = memory_figures()
         elif schedule.steps % _MEMORY_EVERY == 1:
-            memory = _memory()
+            memory = memory_figures()
         cached, self._cached = tuple(self._cached), []
         speculated, self._spec_counts = tuple(self._spec_counts), []
         return StepReport(

@@ -221,7 +221,7 @@ class Ceiling:
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
 
-        from ._actor import apply_cache_limit
+        from ._memory import apply_cache_limit
 
         apply_cache_limit(cache_limit_gb)  # as the server's actor does: two MLX processes may share one GPU
         mx.random.seed(seed)

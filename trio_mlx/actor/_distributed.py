@@ -70,11 +70,12 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from .._errors import ModelLoadError
-from ._actor import Actor, prefill_budget
+from ._actor import Actor
 from ._admission import Admission
 from ._group import GroupError, GroupStatus, env_backend
 from ._group_cache import GroupCache, GroupReuse, group_cache_budget, open_group_cache
 from ._link import ActorLink
+from ._memory import prefill_budget
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, Shutdown, StepReport, Submit
 
 log = logging.getLogger("trio_mlx.distributed")

@@ -35,7 +35,7 @@ class ActorTuning:
     prefill_step: int = field(default=2048, metadata=doc(
         "most tokens of a prompt processed per prefill step (fewer when many long prompts prefill "
         "together, so that one step's attention fits 4 GiB)"))
-    # `Actor._cut_prefill`; None is `_actor.PREFILL_BUDGET_CPU` on the CPU. Never cuts a chunk
+    # `Actor._cut_prefill`; None is `_memory.PREFILL_BUDGET_CPU` on the CPU. Never cuts a chunk
     # under 128 tokens (512 on CUDA's shape grid).
     prefill_budget: int | None = field(default=None, metadata=doc(
         "most prompt tokens one prefill step takes, across its group, while other sequences decode: "
