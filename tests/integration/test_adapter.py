@@ -9,10 +9,14 @@ the output. The served greedy tokens must be mlx-lm's own with the same adapter 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
+from app_server import serve
+from processes import ENV, SERVE
 
 import trio_mlx
 from trio_mlx import ModelLoadError
@@ -115,3 +119,21 @@ def test_settings_take_the_flag_s_variable_and_refuse_it_distributed():
     assert Settings.from_env({"TRIO_MLX_ADAPTER_PATH": "/a/b"}).tuning.adapter_path == "/a/b"
     with pytest.raises(ValueError, match="adapter_path needs a single rank"):
         Settings.from_env({}, adapter_path="/a/b", distributed="tensor")
+
+
+async def test_the_model_card_and_server_info_name_the_adapter(tiny_model_fp32, adapter):
+    async with serve(tiny_model_fp32, adapter_path=str(adapter)) as srv:
+        async with httpx.AsyncClient(base_url=srv.url) as client:
+            card = (await client.get("/v1/models")).json()["data"][0]
+            info = (await client.get("/server_info")).json()
+    assert card["adapter"] == info["adapter_path"] == str(adapter)
+    assert card["id"] == "model" and card["root"] == str(tiny_model_fp32)  # the served name stays the model's
+
+
+def test_serve_with_a_missing_adapter_exits_1_naming_it(tiny_model_fp32, tmp_path):
+    missing = tmp_path / "no-such-adapter"
+    proc = subprocess.run([*SERVE, str(tiny_model_fp32), "--adapter-path", str(missing), "--port", "0",
+                           "--no-warmup", "--actor", "thread"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "could not start" in proc.stderr and f"adapter {str(missing)!r}: no such directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
