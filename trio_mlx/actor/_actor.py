@@ -207,7 +207,7 @@ class Actor:
 
     def _load_weights(self) -> tuple[Any, dict[str, Any]]:
         """(model, config); a distributed rank loads its shard instead (`_distributed.py`)."""
-        return models.load_model(self.config.model_path)
+        return models.load_model(self.config.model_path, self.config.tuning.adapter_path)
 
     def _load_drafter(self) -> Drafter | None:
         """Speculative decoding's drafter, if the tuning asks for one (`_drafting.py`), with
@@ -246,7 +246,8 @@ class Actor:
         c = self.config
         if not c.prompt_cache_disk or not c.tuning.prompt_cache_disk_gb or not self._reuse.cache.enabled:
             return None
-        return disk_cache.folder(Path(c.prompt_cache_disk), Path(c.model_path))
+        adapter = c.tuning.adapter_path
+        return disk_cache.folder(Path(c.prompt_cache_disk), Path(c.model_path), Path(adapter) if adapter else None)
 
     def _load_disk(self) -> None:
         if (where := self._disk_folder()) is not None:

@@ -33,8 +33,9 @@ ORDER = "order.json"  # the entries' file names, least recently used first
 _NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
 
 
-def folder(base: Path, model_path: Path) -> Path:
-    """The folder under `base` that holds `model_path`'s entries."""
+def folder(base: Path, model_path: Path, adapter_path: Path | None = None) -> Path:
+    """The folder under `base` that holds `model_path`'s entries (with the LoRA adapter at
+    `adapter_path` applied: its KV is another model's, so its folder is another one)."""
     h = hashlib.sha256(str(model_path.resolve()).encode())
     config = model_path / "config.json"
     if config.is_file():
@@ -42,6 +43,11 @@ def folder(base: Path, model_path: Path) -> Path:
     for f in sorted(model_path.glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    if adapter_path is not None:
+        h.update(f"\0adapter:{adapter_path.expanduser().resolve()}".encode())
+        for f in sorted(adapter_path.expanduser().glob("adapter*")):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return base / h.hexdigest()[:24]
 
 

@@ -75,6 +75,11 @@ class ActorTuning:
     draft_model: str | None = field(default=None, metadata=doc(
         "the draft model of speculative decoding (a local MLX model directory or a Hugging Face id): "
         "any mlx-lm model with the served model's tokenizer, much smaller than it"))
+    # `models.load_model(adapter_path=...)`: mlx-lm's own `load_adapters`, before the warm-up.
+    adapter_path: str | None = field(default=None, metadata=doc(
+        "a LoRA (or DoRA) adapter directory, as mlx_lm.lora writes it (adapter_config.json and "
+        "adapters.safetensors), applied over the model's weights: every request is served by the "
+        "adapted model, as mlx_lm.server's --adapter-path; not with distributed"))
     idle_release: float | None = field(default=None, metadata=doc(  # `Actor._idle`
         "seconds idle before the actor hands MLX's buffer cache back; unset: 1 on a GPU, never "
         "on the CPU; 0: never"))

@@ -169,6 +169,9 @@ class Engine:
                 lambda: models.resolve_model(self.model_ref, cache_dir=self._cache_dir)
             )
             self.model_path = path
+            if self.tuning.adapter_path:  # a bad directory fails here, before the weights load
+                adapter = await trio.to_thread.run_sync(models.check_adapter, self.tuning.adapter_path)
+                log.info("LoRA adapter: %s", adapter)
             t1 = trio.current_time()
             log.info("resolved to %s in %.2f s; loading the tokenizer", path, t1 - t0)
             self.tokenizer = await trio.to_thread.run_sync(models.load_tokenizer, path)

@@ -178,6 +178,8 @@ class ModelCard(_Doc):
     owned_by: str
     context_length: int | None
     root: str | None = Field(None, description="the model directory the server loaded")
+    adapter: str | None = Field(None, description="the LoRA adapter directory applied over it (adapter_path), "
+                                "or null")
     sampling_defaults: dict[str, float] | None = Field(
         None, description="what a request that leaves temperature, top_p, top_k, min_p or "
         "repetition_penalty out samples with: the model's generation_config.json")

@@ -95,6 +95,7 @@ def model_card(app: RouteHost) -> dict[str, Any]:
     return {"id": app.settings.served_model_name, "object": "model", "created": app.started_at,
             "owned_by": "trio_mlx", "context_length": engine.context_length if engine else None,
             "root": str(engine.model_path) if engine and engine.model_path else None,  # as vLLM
+            "adapter": app.settings.tuning.adapter_path,  # the LoRA adapter served over it, or None
             # what a request that leaves these out samples with (the model's generation_config.json)
             "sampling_defaults": dict(engine.sampling_defaults) if engine else None}
 
@@ -175,6 +176,7 @@ async def server_info(app: RouteHost) -> Response:
     return json_response({
         "served_model_name": app.settings.served_model_name,
         "model_path": str(engine.model_path) if engine and engine.model_path else None,
+        "adapter_path": app.settings.tuning.adapter_path,
         "replica": app.settings.replica,
         "max_running_requests": app.settings.tuning.max_batch,
         "max_queued_requests": app.settings.max_queue,

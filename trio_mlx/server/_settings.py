@@ -180,6 +180,9 @@ class Settings:
         if self.distributed and self.tuning.speculation is not None:
             raise ValueError("speculative decoding (speculative, draft_model) needs a single rank, not a "
                              "distributed group")
+        if self.distributed and self.tuning.adapter_path:
+            raise ValueError("adapter_path needs a single rank, not a distributed group (each rank loads "
+                             "its own shard of the weights, without the adapter)")
         if self.distributed and self.actor != "thread":
             raise ValueError("distributed needs actor 'thread': rank 0's server watches its group (the ranks' "
                              "states on /health, a lost rank failing every request) through the actor it runs "
