@@ -1,0 +1,116 @@
+"""Probe: speculative decoding through the engine, on a workload that repeats its context.
+
+    PYTHONPATH=. python benchmarks/probes/probe_speculative.py [--model M] [--draft D]
+        [--rounds 3] [--configs off,ngram,draft] [--max-tokens 400] [--chars 3000] [--out F.json]
+
+Run from the repository root (the passage is a file of this repository). For each
+round and each configuration (off / `speculative="ngram"` / a draft model: `--draft`,
+default the model itself, which keeps every draft), one engine at a time, in
+alternating order: a greedy chat request at c=1 that asks the model (default: the
+embedded SmolLM2-135M-Instruct, real weights) to repeat a passage of its context,
+then the same at c=4 (no row speculates beside another: it should match "off").
+Prints per request decode tokens/s (completion tokens after the first over the time
+after the first token), TTFT (and the first request's after the engine is ready: a
+compile stall would show there), the acceptance rate from `usage`, and whether each
+configuration's text equals the first one's; then the median speed-up over "off".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import trio
+
+import trio_mlx
+
+
+def passage(chars: int) -> str:
+    text = Path("trio_mlx/actor/_speculate.py").read_text()
+    return text[:chars]
+
+
+async def one(engine, prompt: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first = None
+    text = ""
+    async with engine.chat([{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
+                           ignore_eos=False) as events:
+        async for ev in events:
+            if isinstance(ev, trio_mlx.TextDelta):
+                if first is None and ev.token_ids:
+                    first = time.perf_counter()
+                text += ev.text
+            elif isinstance(ev, trio_mlx.Finished):
+                end = time.perf_counter()
+                u = ev.usage
+                n = u.completion_tokens
+                return {"ttft": (first or end) - t0, "decode_tps": (n - 1) / max(1e-9, end - (first or end)),
+                        "tokens": n, "drafted": u.draft_tokens, "accepted": u.accepted_draft_tokens, "text": text}
+    raise AssertionError("no Finished")
+
+
+async def level(engine, prompt: str, max_tokens: int, c: int) -> list[dict]:
+    out: list[dict] = []
+
+    async def worker() -> None:
+        out.append(await one(engine, prompt, max_tokens))
+
+    async with trio.open_nursery() as n:
+        for _ in range(c):
+            n.start_soon(worker)
+    return out
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--draft", default=None, help="a draft model (default: the model itself: every draft kept)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--chars", type=int, default=3000)
+    p.add_argument("--max-tokens", type=int, default=400)
+    p.add_argument("--configs", default="off,ngram,draft")
+    p.add_argument("--out", default="spec.json")
+    a = p.parse_args()
+    prompt = "Repeat the following text exactly, from its first line to its last:\n\n" + passage(a.chars)
+    configs = {"off": {}, "ngram": {"speculative": "ngram"},
+               "draft": {"draft_model": a.draft or a.model or "default"}}
+    rows: list[dict] = []
+    texts: dict[str, str] = {}
+    for r in range(a.rounds):
+        order = a.configs.split(",")
+        if r % 2:
+            order = order[::-1]  # paired rounds: A B C, C B A, ...
+        for name in order:
+            t0 = time.perf_counter()
+            async with trio_mlx.open_engine(a.model, **configs[name]) as engine:
+                load = time.perf_counter() - t0
+                first = await one(engine, prompt, 16)  # the first request after ready (compile stalls?)
+                for c in (1, 4):
+                    got = await level(engine, prompt, a.max_tokens, c)
+                    tps = statistics.median(g["decode_tps"] for g in got)
+                    drafted = sum(g["drafted"] for g in got)
+                    acc = sum(g["accepted"] for g in got)
+                    row = {"round": r, "config": name, "c": c, "decode_tps": tps, "ttft_first_request": first["ttft"],
+                           "ttft": statistics.median(g["ttft"] for g in got), "tokens": got[0]["tokens"],
+                           "drafted": drafted, "accepted": acc, "acceptance": acc / drafted if drafted else None,
+                           "load_s": load}
+                    texts.setdefault(f"{c}", got[0]["text"])
+                    row["same_text_as_first_config"] = got[0]["text"] == texts[f"{c}"]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    Path(a.out).write_text(json.dumps(rows, indent=1))  # noqa: ASYNC240 - once, after every level
+    for c in (1, 4):
+        base = statistics.median(r["decode_tps"] for r in rows if r["config"] == "off" and r["c"] == c) if any(
+            r["config"] == "off" for r in rows) else None
+        for name in a.configs.split(","):
+            tps = statistics.median(r["decode_tps"] for r in rows if r["config"] == name and r["c"] == c)
+            accs = [r["acceptance"] for r in rows if r["config"] == name and r["c"] == c and r["acceptance"] is not None]
+            print(f"c={c} {name:6s} decode {tps:8.1f} tok/s" + (f"  x{tps / base:.2f} of off" if base else "")
+                  + (f"  acceptance {statistics.median(accs):.2f}" if accs else ""))
+
+
+trio.run(main)
