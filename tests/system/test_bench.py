@@ -147,12 +147,16 @@ def test_paired_mode_interleaves_the_ceiling_with_the_server(
     monkeypatch.setattr(_bench_limit.Ceiling, "drive", logged_drive)
     monkeypatch.setattr(_sweep, "_run_level", logged_level)
     out, ceiling = tmp_path / "server.json", tmp_path / "ceiling.json"
-    rc = _bench.main(
-        ["--url", mlx_lm_server, "--paired", str(ceiling), "--model", str(tiny_model),
-         "--served-model-name", "default_model", "--concurrency", "1,4", "--requests-per-level", "6",
-         "--prompt-tokens", "24", "--max-tokens", "8", "--warmup", "2", "--label", "srv",
-         "--out", str(out), "--quiet", "--timeout", "30"]
-    )  # fmt: skip
+
+    def paired(*args: str) -> int:
+        """`trio-mlx bench --paired` against the server, 8-token answers to 24-token prompts."""
+        return _bench.main(
+            ["--url", mlx_lm_server, "--paired", str(ceiling), "--model", str(tiny_model),
+             "--served-model-name", "default_model", "--prompt-tokens", "24", "--max-tokens", "8",
+             "--warmup", "2", "--out", str(out), "--quiet", "--timeout", "30", *args]
+        )  # fmt: skip
+
+    rc = paired("--concurrency", "1,4", "--requests-per-level", "6", "--label", "srv")
     assert rc == 0
     # each level: ceiling, server, server, ceiling on the halves of its 6 requests
     assert order == [("ceiling", 3), ("server", 3), ("server", 3), ("ceiling", 3)] * 2
@@ -167,12 +171,7 @@ def test_paired_mode_interleaves_the_ceiling_with_the_server(
     # --paired-rounds 3: c=1 in three rounds of one request a side; c=4 has too few
     # requests for chunks of 4, so it keeps one round
     order.clear()
-    rc = _bench.main(
-        ["--url", mlx_lm_server, "--paired", str(ceiling), "--paired-rounds", "3", "--model", str(tiny_model),
-         "--served-model-name", "default_model", "--concurrency", "1,4", "--requests-per-level", "6",
-         "--prompt-tokens", "24", "--max-tokens", "8", "--warmup", "2", "--out", str(out), "--quiet",
-         "--timeout", "30"]
-    )  # fmt: skip
+    rc = paired("--paired-rounds", "3", "--concurrency", "1,4", "--requests-per-level", "6")
     assert rc == 0
     assert order == [("ceiling", 1), ("server", 1), ("server", 1), ("ceiling", 1)] * 3 + \
         [("ceiling", 3), ("server", 3), ("server", 3), ("ceiling", 3)]
@@ -188,12 +187,7 @@ def test_paired_mode_interleaves_the_ceiling_with_the_server(
 
     monkeypatch.setattr(_bench_limit.Ceiling, "bare", logged_bare)
     order.clear()
-    rc = _bench.main(
-        ["--url", mlx_lm_server, "--paired", str(ceiling), "--ceiling", "bare", "--model", str(tiny_model),
-         "--served-model-name", "default_model", "--concurrency", "1,2", "--requests-per-level", "4",
-         "--prompt-tokens", "24", "--max-tokens", "8", "--warmup", "2", "--out", str(out), "--quiet",
-         "--timeout", "30"]
-    )  # fmt: skip
+    rc = paired("--ceiling", "bare", "--concurrency", "1,2", "--requests-per-level", "4")
     assert rc == 0
     assert [o for o in order if o[0] == "ceiling"] == []  # no BatchGenerator ran
     assert waves == [1, 1, 1, 1, 2, 2]  # c=1: a wave per request; c=2: one of two per chunk

@@ -48,6 +48,20 @@ def ceiling_level(ceiling: Any, prompts: Sequence[Sequence[int]], concurrency: i
     return records, seconds, cpu
 
 
+def _wave(ceiling: Any, rows: Sequence[Sequence[int]],
+          max_tokens: int) -> tuple[dict[str, Any], list[RequestRecord], float]:
+    """One wave of the bare forward over `rows`, each making `max_tokens` tokens: the wave
+    (`Ceiling.bare`), a record per row, and the wave's seconds."""
+    wave = ceiling.bare(rows, max_tokens)
+    times = [wave["ttft"], *wave["token_times"]]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    records = [RequestRecord(ttft=wave["ttft"], e2e=times[-1], output_tokens=max_tokens, events=max_tokens,
+                             itl=list(gaps), finish_reason="length") for _ in rows]  # fmt: skip
+    for r in records:
+        check_length(r, max_tokens)
+    return wave, records, times[-1]
+
+
 def bare_waves(ceiling: Any, prompts: Sequence[Sequence[int]], concurrency: int,
                max_tokens: int) -> tuple[list[RequestRecord], float, float]:
     """`prompts` through the bare forward in waves of `concurrency` rows, one after another
@@ -56,16 +70,9 @@ def bare_waves(ceiling: Any, prompts: Sequence[Sequence[int]], concurrency: int,
     records: list[RequestRecord] = []
     seconds = cpu = 0.0
     for lo in range(0, len(prompts), concurrency):
-        rows = prompts[lo : lo + concurrency]
-        wave = ceiling.bare(rows, max_tokens)
-        times = [wave["ttft"], *wave["token_times"]]
-        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-        for _ in rows:
-            r = RequestRecord(ttft=wave["ttft"], e2e=times[-1], output_tokens=max_tokens, events=max_tokens,
-                              itl=list(gaps), finish_reason="length")  # fmt: skip
-            check_length(r, max_tokens)
-            records.append(r)
-        seconds += times[-1]
+        wave, recs, took = _wave(ceiling, prompts[lo : lo + concurrency], max_tokens)
+        records += recs
+        seconds += took
         cpu += wave["cpu_s"]
     return records, seconds, cpu
 
@@ -77,14 +84,8 @@ def bare_level(ceiling: Any, prompts: Sequence[Sequence[int]], concurrency: int,
     out tok/s over the wave's whole time (its one prefill included, as each closed-loop
     request has one), TPOT = `ms_per_step`, the decode step's time, and `decode_tok_s`."""
     rows = list(prompts[:concurrency])
-    wave = ceiling.bare(rows, max_tokens)
-    times = [wave["ttft"], *wave["token_times"]]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    records = [RequestRecord(ttft=wave["ttft"], e2e=times[-1], output_tokens=max_tokens, events=max_tokens,
-                             itl=list(gaps), finish_reason="length") for _ in rows]  # fmt: skip
-    for r in records:
-        check_length(r, max_tokens)
-    lv = in_process_level(records, duration=times[-1], concurrency=concurrency, cpu_s=wave["cpu_s"],
+    wave, records, took = _wave(ceiling, rows, max_tokens)
+    lv = in_process_level(records, duration=took, concurrency=concurrency, cpu_s=wave["cpu_s"],
                           cpu_name="client")  # fmt: skip
     steps = max_tokens - 1
     lv.update({
