@@ -36,6 +36,7 @@ from ._batch import (
     GRID_PREFIX,
     CausalPrefill,
     Decoded,
+    RowAdapters,
     batch_rows,
     budget_chunk,
     first_tokens,
@@ -47,6 +48,7 @@ from ._batch import (
     prefill_grid,
     prompts_left,
     remove_rows,
+    select_adapters,
     set_prefill_chunk,
     take_prompt_tokens,
 )
@@ -129,6 +131,8 @@ class Actor:
         self._cached: list[tuple[int, int]] = []  # (rid, prompt tokens from the cache) this step
         self._spec_counts: list[tuple[int, int, int]] = []  # (rid, drafted, kept) this step (`_speculated`)
         self._drafter: Drafter | None = None  # speculative decoding's drafts (`_drafting.py`); set in _load
+        # Each row's named LoRA adapter (`ActorTuning.adapters`, `_batch.RowAdapters`); None without.
+        self._adapters: RowAdapters | None = None
 
     # The schedule's table under the names tests and probes read it by.
     @property
@@ -193,6 +197,8 @@ class Actor:
         """Load the model and make the generator; returns the model's config."""
         apply_cache_limit(self.config.tuning.cache_limit_gb)
         self._model, config = self._load_weights()
+        selector = models.adapter_rows(self._model)
+        self._adapters = None if selector is None else RowAdapters(selector)
         self._context = models.context_length(config)
         self._vocab = int(config.get("vocab_size", 0))
         self._heads = int(config.get("num_attention_heads") or config.get("n_heads") or 0)
@@ -207,7 +213,8 @@ class Actor:
 
     def _load_weights(self) -> tuple[Any, dict[str, Any]]:
         """(model, config); a distributed rank loads its shard instead (`_distributed.py`)."""
-        return models.load_model(self.config.model_path, self.config.tuning.adapter_path)
+        tuning = self.config.tuning
+        return models.load_model(self.config.model_path, tuning.adapter_path, tuning.adapter_map or None)
 
     def _load_drafter(self) -> Drafter | None:
         """Speculative decoding's drafter, if the tuning asks for one (`_drafting.py`), with
@@ -273,13 +280,17 @@ class Actor:
 
     def _new_generator(self) -> BatchGenerator:
         bg = BatchGenerator(
-            CausalPrefill(self._model, self._grid, self._link and self._link.built, self._heads),  # type: ignore[arg-type]  # called and read as the model
+            CausalPrefill(self._model, self._grid, self._link and self._link.built, self._heads,  # type: ignore[arg-type]  # called and read as the model
+                          self._adapters),
             max_tokens=1,
             completion_batch_size=self.config.tuning.max_batch,
             prefill_batch_size=self._rows,  # a group of short prompts enters whole (`Admission`)
             prefill_step_size=self.config.tuning.prefill_step,
         )
         move_whole_groups(bg)
+        if self._adapters is not None:
+            self._adapters.slots.clear()  # a fresh generator: no row of the old one is left
+            select_adapters(bg)
         if self._owned:
             self._decoder = Decoder(self._drafter)
             own_decode(bg, self._decoder)
@@ -433,12 +444,14 @@ class Actor:
         if removes:
             self._reuse.leaving(self._bg, removes)  # finished rows' KV, before it goes
             remove_rows(self._bg, removes)
+            self._forget(removes)
             if aborted:
                 self._hook("removed")
         subs = self._reuse.split(subs)  # after the removals: they may have stored what subs share
         subs, later = self._reuse.even(subs, self.config.tuning.prefill_step)
         admission.readmit(later, now)
         subs, grammars, failed = self._grammars(subs)
+        subs, grammars, failed = self._known_adapters(subs, grammars, failed)
         for rid, _ in failed:  # what waited for a row that never entered goes back to admission
             admission.readmit(self._reuse.left(rid), now)
         self._inserted = len(subs)
@@ -459,9 +472,29 @@ class Actor:
             return failed + [(s.rid, f"insert failed: {exc}") for s in subs]
         for s, uid, n, g in zip(subs, uids, cached, grammars, strict=True):
             schedule.enter(Seq.of(s, uid, g))
+            if s.adapter is not None and self._adapters is not None:
+                self._adapters.slots[uid] = self._adapters.selector.slot(s.adapter)
             if n:
                 self._cached.append((s.rid, n))
         return failed
+
+    def _known_adapters(
+        self, subs: list[Submit], grammars: list[GrammarProcessor | None], failed: list[tuple[int, str]]
+    ) -> tuple[list[Submit], list[GrammarProcessor | None], list[tuple[int, str]]]:
+        """The arrivals whose adapter this model has (the engine checks names first: this
+        guards the actor's own contract), and a failure for each of the others."""
+        names = self._adapters.selector.names if self._adapters is not None else ()
+        if all(s.adapter is None or s.adapter in names for s in subs):
+            return subs, grammars, failed
+        kept = [(s, g) for s, g in zip(subs, grammars, strict=True) if s.adapter is None or s.adapter in names]
+        failed = failed + [(s.rid, f"no adapter named {s.adapter!r} is loaded")
+                           for s in subs if s.adapter is not None and s.adapter not in names]
+        return [s for s, _ in kept], [g for _, g in kept], failed
+
+    def _forget(self, uids: list[int]) -> None:
+        """Rows that left the batch: their adapters go from the table."""
+        if self._adapters is not None:
+            self._adapters.forget(uids)
 
     def _row_sampling(self, subs: list[Submit], grammars: list[GrammarProcessor | None]) -> dict[str, Any]:
         """`BatchGenerator.insert`'s samplers and logits processors for `subs`: for the owned
@@ -520,6 +553,7 @@ class Actor:
         if dry := schedule.dry():  # the batch ran dry: nothing left to overlap
             self._reuse.leaving(self._bg, dry)
             remove_rows(self._bg, dry)
+            self._forget(dry)
         prefilling, decoding, prompt_tokens = [], [], 0
         prefilled: list[tuple[int, int, int]] = []
         for pr in prompt_responses:
@@ -737,7 +771,7 @@ class Actor:
             if (g := seq.grammar) is not None and g.error:
                 self._failed_rows.append((seq.rid, f"constrained decoding failed: {g.error}"))
         elif reason is not None:
-            self._reuse.finished(seq.uid, seq.prompt_len + seq.generated, seq.cache_salt)
+            self._reuse.finished(seq.uid, seq.prompt_len + seq.generated, seq.partition)
         return reason
 
     def _add_logprobs(self, out: list[TokenOut], rows: list[tuple[int, Any, Seq]]) -> None:

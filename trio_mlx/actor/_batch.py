@@ -13,7 +13,9 @@ group's roll, `roll_right`; a finished group handed to decoding, `_split`), or
 take the decode step over (`own_decode`: one forward over the decoding batch,
 then the actor's own batched sampling, `_decode.Decoder`), or give a lone row a
 speculative step (`_speculative_step`: one forward over its drafts, its KV trimmed
-past the rejected ones).
+past the rejected ones), or tell a model with named LoRA adapters which adapter
+each row of a forward runs with (`RowAdapters`, around every forward: the prompt
+batch's `prompt`, the owned step, the speculative verify).
 Each helper names the private attribute it
 relies on; tests/integration/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
 upgrade that changes one fails there first.
@@ -21,6 +23,7 @@ upgrade that changes one fails there first.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
@@ -238,7 +241,7 @@ def _split_rows(batch: Any, indices: list[int]) -> Any:
     if not whole and (caches is None or any(c.keys is None or c._right_padding is not None for c in caches)):
         return cls.split(batch, indices)  # the stock method, past this instance's override
     moved = copy.copy(batch)  # its lists are replaced, not changed, by `filter`
-    for name in ("split", "generate", "_decoder"):
+    for name in ("split", "generate", "_decoder", "prompt"):
         vars(moved).pop(name, None)
     if whole:
         batch.prompt_cache = []  # the caches go as they are (`filter([])` clears the list it holds)
@@ -320,7 +323,8 @@ def _owned_step(decoder: Decoder, batch: Any, first: bool) -> tuple[list[int], l
     batch._current_tokens = inputs
     batch._current_logprobs = batch._next_logprobs
     unmask_unpadded(batch.prompt_cache)
-    logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
+    with adapter_rows(batch.model, batch.uids):
+        logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
     sampled, fed = decoder.step(logits, batch.samplers, inputs, first)
     batch._next_tokens = sampled
     batch._next_logprobs = [None] * len(fed)  # kept row-aligned: `filter` and `extend` index it
@@ -409,7 +413,8 @@ def _speculative_step(decoder: Decoder, batch: Any) -> tuple[int, Speculated] | 
     batch._current_tokens = batch._next_tokens
     batch._current_logprobs = batch._next_logprobs
     unmask_unpadded(batch.prompt_cache)
-    logits = batch.model.verify(proposal.inputs, cache=batch.prompt_cache)[0]
+    with adapter_rows(batch.model, batch.uids):
+        logits = batch.model.verify(proposal.inputs, cache=batch.prompt_cache)[0]
     sampled, lp = decoder.verify(logits, row, proposal.drafts)
     if proposal.host is None:
         fed_all: list[int] = proposal.inputs[0].tolist()  # type: ignore[assignment]
@@ -438,7 +443,8 @@ def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]]) -> An
     starts decoding) with the first step taken by the decoder, not by mlx_lm's own
     `GenerationBatch.__init__`: the batch is built empty and given its rows after."""
     if any(len(t) > 1 for t in tokens):
-        batch.prompt([t[:-1] for t in tokens])
+        with adapter_rows(batch.model, batch.uids):
+            batch.prompt([t[:-1] for t in tokens])
     n = len(tokens)
     gen: Any = GenerationBatch(batch.model, [], mx.array([], dtype=mx.uint32), [], [], [], batch.fallback_sampler,
                           [], [], [])
@@ -454,6 +460,65 @@ def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]]) -> An
     batch.samplers, batch.logits_processors, batch.max_tokens = [], [], []
     _owned_step(decoder, gen, True)
     return gen
+
+
+class RowAdapters:
+    """Which named LoRA adapter each row runs with, by uid, put on the model's shared
+    selector (`models.AdapterRows`) around each forward (`adapter_rows`).
+
+    The rows of a forward are its batch's `uids`, in order: mlx_lm's batches keep that
+    list aligned with their KV rows as rows enter (`extend`), leave (`filter`) and split
+    off, so the slots follow the rows wherever they go. A uid the actor never named (the
+    warm-up's rows, a retired row the actor forgot) runs with no adapter. The array of a mix
+    is built once per distinct order of slots, not per step."""
+
+    __slots__ = ("selector", "slots", "_last")
+
+    def __init__(self, selector: Any):
+        self.selector = selector
+        self.slots: dict[int, int] = {}  # uid -> slot (1..); absent: none
+        self._last: tuple[tuple[int, ...], Any] = ((), None)
+
+    def select(self, uids: list[int]) -> None:
+        slots = tuple(self.slots.get(u, 0) for u in uids)
+        last, index = self._last
+        self.selector.set(list(slots), index if slots == last else None)
+        if self.selector.index is not None:
+            self._last = (slots, self.selector.index)
+
+    def forget(self, uids: list[int]) -> None:
+        for u in uids:
+            self.slots.pop(u, None)
+
+
+@contextlib.contextmanager
+def _selected(adapters: RowAdapters, uids: list[int]) -> Any:
+    adapters.select(uids)
+    try:
+        yield
+    finally:  # the graph holds what it read: nothing stale reaches a later forward
+        adapters.selector.clear()
+
+
+def adapter_rows(model: Any, uids: list[int]) -> Any:
+    """A context in which `model`'s forward runs each row of `uids` with its adapter; nothing
+    to do for a model without named adapters (or one not wrapped in `CausalPrefill`)."""
+    adapters = getattr(model, "adapters", None) if type(model) is CausalPrefill else None
+    return contextlib.nullcontext() if adapters is None else _selected(adapters, uids)
+
+
+def select_adapters(bg: Any) -> None:
+    """Give `bg`'s prompt batch (one object for the generator's life) a `prompt` that runs
+    each row's prefill with its adapter (`adapter_rows`). Needs `move_whole_groups(bg)`
+    first: the batches it splits off drop this override and go through `_owned_generate`,
+    which selects for them."""
+    batch = bg._prompt_batch
+    vars(batch)["prompt"] = functools.partial(_prompt_with_adapters, type(batch), weakref.proxy(batch))
+
+
+def _prompt_with_adapters(cls: Any, batch: Any, tokens: list[list[int]]) -> None:
+    with adapter_rows(batch.model, batch.uids):
+        cls.prompt(batch, tokens)
 
 
 def _finalize(c: Any) -> None:
@@ -670,14 +735,15 @@ class CausalPrefill:
     what is left of the step waits on the device (`_link.ThreadLink`).
     """
 
-    __slots__ = ("_model", "grid", "_built", "_heads")
+    __slots__ = ("_model", "grid", "_built", "_heads", "adapters")
 
     def __init__(self, model: Any, grid: bool = False, built: Callable[[], None] | None = None,
-                 heads: int = 0):
+                 heads: int = 0, adapters: RowAdapters | None = None):
         self._model = model
         self.grid = grid
         self._built = built
         self._heads = heads
+        self.adapters = adapters  # a model with named LoRA adapters: each row's (`adapter_rows`)
 
     def __getattr__(self, name: str) -> Any:  # the BatchGenerator reads `layers`, `make_cache`
         return getattr(self._model, name)

@@ -63,7 +63,7 @@ def save(cache: PromptCache, where: Path, max_bytes: int) -> int:
     kept: list[Any] = []
     total = 0
     for entry in reversed(cache.entries()):  # the newest first
-        if type(entry.key[0]) is not int:  # salted: kept apart in memory only, never written down
+        if type(entry.key[0]) is not int:  # salted or on an adapter: kept apart in memory only, never written
             continue
         if total + entry.nbytes <= max_bytes:
             kept.append(entry)

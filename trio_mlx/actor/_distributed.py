@@ -526,8 +526,8 @@ class LeaderActor(Actor):
             if bad:
                 raise ModelLoadError(f"{bad} follower rank(s) could not find the same model "
                                      f"(config.json {fingerprint(self.config.model_path)}); see their logs")
-            if self.config.tuning.adapter_path:  # load_shard has no adapter: refuse rather than ignore it
-                raise ModelLoadError("adapter_path needs a single rank, not a distributed group")
+            if self.config.tuning.adapter_path or self.config.tuning.adapters:  # load_shard has no adapter: refuse
+                raise ModelLoadError("adapter_path and adapters need a single rank, not a distributed group")
             model, config = load_shard(self.config.model_path, self._mode, self._group)
             seed_all(self._channel, True, self._startup)
         self._status.set_all("following", leader="serving")

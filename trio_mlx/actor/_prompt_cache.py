@@ -34,7 +34,9 @@ shorter one redundant (both are served from the longer).
 
 A salt (a request's `cache_salt`, the server's key isolation) keeps entries apart:
 an entry stored under one salt is found only by lookups with the same salt, so
-one user's `cached_tokens` cannot reveal another's prompt. The salt
+one user's `cached_tokens` cannot reveal another's prompt. A row on a named LoRA
+adapter keys its entries by the adapter too (`Submit.partition`): its KV is another
+model's, and no request of another adapter (or of none) finds it. The salt
 joins the first id of the entry's key, so every block hash, prefix comparison and
 redundancy rule above works on salted keys unchanged; no salt is the shared cache.
 """
@@ -111,7 +113,12 @@ class _Entry:
     blocks: list[int]  # the chained hashes of its full blocks
 
 
-def keyed(tokens: Sequence[int], salt: str = "") -> tuple[Any, ...]:
+# A partition of the cache: a request's salt ("" for none), or (adapter, salt) for a row on a
+# named adapter (`Submit.partition`).
+Partition = str | tuple[str, str]
+
+
+def keyed(tokens: Sequence[int], salt: Partition = "") -> tuple[Any, ...]:
     """The cache's key for `tokens` under `salt`: the ids themselves without one, else with
     the first id paired with the salt, so that no key of another salt shares a prefix."""
     key = tuple(tokens)
@@ -213,7 +220,7 @@ class PromptCache:
             return None, 0  # the blocks' hashes collided (never seen; checked all the same)
         return best
 
-    def longest(self, prompt: Sequence[int], salt: str = "") -> tuple[_Entry | None, int]:
+    def longest(self, prompt: Sequence[int], salt: Partition = "") -> tuple[_Entry | None, int]:
         """The entry under `salt` sharing the longest prefix with `prompt` and how many of its
         tokens serve it: never the whole prompt (its last token must be prefilled for logits)."""
         if not self._lru or len(prompt) < 2:
@@ -230,7 +237,7 @@ class PromptCache:
             self._memo[id(prompt)] = (prompt, salt, entry, n)
         return entry, n
 
-    def fetch(self, prompt: Sequence[int], limit: int | None = None, salt: str = "") -> tuple[list[Any] | None, int]:
+    def fetch(self, prompt: Sequence[int], limit: int | None = None, salt: Partition = "") -> tuple[list[Any] | None, int]:
         """Caches holding the longest cached prefix of `prompt` (at most `limit` tokens), for
         `BatchGenerator.insert(caches=...)`, and its length; (None, 0) on a miss.
 
@@ -257,7 +264,7 @@ class PromptCache:
 
     # -- entries -------------------------------------------------------------------
 
-    def store(self, tokens: Sequence[int], layers: list[Any], salt: str = "") -> bool:
+    def store(self, tokens: Sequence[int], layers: list[Any], salt: Partition = "") -> bool:
         """Keep `layers` (one single-row `KVCache` per layer holding exactly `tokens`) as
         an entry under `salt`; returns whether it was kept. An entry that a longer one
         already holds is not; entries it extends are dropped (a prefix of an entry is

@@ -96,6 +96,15 @@ class Submit:
     # The prompt cache's partition (`_prompt_cache.keyed`): only requests of one salt share
     # cached prefixes; "" is the shared cache.
     cache_salt: str = ""
+    # The named LoRA adapter this row runs with (`ActorTuning.adapters`); None: the model alone.
+    adapter: str | None = None
+
+    @property
+    def partition(self) -> str | tuple[str, str]:
+        """The prompt cache's partition this request reads and writes: its salt, and, for a
+        row on an adapter, the adapter too (its KV is another model's: no other adapter's
+        request, nor the model's own, may reuse it). A pair, never equal to a salt's string."""
+        return self.cache_salt if self.adapter is None else (self.adapter, self.cache_salt)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ._batch import copy_rows
-from ._prompt_cache import BLOCK, PromptCache, common_prefix
+from ._prompt_cache import BLOCK, Partition, PromptCache, common_prefix
 
 # A prompt at least this long is stored as soon as it is prefilled, so that
 # requests arriving while it decodes (users of one system prompt) share it;
@@ -49,8 +49,9 @@ class Reuse:
     - An aborted or failed row stores nothing after it: an entry only ever holds a
       prompt that was wholly prefilled or a sequence that finished.
 
-    Every lookup and store is under the request's `cache_salt`, and a request waits only
-    for a prefill of its own salt: requests of different salts share nothing.
+    Every lookup and store is under the request's partition (`Submit.partition`: its
+    `cache_salt`, and its adapter), and a request waits only for a prefill of its own
+    partition: requests of different salts or adapters share nothing.
     """
 
     def __init__(self, cache: PromptCache):
@@ -59,7 +60,7 @@ class Reuse:
         self._prefilling: dict[int, Any] = {}  # rid -> Submit, entered and not yet prefilled
         self._waiting: dict[int, list[Any]] = {}  # leader rid -> Submits waiting for its prefill
         self._parked: dict[int, int] = {}  # waiting rid -> its leader's rid
-        self._finishing: dict[int, tuple[int, str]] = {}  # uid of a finished row -> (tokens to store, salt)
+        self._finishing: dict[int, tuple[int, Partition]] = {}  # uid of a finished row -> (tokens to store, partition)
         self._last_stats: tuple[int, ...] = ()
 
     @property
@@ -74,10 +75,10 @@ class Reuse:
         which see no arrivals (`mark`)."""
         if not self._prefilling or not self.cache.enabled:
             return None
-        prompt, salt = sub.prompt, sub.cache_salt
+        prompt, salt = sub.prompt, sub.partition
         floor = share_floor(len(prompt))
         for rid, other in self._prefilling.items():
-            if rid in self._store_at_prefill or other.cache_salt != salt:
+            if rid in self._store_at_prefill or other.partition != salt:
                 continue
             shared = common_prefix(prompt, other.prompt, len(prompt) - 1)
             if shared >= floor and shared - self.cache.longest(prompt, salt)[1] >= floor:
@@ -100,13 +101,13 @@ class Reuse:
             cap = len(prompt) - 1
             leader, shared = None, 0
             for e in enter:
-                if e.cache_salt != s.cache_salt:
+                if e.partition != s.partition:
                     continue
                 n = common_prefix(prompt, e.prompt, cap)
                 if n > shared:
                     leader, shared = e, n
             if leader is not None and shared >= share_floor(len(prompt)):
-                held = self.cache.longest(prompt, s.cache_salt)[1]
+                held = self.cache.longest(prompt, s.partition)[1]
                 if shared - held >= share_floor(len(prompt)):
                     self._waiting.setdefault(leader.rid, []).append(s)
                     self._parked[s.rid] = leader.rid
@@ -127,7 +128,7 @@ class Reuse:
         prompt among follow-ups) wait for the next group, the longest hits going first."""
         if not self.cache.enabled or len(subs) < 2:
             return subs, []
-        held = [self.cache.longest(s.prompt, s.cache_salt)[1] for s in subs]
+        held = [self.cache.longest(s.prompt, s.partition)[1] for s in subs]
         floor = max(held) - slack
         return ([s for s, n in zip(subs, held, strict=True) if n >= floor],
                 [s for s, n in zip(subs, held, strict=True) if n < floor])
@@ -143,9 +144,9 @@ class Reuse:
         caches: list[Any] = []
         counts: list[int] = []
         cache.relieve()  # before these prefill: under pressure the cache gives way first
-        limit = min(cache.longest(s.prompt, s.cache_salt)[1] for s in subs) // grain * grain
+        limit = min(cache.longest(s.prompt, s.partition)[1] for s in subs) // grain * grain
         for s in subs:
-            kv, n = cache.fetch(s.prompt, limit, s.cache_salt)
+            kv, n = cache.fetch(s.prompt, limit, s.partition)
             caches.append(kv)
             counts.append(n)
             self._prefilling[s.rid] = s
@@ -182,7 +183,7 @@ class Reuse:
                 self._prefilling.pop(rid, None)
             return []
         self.cache.relieve()
-        salts = {uid: sub.cache_salt for rid, uid, _ in rows if (sub := self._prefilling.get(rid)) is not None}
+        salts = {uid: sub.partition for rid, uid, _ in rows if (sub := self._prefilling.get(rid)) is not None}
         for uid, (layers, tokens) in copy_rows(bg, marked).items():
             self.cache.store(tokens, layers, salts.get(uid, ""))
         released: list[Any] = []
@@ -190,7 +191,7 @@ class Reuse:
             released += self.left(rid)
         return released
 
-    def finished(self, uid: int, tokens: int, salt: str = "") -> None:
+    def finished(self, uid: int, tokens: int, salt: Partition = "") -> None:
         """A row finished (not aborted) with `tokens` in its cache that are its own; they
         are stored under `salt` when the row leaves the batch (`leaving`)."""
         if self.cache.enabled:

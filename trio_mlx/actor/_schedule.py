@@ -44,12 +44,12 @@ class Seq:
     generated: int = 0
     grammar: Constraint | None = None  # a constrained row's logits mask
     ahead: bool = False  # its first token went out a step early (`Actor._first_tokens`)
-    cache_salt: str = ""  # its prompt cache partition (`Submit.cache_salt`)
+    partition: str | tuple[str, str] = ""  # its prompt cache partition (`Submit.partition`)
 
     @classmethod
     def of(cls, sub: Submit, uid: int, grammar: Constraint | None = None) -> Seq:
         return cls(sub.rid, uid, len(sub.prompt), sub.sampling, sub.max_tokens, sub.stop_token_ids, grammar=grammar,
-                   cache_salt=sub.cache_salt)
+                   partition=sub.partition)
 
 
 class Schedule:

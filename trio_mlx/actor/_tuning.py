@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,37 @@ from .._fields import doc, read_environ
 # The most drafted tokens per speculative step, and the longest n-gram: a bound on one
 # step's width (a forward over 65 tokens is a short prefill), not a recommendation.
 MAX_DRAFT = 64
+
+
+# An adapter's name: what a request's model field names (alone, or after "MODEL:").
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _adapter_entries(given: Any) -> tuple[str, ...]:
+    """`adapters` as NAME=PATH strings, from those or a {name: path} mapping; a bad name, a
+    repeated one or a missing path is a ValueError naming it."""
+    if isinstance(given, Mapping):
+        pairs = [(str(k), str(v)) for k, v in given.items()]
+    elif isinstance(given, (tuple, list)):
+        pairs = []
+        for entry in given:
+            if not isinstance(entry, str) or "=" not in entry:
+                raise ValueError(f"adapters: each entry is NAME=PATH, got {entry!r}")
+            name, path = entry.split("=", 1)
+            pairs.append((name.strip(), path.strip()))
+    else:
+        raise ValueError(f"adapters: NAME=PATH entries or a {{name: path}} mapping, got {given!r}")
+    seen: set[str] = set()
+    for name, path in pairs:
+        if not _ADAPTER_NAME.fullmatch(name):
+            raise ValueError(f"adapters: the name {name!r} must be 1 to 64 letters, digits, '.', '_' or '-' "
+                             "(starting with a letter or digit)")
+        if name in seen:
+            raise ValueError(f"adapters: the name {name!r} is given twice")
+        if not path:
+            raise ValueError(f"adapters: {name!r} names no path")
+        seen.add(name)
+    return tuple(f"{name}={path}" for name, path in pairs)
 
 
 @dataclass(frozen=True)
@@ -80,6 +112,14 @@ class ActorTuning:
         "a LoRA (or DoRA) adapter directory, as mlx_lm.lora writes it (adapter_config.json and "
         "adapters.safetensors), applied over the model's weights: every request is served by the "
         "adapted model, as mlx_lm.server's --adapter-path; not with distributed"))
+    # `models.load_model(adapters=...)` stacks them in multi-adapter layers (`models/_lora.py`);
+    # a request picks one by name (`Submit.adapter`). Given as NAME=PATH strings (a flag per
+    # adapter, or one variable with commas) or, in the library, as a {name: path} mapping.
+    adapters: tuple[str, ...] = field(default=(), metadata=doc(
+        "named LoRA adapters served over the model side by side, each NAME=PATH (a directory as "
+        "mlx_lm.lora writes it), the flag once per adapter; a request picks one by its model field "
+        "(NAME or MODEL:NAME), rows of different adapters and of none share one batch; not with "
+        "adapter_path or distributed", flag="adapter"))
     idle_release: float | None = field(default=None, metadata=doc(  # `Actor._idle`
         "seconds idle before the actor hands MLX's buffer cache back; unset: 1 on a GPU, never "
         "on the CPU; 0: never"))
@@ -103,6 +143,14 @@ class ActorTuning:
     def __post_init__(self) -> None:
         # Checked here, once, for the server and the library alike; a bad value stops a
         # server before it loads anything.
+        object.__setattr__(self, "adapters", _adapter_entries(self.adapters))
+        if self.adapters and self.adapter_path:
+            raise ValueError("adapters and adapter_path do not combine: adapter_path applies one adapter to "
+                             "every request, adapters let each request pick one (serve the one adapter as "
+                             "NAME=PATH among the adapters instead)")
+        if self.adapters and self.decode_step != "owned":
+            raise ValueError("adapters need decode_step 'owned' (the actor's decode step selects each row's "
+                             "adapter)")
         least = {"max_batch": 1, "prefill_batch": 1, "prefill_step": 1, "retire_steps": 0, "prefill_budget": 0}
         for name, low in least.items():
             value = getattr(self, name)
@@ -138,6 +186,11 @@ class ActorTuning:
         """The speculative decoding in force: 'ngram', 'draft' (set, or implied by
         draft_model), or None."""
         return self.speculative or ("draft" if self.draft_model else None)
+
+    @property
+    def adapter_map(self) -> dict[str, str]:
+        """The named adapters, {name: path}, in the order given (slot i + 1 each: slot 0 is none)."""
+        return dict(entry.split("=", 1) for entry in self.adapters)  # type: ignore[misc]
 
     @property
     def draft_tokens(self) -> int:

@@ -102,6 +102,7 @@ class Rehearsed(Protocol):
     _reuse: Reuse
     _context: int
     _drafter: Any  # speculative decoding's (`_drafting.Drafter`), or None
+    _adapters: Any  # each row's named LoRA adapter (`_batch.RowAdapters`), or None
 
     def _open_cache(self) -> None: ...
     def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None: ...
@@ -128,7 +129,9 @@ def rehearse(actor: Rehearsed, token: int, length: int) -> None:
     is aborted; the rest finish and the batch runs dry. The prompt cache is
     open meanwhile (and emptied after): A's prompt and answer are copied out
     as its row leaves, and D, with A's prompt, enters with that KV. C's prompt
-    differs from B's, so that it does not wait for B's prefill.
+    differs from B's, so that it does not wait for B's prefill. With named LoRA adapters, B
+    and D run on the first one: a prefill and steps on one adapter, and steps of a batch
+    mixing rows on it with rows on none (`mx.gather_mm`'s kernels).
     """
     admission = actor._admission
     actor._admission = Admission(0.0, actor.config.tuning.prefill_batch)  # no waiting for company
@@ -137,13 +140,15 @@ def rehearse(actor: Rehearsed, token: int, length: int) -> None:
                            presence_penalty=0.5, frequency_penalty=0.5, logit_bias=((token, 1.0),),
                            logprobs=True, top_logprobs=5)
     a, b, c, d = -1, -2, -3, -4  # rids no request has
+    adapter = actor._adapters.selector.names[0] if actor._adapters is not None else None
     script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]] = [
         ([Submit(a, prompt, 8, SamplingParams(temperature=0.0), frozenset())], lambda n: n[a] >= 3),
-        ([Submit(b, prompt, 12, every, frozenset()),
+        ([Submit(b, prompt, 12, every, frozenset(), adapter=adapter),
           Submit(c, (token + 1,) + prompt[1:], 12, SamplingParams(temperature=0.7, seed=0), frozenset(),
                  _warm_grammar(actor.config.model_path))],
          lambda n: n[a] >= 8),
-        ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset())], lambda n: n[d] >= 2),
+        ([Submit(d, prompt, 4, SamplingParams(temperature=0.0), frozenset(), adapter=adapter)],
+         lambda n: n[d] >= 2),
         ([Abort(c)], lambda n: not actor.schedule.seqs),
     ]
     if actor._drafter is not None:

@@ -172,6 +172,12 @@ class Engine:
             if self.tuning.adapter_path:  # a bad directory fails here, before the weights load
                 adapter = await trio.to_thread.run_sync(models.check_adapter, self.tuning.adapter_path)
                 log.info("LoRA adapter: %s", adapter)
+            for name, where in self.tuning.adapter_map.items():  # likewise, each named one
+                try:
+                    found = await trio.to_thread.run_sync(models.check_adapter, where)
+                except ModelLoadError as exc:
+                    raise ModelLoadError(f"adapter {name!r}: {exc}") from None
+                log.info("LoRA adapter %r: %s", name, found)
             t1 = trio.current_time()
             log.info("resolved to %s in %.2f s; loading the tokenizer", path, t1 - t0)
             self.tokenizer = await trio.to_thread.run_sync(models.load_tokenizer, path)
@@ -402,16 +408,22 @@ class Engine:
         raise EngineClosedError("the engine is shutting down" if self.state == "draining" else "the engine is closed")
 
     def _submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int],
-                grammar: Grammar | None = None, cache_salt: str = "") -> Request:
+                grammar: Grammar | None = None, cache_salt: str = "", adapter: str | None = None) -> Request:
         self._check_open()
-        return self._registry.submit(prompt, max_tokens, sampling, stops, grammar,
-                                     max_batch=self.max_batch, max_queue=self.max_queue, cache_salt=cache_salt)
+        return self._registry.submit(prompt, max_tokens, sampling, stops, grammar, max_batch=self.max_batch,
+                                     max_queue=self.max_queue, cache_salt=cache_salt, adapter=adapter)
 
     # -- public API ------------------------------------------------------------
 
     @property
     def context_length(self) -> int:
         return self.info.context_length if self.info else 0
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The names of the LoRA adapters served side by side (`adapters=`), in their order: a
+        request names one in its options' `adapter`."""
+        return tuple(self.tuning.adapter_map)
 
     @property
     def mean_step_seconds(self) -> float:
@@ -542,7 +554,8 @@ class Engine:
         """The options checked (once: `check_options`), the prompt tokenized, and the answer's
         limit fitted beside it."""
         self._check_open()
-        checked = check_options(options, self.sampling_defaults, self.info.vocab_size if self.info else 0)
+        checked = check_options(options, self.sampling_defaults, self.info.vocab_size if self.info else 0,
+                                self.adapters)
         prompt = await self._encode(kind, value, template_kwargs, checked.least_answer)
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "text" else "messages")
@@ -594,8 +607,8 @@ class _Port:
         return await self._engine._prepare(kind, value, template_kwargs, options)
 
     def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int],
-               grammar: Grammar | None, cache_salt: str = "") -> Request:
-        return self._engine._submit(prompt, max_tokens, sampling, stops, grammar, cache_salt)
+               grammar: Grammar | None, cache_salt: str = "", adapter: str | None = None) -> Request:
+        return self._engine._submit(prompt, max_tokens, sampling, stops, grammar, cache_salt, adapter)
 
     def abort(self, req: Request, cause: str) -> None:
         self._engine._registry.abort(req, cause)

@@ -17,7 +17,7 @@ which each API maps to its own parameter's name (`server/_wire.py`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +85,9 @@ class GenerationOptions:
     # cached prefixes only among requests of the same salt, so that its `cached_tokens`
     # reveal nothing of other users' prompts. None: the shared cache.
     cache_salt: str | None = None
+    # The named LoRA adapter to answer with (`Engine(adapters=...)`); None: the model alone.
+    # The server sets it from the request's model field.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,7 @@ class Checked:
     max_tokens: int | None  # as asked; None: the engine's default
     fit_max_tokens: bool
     cache_salt: str = ""  # "": the shared prompt cache
+    adapter: str | None = None  # a named LoRA adapter the engine serves; None: none
 
     @property
     def least_answer(self) -> int:
@@ -128,9 +132,11 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def check_options(o: GenerationOptions, defaults: Mapping[str, Any], vocab: int) -> Checked:
+def check_options(o: GenerationOptions, defaults: Mapping[str, Any], vocab: int,
+                  adapters: Collection[str] = ()) -> Checked:
     """Check every option before anything reaches the actor, the model's sampling `defaults`
-    filling what the request left out; `vocab`: the model's vocabulary size (0: unknown)."""
+    filling what the request left out; `vocab`: the model's vocabulary size (0: unknown);
+    `adapters`: the names of the LoRA adapters the engine serves."""
     if o.max_tokens is not None:
         _number("max_tokens", o.max_tokens, 1, 2**31, integer=True)
     temperature = float(_number("temperature", _or(o.temperature, defaults.get("temperature", 1.0)), 0.0, 100.0))
@@ -169,8 +175,12 @@ def check_options(o: GenerationOptions, defaults: Mapping[str, Any], vocab: int)
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS):
         raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
                                   "characters", param="cache_salt")
+    if o.adapter is not None and o.adapter not in adapters:
+        served = ", ".join(repr(a) for a in adapters) or "none"
+        raise InvalidRequestError(f"adapter {o.adapter!r} is not served (adapters: {served})", param="adapter",
+                                  code="model_not_found")
     return Checked(sampling, _stops(o.stop), frozenset(stop_ids), bool(o.ignore_eos), o.max_tokens,
-                   bool(o.fit_max_tokens), salt or "")
+                   bool(o.fit_max_tokens), salt or "", o.adapter)
 
 
 def _logit_bias(given: Any, vocab: int) -> tuple[tuple[int, float], ...]:

@@ -177,7 +177,8 @@ class Registry:
     # -- requests --------------------------------------------------------------
 
     def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int],
-               grammar: Grammar | None, *, max_batch: int, max_queue: int, cache_salt: str = "") -> Request:
+               grammar: Grammar | None, *, max_batch: int, max_queue: int, cache_salt: str = "",
+               adapter: str | None = None) -> Request:
         """Register a request and queue its `Submit`, unless more than `max_queue` would wait
         beyond the batch's free slots (`QueueFullError`)."""
         sc = self.stage_counts
@@ -198,7 +199,7 @@ class Registry:
         self.idle = trio.Event() if self.idle.is_set() else self.idle
         self.c.submitted += 1
         assert self._inbox_send is not None
-        self.to_actor(Submit(rid, tuple(prompt), max_tokens, sampling, stops, grammar, cache_salt))
+        self.to_actor(Submit(rid, tuple(prompt), max_tokens, sampling, stops, grammar, cache_salt, adapter))
         return req
 
     def abort(self, req: Request, cause: str) -> None:

@@ -68,9 +68,9 @@ class StreamPort(Protocol):
         ...
 
     def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stops: frozenset[int],
-               grammar: Grammar | None, cache_salt: str = "") -> Request:
+               grammar: Grammar | None, cache_salt: str = "", adapter: str | None = None) -> Request:
         """Register the request and queue its `Submit` for the actor (`cache_salt`: its part
-        of the prompt cache)."""
+        of the prompt cache; `adapter`: the named LoRA adapter it runs with)."""
         ...
 
     def check_open(self) -> None:
@@ -153,7 +153,8 @@ class RequestStream:
             keep_leading_space(self._detok)
         self._held_logprobs = HeldLogprobs()
         self._hidden = port.special_ids
-        self._req = port.submit(p.prompt, p.max_tokens, p.checked.sampling, stop_ids, grammar, p.checked.cache_salt)
+        self._req = port.submit(p.prompt, p.max_tokens, p.checked.sampling, stop_ids, grammar, p.checked.cache_salt,
+                                p.checked.adapter)
         self._recv = self._req.recv
         return self
 

@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
         help_ = f"{f.metadata['doc']} [env {env_name(f.name)}; default: {shown}]"
         if field_kind(f) == "bool":
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif field_kind(f) == "tuple":  # a list: the flag repeated, or commas, or both
+            flags = [flag] + (["--" + f.metadata["flag"]] if "flag" in f.metadata else [])
+            parser.add_argument(*flags, dest=f.name, default=None, action="append",
+                                metavar=f.metadata.get("flag", f.name.split("_")[-1]).upper(), help=help_)
         else:
             parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(), help=help_)
     return parser
@@ -51,7 +55,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if value is None:
             continue
         try:
-            overrides[f.name] = value if isinstance(value, bool) else parse_value(f, value)
+            if isinstance(value, list):  # a repeated flag (`build_parser`): its values joined
+                overrides[f.name] = tuple(part for v in value for part in parse_value(f, v))
+            else:
+                overrides[f.name] = value if isinstance(value, bool) else parse_value(f, value)
         except ValueError as exc:
             raise ValueError(f"--{f.name.replace('_', '-')}: {exc}") from None
     if args.model_arg:

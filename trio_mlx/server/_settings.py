@@ -183,6 +183,9 @@ class Settings:
         if self.distributed and self.tuning.adapter_path:
             raise ValueError("adapter_path needs a single rank, not a distributed group (each rank loads "
                              "its own shard of the weights, without the adapter)")
+        if self.distributed and self.tuning.adapters:
+            raise ValueError("adapters need a single rank, not a distributed group (each rank loads its own "
+                             "shard of the weights, without the adapters)")
         if self.distributed and self.actor != "thread":
             raise ValueError("distributed needs actor 'thread': rank 0's server watches its group (the ranks' "
                              "states on /health, a lost rank failing every request) through the actor it runs "

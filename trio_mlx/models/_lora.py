@@ -1,0 +1,163 @@
+"""Several named LoRA adapters over one loaded model, each row of a batch on its own (or on none).
+
+`apply_adapters` reads each adapter with mlx-lm's own `load_adapters` (its checks of
+names and shapes, its reading of `adapter_config.json`), takes every `LoRALinear` it made
+apart again, and puts in each targeted linear's place one `MultiLoRALinear` holding every
+adapter's A and B stacked along a first axis: slot 0 is zeros (no adapter), slot i the
+i-th adapter given. Adapters of different ranks are padded with zeros to the largest
+rank (a zero column of A meets a zero row of B: the same product), and an adapter that
+does not target a layer another one targets has zeros there: any mix of ranks and
+targets over the same base model works. Only LoRA on linear layers: DoRA, a full
+fine-tune, and LoRA on embeddings or expert layers are refused at load.
+
+Which slot each row takes is `AdapterRows`, one object all the layers share: the
+actor sets it before every forward and clears it after (`actor/_batch.py`). With no
+row on an adapter the layers run the base linear alone, exactly the model's own
+computation; with all rows on one, one matmul pair with that adapter's weights, as
+mlx-lm's `LoRALinear` computes it; with a mix, `mx.gather_mm` picks each row's A and B
+on the device, without copying them per row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from .._errors import ModelLoadError
+
+
+class AdapterRows:
+    """The adapter slot of each row of the next forward (0: none), read by every
+    `MultiLoRALinear` while the forward builds its graph. `index` (an int32 array, one
+    slot per row) for a mix; else `single`, the one slot every row takes (0: none)."""
+
+    __slots__ = ("names", "index", "single")
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names  # slot i + 1 is names[i]
+        self.index: Any = None
+        self.single = 0
+
+    def slot(self, name: str | None) -> int:
+        """The slot of the adapter called `name` (None: no adapter, 0); KeyError if unknown."""
+        if name is None:
+            return 0
+        return self.names.index(name) + 1 if name in self.names else _unknown(name)
+
+    def set(self, slots: list[int], index: Any = None) -> None:
+        """Rows take `slots`; `index`, if given, is `slots` as an array already built."""
+        first = slots[0] if slots else 0
+        if all(s == first for s in slots):
+            self.index, self.single = None, first
+        else:
+            self.index = mx.array(slots, dtype=mx.int32) if index is None else index
+            self.single = 0
+
+    def clear(self) -> None:
+        self.index, self.single = None, 0
+
+
+def _unknown(name: str) -> int:
+    raise KeyError(name)
+
+
+class MultiLoRALinear(nn.Module):
+    """A linear layer with every adapter's low-rank update beside it: `linear(x)` plus, for
+    each row, `scale * (x @ A[slot]) @ B[slot]` of that row's slot (`AdapterRows`)."""
+
+    def __init__(self, linear: nn.Module, lora_a: Any, lora_b: Any, scales: Any, rows: AdapterRows):
+        super().__init__()
+        self.linear = linear
+        self.lora_a = lora_a  # (slots, input dims, rank)
+        self.lora_b = lora_b  # (slots, rank, output dims)
+        self.scales = scales  # (slots,)
+        self._rows = rows  # a plain object: not a parameter
+
+    def __call__(self, x: Any) -> Any:
+        y = self.linear(x)
+        rows = self._rows
+        index = rows.index
+        if index is None:
+            k = rows.single
+            if not k:
+                return y
+            z = (x @ self.lora_a[k]) @ self.lora_b[k]
+            return y + (self.scales[k].astype(z.dtype) * z).astype(x.dtype)
+        if index.shape[0] != x.shape[0]:
+            raise ValueError(f"adapter rows: {index.shape[0]} slots for a batch of {x.shape[0]} rows")
+        z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=index), self.lora_b, rhs_indices=index)
+        scale = self.scales[index].astype(z.dtype).reshape((-1,) + (1,) * (z.ndim - 1))
+        return y + (scale * z).astype(x.dtype)
+
+
+def load_adapter(model: Any, where: pathlib.Path, label: str) -> None:
+    """mlx-lm's `load_adapters(model, where)`, its error cut to its first lines (one line per
+    mismatched tensor: the first few tell) and led by `label`."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    from ._models import _map_errors
+
+    with _map_errors(label):
+        try:
+            load_adapters(model, str(where))
+        except ValueError as exc:
+            lines = str(exc).splitlines()
+            more = f"\n  ... and {len(lines) - 4} more" if len(lines) > 4 else ""
+            raise ValueError("\n".join(lines[:4]) + more) from exc
+
+
+def apply_adapters(model: Any, adapters: dict[str, os.PathLike[str] | str]) -> AdapterRows:
+    """Put every adapter of `adapters` ({name: directory}, slots 1.. in that order) into
+    `model` as `MultiLoRALinear` layers; returns the rows' selector they share. A directory
+    that is not a LoRA adapter of linear layers, or not one for this model's shapes, is a
+    ModelLoadError naming the adapter."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from ._models import check_adapter
+
+    found: dict[str, dict[int, tuple[Any, Any, float]]] = {}
+    for slot, (name, path) in enumerate(adapters.items(), 1):
+        where = check_adapter(path)
+        kind = json.loads((where / "adapter_config.json").read_text(encoding="utf-8")).get("fine_tune_type", "lora")
+        if kind != "lora":
+            raise ModelLoadError(f"adapter {name!r} ({str(path)!r}) is a {kind!r} adapter: only LoRA adapters "
+                                 "can be served side by side (adapter_path applies any kind to every request)")
+        before = {p: type(m) for p, m in model.named_modules()}
+        load_adapter(model, where, f"could not apply the adapter {name!r} at {str(path)!r}")
+        changed = [(p, m) for p, m in model.named_modules() if p in before and type(m) is not before[p]]
+        for p, m in changed:
+            if type(m) is not LoRALinear:
+                raise ModelLoadError(f"adapter {name!r} ({str(path)!r}) adapts {p}, a {type(m).__name__}: only "
+                                     "LoRA on linear layers can be served side by side")
+            found.setdefault(p, {})[slot] = (m.lora_a, m.lora_b, float(m.scale))
+        model.update_modules(tree_unflatten([(p, m.linear) for p, m in changed]))  # the base layers back
+    rows = AdapterRows(tuple(adapters))
+    if not found:
+        return rows
+    modules = dict(model.named_modules())
+    rank = max(a.shape[1] for per in found.values() for a, _, _ in per.values())
+    multi = []
+    for p, per in found.items():
+        a0, b0, _ = next(iter(per.values()))
+        dtypes = {a.dtype for a, _, _ in per.values()} | {b.dtype for _, b, _ in per.values()}
+        dtype = a0.dtype if len(dtypes) == 1 else mx.float32
+        n_in, n_out = a0.shape[0], b0.shape[1]
+        a_all = mx.zeros((len(adapters) + 1, n_in, rank), dtype=dtype)
+        b_all = mx.zeros((len(adapters) + 1, rank, n_out), dtype=dtype)
+        scales = [0.0] * (len(adapters) + 1)
+        for slot, (a, b, scale) in per.items():
+            r = a.shape[1]
+            a_all[slot, :, :r] = a.astype(dtype)
+            b_all[slot, :r, :] = b.astype(dtype)
+            scales[slot] = scale
+        layer = MultiLoRALinear(modules[p], a_all, b_all, mx.array(scales, dtype=mx.float32), rows)
+        mx.eval(layer.parameters())
+        multi.append((p, layer))
+    model.update_modules(tree_unflatten(multi))
+    return rows
