@@ -112,7 +112,7 @@ def test_the_prefill_budget_reaches_the_actor_with_one_default():
 
 
 # A text each str knob accepts (any text for the others); every other kind has one below.
-_SAMPLE_TEXT = {"decode_step": "mlx", "speculative": "ngram", "ngram_size": "2"}
+_SAMPLE_TEXT = {"decode_step": "mlx", "speculative": "ngram", "ngram_size": "2", "adapters": "x=/tmp/x"}
 _KIND_TEXT = {"int": "3", "float": "0.5", "bool": "off"}
 
 

@@ -73,7 +73,7 @@ def test_the_event_records_fields():
         "max_tokens", "fit_max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
         "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos",
         "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-        "continue_final_message", "chat_template_kwargs", "cache_salt"]
+        "continue_final_message", "chat_template_kwargs", "cache_salt", "adapter"]
     assert trio_mlx.GenerationOptions.__dataclass_params__.frozen  # type: ignore[attr-defined]
 
 

@@ -164,7 +164,7 @@ class PromptCache:
         # tuple is kept, so its id is not reused): one admission asks about each of its prompts
         # up to four times (`_reuse.Reuse.split`, `even`, `lookup`, then `fetch`), ~0.1 ms
         # each for an 8k-token prompt on the CPU machine, on the actor thread.
-        self._memo: dict[int, tuple[tuple[int, ...], str, _Entry | None, int]] = {}
+        self._memo: dict[int, tuple[tuple[int, ...], Partition, _Entry | None, int]] = {}
         self.nbytes = 0
         self.lookups = 0
         self.hits = 0

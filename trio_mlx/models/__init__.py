@@ -12,11 +12,11 @@ _cpu_blas.install()  # before anything imports mlx.core: it must bind to OpenBLA
 cpu_blas_status = _cpu_blas.status  # which BLAS runs MLX's CPU matmuls, in words
 
 from ._cpu_blas import BlasStatus as BlasStatus
+from ._lora import AdapterRows as AdapterRows
 from ._models import CHATML_TEMPLATE as CHATML_TEMPLATE
 from ._models import EMBEDDED_DEFAULT as EMBEDDED_DEFAULT
-from ._models import build_test_model as build_test_model
-from ._lora import AdapterRows as AdapterRows
 from ._models import adapter_rows as adapter_rows
+from ._models import build_test_model as build_test_model
 from ._models import check_adapter as check_adapter
 from ._models import context_length as context_length
 from ._models import convert_gguf as convert_gguf

@@ -21,8 +21,8 @@ on the device, without copying them per row.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import mlx.core as mx
@@ -96,40 +96,24 @@ class MultiLoRALinear(nn.Module):
         return y + (scale * z).astype(x.dtype)
 
 
-def load_adapter(model: Any, where: pathlib.Path, label: str) -> None:
-    """mlx-lm's `load_adapters(model, where)`, its error cut to its first lines (one line per
-    mismatched tensor: the first few tell) and led by `label`."""
-    from mlx_lm.tuner.utils import load_adapters
-
-    from ._models import _map_errors
-
-    with _map_errors(label):
-        try:
-            load_adapters(model, str(where))
-        except ValueError as exc:
-            lines = str(exc).splitlines()
-            more = f"\n  ... and {len(lines) - 4} more" if len(lines) > 4 else ""
-            raise ValueError("\n".join(lines[:4]) + more) from exc
-
-
-def apply_adapters(model: Any, adapters: dict[str, os.PathLike[str] | str]) -> AdapterRows:
-    """Put every adapter of `adapters` ({name: directory}, slots 1.. in that order) into
-    `model` as `MultiLoRALinear` layers; returns the rows' selector they share. A directory
-    that is not a LoRA adapter of linear layers, or not one for this model's shapes, is a
+def apply_adapters(model: Any, adapters: Mapping[str, pathlib.Path],
+                   load: Callable[[Any, pathlib.Path, str], None]) -> AdapterRows:
+    """Put every adapter of `adapters` ({name: its checked directory}, slots 1.. in that order)
+    into `model` as `MultiLoRALinear` layers; returns the rows' selector they share. `load` is
+    `_models.load_adapter` (mlx-lm's `load_adapters` with its errors mapped). A directory that
+    is not a LoRA adapter of linear layers, or not one for this model's shapes, is a
     ModelLoadError naming the adapter."""
     from mlx_lm.tuner.lora import LoRALinear
 
-    from ._models import check_adapter
-
     found: dict[str, dict[int, tuple[Any, Any, float]]] = {}
-    for slot, (name, path) in enumerate(adapters.items(), 1):
-        where = check_adapter(path)
+    for slot, (name, where) in enumerate(adapters.items(), 1):
+        path = str(where)
         kind = json.loads((where / "adapter_config.json").read_text(encoding="utf-8")).get("fine_tune_type", "lora")
         if kind != "lora":
             raise ModelLoadError(f"adapter {name!r} ({str(path)!r}) is a {kind!r} adapter: only LoRA adapters "
                                  "can be served side by side (adapter_path applies any kind to every request)")
         before = {p: type(m) for p, m in model.named_modules()}
-        load_adapter(model, where, f"could not apply the adapter {name!r} at {str(path)!r}")
+        load(model, where, f"could not apply the adapter {name!r} at {path!r}")
         changed = [(p, m) for p, m in model.named_modules() if p in before and type(m) is not before[p]]
         for p, m in changed:
             if type(m) is not LoRALinear:

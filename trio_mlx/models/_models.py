@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import mlx.core as mx
@@ -600,7 +600,7 @@ def _write_random_weights(
 
 
 def load_model(path: os.PathLike[str], adapter_path: os.PathLike[str] | str | None = None,
-               adapters: dict[str, os.PathLike[str] | str] | None = None) -> tuple[Any, dict[str, Any]]:
+               adapters: Mapping[str, os.PathLike[str] | str] | None = None) -> tuple[Any, dict[str, Any]]:
     """(model, config) via mlx_lm, with the LoRA adapter at `adapter_path` applied (mlx-lm's own
     `load_adapters`, as `mlx_lm.load(..., adapter_path=...)` does) or the named `adapters`
     ({name: directory}) side by side, each row choosing one (`_lora.py`; `adapter_rows`), and
@@ -614,13 +614,28 @@ def load_model(path: os.PathLike[str], adapter_path: os.PathLike[str] | str | No
         model, config = mlx_load_model(pathlib.Path(path))
     if adapter_path is not None:
         where = check_adapter(adapter_path)
-        _lora.load_adapter(model, where, f"could not apply the adapter at {str(adapter_path)!r}")
+        load_adapter(model, where, f"could not apply the adapter at {str(adapter_path)!r}")
         model.eval()  # the LoRA layers' dropout off, as mlx_lm.load leaves them
     if adapters:
-        model._trio_adapter_rows = _lora.apply_adapters(model, adapters)
+        checked = {name: check_adapter(where) for name, where in adapters.items()}
+        model._trio_adapter_rows = _lora.apply_adapters(model, checked, load_adapter)
     if mx.default_device() == mx.cpu:  # ~1.45x decode tokens per CPU second (its docstring)
         _cpu_decode.install(model, row_blocks=_cpu_blas.status().optimized)
     return model, config
+
+
+def load_adapter(model: Any, where: pathlib.Path, label: str) -> None:
+    """mlx-lm's `load_adapters(model, where)`, its error cut to its first lines (one line per
+    mismatched tensor: the first few tell) and led by `label`."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    with _map_errors(label):
+        try:
+            load_adapters(model, str(where))
+        except ValueError as exc:
+            lines = str(exc).splitlines()
+            more = f"\n  ... and {len(lines) - 4} more" if len(lines) > 4 else ""
+            raise ValueError("\n".join(lines[:4]) + more) from exc
 
 
 def adapter_rows(model: Any) -> _lora.AdapterRows | None:

@@ -177,7 +177,10 @@ class ModelCard(_Doc):
     created: int
     owned_by: str
     context_length: int | None
-    root: str | None = Field(None, description="the model directory the server loaded")
+    root: str | None = Field(None, description="the model directory the server loaded; for a named LoRA "
+                             "adapter, its directory")
+    parent: str | None = Field(None, description="a named LoRA adapter's: the served model it adapts (a request "
+                               "names the adapter as its model: NAME or PARENT:NAME); absent for the model")
     adapter: str | None = Field(None, description="the LoRA adapter directory applied over it (adapter_path), "
                                 "or null")
     sampling_defaults: dict[str, float] | None = Field(

@@ -25,7 +25,8 @@ import trio
 from quart import Response, request
 
 from . import _pages
-from ._http import HTTPError, dumps
+from ._adapters import pick_adapter
+from ._http import dumps
 from ._records import CHAT_PATH, COMPLETIONS_PATH, ServerHost
 from ._wire import WireAPI, serve_api
 from .anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH, CountTokensAPI, MessagesAPI
@@ -100,14 +101,23 @@ def model_card(app: RouteHost) -> dict[str, Any]:
             "sampling_defaults": dict(engine.sampling_defaults) if engine else None}
 
 
+def adapter_card(app: RouteHost, name: str) -> dict[str, Any]:
+    """A named LoRA adapter's entry in /v1/models, as vLLM lists its LoRA modules: its
+    `parent` the served model, its `root` the adapter's directory."""
+    engine = app.engine
+    return {"id": name, "object": "model", "created": app.started_at, "owned_by": "trio_mlx",
+            "context_length": engine.context_length if engine else None,
+            "root": app.settings.tuning.adapter_map[name], "parent": app.settings.served_model_name}
+
+
 async def list_models(app: RouteHost) -> Response:
-    return json_response({"object": "list", "data": [model_card(app)]})
+    adapters = [adapter_card(app, name) for name in app.settings.tuning.adapter_map]
+    return json_response({"object": "list", "data": [model_card(app), *adapters]})
 
 
 async def get_model(app: RouteHost, model_id: str) -> Response:
-    if model_id != app.settings.served_model_name:
-        raise HTTPError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
-    return json_response(model_card(app))
+    adapter = pick_adapter(app.settings, model_id)  # 404 for a name the server does not serve
+    return json_response(model_card(app) if adapter is None else adapter_card(app, adapter))
 
 
 def actor_name(engine: Engine) -> str:
@@ -177,6 +187,7 @@ async def server_info(app: RouteHost) -> Response:
         "served_model_name": app.settings.served_model_name,
         "model_path": str(engine.model_path) if engine and engine.model_path else None,
         "adapter_path": app.settings.tuning.adapter_path,
+        "adapters": app.settings.tuning.adapter_map,  # the named ones: {name: directory}
         "replica": app.settings.replica,
         "max_running_requests": app.settings.tuning.max_batch,
         "max_queued_requests": app.settings.max_queue,

@@ -183,6 +183,9 @@ class Settings:
         if self.distributed and self.tuning.adapter_path:
             raise ValueError("adapter_path needs a single rank, not a distributed group (each rank loads "
                              "its own shard of the weights, without the adapter)")
+        if self.served_model_name in self.tuning.adapter_map:
+            raise ValueError(f"adapters: {self.served_model_name!r} is the served model's own name; name the "
+                             "adapter otherwise (or the model: model_name)")
         if self.distributed and self.tuning.adapters:
             raise ValueError("adapters need a single rank, not a distributed group (each rank loads its own "
                              "shard of the weights, without the adapters)")

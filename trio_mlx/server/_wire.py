@@ -13,6 +13,7 @@ engine error's field as the API names it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,8 @@ from typing import Any, Protocol, cast
 import trio
 
 from .._errors import InvalidRequestError
-from ..engine import Engine, RequestStream
+from ..engine import Engine, GenerationOptions, RequestStream
+from ._adapters import answered_as, pick_adapter
 from ._asgi import (
     JSON_HEADERS,
     REQUEST_ID,
@@ -127,11 +129,13 @@ async def serve_api(pump: Pump, api: WireAPI, scope: Scope, receive: Receive, se
     stream: RequestStream | None = None
     gen: ApiCall | None = None
     body = b""
+    adapter: str | None = None
     try:
         call = await read_json_request(scope, receive, app, api.parse, accept_x_api_key=api.accept_x_api_key)
-        if call.model is not None and call.model != settings.served_model_name:
-            raise HTTPError(404, f"the model {call.model!r} does not exist; this server serves "
-                            f"{settings.served_model_name!r}", param="model", code="model_not_found")
+        adapter = pick_adapter(settings, call.model)
+        options = getattr(call, "options", None)  # a generating call's (`ApiCall`), built from its request
+        if adapter is not None and isinstance(options, GenerationOptions):
+            cast(Any, call).options = dataclasses.replace(options, adapter=adapter)
         engine = app.ready_engine()
         if hasattr(call, "respond"):
             body = await cast(ImmediateCall, call).respond(engine)
@@ -153,7 +157,7 @@ async def serve_api(pump: Pump, api: WireAPI, scope: Scope, receive: Receive, se
         return
     rec.admitted = trio.current_time()
     rec.prompt_tokens = len(stream.prompt_tokens)
-    model = settings.served_model_name
+    model = answered_as(settings, adapter)
     if gen.stream:
         enc = gen.encoder(rid, model, rec.prompt_tokens)
         await pump.serve_stream(receive, send, [stream], enc, rec, extra)

@@ -12,6 +12,7 @@ once per SSE event on the event loop, which shares the GIL with the GPU actor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from ...engine import (
     ToolCalls,
     Usage,
 )
+from .._adapters import answered_as, pick_adapter
 from .._asgi import (
     REQUEST_ID,
     Disconnected,
@@ -329,7 +331,7 @@ class Completions:
             return
         rec.admitted = trio.current_time()
         rec.prompt_tokens = len(streams[0].prompt_tokens)
-        model = settings.served_model_name
+        model = answered_as(settings, pick_adapter(settings, req.model))
         # chat: a bool; completions: how many alternatives, so 0 asks for the chosen tokens' own
         logprobs = req.logprobs is not None and req.logprobs is not False
         if req.stream:
@@ -358,12 +360,12 @@ class Completions:
         req: ChatCompletionRequest | CompletionRequest = await read_json_request(
             scope, receive, app, (ChatCompletionRequest if chat else CompletionRequest).model_validate)
         req.check(settings.max_n)
-        if req.model is not None and req.model != settings.served_model_name:
-            raise HTTPError(404, f"the model {req.model!r} does not exist; this server serves "
-                            f"{settings.served_model_name!r}", param="model", code="model_not_found")
+        adapter = pick_adapter(settings, req.model)
         rec.stream, rec.n = req.stream, req.n
         engine = app.ready_engine()
         options = req.to_options()
+        if adapter is not None:
+            options = dataclasses.replace(options, adapter=adapter)
         seed = options.seed
         streams: list[RequestStream] = []
 

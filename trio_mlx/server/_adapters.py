@@ -1,0 +1,39 @@
+"""A request's `model` field: the served model, or one of the named LoRA adapters over it.
+
+`--adapter NAME=PATH` serves adapters beside the model (`ActorTuning.adapters`); a
+request picks one by naming it as its model, `NAME` or `BASE:NAME` (BASE the served
+model's id, as /v1/models lists it), as vLLM's LoRA modules are named. Any other name
+is a 404 `model_not_found` in the API's own error shape, as an unknown model was
+before adapters: a name that merely looks like an adapter's (`BASE:...`) gets the
+same answer, with the adapters the server has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._http import HTTPError
+
+
+def pick_adapter(settings: Any, name: str | None) -> str | None:
+    """The adapter a request's model field picks (None: the model alone, also for a
+    request that names no model), or HTTPError 404 for a name the server does not serve."""
+    base = settings.served_model_name
+    if name is None or name == base:
+        return None
+    adapters = settings.tuning.adapter_map
+    if name in adapters:
+        return name
+    if name.startswith(base + ":") and name[len(base) + 1:] in adapters:
+        return name[len(base) + 1:]
+    if adapters:
+        listed = ", ".join(repr(a) for a in adapters)
+        raise HTTPError(404, f"the model {name!r} does not exist; this server serves {base!r} and the adapters "
+                        f"{listed} over it (as NAME or {base}:NAME)", param="model", code="model_not_found")
+    raise HTTPError(404, f"the model {name!r} does not exist; this server serves {base!r}", param="model",
+                    code="model_not_found")
+
+
+def answered_as(settings: Any, adapter: str | None) -> str:
+    """The model id a response names: the adapter's (as /v1/models lists it), or the model's."""
+    return settings.served_model_name if adapter is None else adapter
