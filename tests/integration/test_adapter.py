@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -29,7 +30,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 TOKENS = 16
 
 
-def _make_adapter(model_path: Path, where: Path, *, rank: int = 4, layers: int | None = None) -> Path:
+def _make_adapter(model_path: Path, where: Path, *, rank: int = 4, layers: int | None = None, seed: int = 7,
+                  keys: list[str] | None = None, kind: str = "lora") -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -38,9 +40,9 @@ def _make_adapter(model_path: Path, where: Path, *, rank: int = 4, layers: int |
     model, _ = load_model(model_path)
     model.freeze()
     num_layers = len(model.layers) if layers is None else layers
-    params = {"rank": rank, "dropout": 0.0, "scale": 2.0}
-    linear_to_lora_layers(model, num_layers, params)
-    mx.random.seed(7)
+    params: dict[str, Any] = {"rank": rank, "dropout": 0.0, "scale": 2.0, **({"keys": keys} if keys else {})}
+    linear_to_lora_layers(model, num_layers, params, use_dora=kind == "dora")
+    mx.random.seed(seed)
     # lora_b starts at zero (the adapter a no-op): random weights make it change the output
     model.update(tree_map_with_path(
         lambda name, w: mx.random.normal(w.shape) * 0.2 if name.endswith("lora_b") else w,
@@ -48,7 +50,7 @@ def _make_adapter(model_path: Path, where: Path, *, rank: int = 4, layers: int |
     where.mkdir(parents=True)
     mx.save_safetensors(str(where / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
     (where / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}))
+        {"fine_tune_type": kind, "num_layers": num_layers, "lora_parameters": params}))
     return where
 
 
