@@ -71,13 +71,14 @@ class MultiLoRALinear(nn.Module):
     """A linear layer with every adapter's low-rank update beside it: `linear(x)` plus, for
     each row, `scale * (x @ A[slot]) @ B[slot]` of that row's slot (`AdapterRows`)."""
 
-    def __init__(self, linear: nn.Module, lora_a: Any, lora_b: Any, scales: Any, rows: AdapterRows):
+    def __init__(self, linear: nn.Module, lora_a: Any, lora_b: Any, scales: list[float], rows: AdapterRows):
         super().__init__()
         self.linear = linear
         self.lora_a = lora_a  # (slots, input dims, rank)
         self.lora_b = lora_b  # (slots, rank, output dims)
-        self.scales = scales  # (slots,)
-        self._rows = rows  # a plain object: not a parameter
+        self.scales = mx.array(scales, dtype=mx.float32)  # (slots,)
+        self._rows = rows  # plain objects, not parameters: the selector, and each slot's own
+        self._slot = _Slots([(lora_a[k], lora_b[k], scale) for k, scale in enumerate(scales)])
 
     def __call__(self, x: Any) -> Any:
         y = self.linear(x)
@@ -87,13 +88,25 @@ class MultiLoRALinear(nn.Module):
             k = rows.single
             if not k:
                 return y
-            z = (x @ self.lora_a[k]) @ self.lora_b[k]
-            return y + (self.scales[k].astype(z.dtype) * z).astype(x.dtype)
+            a, b, scale = self._slot.of[k]  # mlx-lm's `LoRALinear`, op for op
+            z = (x @ a) @ b
+            z = scale * z
+            return y + (z if z.dtype == x.dtype else z.astype(x.dtype))
         if index.shape[0] != x.shape[0]:
             raise ValueError(f"adapter rows: {index.shape[0]} slots for a batch of {x.shape[0]} rows")
         z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=index), self.lora_b, rhs_indices=index)
-        scale = self.scales[index].astype(z.dtype).reshape((-1,) + (1,) * (z.ndim - 1))
-        return y + (scale * z).astype(x.dtype)
+        z = self.scales[index].astype(z.dtype).reshape((-1,) + (1,) * (z.ndim - 1)) * z
+        return y + (z if z.dtype == x.dtype else z.astype(x.dtype))
+
+
+class _Slots:
+    """Each slot's (A, B, scale): views of the stacked arrays, read by the one-adapter path
+    without an indexing op per call (a plain object: nn.Module keeps it out of the parameters)."""
+
+    __slots__ = ("of",)
+
+    def __init__(self, of: list[tuple[Any, Any, float]]):
+        self.of = of
 
 
 def apply_adapters(model: Any, adapters: Mapping[str, pathlib.Path],
@@ -140,8 +153,8 @@ def apply_adapters(model: Any, adapters: Mapping[str, pathlib.Path],
             a_all[slot, :, :r] = a.astype(dtype)
             b_all[slot, :r, :] = b.astype(dtype)
             scales[slot] = scale
-        layer = MultiLoRALinear(modules[p], a_all, b_all, mx.array(scales, dtype=mx.float32), rows)
-        mx.eval(layer.parameters())
+        mx.eval(a_all, b_all)
+        layer = MultiLoRALinear(modules[p], a_all, b_all, scales, rows)
         multi.append((p, layer))
     model.update_modules(tree_unflatten(multi))
     return rows
