@@ -18,7 +18,8 @@ At each level c (concurrent requests, each a distinct prompt of ~64 tokens, gree
 `--max-tokens` tokens, EOS ignored) it prints the output tokens per second of the whole
 level (every request's tokens over the level's wall time) and the median decode tok/s of
 one request (tokens after its first over the time after its first), then each
-configuration's ratio to `plain`. The two engines alternate order by round (BENCHMARKS.md,
+configuration's ratio to `plain`: of the medians, and the median of each round's own ratio
+(paired by round, which a host's drift between rounds does not move). The two engines alternate order by round (BENCHMARKS.md,
 "Method": a host's speed drifts). One engine at a time: engines of one process share the
 device's one actor.
 """
@@ -155,11 +156,14 @@ async def main() -> None:
     summary: dict[str, dict[int, float]] = {}
     for name in CONFIGS:
         summary[name] = {c: statistics.median(x["tok_s"] for x in results[name][c]) for c in levels}
+    paired: dict[str, dict[int, float]] = {}  # each round's ratio to that round's plain, median
     for name in CONFIGS:
-        cells = "  ".join(f"c={c}: {summary[name][c]:8.1f} tok/s ({summary[name][c] / summary['plain'][c]:.3f})"
-                          for c in levels)
+        paired[name] = {c: statistics.median(x["tok_s"] / p["tok_s"] for x, p in
+                                             zip(results[name][c], results["plain"][c], strict=True)) for c in levels}
+        cells = "  ".join(f"c={c}: {summary[name][c]:8.1f} tok/s ({summary[name][c] / summary['plain'][c]:.3f}; "
+                          f"paired by round {paired[name][c]:.3f})" for c in levels)
         print(f"  {name:6s} {cells}")
-    await trio.Path(a.out).write_text(json.dumps({"args": vars(a), "results": results, "median_tok_s": summary}, indent=1))
+    await trio.Path(a.out).write_text(json.dumps({"args": vars(a), "results": results, "median_tok_s": summary, "paired_ratio": paired}, indent=1))
 
 
 if __name__ == "__main__":
