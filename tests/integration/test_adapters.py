@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import httpx
 import pytest
 import trio
 from app_server import serve
+from processes import ENV, SERVE
 
 import trio_mlx
 from trio_mlx import ModelLoadError
@@ -189,14 +191,28 @@ async def test_v1_models_and_the_model_field_over_a_real_model(tiny_model_fp32, 
             answers = {}
             async with trio.open_nursery() as nursery:  # together: rows of two adapters and of none
                 async def ask(name: str) -> None:
-                    answers[name] = (await client.post("/v1/completions", json={**body, "model": name})).json()
+                    more = {"n": 2} if name == "y" else {}  # choice 2 is the same request again
+                    answers[name] = (await client.post("/v1/completions", json={**body, **more, "model": name})).json()
                 for name in ("model:x", "y", "model"):
                     nursery.start_soon(ask, name)
     assert [(m["id"], m.get("parent")) for m in data] == [("model", None), ("x", "model"), ("y", "model")]
     assert [answers[n]["model"] for n in ("model:x", "y", "model")] == ["x", "y", "model"]
     ids = tuple(tokenizer.encode(prompt))
     for name, adapter in (("model:x", "x"), ("y", "y"), ("model", None)):
-        assert answers[name]["choices"][0]["text"] == tokenizer.decode(greedy(adapter, ids, 8)), name
+        texts = [c["text"] for c in answers[name]["choices"]]
+        assert texts == [tokenizer.decode(greedy(adapter, ids, 8))] * len(texts), name
+    assert len(answers["y"]["choices"]) == 2
+
+
+def test_serve_takes_the_flag_once_per_adapter_and_exits_1_naming_a_bad_one(tiny_model_fp32, x, tmp_path):
+    missing = tmp_path / "missing"
+    proc = subprocess.run([*SERVE, str(tiny_model_fp32), "--adapter", f"x={x}", "--adapter", f"gone={missing}",
+                           "--port", "0", "--no-warmup", "--actor", "thread"], capture_output=True, text=True,
+                          timeout=60, env=ENV)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "could not start" in proc.stderr and f"adapter 'gone': adapter {str(missing)!r}: no such directory" \
+        in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
 
 
 async def test_adapters_that_cannot_be_served_side_by_side_fail_startup_naming_them(tiny_model_fp32, x, tmp_path):
