@@ -34,8 +34,9 @@ from .._errors import ModelLoadError
 
 class AdapterRows:
     """The adapter slot of each row of the next forward (0: none), read by every
-    `MultiLoRALinear` while the forward builds its graph. `index` (an int32 array, one
-    slot per row) for a mix; else `single`, the one slot every row takes (0: none)."""
+    `MultiLoRALinear` while the forward builds its graph. `index` (one slot per row, uint32
+    as mlx-lm gives `gather_mm` its experts) for a mix; else `single`, the one slot every
+    row takes (0: none)."""
 
     __slots__ = ("names", "index", "single")
 
@@ -56,7 +57,7 @@ class AdapterRows:
         if all(s == first for s in slots):
             self.index, self.single = None, first
         else:
-            self.index = mx.array(slots, dtype=mx.int32) if index is None else index
+            self.index = mx.array(slots, dtype=mx.uint32) if index is None else index
             self.single = 0
 
     def clear(self) -> None:
