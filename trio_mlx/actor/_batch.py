@@ -370,6 +370,33 @@ def unmask_unpadded(caches: list[Any]) -> None:
     vars(first)["_trio_padding_seen"] = padding
 
 
+def array_masks(caches: list[Any]) -> None:
+    """Make each plain `KVCache` of `caches` hand the attention an array mask for a step of
+    several tokens, where mlx_lm's own gives "causal".
+
+    A draft model's own cache (`_drafting.py`) meets a new pair of query and key lengths
+    at nearly every step: its first draft of a step feeds the tokens the target kept since
+    the last one, behind a KV one step longer. With "causal", MLX's CUDA backend takes its
+    fused attention, which builds a cuDNN graph for every shape it meets (`CausalPrefill`);
+    that build, tens of ms, came at nearly every speculative step. With an array mask it
+    materializes the scores, a few tokens by the KV's length, cheap at any length. The
+    caller bounds a long prompt's chunks (`prefill_chunk`) so that its scores fit. One
+    token needs no mask either way. The override holds its cache weakly (as
+    `_one_token_no_mask` says why)."""
+    for c in caches:
+        if type(c) is KVCache:
+            vars(c)["make_mask"] = _array_mask(c)
+
+
+def _array_mask(cache: Any) -> Callable[..., Any]:
+    ref: Callable[[], Any] = weakref.ref(cache)
+
+    def make_mask(N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return KVCache.make_mask(ref(), N, return_array=True, window_size=window_size)
+
+    return make_mask
+
+
 def _owned_next(decoder: Decoder, batch: Any) -> Decoded:
     """`GenerationBatch.next`: one owned step; no row ends here (the actor retires them). A
     lone row may take a speculative step instead (`_speculative_step`)."""

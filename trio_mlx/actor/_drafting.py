@@ -18,7 +18,8 @@ per-row policy) are `_speculate.py`'s, with no MLX.
   read back once. Its cache is trimmed past the drafts the target rejected, as the
   target's is.
 
-Only public mlx-lm API here (a model's call, `make_prompt_cache`, a cache's `trim`).
+Only public mlx-lm API here (a model's call, `make_prompt_cache`, a cache's `trim`); on
+CUDA the draft model's cache takes its masks from `_batch.array_masks`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ._batch import array_masks, prefill_chunk, prefill_grid
 from ._decode import DecodeRow
 from ._speculate import NgramIndex, RowSpec, room
 
@@ -63,7 +65,8 @@ class Drafter:
     tokens), or a draft `model` (its logits cut to the target's `width`); `k` drafted tokens
     a step at most."""
 
-    def __init__(self, k: int, ngram: int = 3, model: Any = None, width: int = 0, prefill_step: int = 2048):
+    def __init__(self, k: int, ngram: int = 3, model: Any = None, width: int = 0, prefill_step: int = 2048,
+                 heads: int = 0):
         if k < 1:
             raise ValueError(f"speculation needs at least one drafted token a step, got {k}")
         self.k = k
@@ -71,6 +74,10 @@ class Drafter:
         self.model = model
         self.width = width
         self.prefill_step = max(1, prefill_step)
+        self.heads = heads  # the draft model's attention heads: its prefill's chunk
+        # On CUDA the draft model's steps of several tokens attend with an array mask
+        # (`_batch.array_masks`: no cuDNN graph built per shape), in chunks whose scores fit.
+        self.array_masks = model is not None and prefill_grid()
 
     @property
     def mode(self) -> str:
@@ -139,9 +146,13 @@ class Drafter:
         state = spec.draft
         if not isinstance(state, DraftState):
             spec.draft = state = DraftState(make_prompt_cache(model))
+            if self.array_masks:
+                array_masks(state.cache)
         cache = state.cache
         new = held[state.held:]
         step = self.prefill_step
+        if self.array_masks and self.heads:
+            step = prefill_chunk(step, 1, len(held) + 1, self.heads)
         while len(new) > step:  # a long history (the row's first speculation): in chunks
             model(mx.array(new[:step], dtype=pending.dtype)[None], cache=cache)
             mx.eval([c.state for c in cache])
