@@ -324,45 +324,49 @@ def test_the_draft_models_kv_is_trimmed_to_the_rows_tokens(tiny_model_fp32, othe
         assert np.allclose(np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]), atol=1e-4)
 
 
-def test_array_masks_give_a_several_token_step_its_causal_mask_as_an_array():
-    """What the draft model's cache attends with on CUDA (`_batch.array_masks`): the causal
-    mask behind the cache's offset as an array, never "causal" (a cuDNN graph per shape there);
-    still no mask for one token."""
-    from mlx_lm.models.base import create_causal_mask
-    from mlx_lm.models.cache import KVCache
+def test_attention_query_by_query_is_the_fused_attention():
+    """`_batch.query_by_query` (a speculative step's attention on CUDA): a few queries behind
+    a KV, one at a time, give what the fused attention gives over them all, causal, unmasked
+    or with an array mask (left padding)."""
+    from trio_mlx.actor._batch import query_by_query
 
-    from trio_mlx.actor._batch import array_masks
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((1, 4, 5, 8), (1, 2, 12, 8), (1, 2, 12, 8)))
+    padded = np.tril(np.ones((5, 12), dtype=bool), k=7)
+    padded[:, :3] = False  # three positions of left padding
+    for mask in ("causal", None, mx.array(padded)[None, None]):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+        with query_by_query():
+            got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+        assert got.shape == want.shape
+        assert np.allclose(np.array(got), np.array(want), atol=1e-5), mask
+    with query_by_query(False):
+        assert mx.fast.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
 
-    c = KVCache()
-    c.update_and_fetch(mx.zeros((1, 2, 5, 4)), mx.zeros((1, 2, 5, 4)))
-    asked = {"return_array": False, "window_size": None}  # as mlx_lm's models ask
-    assert c.make_mask(3, **asked) == "causal"  # mlx_lm's own
-    array_masks([c])
-    mask = c.make_mask(3, **asked)
-    assert isinstance(mask, mx.array) and mask.shape == (3, 8)
-    assert np.array_equal(np.array(mask), np.array(create_causal_mask(3, 5)))
-    assert c.make_mask(1, **asked) is None
 
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_speculative_steps_attending_query_by_query_keep_their_tokens(tiny_model_fp32, monkeypatch, drafter):
+    """Speculation as it runs on CUDA (the verify's and the draft model's attention query by
+    query): the same greedy tokens as no speculation, the copy's drafts all kept."""
+    from trio_mlx.actor import _batch, _drafting
 
-def test_a_draft_model_on_array_masks_in_short_chunks_drafts_as_before(tiny_model_fp32, monkeypatch):
-    """The draft model as it runs on CUDA (array masks, its history in chunks that bound the
-    scores): a copy of the target still drafts the target's own tokens, every one kept."""
-    from trio_mlx.actor import _drafting
-    from trio_mlx.actor._batch import array_masks
+    real = _batch.query_by_query
+    used: list[bool] = []
 
-    base = _one(tiny_model_fp32, GREEDY, 60)
-    monkeypatch.setattr(_drafting, "prefill_grid", lambda: True)
-    monkeypatch.setattr(_drafting, "prefill_chunk", lambda step, rows, context, heads: 8)  # PROMPT in chunks
-    masked: list[Any] = []
-    monkeypatch.setattr(_drafting, "array_masks", lambda caches: (masked.append(caches), array_masks(caches)))
-    actor = _actor(tiny_model_fp32, draft_model=str(tiny_model_fp32))
-    drafter = actor._drafter
-    assert drafter is not None and drafter.array_masks and drafter.heads > 0
-    same = _serve(actor, {0: [Submit(1, PROMPT, 60, GREEDY, frozenset())]})
-    assert same.tokens[1] == base.tokens[1]
-    assert sum(d for _, d, _ in same.speculated) == sum(a for _, _, a in same.speculated) > 40
-    assert len(masked) == 1  # the row's draft cache, made once
-    assert isinstance(masked[0][0].make_mask(2, return_array=False, window_size=None), mx.array)
+    def forced(on: bool = True) -> Any:
+        used.append(on)
+        return real(True)
+
+    monkeypatch.setattr(_batch, "query_by_query", forced)
+    monkeypatch.setattr(_drafting, "query_by_query", forced)
+    base = _one(tiny_model_fp32, GREEDY, 60, REPEATING)
+    tuning = {"speculative": "ngram"} if drafter == "ngram" else {"draft_model": str(tiny_model_fp32)}
+    run = _one(tiny_model_fp32, GREEDY, 60, REPEATING, **tuning)
+    assert run.tokens[1] == base.tokens[1]
+    kept = sum(a for _, _, a in run.speculated)
+    assert used and kept > 0
+    if drafter == "draft":
+        assert sum(d for _, d, _ in run.speculated) == kept > 40
 
 
 async def test_an_engine_with_a_draft_model_serves_the_same_text_and_counts_its_drafts(tiny_model_fp32, embedded_model):

@@ -220,20 +220,18 @@ class Actor:
         if not plain_kv(self._model):
             raise ValueError("speculative decoding needs a model whose cache is a plain KV cache per layer "
                              "(rejected drafts are trimmed off it)")
-        draft, heads = None, 0
+        draft = None
         if mode == "draft":
             path = self.config.draft_model_path or tuning.draft_model
             assert path is not None
             t0 = time.perf_counter()
-            draft, draft_config = models.load_model(Path(path))
-            heads = int(draft_config.get("num_attention_heads") or draft_config.get("n_heads") or 0)
+            draft, _ = models.load_model(Path(path))
             if not plain_kv(draft):
                 raise ValueError(f"the draft model at {path} needs a plain KV cache per layer")
             log.info("loaded the draft model %s in %.2f s", path, time.perf_counter() - t0)
         log.info("speculative decoding: %s, up to %d drafted tokens a step, for a sequence decoding alone",
                  "prompt lookup" if draft is None else "a draft model", tuning.draft_tokens)
-        return Drafter(tuning.draft_tokens, tuning.ngram_size, draft, self._vocab, tuning.prefill_step,
-                       heads if draft is not None else 0)
+        return Drafter(tuning.draft_tokens, tuning.ngram_size, draft, self._vocab, tuning.prefill_step)
 
     def _open_cache(self) -> None:
         """A fresh, empty prompt cache (`_prompt_cache.py`): once warm, and for the

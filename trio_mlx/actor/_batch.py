@@ -21,11 +21,12 @@ upgrade that changes one fails there first.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -330,13 +331,18 @@ def _owned_step(decoder: Decoder, batch: Any, first: bool) -> tuple[list[int], l
 
 
 def _one_token_no_mask(cache: Any) -> Callable[..., Any]:
-    """`cache.make_mask` without a mask at one token. It holds the cache weakly: a strong
+    """`cache.make_mask` without a mask at one token, and "causal" for several (what the
+    left padding's array says where there is none). It holds the cache weakly: a strong
     reference from the cache's own attribute would make a cycle, which keeps the cache's KV
     alive after the batch drops it, until the cyclic collector happens to run."""
     ref: Callable[[], Any] = weakref.ref(cache)
 
     def make_mask(N: int, return_array: bool = False, **kwargs: Any) -> Any:
-        return None if N == 1 else BatchKVCache.make_mask(ref(), N, return_array=return_array, **kwargs)
+        if N == 1:
+            return None
+        if return_array or kwargs.get("window_size"):
+            return BatchKVCache.make_mask(ref(), N, return_array=return_array, **kwargs)
+        return "causal"  # no row padded: several tokens (a speculative step) need only causality
 
     return make_mask
 
@@ -370,31 +376,49 @@ def unmask_unpadded(caches: list[Any]) -> None:
     vars(first)["_trio_padding_seen"] = padding
 
 
-def array_masks(caches: list[Any]) -> None:
-    """Make each plain `KVCache` of `caches` hand the attention an array mask for a step of
-    several tokens, where mlx_lm's own gives "causal".
-
-    A draft model's own cache (`_drafting.py`) meets a new pair of query and key lengths
-    at nearly every step: its first draft of a step feeds the tokens the target kept since
-    the last one, behind a KV one step longer. With "causal", MLX's CUDA backend takes its
-    fused attention, which builds a cuDNN graph for every shape it meets (`CausalPrefill`);
-    that build, tens of ms, came at nearly every speculative step. With an array mask it
-    materializes the scores, a few tokens by the KV's length, cheap at any length. The
-    caller bounds a long prompt's chunks (`prefill_chunk`) so that its scores fit. One
-    token needs no mask either way. The override holds its cache weakly (as
-    `_one_token_no_mask` says why)."""
-    for c in caches:
-        if type(c) is KVCache:
-            vars(c)["make_mask"] = _array_mask(c)
+# The most tokens a step behind a KV may feed for its attention to run query by query
+# (`query_by_query`): a speculative step feeds a row's pending token and its drafts.
+FEW_QUERIES = 16
 
 
-def _array_mask(cache: Any) -> Callable[..., Any]:
-    ref: Callable[[], Any] = weakref.ref(cache)
+@contextlib.contextmanager
+def query_by_query(on: bool = True) -> Iterator[None]:
+    """While it is open (and `on`), MLX's fused attention over a few queries (2 to
+    FEW_QUERIES) runs one query at a time, each over the keys it may see, with no mask
+    where the step's is causal: the same attention, as that many one-token steps take it.
 
-    def make_mask(N: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        return KVCache.make_mask(ref(), N, return_array=True, window_size=window_size)
+    On CUDA, MLX 0.32.4 takes a step of several queries to cuDNN, which builds a graph for
+    every pair of query and key lengths it meets (`CausalPrefill`), tens of ms each, and a
+    speculative step behind a KV one step longer than the last meets a new pair at nearly
+    every step (on an H200 a (1, 5) verify took 78 ms at a new key length, 6.6 ms at one
+    met before). One query at a time takes the kernel a decode step takes, built for any
+    key length. A swap of `mx.fast.scaled_dot_product_attention` (mlx_lm's models call it
+    through `models.base.scaled_dot_product_attention`), as `CausalPrefill` does for its
+    rows, on the actor's thread, the only one that runs a model."""
+    if not on:
+        yield
+        return
+    sdpa = mx.fast.scaled_dot_product_attention
+    mx.fast.scaled_dot_product_attention = functools.partial(_by_query, sdpa)
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = sdpa
 
-    return make_mask
+
+def _by_query(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
+              mask: Any = None, **kwargs: Any) -> Any:
+    n = queries.shape[2]
+    causal = isinstance(mask, str) and mask == "causal"
+    if not 1 < n <= FEW_QUERIES or kwargs or not (causal or mask is None or isinstance(mask, mx.array)):
+        return sdpa(queries, keys, values, scale=scale, mask=mask, **kwargs)
+    total = keys.shape[2]
+    outs = []
+    for i in range(n):
+        end = total - (n - 1 - i) if causal else total  # query i sees the keys up to its own
+        m = mask[..., i : i + 1, :end] if isinstance(mask, mx.array) else None
+        outs.append(sdpa(queries[:, :, i : i + 1], keys[:, :, :end], values[:, :, :end], scale=scale, mask=m))
+    return mx.concatenate(outs, axis=2)
 
 
 def _owned_next(decoder: Decoder, batch: Any) -> Decoded:
@@ -722,8 +746,10 @@ class CausalPrefill:
     def verify(self, inputs: Any, cache: Any) -> Any:
         """The forward of a speculative step (`_speculative_step`): a decoding row's pending
         token and its drafts, a few tokens behind its KV, with mlx_lm's own mask (the row's
-        left padding, if any): none of the prefill's grid or chunking applies."""
-        out = self._model(inputs, cache=cache)
+        left padding, if any): none of the prefill's grid or chunking applies; on CUDA its
+        attention runs query by query (`query_by_query`)."""
+        with query_by_query(self.grid):
+            out = self._model(inputs, cache=cache)
         if self._built is not None:
             self._built()
         return out

@@ -19,7 +19,7 @@ per-row policy) are `_speculate.py`'s, with no MLX.
   target's is.
 
 Only public mlx-lm API here (a model's call, `make_prompt_cache`, a cache's `trim`); on
-CUDA the draft model's cache takes its masks from `_batch.array_masks`.
+CUDA the draft's steps attend query by query (`_batch.query_by_query`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ._batch import array_masks, prefill_chunk, prefill_grid
+from ._batch import prefill_grid, query_by_query
 from ._decode import DecodeRow
 from ._speculate import NgramIndex, RowSpec, room
 
@@ -65,8 +65,7 @@ class Drafter:
     tokens), or a draft `model` (its logits cut to the target's `width`); `k` drafted tokens
     a step at most."""
 
-    def __init__(self, k: int, ngram: int = 3, model: Any = None, width: int = 0, prefill_step: int = 2048,
-                 heads: int = 0):
+    def __init__(self, k: int, ngram: int = 3, model: Any = None, width: int = 0, prefill_step: int = 2048):
         if k < 1:
             raise ValueError(f"speculation needs at least one drafted token a step, got {k}")
         self.k = k
@@ -74,10 +73,8 @@ class Drafter:
         self.model = model
         self.width = width
         self.prefill_step = max(1, prefill_step)
-        self.heads = heads  # the draft model's attention heads: its prefill's chunk
-        # On CUDA the draft model's steps of several tokens attend with an array mask
-        # (`_batch.array_masks`: no cuDNN graph built per shape), in chunks whose scores fit.
-        self.array_masks = model is not None and prefill_grid()
+        # On CUDA a draft's steps of a few tokens attend query by query (`_batch.query_by_query`)
+        self.by_query = model is not None and prefill_grid()
 
     @property
     def mode(self) -> str:
@@ -146,23 +143,20 @@ class Drafter:
         state = spec.draft
         if not isinstance(state, DraftState):
             spec.draft = state = DraftState(make_prompt_cache(model))
-            if self.array_masks:
-                array_masks(state.cache)
         cache = state.cache
         new = held[state.held:]
         step = self.prefill_step
-        if self.array_masks and self.heads:
-            step = prefill_chunk(step, 1, len(held) + 1, self.heads)
         while len(new) > step:  # a long history (the row's first speculation): in chunks
             model(mx.array(new[:step], dtype=pending.dtype)[None], cache=cache)
             mx.eval([c.state for c in cache])
             new = new[step:]
         x = mx.concatenate([mx.array(new, dtype=pending.dtype), pending]) if new else pending
         drafts = []
-        for _ in range(k):
-            logits = model(x[None], cache=cache)[:, -1, : self.width or None]
-            x = mx.argmax(logits, axis=-1).astype(pending.dtype)
-            drafts.append(x)
+        with query_by_query(self.by_query):
+            for _ in range(k):
+                logits = model(x[None], cache=cache)[:, -1, : self.width or None]
+                x = mx.argmax(logits, axis=-1).astype(pending.dtype)
+                drafts.append(x)
         state.held = len(held) + k  # the history, the pending token, every draft but the last
         d = mx.concatenate(drafts)
         return Proposal(mx.concatenate([pending, d])[None], d, None, None, len(held))
