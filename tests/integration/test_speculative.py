@@ -12,6 +12,7 @@ rule applied token by token.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import random
 from pathlib import Path
@@ -324,10 +325,17 @@ def test_the_draft_models_kv_is_trimmed_to_the_rows_tokens(tiny_model_fp32, othe
         assert np.allclose(np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]), atol=1e-4)
 
 
+def _counted(sdpa: Any, calls: list[int], queries: Any, *args: Any, **kwargs: Any) -> Any:
+    calls.append(queries.shape[2])
+    return sdpa(queries, *args, **kwargs)
+
+
 def test_attention_query_by_query_is_the_fused_attention():
     """`_batch.query_by_query` (a speculative step's attention on CUDA): a few queries behind
     a KV, one at a time, give what the fused attention gives over them all, causal, unmasked
     or with an array mask (left padding)."""
+    from mlx_lm.models import base as mlx_lm_base
+
     from trio_mlx.actor._batch import query_by_query
 
     rng = np.random.default_rng(0)
@@ -336,8 +344,15 @@ def test_attention_query_by_query_is_the_fused_attention():
     padded[:, :3] = False  # three positions of left padding
     for mask in ("causal", None, mx.array(padded)[None, None]):
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
-        with query_by_query():
-            got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+        sdpa = mx.fast.scaled_dot_product_attention
+        calls: list[int] = []
+        mx.fast.scaled_dot_product_attention = functools.partial(_counted, sdpa, calls)
+        try:
+            with query_by_query():  # called as mlx_lm's models call it (sinks=None)
+                got = mlx_lm_base.scaled_dot_product_attention(q, k, v, cache=None, scale=0.3, mask=mask)
+        finally:
+            mx.fast.scaled_dot_product_attention = sdpa
+        assert calls == [1] * 5, calls  # one query at a time
         assert got.shape == want.shape
         assert np.allclose(np.array(got), np.array(want), atol=1e-5), mask
     with query_by_query(False):

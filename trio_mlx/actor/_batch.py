@@ -407,11 +407,12 @@ def query_by_query(on: bool = True) -> Iterator[None]:
 
 
 def _by_query(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
-              mask: Any = None, **kwargs: Any) -> Any:
+              mask: Any = None, sinks: Any = None, **kwargs: Any) -> Any:
     n = queries.shape[2]
     causal = isinstance(mask, str) and mask == "causal"
-    if not 1 < n <= FEW_QUERIES or kwargs or not (causal or mask is None or isinstance(mask, mx.array)):
-        return sdpa(queries, keys, values, scale=scale, mask=mask, **kwargs)
+    if (not 1 < n <= FEW_QUERIES or sinks is not None or kwargs
+            or not (causal or mask is None or isinstance(mask, mx.array))):
+        return sdpa(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
     total = keys.shape[2]
     outs = []
     for i in range(n):
