@@ -53,6 +53,7 @@ from ._batch import (
 from ._constrain import GrammarProcessor, model_vocab
 from ._decode import Decoder, DecodeRow
 from ._drafting import Drafter
+from ._kv_quant import check_kv_bits
 from ._link import ActorLink
 from ._memory import IDLE_RELEASE, apply_cache_limit, memory_figures, prefill_budget
 from ._prompt_cache import PromptCache, budget
@@ -108,6 +109,7 @@ class Actor:
         self._context = 0
         self._vocab = 0
         self._heads = 0  # attention heads, for the prefill chunk (`_batch.prefill_chunk`)
+        self._kv: tuple[int, int] | None = None  # (group size, bits) of a quantized KV cache; set in _load
         # The sequence table and the finish, abort and retire rules (`_schedule.py`, shared with
         # the fake actor).
         self.schedule = Schedule(config.tuning.retire_steps)
@@ -197,13 +199,34 @@ class Actor:
         self._vocab = int(config.get("vocab_size", 0))
         self._heads = int(config.get("num_attention_heads") or config.get("n_heads") or 0)
         self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
-        self._grid = prefill_grid() and plain_kv(self._model)
+        self._kv = self._kv_quantization(config)
+        # the grid's shapes are those of the fused attention, which quantized KV never takes
+        self._grid = prefill_grid() and plain_kv(self._model) and self._kv is None
         self._budget = prefill_budget(self.config.tuning.prefill_budget)
         self._drafter = self._load_drafter()
         self._bg = self._new_generator()
         release = self.config.tuning.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
         return config
+
+    def _kv_quantization(self, config: dict[str, Any]) -> tuple[int, int] | None:
+        """`(group_size, bits)` of the quantized KV cache (`kv_bits`, `_kv_quant.py`), or None;
+        raises ValueError where the model cannot take it: a cache other than plain KV per
+        layer, a group size that does not divide its head dim, bits the device does not run."""
+        tuning = self.config.tuning
+        if tuning.kv_bits is None:
+            return None
+        if not plain_kv(self._model):
+            raise ValueError("kv_bits needs a model whose cache is a plain KV cache per layer (this one uses "
+                             "rotating, chunked or state-space caches): unset kv_bits")
+        heads = int(config.get("num_attention_heads") or 0)
+        head_dim = int(config.get("head_dim") or (int(config.get("hidden_size") or 0) // heads if heads else 0))
+        if head_dim <= 0:
+            raise ValueError("kv_bits: the model's config.json gives no head dim (head_dim, or hidden_size "
+                             "and num_attention_heads)")
+        check_kv_bits(tuning.kv_bits, tuning.kv_group_size, (head_dim,))
+        log.info("KV cache quantized: %d bits in groups of %d", tuning.kv_bits, tuning.kv_group_size)
+        return tuning.kv_group_size, tuning.kv_bits
 
     def _load_weights(self) -> tuple[Any, dict[str, Any]]:
         """(model, config); a distributed rank loads its shard instead (`_distributed.py`)."""
@@ -273,7 +296,7 @@ class Actor:
 
     def _new_generator(self) -> BatchGenerator:
         bg = BatchGenerator(
-            CausalPrefill(self._model, self._grid, self._link and self._link.built, self._heads),  # type: ignore[arg-type]  # called and read as the model
+            CausalPrefill(self._model, self._grid, self._link and self._link.built, self._heads, self._kv),  # type: ignore[arg-type]  # called and read as the model
             max_tokens=1,
             completion_batch_size=self.config.tuning.max_batch,
             prefill_batch_size=self._rows,  # a group of short prompts enters whole (`Admission`)

@@ -21,6 +21,10 @@ from .._fields import doc, read_environ
 # The most drafted tokens per speculative step, and the longest n-gram: a bound on one
 # step's width (a forward over 65 tokens is a short prefill), not a recommendation.
 MAX_DRAFT = 64
+# What `mx.quantize` offers for the KV cache (`kv_bits`, `_kv_quant.py`): bits, and group sizes
+# (which must also divide the model's head dim, checked when it loads).
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,21 @@ class ActorTuning:
         "a LoRA (or DoRA) adapter directory, as mlx_lm.lora writes it (adapter_config.json and "
         "adapters.safetensors), applied over the model's weights: every request is served by the "
         "adapted model, as mlx_lm.server's --adapter-path; not with distributed"))
+    # `_kv_quant.py`: the batch's quantized cache; `Actor._load` checks the model takes it.
+    kv_bits: int | None = field(default=None, metadata=doc(
+        "store the KV cache quantized at this many bits (4 or 8; 2, 3, 5 and 6 where the device "
+        "runs them), as mlx_lm.server's --kv-bits: 8 bits hold a sequence's KV in about half the "
+        "memory of bf16, 4 bits in about a quarter, so more and longer conversations fit, at some "
+        "cost in quality (docs/server.md); the prompt cache holds it quantized too; not with "
+        "speculative decoding or distributed; unset: the model's own precision"))
+    kv_group_size: int = field(default=64, metadata=doc(
+        "the group size of kv_bits' quantization (32, 64 or 128: each group of this many values "
+        "of a head vector shares a scale and a bias); it must divide the model's head dim"))
+    # 0 only: `_kv_quant.py` says why a row of a batch cannot switch precision mid-sequence.
+    quantized_kv_start: int = field(default=0, metadata=doc(
+        "the token from which kv_bits quantizes a sequence's KV: 0, from its first token (mlx-lm "
+        "defaults to 5000 and converts a sequence's whole cache once it passes that many tokens, "
+        "which a batch cannot do to one row beside others); other values are refused"))
     idle_release: float | None = field(default=None, metadata=doc(  # `Actor._idle`
         "seconds idle before the actor hands MLX's buffer cache back; unset: 1 on a GPU, never "
         "on the CPU; 0: never"))
@@ -103,7 +122,8 @@ class ActorTuning:
     def __post_init__(self) -> None:
         # Checked here, once, for the server and the library alike; a bad value stops a
         # server before it loads anything.
-        least = {"max_batch": 1, "prefill_batch": 1, "prefill_step": 1, "retire_steps": 0, "prefill_budget": 0}
+        least = {"max_batch": 1, "prefill_batch": 1, "prefill_step": 1, "retire_steps": 0, "prefill_budget": 0,
+                 "kv_group_size": 1, "quantized_kv_start": 0}
         for name, low in least.items():
             value = getattr(self, name)
             if name == "prefill_budget" and value is None:
@@ -130,6 +150,22 @@ class ActorTuning:
             raise ValueError("speculative 'draft' needs draft_model")
         if self.speculative == "ngram" and self.draft_model:
             raise ValueError("draft_model goes with speculative 'draft' (or unset), not 'ngram'")
+        if self.kv_bits is not None:
+            if isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS:
+                raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (or unset), got {self.kv_bits!r}")
+            if isinstance(self.kv_group_size, bool) or self.kv_group_size not in KV_GROUP_SIZES:
+                raise ValueError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
+                                 f"got {self.kv_group_size!r}")
+            if self.quantized_kv_start != 0:
+                raise ValueError(f"quantized_kv_start must be 0 (kv_bits quantizes a sequence's KV from its "
+                                 f"first token: a row of a batch cannot change precision beside the others), "
+                                 f"got {self.quantized_kv_start!r}")
+            if self.speculation is not None:
+                raise ValueError("kv_bits does not go with speculative decoding (speculative, draft_model): "
+                                 "unset one of them")
+            if self.prompt_cache_disk_gb:
+                raise ValueError("kv_bits does not go with prompt_cache_disk_gb (the disk tier keeps plain KV): "
+                                 "unset one of them")
         if self.speculation is not None and self.decode_step != "owned":
             raise ValueError("speculative decoding needs decode_step 'owned'")
 
