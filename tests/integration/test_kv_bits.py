@@ -91,15 +91,21 @@ async def test_rows_entering_and_leaving_a_batch_each_get_their_own_tokens(model
 
 
 async def test_a_prompt_cache_hit_gives_a_cold_runs_tokens(model_hd64, reference):
+    """A follow-up turn hits the whole last turn (stored quantized), another prompt a prefix of
+    it: each is mlx-lm's cold run, since a token's quantized KV depends on the tokens before it
+    alone."""
     system = ids(300, 3)
     async with trio_mlx.open_engine(model_hd64, kv_bits=4, kv_group_size=32, max_batch=4) as engine:
         first, _, f1 = await run(engine, system, max_tokens=12, **GREEDY)
         turn2 = system + first + ids(20, 9)
         second, _, f2 = await run(engine, turn2, max_tokens=12, **GREEDY)
+        other = system[:200] + ids(30, 17)
+        third, _, f3 = await run(engine, other, max_tokens=12, **GREEDY)
         stats = engine.statistics()
     assert f1.usage.cached_tokens == 0 and f2.usage.cached_tokens == len(system) + len(first)
-    assert stats.prompt_cache_hits == 1
-    assert [first, second] == [reference(system, 12, 4, 32), reference(turn2, 12, 4, 32)]
+    assert f3.usage.cached_tokens == 200
+    assert stats.prompt_cache_hits == 2
+    assert [first, second, third] == [reference(p, 12, 4, 32) for p in (system, turn2, other)]
 
 
 def kv_bytes(tokens: int, bits: int | None, group_size: int = 64) -> int:

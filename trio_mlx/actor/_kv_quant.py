@@ -8,12 +8,17 @@ A batch's per-layer cache holds every row's keys and values as mlx's quantized t
 make mlx-lm's attention take its quantized path (`models.base.scaled_dot_product_attention`
 switches on `hasattr(cache, "bits")`), for any model that attends through it.
 
-Every key and value is quantized as it is written, from a sequence's first token on, so
-a row attends to the same numbers whatever batch it shares: its tokens are those of
-mlx-lm's own `generate_step` with a `QuantizedKVCache` per layer as its prompt cache.
-(mlx-lm's `kv_bits` converts a sequence's cache after the model call that takes it past
-`quantized_kv_start`, so its first prefill chunk attends at full precision; a row of a
-batch cannot switch precision beside rows that have not, in one attention call.)
+Every key and value is quantized as it is written, from a sequence's first token on, and
+every attention reads the quantized cache: its tokens are those of mlx-lm's own
+`generate_step` with a `QuantizedKVCache` per layer as its prompt cache. A token's KV then
+depends on the tokens before it alone, not on how they were cut into model calls, so a
+row's tokens are the same whatever batch it shares, however the actor chunks its prefill
+(a prefill budget while others decode, the attention scratch bound) and whether its prefix
+came from the prompt cache. mlx-lm's `kv_bits` instead converts a sequence's cache after the
+model call that takes it past `quantized_kv_start` tokens: what came before attends at full
+precision, so the tokens depend on where the calls fall (a cached prefix, a chunk cut
+elsewhere), and a batch would need rows at two precisions in one attention call. Hence
+`ActorTuning.quantized_kv_start` is 0 only.
 
 A sequence's own cache (`RowQuantizedKVCache`: what `BatchGenerator.insert` makes for a new
 row, what the prompt cache holds and hands out) is mlx-lm's `QuantizedKVCache` that merges

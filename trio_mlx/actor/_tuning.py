@@ -94,11 +94,12 @@ class ActorTuning:
     kv_group_size: int = field(default=64, metadata=doc(
         "the group size of kv_bits' quantization (32, 64 or 128: each group of this many values "
         "of a head vector shares a scale and a bias); it must divide the model's head dim"))
-    # 0 only: `_kv_quant.py` says why a row of a batch cannot switch precision mid-sequence.
+    # 0 only: `_kv_quant.py` says why.
     quantized_kv_start: int = field(default=0, metadata=doc(
-        "the token from which kv_bits quantizes a sequence's KV: 0, from its first token (mlx-lm "
-        "defaults to 5000 and converts a sequence's whole cache once it passes that many tokens, "
-        "which a batch cannot do to one row beside others); other values are refused"))
+        "the token from which kv_bits quantizes a sequence's KV: 0 only, from its first token, so "
+        "that a sequence's tokens do not depend on the batch it shares, on how its prompt was "
+        "chunked or on a prompt-cache hit (mlx-lm defaults to 5000 and converts a sequence's cache "
+        "once it passes that many tokens, at full precision until then); other values are refused"))
     idle_release: float | None = field(default=None, metadata=doc(  # `Actor._idle`
         "seconds idle before the actor hands MLX's buffer cache back; unset: 1 on a GPU, never "
         "on the CPU; 0: never"))
