@@ -108,6 +108,17 @@ async def test_a_prompt_cache_hit_gives_a_cold_runs_tokens(model_hd64, reference
     assert [first, second, third] == [reference(p, 12, 4, 32) for p in (system, turn2, other)]
 
 
+async def test_speculative_decoding_keeps_the_tokens(model_hd64, reference):
+    """Prompt lookup (drafts rejected: the quantized KV trimmed back) and a draft model (the
+    model itself at full precision, its drafts often kept) give the plain step's tokens."""
+    prompt = [5 + (7 * i) % 50 for i in range(200)]  # repetitive: prompt lookup drafts
+    for knobs in ({"speculative": "ngram"}, {"draft_model": str(model_hd64)}):
+        async with trio_mlx.open_engine(model_hd64, kv_bits=4, kv_group_size=32, **knobs) as engine:
+            got, _, fin = await run(engine, prompt, max_tokens=60, **GREEDY)
+        assert fin.usage.draft_tokens > 0, knobs
+        assert got == reference(prompt, 60, 4, 32), knobs
+
+
 def kv_bytes(tokens: int, bits: int | None, group_size: int = 64) -> int:
     """The tiny-hd64 model's KV of `tokens` tokens: 2 layers, keys and values, 1 KV head of
     64 float32 values; quantized, `bits` per value plus a float32 scale and bias per group."""

@@ -24,8 +24,6 @@ def test_the_flags_and_variables_reach_the_tuning():
     ({"kv_bits": True}, "kv_bits must be one of"),
     ({"kv_bits": 8, "kv_group_size": 48}, "kv_group_size must be one of 32, 64, 128"),
     ({"kv_bits": 8, "quantized_kv_start": 5000}, "quantized_kv_start must be 0"),
-    ({"kv_bits": 4, "speculative": "ngram"}, "kv_bits does not go with speculative decoding"),
-    ({"kv_bits": 4, "draft_model": "some/draft"}, "kv_bits does not go with speculative decoding"),
     ({"kv_bits": 4, "prompt_cache_disk_gb": 1.0}, "kv_bits does not go with prompt_cache_disk_gb"),
     ({"quantized_kv_start": -1}, "quantized_kv_start must be >= 0"),
 ])
