@@ -142,6 +142,25 @@ async def test_the_prompt_cache_holds_and_bounds_quantized_bytes(model_hd64):
     assert held == {None: (0, 0), 8: (1, kv_bytes(len(prompt) + n, 8))}
 
 
+async def test_the_disk_tier_keeps_quantized_entries_apart(model_hd64, reference, tmp_path):
+    """Written quantized at a clean stop, read back quantized at the next start (a follow-up
+    finds its last turn, with the cold run's tokens), in a folder of their own: a plain-KV
+    engine of the same model finds nothing there."""
+    system = ids(300, 4)
+    options = dict(cache_dir=tmp_path, prompt_cache_disk_gb=1.0, kv_bits=4, kv_group_size=32)
+    async with trio_mlx.open_engine(model_hd64, **options) as engine:
+        first, _, _ = await run(engine, system, max_tokens=12, **GREEDY)
+    turn2 = system + first + ids(9, 3)
+    async with trio_mlx.open_engine(model_hd64, **options) as engine:
+        second, _, fin = await run(engine, turn2, max_tokens=12, **GREEDY)
+    assert fin.usage.cached_tokens == len(system) + len(first)
+    assert second == reference(turn2, 12, 4, 32)
+    async with trio_mlx.open_engine(model_hd64, cache_dir=tmp_path, prompt_cache_disk_gb=1.0) as engine:
+        _, _, plain = await run(engine, turn2, max_tokens=2, **GREEDY)
+    assert plain.usage.cached_tokens == 0
+    assert len(list((tmp_path / "prompt-cache").iterdir())) == 2
+
+
 async def test_the_process_actor_takes_kv_bits(model_hd64, reference):
     prompt = ids(120, 2)
     async with trio_mlx.open_engine(model_hd64, actor="process", kv_bits=8, warmup=False) as engine:

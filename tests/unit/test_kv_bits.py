@@ -24,7 +24,6 @@ def test_the_flags_and_variables_reach_the_tuning():
     ({"kv_bits": True}, "kv_bits must be one of"),
     ({"kv_bits": 8, "kv_group_size": 48}, "kv_group_size must be one of 32, 64, 128"),
     ({"kv_bits": 8, "quantized_kv_start": 5000}, "quantized_kv_start must be 0"),
-    ({"kv_bits": 4, "prompt_cache_disk_gb": 1.0}, "kv_bits does not go with prompt_cache_disk_gb"),
     ({"quantized_kv_start": -1}, "quantized_kv_start must be >= 0"),
 ])
 def test_what_cannot_work_is_refused_by_name(knobs, message):

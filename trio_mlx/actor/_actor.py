@@ -270,12 +270,13 @@ class Actor:
         if not c.prompt_cache_disk or not c.tuning.prompt_cache_disk_gb or not self._reuse.cache.enabled:
             return None
         adapter = c.tuning.adapter_path
-        return disk_cache.folder(Path(c.prompt_cache_disk), Path(c.model_path), Path(adapter) if adapter else None)
+        return disk_cache.folder(Path(c.prompt_cache_disk), Path(c.model_path), Path(adapter) if adapter else None,
+                                 self._kv)
 
     def _load_disk(self) -> None:
         if (where := self._disk_folder()) is not None:
             t0 = time.perf_counter()
-            n = disk_cache.load(self._reuse.cache, where, len(self._model.layers))
+            n = disk_cache.load(self._reuse.cache, where, len(self._model.layers), self._kv)
             log.info("prompt cache: read %d entries (%.1f MB) from %s in %.2f s", n,
                      self._reuse.cache.nbytes / 1e6, where, time.perf_counter() - t0)
 

@@ -89,8 +89,8 @@ class ActorTuning:
         "store the KV cache quantized at this many bits (4 or 8; 2, 3, 5 and 6 where the device "
         "runs them), as mlx_lm.server's --kv-bits: 8 bits hold a sequence's KV in about half the "
         "memory of bf16, 4 bits in about a quarter, so more and longer conversations fit, at some "
-        "cost in quality (docs/server.md); the prompt cache holds it quantized too; not with "
-        "prompt_cache_disk_gb or distributed; unset: the model's own precision"))
+        "cost in quality (docs/server.md); the prompt cache (and its disk tier) holds it quantized too; "
+        "not with distributed; unset: the model's own precision"))
     kv_group_size: int = field(default=64, metadata=doc(
         "the group size of kv_bits' quantization (32, 64 or 128: each group of this many values "
         "of a head vector shares a scale and a bias); it must divide the model's head dim"))
@@ -161,9 +161,6 @@ class ActorTuning:
                 raise ValueError(f"quantized_kv_start must be 0 (kv_bits quantizes a sequence's KV from its "
                                  f"first token: a row of a batch cannot change precision beside the others), "
                                  f"got {self.quantized_kv_start!r}")
-            if self.prompt_cache_disk_gb:
-                raise ValueError("kv_bits does not go with prompt_cache_disk_gb (the disk tier keeps plain KV): "
-                                 "unset one of them")
         if self.speculation is not None and self.decode_step != "owned":
             raise ValueError("speculative decoding needs decode_step 'owned'")
 
