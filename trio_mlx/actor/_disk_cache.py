@@ -86,9 +86,11 @@ def _loaded(c: Any, n: int, kv: tuple[int, int] | None) -> Any:
     return c
 
 
-def _as_row(c: QuantizedKVCache) -> RowQuantizedKVCache:
-    out = RowQuantizedKVCache(c.group_size, c.bits)
-    out.keys, out.values, out.offset = tuple(c.keys), tuple(c.values), c.offset  # lists, as loaded
+def _as_row(c: Any) -> Any:
+    """A loaded `QuantizedKVCache` as the prompt cache holds it (`RowQuantizedKVCache`), its
+    triples tuples again (`load_prompt_cache` makes them lists)."""
+    out: Any = RowQuantizedKVCache(c.group_size, c.bits)
+    out.keys, out.values, out.offset = tuple(c.keys), tuple(c.values), c.offset
     return out
 
 
