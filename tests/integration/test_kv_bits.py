@@ -202,3 +202,29 @@ def test_a_batch_cache_moves_rows_as_their_own_quantized_kv():
         for u, v in zip(got.keys, want, strict=True):
             assert mx.array_equal(u, v)
     assert a.nbytes == sum(t.nbytes for t in (*a.keys, *a.values))
+
+
+def test_the_mlx_lm_behaviours_it_relies_on(model_hd64):
+    """mlx-lm 0.32's pieces the quantized cache plugs into: `BatchGenerator.insert` makes a
+    sequence's caches with `make_prompt_cache`, which asks the model (`CausalPrefill.make_cache`);
+    its batches merge through the first cache's class (`merge`); its attention takes the
+    quantized path for a cache with `bits`."""
+    from mlx_lm.generate import _merge_caches
+    from mlx_lm.models import base
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from trio_mlx.actor._batch import CausalPrefill
+
+    model, _ = _models.load_model(model_hd64)
+    rows = [make_prompt_cache(CausalPrefill(model, kv=(32, 4))) for _ in range(2)]
+    assert all(type(c) is RowQuantizedKVCache and (c.group_size, c.bits) == (32, 4) for r in rows for c in r)
+    batch = _merge_caches(rows)
+    assert all(type(c) is BatchQuantizedKVCache for c in batch)
+    x = mx.random.normal((2, 1, 3, 64), key=mx.random.key(1))
+    keys, values = batch[0].update_and_fetch(x, x)
+    q = mx.random.normal((2, 2, 3, 64), key=mx.random.key(2))
+    # (copies of the queries: mlx-lm's quantized attention scales them in place)
+    got = base.scaled_dot_product_attention(q * 1, keys, values, cache=batch[0], scale=0.125, mask="causal")
+    want = base.quantized_scaled_dot_product_attention(q * 1, keys, values, scale=0.125, mask="causal",
+                                                       group_size=32, bits=4)
+    assert mx.array_equal(got, want)
