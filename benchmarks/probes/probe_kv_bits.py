@@ -12,7 +12,9 @@ concurrent greedy requests (distinct prompts: no prompt-cache hits), each row's 
 one JSON line per configuration and level, with the device's memory and the memory MLX holds
 once the model is loaded, so that the conversations that fit at a context length can be
 stated: (device memory - active memory after load) / (context x KV bytes per token), e.g.
-`fit_32k`. On an H200 a 1B model's three configurations take about a minute and a half.
+`fit_32k`. Three engines, each loaded and warmed up once (on CUDA the warm-up compiles the
+quantized attention's kernels the first time), and about 20 requests each: meant to stay
+within a few minutes for a 1B model on an H200.
 """
 
 from __future__ import annotations
