@@ -25,10 +25,12 @@ import statistics
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import trio
 
 import trio_mlx
+
+# MLX is imported in the functions that read its figures, once the engine has loaded it: on
+# Linux's CPU build `trio_mlx.models` must load OpenBLAS before MLX does (`models/_cpu_blas.py`).
 
 
 def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
@@ -70,6 +72,8 @@ async def level(engine: trio_mlx.Engine, c: int, prompt_tokens: int, max_tokens:
 
 
 def device_memory() -> int:
+    import mlx.core as mx
+
     try:
         info = mx.device_info()
     except Exception:
@@ -88,12 +92,15 @@ async def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     rows: list[dict] = []
-    total = device_memory()
+    total = 0
     for name in a.configs.split(","):
         bits = None if name == "none" else int(name)
         t0 = time.perf_counter()
         async with trio_mlx.open_engine(a.model, kv_bits=bits, kv_group_size=a.group_size) as engine:
             load_s = time.perf_counter() - t0
+            import mlx.core as mx
+
+            total = total or device_memory()
             loaded = mx.get_active_memory()  # the process's MLX allocator: the weights, warm-up freed
             vocab = engine.info.vocab_size if engine.info else 32000
             # the KV bytes per token, from the one entry the prompt cache holds after one request
