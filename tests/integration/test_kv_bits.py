@@ -108,6 +108,18 @@ async def test_a_prompt_cache_hit_gives_a_cold_runs_tokens(model_hd64, reference
     assert [first, second, third] == [reference(p, 12, 4, 32) for p in (system, turn2, other)]
 
 
+async def test_a_row_the_generator_ends_itself_is_stored_quantized(model_hd64, reference):
+    """mlx-lm's own step with no retirement: the generator ends the row at max_tokens and
+    extracts its cache (`BatchQuantizedKVCache.extract`), which the prompt cache keeps."""
+    system = ids(300, 6)
+    async with trio_mlx.open_engine(model_hd64, kv_bits=8, decode_step="mlx", retire_steps=0) as engine:
+        first, _, _ = await run(engine, system, max_tokens=10, **GREEDY)
+        turn2 = system + first + ids(12, 2)
+        second, _, fin = await run(engine, turn2, max_tokens=10, **GREEDY)
+    assert fin.usage.cached_tokens == len(system) + len(first)  # the extracted row, answer and all
+    assert [first, second] == [reference(system, 10, 8), reference(turn2, 10, 8)]
+
+
 async def test_speculative_decoding_keeps_the_tokens(model_hd64, reference):
     """Prompt lookup (drafts rejected: the quantized KV trimmed back) and a draft model (the
     model itself at full precision, its drafts often kept) give the plain step's tokens."""
