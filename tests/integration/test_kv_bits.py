@@ -240,3 +240,23 @@ def test_the_mlx_lm_behaviours_it_relies_on(model_hd64):
     want = base.quantized_scaled_dot_product_attention(q * 1, keys, values, scale=0.125, mask="causal",
                                                        group_size=32, bits=4)
     assert mx.array_equal(got, want)
+
+
+def test_a_model_whose_attention_takes_no_quantized_keys_is_refused():
+    """One token through the model at load: an attention outside mlx-lm's shared function
+    (here one that reads the keys as an array) stops the start, naming kv_bits."""
+    from trio_mlx.actor import ActorConfig
+    from trio_mlx.actor._actor import Actor
+
+    class OwnAttention:
+        layers = [None, None]  # two plain KV caches (mlx-lm's default for a model without make_cache)
+
+        def __call__(self, inputs, cache):
+            x = mx.ones((1, 1, 1, 64))
+            keys, _ = cache[0].update_and_fetch(x, x)
+            return keys @ keys.swapaxes(-1, -2)  # a tuple has no matmul
+
+    actor = Actor(ActorConfig(Path("m"), trio_mlx.ActorTuning(kv_bits=8)), None)  # type: ignore[arg-type]
+    actor._model = OwnAttention()
+    with pytest.raises(ValueError, match="kv_bits: this model does not run with a quantized KV cache"):
+        actor._kv_quantization({"hidden_size": 128, "num_attention_heads": 2})

@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
 from .. import _heap as heap
 from .. import models
@@ -53,7 +54,7 @@ from ._batch import (
 from ._constrain import GrammarProcessor, model_vocab
 from ._decode import Decoder, DecodeRow
 from ._drafting import Drafter
-from ._kv_quant import check_kv_bits
+from ._kv_quant import RowQuantizedKVCache, check_kv_bits
 from ._link import ActorLink
 from ._memory import IDLE_RELEASE, apply_cache_limit, memory_figures, prefill_budget
 from ._prompt_cache import PromptCache, budget
@@ -212,7 +213,8 @@ class Actor:
     def _kv_quantization(self, config: dict[str, Any]) -> tuple[int, int] | None:
         """`(group_size, bits)` of the quantized KV cache (`kv_bits`, `_kv_quant.py`), or None;
         raises ValueError where the model cannot take it: a cache other than plain KV per
-        layer, a group size that does not divide its head dim, bits the device does not run."""
+        layer, a group size that does not divide its head dim, bits the device does not run,
+        an attention that fails on quantized keys (one token through the model says)."""
         tuning = self.config.tuning
         if tuning.kv_bits is None:
             return None
@@ -225,6 +227,12 @@ class Actor:
             raise ValueError("kv_bits: the model's config.json gives no head dim (head_dim, or hidden_size "
                              "and num_attention_heads)")
         check_kv_bits(tuning.kv_bits, tuning.kv_group_size, (head_dim,))
+        try:  # one token through the model: its attention must take mlx-lm's quantized path
+            caches = [RowQuantizedKVCache(tuning.kv_group_size, tuning.kv_bits) for _ in make_prompt_cache(self._model)]
+            mx.eval(self._model(mx.array([[0]]), cache=caches))
+        except Exception as exc:
+            raise ValueError(f"kv_bits: this model does not run with a quantized KV cache (its attention must go "
+                             f"through mlx-lm's scaled_dot_product_attention): {type(exc).__name__}: {exc}") from exc
         log.info("KV cache quantized: %d bits in groups of %d", tuning.kv_bits, tuning.kv_group_size)
         return tuning.kv_group_size, tuning.kv_bits
 
