@@ -90,6 +90,25 @@ async def test_rows_entering_and_leaving_a_batch_each_get_their_own_tokens(model
     assert alone != [reference(p, n, None) for p, n in jobs]  # 4 bits change tokens: the cache is in use
 
 
+async def test_prompts_joining_a_chunked_prefill_under_way(model_hd64, reference):
+    """A long prompt prefilled in chunks of 64 while two short ones arrive (they join its
+    prompt batch, left-padded, or wait for it): each is its alone tokens."""
+    jobs = [(ids(700, 1), 12), (ids(70, 2), 9), (ids(150, 3), 7)]
+    async with trio_mlx.open_engine(model_hd64, kv_bits=4, kv_group_size=64, prefill_step=64,
+                                    prompt_cache_gb=0) as engine:
+        got: dict[int, list[int]] = {}
+
+        async def one(i: int) -> None:
+            got[i], _, _ = await run(engine, jobs[i][0], max_tokens=jobs[i][1], **GREEDY)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 0)
+            await until(lambda: engine.statistics().prefilling == 1)
+            nursery.start_soon(one, 1)
+            nursery.start_soon(one, 2)
+    assert [got[i] for i in range(3)] == [reference(p, n, 4) for p, n in jobs]
+
+
 async def test_a_prompt_cache_hit_gives_a_cold_runs_tokens(model_hd64, reference):
     """A follow-up turn hits the whole last turn (stored quantized), another prompt a prefix of
     it: each is mlx-lm's cold run, since a token's quantized KV depends on the tokens before it
@@ -188,8 +207,9 @@ async def test_a_group_size_that_does_not_divide_the_head_dim_stops_the_start(ti
 
 
 def test_a_batch_cache_moves_rows_as_their_own_quantized_kv():
-    """merge, prepare/finalize (right padding), extend, filter and extract keep each row's
-    quantized KV exactly what quantizing that row's keys alone gives."""
+    """merge, prepare/finalize (right padding), extend (with rows holding nothing too), filter
+    and extract keep each row's quantized KV exactly what quantizing that row's keys alone
+    gives."""
     g, bits = 32, 4
     rows = [mx.random.normal((1, 2, n, 64), key=mx.random.key(n)) for n in (5, 9, 3, 7)]
 
@@ -206,6 +226,8 @@ def test_a_batch_cache_moves_rows_as_their_own_quantized_kv():
                        mx.concatenate([mx.pad(rows[2], [(0, 0), (0, 0), (0, 4), (0, 0)]), rows[3]]))
     b.finalize()
     a.extend(b)
+    a.extend(BatchQuantizedKVCache([0], g, bits))  # a row with nothing yet (a prompt joining a prefill)
+    assert a.keys[0].shape[0] == 5 and a.left_padding.tolist()[4] == a._idx
     a.filter([0, 2, 3])
     for i, x in zip(range(3), (rows[0], rows[2], rows[3]), strict=True):
         got = a.extract(i)
