@@ -12,6 +12,7 @@ rule applied token by token.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import random
 from pathlib import Path
@@ -322,6 +323,65 @@ def test_the_draft_models_kv_is_trimmed_to_the_rows_tokens(tiny_model_fp32, othe
         assert a.offset == b.offset == len(held)
         assert np.allclose(np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]), atol=1e-4)
         assert np.allclose(np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]), atol=1e-4)
+
+
+def _counted(sdpa: Any, calls: list[int], queries: Any, *args: Any, **kwargs: Any) -> Any:
+    calls.append(queries.shape[2])
+    return sdpa(queries, *args, **kwargs)
+
+
+def test_attention_query_by_query_is_the_fused_attention():
+    """`_batch.query_by_query` (a speculative step's attention on CUDA): a few queries behind
+    a KV, one at a time, give what the fused attention gives over them all, causal, unmasked
+    or with an array mask (left padding)."""
+    from mlx_lm.models import base as mlx_lm_base
+
+    from trio_mlx.actor._batch import query_by_query
+
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((1, 4, 5, 8), (1, 2, 12, 8), (1, 2, 12, 8)))
+    padded = np.tril(np.ones((5, 12), dtype=bool), k=7)
+    padded[:, :3] = False  # three positions of left padding
+    for mask in ("causal", None, mx.array(padded)[None, None]):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+        sdpa = mx.fast.scaled_dot_product_attention
+        calls: list[int] = []
+        mx.fast.scaled_dot_product_attention = functools.partial(_counted, sdpa, calls)
+        try:
+            with query_by_query():  # called as mlx_lm's models call it (sinks=None)
+                got = mlx_lm_base.scaled_dot_product_attention(q, k, v, cache=None, scale=0.3, mask=mask)
+        finally:
+            mx.fast.scaled_dot_product_attention = sdpa
+        assert calls == [1] * 5, calls  # one query at a time
+        assert got.shape == want.shape
+        assert np.allclose(np.array(got), np.array(want), atol=1e-5), mask
+    with query_by_query(False):
+        assert mx.fast.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_speculative_steps_attending_query_by_query_keep_their_tokens(tiny_model_fp32, monkeypatch, drafter):
+    """Speculation as it runs on CUDA (the verify's and the draft model's attention query by
+    query): the same greedy tokens as no speculation, the copy's drafts all kept."""
+    from trio_mlx.actor import _batch, _drafting
+
+    real = _batch.query_by_query
+    used: list[bool] = []
+
+    def forced(on: bool = True) -> Any:
+        used.append(on)
+        return real(True)
+
+    monkeypatch.setattr(_batch, "query_by_query", forced)
+    monkeypatch.setattr(_drafting, "query_by_query", forced)
+    base = _one(tiny_model_fp32, GREEDY, 60, REPEATING)
+    tuning = {"speculative": "ngram"} if drafter == "ngram" else {"draft_model": str(tiny_model_fp32)}
+    run = _one(tiny_model_fp32, GREEDY, 60, REPEATING, **tuning)
+    assert run.tokens[1] == base.tokens[1]
+    kept = sum(a for _, _, a in run.speculated)
+    assert used and kept > 0
+    if drafter == "draft":
+        assert sum(d for _, d, _ in run.speculated) == kept > 40
 
 
 async def test_an_engine_with_a_draft_model_serves_the_same_text_and_counts_its_drafts(tiny_model_fp32, embedded_model):

@@ -66,7 +66,9 @@ async def test_short_hostile_soak(tool_model_fp32):
     assert health["statuses"] == {200: health["polls"]} and health["polls"] > 100
     # 2 s allowed (the 2-core box shared with the rest of the suite); measured here: p99 0.06-0.09 s, max 0.17-0.20 s
     assert health["p99_seconds"] < opts.health_p99
-    assert outcomes["completed"] > 0.3 * sum(report["planned"].values())
+    # most ordinary requests complete; the rest were cut by the kill or refused while restarting,
+    # which the report's accounting checks (a loaded box cuts more: 60 of 72 once)
+    assert outcomes["completed"] > planned["ok"] // 2
     assert report["rss_growth"] <= opts.rss_tolerance
     assert report["mlx_active_timeline_bytes"][1] - report["mlx_active_timeline_bytes"][0] <= opts.mlx_tolerance
     assert report["server_exit_code"] == 0

@@ -234,3 +234,14 @@ def _absolute(path: Path, node: ast.ImportFrom) -> str:
         return node.module or ""
     pkg = list(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
     return ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+
+
+def test_the_quantized_kv_knobs_are_tuning_fields():
+    """`kv_bits`, `kv_group_size`, `quantized_kv_start`: fields of the one settings record, so
+    `open_engine(..., kv_bits=8)`, `--kv-bits` and TRIO_MLX_KV_BITS all reach them."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(trio_mlx.ActorTuning)}
+    assert {k: defaults[k] for k in ("kv_bits", "kv_group_size", "quantized_kv_start")} == {
+        "kv_bits": None, "kv_group_size": 64, "quantized_kv_start": 0}
+    assert dataclasses.replace(trio_mlx.ActorTuning(), kv_bits=4).kv_bits == 4

@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
 from .. import _heap as heap
 from .. import models
@@ -55,6 +56,7 @@ from ._batch import (
 from ._constrain import GrammarProcessor, model_vocab
 from ._decode import Decoder, DecodeRow
 from ._drafting import Drafter
+from ._kv_quant import RowQuantizedKVCache, check_kv_bits
 from ._link import ActorLink
 from ._memory import IDLE_RELEASE, apply_cache_limit, memory_figures, prefill_budget
 from ._prompt_cache import PromptCache, budget
@@ -110,6 +112,7 @@ class Actor:
         self._context = 0
         self._vocab = 0
         self._heads = 0  # attention heads, for the prefill chunk (`_batch.prefill_chunk`)
+        self._kv: tuple[int, int] | None = None  # (group size, bits) of a quantized KV cache; set in _load
         # The sequence table and the finish, abort and retire rules (`_schedule.py`, shared with
         # the fake actor).
         self.schedule = Schedule(config.tuning.retire_steps)
@@ -203,13 +206,41 @@ class Actor:
         self._vocab = int(config.get("vocab_size", 0))
         self._heads = int(config.get("num_attention_heads") or config.get("n_heads") or 0)
         self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
-        self._grid = prefill_grid() and plain_kv(self._model)
+        self._kv = self._kv_quantization(config)
+        # the grid's shapes are those of the fused attention, which quantized KV never takes
+        self._grid = prefill_grid() and plain_kv(self._model) and self._kv is None
         self._budget = prefill_budget(self.config.tuning.prefill_budget)
         self._drafter = self._load_drafter()
         self._bg = self._new_generator()
         release = self.config.tuning.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
         return config
+
+    def _kv_quantization(self, config: dict[str, Any]) -> tuple[int, int] | None:
+        """`(group_size, bits)` of the quantized KV cache (`kv_bits`, `_kv_quant.py`), or None;
+        raises ValueError where the model cannot take it: a cache other than plain KV per
+        layer, a group size that does not divide its head dim, bits the device does not run,
+        an attention that fails on quantized keys (one token through the model says)."""
+        tuning = self.config.tuning
+        if tuning.kv_bits is None:
+            return None
+        if not plain_kv(self._model):
+            raise ValueError("kv_bits needs a model whose cache is a plain KV cache per layer (this one uses "
+                             "rotating, chunked or state-space caches): unset kv_bits")
+        heads = int(config.get("num_attention_heads") or 0)
+        head_dim = int(config.get("head_dim") or (int(config.get("hidden_size") or 0) // heads if heads else 0))
+        if head_dim <= 0:
+            raise ValueError("kv_bits: the model's config.json gives no head dim (head_dim, or hidden_size "
+                             "and num_attention_heads)")
+        check_kv_bits(tuning.kv_bits, tuning.kv_group_size, (head_dim,))
+        try:  # one token through the model: its attention must take mlx-lm's quantized path
+            caches = [RowQuantizedKVCache(tuning.kv_group_size, tuning.kv_bits) for _ in make_prompt_cache(self._model)]
+            mx.eval(self._model(mx.array([[0]]), cache=caches))
+        except Exception as exc:
+            raise ValueError(f"kv_bits: this model does not run with a quantized KV cache (its attention must go "
+                             f"through mlx-lm's scaled_dot_product_attention): {type(exc).__name__}: {exc}") from exc
+        log.info("KV cache quantized: %d bits in groups of %d", tuning.kv_bits, tuning.kv_group_size)
+        return tuning.kv_group_size, tuning.kv_bits
 
     def _load_weights(self) -> tuple[Any, dict[str, Any]]:
         """(model, config); a distributed rank loads its shard instead (`_distributed.py`)."""
@@ -254,12 +285,13 @@ class Actor:
         if not c.prompt_cache_disk or not c.tuning.prompt_cache_disk_gb or not self._reuse.cache.enabled:
             return None
         adapter = c.tuning.adapter_path
-        return disk_cache.folder(Path(c.prompt_cache_disk), Path(c.model_path), Path(adapter) if adapter else None)
+        return disk_cache.folder(Path(c.prompt_cache_disk), Path(c.model_path), Path(adapter) if adapter else None,
+                                 self._kv)
 
     def _load_disk(self) -> None:
         if (where := self._disk_folder()) is not None:
             t0 = time.perf_counter()
-            n = disk_cache.load(self._reuse.cache, where, len(self._model.layers))
+            n = disk_cache.load(self._reuse.cache, where, len(self._model.layers), self._kv)
             log.info("prompt cache: read %d entries (%.1f MB) from %s in %.2f s", n,
                      self._reuse.cache.nbytes / 1e6, where, time.perf_counter() - t0)
 
@@ -280,7 +312,7 @@ class Actor:
 
     def _new_generator(self) -> BatchGenerator:
         bg = BatchGenerator(
-            CausalPrefill(self._model, self._grid, self._link and self._link.built, self._heads,  # type: ignore[arg-type]  # called and read as the model
+            CausalPrefill(self._model, self._grid, self._link and self._link.built, self._heads, self._kv,  # type: ignore[arg-type]  # called and read as the model
                           self._adapters),
             max_tokens=1,
             completion_batch_size=self.config.tuning.max_batch,

@@ -28,7 +28,7 @@ import copy
 import functools
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -36,6 +36,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt_cache
 
 from ._decode import Decoder, DecodeRow
+from ._kv_quant import BatchQuantizedKVCache, RowQuantizedKVCache, kv_arrays, kv_map
 from ._speculate import accepted
 
 
@@ -92,8 +93,8 @@ def remove_rows(bg: Any, uids: list[int]) -> None:
     and every layer filters with it, as the stock `filter` would, with the
     same tokens (a removal 5-9x cheaper on a GPU). The kept rows are copied
     as slices (`take_rows`), not gathered. A batch whose
-    caches are not all plain `BatchKVCache`s at one position keeps the stock
-    path.
+    caches are not all `BatchKVCache`s (or all `BatchQuantizedKVCache`s) at one
+    position keeps the stock path.
     """
     caches = _kv_caches(getattr(bg, "_generation_batch", None))
     if caches is None:
@@ -114,11 +115,18 @@ def _keeping(caches: list[Any], keep: _KeepRows, call: Callable[..., Any], *args
             vars(c).pop("filter", None)
 
 
+# The batch caches the helpers here work on: plain KV, and quantized KV (`kv_bits`), whose
+# keys and values are (data, scales, biases) triples in the same layout (`_kv_quant.py`).
+BATCH_KV = (BatchKVCache, BatchQuantizedKVCache)
+
+
 def _kv_caches(batch: Any) -> list[Any] | None:
     """A batch's per-layer caches (the decoding batch's or the prompt batch's) if all are
-    plain `BatchKVCache`s at one position (so they share their padding), else None."""
+    `BatchKVCache`s, or all `BatchQuantizedKVCache`s, at one position (so they share their
+    padding), else None."""
     caches = list(getattr(batch, "prompt_cache", None) or ())
-    if not caches or any(type(c) is not BatchKVCache or c._idx != caches[0]._idx for c in caches):
+    kind = type(caches[0]) if caches else None
+    if kind not in BATCH_KV or any(type(c) is not kind or c._idx != caches[0]._idx for c in caches):
         return None
     return caches
 
@@ -137,12 +145,13 @@ class _KeepRows:
         shift = min(kept)
         rows = mx.array(batch_indices)
         if c.keys is not None:
-            c.keys, c.values = take_rows(c.keys, batch_indices), take_rows(c.values, batch_indices)
+            c.keys = kv_map(lambda a: take_rows(a, batch_indices), c.keys)
+            c.values = kv_map(lambda a: take_rows(a, batch_indices), c.values)
         c.offset = c.offset[rows]
         c.left_padding = mx.array([p - shift for p in kept])
         if shift > 0:
             if c.keys is not None:
-                c.keys, c.values = c.keys[..., shift:, :], c.values[..., shift:, :]
+                c.keys, c.values = kv_map(lambda a: a[..., shift:, :], c.keys), kv_map(lambda a: a[..., shift:, :], c.values)
             c._idx -= shift
 
 
@@ -334,13 +343,19 @@ def _owned_step(decoder: Decoder, batch: Any, first: bool) -> tuple[list[int], l
 
 
 def _one_token_no_mask(cache: Any) -> Callable[..., Any]:
-    """`cache.make_mask` without a mask at one token. It holds the cache weakly: a strong
+    """`cache.make_mask` without a mask at one token, and "causal" for several (what the
+    left padding's array says where there is none). It holds the cache weakly: a strong
     reference from the cache's own attribute would make a cycle, which keeps the cache's KV
     alive after the batch drops it, until the cyclic collector happens to run."""
     ref: Callable[[], Any] = weakref.ref(cache)
 
     def make_mask(N: int, return_array: bool = False, **kwargs: Any) -> Any:
-        return None if N == 1 else BatchKVCache.make_mask(ref(), N, return_array=return_array, **kwargs)
+        if N == 1:
+            return None
+        if return_array or kwargs.get("window_size"):
+            c = ref()  # a `BatchKVCache` or a `BatchQuantizedKVCache`: one mask
+            return type(c).make_mask(c, N, return_array=return_array, **kwargs)
+        return "causal"  # no row padded: several tokens (a speculative step) need only causality
 
     return make_mask
 
@@ -357,21 +372,67 @@ def unmask_unpadded(caches: list[Any]) -> None:
     round trip) only when its array is a new one, i.e. after rows entered or left (`extend`,
     `filter`, `prepare`, `finalize` each assign a new array); each layer's cache then has
     its `make_mask` overridden or restored. Caches of other kinds keep theirs."""
-    first = caches[0] if caches else None
-    if type(first) is not BatchKVCache:
+    first: Any = caches[0] if caches else None
+    if type(first) not in BATCH_KV:
         return
     padding = first.left_padding
     if vars(first).get("_trio_padding_seen") is padding:
         return
     unpadded = not bool(mx.any(padding > 0).item())
     for c in caches:
-        if type(c) is not BatchKVCache:
+        if type(c) not in BATCH_KV:
             continue
         if unpadded:
             vars(c)["make_mask"] = _one_token_no_mask(c)
         else:
             vars(c).pop("make_mask", None)
     vars(first)["_trio_padding_seen"] = padding
+
+
+# The most tokens a step behind a KV may feed for its attention to run query by query
+# (`query_by_query`): a speculative step feeds a row's pending token and its drafts.
+FEW_QUERIES = 16
+
+
+@contextlib.contextmanager
+def query_by_query(on: bool = True) -> Iterator[None]:
+    """While it is open (and `on`), MLX's fused attention over a few queries (2 to
+    FEW_QUERIES) runs one query at a time, each over the keys it may see, with no mask
+    where the step's is causal: the same attention, as that many one-token steps take it.
+
+    On CUDA, MLX 0.32.4 takes a step of several queries to cuDNN, which builds a graph for
+    every pair of query and key lengths it meets (`CausalPrefill`), tens of ms each, and a
+    speculative step behind a KV one step longer than the last meets a new pair at nearly
+    every step (on an H200 a (1, 5) verify took 78 ms at a new key length, 6.6 ms at one
+    met before). One query at a time takes the kernel a decode step takes, built for any
+    key length. A swap of `mx.fast.scaled_dot_product_attention` (mlx_lm's models call it
+    through `models.base.scaled_dot_product_attention`), as `CausalPrefill` does for its
+    rows, on the actor's thread, the only one that runs a model."""
+    if not on:
+        yield
+        return
+    sdpa = mx.fast.scaled_dot_product_attention
+    mx.fast.scaled_dot_product_attention = functools.partial(_by_query, sdpa)
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = sdpa
+
+
+def _by_query(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
+              mask: Any = None, sinks: Any = None, **kwargs: Any) -> Any:
+    n = queries.shape[2]
+    causal = isinstance(mask, str) and mask == "causal"
+    if (not 1 < n <= FEW_QUERIES or sinks is not None or kwargs
+            or not (causal or mask is None or isinstance(mask, mx.array))):
+        return sdpa(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
+    total = keys.shape[2]
+    outs = []
+    for i in range(n):
+        end = total - (n - 1 - i) if causal else total  # query i sees the keys up to its own
+        m = mask[..., i : i + 1, :end] if isinstance(mask, mx.array) else None
+        outs.append(sdpa(queries[:, :, i : i + 1], keys[:, :, :end], values[:, :, :end], scale=scale, mask=m))
+    return mx.concatenate(outs, axis=2)
 
 
 def _owned_next(decoder: Decoder, batch: Any) -> Decoded:
@@ -530,7 +591,8 @@ def _finalize(c: Any) -> None:
         return
     shifts = [int(s) for s in c._right_padding.tolist()]
     if c.keys is not None:
-        c.keys, c.values = roll_right(c.keys, shifts), roll_right(c.values, shifts)
+        c.keys = kv_map(lambda a: roll_right(a, shifts), c.keys)
+        c.values = kv_map(lambda a: roll_right(a, shifts), c.values)
     c.offset = c.offset - c._right_padding
     c.left_padding = c.left_padding + c._right_padding
     c._right_padding = None
@@ -557,7 +619,7 @@ def copy_rows(bg: Any, lengths: dict[int, int]) -> dict[int, tuple[list[Any], li
     """
     batch: Any = getattr(bg, "_generation_batch", None)
     caches = list(getattr(batch, "prompt_cache", None) or ())
-    if not lengths or not caches or any(type(c) is not BatchKVCache or c.keys is None for c in caches):
+    if not lengths or not caches or any(type(c) not in BATCH_KV or c.keys is None for c in caches):
         return {}
     out: dict[int, tuple[list[Any], list[int]]] = {}
     arrays: list[Any] = []
@@ -573,16 +635,20 @@ def copy_rows(bg: Any, lengths: dict[int, int]) -> dict[int, tuple[list[Any], li
             layers = []
             for c in caches:
                 start = c._idx - len(held)
-                kv = KVCache()
-                kv.keys = mx.contiguous(c.keys[i : i + 1, :, start : start + n])
-                kv.values = mx.contiguous(c.values[i : i + 1, :, start : start + n])
+                kv = KVCache() if type(c) is BatchKVCache else RowQuantizedKVCache(c.group_size, c.bits)
+                kv.keys, kv.values = _row_slice(c.keys, i, start, n), _row_slice(c.values, i, start, n)
                 kv.offset = n
                 layers.append(kv)
-            arrays += [(kv.keys, kv.values) for kv in layers]
+            arrays += [a for kv in layers for a in (*kv_arrays(kv.keys), *kv_arrays(kv.values))]
             out[uid] = (layers, list(held[:n]))
         if arrays:
             mx.async_eval(arrays)  # now, so that the batch's buffers are not held past the next step
     return out
+
+
+def _row_slice(kv: Any, row: int, start: int, n: int) -> Any:
+    """A contiguous copy of `n` tokens from `start` of one row of a batch cache's keys (or values)."""
+    return kv_map(lambda a: mx.contiguous(a[row : row + 1, :, start : start + n]), kv)
 
 
 # The bytes one prefill step's attention scores may take. Where MLX has no fused kernel for
@@ -733,25 +799,41 @@ class CausalPrefill:
 
     `built`, if given, is called as each forward returns: the step's graph is built, and
     what is left of the step waits on the device (`_link.ThreadLink`).
+
+    `kv`, if given, is `(group_size, bits)` (`kv_bits`): every sequence the generator takes
+    in gets a quantized cache per layer (`make_cache`; the model's own are plain `KVCache`s,
+    which `Actor._load` checks), and its batches a `BatchQuantizedKVCache`
+    (`_kv_quant.py`). Those steps keep mlx_lm's own mask: its quantized attention has no
+    fused kernel to take.
     """
 
-    __slots__ = ("_model", "grid", "_built", "_heads", "adapters")
+    __slots__ = ("_model", "grid", "_built", "_heads", "kv", "adapters")
 
     def __init__(self, model: Any, grid: bool = False, built: Callable[[], None] | None = None,
-                 heads: int = 0, adapters: RowAdapters | None = None):
+                 heads: int = 0, kv: tuple[int, int] | None = None, adapters: RowAdapters | None = None):
         self._model = model
         self.grid = grid
         self._built = built
         self._heads = heads
+        self.kv = kv
         self.adapters = adapters  # a model with named LoRA adapters: each row's (`adapter_rows`)
 
-    def __getattr__(self, name: str) -> Any:  # the BatchGenerator reads `layers`, `make_cache`
+    def __getattr__(self, name: str) -> Any:  # the BatchGenerator reads `layers`
         return getattr(self._model, name)
+
+    def make_cache(self) -> list[Any]:
+        """A new sequence's caches, as `BatchGenerator.insert` makes them (`make_prompt_cache`
+        asks the model for them when it has this method)."""
+        caches = make_prompt_cache(self._model)
+        if self.kv is None:
+            return caches
+        group_size, bits = self.kv
+        return [RowQuantizedKVCache(group_size, bits) for _ in caches]
 
     def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
         if inputs.shape[1] > 1:  # right padding comes only with a prompt of 2 tokens or more
             for c in cache or ():
-                if type(c) is BatchKVCache and c._right_padding is not None and "finalize" not in vars(c):
+                if type(c) in BATCH_KV and c._right_padding is not None and "finalize" not in vars(c):
                     vars(c)["finalize"] = functools.partial(_finalize, c)  # the prompt batch rolls after
         out = self._forward(inputs, cache, **kwargs)
         if self._built is not None:
@@ -761,8 +843,10 @@ class CausalPrefill:
     def verify(self, inputs: Any, cache: Any) -> Any:
         """The forward of a speculative step (`_speculative_step`): a decoding row's pending
         token and its drafts, a few tokens behind its KV, with mlx_lm's own mask (the row's
-        left padding, if any): none of the prefill's grid or chunking applies."""
-        out = self._model(inputs, cache=cache)
+        left padding, if any): none of the prefill's grid or chunking applies; on CUDA its
+        attention runs query by query (`query_by_query`)."""
+        with query_by_query(self.grid):
+            out = self._model(inputs, cache=cache)
         if self._built is not None:
             self._built()
         return out

@@ -7,9 +7,12 @@ while serving would stall decode steps for as long as the disk takes. One file p
 entry, written with mlx-lm's `save_prompt_cache` (safetensors, the token ids in its
 metadata) and read with `load_prompt_cache`, under a folder named by the model's identity
 (its resolved path, config.json, and its weight files' names, sizes and times), so that
-no model reads another's KV. A file that does not load, or does not hold one single-row
-`KVCache` per layer of exactly its tokens, is skipped and removed: a broken file never
-stops a start.
+no model reads another's KV. With `kv_bits` the entries are quantized (`_kv_quant.py`):
+written as mlx-lm's `QuantizedKVCache`s, under a folder of their own (the bits and group
+size join its name), so plain and quantized KV never meet. A file that does not load, or
+does not hold one single-row `KVCache` (`QuantizedKVCache` of the cache's bits and group
+size) per layer of exactly its tokens, is skipped and removed: a broken file never stops
+a start.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
+from ._kv_quant import RowQuantizedKVCache, kv_arrays
 from ._prompt_cache import PromptCache
 
 log = logging.getLogger("trio_mlx.actor")
@@ -33,9 +37,11 @@ ORDER = "order.json"  # the entries' file names, least recently used first
 _NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
 
 
-def folder(base: Path, model_path: Path, adapter_path: Path | None = None) -> Path:
+def folder(base: Path, model_path: Path, adapter_path: Path | None = None,
+           kv: tuple[int, int] | None = None) -> Path:
     """The folder under `base` that holds `model_path`'s entries (with the LoRA adapter at
-    `adapter_path` applied: its KV is another model's, so its folder is another one)."""
+    `adapter_path` applied: its KV is another model's, so its folder is another one; with
+    the KV quantized in groups of `kv[0]` at `kv[1]` bits, another one again)."""
     h = hashlib.sha256(str(model_path.resolve()).encode())
     config = model_path / "config.json"
     if config.is_file():
@@ -48,7 +54,44 @@ def folder(base: Path, model_path: Path, adapter_path: Path | None = None) -> Pa
         for f in sorted(adapter_path.expanduser().glob("adapter*")):
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    if kv is not None:
+        h.update(f"\0kv:{kv[0]}:{kv[1]}".encode())
     return base / h.hexdigest()[:24]
+
+
+def _savable(layer: Any) -> Any:
+    """A layer as mlx-lm's `load_prompt_cache` can make it again: a quantized one as its own
+    `QuantizedKVCache` (the subclass that merges into a batch is not among its classes)."""
+    if type(layer) is not RowQuantizedKVCache:
+        return layer
+    out = QuantizedKVCache(layer.group_size, layer.bits)
+    out.keys, out.values, out.offset = layer.keys, layer.values, layer.offset
+    return out
+
+
+def _loaded(c: Any, n: int, kv: tuple[int, int] | None) -> Any:
+    """A loaded layer as the prompt cache holds it, if it is one single-row cache of exactly
+    `n` tokens of the expected kind; else ValueError."""
+    if kv is None:
+        if type(c) is not KVCache or c.keys is None:
+            raise ValueError("not a plain KV cache")
+        arrays = [c.keys, c.values]
+    else:
+        if type(c) is not QuantizedKVCache or c.keys is None or (c.group_size, c.bits) != kv:
+            raise ValueError(f"not a KV cache quantized in groups of {kv[0]} at {kv[1]} bits")
+        c = _as_row(c)
+        arrays = [*kv_arrays(c.keys), *kv_arrays(c.values)]
+    if c.offset != n or any(a.shape[0] != 1 or a.shape[2] != n for a in arrays):
+        raise ValueError("not one row of exactly its tokens")
+    return c
+
+
+def _as_row(c: Any) -> Any:
+    """A loaded `QuantizedKVCache` as the prompt cache holds it (`RowQuantizedKVCache`), its
+    triples tuples again (`load_prompt_cache` makes them lists)."""
+    out: Any = RowQuantizedKVCache(c.group_size, c.bits)
+    out.keys, out.values, out.offset = tuple(c.keys), tuple(c.values), c.offset
+    return out
 
 
 def _name(tokens: tuple[int, ...]) -> str:
@@ -75,7 +118,7 @@ def save(cache: PromptCache, where: Path, max_bytes: int) -> int:
         path = where / name
         if not path.is_file():
             tmp = where / ("tmp-" + name)
-            save_prompt_cache(str(tmp), entry.layers, {"tokens": json.dumps(entry.key)})
+            save_prompt_cache(str(tmp), [_savable(c) for c in entry.layers], {"tokens": json.dumps(entry.key)})
             os.replace(tmp, path)
     tmp = where / (ORDER + ".tmp")
     tmp.write_text(json.dumps(names))
@@ -86,9 +129,10 @@ def save(cache: PromptCache, where: Path, max_bytes: int) -> int:
     return len(kept)
 
 
-def load(cache: PromptCache, where: Path, layers: int) -> int:
+def load(cache: PromptCache, where: Path, layers: int, kv: tuple[int, int] | None = None) -> int:
     """Read `where`'s entries into `cache`, the newest that fit its bound, stored oldest
-    first (so that the cache's order is the one written); returns how many it took."""
+    first (so that the cache's order is the one written); returns how many it took. `kv`:
+    (group size, bits) of a quantized cache (`kv_bits`), whose entries are quantized too."""
     if not where.is_dir() or not cache.enabled:
         return 0
     try:
@@ -109,15 +153,15 @@ def load(cache: PromptCache, where: Path, layers: int) -> int:
     taken = 0
     for f in reversed(fit):
         try:
-            kv, meta = load_prompt_cache(str(f), return_metadata=True)
+            found, meta = load_prompt_cache(str(f), return_metadata=True)
             tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
-            if len(kv) != layers or any(type(c) is not KVCache or c.keys is None or c.keys.shape[0] != 1
-                                        or c.offset != len(tokens) or c.keys.shape[2] != len(tokens) for c in kv):
-                raise ValueError("not one single-row KVCache per layer of its tokens")
-            mx.eval([a for c in kv for a in (c.keys, c.values)])
+            if len(found) != layers:
+                raise ValueError("not one cache per layer")
+            found = [_loaded(c, len(tokens), kv) for c in found]
+            mx.eval([a for c in found for a in (*kv_arrays(c.keys), *kv_arrays(c.values))])
         except Exception as exc:  # a broken or foreign file: skipped, and gone
             log.warning("prompt cache: dropping %s (%s)", f.name, exc)
             f.unlink(missing_ok=True)
             continue
-        taken += cache.store(tokens, kv)
+        taken += cache.store(tokens, found)
     return taken

@@ -480,6 +480,8 @@ class LeaderActor(Actor):
                  timeout: float, startup_timeout: float, on_failure: Callable[[str], None] | None):
         if config.tuning.speculation is not None:  # its steps' shapes follow tokens each rank reads back
             raise ValueError("speculative decoding needs a single rank, not a distributed group")
+        if config.tuning.kv_bits is not None:  # not built or tested across ranks
+            raise ValueError("kv_bits needs a single rank, not a distributed group")
         super().__init__(config, _BeatingLink(link, self._beat))
         self._backend, self._mode, self._status = backend, mode, status
         self._timeout, self._startup = timeout, startup_timeout

@@ -18,7 +18,8 @@ per-row policy) are `_speculate.py`'s, with no MLX.
   read back once. Its cache is trimmed past the drafts the target rejected, as the
   target's is.
 
-Only public mlx-lm API here (a model's call, `make_prompt_cache`, a cache's `trim`).
+Only public mlx-lm API here (a model's call, `make_prompt_cache`, a cache's `trim`); on
+CUDA the draft's steps attend query by query (`_batch.query_by_query`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ._batch import prefill_grid, query_by_query
 from ._decode import DecodeRow
 from ._speculate import NgramIndex, RowSpec, room
 
@@ -71,6 +73,8 @@ class Drafter:
         self.model = model
         self.width = width
         self.prefill_step = max(1, prefill_step)
+        # On CUDA a draft's steps of a few tokens attend query by query (`_batch.query_by_query`)
+        self.by_query = model is not None and prefill_grid()
 
     @property
     def mode(self) -> str:
@@ -148,10 +152,11 @@ class Drafter:
             new = new[step:]
         x = mx.concatenate([mx.array(new, dtype=pending.dtype), pending]) if new else pending
         drafts = []
-        for _ in range(k):
-            logits = model(x[None], cache=cache)[:, -1, : self.width or None]
-            x = mx.argmax(logits, axis=-1).astype(pending.dtype)
-            drafts.append(x)
+        with query_by_query(self.by_query):
+            for _ in range(k):
+                logits = model(x[None], cache=cache)[:, -1, : self.width or None]
+                x = mx.argmax(logits, axis=-1).astype(pending.dtype)
+                drafts.append(x)
         state.held = len(held) + k  # the history, the pending token, every draft but the last
         d = mx.concatenate(drafts)
         return Proposal(mx.concatenate([pending, d])[None], d, None, None, len(held))

@@ -44,6 +44,7 @@ redundancy rule above works on salted keys unchanged; no salt is the shared cach
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import os
 from collections.abc import Sequence
@@ -51,7 +52,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 # Without a setting: this share of the GPU's memory, and on the CPU this many bytes
 # at most (a sixteenth of RAM if less).
@@ -108,7 +108,7 @@ def budget(gb: float | None) -> tuple[int, int | None]:
 class _Entry:
     eid: int
     key: tuple[Any, ...]  # the token ids, the first paired with the salt if any (`keyed`)
-    layers: list[Any]  # one KVCache per layer, batch 1, exactly len(key) tokens
+    layers: list[Any]  # one KVCache (RowQuantizedKVCache with kv_bits) per layer, batch 1, exactly len(key) tokens
     nbytes: int
     blocks: list[int]  # the chained hashes of its full blocks
 
@@ -257,22 +257,23 @@ class PromptCache:
         self._lru.move_to_end(entry.eid)
         views = []
         for layer in entry.layers:
-            kv = KVCache()
-            kv.keys, kv.values, kv.offset = layer.keys, layer.values, n
+            kv = copy.copy(layer)  # a `KVCache`, or a `RowQuantizedKVCache` (`kv_bits`): its arrays shared
+            kv.offset = n
             views.append(kv)
         return views, n
 
     # -- entries -------------------------------------------------------------------
 
     def store(self, tokens: Sequence[int], layers: list[Any], salt: Partition = "") -> bool:
-        """Keep `layers` (one single-row `KVCache` per layer holding exactly `tokens`) as
+        """Keep `layers` (one single-row `KVCache` per layer holding exactly `tokens`, or with
+        `kv_bits` a `RowQuantizedKVCache`) as
         an entry under `salt`; returns whether it was kept. An entry that a longer one
         already holds is not; entries it extends are dropped (a prefix of an entry is
         served from it)."""
         if not self.enabled or len(tokens) < BLOCK:
             return False
         key = keyed(tokens, salt)
-        nbytes = sum(kv.keys.nbytes + kv.values.nbytes for kv in layers)
+        nbytes = sum(kv.nbytes for kv in layers)  # quantized KV (`kv_bits`) counts its packed bytes
         if nbytes > self.max_bytes:
             return False
         holder, n = self._match(key)

@@ -7,13 +7,14 @@ a row leaving the batch, an abort, a failed step.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from ._batch import copy_rows
+from ._kv_quant import kv_map
 from ._prompt_cache import BLOCK, Partition, PromptCache, common_prefix
 
 # A prompt at least this long is stored as soon as it is prefilled, so that
@@ -218,10 +219,11 @@ class Reuse:
         n = min(n, len(tokens), *(kv.offset for kv in layers))
         cut = []
         for kv in layers:
-            c = KVCache()
+            c = copy.copy(kv)  # a `KVCache`, or a `RowQuantizedKVCache` (`kv_bits`)
             # contiguous copies: a slice would keep the whole extracted buffer alive
             # while its bytes counted only the slice
-            c.keys, c.values = mx.contiguous(kv.keys[..., :n, :]), mx.contiguous(kv.values[..., :n, :])
+            c.keys = kv_map(lambda a: mx.contiguous(a[..., :n, :]), kv.keys)
+            c.values = kv_map(lambda a: mx.contiguous(a[..., :n, :]), kv.values)
             c.offset = n
             cut.append(c)
         self.cache.relieve()

@@ -22,6 +22,10 @@ from .._fields import doc, read_environ
 # The most drafted tokens per speculative step, and the longest n-gram: a bound on one
 # step's width (a forward over 65 tokens is a short prefill), not a recommendation.
 MAX_DRAFT = 64
+# What `mx.quantize` offers for the KV cache (`kv_bits`, `_kv_quant.py`): bits, and group sizes
+# (which must also divide the model's head dim, checked when it loads).
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
 
 
 # An adapter's name: what a request's model field names (alone, or after "MODEL:").
@@ -112,6 +116,22 @@ class ActorTuning:
         "a LoRA (or DoRA) adapter directory, as mlx_lm.lora writes it (adapter_config.json and "
         "adapters.safetensors), applied over the model's weights: every request is served by the "
         "adapted model, as mlx_lm.server's --adapter-path; not with distributed"))
+    # `_kv_quant.py`: the batch's quantized cache; `Actor._load` checks the model takes it.
+    kv_bits: int | None = field(default=None, metadata=doc(
+        "store the KV cache quantized at this many bits (4 or 8; 2, 3, 5 and 6 where the device "
+        "runs them), as mlx_lm.server's --kv-bits: 8 bits hold a sequence's KV in about half the "
+        "memory of bf16, 4 bits in about a quarter, so more and longer conversations fit, at some "
+        "cost in quality (docs/server.md); the prompt cache (and its disk tier) holds it quantized too; "
+        "not with distributed; unset: the model's own precision"))
+    kv_group_size: int = field(default=64, metadata=doc(
+        "the group size of kv_bits' quantization (32, 64 or 128: each group of this many values "
+        "of a head vector shares a scale and a bias); it must divide the model's head dim"))
+    # 0 only: `_kv_quant.py` says why.
+    quantized_kv_start: int = field(default=0, metadata=doc(
+        "the token from which kv_bits quantizes a sequence's KV: 0 only, from its first token, so "
+        "that a sequence's tokens do not depend on the batch it shares, on how its prompt was "
+        "chunked or on a prompt-cache hit (mlx-lm defaults to 5000 and converts a sequence's cache "
+        "once it passes that many tokens, at full precision until then); other values are refused"))
     # `models.load_model(adapters=...)` stacks them in multi-adapter layers (`models/_lora.py`);
     # a request picks one by name (`Submit.adapter`). Given as NAME=PATH strings (a flag per
     # adapter, or one variable with commas) or, in the library, as a {name: path} mapping.
@@ -151,7 +171,8 @@ class ActorTuning:
         if self.adapters and self.decode_step != "owned":
             raise ValueError("adapters need decode_step 'owned' (the actor's decode step selects each row's "
                              "adapter)")
-        least = {"max_batch": 1, "prefill_batch": 1, "prefill_step": 1, "retire_steps": 0, "prefill_budget": 0}
+        least = {"max_batch": 1, "prefill_batch": 1, "prefill_step": 1, "retire_steps": 0, "prefill_budget": 0,
+                 "kv_group_size": 1, "quantized_kv_start": 0}
         for name, low in least.items():
             value = getattr(self, name)
             if name == "prefill_budget" and value is None:
@@ -178,6 +199,16 @@ class ActorTuning:
             raise ValueError("speculative 'draft' needs draft_model")
         if self.speculative == "ngram" and self.draft_model:
             raise ValueError("draft_model goes with speculative 'draft' (or unset), not 'ngram'")
+        if self.kv_bits is not None:
+            if isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS:
+                raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (or unset), got {self.kv_bits!r}")
+            if isinstance(self.kv_group_size, bool) or self.kv_group_size not in KV_GROUP_SIZES:
+                raise ValueError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
+                                 f"got {self.kv_group_size!r}")
+            if self.quantized_kv_start != 0:
+                raise ValueError(f"quantized_kv_start must be 0 (kv_bits quantizes a sequence's KV from its "
+                                 f"first token: a row of a batch cannot change precision beside the others), "
+                                 f"got {self.quantized_kv_start!r}")
         if self.speculation is not None and self.decode_step != "owned":
             raise ValueError("speculative decoding needs decode_step 'owned'")
 

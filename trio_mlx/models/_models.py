@@ -107,6 +107,10 @@ _SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128, vocab_size=512,
                  rope_theta=10000.0, max_position_embeddings=1024),
+    # "tiny" with a head dim of 64, which every quantized KV group size divides (kv_bits)
+    "tiny-hd64": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=256, vocab_size=512,
+                      rope_theta=10000.0, max_position_embeddings=1024),
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
                          rope_theta=100000.0, max_position_embeddings=8192),

@@ -180,6 +180,9 @@ class Settings:
         if self.distributed and self.tuning.speculation is not None:
             raise ValueError("speculative decoding (speculative, draft_model) needs a single rank, not a "
                              "distributed group")
+        if self.distributed and self.tuning.kv_bits is not None:
+            raise ValueError("kv_bits needs a single rank, not a distributed group (the quantized KV cache "
+                             "is not built for one): unset kv_bits or distributed")
         if self.distributed and self.tuning.adapter_path:
             raise ValueError("adapter_path needs a single rank, not a distributed group (each rank loads "
                              "its own shard of the weights, without the adapter)")
