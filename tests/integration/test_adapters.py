@@ -233,3 +233,33 @@ async def test_adapters_that_cannot_be_served_side_by_side_fail_startup_naming_t
     with pytest.raises(ModelLoadError, match=r"(?s)could not apply the adapter 'o' at .*other.*does not match"):
         async with trio_mlx.open_engine(tiny_model_fp32, adapters={"o": str(other)}, warmup=False):
             pass
+
+
+async def test_adapters_with_a_quantized_kv_cache_are_mlx_lm_s_quantized_tokens(tmp_path_factory):
+    """`kv_bits` and named adapters combine: a batch of a row on an adapter and a row on none,
+    each mlx-lm's own greedy tokens with its `QuantizedKVCache` (and the adapter loaded)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from trio_mlx.models import build_test_model
+
+    model = build_test_model(tmp_path_factory.mktemp("tiny-hd64") / "model", shape="tiny-hd64")
+    lora = _make_adapter(model, tmp_path_factory.mktemp("lora-hd64") / "q", seed=13)
+    prompts = {None: [5 + (7 * i) % 400 for i in range(90)], "q": [5 + (11 * i) % 400 for i in range(70)]}
+    async with trio_mlx.open_engine(model, adapters={"q": str(lora)}, kv_bits=8) as engine:
+        got: dict[str | None, list[int]] = {}
+        async with trio.open_nursery() as nursery:
+            async def one(name: str | None) -> None:
+                got[name] = (await run(engine, prompts[name], max_tokens=12, adapter=name, **GREEDY))[0]
+            for name in prompts:
+                nursery.start_soon(one, name)
+    def want(adapter: str | None, prompt: list[int]) -> list[int]:
+        m, _ = load(str(model), **({"adapter_path": str(lora)} if adapter else {}))
+        cache = [QuantizedKVCache(group_size=64, bits=8) for _ in m.layers]
+        return [int(t) for t, _ in generate_step(mx.array(prompt), m, max_tokens=12, prompt_cache=cache)]
+
+    for name, prompt in prompts.items():
+        assert got[name] == want(name, prompt), name
+    assert got["q"] != want(None, prompts["q"]), "the adapter changed nothing"
