@@ -269,6 +269,7 @@ def test_a_model_whose_attention_takes_no_quantized_keys_is_refused():
     (here one that reads the keys as an array) stops the start, naming kv_bits."""
     from trio_mlx.actor import ActorConfig
     from trio_mlx.actor._actor import Actor
+    from trio_mlx.actor._loading import kv_quantization
 
     class OwnAttention:
         layers = [None, None]  # two plain KV caches (mlx-lm's default for a model without make_cache)
@@ -281,4 +282,4 @@ def test_a_model_whose_attention_takes_no_quantized_keys_is_refused():
     actor = Actor(ActorConfig(Path("m"), trio_mlx.ActorTuning(kv_bits=8)), None)  # type: ignore[arg-type]
     actor._model = OwnAttention()
     with pytest.raises(ValueError, match="kv_bits: this model does not run with a quantized KV cache"):
-        actor._kv_quantization({"hidden_size": 128, "num_attention_heads": 2})
+        kv_quantization(actor._model, {"hidden_size": 128, "num_attention_heads": 2}, actor.config.tuning)

@@ -26,7 +26,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
 
 from .. import _heap as heap
 from .. import models
@@ -56,8 +55,8 @@ from ._batch import (
 from ._constrain import GrammarProcessor, model_vocab
 from ._decode import Decoder, DecodeRow
 from ._drafting import Drafter
-from ._kv_quant import RowQuantizedKVCache, check_kv_bits
 from ._link import ActorLink
+from ._loading import kv_quantization, load_drafter
 from ._memory import IDLE_RELEASE, apply_cache_limit, memory_figures, prefill_budget
 from ._prompt_cache import PromptCache, budget
 from ._protocol import (
@@ -206,70 +205,20 @@ class Actor:
         self._vocab = int(config.get("vocab_size", 0))
         self._heads = int(config.get("num_attention_heads") or config.get("n_heads") or 0)
         self._gpu = gpu = mx.default_device().type == mx.DeviceType.gpu
-        self._kv = self._kv_quantization(config)
+        self._kv = kv_quantization(self._model, config, self.config.tuning)
         # the grid's shapes are those of the fused attention, which quantized KV never takes
         self._grid = prefill_grid() and plain_kv(self._model) and self._kv is None
         self._budget = prefill_budget(self.config.tuning.prefill_budget)
-        self._drafter = self._load_drafter()
+        self._drafter = load_drafter(self._model, self.config.tuning, self.config.draft_model_path, self._vocab)
         self._bg = self._new_generator()
         release = self.config.tuning.idle_release
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
         return config
 
-    def _kv_quantization(self, config: dict[str, Any]) -> tuple[int, int] | None:
-        """`(group_size, bits)` of the quantized KV cache (`kv_bits`, `_kv_quant.py`), or None;
-        raises ValueError where the model cannot take it: a cache other than plain KV per
-        layer, a group size that does not divide its head dim, bits the device does not run,
-        an attention that fails on quantized keys (one token through the model says)."""
-        tuning = self.config.tuning
-        if tuning.kv_bits is None:
-            return None
-        if not plain_kv(self._model):
-            raise ValueError("kv_bits needs a model whose cache is a plain KV cache per layer (this one uses "
-                             "rotating, chunked or state-space caches): unset kv_bits")
-        heads = int(config.get("num_attention_heads") or 0)
-        head_dim = int(config.get("head_dim") or (int(config.get("hidden_size") or 0) // heads if heads else 0))
-        if head_dim <= 0:
-            raise ValueError("kv_bits: the model's config.json gives no head dim (head_dim, or hidden_size "
-                             "and num_attention_heads)")
-        check_kv_bits(tuning.kv_bits, tuning.kv_group_size, (head_dim,))
-        try:  # one token through the model: its attention must take mlx-lm's quantized path
-            caches = [RowQuantizedKVCache(tuning.kv_group_size, tuning.kv_bits) for _ in make_prompt_cache(self._model)]
-            mx.eval(self._model(mx.array([[0]]), cache=caches))
-        except Exception as exc:
-            raise ValueError(f"kv_bits: this model does not run with a quantized KV cache (its attention must go "
-                             f"through mlx-lm's scaled_dot_product_attention): {type(exc).__name__}: {exc}") from exc
-        log.info("KV cache quantized: %d bits in groups of %d", tuning.kv_bits, tuning.kv_group_size)
-        return tuning.kv_group_size, tuning.kv_bits
-
     def _load_weights(self) -> tuple[Any, dict[str, Any]]:
         """(model, config); a distributed rank loads its shard instead (`_distributed.py`)."""
         tuning = self.config.tuning
         return models.load_model(self.config.model_path, tuning.adapter_path, tuning.adapter_map or None)
-
-    def _load_drafter(self) -> Drafter | None:
-        """Speculative decoding's drafter, if the tuning asks for one (`_drafting.py`), with
-        its draft model loaded. Both models' caches must be plain KV caches (`plain_kv`):
-        a rejected draft's KV is trimmed off, which a rotating or state-space cache cannot do."""
-        tuning = self.config.tuning
-        mode = tuning.speculation
-        if mode is None:
-            return None
-        if not plain_kv(self._model):
-            raise ValueError("speculative decoding needs a model whose cache is a plain KV cache per layer "
-                             "(rejected drafts are trimmed off it)")
-        draft = None
-        if mode == "draft":
-            path = self.config.draft_model_path or tuning.draft_model
-            assert path is not None
-            t0 = time.perf_counter()
-            draft, _ = models.load_model(Path(path))
-            if not plain_kv(draft):
-                raise ValueError(f"the draft model at {path} needs a plain KV cache per layer")
-            log.info("loaded the draft model %s in %.2f s", path, time.perf_counter() - t0)
-        log.info("speculative decoding: %s, up to %d drafted tokens a step, for a sequence decoding alone",
-                 "prompt lookup" if draft is None else "a draft model", tuning.draft_tokens)
-        return Drafter(tuning.draft_tokens, tuning.ngram_size, draft, self._vocab, tuning.prefill_step)
 
     def _open_cache(self) -> None:
         """A fresh, empty prompt cache (`_prompt_cache.py`): once warm, and for the
