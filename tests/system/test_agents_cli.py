@@ -86,11 +86,11 @@ def record_statuses(server: Any) -> list[tuple[str, int | None]]:
 
 
 @asynccontextmanager
-async def agent_server(model: Path, call: Callable[[str], str]) -> AsyncIterator[tuple[Any, list[Any]]]:
+async def agent_server(model: Path, call: Callable[[str], str], **settings: Any) -> AsyncIterator[tuple[Any, list[Any]]]:
     """A server of the scripted model whose tool call is `call(COMMAND)`, and the (path, status)
     of every generation request it answers."""
     actor = partial(FakeActor, reply=script(model, call), context_length=CONTEXT)
-    async with serve(model, factory=engine_factory(actor=actor), model_name="local") as server:
+    async with serve(model, factory=engine_factory(actor=actor), model_name="local", **settings) as server:
         yield server, record_statuses(server)
 
 
@@ -117,12 +117,11 @@ async def test_claude_code_runs_a_tool_and_answers(tool_model_fp32, tmp_path):
     def bash(cmd: str) -> str:
         return tool_call("Bash", {"command": cmd, "description": "the check"})
 
-    async with agent_server(tool_model_fp32, bash) as (server, statuses):
+    # No model named: Claude Code asks for its own `claude-...` models, which an alias serves.
+    async with agent_server(tool_model_fp32, bash, model_aliases=("claude-*=local",)) as (server, statuses):
         ran = await run_agent(
-            [agent("claude"), "-p", ASK, "--output-format", "stream-json", "--verbose",
-             "--allowedTools", "Bash", "--model", "local"],
-            {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "local", "ANTHROPIC_SMALL_FAST_MODEL": "local",
-             "HOME": str(home)}, tmp_path)
+            [agent("claude"), "-p", ASK, "--output-format", "stream-json", "--verbose", "--allowedTools", "Bash"],
+            {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "local", "HOME": str(home)}, tmp_path)
     # Its first request holds a system turn inside messages, under a beta.
     events = finished(*ran, statuses)
     uses = [b for e in events if e.get("type") == "assistant" for b in e["message"]["content"]

@@ -118,3 +118,37 @@ def test_what_cannot_combine_is_refused_at_startup():
         Settings.from_env({}, adapters=("sql=/x",), distributed="tensor")
     with pytest.raises(ValueError, match="'model' is the served model's own name"):
         Settings.from_env({}, model="/m/model", adapters=("model=/x",))
+
+
+async def test_model_aliases_map_a_clients_own_names_to_the_model_or_an_adapter(tiny_model_fp32, adapters):
+    """Claude Code asks for `claude-...` models, other clients for a `gpt-...` default: each alias
+    (a glob) names what serves them; the first match wins; other names stay 404."""
+    aliases = ("claude-*-haiku-*=sql", "claude-*=model", "gpt-4o=model:poem")
+    async with serve(tiny_model_fp32, factory=fake_factory(adapters=adapters), adapters=adapters,
+                     model_aliases=aliases) as server, server.client() as client:
+        r = await client.post(MESSAGES, json={"model": "claude-sonnet-4-5-20250929", "max_tokens": 2,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["model"] == "model", r.text
+        r = await client.post(MESSAGES, json={"model": "claude-3-5-haiku-20241022", "max_tokens": 2,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["model"] == "sql", r.text
+        r = await client.post(CHAT, json=chat_body(model="gpt-4o", max_tokens=2))
+        assert r.status_code == 200 and r.json()["model"] == "poem", r.text
+        r = await client.post(RESPONSES, json={"model": "gpt-4o", "input": "hi", "max_output_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "poem", r.text
+        assert (await client.get("/v1/models/gpt-4o")).json()["id"] == "poem"
+        assert_error(await client.post(CHAT, json=chat_body(model="gpt-4o-mini")), 404, code="model_not_found")
+
+
+@pytest.mark.parametrize("alias", ["claude-*=nope", "claude-*", "=model", "x=model:nope"])
+def test_an_alias_to_nothing_served_is_refused_at_startup(tiny_model_fp32, alias):
+    with pytest.raises(ValueError, match="model_aliases"):
+        Settings.from_env({}, model=str(tiny_model_fp32), model_name="model", model_aliases=(alias,))
+
+
+def test_model_aliases_come_from_a_repeated_flag_or_the_environment(tiny_model_fp32):
+    args = build_parser().parse_args([str(tiny_model_fp32), "--model-name", "m", "--model-alias", "claude-*=m",
+                                      "--model-alias", "gpt-4o=m,o1=m"])
+    assert settings_from_args(args).model_aliases == ("claude-*=m", "gpt-4o=m", "o1=m")
+    env = Settings.from_env({"TRIO_MLX_MODEL_ALIASES": "claude-*=m"}, model=str(tiny_model_fp32), model_name="m")
+    assert env.model_aliases == ("claude-*=m",)

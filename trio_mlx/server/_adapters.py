@@ -2,14 +2,17 @@
 
 `--adapter NAME=PATH` serves adapters beside the model (`ActorTuning.adapters`); a
 request picks one by naming it as its model, `NAME` or `BASE:NAME` (BASE the served
-model's id, as /v1/models lists it), as vLLM's LoRA modules are named. Any other name
-is a 404 `model_not_found` in the API's own error shape, as an unknown model was
-before adapters: a name that merely looks like an adapter's (`BASE:...`) gets the
-same answer, with the adapters the server has.
+model's id, as /v1/models lists it), as vLLM's LoRA modules are named. A name that is
+neither goes through `--model-alias PATTERN=TARGET` (`Settings.model_aliases`: globs, the
+first match wins), for clients that ask for a name of their own (Claude Code's
+`claude-...` models, a `gpt-...` default). Any other name is a 404 `model_not_found` in
+the API's own error shape: a name that merely looks like an adapter's (`BASE:...`) gets
+the same answer, with the adapters the server has.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any
 
 from ._http import HTTPError
@@ -26,6 +29,10 @@ def pick_adapter(settings: Any, name: str | None) -> str | None:
         return name
     if name.startswith(base + ":") and name[len(base) + 1:] in adapters:
         return name[len(base) + 1:]
+    for alias in settings.model_aliases:
+        pattern, _, target = alias.partition("=")
+        if fnmatch.fnmatchcase(name, pattern):  # the target is one of the above (`Settings` checks)
+            return pick_adapter(settings, target)
     if adapters:
         listed = ", ".join(repr(a) for a in adapters)
         raise HTTPError(404, f"the model {name!r} does not exist; this server serves {base!r} and the adapters "

@@ -95,6 +95,10 @@ class Settings:
         "who shares the prompt cache: 'shared' (every request, as the cached_tokens of each show: "
         "one user can learn another's prompt from them) or 'key' (only requests made with the same "
         "API key; needs api_key). A request's cache_salt partitions it further in either case"))
+    model_aliases: tuple[str, ...] = field(default=(), metadata=_doc(
+        "NAME=TARGET pairs (comma-separated or repeated): a request whose model is NAME (a glob: "
+        "'claude-*', 'gpt-4*') is served by TARGET, the served model's id or one of its adapters; "
+        "the first that matches wins", flag="model-alias"))
     cors_origins: tuple[str, ...] = field(default=(), metadata=_doc(
         "comma-separated origins allowed by CORS ('*' for any); empty: no CORS headers"))
     allowed_hosts: tuple[str, ...] = field(default=(), metadata=_doc(
@@ -189,6 +193,14 @@ class Settings:
         if self.served_model_name in self.tuning.adapter_map:
             raise ValueError(f"adapters: {self.served_model_name!r} is the served model's own name; name the "
                              "adapter otherwise (or the model: model_name)")
+        for alias in self.model_aliases:
+            pattern, eq, target = alias.partition("=")
+            base = self.served_model_name
+            adapters = self.tuning.adapter_map
+            if not eq or not pattern.strip() or not (target == base or target in adapters or (
+                    target.startswith(base + ":") and target[len(base) + 1:] in adapters)):
+                served = ", ".join(repr(n) for n in (base, *adapters))
+                raise ValueError(f"model_aliases: {alias!r} is not NAME=TARGET with TARGET one of {served}")
         if self.distributed and self.tuning.adapters:
             raise ValueError("adapters need a single rank, not a distributed group (each rank loads its own "
                              "shard of the weights, without the adapters)")
