@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from _timing import timed  # beside this file
 
 import trio_mlx
 
@@ -77,20 +78,9 @@ def prompt() -> str:
     return f"Request {k}. " + " ".join(f"w{(k * 31 + i) % 997}" for i in range(40))
 
 
-async def one(engine: Any, adapter: str | None, max_tokens: int) -> dict[str, float]:
-    t0 = time.perf_counter()
-    first = None
-    async with engine.generate(prompt(), max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                               adapter=adapter) as events:
-        async for ev in events:
-            if isinstance(ev, trio_mlx.TextDelta) and first is None and ev.token_ids:
-                first = time.perf_counter()
-            elif isinstance(ev, trio_mlx.Finished):
-                end = time.perf_counter()
-                n = ev.usage.completion_tokens
-                return {"tokens": n, "ttft": (first or end) - t0,
-                        "decode_tps": (n - 1) / max(1e-9, end - (first or end))}
-    raise AssertionError("no Finished")
+async def one(engine: Any, adapter: str | None, max_tokens: int) -> dict[str, Any]:
+    return await timed(engine.generate(prompt(), max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                       adapter=adapter))
 
 
 async def level(engine: Any, adapters: list[str | None], c: int, max_tokens: int) -> dict[str, float]:

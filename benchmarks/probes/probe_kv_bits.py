@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import trio
+from _timing import timed  # beside this file
 
 import trio_mlx
 
@@ -40,19 +41,7 @@ def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
 
 
 async def one(engine: trio_mlx.Engine, prompt: list[int], max_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    first: float | None = None
-    async with engine.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True) as events:
-        async for ev in events:
-            if isinstance(ev, trio_mlx.TextDelta) and first is None and ev.token_ids:
-                first = time.perf_counter()
-            elif isinstance(ev, trio_mlx.Finished):
-                end = time.perf_counter()
-                n = ev.usage.completion_tokens
-                start = first or end
-                return {"ttft": start - t0, "decode_tps": (n - 1) / max(1e-9, end - start), "tokens": n,
-                        "first": start, "end": end, "error": ev.error}
-    raise AssertionError("no Finished")
+    return await timed(engine.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
 async def level(engine: trio_mlx.Engine, c: int, prompt_tokens: int, max_tokens: int, vocab: int) -> dict:
