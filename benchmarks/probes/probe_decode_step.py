@@ -68,7 +68,7 @@ def measure(a: Actor, mode: str, rows: int, steps: int, seed: int) -> dict[str, 
         report = a._step(failed or [])
         assert not report.failed, report.failed
         failed = a._apply([])
-        if a._decoding == rows:
+        if a.schedule.decoding == rows:
             break
     mx.synchronize()
     tokens = 0
@@ -78,7 +78,7 @@ def measure(a: Actor, mode: str, rows: int, steps: int, seed: int) -> dict[str, 
     mx.synchronize()
     seconds = time.perf_counter() - t0
     a._apply([Abort(s.rid) for s in subs])
-    while a._seqs or a._retired:
+    while a.schedule.seqs or a.schedule.retired:
         a._step(a._apply([]) or [])
     return {"tok_s": tokens / seconds, "ms_step": 1e3 * seconds / steps, "tokens": tokens}
 

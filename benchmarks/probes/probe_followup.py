@@ -7,7 +7,7 @@ An agent's turn adds a few dozen tokens to a long conversation whose KV the prom
 holds. On an H100 (1B, bf16; benchmarks/2026-11-27-h100/prefix-grain/, step trace) such a
 follow-up's prefill `next()` took 8-17 ms and the step that sampled its first token 6-9.5,
 where a fresh 65-token prompt took 7 and 5: the follow-up prefills its new tokens plus what
-the grain leaves uncached (`_batch.GRID_PREFIX`) behind ~7.7k cached ones. This splits that:
+the grain leaves uncached (`_shapes.GRID_PREFIX`) behind ~7.7k cached ones. This splits that:
 
 - `fresh N`: a one-row BatchGenerator over the actor's grid-prefilling model
   (`_batch.CausalPrefill`, the grid on CUDA only) given N new tokens, each `next()` until the
@@ -46,7 +46,8 @@ from gpu_timing import load, steps_to_first_token, timed  # benchmarks/probes/, 
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from trio_mlx.actor._batch import GRID_PREFIX, CausalPrefill, grid_sizes, prefill_grid, remove_rows
+from trio_mlx.actor._batch import CausalPrefill, remove_rows
+from trio_mlx.actor._shapes import GRID_PREFIX, grid_sizes, prefill_grid
 from trio_mlx.actor._warmup import prebuild_prefill
 
 model, layers, vocab = load(sys.argv[1])

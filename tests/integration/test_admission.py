@@ -355,16 +355,16 @@ async def _serve_long_prompts(model: Path, trace: Path, **options: Any) -> tuple
 
 
 async def test_long_prompts_prefill_in_chunks_that_bound_attention_scratch(tiny_model_fp32, tmp_path, monkeypatch):
-    """The prefill chunk shrinks as prompts x context grows (`_batch.prefill_chunk`), so
+    """The prefill chunk shrinks as prompts x context grows (`_shapes.prefill_chunk`), so
     that a prefill step's attention scores stay within ATTENTION_SCRATCH; the tokens are
     those of an unbounded prefill. On an H100, 8 long prompts beside 64 decoding rows ran
     out of memory in chunks of 2048 (benchmarks/2026-11-24-h100/prefill-memory/)."""
-    from trio_mlx.actor import _batch
+    from trio_mlx.actor import _shapes
 
     # the tiny model has 4 heads: 5 MB of float32 scores hold 128 tokens of 4 prompts of 600
-    monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", 5_000_000)
+    monkeypatch.setattr(_shapes, "ATTENTION_SCRATCH", 5_000_000)
     bounded, rows = await _serve_long_prompts(tiny_model_fp32, tmp_path / "bounded.tsv")
-    monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", 1 << 40)
+    monkeypatch.setattr(_shapes, "ATTENTION_SCRATCH", 1 << 40)
     unbounded, rows_unbounded = await _serve_long_prompts(tiny_model_fp32, tmp_path / "unbounded.tsv")
     assert bounded == unbounded and all(len(t) == 6 for t in bounded)
     assert max(r["prompt_tokens"] for r in rows_unbounded) >= 599  # one step took a whole prompt
@@ -378,9 +378,9 @@ async def test_on_the_shape_grid_unpadded_prompts_prefill_whole(tiny_model_fp32,
     the fused attention, which materializes no scores: the actor leaves its chunk whole
     whatever ATTENTION_SCRATCH says (`_batch.CausalPrefill` bounds the padded steps), and
     the tokens are the bounded run's."""
-    from trio_mlx.actor import _actor, _batch
+    from trio_mlx.actor import _actor, _shapes
 
-    monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", 5_000_000)
+    monkeypatch.setattr(_shapes, "ATTENTION_SCRATCH", 5_000_000)
     monkeypatch.setattr(_actor, "prefill_grid", lambda: True)
     # CUDA's default: no prompt-token budget (the CPU's would cut a fresh actor's first step)
     on_grid, rows = await _serve_long_prompts(tiny_model_fp32, tmp_path / "grid.tsv", warmup=False, prefill_budget=0)
@@ -476,7 +476,7 @@ async def test_an_idle_batch_s_long_prefill_is_cut_so_that_each_chunk_reports_pr
 
 
 def test_the_budget_chunk_fills_the_budget_on_the_rounding_of_prefill_chunk():
-    from trio_mlx.actor._batch import budget_chunk
+    from trio_mlx.actor._shapes import budget_chunk
 
     assert budget_chunk(2048, [1900] * 8, 0) == 2048  # no budget
     assert budget_chunk(2048, [100] * 32, 4096) == 2048  # short prompts within it go whole
@@ -494,7 +494,7 @@ def test_the_budget_chunk_fills_the_budget_on_the_rounding_of_prefill_chunk():
 
 
 def test_the_prefill_chunk_follows_prompts_context_and_heads():
-    from trio_mlx.actor._batch import prefill_chunk
+    from trio_mlx.actor._shapes import prefill_chunk
 
     gib = 1 << 30
     assert prefill_chunk(2048, 1, 1200, 32, 4 * gib) == 2048  # one prompt of a chat: untouched
@@ -505,7 +505,7 @@ def test_the_prefill_chunk_follows_prompts_context_and_heads():
 
 
 def test_the_grid_pads_a_query_to_a_power_of_two_then_to_a_multiple_of_512():
-    from trio_mlx.actor._batch import grid_length, grid_sizes
+    from trio_mlx.actor._shapes import grid_length, grid_sizes
 
     assert [grid_length(n) for n in (1, 128, 129, 300, 512)] == [128, 128, 256, 512, 512]
     assert [grid_length(n) for n in (513, 1024, 1351, 2048)] == [1024, 1024, 1536, 2048]  # a chat turn: 1,536

@@ -287,11 +287,11 @@ def test_greedy_tokens_are_mlx_lm_generates_in_a_batch_of_16_with_rows_entering_
     script.setdefault(9, []).append(Abort(5))
     tokens, last = _serve(actor, script, 60)
     assert last[5] < 9 and len(tokens[5]) < lengths[5]
-    assert 5 not in {s.rid for s in actor._seqs.values()}
+    assert 5 not in {s.rid for s in actor.schedule.seqs.values()}
     for rid in range(16):
         if rid != 5:
             assert tokens[rid] == _reference_greedy(tiny_model_fp32, prompts[rid], lengths[rid]), rid
-    assert not actor._seqs and not actor._bg._generation_batch.uids  # type: ignore[union-attr]
+    assert not actor.schedule.seqs and not actor._bg._generation_batch.uids  # type: ignore[union-attr]
 
 
 def test_the_owned_step_and_mlx_lms_give_the_same_greedy_tokens_with_bias_and_penalties(tiny_model_fp32):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from mlx_lm.generate import BatchGenerator
 
-from trio_mlx.actor import _batch
+from trio_mlx.actor import _batch, _shapes
 from trio_mlx.models import _models
 
 
@@ -280,7 +280,7 @@ def test_on_the_grid_a_left_padded_prefill_runs_in_chunks_its_scores_allow(tiny_
 
     monkeypatch.setattr(llama, "scaled_dot_product_attention", spy)
     # 2 rows x 4 heads x 600 keys x 4 bytes: 2 MB of scores hold 200 query tokens, cut to 128
-    monkeypatch.setattr(_batch, "ATTENTION_SCRATCH", 2_000_000)
+    monkeypatch.setattr(_shapes, "ATTENTION_SCRATCH", 2_000_000)
 
     def run(forward) -> tuple[mx.array, list[mx.array]]:
         caches = [BatchKVCache([0, 5]) for _ in range(layers)]

@@ -87,7 +87,7 @@ def _serve(actor: Actor, script: dict[int, list[Any]], steps: int = 200) -> Run:
         run.spec_steps += [k] * len(report.speculated)
         run.rows.append(batch_rows(actor._bg))
         run.steps = k + 1
-        if k >= max(script, default=0) and not actor._seqs:
+        if k >= max(script, default=0) and not actor.schedule.seqs:
             break
     return run
 
@@ -207,7 +207,7 @@ def test_an_abort_between_speculative_steps_ends_the_row(tiny_model_fp32, monkey
     actor = _actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=4)
     run = _serve(actor, {0: [Submit(1, PROMPT, 48, GREEDY, frozenset())], 3: [Abort(1)]}, steps=6)
     assert 0 < len(run.tokens[1]) < 48 and run.tokens[1] == base.tokens[1][: len(run.tokens[1])]
-    assert not actor._seqs and not actor._bg._generation_batch.uids  # type: ignore[union-attr]
+    assert not actor.schedule.seqs and not actor._bg._generation_batch.uids  # type: ignore[union-attr]
 
 
 def test_two_rows_do_not_speculate_and_a_row_left_alone_does(tiny_model_fp32):
@@ -331,12 +331,12 @@ def _counted(sdpa: Any, calls: list[int], queries: Any, *args: Any, **kwargs: An
 
 
 def test_attention_query_by_query_is_the_fused_attention():
-    """`_batch.query_by_query` (a speculative step's attention on CUDA): a few queries behind
+    """`_shapes.query_by_query` (a speculative step's attention on CUDA): a few queries behind
     a KV, one at a time, give what the fused attention gives over them all, causal, unmasked
     or with an array mask (left padding)."""
     from mlx_lm.models import base as mlx_lm_base
 
-    from trio_mlx.actor._batch import query_by_query
+    from trio_mlx.actor._shapes import query_by_query
 
     rng = np.random.default_rng(0)
     q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((1, 4, 5, 8), (1, 2, 12, 8), (1, 2, 12, 8)))

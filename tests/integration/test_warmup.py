@@ -158,8 +158,8 @@ def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort
 def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits, retire_steps):
     warmed = _loaded(tiny_model_fp32, gpu=True, retire_steps=int(retire_steps))
     warmed._warmup()
-    assert not (warmed._seqs or warmed._by_uid or warmed._retired or warmed._admission.pending)
-    assert warmed._decoding == warmed._steps == 0
+    assert not (warmed.schedule.seqs or warmed.schedule.by_uid or warmed.schedule.retired or warmed._admission.pending)
+    assert warmed.schedule.decoding == warmed.schedule.steps == 0
     assert warmed._admission.window == 0.02  # the rehearsal's own (0) is gone
     assert warmed._bg is not None and not warmed._bg._generation_batch.uids
     cold = _loaded(tiny_model_fp32, gpu=False)
@@ -186,7 +186,7 @@ def test_with_speculation_the_rehearsal_verifies_greedy_and_sampled_rows(tiny_mo
     actor._warmup()
     assert any(sp.greedy for sp in verified)
     assert any(sp.seed is not None and sp.logprobs and sp.repetition_penalty != 1.0 for sp in verified)
-    assert not actor._seqs and actor._bg is not None and not actor._bg._generation_batch.uids
+    assert not actor.schedule.seqs and actor._bg is not None and not actor._bg._generation_batch.uids
 
 
 def test_the_cpu_warm_up_is_one_short_sequence(tiny_model_fp32, visits):
@@ -206,4 +206,4 @@ def test_on_cuda_the_rehearsal_prefills_a_long_prompt_and_a_hit_on_it(tiny_model
     actor._warmup()
     long = min(actor._context - 80, 2 * actor.config.tuning.prefill_step + 64)  # 944 of the tiny model's 1024
     assert (max(visits["hits"]) >= long) == cuda
-    assert not actor._reuse.cache.enabled and not actor._seqs
+    assert not actor._reuse.cache.enabled and not actor.schedule.seqs

@@ -576,7 +576,7 @@ def test_rank_0_applies_each_steps_commands_a_step_after_it_sends_them(tiny_mode
         def spy(message: Any, bound: float, what: str = "") -> bytes:
             sent.append(message)
             if message[1]:  # the abort of row 1, decided before its insert was applied
-                assert 1 not in actor._seqs and actor._ahead is not None and [s.rid for s in actor._ahead[1]] == [1, 2]
+                assert 1 not in actor.schedule.seqs and actor._ahead is not None and [s.rid for s in actor._ahead[1]] == [1, 2]
             return post(message, bound)
 
         actor._channel.post = spy
@@ -613,11 +613,11 @@ def test_a_shutdown_with_a_group_on_its_way_runs_the_step_a_follower_runs_before
             return tail
 
         def spy_tail(tail: bytes, bound: float) -> None:
-            calls.append(("tail", actor._steps))
+            calls.append(("tail", actor.schedule.steps))
             post_tail(tail, bound)
 
         def spy_send(message: Any, bound: float, what: str = "") -> None:
-            calls.append(("send", (message[0], actor._steps)))
+            calls.append(("send", (message[0], actor.schedule.steps)))
             send(message, bound, what)
 
         channel.post, channel.post_tail, channel.send = spy_post, spy_tail, spy_send
@@ -629,7 +629,7 @@ def test_a_shutdown_with_a_group_on_its_way_runs_the_step_a_follower_runs_before
     assert kind == "step" and rids == [7] and tail > 0 and ("tail", 0) in calls
     sends = [c[1] for c in calls if c[0] in ("send", "tail")]
     assert ("stop", 0) in sends  # "stop" went before the step that inserts row 7...
-    assert actor._steps == 1  # ...and that step ran after it, as on a follower
+    assert actor.schedule.steps == 1  # ...and that step ran after it, as on a follower
     assert not script.failed
 
 

@@ -32,20 +32,14 @@ from .. import models
 from . import _disk_cache as disk_cache
 from ._admission import Admission, group_bounds
 from ._batch import (
-    GRID_PREBUILD,
-    GRID_PREFIX,
     CausalPrefill,
     Decoded,
     RowAdapters,
     batch_rows,
-    budget_chunk,
     first_tokens,
-    grid_sizes,
     move_whole_groups,
     own_decode,
     plain_kv,
-    prefill_chunk,
-    prefill_grid,
     prompts_left,
     remove_rows,
     select_adapters,
@@ -74,6 +68,14 @@ from ._protocol import (
 from ._reuse import Reuse
 from ._sampling import SamplerCache, make_processors
 from ._schedule import Schedule, Seq
+from ._shapes import (
+    GRID_PREBUILD,
+    GRID_PREFIX,
+    budget_chunk,
+    grid_sizes,
+    prefill_chunk,
+    prefill_grid,
+)
 from ._trace import StepTrace
 from ._warmup import WARMUP_PROMPT, prebuild_prefill, rehearse, warm_up
 
@@ -110,7 +112,7 @@ class Actor:
         self._bg: BatchGenerator | None = None
         self._context = 0
         self._vocab = 0
-        self._heads = 0  # attention heads, for the prefill chunk (`_batch.prefill_chunk`)
+        self._heads = 0  # attention heads, for the prefill chunk (`_shapes.prefill_chunk`)
         self._kv: tuple[int, int] | None = None  # (group size, bits) of a quantized KV cache; set in _load
         # The sequence table and the finish, abort and retire rules (`_schedule.py`, shared with
         # the fake actor).
@@ -135,27 +137,6 @@ class Actor:
         self._drafter: Drafter | None = None  # speculative decoding's drafts (`_drafting.py`); set in _load
         # Each row's named LoRA adapter (`ActorTuning.adapters`, `_batch.RowAdapters`); None without.
         self._adapters: RowAdapters | None = None
-
-    # The schedule's table under the names tests and probes read it by.
-    @property
-    def _seqs(self) -> dict[int, Seq]:
-        return self.schedule.seqs
-
-    @property
-    def _by_uid(self) -> dict[int, Seq]:
-        return self.schedule.by_uid
-
-    @property
-    def _retired(self) -> dict[int, int]:
-        return self.schedule.retired
-
-    @property
-    def _decoding(self) -> int:
-        return self.schedule.decoding
-
-    @property
-    def _steps(self) -> int:
-        return self.schedule.steps
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -589,7 +570,7 @@ class Actor:
         """Cut the next prefill step's chunk: so that its attention scratch fits the prompts
         in the batch (off the shape grid; on it the model does, for the steps that
         materialize scores: `CausalPrefill`), and, while sequences decode, so that it takes
-        at most the prompt-token budget (`_budget`, `_batch.budget_chunk`). mlx_lm's
+        at most the prompt-token budget (`_budget`, `_shapes.budget_chunk`). mlx_lm's
         `next()` runs the decoding rows' step and then one chunk of each prompt, so a group
         of long prompts cut this way leaves the running streams a token every step
         between its chunks, instead of stopping them for its whole prefill."""

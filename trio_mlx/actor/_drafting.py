@@ -19,7 +19,7 @@ per-row policy) are `_speculate.py`'s, with no MLX.
   target's is.
 
 Only public mlx-lm API here (a model's call, `make_prompt_cache`, a cache's `trim`); on
-CUDA the draft's steps attend query by query (`_batch.query_by_query`).
+CUDA the draft's steps attend query by query (`_shapes.query_by_query`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ._batch import prefill_grid, query_by_query
 from ._decode import DecodeRow
+from ._shapes import prefill_grid, query_by_query
 from ._speculate import NgramIndex, RowSpec, room
 
 
@@ -73,7 +73,7 @@ class Drafter:
         self.model = model
         self.width = width
         self.prefill_step = max(1, prefill_step)
-        # On CUDA a draft's steps of a few tokens attend query by query (`_batch.query_by_query`)
+        # On CUDA a draft's steps of a few tokens attend query by query (`_shapes.query_by_query`)
         self.by_query = model is not None and prefill_grid()
 
     @property

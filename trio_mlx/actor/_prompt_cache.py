@@ -332,7 +332,7 @@ class PromptCache:
         First, if MLX's buffer cache (freed buffers it keeps for reuse) takes memory past
         the mark too, it is handed back: MLX's CUDA allocator does not reclaim it by itself
         when an allocation fails. It is not enough for a prefill step whose attention
-        scores alone outgrow the device: `_batch.prefill_chunk` bounds those."""
+        scores alone outgrow the device: `_shapes.prefill_chunk` bounds those."""
         if self.pressure_bytes is None:
             return 0
         active = mx.get_active_memory()

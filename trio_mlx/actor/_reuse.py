@@ -138,7 +138,7 @@ class Reuse:
         """For `BatchGenerator.insert`: the caches and cached token ids of each Submit
         (None when the cache holds nothing for any), and the cached counts: all of one
         length, the group's shortest hit (`even`), so that no row is left-padded, cut to a
-        multiple of `grain` (on CUDA, `_batch.GRID_PREFIX`: the shape grid)."""
+        multiple of `grain` (on CUDA, `_shapes.GRID_PREFIX`: the shape grid)."""
         cache = self.cache
         if not cache.enabled:
             return None, None, [0] * len(subs)

@@ -1,0 +1,157 @@
+"""The shapes the actor's forwards run at, and why: the prefill chunk that bounds attention
+scores, the prefill budget's chunks, the shape grid prefills run on under CUDA, and the
+swaps of MLX's fused attention that keep cuDNN from building a graph for every shape it
+meets (`query_by_query` for a speculative step, `_row_attention` for a prefill of several
+rows). No mlx-lm here: `_batch.py`'s `CausalPrefill` applies them to the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+
+# The bytes one prefill step's attention scores may take. Where MLX has no fused kernel for
+# a prefill's attention (its CUDA and CPU backends, with the padding mask a batched prefill
+# carries), it materializes rows x heads x chunk x context scores: 8 prompts of 3-7.5k
+# tokens in chunks of 2048 beside 64 decoding rows ran a GPU out of memory, and chunks
+# of 512 served them all. A constant, not a share of the device's
+# memory: every rank of a distributed group must cut its prompts alike.
+ATTENTION_SCRATCH = 4 << 30
+_CHUNK_ROUND = 128
+
+
+def prefill_chunk(step: int, rows: int, context: int, heads: int, scratch: int | None = None) -> int:
+    """The prefill chunk (tokens per prompt per step) for `rows` prompts of up to `context`
+    tokens: `step`, cut so that float32 scores for `heads` heads fit `scratch` bytes
+    (ATTENTION_SCRATCH); when cut, a power of two (few distinct shapes to compile, and
+    on the shape grid: `CausalPrefill`), never under 128."""
+    scratch = ATTENTION_SCRATCH if scratch is None else scratch
+    if rows <= 0 or context <= 0 or heads <= 0:
+        return step
+    fit = scratch // (4 * rows * heads * context)
+    if fit >= step:
+        return step
+    return min(step, max(_CHUNK_ROUND, 1 << (max(fit, 1).bit_length() - 1)))
+
+
+def budget_chunk(step: int, left: list[int], budget: int, grid: bool = False) -> int:
+    """The prefill chunk (tokens per prompt per step, at most `step`) that keeps one step's
+    prompt tokens within `budget` for prompts with `left` tokens still to go: the largest
+    such chunk on the rounding `prefill_chunk` uses (powers of two, never under 128), so a
+    group whose prompts are short enough still goes whole, and only long ones are cut
+    (as vLLM's chunked prefill fills a step's token budget). On the shape grid
+    (`CausalPrefill`) multiples of GRID_PREFIX (512) instead, never under it: the chunks
+    and the prefixes they leave behind stay shapes warm-up has built (a query of 512, 1,024,
+    ... behind a multiple of 512). Where even the floor exceeds the budget (rows x 128 >
+    budget), the floor: `budget` <= 0 is no budget."""
+    if budget <= 0 or not left or sum(min(n, step) for n in left) <= budget:
+        return step
+    if grid:
+        candidates = list(range(step // GRID_PREFIX * GRID_PREFIX, 0, -GRID_PREFIX)) or [step]
+    else:
+        candidates = [1 << k for k in range((step - 1).bit_length() - 1, _CHUNK_ROUND.bit_length() - 2, -1)]
+        candidates = [c for c in candidates if c < step] or [min(step, _CHUNK_ROUND)]
+    for c in candidates:
+        if sum(min(n, c) for n in left) <= budget:
+            return c
+    return candidates[-1]
+
+
+# On CUDA, where MLX builds a cuDNN attention graph for every new prefill shape (see
+# `CausalPrefill`), an unpadded prefill step's query runs padded on the right to a power
+# of two of at least GRID_MIN tokens, and above GRID_QUERY to a multiple of it; cached
+# prefixes are cut to multiples of GRID_PREFIX, so that the shapes a server meets are few
+# and recur; warm-up builds them for one row up to GRID_PREBUILD tokens of context
+# (`_warmup.prebuild_prefill`), and a step of several rows runs its attention one row at a
+# time, on those shapes. A prefix grain of 512 against 1,024: twice the shapes to build
+# in warm-up (seconds more), for chat turns that cut one chunk fewer, which was faster at
+# 8 conversations; a grain of 256 gained nothing more. A query grain of 512 above 512
+# rather than powers of two: a chat turn's ~1,350 new tokens run as 1,536, not 2,048
+# (25% fewer tokens through the MLP).
+GRID_MIN = 128
+GRID_QUERY = 512
+GRID_PREFIX = 512
+GRID_PREBUILD = 8192
+
+
+def prefill_grid() -> bool:
+    """Whether prefills run on the shape grid: on CUDA, whose fused attention builds a
+    graph for every shape it meets (`CausalPrefill`); Metal's and the CPU's do not."""
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+
+
+def grid_length(n: int) -> int:
+    """The query length an unpadded prefill step of `n` tokens runs at on the grid."""
+    if n > GRID_QUERY:
+        return -(-n // GRID_QUERY) * GRID_QUERY
+    return max(GRID_MIN, 1 << (n - 1).bit_length())
+
+
+def grid_sizes(step: int) -> list[int]:
+    """Every query length on the grid up to a prefill step of `step` tokens."""
+    out, n = [], GRID_MIN
+    while n <= grid_length(step):
+        out.append(n)
+        n = 2 * n if n < GRID_QUERY else n + GRID_QUERY
+    return out
+
+
+# The most tokens a step behind a KV may feed for its attention to run query by query
+# (`query_by_query`): a speculative step feeds a row's pending token and its drafts.
+FEW_QUERIES = 16
+
+
+@contextlib.contextmanager
+def query_by_query(on: bool = True) -> Iterator[None]:
+    """While it is open (and `on`), MLX's fused attention over a few queries (2 to
+    FEW_QUERIES) runs one query at a time, each over the keys it may see, with no mask
+    where the step's is causal: the same attention, as that many one-token steps take it.
+
+    On CUDA, MLX 0.32.4 takes a step of several queries to cuDNN, which builds a graph for
+    every pair of query and key lengths it meets (`CausalPrefill`), tens of ms each, and a
+    speculative step behind a KV one step longer than the last meets a new pair at nearly
+    every step (on an H200 a (1, 5) verify took 78 ms at a new key length, 6.6 ms at one
+    met before). One query at a time takes the kernel a decode step takes, built for any
+    key length. A swap of `mx.fast.scaled_dot_product_attention` (mlx_lm's models call it
+    through `models.base.scaled_dot_product_attention`), as `CausalPrefill` does for its
+    rows, on the actor's thread, the only one that runs a model."""
+    if not on:
+        yield
+        return
+    sdpa = mx.fast.scaled_dot_product_attention
+    mx.fast.scaled_dot_product_attention = functools.partial(_by_query, sdpa)
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = sdpa
+
+
+def _by_query(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
+              mask: Any = None, sinks: Any = None, **kwargs: Any) -> Any:
+    n = queries.shape[2]
+    causal = isinstance(mask, str) and mask == "causal"
+    if (not 1 < n <= FEW_QUERIES or sinks is not None or kwargs
+            or not (causal or mask is None or isinstance(mask, mx.array))):
+        return sdpa(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
+    total = keys.shape[2]
+    outs = []
+    for i in range(n):
+        end = total - (n - 1 - i) if causal else total  # query i sees the keys up to its own
+        m = mask[..., i : i + 1, :end] if isinstance(mask, mx.array) else None
+        outs.append(sdpa(queries[:, :, i : i + 1], keys[:, :, :end], values[:, :, :end], scale=scale, mask=m))
+    return mx.concatenate(outs, axis=2)
+
+
+def _row_attention(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
+                   mask: Any = None, **kwargs: Any) -> Any:
+    """`sdpa` (MLX's fused attention) one row at a time, for a causal prefill of several
+    rows: the same result, on one-row shapes (what warm-up builds). Anything else goes
+    through as one call."""
+    if queries.shape[0] == 1 or queries.shape[2] == 1 or not (isinstance(mask, str) and mask == "causal"):
+        return sdpa(queries, keys, values, scale=scale, mask=mask, **kwargs)
+    return mx.concatenate([sdpa(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], scale=scale, mask=mask,
+                                **kwargs) for i in range(queries.shape[0])], axis=0)
