@@ -21,18 +21,15 @@ from ._http import HTTPError
 def pick_adapter(settings: Any, name: str | None) -> str | None:
     """The adapter a request's model field picks (None: the model alone, also for a
     request that names no model), or HTTPError 404 for a name the server does not serve."""
-    base = settings.served_model_name
-    if name is None or name == base:
+    if name is None:
         return None
-    adapters = settings.tuning.adapter_map
-    if name in adapters:
-        return name
-    if name.startswith(base + ":") and name[len(base) + 1:] in adapters:
-        return name[len(base) + 1:]
+    if (served := settings.serves(name)) is not False:
+        return served
     for alias in settings.model_aliases:
         pattern, _, target = alias.partition("=")
-        if fnmatch.fnmatchcase(name, pattern):  # the target is one of the above (`Settings` checks)
-            return pick_adapter(settings, target)
+        if fnmatch.fnmatchcase(name, pattern):  # the target is served (`Settings` checks it)
+            return settings.serves(target) or None
+    base, adapters = settings.served_model_name, settings.tuning.adapter_map
     if adapters:
         listed = ", ".join(repr(a) for a in adapters)
         raise HTTPError(404, f"the model {name!r} does not exist; this server serves {base!r} and the adapters "

@@ -195,11 +195,8 @@ class Settings:
                              "adapter otherwise (or the model: model_name)")
         for alias in self.model_aliases:
             pattern, eq, target = alias.partition("=")
-            base = self.served_model_name
-            adapters = self.tuning.adapter_map
-            if not eq or not pattern.strip() or not (target == base or target in adapters or (
-                    target.startswith(base + ":") and target[len(base) + 1:] in adapters)):
-                served = ", ".join(repr(n) for n in (base, *adapters))
+            if not eq or not pattern.strip() or self.serves(target) is False:
+                served = ", ".join(repr(n) for n in (self.served_model_name, *self.tuning.adapter_map))
                 raise ValueError(f"model_aliases: {alias!r} is not NAME=TARGET with TARGET one of {served}")
         if self.distributed and self.tuning.adapters:
             raise ValueError("adapters need a single rank, not a distributed group (each rank loads its own "
@@ -213,6 +210,18 @@ class Settings:
             raise ValueError(f"replica must be up to 64 letters, digits, '-', '_' or '.', got {self.replica!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+
+    def serves(self, name: str) -> str | None | bool:
+        """What `name` names without an alias: None for the served model, an adapter's name
+        for that adapter (`NAME` or `MODEL:NAME`), False for anything else."""
+        base, adapters = self.served_model_name, self.tuning.adapter_map
+        if name == base:
+            return None
+        if name in adapters:
+            return name
+        if name.startswith(base + ":") and name[len(base) + 1:] in adapters:
+            return name[len(base) + 1:]
+        return False
 
     @functools.cached_property
     def served_model_name(self) -> str:
