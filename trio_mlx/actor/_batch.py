@@ -38,10 +38,10 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt
 from ._decode import Decoder, DecodeRow
 from ._kv_quant import BatchQuantizedKVCache, RowQuantizedKVCache, kv_arrays, kv_map
 from ._shapes import (
-    _row_attention,
     grid_length,
     prefill_chunk,
     query_by_query,
+    row_by_row,
 )
 from ._speculate import accepted
 
@@ -653,9 +653,8 @@ class CausalPrefill:
     alone, so a shape built once (in warm-up) is found again. Warm-up builds one row's
     shapes; a step of several rows (a group of follow-ups entering together) would meet
     a new graph for each row count, so its attention runs one row at a time on those:
-    `mx.fast.scaled_dot_product_attention` is swapped for `_row_attention`, the same
-    function per row, while the forward runs (mlx_lm's models call it through
-    `models.base.scaled_dot_product_attention`, with no hook of their own). A group of
+    MLX's fused attention is swapped, while the forward runs, for the same function per
+    row (`_shapes.row_by_row`). A group of
     follow-ups at lengths met the first time then reaches its first tokens sooner, and
     at lengths met before no later.
 
@@ -740,13 +739,10 @@ class CausalPrefill:
         if grid:
             for c in cache:
                 vars(c)["update_and_fetch"] = functools.partial(_contiguous_fetch, c)
-        sdpa = mx.fast.scaled_dot_product_attention
-        if grid and inputs.shape[0] > 1:
-            mx.fast.scaled_dot_product_attention = functools.partial(_row_attention, sdpa)
         try:
-            out = self._model(inputs, cache=cache, **kwargs)
+            with row_by_row(grid and inputs.shape[0] > 1):
+                out = self._model(inputs, cache=cache, **kwargs)
         finally:
-            mx.fast.scaled_dot_product_attention = sdpa
             for c in cache:
                 vars(c).pop("make_mask", None)
                 vars(c).pop("update_and_fetch", None)

@@ -1,7 +1,7 @@
 """The shapes the actor's forwards run at, and why: the prefill chunk that bounds attention
 scores, the prefill budget's chunks, the shape grid prefills run on under CUDA, and the
 swaps of MLX's fused attention that keep cuDNN from building a graph for every shape it
-meets (`query_by_query` for a speculative step, `_row_attention` for a prefill of several
+meets (`query_by_query` for a speculative step, `row_by_row` for a prefill of several
 rows). No mlx-lm here: `_batch.py`'s `CausalPrefill` applies them to the model.
 """
 
@@ -106,7 +106,25 @@ FEW_QUERIES = 16
 
 
 @contextlib.contextmanager
-def query_by_query(on: bool = True) -> Iterator[None]:
+def _attending(attend: Callable[..., Any]) -> Iterator[None]:
+    """MLX's fused attention swapped for `attend(sdpa, ...)` while it is open: mlx_lm's models
+    call it through `models.base.scaled_dot_product_attention`, with no hook of their own.
+    On the actor's thread, the only one that runs a model."""
+    sdpa = mx.fast.scaled_dot_product_attention
+    mx.fast.scaled_dot_product_attention = functools.partial(attend, sdpa)
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = sdpa
+
+
+def row_by_row(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """While it is open (and `on`), a causal prefill of several rows attends one row at a
+    time (`_row_attention`), on the one-row shapes warm-up builds (`_batch.CausalPrefill`)."""
+    return _attending(_row_attention) if on else contextlib.nullcontext()
+
+
+def query_by_query(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """While it is open (and `on`), MLX's fused attention over a few queries (2 to
     FEW_QUERIES) runs one query at a time, each over the keys it may see, with no mask
     where the step's is causal: the same attention, as that many one-token steps take it.
@@ -116,18 +134,8 @@ def query_by_query(on: bool = True) -> Iterator[None]:
     speculative step behind a KV one step longer than the last meets a new pair at nearly
     every step (on an H200 a (1, 5) verify took 78 ms at a new key length, 6.6 ms at one
     met before). One query at a time takes the kernel a decode step takes, built for any
-    key length. A swap of `mx.fast.scaled_dot_product_attention` (mlx_lm's models call it
-    through `models.base.scaled_dot_product_attention`), as `CausalPrefill` does for its
-    rows, on the actor's thread, the only one that runs a model."""
-    if not on:
-        yield
-        return
-    sdpa = mx.fast.scaled_dot_product_attention
-    mx.fast.scaled_dot_product_attention = functools.partial(_by_query, sdpa)
-    try:
-        yield
-    finally:
-        mx.fast.scaled_dot_product_attention = sdpa
+    key length."""
+    return _attending(_by_query) if on else contextlib.nullcontext()
 
 
 def _by_query(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
