@@ -71,3 +71,12 @@ class EngineBrokenError(TrioMLXError):
 
 class EngineRestartingError(EngineClosedError):
     """The GPU actor died and a new one is starting; retry shortly."""
+
+
+class ModelCapacityError(TrioMLXError):
+    """A model cannot be loaded now: as many models as allowed are loaded and none of them is
+    idle, so none can be unloaded; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, *, retry_after: float = 5.0):
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -98,9 +98,6 @@ PROGRESS_SECONDS = 5.0
 _RATE_MIN_TOKENS = 64
 
 
-
-
-
 class Actor:
     """Runs on the GPU thread. Construct on any thread; call `run()` on the GPU thread."""
 
@@ -142,39 +139,63 @@ class Actor:
 
     def run(self) -> None:
         """The actor's whole life. Raises if the model cannot be loaded."""
-        self.thread_id = threading.get_ident()
-        t0 = time.perf_counter()
         try:
-            self._hook("load")
-            log.info("loading the weights on %s", mx.default_device())
-            config = self._load()
-            t1 = time.perf_counter()
-            log.info("loaded %s (%.1f MB of weights) in %.2f s; decode step: %s", config.get("model_type", "the model"),
-                     mx.get_active_memory() / 1e6, t1 - t0, self.config.tuning.decode_step)
-            if self.config.tuning.warmup:
-                log.info("warming up (%s)", "every prefill group size, then a rehearsal" if self._gpu
-                         else "one short prompt")
-                self._warmup()
-                log.info("warm-up done in %.2f s", time.perf_counter() - t1)
-            self._open_cache()
-            self._load_disk()
-            heap.freeze()  # what startup loaded leaves the collector's walks (`_heap.py`)
-            info = ActorInfo(
-                model_type=str(config.get("model_type", "unknown")),
-                context_length=self._context,
-                vocab_size=int(config.get("vocab_size", 0)),
-                thread_id=self.thread_id,
-                device=str(mx.default_device()),
-                load_seconds=time.perf_counter() - t0,
-                pid=os.getpid(),
-                prompt_cache_bytes=self._reuse.cache.max_bytes,
-                blas="" if self._gpu else models.cpu_blas_status().description,
-            )
-            self._link.ready(info)
+            self.start()
             self._loop()
             self._save_disk()  # a clean stop (Shutdown): keep the cache's newest entries
         finally:
             self._free()
+
+    def start(self) -> None:
+        """Load, warm up, hand `ActorInfo` over (then a host calls `turn`s and `stop`: `_host.py`)."""
+        self.thread_id = threading.get_ident()
+        t0 = time.perf_counter()
+        self._hook("load")
+        log.info("loading the weights on %s", mx.default_device())
+        config = self._load()
+        t1 = time.perf_counter()
+        log.info("loaded %s (%.1f MB of weights) in %.2f s; decode step: %s", config.get("model_type", "the model"),
+                 mx.get_active_memory() / 1e6, t1 - t0, self.config.tuning.decode_step)
+        if self.config.tuning.warmup:
+            log.info("warming up (%s)", "every prefill group size, then a rehearsal" if self._gpu
+                     else "one short prompt")
+            self._warmup()
+            log.info("warm-up done in %.2f s", time.perf_counter() - t1)
+        self._open_cache()
+        self._load_disk()
+        heap.freeze()  # what startup loaded leaves the collector's walks (`_heap.py`)
+        info = ActorInfo(
+            model_type=str(config.get("model_type", "unknown")),
+            context_length=self._context,
+            vocab_size=int(config.get("vocab_size", 0)),
+            thread_id=self.thread_id,
+            device=str(mx.default_device()),
+            load_seconds=time.perf_counter() - t0,
+            pid=os.getpid(),
+            prompt_cache_bytes=self._reuse.cache.max_bytes,
+            blas="" if self._gpu else models.cpu_blas_status().description,
+        )
+        self._link.ready(info)
+
+    def stop(self, clean: bool) -> None:
+        """Free every array (`run`'s last part); after a Shutdown (`clean`), save the prompt cache first."""
+        try:
+            if clean:
+                self._save_disk()
+        finally:
+            self._free()
+
+    def due(self, now: float) -> float | None:
+        """For a host: 0 with work and no command, else seconds until held arrivals enter, or None."""
+        if self._busy():
+            return 0.0
+        admission = self._arrivals()
+        return admission.hold(now) if admission.pending else None
+
+    def turn(self, commands: Sequence[Command]) -> StepReport | None:
+        """One hosted turn: apply the commands the host took from the link, run the step; None at Shutdown."""
+        self._hook("loop")
+        return self._turn(commands)
 
     def _load(self) -> dict[str, Any]:
         """Load the model and make the generator; returns the model's config."""
@@ -302,13 +323,9 @@ class Actor:
     # -- the loop --------------------------------------------------------------
 
     def _loop(self) -> None:
-        # The exchange is synchronous on purpose: while the actor waits in it,
-        # it has released the GIL, so the event loop gets a window every step
-        # while the GPU computes the next step (async_eval). A fire-and-forget
-        # handover (run_sync_soon + a command queue) was measured and lost: with
-        # nothing bounding how far the actor runs ahead, the event loop starves
-        # at high concurrency and TTFT grows; handing reports over one step ahead,
-        # waiting only for the loop to take the last one in, serves the same as this.
+        # The exchange waits for the loop to have taken the last report in (rule 2): a
+        # fire-and-forget handover, with nothing bounding how far the actor runs ahead, was
+        # measured and lost (the event loop starves at high concurrency and TTFT grows).
         report, link = StepReport(), self._link
         trace_path = self.config.tuning.step_trace
         trace = StepTrace(trace_path) if trace_path else None

@@ -45,11 +45,14 @@ class FakeActor:
     def __init__(self, config: ActorConfig, link: ActorLink, *, vocab_size: int = 512,
                  context_length: int = 2048, step_seconds: float = 0.0,
                  reply: Callable[[tuple[int, ...]], Sequence[int]] | None = None,
-                 prefill_seconds: float = 0.0, prefill_chunk: int = 0, tokens_per_step: int = 1):
+                 prefill_seconds: float = 0.0, prefill_chunk: int = 0, tokens_per_step: int = 1,
+                 load_seconds: float = 0.0):
         self.config, self._link = config, link
         self.vocab_size, self.context_length, self.step_seconds = vocab_size, context_length, step_seconds
         self.prefill_seconds, self.prefill_chunk = prefill_seconds, prefill_chunk
         self.tokens_per_step = tokens_per_step
+        self.load_seconds = load_seconds  # `start` sleeps this long, as a model loading
+        self.stopped = False  # `stop` was called (by a host)
         self._left: dict[int, int] = {}  # rid -> prompt tokens still to prefill
         self.reply = reply
         self.steps = 0
@@ -67,33 +70,55 @@ class FakeActor:
 
     def run(self) -> None:
         link, schedule = self._link, self.schedule
-        link.ready(ActorInfo(model_type="fake", context_length=self.context_length, vocab_size=self.vocab_size,
-                             thread_id=threading.get_ident(), device="fake", load_seconds=0.0, pid=os.getpid()))
+        self.start()
         report = StepReport()
         while True:
             link.check()
             commands: list[Any] = link.exchange(report)
             if not commands and not schedule.seqs:
                 commands = link.wait_commands()
-            arrived: dict[int, Submit] = {}  # every arrival enters at once: no admission window
-            removed = False
-            for cmd in commands:
-                match cmd:
-                    case Submit():
-                        arrived[cmd.rid] = cmd
-                    case Abort(rid=rid):
-                        if arrived.pop(rid, None) is None and schedule.abort(rid) is not None:
-                            self._texts.pop(rid, None)
-                            self._left.pop(rid, None)
-                            removed = True
-                    case Shutdown():
-                        return
-            schedule.leaving(removed or bool(arrived))  # retired rows leave; a fake row holds nothing
-            for sub in arrived.values():
-                schedule.enter(Seq.of(sub, next(self._uids)))
-                self._texts[sub.rid] = (sub.prompt, self.reply(sub.prompt) if self.reply else ())
-                self._left[sub.rid] = len(sub.prompt)
-            report = self._step(list(arrived))
+            turn = self.turn(commands)
+            if turn is None:
+                return
+            report = turn
+
+    # -- what a host of several actors calls (`_host.ActorHost`), as the real actor's -------
+
+    def start(self) -> None:
+        if self.load_seconds:
+            time.sleep(self.load_seconds)
+        self._link.ready(ActorInfo(model_type="fake", context_length=self.context_length,
+                                   vocab_size=self.vocab_size, thread_id=threading.get_ident(), device="fake",
+                                   load_seconds=self.load_seconds, pid=os.getpid()))
+
+    def due(self, now: float) -> float | None:
+        return 0.0 if self.schedule.seqs else None
+
+    def stop(self, clean: bool) -> None:
+        self.stopped = True
+
+    def turn(self, commands: Sequence[Any]) -> StepReport | None:
+        """Apply the commands and run one step; None at Shutdown."""
+        schedule = self.schedule
+        arrived: dict[int, Submit] = {}  # every arrival enters at once: no admission window
+        removed = False
+        for cmd in commands:
+            match cmd:
+                case Submit():
+                    arrived[cmd.rid] = cmd
+                case Abort(rid=rid):
+                    if arrived.pop(rid, None) is None and schedule.abort(rid) is not None:
+                        self._texts.pop(rid, None)
+                        self._left.pop(rid, None)
+                        removed = True
+                case Shutdown():
+                    return None
+        schedule.leaving(removed or bool(arrived))  # retired rows leave; a fake row holds nothing
+        for sub in arrived.values():
+            schedule.enter(Seq.of(sub, next(self._uids)))
+            self._texts[sub.rid] = (sub.prompt, self.reply(sub.prompt) if self.reply else ())
+            self._left[sub.rid] = len(sub.prompt)
+        return self._step(list(arrived))
 
     def _step(self, new: list[int]) -> StepReport:
         """One step: a chunk of each prompt still prefilling (a sequence whose prompt ends in

@@ -82,16 +82,20 @@ class ThreadLink:
     because of a measurement").
     """
 
-    def __init__(self, port: ActorPort):
+    def __init__(self, port: ActorPort, *, arrived: threading.Event | None = None,
+                 built: threading.Event | None = None):
+        """`arrived` and `built`: events shared by the links of the actors one host thread runs
+        (`_host.py`): a command for any of them wakes the host, and the loop waits for the
+        host's next graph, whichever model's it is."""
         self._port = port
         self._token = trio.lowlevel.current_trio_token()
-        self._built = threading.Event()
+        self._built = built or threading.Event()
         self._waits = False  # set by the first `built`: this actor says when it has built
         self._taken = threading.Event()  # the loop has taken the last report in
         self._taken.set()
         self._failure: BaseException | None = None  # what the engine raised taking it in
         self._commands: deque[Command] = deque()  # filled on the trio thread, read on the actor's
-        self._arrived = threading.Event()
+        self._arrived = arrived or threading.Event()
         port.on_command = self._on_command
 
     def _on_command(self) -> None:
@@ -102,6 +106,15 @@ class ThreadLink:
     def _flush(self) -> None:
         self._commands.extend(self._port.drain_commands())
         self._arrived.set()
+
+    @property
+    def pending(self) -> bool:
+        """Whether commands wait to be taken (a host's test, on the actor's thread)."""
+        return bool(self._commands)
+
+    def take(self) -> list[Command]:
+        """The commands that wait, without a report to hand over (a host's idle actor)."""
+        return self._take()
 
     def _take(self) -> list[Command]:
         self._arrived.clear()  # first: a command queued meanwhile sets it again

@@ -26,4 +26,7 @@ from ._events import ToolCallDelta as ToolCallDelta
 from ._events import ToolCalls as ToolCalls
 from ._events import Usage as Usage
 from ._options import GenerationOptions as GenerationOptions
+from ._pool import ModelPool as ModelPool
+from ._pool import ModelStatus as ModelStatus
+from ._pool import find_models as find_models
 from ._stream import RequestStream as RequestStream

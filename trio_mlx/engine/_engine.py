@@ -90,7 +90,7 @@ class Engine:
         max_queue: int = 1024,
         cache_dir: os.PathLike[str] | None = None,
         switch_interval: float | None = 0.0001,
-        actor: str | Callable[[ActorConfig, ActorLink], Any] = "thread",
+        actor: str | Callable[[ActorConfig, ActorLink], Any] | Any = "thread",
         fault_hook: Any = None,
         sampling_defaults: Mapping[str, Any] | None = None,
         restart_limit: int = 3,
@@ -106,8 +106,8 @@ class Engine:
         tuning = dataclasses.replace(tuning or ActorTuning(), **knobs)  # checks every knob (`ActorTuning`)
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
-        if actor not in ("thread", "process") and not callable(actor):
-            raise ValueError(f"actor must be 'thread', 'process' or an actor factory, not {actor!r}")
+        if actor not in ("thread", "process") and not callable(actor) and not hasattr(actor, "serve"):
+            raise ValueError(f"actor must be 'thread', 'process', an actor factory or a host, not {actor!r}")
         if actor == "process" and fault_hook is not None:
             raise ValueError("fault_hook needs actor='thread'")
         self.actor_mode = actor
@@ -247,6 +247,11 @@ class Engine:
 
             await run_actor_process(config, ready=self.ready, deliver=self.deliver,
                                     wait_commands=self.wait_commands)
+        elif hasattr(self.actor_mode, "serve"):  # the GPU thread of several models (`actor/_host.py`)
+            try:
+                await self.actor_mode.serve(config, self)
+            finally:
+                self.on_command = None
         else:
             from ..actor import Actor, ThreadLink
 
@@ -424,6 +429,11 @@ class Engine:
         """The names of the LoRA adapters served side by side (`adapters=`), in their order: a
         request names one in its options' `adapter`."""
         return tuple(self.tuning.adapter_map)
+
+    @property
+    def in_flight(self) -> int:
+        """The requests submitted and not yet ended (a model with none may be unloaded)."""
+        return len(self._registry.requests)
 
     @property
     def mean_step_seconds(self) -> float:

@@ -1,0 +1,76 @@
+"""Several real tiny models on one GPU thread (`engine/_pool.py`, `actor/_host.py`): each
+answers as it does served alone, and one unloaded for another frees its arrays."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import trio
+
+import trio_mlx
+from trio_mlx.engine import ModelPool
+from trio_mlx.models import _models
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4"]
+
+
+async def greedy(engine: trio_mlx.Engine, prompt: str, n: int = 12) -> list[int]:
+    ids: list[int] = []
+    async with engine.generate(prompt, max_tokens=n, ignore_eos=True, temperature=0.0) as events:
+        async for ev in events:
+            if isinstance(ev, trio_mlx.TextDelta):
+                ids += ev.token_ids
+    return ids
+
+
+async def test_models_served_together_answer_as_each_does_alone(tmp_path):
+    paths = {name: _models.build_test_model(tmp_path / name, seed=seed)
+             for name, seed in (("one", 1), ("two", 2), ("three", 3))}
+    alone: dict[tuple[str, str], list[int]] = {}
+    for name, path in paths.items():
+        async with trio_mlx.open_engine(path, max_batch=8) as engine:
+            for prompt in PROMPTS:
+                alone[name, prompt] = await greedy(engine, prompt)
+    assert alone["one", PROMPTS[0]] != alone["two", PROMPTS[0]]  # the models differ
+
+    pool = ModelPool(paths, max_loaded=2, engine_options={"max_batch": 8})
+    together: dict[tuple[str, str], list[int]] = {}
+
+    async def ask(name: str, prompt: str) -> None:
+        async with pool.use(name) as engine:
+            stream = engine.generate(prompt, max_tokens=12, ignore_eos=True, temperature=0.0)
+            await stream.__aenter__()
+        try:
+            ids: list[int] = []
+            async for ev in stream:
+                if isinstance(ev, trio_mlx.TextDelta):
+                    ids += ev.token_ids
+            together[name, prompt] = ids
+        finally:
+            await stream.__aexit__(None, None, None)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(120):
+            async with trio.open_nursery() as batch:  # one and two at once, interleaved step by step
+                for prompt in PROMPTS:
+                    for name in ("one", "two"):
+                        batch.start_soon(ask, name, prompt)
+            one = pool.engine("one")
+            assert one is not None and one.info is not None
+            thread = one.info.thread_id
+            two = pool.engine("two")
+            assert two is not None and two.info is not None and two.info.thread_id == thread
+            await ask("one", PROMPTS[0])  # two is now the least recently used, and idle
+            before = mx.get_active_memory()
+            for prompt in PROMPTS:
+                await ask("three", prompt)
+            states = {s.name: s.state for s in pool.status()}
+            assert states == {"one": "loaded", "two": "unloaded", "three": "loaded"}
+            # two's arrays are gone, three's came: the same shape, so no more memory than before
+            assert mx.get_active_memory() <= before
+            three = pool.engine("three")
+            assert three is not None and three.info is not None and three.info.thread_id == thread
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+    for key in [(n, p) for n in ("one", "two", "three") for p in PROMPTS]:
+        assert together[key] == alone[key], key

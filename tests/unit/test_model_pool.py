@@ -1,0 +1,183 @@
+"""Several models on one GPU thread (`engine/_pool.py`, `actor/_host.py`), over `FakeActor`:
+loads on first use, the least recently used idle model unloaded under the bound, a request
+that arrives during a load waiting for it, and the refusal when every loaded model is busy."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+import trio
+
+import trio_mlx
+from trio_mlx._errors import ModelCapacityError, ModelLoadError
+from trio_mlx.actor import FakeActor
+from trio_mlx.engine import ModelPool, find_models
+
+# Each fake model answers with a script of its own (its name's letters), so an answer says which
+# model gave it.
+SCRIPTS = {"alpha": [10, 11, 12], "beta": [20, 21, 22], "gamma": [30, 31, 32]}
+
+
+@pytest.fixture
+def folder(tmp_path, tiny_model_fp32):
+    """A folder of three model folders (copies of the tiny model: the fake reads only the tokenizer)."""
+    for name in SCRIPTS:
+        shutil.copytree(tiny_model_fp32, tmp_path / name)
+    (tmp_path / "notes").mkdir()  # not a model: no config.json
+    return tmp_path
+
+
+class Actors:
+    """The fake actors a pool's host made, by model name, with the threads they started on."""
+
+    def __init__(self, **options):
+        self.made: list[tuple[str, FakeActor]] = []
+        self.threads: set[int] = set()
+        self.options = options
+
+    def __call__(self, config, link):
+        name = config.model_path.name
+        actor = FakeActor(config, link, reply=lambda prompt: SCRIPTS[name], **self.options.get(name, {}))
+        self.made.append((name, actor))
+        start = actor.start
+
+        def started():
+            self.threads.add(threading.get_ident())
+            start()
+
+        actor.start = started  # type: ignore[method-assign]
+        return actor
+
+    def loads(self, name: str) -> int:
+        return sum(1 for n, _ in self.made if n == name)
+
+
+async def answer(engine: trio_mlx.Engine, n: int = 3) -> list[int]:
+    ids: list[int] = []
+    async with engine.generate("hi", max_tokens=n, ignore_eos=True) as events:
+        async for ev in events:
+            if isinstance(ev, trio_mlx.TextDelta):
+                ids += ev.token_ids
+    return ids
+
+
+def test_find_models_names_each_model_folder(folder, tiny_model_fp32):
+    assert find_models([str(folder)]) == {name: str(folder / name) for name in sorted(SCRIPTS)}
+    assert find_models([str(folder / "beta"), "x=some/hub-id"]) == {"beta": str(folder / "beta"),
+                                                                    "x": "some/hub-id"}
+    with pytest.raises(ValueError, match="two models are named 'beta'"):
+        find_models([str(folder), str(folder / "beta")])
+    with pytest.raises(ValueError, match="no model folder"):
+        find_models([str(folder / "notes")])
+
+
+async def test_two_models_answer_side_by_side_on_one_thread(folder):
+    actors = Actors()
+    pool = ModelPool(find_models([str(folder)]), max_loaded=2, make_actor=actors)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        assert pool.engine("alpha") is None  # nothing loads before it is asked for
+        results: dict[str, list[int]] = {}
+
+        async def ask(name: str) -> None:
+            async with pool.use(name) as engine:
+                results[name] = await answer(engine)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as inner:
+                for name in ("alpha", "beta", "alpha", "beta"):
+                    inner.start_soon(ask, name)
+        assert results == {"alpha": SCRIPTS["alpha"], "beta": SCRIPTS["beta"]}
+        assert actors.loads("alpha") == actors.loads("beta") == 1
+        assert len(actors.threads) == 1 and actors.threads == {pool.host.thread_id}
+        assert {s.name: s.state for s in pool.status()} == {"alpha": "loaded", "beta": "loaded",
+                                                            "gamma": "unloaded"}
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_least_recently_used_idle_model_is_unloaded_for_a_third(folder):
+    actors = Actors()
+    pool = ModelPool(find_models([str(folder)]), max_loaded=2, make_actor=actors)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(20):
+            for name in ("alpha", "beta", "alpha"):  # beta is now the least recently used
+                async with pool.use(name) as engine:
+                    assert await answer(engine) == SCRIPTS[name]
+            async with pool.use("gamma") as engine:
+                assert await answer(engine) == SCRIPTS["gamma"]
+        states = {s.name: s.state for s in pool.status()}
+        assert states == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}
+        beta = [a for n, a in actors.made if n == "beta"]
+        assert len(beta) == 1 and beta[0].stopped  # freed on the host
+        with trio.fail_after(20):  # and beta comes back on demand, in alpha's place now
+            async with pool.use("beta") as engine:
+                assert await answer(engine) == SCRIPTS["beta"]
+        assert actors.loads("beta") == 2
+        assert {s.name: s.state for s in pool.status()}["alpha"] == "unloaded"
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_that_comes_during_a_load_waits_for_it(folder):
+    actors = Actors(alpha={"load_seconds": 0.5})
+    pool = ModelPool(find_models([str(folder)]), max_loaded=1, make_actor=actors)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        results = []
+
+        async def ask() -> None:
+            async with pool.use("alpha") as engine:
+                results.append(await answer(engine))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(ask)
+                await trio.sleep(0.1)  # the load has begun
+                assert {s.name: s.state for s in pool.status()}["alpha"] == "loading"
+                inner.start_soon(ask)
+        assert results == [SCRIPTS["alpha"]] * 2
+        assert actors.loads("alpha") == 1
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_no_idle_model_to_unload_is_a_refusal_with_a_retry_time(folder):
+    actors = Actors(alpha={"step_seconds": 0.01})
+    pool = ModelPool(find_models([str(folder)]), max_loaded=1, make_actor=actors, retry_after=7)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(20):
+            async with pool.use("alpha") as engine:
+                stream = engine.generate("hi", max_tokens=200, ignore_eos=True)
+            async with stream as events:  # alpha has a request in flight: it is not idle
+                with pytest.raises(ModelCapacityError, match="every one is serving requests") as caught:
+                    async with pool.use("beta"):
+                        pass
+                assert caught.value.retry_after == 7
+                async for _ in events:
+                    break
+            # alpha idle again (its request ended): beta loads in its place
+            async with pool.use("beta") as engine:
+                assert await answer(engine) == SCRIPTS["beta"]
+        assert {s.name: s.state for s in pool.status()}["alpha"] == "unloaded"
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_model_that_fails_to_load_fails_its_requests_and_not_the_others(folder):
+    actors = Actors(beta={"load_seconds": -1})  # FakeActor sleeps: a negative time raises
+    pool = ModelPool(find_models([str(folder)]), max_loaded=2, make_actor=actors)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(20):
+            with pytest.raises(ModelLoadError):
+                async with pool.use("beta"):
+                    pass
+            async with pool.use("alpha") as engine:
+                assert await answer(engine) == SCRIPTS["alpha"]
+        await pool.aclose()
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,272 @@
+"""Several models served by one process, each loaded on first use: `ModelPool`.
+
+Every model has an `Engine` of its own (its tokenizer, request registry, prompt cache and
+statistics), and every engine's actor lives on the one GPU thread of an `ActorHost`
+(`actor/_host.py`), so MLX work stays on one thread (docs/design.md, rule 1). A request names
+its model; `ModelPool.use(name)` yields that model's engine, loading it first when it is not
+loaded: a request that arrives meanwhile waits for the same load. At most `max_loaded`
+models are loaded at once; to load one more, the pool unloads the least recently used idle
+model (no request in flight, none being admitted), and when every loaded model is busy it
+refuses with `ModelCapacityError` (the server's 503 with Retry-After) rather than wait.
+An unloaded model's actor frees its arrays on the GPU thread (`Actor.stop`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Literal
+
+import trio
+
+from .._errors import InvalidRequestError, ModelCapacityError
+from ._engine import Engine, gpu_limiter
+
+log = logging.getLogger("trio_mlx.engine")
+
+# How often a request waiting for its model's load logs that it still waits; arbitrary.
+_PROGRESS_EVERY = 5.0
+
+
+def find_models(refs: Iterable[str]) -> dict[str, str]:
+    """The models `--models` names, by the name requests use: each entry is a folder of model
+    folders (each subfolder with a config.json is one, named after the subfolder), a model
+    folder itself (named after it), a `NAME=REF` pair, or any other reference (a hub id),
+    named as written. A name given twice is an error."""
+    found: dict[str, str] = {}
+
+    def add(name: str, ref: str) -> None:
+        if name in found:
+            raise ValueError(f"two models are named {name!r}: {found[name]} and {ref}")
+        found[name] = ref
+
+    for entry in refs:
+        name, eq, ref = entry.partition("=")
+        if eq:
+            add(name.strip(), ref.strip())
+            continue
+        path = pathlib.Path(entry).expanduser()
+        if (path / "config.json").is_file():
+            add(path.name, str(path))
+        elif path.is_dir():
+            subs = sorted(p for p in path.iterdir() if (p / "config.json").is_file())
+            if not subs:
+                raise ValueError(f"{entry}: no model folder (one with a config.json) in it")
+            for sub in subs:
+                add(sub.name, str(sub))
+        else:
+            add(entry, entry)
+    return found
+
+
+State = Literal["unloaded", "loading", "loaded", "unloading"]
+
+
+@dataclass(eq=False)
+class _Slot:
+    name: str
+    ref: str
+    state: State = "unloaded"
+    engine: Engine | None = None
+    changed: trio.Event = field(default_factory=trio.Event)  # set (and replaced) at each change of state
+    pins: int = 0  # requests being admitted to it (or waiting for its load)
+    last_used: float = float("-inf")
+    error: BaseException | None = None  # why its last load failed
+
+    def set_state(self, state: State) -> None:
+        self.state = state
+        self.changed.set()
+        self.changed = trio.Event()
+
+    @property
+    def idle(self) -> bool:
+        return self.state == "loaded" and self.pins == 0 and (self.engine is None or self.engine.in_flight == 0)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    """One model of the pool, as `ModelPool.status()` reports it."""
+
+    name: str
+    state: State
+    in_flight: int
+    last_used: float  # trio time; -inf when never used
+
+
+class ModelPool:
+    """Serve `models` (name -> reference) from one GPU thread, each loaded on first use and
+    at most `max_loaded` at once. Start `run` in a nursery; `use(name)` for each request."""
+
+    def __init__(self, models: Mapping[str, str | os.PathLike[str]], *, max_loaded: int = 1,
+                 retry_after: float = 5.0, engine_options: Mapping[str, Any] | None = None,
+                 make_actor: Callable[..., Any] | None = None):
+        """`engine_options`: every model's `Engine` keywords (its tuning, max_queue, ...);
+        `make_actor(config, link)`: the actors the host runs (`Actor` when None)."""
+        if not models:
+            raise ValueError("a model pool needs at least one model")
+        if max_loaded < 1:
+            raise ValueError(f"max_loaded must be >= 1, got {max_loaded!r}")
+        self._slots = {name: _Slot(name, str(ref)) for name, ref in models.items()}
+        self.max_loaded = max_loaded
+        self.retry_after = retry_after
+        self._options = dict(engine_options or {})
+        self._options.pop("actor", None)
+        from ..actor._host import ActorHost  # no MLX: the host imports the actor on first use
+
+        self.host = ActorHost(make_actor)
+        self._lock = trio.Lock()  # one load (and the unloads that make room for it) at a time
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._slots)
+
+    def status(self) -> list[ModelStatus]:
+        return [ModelStatus(s.name, s.state, s.engine.in_flight if s.engine is not None else 0, s.last_used)
+                for s in self._slots.values()]
+
+    def engine(self, name: str) -> Engine | None:
+        """The model's engine while it is loaded, else None."""
+        slot = self._slots.get(name)
+        return slot.engine if slot is not None and slot.state == "loaded" else None
+
+    def loaded(self) -> list[Engine]:
+        return [s.engine for s in self._slots.values() if s.state == "loaded" and s.engine is not None]
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the GPU thread; serve until cancelled (`aclose` first, for a drain)."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: self.host.run(limiter=gpu_limiter(), task_status=task_status))
+            self._nursery = nursery
+            task_status.started(self)
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+                nursery.cancel_scope.cancel()
+
+    async def aclose(self, *, drain_timeout: float = 0.0) -> None:
+        """Unload every model, letting requests in flight finish for up to `drain_timeout` s."""
+        async with trio.open_nursery() as nursery:
+            for slot in self._slots.values():
+                if slot.engine is not None:
+                    nursery.start_soon(partial(slot.engine.aclose, drain_timeout=drain_timeout))
+
+    # -- requests --------------------------------------------------------------
+
+    @asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[Engine]:
+        """The model's engine, loaded if need be (a request meanwhile waits for the same load).
+        While the block runs, the model is not unloaded; enter the request's stream inside it
+        (the engine then counts it in flight). Raises `ModelCapacityError` when the model
+        cannot be loaded because every loaded model is busy, `ModelLoadError` when it fails."""
+        slot = self._slots.get(name)
+        if slot is None:
+            raise InvalidRequestError(f"the model {name!r} does not exist", param="model", code="model_not_found")
+        slot.pins += 1
+        try:
+            engine = await self._ready(slot)
+            slot.last_used = trio.current_time()
+            yield engine
+        finally:
+            slot.pins -= 1
+            slot.last_used = trio.current_time()
+
+    async def _ready(self, slot: _Slot) -> Engine:
+        waited = trio.current_time()
+        waited_load = False
+        while True:
+            if slot.state == "loaded" and slot.engine is not None:
+                return slot.engine
+            if slot.state == "unloaded":
+                if slot.error is not None and waited_load:
+                    raise slot.error  # the load this request waited for failed
+                await self._load(slot)
+                continue
+            waited_load = waited_load or slot.state == "loading"
+            # loading or unloading: wait for the change, saying so now and then
+            changed = slot.changed
+            with trio.move_on_after(_PROGRESS_EVERY):
+                await changed.wait()
+            if not changed.is_set():
+                log.info("a request for the model %r waits for its %s (%.0f s)", slot.name,
+                         "load" if slot.state == "loading" else "unload", trio.current_time() - waited)
+
+    async def _load(self, slot: _Slot) -> None:
+        """Load the model (unloading idle ones first to stay within `max_loaded`), unless
+        another request got there first."""
+        async with self._lock:
+            if slot.state != "unloaded":
+                return
+            await self._make_room(slot)
+            if self._nursery is None:
+                raise ModelCapacityError("the server is shutting down", retry_after=self.retry_after)
+            slot.error = None
+            slot.set_state("loading")
+            log.info("loading the model %r (%s)", slot.name, slot.ref)
+            started = await self._nursery.start(self._life, slot)
+        if not started:
+            error = slot.error
+            assert error is not None
+            raise error
+
+    async def _make_room(self, slot: _Slot) -> None:
+        while True:
+            taken = [s for s in self._slots.values() if s.state in ("loading", "loaded") and s is not slot]
+            if len(taken) < self.max_loaded:
+                return
+            idle = [s for s in taken if s.idle]
+            if not idle:
+                raise ModelCapacityError(
+                    f"the model {slot.name!r} cannot be loaded now: {len(taken)} models are loaded "
+                    f"(--max-loaded-models {self.max_loaded}) and every one is serving requests",
+                    retry_after=self.retry_after)
+            victim = min(idle, key=lambda s: s.last_used)
+            log.info("unloading the model %r (least recently used, idle) to load %r", victim.name, slot.name)
+            await self._unload(victim)
+
+    async def _unload(self, slot: _Slot) -> None:
+        engine = slot.engine
+        if engine is None:
+            return
+        changed = slot.changed
+        slot.set_state("unloading")
+        await engine.aclose()
+        while slot.state == "unloading":  # the life task marks it unloaded as its engine ends
+            await changed.wait()
+            changed = slot.changed
+
+    async def _life(self, slot: _Slot, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """One load of the model: its engine's run, from loading to its close. Reports
+        started with True once ready, False when the load failed (`slot.error`)."""
+        engine = Engine(slot.ref, actor=self.host, **self._options)
+        slot.engine = engine
+        t0 = trio.current_time()
+        reported = False
+
+        class Started:
+            def started(self, value: Any = None) -> None:
+                nonlocal reported
+                log.info("the model %r is loaded (%.2f s)", slot.name, trio.current_time() - t0)
+                slot.set_state("loaded")
+                reported = True
+                task_status.started(True)
+
+        try:
+            await engine.run(task_status=Started())
+        except Exception as exc:
+            slot.error = exc
+            log.error("the model %r could not be loaded: %s", slot.name, exc)
+        finally:
+            slot.engine = None
+            if slot.state != "unloaded":
+                slot.set_state("unloaded")
+            if not reported:
+                task_status.started(False)
