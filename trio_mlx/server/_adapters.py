@@ -2,7 +2,9 @@
 
 `--adapter NAME=PATH` serves adapters beside the model (`ActorTuning.adapters`); a
 request picks one by naming it as its model, `NAME` or `BASE:NAME` (BASE the served
-model's id, as /v1/models lists it), as vLLM's LoRA modules are named. A name that is
+model's id, as /v1/models lists it), as vLLM's LoRA modules are named. With `--models`
+(`Settings.models`) every listed model is served by its name, and a request picks its
+engine by it (`pick_model`). A name that is
 neither goes through `--model-alias PATTERN=TARGET` (`Settings.model_aliases`: globs, the
 first match wins), for clients that ask for a name of their own (Claude Code's
 `claude-...` models, a `gpt-...` default). Any other name is a 404 `model_not_found` in
@@ -30,6 +32,10 @@ def pick_adapter(settings: Any, name: str | None) -> str | None:
         if fnmatch.fnmatchcase(name, pattern):  # the target is served (`Settings` checks it)
             return settings.serves(target) or None
     base, adapters = settings.served_model_name, settings.tuning.adapter_map
+    if settings.models:
+        listed = ", ".join(repr(m) for m in settings.model_table)
+        raise HTTPError(404, f"the model {name!r} does not exist; this server serves {listed}", param="model",
+                        code="model_not_found")
     if adapters:
         listed = ", ".join(repr(a) for a in adapters)
         raise HTTPError(404, f"the model {name!r} does not exist; this server serves {base!r} and the adapters "
@@ -38,6 +44,23 @@ def pick_adapter(settings: Any, name: str | None) -> str | None:
                     code="model_not_found")
 
 
-def answered_as(settings: Any, adapter: str | None) -> str:
-    """The model id a response names: the adapter's (as /v1/models lists it), or the model's."""
+def pick_model(settings: Any, name: str | None) -> str:
+    """With `--models`: the model a request's model field names, itself or through an alias
+    (the first model for a request that names none); check it with `pick_adapter` first."""
+    if name is None:
+        return str(settings.served_model_name)
+    if name in settings.model_table:
+        return name
+    for alias in settings.model_aliases:
+        pattern, _, target = alias.partition("=")
+        if fnmatch.fnmatchcase(name, pattern):
+            return target
+    return name
+
+
+def answered_as(settings: Any, adapter: str | None, requested: str | None = None) -> str:
+    """The model id a response names: the adapter's (as /v1/models lists it), or the model's
+    (with `--models`, the one the request's model field picked)."""
+    if settings.models:
+        return pick_model(settings, requested)
     return settings.served_model_name if adapter is None else adapter

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -25,8 +26,9 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from .._errors import ModelLoadError, TrioMLXError
-from ..engine import Engine
+from ..engine import Engine, ModelPool
 from . import _connections, _exit, _intake, _workers
+from ._adapters import pick_model
 from ._asgi import (
     REQUEST_ID,
     check_api_key,
@@ -120,6 +122,9 @@ class TrioMLXApp(QuartTrio):
 
     settings: Settings
     engine: Engine | None
+    pool: ModelPool | None  # with --models (`engine/_pool.py`); `engine` is None then
+    # The actors the pool's GPU thread runs, `make(config, link)` (tests: a `FakeActor`); None: `Actor`.
+    pool_actor: Callable[..., Any] | None = None
     make_engine: EngineFactory
     pump: Pump
     completions: Completions
@@ -182,6 +187,9 @@ class TrioMLXApp(QuartTrio):
         try:
             if not settings.allow_multiple_workers:
                 self.serving_lock = _workers.acquire(settings)
+            if settings.models:
+                await self.start_pool()
+                return
             engine = self.engine = self.make_engine(settings)
             await self.nursery.start(engine.run)
             if settings.tuning.step_trace:
@@ -211,6 +219,18 @@ class TrioMLXApp(QuartTrio):
                  ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()) or "none")
         if engine.group is not None:
             log.info("distributed: %s", engine.group.describe())
+
+    async def start_pool(self) -> None:
+        """With `--models`: start the GPU thread; each model loads when a request names it."""
+        settings = self.settings
+        options = _engine_options(settings)
+        options.pop("model")
+        pool = self.pool = ModelPool(settings.model_table, max_loaded=settings.max_loaded_models,
+                                     engine_options=options, make_actor=self.pool_actor)
+        await self.nursery.start(pool.run)
+        self.nursery.start_soon(_run_in(self.watchdog, self.pump.watch_stalls, _intake.trimmer))
+        log.info("ready: serving %d models, each loaded on first use, at most %d at once: %s",
+                 len(pool.names), pool.max_loaded, ", ".join(pool.names))
 
     async def stop_engine(self) -> None:
         """Lifespan shutdown: drain, stop watching, let go of the lock and the request trace."""
@@ -248,6 +268,18 @@ class TrioMLXApp(QuartTrio):
 
         self.nursery.start_soon(bye)
 
+    @asynccontextmanager
+    async def engine_for(self, model: str | None) -> AsyncIterator[Engine]:
+        """The engine that serves a request naming `model` (checked by `pick_adapter`): the one
+        engine, or with `--models` that model's, loaded first if need be (the request waits for
+        the load; `ModelCapacityError` when no idle model can make room). Enter the request's
+        stream inside the block: until then the model is not unloaded."""
+        if self.pool is None:
+            yield self.ready_engine()
+            return
+        async with self.pool.use(pick_model(self.settings, model)) as engine:
+            yield engine
+
     def ready_engine(self) -> Engine:
         """The engine, for admitting a request; 503 while there is none yet."""
         if self.engine is None:
@@ -268,6 +300,9 @@ class TrioMLXApp(QuartTrio):
     async def drain(self) -> None:
         """Stop admitting (new requests and readiness get 503), let in-flight requests run for
         up to drain_timeout seconds, end the rest with a terminal event, stop the actor."""
+        if self.pool is not None:
+            await self.pool.aclose(drain_timeout=self.settings.drain_timeout)
+            return
         engine = self.engine
         if engine is None:
             return
@@ -285,6 +320,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app = TrioMLXApp("trio_mlx", static_folder=None)  # _pages.py serves /static itself
     app.settings = settings
     app.engine = None
+    app.pool = None
     app.make_engine = engine_factory or default_engine
     app.observers = []
     app.pump = Pump(app)

@@ -21,6 +21,8 @@ from .._errors import (
     EngineBrokenError,
     EngineClosedError,
     InvalidRequestError,
+    ModelCapacityError,
+    ModelLoadError,
     QueueFullError,
     TrioMLXError,
 )
@@ -88,6 +90,12 @@ def error_from_exception(exc: BaseException) -> HTTPError:
     if isinstance(exc, QueueFullError):
         retry = str(max(1, round(exc.retry_after)))
         return HTTPError(429, str(exc), type="rate_limit_error", code="queue_full", headers=[("Retry-After", retry)])
+    if isinstance(exc, ModelCapacityError):  # several models, every loaded one busy (`engine/_pool.py`)
+        retry = str(max(1, round(exc.retry_after)))
+        return HTTPError(503, str(exc), type="server_error", code="model_capacity",
+                         headers=[("Retry-After", retry)])
+    if isinstance(exc, ModelLoadError):  # a model of several, loaded for this request, failed
+        return HTTPError(500, str(exc), type="server_error", code="model_load_failed")
     if isinstance(exc, EngineBrokenError):
         return HTTPError(503, "the model failed and the server is not serving; it needs a restart",
                          type="server_error", code="engine_broken")

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from contextlib import AbstractAsyncContextManager
+
+    from ..engine import Engine, ModelPool
     from ._settings import Settings
 
 
@@ -18,9 +20,11 @@ class ServerHost(Protocol):
     settings: Settings
     nursery: Any  # trio.Nursery, open from lifespan startup to shutdown
     engine: Engine | None
+    pool: ModelPool | None  # with --models; `engine` is None then
 
     def observe(self, rec: RequestRecord) -> None: ...
     def ready_engine(self) -> Engine: ...
+    def engine_for(self, model: str | None) -> AbstractAsyncContextManager[Engine]: ...
     def open_streams(self) -> int: ...
 
 

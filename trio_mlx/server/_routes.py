@@ -25,7 +25,7 @@ import trio
 from quart import Response, request
 
 from . import _pages
-from ._adapters import pick_adapter
+from ._adapters import pick_adapter, pick_model
 from ._http import dumps
 from ._records import CHAT_PATH, COMPLETIONS_PATH, ServerHost
 from ._wire import WireAPI, serve_api
@@ -110,13 +110,29 @@ def adapter_card(app: RouteHost, name: str) -> dict[str, Any]:
             "root": app.settings.tuning.adapter_map[name], "parent": app.settings.served_model_name}
 
 
+def pool_card(app: RouteHost, name: str) -> dict[str, Any]:
+    """A model of several (`--models`) in /v1/models: `loaded` says whether it is in memory
+    now (a request for one that is not waits for its load)."""
+    assert app.pool is not None
+    engine = app.pool.engine(name)
+    state = next(s.state for s in app.pool.status() if s.name == name)
+    return {"id": name, "object": "model", "created": app.started_at, "owned_by": "trio_mlx",
+            "context_length": engine.context_length if engine else None,
+            "root": app.settings.model_table[name], "loaded": state == "loaded", "state": state,
+            "sampling_defaults": dict(engine.sampling_defaults) if engine else None}
+
+
 async def list_models(app: RouteHost) -> Response:
+    if app.pool is not None:
+        return json_response({"object": "list", "data": [pool_card(app, name) for name in app.pool.names]})
     adapters = [adapter_card(app, name) for name in app.settings.tuning.adapter_map]
     return json_response({"object": "list", "data": [model_card(app), *adapters]})
 
 
 async def get_model(app: RouteHost, model_id: str) -> Response:
     adapter = pick_adapter(app.settings, model_id)  # 404 for a name the server does not serve
+    if app.pool is not None:
+        return json_response(pool_card(app, pick_model(app.settings, model_id)))
     return json_response(model_card(app) if adapter is None else adapter_card(app, adapter))
 
 
@@ -127,6 +143,9 @@ def actor_name(engine: Engine) -> str:
 async def health(app: RouteHost) -> Response:
     """Liveness: 200 while the actor is alive and stepping or idle."""
     engine = app.engine
+    if app.pool is not None:  # several models: each one's state and requests in flight
+        return json_response({"status": "ok", "models": {
+            s.name: {"state": s.state, "in_flight": s.in_flight} for s in app.pool.status()}})
     if engine is None:
         return json_response({"status": "starting"})
     stats = engine.statistics()
@@ -155,6 +174,8 @@ async def ready(app: RouteHost) -> Response:
     """Readiness: 200 once the model is loaded and warm, 503 before, while the actor restarts,
     while draining, and while the actor is stalled (as /health says)."""
     engine = app.engine
+    if app.pool is not None:  # several models: ready once the GPU thread runs (models load on demand)
+        return json_response({"status": "ready"})
     state = engine.state if engine is not None else "starting"
     if state == "ready":
         since = engine.statistics().seconds_since_step if engine is not None else None

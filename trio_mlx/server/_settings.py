@@ -27,7 +27,7 @@ from .._fields import env_name as env_name
 from .._fields import field_kind as field_kind
 from .._fields import parse_value as parse_value
 from .._fields import read_environ
-from ..engine import ActorTuning, Engine
+from ..engine import ActorTuning, Engine, find_models
 
 # The id /v1/models serves for the embedded default (docs/design.md); as models.EMBEDDED_DEFAULT,
 # which this module does not import (that would import MLX).
@@ -44,6 +44,15 @@ class Settings:
 
     model: str | None = field(default=None, metadata=_doc(
         "model to serve: a local MLX directory or a Hugging Face id; unset: the embedded default"))
+    models: tuple[str, ...] = field(default=(), metadata=_doc(
+        "serve several models, each loaded on first use (instead of model): folders of model "
+        "folders (each subfolder with a config.json is a model, named after it), model folders, "
+        "or NAME=REF pairs; comma-separated or repeated. A request names one in its model field; "
+        "/v1/models lists them all; they share the one GPU thread, a step serving one model's batch"))
+    max_loaded_models: int = field(default=1, metadata=_doc(
+        "with models: the most loaded at once. Loading one more first unloads the least recently "
+        "used model with no request in flight; when every loaded model has requests, the request "
+        "gets 503 with Retry-After"))
     model_name: str | None = field(default=None, metadata=_doc(
         "the model id served in /v1/models and accepted in requests; default: derived from the model"))
     host: str = field(default="127.0.0.1", metadata=_doc("address to bind (trio-mlx serve)"))
@@ -196,7 +205,8 @@ class Settings:
         for alias in self.model_aliases:
             pattern, eq, target = alias.partition("=")
             if not eq or not pattern.strip() or self.serves(target) is False:
-                served = ", ".join(repr(n) for n in (self.served_model_name, *self.tuning.adapter_map))
+                served = ", ".join(repr(n) for n in (*(self.model_table or [self.served_model_name]),
+                                                     *self.tuning.adapter_map))
                 raise ValueError(f"model_aliases: {alias!r} is not NAME=TARGET with TARGET one of {served}")
         if self.distributed and self.tuning.adapters:
             raise ValueError("adapters need a single rank, not a distributed group (each rank loads its own "
@@ -208,12 +218,38 @@ class Settings:
         if self.replica is not None and not (
                 0 < len(self.replica) <= 64 and all(c.isalnum() or c in "-_." for c in self.replica)):
             raise ValueError(f"replica must be up to 64 letters, digits, '-', '_' or '.', got {self.replica!r}")
+        if self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be >= 1, got {self.max_loaded_models}")
+        if self.models:
+            self._check_models()
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
+    def _check_models(self) -> None:
+        """What a server of several models (`models`) cannot be combined with."""
+        for name, clash in (("model", self.model), ("model_name", self.model_name),
+                            ("distributed", self.distributed), ("adapter_path", self.tuning.adapter_path),
+                            ("adapters", self.tuning.adapters), ("draft_model", self.tuning.draft_model)):
+            if clash:
+                raise ValueError(f"models serves several models, each by its own name: unset {name}")
+        if self.actor != "thread":
+            raise ValueError("models needs actor 'thread': the models share the one GPU thread of the process")
+        try:
+            self.model_table  # noqa: B018  (a folder without models fails here, at startup)
+        except ValueError as exc:
+            raise ValueError(f"models: {exc}") from None
+
+    @functools.cached_property
+    def model_table(self) -> dict[str, str]:
+        """With `models`: every model by the name requests use (`engine.find_models`); else empty."""
+        return find_models(self.models) if self.models else {}
+
     def serves(self, name: str) -> str | None | bool:
-        """What `name` names without an alias: None for the served model, an adapter's name
-        for that adapter (`NAME` or `MODEL:NAME`), False for anything else."""
+        """What `name` names without an alias: None for the served model (with `models`, any
+        of them), an adapter's name for that adapter (`NAME` or `MODEL:NAME`), False for
+        anything else."""
+        if self.models:
+            return None if name in self.model_table else False
         base, adapters = self.served_model_name, self.tuning.adapter_map
         if name == base:
             return None
@@ -229,6 +265,8 @@ class Settings:
         Worked out once (it may look at the file system): every request compares against it."""
         if self.model_name:
             return self.model_name
+        if self.models:  # the first of several: what a request that names no model gets
+            return next(iter(self.model_table))
         if not self.model or self.model in ("default", DEFAULT_MODEL_NAME):
             return DEFAULT_MODEL_NAME
         ref = self.model.rstrip("/\\")

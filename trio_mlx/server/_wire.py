@@ -136,13 +136,13 @@ async def serve_api(pump: Pump, api: WireAPI, scope: Scope, receive: Receive, se
         options = getattr(call, "options", None)  # a generating call's (`ApiCall`), built from its request
         if adapter is not None and isinstance(options, GenerationOptions):
             cast(Any, call).options = dataclasses.replace(options, adapter=adapter)
-        engine = app.ready_engine()
-        if hasattr(call, "respond"):
-            body = await cast(ImmediateCall, call).respond(engine)
-        else:
-            gen = cast(ApiCall, call)
-            rec.stream = gen.stream
-            stream = await unless_disconnected(receive, partial(gen.start, engine), RequestStream.close)
+        async with app.engine_for(call.model) as engine:
+            if hasattr(call, "respond"):
+                body = await cast(ImmediateCall, call).respond(engine)
+            else:
+                gen = cast(ApiCall, call)
+                rec.stream = gen.stream
+                stream = await unless_disconnected(receive, partial(gen.start, engine), RequestStream.close)
     except Disconnected:
         rec.outcome = "disconnect"
         app.observe(rec)
@@ -157,7 +157,7 @@ async def serve_api(pump: Pump, api: WireAPI, scope: Scope, receive: Receive, se
         return
     rec.admitted = trio.current_time()
     rec.prompt_tokens = len(stream.prompt_tokens)
-    model = answered_as(settings, adapter)
+    model = answered_as(settings, adapter, call.model)
     if gen.stream:
         enc = gen.encoder(rid, model, rec.prompt_tokens)
         await pump.serve_stream(receive, send, [stream], enc, rec, extra)

@@ -56,7 +56,9 @@ _held: dict[str, _Held] = {}
 def model_key(settings: Settings) -> str:
     """What identifies "the same model on the same device" across processes."""
     model = settings.model
-    if not model or model in ("default", DEFAULT_MODEL_NAME):
+    if settings.models:  # a server of several models: the lot, as named
+        what = "models:" + ",".join(f"{n}={r}" for n, r in settings.model_table.items())
+    elif not model or model in ("default", DEFAULT_MODEL_NAME):
         cache = (settings.cache_dir or os.environ.get("TRIO_MLX_CACHE_DIR")
                  or os.environ.get("XDG_CACHE_HOME") or "~/.cache")
         what = "default:" + os.path.realpath(os.path.expanduser(cache))

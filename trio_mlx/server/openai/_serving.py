@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import trio
 
 from ...engine import (
+    Engine,
     Finished,
     RequestStream,
     TextDelta,
@@ -331,7 +333,7 @@ class Completions:
             return
         rec.admitted = trio.current_time()
         rec.prompt_tokens = len(streams[0].prompt_tokens)
-        model = answered_as(settings, pick_adapter(settings, req.model))
+        model = answered_as(settings, pick_adapter(settings, req.model), req.model)
         # chat: a bool; completions: how many alternatives, so 0 asks for the chosen tokens' own
         logprobs = req.logprobs is not None and req.logprobs is not False
         if req.stream:
@@ -362,14 +364,13 @@ class Completions:
         req.check(settings.max_n)
         adapter = pick_adapter(settings, req.model)
         rec.stream, rec.n = req.stream, req.n
-        engine = app.ready_engine()
         options = req.to_options()
         if adapter is not None:
             options = dataclasses.replace(options, adapter=adapter)
         seed = options.seed
         streams: list[RequestStream] = []
 
-        async def start() -> list[RequestStream]:
+        async def start(engine: Engine) -> list[RequestStream]:
             try:
                 for i in range(req.n):
                     if i > 0:  # tokenized and compiled once; choice i is the same request, seed + i
@@ -387,4 +388,5 @@ class Completions:
 
         # a client that leaves while its request is admitted (a grammar checked, a long
         # prompt tokenized) cancels the admission
-        return req, await unless_disconnected(receive, start, close_all)
+        async with app.engine_for(req.model) as engine:
+            return req, await unless_disconnected(receive, partial(start, engine), close_all)

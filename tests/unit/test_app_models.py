@@ -1,0 +1,147 @@
+"""A server of several models (`--models`), over `FakeActor`: /v1/models lists them, a request
+names one (or an alias of one) and is answered by it, and a model that cannot be loaded because
+every loaded one is busy is a 503 with Retry-After in each API's error shape. The pool's own
+rules: tests/unit/test_model_pool.py; real models: tests/integration/test_model_pool.py."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import httpx
+import hypercorn.trio
+import pytest
+import trio
+from app_server import CHAT, assert_error, chat_body
+from hypercorn.config import Config
+
+from trio_mlx.actor import FakeActor
+from trio_mlx.server._app import create_app
+from trio_mlx.server._serve import build_parser, settings_from_args
+from trio_mlx.server._settings import Settings
+
+MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
+NAMES = ("alpha", "beta", "gamma")
+
+
+@pytest.fixture
+def folder(tmp_path, tiny_model_fp32):
+    for name in NAMES:
+        shutil.copytree(tiny_model_fp32, tmp_path / "models" / name)
+    return tmp_path / "models"
+
+
+def actors(step_seconds: dict[str, float] | None = None) -> Any:
+    """Fake actors, with slow steps for the models `step_seconds` names."""
+    def make(config, link):
+        name = config.model_path.name
+        return FakeActor(config, link, step_seconds=(step_seconds or {}).get(name, 0.0))
+    return make
+
+
+@asynccontextmanager
+async def serve_models(folder, *, step_seconds: dict[str, float] | None = None,
+                       **settings: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    settings.setdefault("warmup", False)
+    settings.setdefault("drain_timeout", 1.0)
+    app = create_app(Settings.from_env({}, models=(str(folder),), allow_multiple_workers=True, **settings))
+    app.pool_actor = actors(step_seconds)
+    app.on_fatal = lambda reason: None  # type: ignore[method-assign]
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(hypercorn.trio.serve, app, config, shutdown_trigger=stop.wait))
+        try:
+            async with httpx.AsyncClient(base_url=binds[0], timeout=20.0) as client:
+                yield app, client
+        finally:
+            stop.set()
+
+
+async def test_v1_models_lists_every_model_and_loads_none_before_it_is_asked_for(folder):
+    async with serve_models(folder) as (app, client):
+        data = (await client.get("/v1/models")).json()["data"]
+        assert [m["id"] for m in data] == list(NAMES)
+        assert [m["loaded"] for m in data] == [False] * 3
+        assert data[1]["root"] == str(folder / "beta")
+        assert (await client.get("/ready")).status_code == 200
+        r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=3))
+        assert r.status_code == 200 and r.json()["model"] == "beta", r.text
+        card = (await client.get("/v1/models/beta")).json()
+        assert card["loaded"] is True and card["context_length"] == 2048
+        health = (await client.get("/health")).json()
+        assert health["models"]["beta"]["state"] == "loaded" and health["models"]["alpha"]["state"] == "unloaded"
+        err = assert_error(await client.post(CHAT, json=chat_body(model="delta")), 404, code="model_not_found")
+        assert "'alpha', 'beta', 'gamma'" in err["message"]
+
+
+async def test_each_api_reaches_the_model_it_names_or_an_alias_of(folder):
+    async with serve_models(folder, max_loaded_models=3, model_aliases=("claude-*=gamma", "gpt-*=alpha")) as (
+            app, client):
+        r = await client.post(MESSAGES, json={"model": "claude-sonnet-4", "max_tokens": 2,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["model"] == "gamma", r.text
+        r = await client.post(RESPONSES, json={"model": "beta", "input": "hi", "max_output_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "beta", r.text
+        r = await client.post(CHAT, json=chat_body(model="gpt-4o", max_tokens=2))
+        assert r.status_code == 200 and r.json()["model"] == "alpha", r.text
+        assert {s.name: s.state for s in app.pool.status()} == dict.fromkeys(NAMES, "loaded")
+        # the engines are the models' own: each counted its own request
+        assert [app.pool.engine(n).statistics().requests_finished for n in NAMES] == [1, 1, 1]
+
+
+async def test_no_idle_model_to_unload_is_a_503_with_retry_after_in_each_api_s_shape(folder):
+    async with serve_models(folder, step_seconds={"alpha": 0.02}) as (app, client):
+        async with trio.open_nursery() as nursery:
+            done = trio.Event()
+
+            async def busy() -> None:  # alpha decodes for a while: it is not idle
+                r = await client.post(CHAT, json=chat_body(model="alpha", max_tokens=150, ignore_eos=True))
+                assert r.status_code == 200
+                done.set()
+
+            nursery.start_soon(busy)
+            with trio.fail_after(10):
+                while app.pool.engine("alpha") is None or app.pool.engine("alpha").in_flight == 0:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))
+            err = assert_error(r, 503, code="model_capacity", type="server_error")
+            assert "'beta' cannot be loaded now" in err["message"]
+            assert int(r.headers["retry-after"]) >= 1
+            r = await client.post(MESSAGES, json={"model": "beta", "max_tokens": 2,
+                                                  "messages": [{"role": "user", "content": "hi"}]})
+            body = r.json()
+            assert r.status_code == 503 and body["type"] == "error" and "retry-after" in r.headers, r.text
+            assert "cannot be loaded now" in body["error"]["message"]
+            r = await client.post(RESPONSES, json={"model": "beta", "input": "hi"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_capacity", r.text
+            assert "retry-after" in r.headers
+            await done.wait()
+        r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))  # alpha idle: unloaded for beta
+        assert r.status_code == 200 and r.json()["model"] == "beta", r.text
+        assert {s.name: s.state for s in app.pool.status()}["alpha"] == "unloaded"
+
+
+def test_the_settings_of_several_models(folder):
+    args = build_parser().parse_args(["--models", str(folder), "--max-loaded-models", "2"])
+    settings = settings_from_args(args)
+    assert settings.model_table == {n: str(folder / n) for n in NAMES} and settings.max_loaded_models == 2
+    assert settings.served_model_name == "alpha"  # what a request that names no model gets
+    with pytest.raises(ValueError, match="unset model"):
+        Settings.from_env({}, models=(str(folder),), model="/m/x")
+    with pytest.raises(ValueError, match="models needs actor 'thread'"):
+        Settings.from_env({}, models=(str(folder),), actor="process")
+    with pytest.raises(ValueError, match="no model folder"):
+        Settings.from_env({}, models=(str(folder.parent),))
+    with pytest.raises(ValueError, match="TARGET one of 'alpha', 'beta', 'gamma'"):
+        Settings.from_env({}, models=(str(folder),), model_aliases=("claude-*=delta",))
+    with pytest.raises(ValueError, match="max_loaded_models must be >= 1"):
+        Settings.from_env({}, models=(str(folder),), max_loaded_models=0)
