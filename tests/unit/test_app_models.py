@@ -16,7 +16,7 @@ import httpx
 import hypercorn.trio
 import pytest
 import trio
-from app_server import CHAT, assert_error, chat_body
+from app_server import CHAT, Scrape, assert_error, chat_body
 from hypercorn.config import Config
 
 from trio_mlx.actor import FakeActor
@@ -94,8 +94,14 @@ async def test_each_api_reaches_the_model_it_names_or_an_alias_of(folder):
         r = await client.post(CHAT, json=chat_body(model="gpt-4o", max_tokens=2))
         assert r.status_code == 200 and r.json()["model"] == "alpha", r.text
         assert {s.name: s.state for s in app.pool.status()} == dict.fromkeys(NAMES, "loaded")
-        # the engines are the models' own: each counted its own request
+        # the engines are the models' own: each counted its own request, and /metrics says so by model
         assert [app.pool.engine(n).statistics().requests_finished for n in NAMES] == [1, 1, 1]
+        r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))
+        scrape = Scrape((await client.get("/metrics")).text)
+        assert scrape.value("trio_mlx_model_requests_finished_total", model="beta") == 2
+        assert scrape.value("trio_mlx_model_requests_finished_total", model="gamma") == 1
+        assert scrape.value("trio_mlx_model_state", model="alpha", state="loaded") == 1
+        assert scrape.value("trio_mlx_model_loads_total", model="alpha") == 1
 
 
 async def test_no_idle_model_to_unload_is_a_503_with_retry_after_in_each_api_s_shape(folder):

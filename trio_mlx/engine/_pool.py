@@ -77,6 +77,7 @@ class _Slot:
     pins: int = 0  # requests being admitted to it (or waiting for its load)
     last_used: float = float("-inf")
     error: BaseException | None = None  # why its last load failed
+    loads: int = 0
 
     def set_state(self, state: State) -> None:
         self.state = state
@@ -96,6 +97,7 @@ class ModelStatus:
     state: State
     in_flight: int
     last_used: float  # trio time; -inf when never used
+    loads: int  # times it was loaded
 
 
 class ModelPool:
@@ -127,8 +129,8 @@ class ModelPool:
         return tuple(self._slots)
 
     def status(self) -> list[ModelStatus]:
-        return [ModelStatus(s.name, s.state, s.engine.in_flight if s.engine is not None else 0, s.last_used)
-                for s in self._slots.values()]
+        return [ModelStatus(s.name, s.state, s.engine.in_flight if s.engine is not None else 0, s.last_used,
+                            s.loads) for s in self._slots.values()]
 
     def engine(self, name: str) -> Engine | None:
         """The model's engine while it is loaded, else None."""
@@ -209,6 +211,7 @@ class ModelPool:
             if self._nursery is None:
                 raise ModelCapacityError("the server is shutting down", retry_after=self.retry_after)
             slot.error = None
+            slot.loads += 1
             slot.set_state("loading")
             log.info("loading the model %r (%s)", slot.name, slot.ref)
             started = await self._nursery.start(self._life, slot)

@@ -179,6 +179,8 @@ class _EngineCollector:
         yield GaugeMetricFamily(PREFIX + "mlx_peak_memory_bytes", "MLX peak memory", value=num("peak_memory_bytes"))
         yield GaugeMetricFamily(PREFIX + "mlx_cache_memory_bytes", "freed MLX buffers kept for reuse",
                                 value=num("cache_memory_bytes"))
+        if self.app.pool is not None:
+            yield from _model_families(self.app.pool)
         group = engine.group if engine is not None else None
         if group is not None:  # rank 0 of a distributed group (docs/distributed.md)
             snap = group.snapshot()
@@ -194,3 +196,30 @@ class _EngineCollector:
                                     "with the followers completed", value=snap["seconds_since_contact"])
             yield CounterMetricFamily(PREFIX + "group_messages", "command messages rank 0 sent its followers "
                                       "(one per step, heartbeats while idle)", value=float(group.messages))
+
+
+def _model_families(pool: Any) -> Iterator[Metric]:
+    """With `--models`: each model's state, loads and requests, and its engine's figures while it
+    is loaded (an engine's counters start again at 0 when its model loads again)."""
+    states = GaugeMetricFamily(PREFIX + "model_state", "1 for each model's state (unloaded, loading, "
+                               "loaded, unloading)", labels=["model", "state"])
+    loads = CounterMetricFamily(PREFIX + "model_loads", "times each model was loaded", labels=["model"])
+    in_flight = GaugeMetricFamily(PREFIX + "model_requests_in_flight", "each model's requests in flight",
+                                  labels=["model"])
+    figures = {attr: CounterMetricFamily(PREFIX + "model_" + attr, doc + " (while loaded)", labels=["model"])
+               for attr, doc in (("requests_finished", "requests each model's engine ended"),
+                                 ("prompt_tokens", "prompt tokens each model prefilled"),
+                                 ("generated_tokens", "tokens each model generated"),
+                                 ("prompt_cache_hit_tokens", "prompt tokens each model's prompt cache served"))}
+    cache = GaugeMetricFamily(PREFIX + "model_prompt_cache_bytes", "bytes of KV each model's prompt cache "
+                              "holds", labels=["model"])
+    for st in pool.status():
+        states.add_metric([st.name, st.state], 1.0)
+        loads.add_metric([st.name], float(st.loads))
+        in_flight.add_metric([st.name], float(st.in_flight))
+        engine = pool.engine(st.name)
+        stats = engine.statistics() if engine is not None else None
+        for attr, family in figures.items():
+            family.add_metric([st.name], float(getattr(stats, attr)) if stats is not None else 0.0)
+        cache.add_metric([st.name], float(stats.prompt_cache_bytes) if stats is not None else 0.0)
+    yield from (states, loads, in_flight, *figures.values(), cache)
