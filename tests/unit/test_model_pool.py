@@ -14,6 +14,7 @@ import trio_mlx
 from trio_mlx._errors import ModelCapacityError, ModelLoadError
 from trio_mlx.actor import FakeActor
 from trio_mlx.engine import ModelPool, find_models
+from trio_mlx.engine._pool import weight_bytes
 
 # Each fake model answers with a script of its own (its name's letters), so an answer says which
 # model gave it.
@@ -179,5 +180,22 @@ async def test_a_model_that_fails_to_load_fails_its_requests_and_not_the_others(
                     pass
             async with pool.use("alpha") as engine:
                 assert await answer(engine) == SCRIPTS["alpha"]
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_byte_bound_unloads_as_the_count_does(folder):
+    size = weight_bytes(str(folder / "alpha"))
+    assert size > 0 and weight_bytes("some/hub-id") == 0
+    actors = Actors()
+    pool = ModelPool(find_models([str(folder)]), max_loaded=3, max_bytes=int(size * 2.5), make_actor=actors)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(20):
+            for name in ("alpha", "beta", "gamma"):  # two fit the bytes; the third unloads alpha
+                async with pool.use(name) as engine:
+                    assert await answer(engine) == SCRIPTS[name]
+        assert {s.name: s.state for s in pool.status()} == {"alpha": "unloaded", "beta": "loaded",
+                                                            "gamma": "loaded"}
         await pool.aclose()
         nursery.cancel_scope.cancel()

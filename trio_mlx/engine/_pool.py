@@ -5,8 +5,9 @@ statistics), and every engine's actor lives on the one GPU thread of an `ActorHo
 (`actor/_host.py`), so MLX work stays on one thread (docs/design.md, rule 1). A request names
 its model; `ModelPool.use(name)` yields that model's engine, loading it first when it is not
 loaded: a request that arrives meanwhile waits for the same load. At most `max_loaded`
-models are loaded at once; to load one more, the pool unloads the least recently used idle
-model (no request in flight, none being admitted), and when every loaded model is busy it
+models are loaded at once, and, with `max_bytes`, at most that many bytes of weights (as the
+model folders' files hold them, `weight_bytes`); to load one more, the pool unloads the least
+recently used idle model (no request in flight, none being admitted), and when every loaded model is busy it
 refuses with `ModelCapacityError` (the server's 503 with Retry-After) rather than wait.
 An unloaded model's actor frees its arrays on the GPU thread (`Actor.stop`).
 """
@@ -64,6 +65,15 @@ def find_models(refs: Iterable[str]) -> dict[str, str]:
     return found
 
 
+def weight_bytes(ref: str) -> int:
+    """The bytes of a model folder's weights (its .safetensors and .gguf files), what loading
+    it takes at least; 0 for a reference that is not a folder here (a hub id not fetched yet)."""
+    path = pathlib.Path(ref).expanduser()
+    if not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.gguf") for f in path.glob(pattern))
+
+
 State = Literal["unloaded", "loading", "loaded", "unloading"]
 
 
@@ -78,6 +88,7 @@ class _Slot:
     last_used: float = float("-inf")
     error: BaseException | None = None  # why its last load failed
     loads: int = 0
+    nbytes: int | None = None  # its weights' bytes (`weight_bytes`), once a byte bound needed them
 
     def set_state(self, state: State) -> None:
         self.state = state
@@ -105,16 +116,20 @@ class ModelPool:
     at most `max_loaded` at once. Start `run` in a nursery; `use(name)` for each request."""
 
     def __init__(self, models: Mapping[str, str | os.PathLike[str]], *, max_loaded: int = 1,
-                 retry_after: float = 5.0, engine_options: Mapping[str, Any] | None = None,
+                 max_bytes: int = 0, retry_after: float = 5.0, engine_options: Mapping[str, Any] | None = None,
                  make_actor: Callable[..., Any] | None = None):
-        """`engine_options`: every model's `Engine` keywords (its tuning, max_queue, ...);
-        `make_actor(config, link)`: the actors the host runs (`Actor` when None)."""
+        """`max_bytes`: the most weight bytes loaded at once (`weight_bytes`; 0: no bound but
+        `max_loaded`); `engine_options`: every model's `Engine` keywords (its tuning,
+        max_queue, ...); `make_actor(config, link)`: the actors the host runs (`Actor` when None)."""
         if not models:
             raise ValueError("a model pool needs at least one model")
         if max_loaded < 1:
             raise ValueError(f"max_loaded must be >= 1, got {max_loaded!r}")
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes!r}")
         self._slots = {name: _Slot(name, str(ref)) for name, ref in models.items()}
         self.max_loaded = max_loaded
+        self.max_bytes = max_bytes
         self.retry_after = retry_after
         self._options = dict(engine_options or {})
         self._options.pop("actor", None)
@@ -219,18 +234,31 @@ class ModelPool:
             error = slot.error
             assert error is not None
             raise error
+        engine = slot.engine
+        if self.max_bytes and not slot.nbytes and engine is not None and engine.model_path is not None:
+            slot.nbytes = await trio.to_thread.run_sync(weight_bytes, str(engine.model_path))  # a hub id's
 
     async def _make_room(self, slot: _Slot) -> None:
+        """Unload idle models, least recently used first, until `slot` fits both bounds."""
+        if self.max_bytes and slot.nbytes is None:
+            slot.nbytes = await trio.to_thread.run_sync(weight_bytes, slot.ref)
         while True:
             taken = [s for s in self._slots.values() if s.state in ("loading", "loaded") and s is not slot]
-            if len(taken) < self.max_loaded:
+            held = sum(s.nbytes or 0 for s in taken)
+            over_count = len(taken) >= self.max_loaded
+            over_bytes = bool(self.max_bytes and taken and held + (slot.nbytes or 0) > self.max_bytes)
+            if not (over_count or over_bytes):
+                if self.max_bytes and (slot.nbytes or 0) > self.max_bytes:
+                    log.warning("the model %r (%.2f GB of weights) is larger than the bound (%.2f GB) by "
+                                "itself: loaded alone", slot.name, (slot.nbytes or 0) / 1e9, self.max_bytes / 1e9)
                 return
             idle = [s for s in taken if s.idle]
             if not idle:
+                bound = (f"--max-loaded-models {self.max_loaded}" if over_count else
+                         f"{held / 1e9:.2f} GB of weights of {self.max_bytes / 1e9:.2f}")
                 raise ModelCapacityError(
                     f"the model {slot.name!r} cannot be loaded now: {len(taken)} models are loaded "
-                    f"(--max-loaded-models {self.max_loaded}) and every one is serving requests",
-                    retry_after=self.retry_after)
+                    f"({bound}) and every one is serving requests", retry_after=self.retry_after)
             victim = min(idle, key=lambda s: s.last_used)
             log.info("unloading the model %r (least recently used, idle) to load %r", victim.name, slot.name)
             await self._unload(victim)

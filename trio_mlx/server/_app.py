@@ -226,11 +226,13 @@ class TrioMLXApp(QuartTrio):
         options = _engine_options(settings)
         options.pop("model")
         pool = self.pool = ModelPool(settings.model_table, max_loaded=settings.max_loaded_models,
-                                     engine_options=options, make_actor=self.pool_actor)
+                                     max_bytes=int(settings.max_loaded_gb * 1e9), engine_options=options,
+                                     make_actor=self.pool_actor)
         await self.nursery.start(pool.run)
         self.nursery.start_soon(_run_in(self.watchdog, self.pump.watch_stalls, _intake.trimmer))
-        log.info("ready: serving %d models, each loaded on first use, at most %d at once: %s",
-                 len(pool.names), pool.max_loaded, ", ".join(pool.names))
+        log.info("ready: serving %d models, each loaded on first use, at most %d at once%s: %s",
+                 len(pool.names), pool.max_loaded,
+                 f" and {settings.max_loaded_gb:g} GB of weights" if pool.max_bytes else "", ", ".join(pool.names))
 
     async def stop_engine(self) -> None:
         """Lifespan shutdown: drain, stop watching, let go of the lock and the request trace."""

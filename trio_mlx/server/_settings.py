@@ -53,6 +53,10 @@ class Settings:
         "with models: the most loaded at once. Loading one more first unloads the least recently "
         "used model with no request in flight; when every loaded model has requests, the request "
         "gets 503 with Retry-After"))
+    max_loaded_gb: float = field(default=0.0, metadata=_doc(
+        "with models: the most GB of weights (the model folders' .safetensors files) loaded at once, "
+        "beside max_loaded_models: idle models are unloaded, least recently used first, to make room; "
+        "a model larger than this by itself loads alone; 0: no bound but max_loaded_models"))
     model_name: str | None = field(default=None, metadata=_doc(
         "the model id served in /v1/models and accepted in requests; default: derived from the model"))
     host: str = field(default="127.0.0.1", metadata=_doc("address to bind (trio-mlx serve)"))
@@ -218,6 +222,8 @@ class Settings:
         if self.replica is not None and not (
                 0 < len(self.replica) <= 64 and all(c.isalnum() or c in "-_." for c in self.replica)):
             raise ValueError(f"replica must be up to 64 letters, digits, '-', '_' or '.', got {self.replica!r}")
+        if not (math.isfinite(self.max_loaded_gb) and self.max_loaded_gb >= 0):
+            raise ValueError(f"max_loaded_gb must be a finite number >= 0, got {self.max_loaded_gb}")
         if self.max_loaded_models < 1:
             raise ValueError(f"max_loaded_models must be >= 1, got {self.max_loaded_models}")
         if self.models:
