@@ -199,3 +199,23 @@ async def test_a_byte_bound_unloads_as_the_count_does(folder):
                                                             "gamma": "loaded"}
         await pool.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_host_hands_mlx_s_buffer_cache_back_once(folder, monkeypatch):
+    from trio_mlx.actor import _host
+
+    cleared: list[float] = []  # one entry per release
+    monkeypatch.setattr(_host, "_clear_cache", lambda: cleared.append(1.0))
+    pool = ModelPool(find_models([str(folder)]), make_actor=Actors(),
+                     engine_options={"idle_release": 0.05})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(20):
+            async with pool.use("alpha") as engine:
+                assert await answer(engine) == SCRIPTS["alpha"]
+            while not cleared:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)
+        assert len(cleared) == 1  # once per idle spell, not every wake
+        await pool.aclose()
+        nursery.cancel_scope.cancel()

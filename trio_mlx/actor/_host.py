@@ -110,6 +110,7 @@ class ActorHost:
 
     def _main(self) -> None:
         self.thread_id = threading.get_ident()
+        worked, released = time.perf_counter(), True
         try:
             while True:
                 trio.from_thread.check_cancelled()
@@ -120,13 +121,32 @@ class ActorHost:
                 hosted, wait = self._pick(now)
                 if hosted is not None:
                     self._turn(hosted)
-                else:
-                    self._arrived.wait(wait)
+                    worked, released = now, False
+                    continue
+                if not released and (release := self._release_seconds()):
+                    if now - worked >= release:  # idle a while: MLX's buffer cache goes back
+                        _clear_cache()
+                        released = True
+                    else:
+                        wait = min(wait, release - (now - worked))
+                self._arrived.wait(wait)
         finally:
             for hosted in [*self._hosted, *self._incoming]:
                 self._end(hosted, None, clean=False)
             self._hosted.clear()
             self._incoming.clear()
+
+    def _release_seconds(self) -> float:
+        """How long every actor idles before MLX's buffer cache is handed back, as one actor's
+        `_idle` does (the first actor's `idle_release`; without it, on a GPU only)."""
+        if not self._hosted:
+            return 0.0
+        release = getattr(self._hosted[0].actor.config.tuning, "idle_release", None)
+        if release is not None:
+            return float(release)
+        from ._memory import IDLE_RELEASE, on_gpu
+
+        return IDLE_RELEASE if on_gpu() else 0.0
 
     def _start(self, hosted: _Hosted) -> None:
         """Load a model (its `Actor.start`: the other models' steps wait meanwhile)."""
@@ -213,3 +233,9 @@ class ActorHost:
             self._token.run_sync_soon(hosted.done.set)
         except trio.RunFinishedError:
             pass
+
+
+def _clear_cache() -> None:
+    from ._memory import clear_cache
+
+    clear_cache()

@@ -47,3 +47,12 @@ def prefill_budget(value: int | None) -> int:
 def memory_figures() -> tuple[int, int, int]:
     """MLX's (active, peak, cache) bytes; the cache holds freed buffers kept for reuse."""
     return mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()
+
+
+def on_gpu() -> bool:
+    return bool(mx.default_device().type == mx.DeviceType.gpu)
+
+
+def clear_cache() -> None:
+    """Hand MLX's buffer cache back (an idle host of several models: `_host.py`)."""
+    mx.clear_cache()
