@@ -1,10 +1,13 @@
 """Several real tiny models on one GPU thread (`engine/_pool.py`, `actor/_host.py`): each
-answers as it does served alone, and one unloaded for another frees its arrays."""
+answers as it does served alone (greedy, token for token), requests that come while their model
+loads wait for that load, one unloaded for a third frees its arrays, and a stream of one model
+goes on across another's load. The pool's rules over the fake actor: tests/unit/test_model_pool.py."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import trio
+import trio.lowlevel
 
 import trio_mlx
 from trio_mlx.engine import ModelPool
@@ -74,3 +77,45 @@ async def test_models_served_together_answer_as_each_does_alone(tmp_path):
         nursery.cancel_scope.cancel()
     for key in [(n, p) for n in ("one", "two", "three") for p in PROMPTS]:
         assert together[key] == alone[key], key
+
+
+async def test_a_stream_goes_on_across_another_model_s_load(tmp_path):
+    """The load runs on the GPU thread, so the stream's steps pause meanwhile; none of its
+    tokens is lost or changed, and a request that comes during the load waits for it."""
+    paths = {name: _models.build_test_model(tmp_path / name, seed=seed) for name, seed in (("one", 1), ("two", 2))}
+    alone = {}
+    for name, path in paths.items():
+        async with trio_mlx.open_engine(path, max_batch=8) as engine:
+            alone[name] = await greedy(engine, PROMPTS[0], 48)
+    pool = ModelPool(paths, max_loaded=2, engine_options={"max_batch": 8})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(120):
+            async with pool.use("one") as engine:
+                stream = engine.generate(PROMPTS[0], max_tokens=48, ignore_eos=True, temperature=0.0)
+                await stream.__aenter__()
+            got: dict[str, list[int]] = {"one": [], "two": []}
+            try:
+                async for ev in stream:
+                    if isinstance(ev, trio_mlx.TextDelta):
+                        got["one"] += ev.token_ids
+                        if len(got["one"]) >= 4:
+                            break
+                async with trio.open_nursery() as both:
+
+                    async def two(key: str) -> None:
+                        async with pool.use("two") as engine:
+                            got[key] = await greedy(engine, PROMPTS[0], 48)
+
+                    both.start_soon(two, "two")
+                    await trio.lowlevel.checkpoint()
+                    both.start_soon(two, "two again")  # comes while two loads: waits for the same load
+                    async for ev in stream:
+                        if isinstance(ev, trio_mlx.TextDelta):
+                            got["one"] += ev.token_ids
+            finally:
+                await stream.__aexit__(None, None, None)
+        assert [s.loads for s in pool.status()] == [1, 1]
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+    assert got == {"one": alone["one"], "two": alone["two"], "two again": alone["two"]}
