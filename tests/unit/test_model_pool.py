@@ -4,6 +4,7 @@ that arrives during a load waiting for it, and the refusal when every loaded mod
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 
@@ -123,7 +124,11 @@ async def test_the_least_recently_used_idle_model_is_unloaded_for_a_third(folder
         nursery.cancel_scope.cancel()
 
 
-async def test_a_request_that_comes_during_a_load_waits_for_it(folder):
+async def test_a_request_that_comes_during_a_load_waits_for_it(folder, monkeypatch, caplog):
+    from trio_mlx.engine import _pool
+
+    monkeypatch.setattr(_pool, "_PROGRESS_EVERY", 0.2)
+    caplog.set_level(logging.INFO, "trio_mlx.engine")
     actors = Actors(alpha={"load_seconds": 0.5})
     pool = ModelPool(find_models([str(folder)]), max_loaded=1, make_actor=actors)
     async with trio.open_nursery() as nursery:
@@ -142,6 +147,7 @@ async def test_a_request_that_comes_during_a_load_waits_for_it(folder):
                 inner.start_soon(ask)
         assert results == [SCRIPTS["alpha"]] * 2
         assert actors.loads("alpha") == 1
+        assert "a request for the model 'alpha' waits for its load" in caplog.text  # its progress line
         await pool.aclose()
         nursery.cancel_scope.cancel()
 
