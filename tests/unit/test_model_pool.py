@@ -225,3 +225,24 @@ async def test_an_idle_host_hands_mlx_s_buffer_cache_back_once(folder, monkeypat
         assert len(cleared) == 1  # once per idle spell, not every wake
         await pool.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_request_that_leaves_during_the_load_does_not_cancel_it(folder):
+    actors = Actors(alpha={"load_seconds": 0.4})
+    pool = ModelPool(find_models([str(folder)]), make_actor=actors)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        results = []
+
+        async def ask() -> None:
+            async with pool.use("alpha") as engine:
+                results.append(await answer(engine))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as inner:
+                with trio.move_on_after(0.1):  # the first asker (whose request began the load) leaves
+                    await ask()
+                inner.start_soon(ask)
+        assert results == [SCRIPTS["alpha"]] and actors.loads("alpha") == 1
+        await pool.aclose()
+        nursery.cancel_scope.cancel()

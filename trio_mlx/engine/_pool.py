@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import trio
 
-from .._errors import InvalidRequestError, ModelCapacityError
+from .._errors import InvalidRequestError, ModelCapacityError, ModelLoadError
 from ._engine import Engine, gpu_limiter
 
 log = logging.getLogger("trio_mlx.engine")
@@ -217,8 +217,9 @@ class ModelPool:
                          "load" if slot.state == "loading" else "unload", trio.current_time() - waited)
 
     async def _load(self, slot: _Slot) -> None:
-        """Load the model (unloading idle ones first to stay within `max_loaded`), unless
-        another request got there first."""
+        """Load the model (unloading idle ones first to stay within the bounds), unless another
+        request got there first. The load runs in the pool's own task: a request that leaves
+        while it waits (its client gone) does not cancel it for the others."""
         async with self._lock:
             if slot.state != "unloaded":
                 return
@@ -227,13 +228,15 @@ class ModelPool:
                 raise ModelCapacityError("the server is shutting down", retry_after=self.retry_after)
             slot.error = None
             slot.loads += 1
+            changed = slot.changed
             slot.set_state("loading")
             log.info("loading the model %r (%s)", slot.name, slot.ref)
-            started = await self._nursery.start(self._life, slot)
-        if not started:
-            error = slot.error
-            assert error is not None
-            raise error
+            self._nursery.start_soon(self._life, slot)
+            while slot.state == "loading":  # one load at a time
+                changed = slot.changed
+                await changed.wait()
+        if slot.state != "loaded":
+            raise slot.error or ModelLoadError(f"the model {slot.name!r} was unloaded as it loaded")
         engine = slot.engine
         if self.max_bytes and not slot.nbytes and engine is not None and engine.model_path is not None:
             slot.nbytes = await trio.to_thread.run_sync(weight_bytes, str(engine.model_path))  # a hub id's
@@ -274,21 +277,17 @@ class ModelPool:
             await changed.wait()
             changed = slot.changed
 
-    async def _life(self, slot: _Slot, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """One load of the model: its engine's run, from loading to its close. Reports
-        started with True once ready, False when the load failed (`slot.error`)."""
+    async def _life(self, slot: _Slot) -> None:
+        """One load of the model: its engine's run, from loading to its close; `slot.error`
+        says why, when the load failed."""
         engine = Engine(slot.ref, actor=self.host, **self._options)
         slot.engine = engine
         t0 = trio.current_time()
-        reported = False
 
         class Started:
             def started(self, value: Any = None) -> None:
-                nonlocal reported
                 log.info("the model %r is loaded (%.2f s)", slot.name, trio.current_time() - t0)
                 slot.set_state("loaded")
-                reported = True
-                task_status.started(True)
 
         try:
             await engine.run(task_status=Started())
@@ -299,5 +298,3 @@ class ModelPool:
             slot.engine = None
             if slot.state != "unloaded":
                 slot.set_state("unloaded")
-            if not reported:
-                task_status.started(False)
