@@ -118,6 +118,8 @@ async def test_no_idle_model_to_unload_is_a_503_with_retry_after_in_each_api_s_s
             with trio.fail_after(10):
                 while app.pool.engine("alpha") is None or app.pool.engine("alpha").in_flight == 0:  # noqa: ASYNC110
                     await trio.sleep(0.01)
+            load = (await client.get("/get_load")).json()[0]
+            assert load["num_reqs"] + load["num_waiting_reqs"] == 1  # alpha's request, summed over models
             r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))
             err = assert_error(r, 503, code="model_capacity", type="server_error")
             assert "'beta' cannot be loaded now" in err["message"]

@@ -246,13 +246,13 @@ async def get_load(app: RouteHost) -> Response:
     """The load now, as SGLang's /get_load reports it (one entry per data-parallel rank; this
     server is one): requests decoding or prefilling, requests queued, and the prompts' tokens of
     all of them."""
-    engine = app.engine
-    stats = engine.statistics() if engine is not None else None
+    engines = app.pool.loaded() if app.pool is not None else [app.engine] if app.engine is not None else []
+    every = [engine.statistics() for engine in engines]  # with --models: the loaded models' sum
     return json_response([{
         "dp_rank": 0,
-        "num_reqs": stats.prefilling + stats.decoding if stats else 0,
-        "num_waiting_reqs": stats.queued if stats else 0,
-        "num_tokens": stats.prompt_tokens_in_flight if stats else 0,
+        "num_reqs": sum(s.prefilling + s.decoding for s in every),
+        "num_waiting_reqs": sum(s.queued for s in every),
+        "num_tokens": sum(s.prompt_tokens_in_flight for s in every),
     }])
 
 
