@@ -21,7 +21,7 @@ from hypercorn.config import Config
 
 from trio_mlx.actor import FakeActor
 from trio_mlx.server._app import create_app
-from trio_mlx.server._serve import build_parser, settings_from_args
+from trio_mlx.server._serve import build_parser, describe_settings, settings_from_args
 from trio_mlx.server._settings import Settings
 
 MESSAGES = "/v1/messages"
@@ -143,6 +143,8 @@ def test_the_settings_of_several_models(folder):
     settings = settings_from_args(args)
     assert settings.model_table == {n: str(folder / n) for n in NAMES} and settings.max_loaded_models == 2
     assert settings.served_model_name == "alpha"  # what a request that names no model gets
+    logged = describe_settings(settings)
+    assert "model                   - (models)" in logged and "(the embedded default)" not in logged
     with pytest.raises(ValueError, match="unset model"):
         Settings.from_env({}, models=(str(folder),), model="/m/x")
     with pytest.raises(ValueError, match="models needs actor 'thread'"):

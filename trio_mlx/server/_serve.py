@@ -75,8 +75,9 @@ def describe_settings(settings: Settings) -> str:
     lines = ["settings (* set by a flag or a TRIO_MLX_* variable; trio-mlx serve --help says what each does):"]
     for name, value in public.items():
         if value is None:
-            shown = {"model": "(the embedded default)",
-                     "model_name": f"- (served as {settings.served_model_name})"}.get(name, "-")
+            shown = {"model": "- (models)" if settings.models else "(the embedded default)",
+                     "model_name": "-" if settings.models else f"- (served as {settings.served_model_name})",
+                     }.get(name, "-")
         elif isinstance(value, tuple):
             shown = ", ".join(value) or "-"
         else:
