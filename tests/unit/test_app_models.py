@@ -6,6 +6,7 @@ rules: tests/unit/test_model_pool.py; real models: tests/integration/test_model_
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -144,7 +145,7 @@ def test_the_settings_of_several_models(folder):
     assert settings.model_table == {n: str(folder / n) for n in NAMES} and settings.max_loaded_models == 2
     assert settings.served_model_name == "alpha"  # what a request that names no model gets
     logged = describe_settings(settings)
-    assert "model                   - (models)" in logged and "(the embedded default)" not in logged
+    assert re.search(r"^ +model +- \(models\)$", logged, re.M) and "(the embedded default)" not in logged
     with pytest.raises(ValueError, match="unset model"):
         Settings.from_env({}, models=(str(folder),), model="/m/x")
     with pytest.raises(ValueError, match="models needs actor 'thread'"):
