@@ -79,6 +79,10 @@ class ActorHost:
             await trio.to_thread.run_sync(self._main, limiter=limiter, abandon_on_cancel=False)
         finally:
             self._running = False
+            while self._incoming:  # handed over as the thread ended: never started, nothing to free
+                hosted = self._incoming.popleft()
+                hosted.error = RuntimeError("the actor host stopped")
+                hosted.done.set()
 
     async def serve(self, config: ActorConfig, port: ActorPort) -> None:
         """Run one model's actor on the host until it stops (a Shutdown) or dies (raises
