@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import trio
 
-from .._errors import InvalidRequestError, ModelCapacityError, ModelLoadError
+from .._errors import EngineClosedError, InvalidRequestError, ModelCapacityError, ModelLoadError
 from ._engine import Engine, gpu_limiter
 
 log = logging.getLogger("trio_mlx.engine")
@@ -137,6 +137,7 @@ class ModelPool:
 
         self.host = ActorHost(make_actor)
         self._lock = trio.Lock()  # one load (and the unloads that make room for it) at a time
+        self.closing = False  # `aclose` was called: every request is refused
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -170,7 +171,9 @@ class ModelPool:
                 nursery.cancel_scope.cancel()
 
     async def aclose(self, *, drain_timeout: float = 0.0) -> None:
-        """Unload every model, letting requests in flight finish for up to `drain_timeout` s."""
+        """Take no more requests and unload every model, letting requests in flight finish for
+        up to `drain_timeout` seconds."""
+        self.closing = True
         async with trio.open_nursery() as nursery:
             for slot in self._slots.values():
                 if slot.engine is not None:
@@ -183,10 +186,13 @@ class ModelPool:
         """The model's engine, loaded if need be (a request meanwhile waits for the same load).
         While the block runs, the model is not unloaded; enter the request's stream inside it
         (the engine then counts it in flight). Raises `ModelCapacityError` when the model
-        cannot be loaded because every loaded model is busy, `ModelLoadError` when it fails."""
+        cannot be loaded because every loaded model is busy, `ModelLoadError` when it fails,
+        `EngineClosedError` once the pool closes."""
         slot = self._slots.get(name)
         if slot is None:
             raise InvalidRequestError(f"the model {name!r} does not exist", param="model", code="model_not_found")
+        if self.closing:
+            raise EngineClosedError("the server is shutting down")
         slot.pins += 1
         try:
             engine = await self._ready(slot)
@@ -224,8 +230,8 @@ class ModelPool:
             if slot.state != "unloaded":
                 return
             await self._make_room(slot)
-            if self._nursery is None:
-                raise ModelCapacityError("the server is shutting down", retry_after=self.retry_after)
+            if self._nursery is None or self.closing:
+                raise EngineClosedError("the server is shutting down")
             slot.error = None
             slot.loads += 1
             changed = slot.changed

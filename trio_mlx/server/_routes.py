@@ -175,6 +175,8 @@ async def ready(app: RouteHost) -> Response:
     while draining, and while the actor is stalled (as /health says)."""
     engine = app.engine
     if app.pool is not None:  # several models: ready once the GPU thread runs (models load on demand)
+        if app.pool.closing:
+            return json_response({"status": "draining"}, 503)
         return json_response({"status": "ready"})
     state = engine.state if engine is not None else "starting"
     if state == "ready":
