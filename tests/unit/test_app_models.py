@@ -1,7 +1,8 @@
 """A server of several models (`--models`), over `FakeActor`: /v1/models lists them, a request
 names one (or an alias of one) and is answered by it, and a model that cannot be loaded because
 every loaded one is busy is a 503 with Retry-After in each API's error shape. The pool's own
-rules: tests/unit/test_model_pool.py; real models: tests/integration/test_model_pool.py."""
+rules: tests/unit/test_model_pool.py; real models: tests/integration/test_model_pool.py; the
+server as a process: tests/system/test_app_models.py."""
 
 from __future__ import annotations
 

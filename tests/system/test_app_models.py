@@ -1,6 +1,8 @@
 """`trio-mlx serve --models DIR` as a process: models load as requests name them, one unloaded
 for another under `--max-loaded-models`, and SIGTERM drains the loaded ones, refuses the rest
-(no model loads during a drain) and exits 0."""
+(no model loads during a drain) and exits 0. The HTTP layer over the fake actor:
+tests/unit/test_app_models.py; the pool itself: tests/unit/test_model_pool.py and
+tests/integration/test_model_pool.py."""
 
 from __future__ import annotations
 
