@@ -1,6 +1,7 @@
 """Several models on one GPU thread (`engine/_pool.py`, `actor/_host.py`), over `FakeActor`:
 loads on first use, the least recently used idle model unloaded under the bound, a request
-that arrives during a load waiting for it, and the refusal when every loaded model is busy."""
+that arrives during a load waiting for it, and the refusal when every loaded model is busy.
+Real tiny models: tests/integration/test_model_pool.py; the host alone: test_actor_host.py."""
 
 from __future__ import annotations
 
