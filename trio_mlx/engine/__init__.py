@@ -12,6 +12,7 @@ prompts), which imports only public names of the runtime.
 """
 
 from .._heap import freeze as freeze_heap  # noqa: F401  (a re-export under a public name: see above)
+from .._errors import ModelCapacityError as ModelCapacityError
 from ..actor import ActorTuning as ActorTuning
 from ._engine import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from ._engine import Engine as Engine
