@@ -11,8 +11,8 @@ long-lived objects of its own and no engine: `trio-mlx bench`'s client (its toke
 prompts), which imports only public names of the runtime.
 """
 
-from .._heap import freeze as freeze_heap  # noqa: F401  (a re-export under a public name: see above)
 from .._errors import ModelCapacityError as ModelCapacityError
+from .._heap import freeze as freeze_heap  # noqa: F401  (a re-export under a public name: see above)
 from ..actor import ActorTuning as ActorTuning
 from ._engine import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from ._engine import Engine as Engine
