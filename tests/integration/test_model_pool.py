@@ -33,6 +33,8 @@ async def test_models_served_together_answer_as_each_does_alone(tmp_path):
         async with trio_mlx.open_engine(path, max_batch=8) as engine:
             for prompt in PROMPTS:
                 alone[name, prompt] = await greedy(engine, prompt)
+            assert engine.info is not None
+            cache_alone = engine.info.prompt_cache_bytes
     assert alone["one", PROMPTS[0]] != alone["two", PROMPTS[0]]  # the models differ
 
     pool = ModelPool(paths, max_loaded=2, engine_options={"max_batch": 8})
@@ -63,6 +65,8 @@ async def test_models_served_together_answer_as_each_does_alone(tmp_path):
             thread = one.info.thread_id
             two = pool.engine("two")
             assert two is not None and two.info is not None and two.info.thread_id == thread
+            # two may be loaded at once: each prompt cache takes half of one model's default bound
+            assert one.info.prompt_cache_bytes == two.info.prompt_cache_bytes == int(cache_alone * 0.5) > 0
             await ask("one", PROMPTS[0])  # two is now the least recently used, and idle
             before = mx.get_active_memory()
             for prompt in PROMPTS:

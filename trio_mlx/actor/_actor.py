@@ -225,7 +225,7 @@ class Actor:
     def _open_cache(self) -> None:
         """A fresh, empty prompt cache (`_prompt_cache.py`): once warm, and for the
         warm-up's rehearsal (which drops its own after)."""
-        limit, pressure = budget(self.config.tuning.prompt_cache_gb)
+        limit, pressure = budget(self.config.tuning.prompt_cache_gb, self.config.prompt_cache_share)
         if limit and not plain_kv(self._model):
             limit = 0  # its cache cannot be cut back to a prefix: no reuse (`_batch.plain_kv`)
         self._reuse = Reuse(PromptCache(limit, pressure))

@@ -18,6 +18,7 @@ ends with `mx.clear_cache`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -55,9 +56,12 @@ class ActorHost:
     engine then calls `serve` (its actor's whole life, as `trio.to_thread.run_sync(actor.run)`
     is for one model)."""
 
-    def __init__(self, make_actor: Any = None):
-        """`make_actor(config, link)`: the actor (`Actor` when None; tests pass stand-ins)."""
+    def __init__(self, make_actor: Any = None, *, prompt_cache_share: float = 1.0):
+        """`make_actor(config, link)`: the actor (`Actor` when None; tests pass stand-ins);
+        `prompt_cache_share`: each actor's share of the default prompt cache bound
+        (`ActorConfig.prompt_cache_share`), 1/N where N models may be loaded at once."""
         self._make = make_actor
+        self._share = prompt_cache_share
         self._arrived = threading.Event()  # a command for any actor, or a new actor
         self._built = threading.Event()  # the host's next graph is built, whichever model's
         self._incoming: deque[_Hosted] = deque()  # filled on the trio thread, read on the host's
@@ -90,6 +94,7 @@ class ActorHost:
         if not self._running:
             raise RuntimeError("the actor host is not running")
         link = ThreadLink(port, arrived=self._arrived, built=self._built)
+        config = dataclasses.replace(config, prompt_cache_share=self._share)
         if self._make is None:
             from ._actor import Actor
 

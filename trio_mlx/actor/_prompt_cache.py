@@ -93,12 +93,13 @@ def _device_bytes() -> tuple[int, int, bool]:
     return ram, ram, gpu
 
 
-def budget(gb: float | None) -> tuple[int, int | None]:
+def budget(gb: float | None, share: float = 1.0) -> tuple[int, int | None]:
     """(the cache's byte bound, the active-memory mark past which it gives way) for a
-    setting of `gb` gigabytes (None: from the device's memory)."""
+    setting of `gb` gigabytes (None: from the device's memory, `share` of the default: one
+    model's part where several share the device, `ActorConfig.prompt_cache_share`)."""
     memory, usable, gpu = _device_bytes()
     if gb is None:
-        limit = int(memory * GPU_SHARE) if gpu else min(CPU_BYTES, memory // 16)
+        limit = int((memory * GPU_SHARE if gpu else min(CPU_BYTES, memory // 16)) * share)
     else:
         limit = int(gb * 1e9)
     return max(0, limit), int(usable * PRESSURE_SHARE) if gpu else None

@@ -57,6 +57,9 @@ class ActorConfig:
     # The draft model of speculative decoding, resolved to a directory by the engine
     # (`ActorTuning.draft_model` names it); None: the tuning's draft_model as a path.
     draft_model_path: Path | None = None
+    # The share of the device's default prompt cache bound (without `tuning.prompt_cache_gb`)
+    # this actor takes: 1/N on a host of several models that may hold N at once (`_host.py`).
+    prompt_cache_share: float = 1.0
     # Test-only: called on the actor thread with a stage name ("load", "loop",
     # "step") before that stage runs, and with "removed" right after aborted
     # sequences left the batch; raising from it injects a fault there. A fault

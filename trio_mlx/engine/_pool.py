@@ -135,7 +135,9 @@ class ModelPool:
         self._options.pop("actor", None)
         from ..actor._host import ActorHost  # no MLX: the host imports the actor on first use
 
-        self.host = ActorHost(make_actor)
+        # Each model's prompt cache takes its part of the default bound: the loaded models'
+        # caches together hold what one model's would (an explicit prompt_cache_gb is per model).
+        self.host = ActorHost(make_actor, prompt_cache_share=1 / max_loaded)
         self._lock = trio.Lock()  # one load (and the unloads that make room for it) at a time
         self.closing = False  # `aclose` was called: every request is refused
         self._nursery: trio.Nursery | None = None
