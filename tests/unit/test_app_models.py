@@ -149,6 +149,8 @@ def test_the_settings_of_several_models(folder):
     assert re.search(r"^ +model +- \(models\)$", logged, re.M) and "(the embedded default)" not in logged
     with pytest.raises(ValueError, match="unset model"):
         Settings.from_env({}, models=(str(folder),), model="/m/x")
+    with pytest.raises(ValueError, match="unset step_trace"):  # the hosted actors write no step trace
+        Settings.from_env({}, models=(str(folder),), step_trace="/tmp/trace")
     with pytest.raises(ValueError, match="models needs actor 'thread'"):
         Settings.from_env({}, models=(str(folder),), actor="process")
     with pytest.raises(ValueError, match="no model folder"):

@@ -235,7 +235,8 @@ class Settings:
         """What a server of several models (`models`) cannot be combined with."""
         for name, clash in (("model", self.model), ("model_name", self.model_name),
                             ("distributed", self.distributed), ("adapter_path", self.tuning.adapter_path),
-                            ("adapters", self.tuning.adapters), ("draft_model", self.tuning.draft_model)):
+                            ("adapters", self.tuning.adapters), ("draft_model", self.tuning.draft_model),
+                            ("step_trace", self.tuning.step_trace)):
             if clash:
                 raise ValueError(f"models serves several models, each by its own name: unset {name}")
         if self.actor != "thread":
