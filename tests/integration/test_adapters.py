@@ -263,3 +263,36 @@ async def test_adapters_with_a_quantized_kv_cache_are_mlx_lm_s_quantized_tokens(
     for name, prompt in prompts.items():
         assert got[name] == want(name, prompt), name
     assert got["q"] != want(None, prompts["q"]), "the adapter changed nothing"
+
+
+@pytest.mark.parametrize("length", [1, 6])
+def test_a_bfloat16_mixed_batch_gives_each_row_its_own_adapters_update(length):
+    """A mix of adapters in a bfloat16 batch (a decode step, a prefill): each row's output is the
+    one it gets with its adapter alone. MLX's CPU `gather_mm` takes float32 only, so a bf16
+    model served mixed rows no step on the CPU (`MultiLoRALinear` copies each row's A and B there)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from trio_mlx.models._lora import AdapterRows, MultiLoRALinear
+
+    mx.random.seed(3)
+    base = nn.Linear(32, 24, bias=False)
+    base.set_dtype(mx.bfloat16)
+    lora_a = (mx.random.normal((3, 32, 4)) * 0.3).astype(mx.bfloat16) * mx.array([0, 1, 1])[:, None, None]
+    lora_b = (mx.random.normal((3, 4, 24)) * 0.3).astype(mx.bfloat16)
+    rows = AdapterRows(("p", "q"))
+    layer = MultiLoRALinear(base, lora_a, lora_b, [0.0, 2.0, 1.0], rows)
+    x = mx.random.normal((3, length, 32)).astype(mx.bfloat16)
+    slots = [1, 0, 2]
+    rows.set(slots)
+    mixed = layer(x)
+    rows.clear()
+    assert mixed.dtype == mx.bfloat16
+    for i, slot in enumerate(slots):
+        rows.set([slot])
+        alone = layer(x[i:i + 1])
+        rows.clear()
+        assert mx.allclose(mixed[i:i + 1].astype(mx.float32), alone.astype(mx.float32), atol=3e-2, rtol=3e-2).item(), i
+    rows.set([0])
+    assert not mx.allclose(layer(x[:1]), mixed[:1]).item(), "the adapter changed nothing"
+    rows.clear()

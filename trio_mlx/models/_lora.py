@@ -15,7 +15,8 @@ actor sets it before every forward and clears it after (`actor/_batch.py`). With
 row on an adapter the layers run the base linear alone, exactly the model's own
 computation; with all rows on one, one matmul pair with that adapter's weights, as
 mlx-lm's `LoRALinear` computes it; with a mix, `mx.gather_mm` picks each row's A and B
-on the device, without copying them per row.
+on the device for a decode step on a GPU, without copying them per row, and a prefill (or
+the CPU) takes each row's A and B into a batched matmul.
 """
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ class MultiLoRALinear(nn.Module):
         self.scales = mx.array(scales, dtype=mx.float32)  # (slots,)
         self._rows = rows  # plain objects, not parameters: the selector, and each slot's own
         self._slot = _Slots([(lora_a[k], lora_b[k], scale) for k, scale in enumerate(scales)])
+        # mx.gather_mm serves a mixed batch's decode steps on a GPU only. MLX's CPU gather_mm
+        # takes float32 alone; on CUDA the warm-up's rehearsal (a mixed group's prefill beside
+        # a constrained row) failed in it with "cuGraphAddKernelNode: invalid argument", which
+        # a take of each row's A and B and a batched matmul do not (gather_mm alone at those
+        # shapes passed: the cause inside MLX is not isolated; BENCHMARKS.md, "Adapters")
+        self._gather = mx.default_device().type == mx.DeviceType.gpu
 
     def __call__(self, x: Any) -> Any:
         y = self.linear(x)
@@ -95,7 +102,10 @@ class MultiLoRALinear(nn.Module):
             return y + (z if z.dtype == x.dtype else z.astype(x.dtype))
         if index.shape[0] != x.shape[0]:
             raise ValueError(f"adapter rows: {index.shape[0]} slots for a batch of {x.shape[0]} rows")
-        z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=index), self.lora_b, rhs_indices=index)
+        if self._gather and x.shape[-2] == 1:  # a decode step: each row's A and B read in place
+            z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=index), self.lora_b, rhs_indices=index)
+        else:  # a prefill, or the CPU (whose gather_mm takes float32 only): each row's A and B copied once
+            z = (x @ self.lora_a[index]) @ self.lora_b[index]
         z = self.scales[index].astype(z.dtype).reshape((-1,) + (1,) * (z.ndim - 1)) * z
         return y + (z if z.dtype == x.dtype else z.astype(x.dtype))
 
