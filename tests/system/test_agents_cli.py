@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import types
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -192,3 +193,43 @@ async def test_opencode_runs_a_tool_and_answers(tool_model_fp32, tmp_path):
     tools = [e["part"] for e in events if e.get("type") == "tool_use"]
     assert tools and tools[0]["tool"] == "bash" and PRINTED in json.dumps(tools[0]["state"].get("output"))
     assert PRINTED in "".join(e["part"].get("text", "") for e in events if e.get("type") == "text")
+
+
+async def test_claude_code_turns_on_two_models_of_one_server_each_by_its_alias(tool_model_fp32, tmp_path):
+    """One server of several models (`--models`) with Claude Code's model names aliased to two
+    local models, as a user maps its main and small-fast models: a turn on a Sonnet name runs
+    the tool on the large model, a turn on a Haiku name on the small one, both loaded side by
+    side (`--max-loaded-models 2`), every request a 200."""
+    from unit.test_app_models import serve_models
+
+    home = tmp_path / "home"
+    home.mkdir()
+    folder = tmp_path / "models"
+    for name in ("large", "small"):
+        shutil.copytree(tool_model_fp32, folder / name)
+    reply = script(tool_model_fp32, lambda cmd: tool_call("Bash", {"command": cmd, "description": "the check"}))
+    asked: list[str] = []  # the model of every generation, in order
+
+    def make(config: Any, link: Any) -> FakeActor:
+        def answer(prompt: tuple[int, ...]) -> Sequence[int]:
+            asked.append(config.model_path.name)
+            return reply(prompt)
+        return FakeActor(config, link, reply=answer, context_length=CONTEXT)
+
+    aliases = ("claude-*haiku*=small", "claude-*=large")
+    env = {"ANTHROPIC_API_KEY": "local", "HOME": str(home),
+           "ANTHROPIC_SMALL_FAST_MODEL": "claude-3-5-haiku-20241022"}
+    async with serve_models(folder, actor=make, max_loaded_models=2, model_aliases=aliases) as (app, client):
+        env["ANTHROPIC_BASE_URL"] = str(client.base_url).rstrip("/")
+        statuses = record_statuses(types.SimpleNamespace(app=app))
+        by_turn = []
+        for model in ("claude-sonnet-4-5", "claude-3-5-haiku-20241022"):
+            del asked[:]
+            ran = await run_agent([agent("claude"), "-p", ASK, "--output-format", "stream-json", "--verbose",
+                                   "--allowedTools", "Bash", "--model", model], env, tmp_path)
+            final = finished(*ran, statuses)[-1]
+            assert final["type"] == "result" and not final["is_error"] and PRINTED in final["result"], final
+            by_turn.append(set(asked))
+        loaded = {s.name: s.state for s in app.pool.status()}
+    assert by_turn[0] >= {"large"} and by_turn[1] >= {"small"}, by_turn
+    assert loaded == {"large": "loaded", "small": "loaded"}

@@ -47,12 +47,13 @@ def actors(step_seconds: dict[str, float] | None = None) -> Any:
 
 
 @asynccontextmanager
-async def serve_models(folder, *, step_seconds: dict[str, float] | None = None,
+async def serve_models(folder, *, step_seconds: dict[str, float] | None = None, actor: Any = None,
                        **settings: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    """A server of the models in `folder` over fake actors (`actor(config, link)`, else `actors`)."""
     settings.setdefault("warmup", False)
     settings.setdefault("drain_timeout", 1.0)
     app = create_app(Settings.from_env({}, models=(str(folder),), allow_multiple_workers=True, **settings))
-    app.pool_actor = actors(step_seconds)
+    app.pool_actor = actor or actors(step_seconds)
     app.on_fatal = lambda reason: None  # type: ignore[method-assign]
     config = Config()
     config.bind = ["127.0.0.1:0"]
