@@ -506,7 +506,7 @@ async def test_under_memory_pressure_the_cache_gives_way_and_requests_are_served
     prefills the cache lets everything go; requests are served as cold ones."""
     from trio_mlx.actor import _actor
 
-    monkeypatch.setattr(_actor, "budget", lambda gb: (1 << 30, 1))
+    monkeypatch.setattr(_actor, "budget", lambda gb, share=1.0: (1 << 30, 1))
     prompt = ids(300, 23)
     async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4) as engine:
         first, _, _ = await run(engine, prompt, max_tokens=6, **GREEDY)
