@@ -623,34 +623,45 @@ def test_rolling_rows_back_by_different_counts_is_as_if_their_stale_tokens_never
             assert np.allclose(np.array(vx[r, :, p:]), np.array(vy[r, :, p:]), atol=1e-5)
 
 
-async def test_requests_sharing_a_batch_count_their_drafts(tiny_model_fp32):
+async def test_requests_sharing_a_batch_count_their_drafts_and_stop_at_their_stop_strings(tiny_model_fp32):
     """Two requests decoding side by side with a draft model (a copy of the target: every
-    draft kept): each one's usage counts its drafted and accepted tokens, and its text is
-    the one without speculation."""
+    draft kept, 4 tokens a step): each one's usage counts its drafted and accepted tokens,
+    and its text is the one without speculation; with a stop string from the middle of the
+    first one's text, that request ends there (the string landing among kept drafts) and
+    the other is unchanged."""
     import trio
 
     import trio_mlx
 
-    async def both(**options: Any) -> list[tuple[str, Any]]:
+    prompts = ["The quick brown fox", "The lazy dog sleeps"]
+
+    async def both(stop: str | None = None, **options: Any) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = [("", None), ("", None)]
         async with trio_mlx.open_engine(tiny_model_fp32, warmup=False, **options) as engine:
 
-            async def one(i: int, prompt: str) -> None:
-                async with engine.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True) as events:
+            async def one(i: int) -> None:
+                stops = {"stop": [stop]} if stop is not None and i == 0 else {}
+                async with engine.generate(prompts[i], max_tokens=24, temperature=0.0, ignore_eos=True,
+                                           **stops) as events:
                     text = ""
                     async for ev in events:
                         if isinstance(ev, trio_mlx.TextDelta):
                             text += ev.text
                         else:
-                            out[i] = (text, ev.usage)
+                            out[i] = (text, ev)
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(one, 0, "The quick brown fox")
-                nursery.start_soon(one, 1, "The lazy dog sleeps")
+                for i in range(2):
+                    nursery.start_soon(one, i)
         return out
 
     plain = await both()
     drafted = await both(draft_model=str(tiny_model_fp32), num_draft_tokens=3)
-    for (text, _), (spec_text, usage) in zip(plain, drafted, strict=True):
+    for (text, _), (spec_text, fin) in zip(plain, drafted, strict=True):
         assert spec_text == text
-        assert usage.accepted_draft_tokens == usage.draft_tokens > 0
+        assert fin.usage.accepted_draft_tokens == fin.usage.draft_tokens > 0
+    text = plain[0][0]
+    at = next(p for p in range(len(text) // 2, len(text) - 3) if text.find(text[p : p + 3]) == p)
+    stopped = await both(text[at : at + 3], draft_model=str(tiny_model_fp32), num_draft_tokens=3)
+    assert stopped[0][0] == text[:at] and stopped[0][1].finish_reason == "stop"
+    assert stopped[1][0] == plain[1][0] and stopped[1][1].usage.draft_tokens > 0

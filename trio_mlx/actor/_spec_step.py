@@ -30,7 +30,8 @@ step read the row as if the stale tokens never went in. Padding that every row t
 is cut off the front, as `filter` does. Chosen over running the verifying rows as a
 sub-batch of their own: that needs their KV split out and merged back (copies of every
 layer's rows, twice a step) and two forwards, where this costs one forward of K+1
-tokens a row and a copy of the rows that rolled.
+tokens a row and, in a step whose rows keep different counts, one copy of every
+layer's KV (the roll, joined by concatenation as `_batch.roll_right` joins it).
 
 **The policy.** A row's own (`_speculate.RowSpec`: low acceptance stops it for a while),
 and the batch's: no speculation while the batch has more rows than `max_rows`
