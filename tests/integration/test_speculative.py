@@ -1,5 +1,6 @@
-"""Speculative decoding through the actor (`actor/_drafting.py`, `_batch._speculative_step`,
-`_decode.Decoder.verify`), on the tiny fp32 model.
+"""Speculative decoding through the actor (`actor/_drafting.py`, `_spec_step.py`,
+`_decode.Decoder.verify`), on the tiny fp32 model: a lone row, and rows that speculate
+beside rows that do not in one batch.
 
 A random model never copies its context, so besides the real prompt lookup these tests
 draft with an oracle: the tokens the same request makes without speculation, some of
@@ -562,6 +563,26 @@ def test_an_abort_in_a_speculating_batch_ends_that_row_alone(tiny_model_fp32, mo
     assert run.tokens[1] == base.tokens[1] and run.tokens[3] == base.tokens[3]
     assert any(k <= 3 for k in run.spec_steps) and any(k > 4 for k in run.spec_steps)
     assert not actor.schedule.seqs
+
+
+def test_a_batch_holding_a_constrained_row_does_not_speculate(tiny_model_fp32):
+    """A constrained row beside a row on a repeating prompt: no speculative step while the
+    constrained row decodes (the verify applies no grammar mask), then the other speculates;
+    the constrained output is valid and the other row's tokens are those without speculation."""
+    from trio_mlx import models
+    from trio_mlx.actor._constrain import json_string_grammar, model_vocab
+
+    grammar = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
+    stops = frozenset(model_vocab(tiny_model_fp32).eos)
+    script = {0: [Submit(1, REPEATING, 24, SamplingParams(temperature=1.0, seed=2), stops, grammar),
+                  Submit(2, REPEATING[1:], 60, GREEDY, frozenset())]}
+    base = _serve(_actor(tiny_model_fp32), script)
+    run = _serve(_actor(tiny_model_fp32, speculative="ngram"), script)
+    assert run.tokens == base.tokens
+    assert run.speculated and all(rid == 2 for rid, _, _ in run.speculated)
+    assert min(run.spec_steps) > run.last[1]
+    text = models.load_tokenizer(tiny_model_fp32).decode([t for t in run.tokens[1] if t not in stops])
+    assert isinstance(json.loads(text), str), text
 
 
 @pytest.mark.parametrize("max_rows", [2, 3])
