@@ -129,6 +129,30 @@ def test_a_lone_row_on_an_adapter_speculates_with_its_adapter(tiny_model_fp32, x
     assert drafted > 0
 
 
+def test_rows_of_a_batch_on_different_adapters_speculate_each_with_its_own(tiny_model_fp32, x, y, greedy):
+    """Prompt lookup in a batch of rows on x, y and no adapter: one verify forward runs each
+    row's adapter, every row's tokens are mlx-lm's own greedy ones with its adapter, and drafts
+    were verified while the rows shared the batch."""
+    actor = _actor(tiny_model_fp32, {"x": x, "y": y}, speculative="ngram")
+    prompts = [tuple([5, 6, 7, 8, 9] * 8), tuple([11, 12, 13, 14] * 9), tuple([20, 21, 22] * 12)]
+    which = ["x", "y", None]
+    subs = [Submit(i, p, 24, SamplingParams(temperature=0.0), frozenset(), adapter=a)
+            for i, (p, a) in enumerate(zip(prompts, which, strict=True))]
+    drafted = 0
+    tokens: dict[int, list[int]] = collections.defaultdict(list)
+    failed = actor._apply(subs)
+    for _ in range(40):
+        report = actor._step(failed or [])
+        for t in report.tokens:
+            tokens[t.rid].append(t.token)
+        if len(actor._bg._generation_batch.uids) == 3:  # type: ignore[union-attr]
+            drafted += sum(d for _, d, _ in report.speculated)
+        failed = actor._apply([])
+    for i in range(3):
+        assert tokens[i] == greedy(which[i], prompts[i], 24), which[i]
+    assert drafted > 0
+
+
 @pytest.mark.parametrize("actor", ["thread", "process"])
 async def test_a_request_naming_an_adapter_gets_mlx_lm_s_tokens_with_it(tiny_model_fp32, x, y, greedy, actor):
     async with trio_mlx.open_engine(tiny_model_fp32, adapters={"x": str(x), "y": str(y)}, actor=actor) as engine:

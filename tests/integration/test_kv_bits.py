@@ -7,6 +7,7 @@ what cannot take it is refused at startup."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -148,6 +149,26 @@ async def test_speculative_decoding_keeps_the_tokens(model_hd64, reference):
             got, _, fin = await run(engine, prompt, max_tokens=60, **GREEDY)
         assert fin.usage.draft_tokens > 0, knobs
         assert got == reference(prompt, 60, 4, 32), knobs
+
+
+async def test_speculative_decoding_in_a_batch_keeps_each_rows_tokens(model_hd64, reference):
+    """Two repetitive prompts of different lengths decoding side by side, speculating: each
+    row's quantized KV rolled back past its own rejected drafts (`_spec_step.rollback`), the
+    tokens mlx-lm's with its quantized cache, and both rows' drafts counted."""
+    prompts = [[5 + (7 * i) % 50 for i in range(200)], [9 + (5 * i) % 40 for i in range(150)]]
+    for knobs in ({"speculative": "ngram"}, {"draft_model": str(model_hd64)}):
+        out: list[Any] = [None, None]
+        async with trio_mlx.open_engine(model_hd64, kv_bits=4, kv_group_size=32, **knobs) as engine:
+
+            async def one(i: int, engine: trio_mlx.Engine = engine, out: list[Any] = out) -> None:
+                out[i] = await run(engine, prompts[i], max_tokens=40, **GREEDY)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(one, i)
+        for prompt, (got, _, fin) in zip(prompts, out, strict=True):
+            assert fin.usage.draft_tokens > 0, knobs
+            assert got == reference(prompt, 40, 4, 32), knobs
 
 
 def kv_bytes(tokens: int, bits: int | None, group_size: int = 64) -> int:

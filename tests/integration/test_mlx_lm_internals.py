@@ -644,7 +644,7 @@ def test_a_dropped_generator_with_the_owned_step_is_freed_without_the_cyclic_col
 
 
 def test_trimming_a_one_row_batch_cache_is_as_if_the_trimmed_tokens_never_went_in(tiny_model_fp32):
-    """`_batch._speculative_step` trims a lone row's `BatchKVCache` past its rejected drafts
+    """`_spec_step.rollback` trims a lone row's `BatchKVCache` past its rejected drafts
     (`trim`: `_idx` and `offset` back by n; the next tokens written over the stale ones):
     the logits and the KV after are those of a cache that never held the rejected tokens."""
     import mlx.core as mx

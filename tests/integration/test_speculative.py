@@ -1,5 +1,6 @@
-"""Speculative decoding through the actor (`actor/_drafting.py`, `_batch._speculative_step`,
-`_decode.Decoder.verify`), on the tiny fp32 model.
+"""Speculative decoding through the actor (`actor/_drafting.py`, `_spec_step.py`,
+`_decode.Decoder.verify`), on the tiny fp32 model: a lone row, and rows that speculate
+beside rows that do not in one batch.
 
 A random model never copies its context, so besides the real prompt lookup these tests
 draft with an oracle: the tokens the same request makes without speculation, some of
@@ -210,13 +211,13 @@ def test_an_abort_between_speculative_steps_ends_the_row(tiny_model_fp32, monkey
     assert not actor.schedule.seqs and not actor._bg._generation_batch.uids  # type: ignore[union-attr]
 
 
-def test_two_rows_do_not_speculate_and_a_row_left_alone_does(tiny_model_fp32):
-    """Two greedy rows on repeating prompts: no speculative step while both decode; once the
-    short one has ended, its row leaves at the next step (not after retire_steps), and the
-    other speculates. Both outputs are what each makes alone."""
+def test_a_batch_wider_than_speculative_max_rows_does_not_speculate_and_a_row_left_alone_does(tiny_model_fp32):
+    """Two greedy rows on repeating prompts with speculative_max_rows 1: no speculative step
+    while both decode; once the short one has ended, its row leaves at the next step (not
+    after retire_steps), and the other speculates. Both outputs are what each makes alone."""
     short, long = Submit(1, REPEATING, 8, GREEDY, frozenset()), Submit(2, REPEATING[1:], 60, GREEDY, frozenset())
     alone = {rid: _one(tiny_model_fp32, GREEDY, s.max_tokens, s.prompt).tokens[1] for rid, s in ((1, short), (2, long))}
-    actor = _actor(tiny_model_fp32, speculative="ngram")
+    actor = _actor(tiny_model_fp32, speculative="ngram", speculative_max_rows=1)
     run = _serve(actor, {0: [short, long]})
     assert run.tokens[1] == alone[1] and run.tokens[2] == alone[2]
     assert run.speculated and all(rid == 2 for rid, _, _ in run.speculated)
@@ -405,3 +406,283 @@ async def test_an_engine_with_a_draft_model_serves_the_same_text_and_counts_its_
     assert drafted == plain and usage.accepted_draft_tokens == usage.draft_tokens > 0
     with pytest.raises(trio_mlx.ModelLoadError, match="another tokenizer"):
         await answer(draft_model=str(embedded_model))
+
+
+# -- speculation in a batch (`_spec_step.py`) -------------------------------------------
+
+
+def _random_prompt(seed: int, n: int = 30) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(3, 250) for _ in range(n))
+
+
+def _oracles(monkeypatch: pytest.MonkeyPatch, answers: dict[tuple[int, ...], list[int]], spoil: float = 0.0,
+             seed: int = 0) -> None:
+    """`_oracle` for several rows, each known by its prompt; a row whose prompt is not in
+    `answers` never has drafts (a plain row of the batch's speculative steps)."""
+    rng = random.Random(seed)
+
+    def lookup(self: Any, row: DecodeRow, spec: Any, held: list[int], pending: Any, k: int) -> Proposal | None:
+        answer = answers.get(row.prompt)
+        if answer is None:
+            return None
+        first = int(pending.item())
+        out = len(held) - len(row.prompt)
+        assert first == answer[out]
+        drafts = list(answer[out + 1 : out + 1 + k]) or [7]
+        if rng.random() < spoil:
+            j = rng.randrange(len(drafts))
+            drafts[j] = 3 + (drafts[j] + 1) % 90
+        inputs = mx.array([[first, *drafts]], dtype=pending.dtype)
+        return Proposal(inputs, inputs[0, 1:], first, drafts, len(held))
+
+    monkeypatch.setattr(_drafting.Drafter, "_lookup", lookup)
+
+
+def _spec_in_batches(run: Run) -> list[tuple[int, int, int]]:
+    """The (rid, drafted, kept) of speculative steps taken by a batch of two rows or more."""
+    by_step = collections.Counter(run.spec_steps)
+    return [s for s, k in zip(run.speculated, run.spec_steps, strict=True) if by_step[k] > 1 or run.rows[k] > 1]
+
+
+def _mixed_script(rows: list[tuple[int, int, tuple[int, ...], int, SamplingParams]]) -> dict[int, list[Any]]:
+    script: dict[int, list[Any]] = collections.defaultdict(list)
+    for step, rid, prompt, max_tokens, sp in rows:
+        script[step].append(Submit(rid, prompt, max_tokens, sp, frozenset()))
+    return dict(script)
+
+
+MIXED = [(0, 1, REPEATING, 40, GREEDY), (0, 2, _random_prompt(1), 30, GREEDY),
+         (5, 3, REPEATING[3:], 50, GREEDY), (9, 4, _random_prompt(2, 20), 18, GREEDY)]
+
+
+def test_prompt_lookup_in_a_mixed_batch_keeps_every_rows_greedy_tokens(tiny_model_fp32):
+    """The real drafter, a batch of rows that repeat their prompts (drafts found) and rows on
+    random prompts, entering and leaving at different steps: every row's tokens are those
+    without speculation, and rows speculate while they share the batch, some drafts kept."""
+    script = _mixed_script(MIXED)
+    base = _serve(_actor(tiny_model_fp32), script)
+    run = _serve(_actor(tiny_model_fp32, speculative="ngram"), script)
+    for _, rid, _, max_tokens, _ in MIXED:
+        assert run.tokens[rid] == base.tokens[rid] and len(run.tokens[rid]) == max_tokens, rid
+    shared = _spec_in_batches(run)
+    assert shared and sum(a for _, _, a in shared) > 0
+    assert run.steps < base.steps
+
+
+@pytest.mark.parametrize("spoil", [0.0, 0.5])
+def test_drafts_verified_beside_plain_rows_keep_tokens_and_logprobs(tiny_model_fp32, monkeypatch, spoil):
+    """Oracle drafts (all right, or spoiled at random: rows of one step keep different
+    counts, their KV rolled back by each its own) for greedy, seeded and penalized rows with
+    logprobs, beside rows that never draft, entering at different steps: every row's tokens
+    and logprobs are those without speculation."""
+    rows = [(0, 1, PROMPT, 40, GREEDY), (0, 2, _random_prompt(3), 30, SEEDED), (2, 3, PROMPT[4:], 36, EVERYTHING),
+            (4, 4, _random_prompt(4), 24, EVERYTHING), (6, 5, REPEATING, 30, SEEDED)]
+    script = _mixed_script(rows)
+    base = _serve(_actor(tiny_model_fp32), script)
+    _oracles(monkeypatch, {p: base.tokens[rid] for _, rid, p, _, _ in rows if rid in (1, 3, 5)}, spoil)
+    run = _serve(_actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=5), script)
+    for _, rid, _, _, sp in rows:
+        assert run.tokens[rid] == base.tokens[rid], rid
+        if sp.logprobs:
+            for (a, top_a), (b, top_b) in zip(run.logprobs[rid], base.logprobs[rid], strict=True):
+                assert a == pytest.approx(b, abs=1e-4)
+                assert [t for t, _ in top_a] == [t for t, _ in top_b]
+    shared = _spec_in_batches(run)
+    assert {rid for rid, _, _ in shared} == {1, 3, 5}
+    drafted, kept = sum(d for _, d, _ in shared), sum(a for _, _, a in shared)
+    assert (kept == drafted > 0) if spoil == 0.0 else (0 < kept < drafted)
+
+
+def test_a_seeded_row_in_a_speculating_batch_is_reproducible(tiny_model_fp32):
+    """Prompt lookup for a seeded row beside a greedy one: the same tokens run after run, and
+    as without speculation."""
+    script = _mixed_script([(0, 1, REPEATING, 50, SEEDED), (0, 2, REPEATING[2:], 50, GREEDY)])
+    runs = [_serve(_actor(tiny_model_fp32, speculative="ngram"), script) for _ in range(2)]
+    base = _serve(_actor(tiny_model_fp32), script)
+    assert runs[0].tokens == runs[1].tokens == base.tokens
+    assert _spec_in_batches(runs[0])
+
+
+def test_the_kv_a_batch_leaves_behind_is_the_kv_without_speculation(tiny_model_fp32, monkeypatch):
+    """Rows of one batch keeping different counts of spoiled drafts, beside a row that never
+    drafts: what the prompt cache stores for each (its prompt and answer) holds the same keys
+    and values as without speculation."""
+    rows = [(0, 1, PROMPT, 40, GREEDY), (0, 2, _random_prompt(5), 34, GREEDY), (0, 3, PROMPT[6:], 44, GREEDY)]
+    script = _mixed_script(rows)
+
+    def stored(actor: Actor) -> tuple[Run, dict[tuple[int, ...], list[Any]]]:
+        actor._open_cache()
+        run = _serve(actor, script)
+        entries = actor._reuse.cache.entries()
+        assert len(entries) == 3
+        return run, {tuple(e.key): e.layers for e in entries}
+
+    base, plain = stored(_actor(tiny_model_fp32, prompt_cache_gb=0.1))
+    _oracles(monkeypatch, {PROMPT: base.tokens[1], PROMPT[6:]: base.tokens[3]}, spoil=0.7, seed=2)
+    run, spec = stored(_actor(tiny_model_fp32, prompt_cache_gb=0.1, speculative="ngram", num_draft_tokens=6))
+    assert _spec_in_batches(run) and run.tokens == base.tokens
+    assert spec.keys() == plain.keys()
+    for key, layers in plain.items():
+        for a, b in zip(layers, spec[key], strict=True):
+            assert a.keys.shape == b.keys.shape
+            assert np.allclose(np.array(a.keys), np.array(b.keys), atol=1e-4)
+            assert np.allclose(np.array(a.values), np.array(b.values), atol=1e-4)
+
+
+def test_a_stop_token_or_max_tokens_inside_a_batch_rows_drafts_ends_it_there(tiny_model_fp32, monkeypatch):
+    """In a batch: a stop token among one row's kept drafts ends that row with it; with drafts
+    past max_tokens allowed, another row still ends at its max_tokens-th token; a third row,
+    never drafting, is unchanged."""
+    rows = [(0, 1, PROMPT, 48, GREEDY), (0, 2, PROMPT[3:], 48, GREEDY), (0, 3, _random_prompt(6), 40, GREEDY)]
+    base = _serve(_actor(tiny_model_fp32), _mixed_script(rows))
+    answer = base.tokens[1]
+    stop = next(t for t in answer[10:] if answer.index(t) >= 10)
+    at = answer.index(stop)
+    _oracles(monkeypatch, {PROMPT: answer, PROMPT[3:]: base.tokens[2]})
+    monkeypatch.setattr(_drafting, "room", lambda k, max_tokens, generated: k)
+    script = {0: [Submit(1, PROMPT, 48, GREEDY, frozenset({stop})), Submit(2, PROMPT[3:], 21, GREEDY, frozenset()),
+                  Submit(3, _random_prompt(6), 40, GREEDY, frozenset())]}
+    run = _serve(_actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=8), script)
+    assert run.tokens[1] == answer[: at + 1] and run.reasons[1] == "stop"
+    assert run.tokens[2] == base.tokens[2][:21] and run.reasons[2] == "length"
+    assert run.tokens[3] == base.tokens[3] and run.reasons[3] == "length"
+    shared = _spec_in_batches(run)
+    assert {1, 2} <= {rid for rid, _, _ in shared}
+
+
+def test_an_abort_in_a_speculating_batch_ends_that_row_alone(tiny_model_fp32, monkeypatch):
+    rows = [(0, 1, PROMPT, 40, GREEDY), (0, 2, PROMPT[2:], 40, GREEDY), (0, 3, _random_prompt(7), 40, GREEDY)]
+    script = _mixed_script(rows)
+    base = _serve(_actor(tiny_model_fp32), script)
+    _oracles(monkeypatch, {PROMPT: base.tokens[1], PROMPT[2:]: base.tokens[2]}, spoil=0.3)
+    actor = _actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=4)
+    run = _serve(actor, {**script, 3: [Abort(2)]})
+    assert 0 < len(run.tokens[2]) < 40 and run.tokens[2] == base.tokens[2][: len(run.tokens[2])]
+    assert 2 not in run.reasons
+    assert run.tokens[1] == base.tokens[1] and run.tokens[3] == base.tokens[3]
+    assert any(k <= 3 for k in run.spec_steps) and any(k > 4 for k in run.spec_steps)
+    assert not actor.schedule.seqs
+
+
+def test_a_batch_holding_a_constrained_row_does_not_speculate(tiny_model_fp32):
+    """A constrained row beside a row on a repeating prompt: no speculative step while the
+    constrained row decodes (the verify applies no grammar mask), then the other speculates;
+    the constrained output is valid and the other row's tokens are those without speculation."""
+    from trio_mlx import models
+    from trio_mlx.actor._constrain import json_string_grammar, model_vocab
+
+    grammar = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
+    stops = frozenset(model_vocab(tiny_model_fp32).eos)
+    script = {0: [Submit(1, REPEATING, 24, SamplingParams(temperature=1.0, seed=2), stops, grammar),
+                  Submit(2, REPEATING[1:], 60, GREEDY, frozenset())]}
+    base = _serve(_actor(tiny_model_fp32), script)
+    run = _serve(_actor(tiny_model_fp32, speculative="ngram"), script)
+    assert run.tokens == base.tokens
+    assert run.speculated and all(rid == 2 for rid, _, _ in run.speculated)
+    assert min(run.spec_steps) > run.last[1]
+    text = models.load_tokenizer(tiny_model_fp32).decode([t for t in run.tokens[1] if t not in stops])
+    assert isinstance(json.loads(text), str), text
+
+
+@pytest.mark.parametrize("max_rows", [2, 3])
+def test_no_speculation_in_a_batch_wider_than_speculative_max_rows(tiny_model_fp32, max_rows):
+    """Three rows on repeating prompts: with speculative_max_rows 2 none speculates until
+    the short one has left; with 3 they speculate from the start. The tokens are the same."""
+    rows = [(0, 1, REPEATING, 10, GREEDY), (0, 2, REPEATING[1:], 50, GREEDY), (0, 3, REPEATING[2:], 50, GREEDY)]
+    script = _mixed_script(rows)
+    base = _serve(_actor(tiny_model_fp32), script)
+    run = _serve(_actor(tiny_model_fp32, speculative="ngram", speculative_max_rows=max_rows), script)
+    assert run.tokens == base.tokens and run.speculated
+    if max_rows == 2:
+        assert min(run.spec_steps) > run.last[1]
+    else:
+        assert min(run.spec_steps) <= run.last[1]
+
+
+@pytest.mark.parametrize(("tokens", "stale"), [
+    ([[5, 6, 7, 8, 9, 10], [11, 12, 13]], [1, 3]),
+    ([[5, 6, 7], [11, 12, 13, 14, 15]], [1, 3]),  # the row that keeps most was padded: padding cut
+    ([[5, 6, 7, 8], [11, 12], [20, 21, 22, 23, 24]], [2, 4, 3]),
+])
+def test_rolling_rows_back_by_different_counts_is_as_if_their_stale_tokens_never_went_in(
+        tiny_model_fp32, tokens, stale):
+    """`_spec_step.rollback` on a batch's `BatchKVCache`s after every row wrote K+1 tokens: each
+    row keeps its own count of them (the rest rolled into its left padding). The next step's
+    logits, and each row's keys, offset and left padding, are those of a batch that held only
+    the kept tokens."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from trio_mlx import models
+    from trio_mlx.actor._spec_step import rollback
+
+    model, _ = models.load_model(tiny_model_fp32)
+    layers, k = len(model.layers), 4
+    written = [[100 + 10 * r + j for j in range(k + 1)] for r in range(len(tokens))]
+    kept = [t + w[: k + 1 - s] for t, w, s in zip(tokens, written, stale, strict=True)]
+
+    def batch(rows: list[list[int]]) -> list[Any]:
+        width = max(len(r) for r in rows)
+        caches = [BatchKVCache([width - len(r) for r in rows]) for _ in range(layers)]
+        model(mx.array([[0] * (width - len(r)) + r for r in rows]), cache=caches)
+        return caches
+
+    spec = batch(tokens)
+    model(mx.array(written), cache=spec)
+    rollback(spec, stale)
+    plain = batch(kept)
+    then = mx.array([[40 + r] for r in range(len(tokens))])
+    a, b = model(then, cache=spec), model(then, cache=plain)
+    assert np.allclose(np.array(a), np.array(b), atol=1e-5)
+    for x, y in zip(spec, plain, strict=True):
+        assert x._idx == y._idx
+        assert x.offset.tolist() == y.offset.tolist() and x.left_padding.tolist() == y.left_padding.tolist()
+        kx, vx = x.keys_and_values()
+        ky, vy = y.keys_and_values()
+        for r, p in enumerate(x.left_padding.tolist()):
+            assert np.allclose(np.array(kx[r, :, p:]), np.array(ky[r, :, p:]), atol=1e-5)
+            assert np.allclose(np.array(vx[r, :, p:]), np.array(vy[r, :, p:]), atol=1e-5)
+
+
+async def test_requests_sharing_a_batch_count_their_drafts_and_stop_at_their_stop_strings(tiny_model_fp32):
+    """Two requests decoding side by side with a draft model (a copy of the target: every
+    draft kept, 4 tokens a step): each one's usage counts its drafted and accepted tokens,
+    and its text is the one without speculation; with a stop string from the middle of the
+    first one's text, that request ends there (the string landing among kept drafts) and
+    the other is unchanged."""
+    import trio
+
+    import trio_mlx
+
+    prompts = ["The quick brown fox", "The lazy dog sleeps"]
+
+    async def both(stop: str | None = None, **options: Any) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = [("", None), ("", None)]
+        async with trio_mlx.open_engine(tiny_model_fp32, warmup=False, **options) as engine:
+
+            async def one(i: int) -> None:
+                stops = {"stop": [stop]} if stop is not None and i == 0 else {}
+                async with engine.generate(prompts[i], max_tokens=24, temperature=0.0, ignore_eos=True,
+                                           **stops) as events:
+                    text = ""
+                    async for ev in events:
+                        if isinstance(ev, trio_mlx.TextDelta):
+                            text += ev.text
+                        else:
+                            out[i] = (text, ev)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(one, i)
+        return out
+
+    plain = await both()
+    drafted = await both(draft_model=str(tiny_model_fp32), num_draft_tokens=3)
+    for (text, _), (spec_text, fin) in zip(plain, drafted, strict=True):
+        assert spec_text == text
+        assert fin.usage.accepted_draft_tokens == fin.usage.draft_tokens > 0
+    text = plain[0][0]
+    at = next(p for p in range(len(text) // 2, len(text) - 3) if text.find(text[p : p + 3]) == p)
+    stopped = await both(text[at : at + 3], draft_model=str(tiny_model_fp32), num_draft_tokens=3)
+    assert stopped[0][0] == text[:at] and stopped[0][1].finish_reason == "stop"
+    assert stopped[1][0] == plain[1][0] and stopped[1][1].usage.draft_tokens > 0

@@ -11,10 +11,9 @@ just started decoding (`first_tokens`), or move KV at the device's copy rate
 where mlx-lm gathers it (a removal's kept rows, `take_rows`; a right-padded
 group's roll, `roll_right`; a finished group handed to decoding, `_split`), or
 take the decode step over (`own_decode`: one forward over the decoding batch,
-then the actor's own batched sampling, `_decode.Decoder`), or give a lone row a
-speculative step (`_speculative_step`: one forward over its drafts, its KV trimmed
-past the rejected ones), or tell a model with named LoRA adapters which adapter
-each row of a forward runs with (`RowAdapters`, around every forward: the prompt
+then the actor's own batched sampling, `_decode.Decoder`; a speculative step where
+rows have drafts is `_spec_step.py`'s, with the helpers here), or tell a model with
+named LoRA adapters which adapter each row of a forward runs with (`RowAdapters`, around every forward: the prompt
 batch's `prompt`, the owned step, the speculative verify).
 Each helper names the private attribute it
 relies on; tests/integration/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
@@ -43,7 +42,6 @@ from ._shapes import (
     query_by_query,
     row_by_row,
 )
-from ._speculate import accepted
 
 
 def batch_rows(bg: Any) -> int:
@@ -271,7 +269,7 @@ def _split_rows(batch: Any, indices: list[int]) -> Any:
 
 
 class Speculated:
-    """A speculative step's outcome for its row (`_speculative_step`): the drafted tokens
+    """A speculative step's outcome for its row (`_spec_step.speculative_step`): the drafted tokens
     the target kept (reported after the row's token in `Decoded.tokens`, in order), their
     logprobs where the row asks (`outs`), and how many were drafted."""
 
@@ -396,15 +394,16 @@ def unmask_unpadded(caches: list[Any]) -> None:
 
 
 def _owned_next(decoder: Decoder, batch: Any) -> Decoded:
-    """`GenerationBatch.next`: one owned step; no row ends here (the actor retires them). A
-    lone row may take a speculative step instead (`_speculative_step`)."""
+    """`GenerationBatch.next`: one owned step; no row ends here (the actor retires them). With
+    a drafter, a speculative step instead where rows have drafts (`_spec_step.py`)."""
     if not batch.uids:
         return Decoded([], [], [])
-    lone = decoder.drafter is not None and len(batch.uids) == 1
-    if lone:
-        step = _speculative_step(decoder, batch)
-        if step is not None:
-            return Decoded(list(batch.uids), [step[0]], list(batch.samplers), [step[1]])
+    drafter = decoder.drafter
+    lone = drafter is not None and len(batch.uids) == 1
+    if drafter is not None and drafter.step is not None:
+        spec = drafter.step(decoder, batch)  # `_spec_step.speculative_step`
+        if spec is not None:
+            return spec
     t0 = time.perf_counter()
     fed, _ = batch._step()
     if lone and not decoder.speculated_last:
@@ -414,49 +413,6 @@ def _owned_next(decoder: Decoder, batch: Any) -> Decoded:
     decoder.speculated_last = False
     # copies: a group joining in this same `BatchGenerator.next` extends the batch's lists
     return Decoded(list(batch.uids), fed, list(batch.samplers))
-
-
-def _speculative_step(decoder: Decoder, batch: Any) -> tuple[int, Speculated] | None:
-    """A lone row's speculative step, if its drafter proposes one (`_drafting.Drafter`):
-    one forward over the row's pending token and K drafted tokens (1, K+1), the target's
-    own token at each position (`Decoder.verify`), the longest prefix of the drafts that
-    equals them kept (`_speculate.accepted`) and the KV trimmed past it. At one row a
-    uniform `trim` of every layer's `BatchKVCache` is exact. Not pipelined: the drafts of
-    the next step depend on the tokens read back here. The target's token after the kept
-    drafts is the row's pending token, fed by the next step as a plain step's would be; the
-    pending token and the kept drafts are in the KV and in `tokens`, and are reported."""
-    drafter = decoder.drafter
-    row, held = batch.samplers[0], batch.tokens[0]
-    t0 = time.perf_counter()
-    proposal = drafter.propose(row, held, batch._next_tokens)
-    if proposal is None:
-        return None
-    batch._current_tokens = batch._next_tokens
-    batch._current_logprobs = batch._next_logprobs
-    unmask_unpadded(batch.prompt_cache)
-    with adapter_rows(batch.model, batch.uids):
-        logits = batch.model.verify(proposal.inputs, cache=batch.prompt_cache)[0]
-    sampled, lp = decoder.verify(logits, row, proposal.drafts)
-    if proposal.host is None:
-        fed_all: list[int] = proposal.inputs[0].tolist()  # type: ignore[assignment]
-        first, drafts = fed_all[0], fed_all[1:]
-    else:
-        assert proposal.first is not None
-        first, drafts = proposal.first, proposal.host
-    targets: list[int] = sampled.tolist()  # type: ignore[assignment]
-    k = len(drafts)
-    a = accepted(drafts, targets)
-    if k > a:
-        for c in batch.prompt_cache:
-            c.trim(k - a)
-    drafter.settle(row, proposal, a, time.perf_counter() - t0, decoder.lone_step())
-    decoder.speculated_last = True
-    outs = decoder.settle(row, targets[: a + 1], lp)
-    held.append(first)
-    held.extend(drafts[:a])
-    batch._next_tokens = sampled[a : a + 1]
-    batch._next_logprobs = [None]
-    return first, Speculated(drafts[:a], outs, k)
 
 
 def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]]) -> Any:
@@ -714,10 +670,10 @@ class CausalPrefill:
         return out
 
     def verify(self, inputs: Any, cache: Any) -> Any:
-        """The forward of a speculative step (`_speculative_step`): a decoding row's pending
-        token and its drafts, a few tokens behind its KV, with mlx_lm's own mask (the row's
-        left padding, if any): none of the prefill's grid or chunking applies; on CUDA its
-        attention runs query by query (`query_by_query`)."""
+        """The forward of a speculative step (`_spec_step.speculative_step`): each decoding
+        row's pending token and its drafts (or fillers), a few tokens behind its KV, with
+        mlx_lm's own mask (the rows' left padding, if any): none of the prefill's grid or
+        chunking applies; on CUDA its attention runs query by query (`query_by_query`)."""
         with query_by_query(self.grid):
             out = self._model(inputs, cache=cache)
         if self._built is not None:

@@ -223,7 +223,7 @@ class Decoder:
         self.drafter = drafter
         # wall seconds of a lone row's last plain steps: what a speculative step is judged against
         self.lone_steps: collections.deque[float] = collections.deque(maxlen=16)
-        self.speculated_last = False  # the last step was a speculative one (`_batch._owned_next`)
+        self.speculated_last = False  # the last step was a speculative one (`_spec_step.py`)
         self._measurer: ThreadPoolExecutor | None = None  # the budget checks' thread (`_fill_many`)
 
     def lone_step(self) -> float | None:
@@ -260,7 +260,7 @@ class Decoder:
         return sampled, fed
 
     def verify(self, logits: Any, row: DecodeRow, drafts: Any) -> tuple[Any, _Logprobs | None]:
-        """The target's own token at each position of a lone row's speculative step: `logits`
+        """The target's own token at each position of a row's speculative step: `logits`
         (K+1, V) are the forward of the row's pending token and the K `drafts` after it
         (`_speculate.py`: the drafts the target keeps are those equal to these tokens).
         Position i is processed as a plain step would process it after the first i drafts:
@@ -268,7 +268,8 @@ class Decoder:
         a seeded row draws position i from its key for the token it would be (its step
         count plus i). Returns the tokens (lazy, started) and, for a row that asks for
         logprobs, theirs; the row's logprobs of its pending token are read into `row.out`.
-        Constrained rows do not speculate (`_drafting.Drafter`)."""
+        Constrained rows do not speculate (`_drafting.Drafter`). A batch's rows are verified
+        one at a time, each with a plan of its own; `settle` goes back to each row's."""
         width = logits.shape[-1]
         plan = self._plan_for([row], width)
         pending = row.pending
@@ -311,7 +312,8 @@ class Decoder:
         counts by them, and returns the logprobs of the accepted drafts (for a row that asks:
         positions 0.. of `lp`), the pending token's kept for the next step."""
         plan = self._plan
-        assert plan is not None and plan.rows == [row], "settle follows verify"
+        assert plan is not None, "settle follows verify"
+        plan = self._plan_for([row], plan.width)  # the row's own plan: a batch's verifies each made one
         if plan.seeded:
             row.steps += len(tokens)
         if plan.penalized:

@@ -1,9 +1,11 @@
-"""Speculative decoding's drafters: prompt lookup, or a small draft model, for a lone row.
+"""Speculative decoding's drafters: prompt lookup, or a small draft model, for each row of
+a decoding batch.
 
 `Drafter.propose` says whether a row speculates this step and with which drafted
-tokens; `_batch.py` runs the step (one forward over the row's pending token and the
-drafts, `_decode.Decoder.verify`, the KV trimmed past the rejected drafts) and hands the
-outcome back (`Drafter.settle`). The rules (the n-gram index, the acceptance rule, the
+tokens; `_spec_step.py` runs the step (one forward over every row's pending token and
+drafts, `_decode.Decoder.verify`, each row's KV rolled back past its rejected drafts) and
+hands each row's outcome back (`Drafter.settle`). A draft model drafts for the rows of
+a batch one row at a time, each from its own cache. The rules (the n-gram index, the acceptance rule, the
 per-row policy) are `_speculate.py`'s, with no MLX.
 
 - **Prompt lookup** (`mode="ngram"`) drafts from the row's own tokens. It looks first at
@@ -24,6 +26,7 @@ CUDA the draft's steps attend query by query (`_shapes.query_by_query`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -61,14 +64,19 @@ class Proposal:
 
 
 class Drafter:
-    """Drafts for lone rows: prompt lookup (`ngram`: the longest suffix of up to `ngram`
+    """Drafts for decoding rows: prompt lookup (`ngram`: the longest suffix of up to `ngram`
     tokens), or a draft `model` (its logits cut to the target's `width`); `k` drafted tokens
-    a step at most."""
+    a step at most; none in a batch of more than `max_rows` rows."""
 
-    def __init__(self, k: int, ngram: int = 3, model: Any = None, width: int = 0, prefill_step: int = 2048):
+    def __init__(self, k: int, ngram: int = 3, model: Any = None, width: int = 0, prefill_step: int = 2048,
+                 max_rows: int = 8, step: Callable[[Any, Any], Any] | None = None):
         if k < 1:
             raise ValueError(f"speculation needs at least one drafted token a step, got {k}")
         self.k = k
+        self.max_rows = max(1, max_rows)  # no speculation in a batch of more rows (`_spec_step.py`)
+        # The step that verifies the drafts (`_spec_step.speculative_step`), which builds on
+        # `_batch.py`'s helpers: handed in, so that `_batch.py` calls it without importing it.
+        self.step = step
         self.ngram = ngram
         self.model = model
         self.width = width
@@ -103,7 +111,8 @@ class Drafter:
                plain: float | None = None) -> None:
         """The step kept `accepted` of the proposal's drafts, in `seconds`: the draft model's
         cache drops what it holds past them, and the row's policy counts the step against
-        `plain`, a lone row's plain step (`RowSpec.record`)."""
+        `plain`, a lone row's plain step (`RowSpec.record`; both None for a row of a wider
+        batch: its acceptance alone judges it)."""
         spec = row.spec
         assert spec is not None
         k = proposal.k

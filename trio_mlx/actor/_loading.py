@@ -16,6 +16,7 @@ from .. import models
 from ._batch import plain_kv
 from ._drafting import Drafter
 from ._kv_quant import RowQuantizedKVCache, check_kv_bits
+from ._spec_step import speculative_step
 from ._tuning import ActorTuning
 
 log = logging.getLogger("trio_mlx.actor")
@@ -66,6 +67,7 @@ def load_drafter(model: Any, tuning: ActorTuning, draft_model_path: Any, vocab: 
         if not plain_kv(draft):
             raise ValueError(f"the draft model at {path} needs a plain KV cache per layer")
         log.info("loaded the draft model %s in %.2f s", path, time.perf_counter() - t0)
-    log.info("speculative decoding: %s, up to %d drafted tokens a step, for a sequence decoding alone",
-             "prompt lookup" if draft is None else "a draft model", tuning.draft_tokens)
-    return Drafter(tuning.draft_tokens, tuning.ngram_size, draft, vocab, tuning.prefill_step)
+    log.info("speculative decoding: %s, up to %d drafted tokens a step, in batches of up to %d rows",
+             "prompt lookup" if draft is None else "a draft model", tuning.draft_tokens, tuning.speculative_max_rows)
+    return Drafter(tuning.draft_tokens, tuning.ngram_size, draft, vocab, tuning.prefill_step,
+                   tuning.speculative_max_rows, speculative_step)

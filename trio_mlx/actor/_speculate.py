@@ -1,10 +1,11 @@
 """Speculative decoding's rules with no MLX in them: prompt-lookup drafts, the acceptance
 rule, and when a row speculates.
 
-A speculative step feeds a decoding row its pending token and up to K drafted tokens
-in one forward, and keeps the longest prefix of the drafts that the target model
-itself would have produced, plus the target's own token after it (`_batch.py` runs the
-step, `_decode.Decoder.verify` samples the target's tokens). Drafts come from the row's
+A speculative step feeds each decoding row that has drafts its pending token and up
+to K drafted tokens in one forward (the batch's other rows their pending token), and
+keeps for each the longest prefix of its drafts that the target model itself would have
+produced, plus the target's own token after it (`_spec_step.py` runs the step,
+`_decode.Decoder.verify` samples the target's tokens). Drafts come from the row's
 own tokens (`NgramIndex`: "prompt lookup") or from a small draft model (`_draft.py`).
 
 **The acceptance rule.** Both drafters propose one token per position deterministically
@@ -23,11 +24,13 @@ speculation on and off, and a greedy row's are the same as without it.
 **The policy.** Verifying pays only where one forward over K+1 tokens costs little more
 than one over a token, and where drafts are accepted: on an H200 a forward over 8 tokens
 costs 1.7-1.9x one token's, and a speculative step gives up the pipelining of plain
-steps (its drafts depend on the tokens read back). So a row speculates only while it is
-the batch's only row, and each row keeps a window of its last `WINDOW` speculative steps:
-when they accepted fewer than `MIN_ACCEPTED` drafted tokens a step on average, or took
-longer per token they gave than the plain steps of a lone row take (the decoder's
-measure of those, when it has one), the row stops speculating for `BACKOFF` tokens,
+steps (its drafts depend on the tokens read back). So rows speculate only in a narrow
+batch (`_drafting.Drafter.max_rows`: K+1 tokens cost little more than one while a forward
+is bound by reading the weights, which a wide batch's no longer is), and each row keeps
+a window of its last `WINDOW` speculative steps: when they accepted fewer than
+`MIN_ACCEPTED` drafted tokens a step on average, or (for a lone row, whose steps are
+timed) took longer per token they gave than the plain steps of a lone row take (the
+decoder's measure of those, when it has one), the row stops speculating for `BACKOFF` tokens,
 twice as long at each further stop (at most `MAX_BACKOFF`), then tries again (what a row
 writes changes: an agent starts quoting a file). The time is the judge because what a
 step costs differs by device: on an H200 a speculative step of the 1B shape that kept

@@ -95,9 +95,9 @@ class ActorTuning:
         "the actor's decode step: 'owned' (one forward over the decoding batch, every row's sampling "
         "batched on the device, the next step started before this one's tokens are read) or 'mlx' "
         "(mlx-lm's BatchGenerator step, a sampler and logits processors per row), to compare the two"))
-    # `_speculate.py` (the rules), `_drafting.py` (the drafters), `_batch._speculative_step`.
+    # `_speculate.py` (the rules), `_drafting.py` (the drafters), `_spec_step.py` (the step).
     speculative: str | None = field(default=None, metadata=doc(
-        "speculative decoding, for a sequence that decodes alone (a batch of one): 'ngram' (prompt "
+        "speculative decoding, for the sequences of a batch of up to speculative_max_rows: 'ngram' (prompt "
         "lookup: drafts copied from the sequence's own prompt and output where its last tokens "
         "occurred before) or 'draft' (a draft model: draft_model, which implies it); each step verifies "
         "the drafts in one forward and keeps those the model agrees with, so outputs are unchanged; "
@@ -105,6 +105,10 @@ class ActorTuning:
     num_draft_tokens: int | None = field(default=None, metadata=doc(
         "the most tokens drafted and verified per speculative step; unset: 8 with ngram, 4 with "
         "a draft model"))
+    speculative_max_rows: int = field(default=8, metadata=doc(
+        "the widest decoding batch that speculates: in a wider one every sequence takes plain steps "
+        "(verifying drafts costs more than it gives once a forward is no longer bound by reading the "
+        "weights); 1: only a sequence that decodes alone"))
     ngram_size: int = field(default=3, metadata=doc(
         "prompt lookup's longest match: the drafts follow the latest earlier occurrence of the "
         "longest suffix of the sequence, of this many tokens down to one"))
@@ -172,7 +176,7 @@ class ActorTuning:
             raise ValueError("adapters need decode_step 'owned' (the actor's decode step selects each row's "
                              "adapter)")
         least = {"max_batch": 1, "prefill_batch": 1, "prefill_step": 1, "retire_steps": 0, "prefill_budget": 0,
-                 "kv_group_size": 1, "quantized_kv_start": 0}
+                 "kv_group_size": 1, "quantized_kv_start": 0, "speculative_max_rows": 1}
         for name, low in least.items():
             value = getattr(self, name)
             if name == "prefill_budget" and value is None:

@@ -1,0 +1,145 @@
+"""The speculative step over the decoding batch: one forward verifies the drafts of every
+row that has some while the other rows take their single next token.
+
+`_batch._owned_next` asks for one before each owned decode step (`speculative_step`,
+which `_loading.load_drafter` hands it as `Drafter.step`: this module builds on
+`_batch.py`'s helpers, so `_batch.py` does not import it);
+with no drafts for any row, or a batch the policy leaves alone, the step stays a plain,
+pipelined one. The drafts come from `_drafting.Drafter`, the target's token at each
+position from `_decode.Decoder.verify`, the acceptance rule and the per-row policy from
+`_speculate.py`.
+
+**One forward, every row padded to K+1 tokens.** A step's K is the most drafts any row
+has. Every row's input is its pending token, then its drafts, then filler tokens up to
+K+1 (a row without drafts: its pending token and K fillers). Causal attention keeps a
+position's logits independent of what comes after it, so a row's logits at position 0
+are exactly a plain step's, and at position i those after its first i drafts; a row
+accepts at most as many positions as it has drafts, so fillers are never kept.
+
+**The rollback: one uniform trim, then the remainder rolled into left padding.** mlx-lm's
+`BatchKVCache` (and `_kv_quant.BatchQuantizedKVCache`, in the same layout) keeps every
+row right-aligned at one write position `_idx`, with per-row `left_padding` masked out and
+per-row `offset` (its real tokens) for the positions. Row r keeps its pending token and
+a_r drafts of the K+1 positions it wrote, so K - a_r are stale. The cache is trimmed by
+the fewest stale positions of any row (`trim`: `_idx` and every `offset` back), and each
+row with e_r stale positions left has its kept positions rolled right by e_r, the stale
+ones landing in front as left padding (`left_padding` + e_r, `offset` - e_r): the layout
+mlx-lm's own `finalize` leaves after a right-padded prefill, so masks, `filter`,
+`extend`, the prompt cache's `copy_rows` (a row's tokens end at `_idx`) and every later
+step read the row as if the stale tokens never went in. Padding that every row then has
+is cut off the front, as `filter` does. Chosen over running the verifying rows as a
+sub-batch of their own: that needs their KV split out and merged back (copies of every
+layer's rows, twice a step) and two forwards, where this costs one forward of K+1
+tokens a row and, in a step whose rows keep different counts, one copy of every
+layer's KV (the roll, joined by concatenation as `_batch.roll_right` joins it).
+
+**The policy.** A row's own (`_speculate.RowSpec`: low acceptance stops it for a while),
+and the batch's: no speculation while the batch has more rows than `max_rows`
+(`Drafter.max_rows`, the tuning's `speculative_max_rows`): verifying K+1 tokens a row
+costs more than it gives once the forward is no longer bound by reading the weights.
+A batch holding a constrained row does not speculate (`Decoder.verify` applies no
+grammar mask; constrained rows never speculate themselves). At one row a step's time
+judges it against the lone row's plain steps (`Decoder.lone_step`); in a wider batch
+acceptance alone does (no plain step of that batch to compare with).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from ._batch import Decoded, Speculated, _kv_caches, adapter_rows, roll_right, unmask_unpadded
+from ._decode import Decoder
+from ._drafting import Proposal
+from ._kv_quant import kv_map
+from ._speculate import accepted
+
+
+def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
+    """The batch's speculative step (the module's docstring), or None: no row has drafts
+    this step, or the policy leaves the batch alone, and the caller takes a plain step."""
+    drafter = decoder.drafter
+    rows, helds, n = batch.samplers, batch.tokens, len(batch.uids)
+    if drafter is None or not 1 <= n <= drafter.max_rows or any(r.grammar is not None for r in rows):
+        return None
+    caches = batch.prompt_cache if n == 1 else _kv_caches(batch)
+    if not caches:
+        return None  # rows at different positions: no layout to roll back into
+    t0 = time.perf_counter()
+    pending = batch._next_tokens
+    proposals: list[Proposal | None] = [drafter.propose(r, h, pending[i : i + 1])
+                                        for i, (r, h) in enumerate(zip(rows, helds, strict=True))]
+    if all(p is None for p in proposals):
+        return None
+    k = max(p.k for p in proposals if p is not None)
+    inputs = mx.concatenate([_padded(p, pending[i : i + 1], k) for i, p in enumerate(proposals)])
+    batch._current_tokens = pending
+    batch._current_logprobs = batch._next_logprobs
+    unmask_unpadded(caches)
+    with adapter_rows(batch.model, batch.uids):
+        logits = batch.model.verify(inputs, cache=caches)
+    verified = [decoder.verify(logits[i], r, inputs[i, 1:]) for i, r in enumerate(rows)]
+    fed: list[list[int]] = inputs.tolist()  # type: ignore[assignment]
+    targets: list[list[int]] = mx.stack([s for s, _ in verified]).tolist()  # type: ignore[assignment]
+    kept = [0 if p is None else accepted(fed[i][1 : 1 + p.k], targets[i]) for i, p in enumerate(proposals)]
+    rollback(caches, [k - a for a in kept])
+    seconds, plain = (time.perf_counter() - t0, decoder.lone_step()) if n == 1 else (None, None)
+    firsts: list[int] = []
+    specs: list[Speculated | None] = []
+    for i, (row, held, p, a) in enumerate(zip(rows, helds, proposals, kept, strict=True)):
+        outs = decoder.settle(row, targets[i][: a + 1], verified[i][1])
+        first, drafts = fed[i][0], fed[i][1 : 1 + a]
+        held.append(first)
+        held.extend(drafts)
+        firsts.append(first)
+        if p is None:
+            specs.append(None)
+            continue
+        drafter.settle(row, p, a, seconds, plain)
+        specs.append(Speculated(drafts, outs, p.k))
+    decoder.speculated_last = True
+    batch._next_tokens = mx.array([targets[i][a] for i, a in enumerate(kept)], dtype=pending.dtype)
+    batch._next_logprobs = [None] * n
+    return Decoded(list(batch.uids), firsts, list(rows), specs)
+
+
+def _padded(p: Proposal | None, pending: Any, k: int) -> Any:
+    """A row's input to the step, (1, k+1): its proposal's (pending token and drafts), or
+    its pending token alone, then filler tokens (never kept: the module's docstring)."""
+    x = pending[None] if p is None else p.inputs.astype(pending.dtype)
+    short = k + 1 - x.shape[1]
+    return mx.concatenate([x, mx.zeros((1, short), dtype=pending.dtype)], axis=1) if short else x
+
+
+def rollback(caches: list[Any], stale: list[int]) -> None:
+    """Take each row's `stale[r]` last positions out of the batch's caches (`BatchKVCache`s,
+    or `BatchQuantizedKVCache`s, all at one `_idx`; the module's docstring): a uniform trim
+    by the fewest, then the rest rolled into left padding, row by row."""
+    least = min(stale)
+    if least:
+        for c in caches:
+            c.trim(least)
+    extra = [s - least for s in stale]
+    if not any(extra):
+        return
+    first = caches[0]
+    idx = first._idx
+    padding = [p + e for p, e in zip(first.left_padding.tolist(), extra, strict=True)]
+    cut = min(padding)  # padding every row has now: off the front
+    shifts = mx.array(extra)
+    for c in caches:
+        if c.keys is not None:
+            c.keys = kv_map(lambda a: _rolled(a, idx, extra, cut), c.keys)
+            c.values = kv_map(lambda a: _rolled(a, idx, extra, cut), c.values)
+        c.offset = c.offset - shifts
+        c.left_padding = c.left_padding + shifts - cut
+        c._idx -= cut
+
+
+def _rolled(a: Any, idx: int, shifts: list[int], cut: int) -> Any:
+    """`a`'s first `idx` positions, each row rolled right by its shift (`_batch.roll_right`),
+    the first `cut` of them dropped; the buffer past `idx` kept for the next writes."""
+    head = roll_right(a[..., :idx, :], shifts)[..., cut:, :]
+    return mx.concatenate([head, a[..., idx:, :]], axis=2) if a.shape[2] > idx else head
