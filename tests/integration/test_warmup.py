@@ -23,6 +23,7 @@ from trio_mlx.actor import (
     _decode,
     _prompt_cache,
     _sampling,
+    _spec_step,
 )
 from trio_mlx.actor._actor import Actor
 
@@ -170,7 +171,8 @@ def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits, 
 @pytest.mark.parametrize("mode", ["ngram", "draft"])
 def test_with_speculation_the_rehearsal_verifies_greedy_and_sampled_rows(tiny_model_fp32, visits, monkeypatch, mode):
     """A lone greedy row and a lone seeded row with every sampling option take speculative
-    steps in the rehearsal: the verifier's kernels are built before ready."""
+    steps in the rehearsal, and so do rows sharing a batch: the verifier's kernels, and the
+    batched verify's, are built before ready."""
     from trio_mlx.actor._decode import Decoder
 
     verified: list[Any] = []
@@ -181,11 +183,15 @@ def test_with_speculation_the_rehearsal_verifies_greedy_and_sampled_rows(tiny_mo
         return real(self, logits, row, drafts)
 
     monkeypatch.setattr(Decoder, "verify", spy)
+    rolled: list[int] = []  # the rows of each speculative step
+    roll = _spec_step.rollback
+    monkeypatch.setattr(_spec_step, "rollback", lambda caches, stale: rolled.append(len(stale)) or roll(caches, stale))
     options = {"speculative": "ngram"} if mode == "ngram" else {"draft_model": str(tiny_model_fp32)}
     actor = _loaded(tiny_model_fp32, gpu=True, **options)
     actor._warmup()
     assert any(sp.greedy for sp in verified)
     assert any(sp.seed is not None and sp.logprobs and sp.repetition_penalty != 1.0 for sp in verified)
+    assert 1 in rolled and 2 in rolled, rolled  # a lone row's steps, and two rows' in one batch
     assert not actor.schedule.seqs and actor._bg is not None and not actor._bg._generation_batch.uids
 
 

@@ -702,7 +702,7 @@ class Actor:
         return tuple(out)
 
     def _speculated(self, step: Decoded) -> tuple[TokenOut, ...]:
-        """`_decoded` for a speculative step (`_batch._speculative_step`): a row's token, then
+        """`_decoded` for a speculative step (`_spec_step.speculative_step`): a row's token, then
         the drafted tokens the model kept, each through the finish rule in order; the tokens
         after one that ends the sequence are dropped. Each row's drafted and kept counts go
         in the step's report (`StepReport.speculated`)."""
