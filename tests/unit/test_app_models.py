@@ -38,22 +38,24 @@ def folder(tmp_path, tiny_model_fp32):
     return tmp_path / "models"
 
 
-def actors(step_seconds: dict[str, float] | None = None) -> Any:
-    """Fake actors, with slow steps for the models `step_seconds` names."""
+def actors(step_seconds: dict[str, float] | None = None, load_seconds: dict[str, float] | None = None) -> Any:
+    """Fake actors, with slow steps (loads) for the models `step_seconds` (`load_seconds`) names."""
     def make(config, link):
         name = config.model_path.name
-        return FakeActor(config, link, step_seconds=(step_seconds or {}).get(name, 0.0))
+        return FakeActor(config, link, step_seconds=(step_seconds or {}).get(name, 0.0),
+                         load_seconds=(load_seconds or {}).get(name, 0.0))
     return make
 
 
 @asynccontextmanager
 async def serve_models(folder, *, step_seconds: dict[str, float] | None = None, actor: Any = None,
+                       load_seconds: dict[str, float] | None = None,
                        **settings: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     """A server of the models in `folder` over fake actors (`actor(config, link)`, else `actors`)."""
     settings.setdefault("warmup", False)
     settings.setdefault("drain_timeout", 1.0)
     app = create_app(Settings.from_env({}, models=(str(folder),), allow_multiple_workers=True, **settings))
-    app.pool_actor = actor or actors(step_seconds)
+    app.pool_actor = actor or actors(step_seconds, load_seconds)
     app.on_fatal = lambda reason: None  # type: ignore[method-assign]
     config = Config()
     config.bind = ["127.0.0.1:0"]
@@ -139,6 +141,35 @@ async def test_no_idle_model_to_unload_is_a_503_with_retry_after_in_each_api_s_s
         r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))  # alpha idle: unloaded for beta
         assert r.status_code == 200 and r.json()["model"] == "beta", r.text
         assert {s.name: s.state for s in app.pool.status()}["alpha"] == "unloaded"
+
+
+async def test_a_load_past_startup_timeout_is_a_503_with_retry_after_in_each_api_s_shape(folder):
+    async with serve_models(folder, startup_timeout=0.3, load_seconds={"alpha": 1.5}) as (app, client):
+        answers: dict[str, httpx.Response] = {}
+
+        async def ask(path: str, body: dict[str, Any]) -> None:
+            answers[path] = await client.post(path, json=body)
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:  # all three wait for the one load
+                nursery.start_soon(ask, CHAT, chat_body(model="alpha", max_tokens=2))
+                nursery.start_soon(ask, MESSAGES, {"model": "alpha", "max_tokens": 2,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+                nursery.start_soon(ask, RESPONSES, {"model": "alpha", "input": "hi", "stream": True})
+        err = assert_error(answers[CHAT], 503, code="model_load_timeout", type="server_error")
+        assert "'alpha' did not load within 0.3 s (startup_timeout)" in err["message"]
+        body = answers[MESSAGES].json()
+        assert answers[MESSAGES].status_code == 503 and body["type"] == "error", answers[MESSAGES].text
+        assert "did not load within" in body["error"]["message"]
+        assert answers[RESPONSES].status_code == 503, answers[RESPONSES].text
+        assert answers[RESPONSES].json()["error"]["code"] == "model_load_timeout"
+        assert all(int(r.headers["retry-after"]) >= 1 for r in answers.values())
+        # once the GPU thread is out of alpha's load, the slot is free: beta loads and answers
+        with trio.fail_after(10):
+            while {s.name: s.state for s in app.pool.status()}["alpha"] != "unloaded":  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))
+        assert r.status_code == 200 and r.json()["model"] == "beta", r.text
 
 
 def test_the_settings_of_several_models(folder):

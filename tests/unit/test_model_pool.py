@@ -13,7 +13,7 @@ import pytest
 import trio
 
 import trio_mlx
-from trio_mlx._errors import ModelCapacityError, ModelLoadError
+from trio_mlx._errors import ModelCapacityError, ModelLoadError, ModelLoadTimeoutError
 from trio_mlx.actor import FakeActor
 from trio_mlx.engine import ModelPool, find_models
 from trio_mlx.engine._pool import weight_bytes
@@ -245,5 +245,45 @@ async def test_a_request_that_leaves_during_the_load_does_not_cancel_it(folder):
                     await ask()
                 inner.start_soon(ask)
         assert results == [SCRIPTS["alpha"]] and actors.loads("alpha") == 1
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_load_past_its_time_bound_fails_its_requests_and_ends_before_another(folder):
+    actors = Actors(alpha={"load_seconds": 1.0})  # "hangs": longer than the bound
+    pool = ModelPool(find_models([str(folder)]), max_loaded=1, make_actor=actors, load_timeout=0.3, retry_after=4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        failed: list[tuple[float, ModelLoadTimeoutError]] = []
+
+        async def ask() -> None:
+            with pytest.raises(ModelLoadTimeoutError) as caught:
+                async with pool.use("alpha"):
+                    pass
+            failed.append((trio.current_time(), caught.value))
+
+        with trio.fail_after(20):
+            t0 = trio.current_time()
+            async with trio.open_nursery() as inner:
+                inner.start_soon(ask)
+                await trio.sleep(0.1)
+                inner.start_soon(ask)  # one waiting for the same load fails with it
+            assert len(failed) == 2 and all(t - t0 < 0.8 for t, _ in failed)  # at the bound, not the load's end
+            assert "did not load within 0.3 s (startup_timeout)" in str(failed[0][1])
+            assert failed[0][1].retry_after == 4
+            # its work still ends (the GPU thread is in the weights' load): a request now fails at
+            # once, and no second load starts beside the first
+            assert {s.name: s.state for s in pool.status()}["alpha"] == "unloading"
+            await ask()
+            assert actors.loads("alpha") == 1
+            while {s.name: s.state for s in pool.status()}["alpha"] != "unloaded":  # noqa: ASYNC110
+                await trio.sleep(0.02)
+            assert [a for n, a in actors.made if n == "alpha"][0].stopped  # freed on the host
+            actors.options["alpha"] = {}  # the next load is quick: the model serves again
+            async with pool.use("alpha") as engine:
+                assert await answer(engine) == SCRIPTS["alpha"]
+        assert actors.loads("alpha") == 2
+        with pytest.raises(ValueError, match="load_timeout"):
+            ModelPool({"a": "a"}, load_timeout=0)
         await pool.aclose()
         nursery.cancel_scope.cancel()

@@ -23,6 +23,7 @@ from .._errors import (
     InvalidRequestError,
     ModelCapacityError,
     ModelLoadError,
+    ModelLoadTimeoutError,
     QueueFullError,
     TrioMLXError,
 )
@@ -93,6 +94,12 @@ def error_from_exception(exc: BaseException) -> HTTPError:
     if isinstance(exc, ModelCapacityError):  # several models, every loaded one busy (`engine/_pool.py`)
         retry = str(max(1, round(exc.retry_after)))
         return HTTPError(503, str(exc), type="server_error", code="model_capacity",
+                         headers=[("Retry-After", retry)])
+    if isinstance(exc, ModelLoadTimeoutError):  # a load on demand past startup_timeout (`engine/_pool.py`):
+        # 503, not 500: the server is sound and the model may load on a later try (a slow download,
+        # the GPU thread busy), and the SDKs that retry 503s then retry after Retry-After
+        retry = str(max(1, round(exc.retry_after)))
+        return HTTPError(503, str(exc), type="server_error", code="model_load_timeout",
                          headers=[("Retry-After", retry)])
     if isinstance(exc, ModelLoadError):  # a model of several, loaded for this request, failed
         return HTTPError(500, str(exc), type="server_error", code="model_load_failed")

@@ -137,7 +137,8 @@ class Settings:
         "Anthropic messages, Anthropic tool_result blocks, Responses input items; counted before "
         "they are validated"))
     startup_timeout: float = field(default=600.0, metadata=_doc(
-        "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve)"))
+        "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve); with "
+        "models, each load on demand too: past it, the requests waiting for it get 503 with Retry-After"))
     access_log: bool = field(default=True, metadata=_doc(
         "log one line per request, ending with its X-Request-Id (trio-mlx serve)"))
     replica: str | None = field(default=None, metadata=_doc(
