@@ -172,6 +172,49 @@ async def test_a_load_past_startup_timeout_is_a_503_with_retry_after_in_each_api
         assert r.status_code == 200 and r.json()["model"] == "beta", r.text
 
 
+async def test_metrics_give_each_loaded_model_s_engine_figures_by_model(folder):
+    async with serve_models(folder, max_loaded_models=2, step_seconds={"alpha": 0.02}) as (app, client):
+        scrape = Scrape((await client.get("/metrics")).text)
+        assert scrape.value("trio_mlx_engine_state", state="ready") == 1  # the pool serves, none loaded
+        assert "trio_mlx_queue_depth{" not in scrape.text  # no model loaded: no series of one
+        r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=3, ignore_eos=True))
+        assert r.status_code == 200, r.text
+        async with trio.open_nursery() as nursery:
+            done = trio.Event()
+
+            async def busy() -> None:  # alpha decodes for a while
+                r = await client.post(CHAT, json=chat_body(model="alpha", max_tokens=100, ignore_eos=True))
+                assert r.status_code == 200
+                done.set()
+
+            nursery.start_soon(busy)
+            with trio.fail_after(10):
+                while (app.pool.engine("alpha") is None  # noqa: ASYNC110
+                       or app.pool.engine("alpha").statistics().decoding == 0):
+                    await trio.sleep(0.01)
+            # MLX's memory is the process's: the freshest model's reading, the peak's largest
+            for name, memory, at in (("alpha", (100, 500, 7), 1.0), ("beta", (200, 400, 9), 2.0)):
+                registry = app.pool.engine(name)._registry
+                registry.memory, registry.memory_read_at = memory, at
+            scrape = Scrape((await client.get("/metrics")).text)
+            assert scrape.value("trio_mlx_requests_in_engine", model="alpha", stage="decode") == 1
+            assert scrape.value("trio_mlx_requests_in_engine", model="beta", stage="decode") == 0
+            assert scrape.value("trio_mlx_active_sequences", model="alpha") == 1
+            assert scrape.value("trio_mlx_queue_depth", model="alpha") == 0
+            assert scrape.value("trio_mlx_decode_steps_total", model="alpha") > 0
+            assert [labels for labels, _ in scrape.samples["trio_mlx_decode_step_last_seconds"]] == [
+                {"model": "alpha"}, {"model": "beta"}]  # the fake reports no step times: the series only
+            assert scrape.value("trio_mlx_engine_requests_finished_total", model="beta") == 1
+            assert scrape.value("trio_mlx_engine_generated_tokens_total", model="beta") == 3
+            assert scrape.value("trio_mlx_aborts_by_cause_total", model="beta", cause="disconnect") == 0
+            assert ({"model": "gamma"}, 0.0) not in scrape.samples["trio_mlx_queue_depth"]  # not loaded
+            assert scrape.value("trio_mlx_mlx_active_memory_bytes") == 200
+            assert scrape.value("trio_mlx_mlx_cache_memory_bytes") == 9
+            assert scrape.value("trio_mlx_mlx_peak_memory_bytes") == 500
+            assert scrape.value("trio_mlx_engine_state", state="ready") == 1
+            await done.wait()
+
+
 def test_the_settings_of_several_models(folder):
     args = build_parser().parse_args(["--models", str(folder), "--max-loaded-models", "2"])
     settings = settings_from_args(args)
