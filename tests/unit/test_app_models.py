@@ -215,6 +215,23 @@ async def test_metrics_give_each_loaded_model_s_engine_figures_by_model(folder):
             await done.wait()
 
 
+async def test_names_it_does_not_serve_are_404s_that_load_nothing_and_leave_no_series(folder):
+    async with serve_models(folder) as (app, client):
+        before = (await client.get("/metrics")).text
+        bad = [f"nope-{i}" for i in range(40)] + ["../alpha", str(folder / "alpha"), "alpha/..", "/etc/passwd",
+                                                   "alpha:lora", "%2e%2e", ""]
+        for name in bad:
+            assert_error(await client.post(CHAT, json=chat_body(model=name)), 404, code="model_not_found")
+            r = await client.post(MESSAGES, json={"model": name, "max_tokens": 2,
+                                                  "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 404 and r.json()["type"] == "error", r.text
+        assert (await client.get("/v1/models/..%2Falpha")).status_code == 404
+        assert [s.loads for s in app.pool.status()] == [0, 0, 0]
+        after = (await client.get("/metrics")).text
+        assert not any(f'"{name}"' in after for name in bad if name)  # no series named after a request
+        assert len(after.splitlines()) - len(before.splitlines()) < 20  # the 404s' own counters only
+
+
 def test_the_settings_of_several_models(folder):
     args = build_parser().parse_args(["--models", str(folder), "--max-loaded-models", "2"])
     settings = settings_from_args(args)

@@ -16,7 +16,10 @@ requests, and those that come while its work ends, fail with `ModelLoadTimeoutEr
 with Retry-After); the model stops counting against the bounds and its load is cancelled.
 Work that cannot be interrupted (a download in a worker thread, the weights' load on the
 GPU thread) ends when it returns; only then may the model be loaded again, so loads of a
-model that hangs never pile up.
+model that hangs never pile up. A model whose load failed is not loaded again for
+`retry_after` seconds: its requests meanwhile get the same error, so a client that retries
+at once does not keep the GPU thread (and every other model's steps) in loads that fail.
+Only the listed models exist: a request's name is a key of that table, never a path.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ class _Slot:
     pins: int = 0  # requests being admitted to it (or waiting for its load)
     last_used: float = float("-inf")
     error: BaseException | None = None  # why its last load failed
+    failed_at: float = float("-inf")  # trio time its last load failed
     loads: int = 0
     nbytes: int | None = None  # its weights' bytes (`weight_bytes`), once a byte bound needed them
     expired: bool = False  # its load ran past the time bound: "unloading" until the load's work ends
@@ -230,6 +234,9 @@ class ModelPool:
             if slot.state == "unloaded":
                 if slot.error is not None and waited_load:
                     raise slot.error  # the load this request waited for failed
+                if slot.error is not None and trio.current_time() - slot.failed_at < self.retry_after:
+                    raise slot.error  # it failed just now: no load again yet (a client that
+                    # retries at once would otherwise hold the GPU thread in loads that fail)
                 await self._load(slot)
                 continue
             if slot.expired and slot.error is not None:
@@ -345,6 +352,8 @@ class ModelPool:
             log.error("the model %r could not be loaded: %s", slot.name, exc)
         finally:
             deadline.cancel()
+            if slot.error is not None and slot.state != "loaded":
+                slot.failed_at = trio.current_time()
             slot.engine = None
             slot.expired = False
             if slot.state != "unloaded":
