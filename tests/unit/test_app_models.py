@@ -1,11 +1,14 @@
 """A server of several models (`--models`), over `FakeActor`: /v1/models lists them, a request
-names one (or an alias of one) and is answered by it, and a model that cannot be loaded because
-every loaded one is busy is a 503 with Retry-After in each API's error shape. The pool's own
+names one (or an alias of one, or one of its adapters as MODEL:NAME) and is answered by it, a
+model that cannot be loaded because every loaded one is busy, or whose load outlasts
+startup_timeout, is a 503 with Retry-After in each API's error shape, names it does not serve
+load nothing, and /metrics gives each loaded model's engine figures by model. The pool's own
 rules: tests/unit/test_model_pool.py; real models: tests/integration/test_model_pool.py; the
 server as a process: tests/system/test_app_models.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
@@ -230,6 +233,66 @@ async def test_names_it_does_not_serve_are_404s_that_load_nothing_and_leave_no_s
         after = (await client.get("/metrics")).text
         assert not any(f'"{name}"' in after for name in bad if name)  # no series named after a request
         assert len(after.splitlines()) - len(before.splitlines()) < 20  # the 404s' own counters only
+
+
+def _adapter_dir(where) -> str:
+    """A directory that passes the engine's cheap check (`models.check_adapter`); the fake actor
+    never reads its weights."""
+    where.mkdir(parents=True)
+    (where / "adapters.safetensors").write_bytes(b"")
+    (where / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 1, "lora_parameters": {"rank": 4, "scale": 1.0, "dropout": 0.0}}))
+    return str(where)
+
+
+async def test_each_model_has_its_own_named_adapters_picked_as_model_colon_name(folder, tmp_path):
+    sql_a, sql_b = _adapter_dir(tmp_path / "a-sql"), _adapter_dir(tmp_path / "b-sql")
+    adapters = (f"alpha:sql={sql_a}", f"beta:sql={sql_b}", f"gamma:bad={tmp_path / 'missing'}")
+    async with serve_models(folder, max_loaded_models=3, model_adapters=adapters,
+                            model_aliases=("claude-*=beta:sql",)) as (app, client):
+        data = (await client.get("/v1/models")).json()["data"]
+        assert [m["id"] for m in data] == ["alpha", "alpha:sql", "beta", "beta:sql", "gamma", "gamma:bad"]
+        assert data[1]["parent"] == "alpha" and data[1]["root"] == sql_a and data[1]["loaded"] is False
+        r = await client.post(CHAT, json=chat_body(model="alpha:sql", max_tokens=2))
+        assert r.status_code == 200 and r.json()["model"] == "alpha:sql", r.text
+        card = (await client.get("/v1/models/alpha:sql")).json()
+        assert card["loaded"] is True and card["parent"] == "alpha" and card["root"] == sql_a
+        assert app.pool.engine("alpha").adapters == ("sql",)  # alpha loaded with its own adapter
+        r = await client.post(MESSAGES, json={"model": "claude-3", "max_tokens": 2,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["model"] == "beta:sql", r.text
+        r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))
+        assert r.status_code == 200 and r.json()["model"] == "beta", r.text
+        for name in ("sql", "gamma:sql", "alpha:bad", "alpha:"):  # an adapter is its model's only
+            err = assert_error(await client.post(CHAT, json=chat_body(model=name)), 404, code="model_not_found")
+            assert "the adapters 'alpha:sql', 'beta:sql', 'gamma:bad'" in err["message"], err
+        # an adapter that cannot be found fails its model's load, naming it
+        err = assert_error(await client.post(CHAT, json=chat_body(model="gamma", max_tokens=2)), 500,
+                           code="model_load_failed")
+        assert "adapter 'bad'" in err["message"]
+        info = (await client.get("/server_info")).json()
+        assert info["adapters"] == {"alpha:sql": sql_a, "beta:sql": sql_b, "gamma:bad": str(tmp_path / "missing")}
+
+
+def test_adapters_of_several_models_are_checked_at_startup(folder):
+    with pytest.raises(ValueError, match="model_adapters needs models"):
+        Settings.from_env({}, model_adapters=("alpha:sql=/x",))
+    with pytest.raises(ValueError, match="which models does not list"):
+        Settings.from_env({}, models=(str(folder),), model_adapters=("delta:sql=/x",))
+    with pytest.raises(ValueError, match="each entry is MODEL:NAME=PATH"):
+        Settings.from_env({}, models=(str(folder),), model_adapters=("sql=/x",))
+    with pytest.raises(ValueError, match="alpha:sql is given twice"):
+        Settings.from_env({}, models=(str(folder),), model_adapters=("alpha:sql=/x", "alpha:sql=/y"))
+    with pytest.raises(ValueError, match="model_adapters of 'alpha': adapters: the name 'a b' must be"):
+        Settings.from_env({}, models=(str(folder),), model_adapters=("alpha:a b=/x",))
+    with pytest.raises(ValueError, match=r"unset adapters \(adapters over one of them: model_adapter"):
+        Settings.from_env({}, models=(str(folder),), adapters=("sql=/x",))
+    args = build_parser().parse_args(["--models", str(folder), "--model-adapter", "alpha:sql=/x",
+                                      "--model-adapter", "beta:sql=/y"])
+    settings = settings_from_args(args)
+    assert settings.model_adapter_map == {"alpha": {"sql": "/x"}, "beta": {"sql": "/y"}}
+    assert settings.model_tuning("alpha").adapter_map == {"sql": "/x"} and settings.model_tuning("gamma").adapters == ()
+    assert settings.serves("beta:sql") == "sql" and settings.serves("gamma:sql") is False
 
 
 def test_the_settings_of_several_models(folder):

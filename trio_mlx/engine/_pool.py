@@ -135,10 +135,13 @@ class ModelPool:
 
     def __init__(self, models: Mapping[str, str | os.PathLike[str]], *, max_loaded: int = 1,
                  max_bytes: int = 0, retry_after: float = 5.0, load_timeout: float | None = None,
-                 engine_options: Mapping[str, Any] | None = None, make_actor: Callable[..., Any] | None = None):
+                 engine_options: Mapping[str, Any] | None = None,
+                 model_options: Mapping[str, Mapping[str, Any]] | None = None,
+                 make_actor: Callable[..., Any] | None = None):
         """`max_bytes`: the most weight bytes loaded at once (`weight_bytes`; 0: no bound but
         `max_loaded`); `load_timeout`: the seconds one load may take (None: no bound); `engine_options`: every model's `Engine` keywords (its tuning,
-        max_queue, ...); `make_actor(config, link)`: the actors the host runs (`Actor` when None)."""
+        max_queue, ...); `model_options`: by model name, the keywords of that model's engine that differ
+        (its tuning with its own adapters); `make_actor(config, link)`: the actors the host runs (`Actor` when None)."""
         if not models:
             raise ValueError("a model pool needs at least one model")
         if max_loaded < 1:
@@ -154,6 +157,7 @@ class ModelPool:
         self.retry_after = retry_after
         self._options = dict(engine_options or {})
         self._options.pop("actor", None)
+        self._model_options = {name: dict(options) for name, options in (model_options or {}).items()}
         from ..actor._host import ActorHost  # no MLX: the host imports the actor on first use
 
         # Each model's prompt cache takes its part of the default bound: the loaded models'
@@ -314,7 +318,7 @@ class ModelPool:
     async def _life(self, slot: _Slot) -> None:
         """One load of the model: its engine's run, from loading to its close; `slot.error`
         says why, when the load failed."""
-        engine = Engine(slot.ref, actor=self.host, **self._options)
+        engine = Engine(slot.ref, actor=self.host, **{**self._options, **self._model_options.get(slot.name, {})})
         slot.engine = engine
         slot.expired = False
         t0 = trio.current_time()

@@ -122,9 +122,21 @@ def pool_card(app: RouteHost, name: str) -> dict[str, Any]:
             "sampling_defaults": dict(engine.sampling_defaults) if engine else None}
 
 
+def pool_adapter_card(app: RouteHost, model: str, name: str) -> dict[str, Any]:
+    """A named adapter over a model of several (`--model-adapter`): id `MODEL:NAME`, `parent`
+    the model, `loaded` and `state` the model's (the adapter loads with it)."""
+    card = pool_card(app, model)
+    card.pop("sampling_defaults")
+    return {**card, "id": f"{model}:{name}", "root": app.settings.model_adapter_map[model][name], "parent": model}
+
+
 async def list_models(app: RouteHost) -> Response:
     if app.pool is not None:
-        return json_response({"object": "list", "data": [pool_card(app, name) for name in app.pool.names]})
+        cards = []
+        for model in app.pool.names:
+            cards.append(pool_card(app, model))
+            cards += [pool_adapter_card(app, model, a) for a in app.settings.model_adapter_map.get(model, {})]
+        return json_response({"object": "list", "data": cards})
     adapters = [adapter_card(app, name) for name in app.settings.tuning.adapter_map]
     return json_response({"object": "list", "data": [model_card(app), *adapters]})
 
@@ -132,7 +144,9 @@ async def list_models(app: RouteHost) -> Response:
 async def get_model(app: RouteHost, model_id: str) -> Response:
     adapter = pick_adapter(app.settings, model_id)  # 404 for a name the server does not serve
     if app.pool is not None:
-        return json_response(pool_card(app, pick_model(app.settings, model_id)))
+        model = pick_model(app.settings, model_id)
+        card = pool_card(app, model) if adapter is None else pool_adapter_card(app, model, adapter)
+        return json_response(card)
     return json_response(model_card(app) if adapter is None else adapter_card(app, adapter))
 
 
@@ -210,7 +224,8 @@ async def server_info(app: RouteHost) -> Response:
         "served_model_name": app.settings.served_model_name,
         "model_path": str(engine.model_path) if engine and engine.model_path else None,
         "adapter_path": app.settings.tuning.adapter_path,
-        "adapters": app.settings.tuning.adapter_map,  # the named ones: {name: directory}
+        "adapters": app.settings.tuning.adapter_map or {  # the named ones: {name: directory}
+            f"{m}:{a}": path for m, over in app.settings.model_adapter_map.items() for a, path in over.items()},
         "replica": app.settings.replica,
         "max_running_requests": app.settings.tuning.max_batch,
         "max_queued_requests": app.settings.max_queue,
