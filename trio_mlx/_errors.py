@@ -82,6 +82,11 @@ class ModelLoadTimeoutError(ModelLoadError):
         self.retry_after = retry_after
 
 
+class ModelBusyError(TrioMLXError):
+    """A model of several cannot be unloaded now: it has requests in flight or being admitted,
+    or it is loading or unloading."""
+
+
 class ModelCapacityError(TrioMLXError):
     """A model cannot be loaded now: as many models as allowed are loaded and none of them is
     idle, so none can be unloaded; retry after `retry_after` seconds."""

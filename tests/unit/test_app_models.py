@@ -235,6 +235,41 @@ async def test_names_it_does_not_serve_are_404s_that_load_nothing_and_leave_no_s
         assert len(after.splitlines()) - len(before.splitlines()) < 20  # the 404s' own counters only
 
 
+async def test_an_idle_model_is_unloaded_on_request_and_a_busy_one_is_a_409(folder, tmp_path):
+    sql = _adapter_dir(tmp_path / "sql")
+    async with serve_models(folder, max_loaded_models=2, step_seconds={"beta": 0.02},
+                            model_adapters=(f"alpha:sql={sql}",), model_aliases=("gpt-*=alpha",)) as (app, client):
+        r = await client.post("/v1/models/alpha/unload")
+        assert r.status_code == 200 and r.json()["unloaded"] is False, r.text  # not loaded: nothing to do
+        assert (await client.post(CHAT, json=chat_body(model="alpha", max_tokens=2))).status_code == 200
+        r = await client.post("/v1/models/gpt-4o/unload")  # an alias names its model
+        assert r.status_code == 200 and r.json() == {"id": "alpha", "object": "model", "unloaded": True,
+                                                     "state": "unloaded"}, r.text
+        assert {s.name: s.state for s in app.pool.status()}["alpha"] == "unloaded"
+        assert_error(await client.post("/v1/models/delta/unload"), 404, code="model_not_found")
+        assert_error(await client.post("/v1/models/alpha:sql/unload"), 400, code="invalid_value")
+        async with trio.open_nursery() as nursery:
+            done = trio.Event()
+
+            async def busy() -> None:  # beta decodes for a while: it is not idle
+                r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=100, ignore_eos=True))
+                assert r.status_code == 200, r.text
+                done.set()
+
+            nursery.start_soon(busy)
+            with trio.fail_after(10):
+                while app.pool.engine("beta") is None or app.pool.engine("beta").in_flight == 0:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            err = assert_error(await client.post("/v1/models/beta/unload"), 409, code="model_busy")
+            assert "'beta' is serving requests" in err["message"]
+            await done.wait()
+        assert {s.name: s.state for s in app.pool.status()}["beta"] == "loaded"
+        r = await client.post("/v1/models/beta/unload")  # idle now
+        assert r.status_code == 200 and r.json()["unloaded"] is True
+        r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))  # and it loads again
+        assert r.status_code == 200 and app.pool.status()[1].loads == 2
+
+
 def _adapter_dir(where) -> str:
     """A directory that passes the engine's cheap check (`models.check_adapter`); the fake actor
     never reads its weights."""

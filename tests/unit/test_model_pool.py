@@ -13,7 +13,12 @@ import pytest
 import trio
 
 import trio_mlx
-from trio_mlx._errors import ModelCapacityError, ModelLoadError, ModelLoadTimeoutError
+from trio_mlx._errors import (
+    ModelBusyError,
+    ModelCapacityError,
+    ModelLoadError,
+    ModelLoadTimeoutError,
+)
 from trio_mlx.actor import FakeActor
 from trio_mlx.engine import ModelPool, find_models
 from trio_mlx.engine._pool import weight_bytes
@@ -329,5 +334,33 @@ async def test_names_the_pool_does_not_list_load_nothing_and_reach_no_file(folde
                 assert caught.value.code == "model_not_found"
         assert actors.made == [] and pool.names == ("alpha",)
         assert [s.state for s in pool.status()] == ["unloaded"]
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_unload_takes_an_idle_model_only(folder):
+    actors = Actors(alpha={"load_seconds": 0.4})
+    pool = ModelPool(find_models([str(folder)]), make_actor=actors)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(20):
+            assert await pool.unload("alpha") is False  # not loaded
+            async with trio.open_nursery() as inner:
+                async def ask() -> None:
+                    async with pool.use("alpha") as engine:
+                        await answer(engine)
+
+                inner.start_soon(ask)
+                await trio.sleep(0.1)
+                with pytest.raises(ModelBusyError, match="'alpha' is loading"):
+                    await pool.unload("alpha")
+            async with pool.use("alpha"):  # admitted (pinned): not idle
+                with pytest.raises(ModelBusyError, match="serving requests"):
+                    await pool.unload("alpha")
+            assert await pool.unload("alpha") is True
+            assert [a for n, a in actors.made if n == "alpha"][0].stopped
+            with pytest.raises(trio_mlx.InvalidRequestError, match="does not exist"):
+                await pool.unload("../alpha")
+        assert {s.name: s.state for s in pool.status()}["alpha"] == "unloaded"
         await pool.aclose()
         nursery.cancel_scope.cancel()

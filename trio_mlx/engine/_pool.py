@@ -38,6 +38,7 @@ import trio
 from .._errors import (
     EngineClosedError,
     InvalidRequestError,
+    ModelBusyError,
     ModelCapacityError,
     ModelLoadError,
     ModelLoadTimeoutError,
@@ -205,6 +206,24 @@ class ModelPool:
             for slot in self._slots.values():
                 if slot.engine is not None:
                     nursery.start_soon(partial(slot.engine.aclose, drain_timeout=drain_timeout))
+
+    async def unload(self, name: str) -> bool:
+        """Unload the model now, if it is idle (`ModelBusyError` when it is not: requests in
+        flight or being admitted, loading, unloading); False when it was not loaded. A later
+        request loads it again. No lock: between the idle check and the state's change nothing
+        awaits, so a load making room cannot pick it meanwhile."""
+        slot = self._slots.get(name)
+        if slot is None:
+            raise InvalidRequestError(f"the model {name!r} does not exist", param="model", code="model_not_found")
+        if slot.state == "unloaded":
+            return False
+        if not slot.idle:
+            doing = ("serving requests" if slot.state == "loaded" else slot.state)
+            raise ModelBusyError(f"the model {name!r} is {doing}: only an idle model is unloaded")
+        log.info("unloading the model %r (asked for)", name)
+        with trio.CancelScope(shield=True):  # a client that leaves does not leave it half unloaded
+            await self._unload(slot)
+        return True
 
     # -- requests --------------------------------------------------------------
 

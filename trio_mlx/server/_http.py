@@ -21,6 +21,7 @@ from .._errors import (
     EngineBrokenError,
     EngineClosedError,
     InvalidRequestError,
+    ModelBusyError,
     ModelCapacityError,
     ModelLoadError,
     ModelLoadTimeoutError,
@@ -95,6 +96,8 @@ def error_from_exception(exc: BaseException) -> HTTPError:
         retry = str(max(1, round(exc.retry_after)))
         return HTTPError(503, str(exc), type="server_error", code="model_capacity",
                          headers=[("Retry-After", retry)])
+    if isinstance(exc, ModelBusyError):  # an unload asked of a model that serves (`engine/_pool.py`)
+        return HTTPError(409, str(exc), code="model_busy")
     if isinstance(exc, ModelLoadTimeoutError):  # a load on demand past startup_timeout (`engine/_pool.py`):
         # 503, not 500: the server is sound and the model may load on a later try (a slow download,
         # the GPU thread busy), and the SDKs that retry 503s then retry after Retry-After

@@ -335,6 +335,11 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                             "response.created ... response.completed or response.incomplete"),
     "/v1/models": _get(ModelList, 401),
     "/v1/models/<path:model_id>": _get(ModelCard, 401, 404),
+    "/v1/models/<path:model_id>/unload": {"responses": {
+        "200": {"description": "unloaded (`unloaded`: false when it was not loaded)",
+                "content": {"application/json": {"schema": {"type": "object"}}}},
+        **_errors(400, 401, 404), "409": {"description": "the model serves requests, loads or unloads",
+                                          "content": _json(ErrorResponse)}}},
     "/health": _PROBE,
     "/ready": _PROBE,
     "/health/ready": _PROBE,

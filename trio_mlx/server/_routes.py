@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 from quart import Response, request
 
+from .._errors import TrioMLXError
 from . import _pages
 from ._adapters import pick_adapter, pick_model
-from ._http import dumps
+from ._http import HTTPError, dumps, error_from_exception
 from ._records import CHAT_PATH, COMPLETIONS_PATH, ServerHost
 from ._wire import WireAPI, serve_api
 from .anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH, CountTokensAPI, MessagesAPI
@@ -139,6 +140,24 @@ async def list_models(app: RouteHost) -> Response:
         return json_response({"object": "list", "data": cards})
     adapters = [adapter_card(app, name) for name in app.settings.tuning.adapter_map]
     return json_response({"object": "list", "data": [model_card(app), *adapters]})
+
+
+async def unload_model(app: RouteHost, model_id: str) -> Response:
+    """With `--models`: unload the model now if it is idle (409 `model_busy` when it serves,
+    loads or unloads); a later request loads it again. An adapter loads and unloads with its model."""
+    adapter = pick_adapter(app.settings, model_id)  # 404 for a name the server does not serve
+    if app.pool is None:
+        raise HTTPError(400, "this server serves one model, loaded for its whole life; unloading is for "
+                        "a server of several models (--models)", code="not_supported")
+    model = pick_model(app.settings, model_id)
+    if adapter is not None:
+        raise HTTPError(400, f"{model_id!r} is an adapter: it loads and unloads with its model; unload "
+                        f"{model!r}", param="model", code="invalid_value")
+    try:
+        unloaded = await app.pool.unload(model)
+    except TrioMLXError as exc:
+        raise error_from_exception(exc) from None
+    return json_response({"id": model, "object": "model", "unloaded": unloaded, "state": "unloaded"})
 
 
 async def get_model(app: RouteHost, model_id: str) -> Response:
@@ -313,6 +332,8 @@ ROUTES: tuple[Route, ...] = (
     wire(RESPONSES_PATH, ResponsesAPI(), "OpenAI's Responses API (stateless)"),
     Route("/v1/models", GET, list_models, "The served model"),
     Route("/v1/models/<path:model_id>", GET, get_model, "One model", listed=False),
+    Route("/v1/models/<path:model_id>/unload", POST, unload_model, "Unload an idle model now (--models)",
+          listed=False),
     Route("/health", GET, health, "Liveness: the GPU actor is alive and stepping or idle"),
     Route("/ready", GET, ready, "Readiness: the model is loaded and warm, not draining"),
     Route("/health/ready", GET, ready, "Readiness (alias of /ready)", listed=False),
