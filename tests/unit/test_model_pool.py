@@ -255,7 +255,7 @@ async def test_a_request_that_leaves_during_the_load_does_not_cancel_it(folder):
 
 
 async def test_a_load_past_its_time_bound_fails_its_requests_and_ends_before_another(folder):
-    actors = Actors(alpha={"load_seconds": 1.0})  # "hangs": longer than the bound
+    actors = Actors(alpha={"load_seconds": 1.5})  # "hangs": longer than the bound
     pool = ModelPool(find_models([str(folder)]), max_loaded=1, make_actor=actors, load_timeout=0.3, retry_after=0.5)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
@@ -273,7 +273,7 @@ async def test_a_load_past_its_time_bound_fails_its_requests_and_ends_before_ano
                 inner.start_soon(ask)
                 await trio.sleep(0.1)
                 inner.start_soon(ask)  # one waiting for the same load fails with it
-            assert len(failed) == 2 and all(t - t0 < 0.8 for t, _ in failed)  # at the bound, not the load's end
+            assert len(failed) == 2 and all(t - t0 < 1.2 for t, _ in failed)  # at the bound, not the load's end
             assert "did not load within 0.3 s (startup_timeout)" in str(failed[0][1])
             assert failed[0][1].retry_after == 0.5
             # its work still ends (the GPU thread is in the weights' load): a request now fails at

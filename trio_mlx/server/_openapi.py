@@ -180,7 +180,7 @@ class ModelCard(_Doc):
     root: str | None = Field(None, description="the model directory the server loaded; for a named LoRA "
                              "adapter, its directory")
     parent: str | None = Field(None, description="a named LoRA adapter's: the served model it adapts (a request "
-                               "names the adapter as its model: NAME or PARENT:NAME); absent for the model")
+                               "names the adapter as its model: NAME or PARENT:NAME, with --models PARENT:NAME only); absent for the model")
     adapter: str | None = Field(None, description="the LoRA adapter directory applied over it (adapter_path), "
                                 "or null")
     sampling_defaults: dict[str, float] | None = Field(
