@@ -73,6 +73,20 @@ class EngineRestartingError(EngineClosedError):
     """The GPU actor died and a new one is starting; retry shortly."""
 
 
+class ModelLoadTimeoutError(ModelLoadError):
+    """A model of several, loaded on demand, did not load within its time bound: its requests
+    fail with this; retry after `retry_after` seconds (the load's own work may still be ending)."""
+
+    def __init__(self, message: str, *, retry_after: float = 5.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ModelBusyError(TrioMLXError):
+    """A model of several cannot be unloaded now: it has requests in flight or being admitted,
+    or it is loading or unloading."""
+
+
 class ModelCapacityError(TrioMLXError):
     """A model cannot be loaded now: as many models as allowed are loaded and none of them is
     idle, so none can be unloaded; retry after `retry_after` seconds."""

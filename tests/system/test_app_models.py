@@ -1,11 +1,12 @@
 """`trio-mlx serve --models DIR` as a process: models load as requests name them, one unloaded
-for another under `--max-loaded-models`, and SIGTERM drains the loaded ones, refuses the rest
+for another under `--max-loaded-models` (or on request), /metrics by model, and SIGTERM drains the loaded ones, refuses the rest
 (no model loads during a drain) and exits 0. The HTTP layer over the fake actor:
 tests/unit/test_app_models.py; the pool itself: tests/unit/test_model_pool.py and
 tests/integration/test_model_pool.py."""
 
 from __future__ import annotations
 
+import re
 import signal
 
 import httpx
@@ -33,6 +34,15 @@ async def test_a_folder_of_models_served_loaded_on_demand_and_drained(tmp_path):
                 assert r.status_code == 200 and r.json()["model"] == name, r.text
             models = (await client.get("/health")).json()["models"]
             assert models == {"one": {"state": "unloaded", "in_flight": 0}, "two": {"state": "loaded", "in_flight": 0}}
+            metrics = (await client.get("/metrics")).text  # the real actor's figures, by model
+            assert 'trio_mlx_engine_generated_tokens_total{model="two"} 4.0' in metrics, metrics
+            assert 'trio_mlx_queue_depth{model="two"} 0.0' in metrics
+            assert 'trio_mlx_queue_depth{model="one"}' not in metrics  # unloaded: no series
+            r = await client.post("/v1/models/two/unload")  # idle: unloaded now, and loaded again on demand
+            assert r.status_code == 200 and r.json()["unloaded"] is True, r.text
+            assert (await client.get("/health")).json()["models"]["two"]["state"] == "unloaded"
+            r = await client.post("/v1/chat/completions", json={"model": "two", "messages": msgs, "max_tokens": 2})
+            assert r.status_code == 200, r.text
             done = trio.Event()
             out: dict = {}
 
@@ -58,6 +68,7 @@ async def test_a_folder_of_models_served_loaded_on_demand_and_drained(tmp_path):
             with trio.fail_after(20):
                 rc = await p.proc.wait()
         assert rc == 0, p.text[-3000:]
-        assert "loading the model 'one'" in p.text and p.text.count("loading the model 'two'") == 1
+        assert "loading the model 'one'" in p.text and len(re.findall(r"(?<!un)loading the model 'two'", p.text)) == 2
+        assert "unloading the model 'two' (asked for)" in p.text
         assert "unloading the model 'one' (least recently used, idle) to load 'two'" in p.text
         nursery.cancel_scope.cancel()

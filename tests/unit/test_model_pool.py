@@ -13,7 +13,12 @@ import pytest
 import trio
 
 import trio_mlx
-from trio_mlx._errors import ModelCapacityError, ModelLoadError
+from trio_mlx._errors import (
+    ModelBusyError,
+    ModelCapacityError,
+    ModelLoadError,
+    ModelLoadTimeoutError,
+)
 from trio_mlx.actor import FakeActor
 from trio_mlx.engine import ModelPool, find_models
 from trio_mlx.engine._pool import weight_bytes
@@ -245,5 +250,117 @@ async def test_a_request_that_leaves_during_the_load_does_not_cancel_it(folder):
                     await ask()
                 inner.start_soon(ask)
         assert results == [SCRIPTS["alpha"]] and actors.loads("alpha") == 1
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_load_past_its_time_bound_fails_its_requests_and_ends_before_another(folder):
+    actors = Actors(alpha={"load_seconds": 1.5})  # "hangs": longer than the bound
+    pool = ModelPool(find_models([str(folder)]), max_loaded=1, make_actor=actors, load_timeout=0.3, retry_after=0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        failed: list[tuple[float, ModelLoadTimeoutError]] = []
+
+        async def ask() -> None:
+            with pytest.raises(ModelLoadTimeoutError) as caught:
+                async with pool.use("alpha"):
+                    pass
+            failed.append((trio.current_time(), caught.value))
+
+        with trio.fail_after(20):
+            t0 = trio.current_time()
+            async with trio.open_nursery() as inner:
+                inner.start_soon(ask)
+                await trio.sleep(0.1)
+                inner.start_soon(ask)  # one waiting for the same load fails with it
+            assert len(failed) == 2 and all(t - t0 < 1.2 for t, _ in failed)  # at the bound, not the load's end
+            assert "did not load within 0.3 s (startup_timeout)" in str(failed[0][1])
+            assert failed[0][1].retry_after == 0.5
+            # its work still ends (the GPU thread is in the weights' load): a request now fails at
+            # once, and no second load starts beside the first
+            assert {s.name: s.state for s in pool.status()}["alpha"] == "unloading"
+            await ask()
+            assert actors.loads("alpha") == 1
+            while {s.name: s.state for s in pool.status()}["alpha"] != "unloaded":  # noqa: ASYNC110
+                await trio.sleep(0.02)
+            assert [a for n, a in actors.made if n == "alpha"][0].stopped  # freed on the host
+            await ask()  # and for retry_after after its end, a request fails without a load
+            assert actors.loads("alpha") == 1
+            await trio.sleep(0.5)
+            actors.options["alpha"] = {}  # the next load is quick: the model serves again
+            async with pool.use("alpha") as engine:
+                assert await answer(engine) == SCRIPTS["alpha"]
+        assert actors.loads("alpha") == 2
+        with pytest.raises(ValueError, match="load_timeout"):
+            ModelPool({"a": "a"}, load_timeout=0)
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_model_whose_load_failed_is_not_loaded_again_for_retry_after(folder):
+    """A client that retries a broken model at once does not hold the GPU thread in loads."""
+    actors = Actors(beta={"load_seconds": -1})  # FakeActor sleeps: a negative time raises
+    pool = ModelPool(find_models([str(folder)]), max_loaded=2, make_actor=actors, retry_after=0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(20):
+            for _ in range(20):
+                with pytest.raises(ModelLoadError, match="ValueError") as caught:
+                    async with pool.use("beta"):
+                        pass
+            assert actors.loads("beta") == 1 and not isinstance(caught.value, ModelLoadTimeoutError)
+            await trio.sleep(0.5)
+            with pytest.raises(ModelLoadError):
+                async with pool.use("beta"):
+                    pass
+            assert actors.loads("beta") == 2  # tried again once retry_after passed
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_names_the_pool_does_not_list_load_nothing_and_reach_no_file(folder):
+    """Hostile names: only the listed models are ever loaded; a name is a key, never a path."""
+    actors = Actors()
+    (folder / "notes" / "config.json").write_text("{}")  # a model folder the pool was not given
+    pool = ModelPool(find_models([str(folder / "alpha")]), make_actor=actors)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(20):
+            for name in ("beta", "../beta", str(folder / "beta"), "notes", "../notes", "alpha/../beta",
+                         "/etc", "", "alpha/", "ALPHA", "alpha\x00"):
+                with pytest.raises(trio_mlx.InvalidRequestError, match="does not exist") as caught:
+                    async with pool.use(name):
+                        pass
+                assert caught.value.code == "model_not_found"
+        assert actors.made == [] and pool.names == ("alpha",)
+        assert [s.state for s in pool.status()] == ["unloaded"]
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_unload_takes_an_idle_model_only(folder):
+    actors = Actors(alpha={"load_seconds": 0.4})
+    pool = ModelPool(find_models([str(folder)]), make_actor=actors)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with trio.fail_after(20):
+            assert await pool.unload("alpha") is False  # not loaded
+            async with trio.open_nursery() as inner:
+                async def ask() -> None:
+                    async with pool.use("alpha") as engine:
+                        await answer(engine)
+
+                inner.start_soon(ask)
+                await trio.sleep(0.1)
+                with pytest.raises(ModelBusyError, match="'alpha' is loading"):
+                    await pool.unload("alpha")
+            async with pool.use("alpha"):  # admitted (pinned): not idle
+                with pytest.raises(ModelBusyError, match="serving requests"):
+                    await pool.unload("alpha")
+            assert await pool.unload("alpha") is True
+            assert [a for n, a in actors.made if n == "alpha"][0].stopped
+            with pytest.raises(trio_mlx.InvalidRequestError, match="does not exist"):
+                await pool.unload("../alpha")
+        assert {s.name: s.state for s in pool.status()}["alpha"] == "unloaded"
         await pool.aclose()
         nursery.cancel_scope.cancel()

@@ -12,6 +12,7 @@ prompts), which imports only public names of the runtime.
 """
 
 from .._errors import ModelCapacityError as ModelCapacityError
+from .._errors import ModelLoadTimeoutError as ModelLoadTimeoutError
 from .._heap import freeze as freeze_heap  # noqa: F401  (a re-export under a public name: see above)
 from ..actor import ActorTuning as ActorTuning
 from ._engine import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS

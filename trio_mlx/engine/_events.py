@@ -128,6 +128,7 @@ class EngineStatistics:
     active_memory_bytes: int = 0
     peak_memory_bytes: int = 0
     cache_memory_bytes: int = 0  # freed MLX buffers kept for reuse: resident, but not a leak
+    memory_read_at: float = float("-inf")  # trio time the actor read the three figures above
     seconds_since_step: float | None = None
     # The actor's prompt cache: lookups made, hits, prompt tokens served from it, entries
     # evicted, bytes and entries held now.

@@ -10,6 +10,16 @@ model folders' files hold them, `weight_bytes`); to load one more, the pool unlo
 recently used idle model (no request in flight, none being admitted), and when every loaded model is busy it
 refuses with `ModelCapacityError` (the server's 503 with Retry-After) rather than wait.
 An unloaded model's actor frees its arrays on the GPU thread (`Actor.stop`).
+
+A load has a time bound (`load_timeout`, the server's startup_timeout): past it, the load's
+requests, and those that come while its work ends, fail with `ModelLoadTimeoutError` (503
+with Retry-After); the model stops counting against the bounds and its load is cancelled.
+Work that cannot be interrupted (a download in a worker thread, the weights' load on the
+GPU thread) ends when it returns; only then may the model be loaded again, so loads of a
+model that hangs never pile up. A model whose load failed is not loaded again for
+`retry_after` seconds: its requests meanwhile get the same error, so a client that retries
+at once does not keep the GPU thread (and every other model's steps) in loads that fail.
+Only the listed models exist: a request's name is a key of that table, never a path.
 """
 
 from __future__ import annotations
@@ -25,7 +35,14 @@ from typing import Any, Literal
 
 import trio
 
-from .._errors import EngineClosedError, InvalidRequestError, ModelCapacityError, ModelLoadError
+from .._errors import (
+    EngineClosedError,
+    InvalidRequestError,
+    ModelBusyError,
+    ModelCapacityError,
+    ModelLoadError,
+    ModelLoadTimeoutError,
+)
 from ._engine import Engine, gpu_limiter
 
 log = logging.getLogger("trio_mlx.engine")
@@ -87,8 +104,10 @@ class _Slot:
     pins: int = 0  # requests being admitted to it (or waiting for its load)
     last_used: float = float("-inf")
     error: BaseException | None = None  # why its last load failed
+    failed_at: float = float("-inf")  # trio time its last load failed
     loads: int = 0
     nbytes: int | None = None  # its weights' bytes (`weight_bytes`), once a byte bound needed them
+    expired: bool = False  # its load ran past the time bound: "unloading" until the load's work ends
 
     def set_state(self, state: State) -> None:
         self.state = state
@@ -116,23 +135,30 @@ class ModelPool:
     at most `max_loaded` at once. Start `run` in a nursery; `use(name)` for each request."""
 
     def __init__(self, models: Mapping[str, str | os.PathLike[str]], *, max_loaded: int = 1,
-                 max_bytes: int = 0, retry_after: float = 5.0, engine_options: Mapping[str, Any] | None = None,
+                 max_bytes: int = 0, retry_after: float = 5.0, load_timeout: float | None = None,
+                 engine_options: Mapping[str, Any] | None = None,
+                 model_options: Mapping[str, Mapping[str, Any]] | None = None,
                  make_actor: Callable[..., Any] | None = None):
         """`max_bytes`: the most weight bytes loaded at once (`weight_bytes`; 0: no bound but
-        `max_loaded`); `engine_options`: every model's `Engine` keywords (its tuning,
-        max_queue, ...); `make_actor(config, link)`: the actors the host runs (`Actor` when None)."""
+        `max_loaded`); `load_timeout`: the seconds one load may take (None: no bound); `engine_options`: every model's `Engine` keywords (its tuning,
+        max_queue, ...); `model_options`: by model name, the keywords of that model's engine that differ
+        (its tuning with its own adapters); `make_actor(config, link)`: the actors the host runs (`Actor` when None)."""
         if not models:
             raise ValueError("a model pool needs at least one model")
         if max_loaded < 1:
             raise ValueError(f"max_loaded must be >= 1, got {max_loaded!r}")
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes!r}")
+        if load_timeout is not None and not load_timeout > 0:
+            raise ValueError(f"load_timeout must be > 0 or None, got {load_timeout!r}")
+        self.load_timeout = load_timeout
         self._slots = {name: _Slot(name, str(ref)) for name, ref in models.items()}
         self.max_loaded = max_loaded
         self.max_bytes = max_bytes
         self.retry_after = retry_after
         self._options = dict(engine_options or {})
         self._options.pop("actor", None)
+        self._model_options = {name: dict(options) for name, options in (model_options or {}).items()}
         from ..actor._host import ActorHost  # no MLX: the host imports the actor on first use
 
         # Each model's prompt cache takes its part of the default bound: the loaded models'
@@ -181,6 +207,24 @@ class ModelPool:
                 if slot.engine is not None:
                     nursery.start_soon(partial(slot.engine.aclose, drain_timeout=drain_timeout))
 
+    async def unload(self, name: str) -> bool:
+        """Unload the model now, if it is idle (`ModelBusyError` when it is not: requests in
+        flight or being admitted, loading, unloading); False when it was not loaded. A later
+        request loads it again. No lock: between the idle check and the state's change nothing
+        awaits, so a load making room cannot pick it meanwhile."""
+        slot = self._slots.get(name)
+        if slot is None:
+            raise InvalidRequestError(f"the model {name!r} does not exist", param="model", code="model_not_found")
+        if slot.state == "unloaded":
+            return False
+        if not slot.idle:
+            doing = ("serving requests" if slot.state == "loaded" else slot.state)
+            raise ModelBusyError(f"the model {name!r} is {doing}: only an idle model is unloaded")
+        log.info("unloading the model %r (asked for)", name)
+        with trio.CancelScope(shield=True):  # a client that leaves does not leave it half unloaded
+            await self._unload(slot)
+        return True
+
     # -- requests --------------------------------------------------------------
 
     @asynccontextmanager
@@ -188,8 +232,8 @@ class ModelPool:
         """The model's engine, loaded if need be (a request meanwhile waits for the same load).
         While the block runs, the model is not unloaded; enter the request's stream inside it
         (the engine then counts it in flight). Raises `ModelCapacityError` when the model
-        cannot be loaded because every loaded model is busy, `ModelLoadError` when it fails,
-        `EngineClosedError` once the pool closes."""
+        cannot be loaded because every loaded model is busy, `ModelLoadError` when it fails
+        (`ModelLoadTimeoutError` past `load_timeout`), `EngineClosedError` once the pool closes."""
         slot = self._slots.get(name)
         if slot is None:
             raise InvalidRequestError(f"the model {name!r} does not exist", param="model", code="model_not_found")
@@ -213,8 +257,13 @@ class ModelPool:
             if slot.state == "unloaded":
                 if slot.error is not None and waited_load:
                     raise slot.error  # the load this request waited for failed
+                if slot.error is not None and trio.current_time() - slot.failed_at < self.retry_after:
+                    raise slot.error  # it failed just now: no load again yet (a client that
+                    # retries at once would otherwise hold the GPU thread in loads that fail)
                 await self._load(slot)
                 continue
+            if slot.expired and slot.error is not None:
+                raise slot.error  # its load ran out of time and its work is still ending
             waited_load = waited_load or slot.state == "loading"
             # loading or unloading: wait for the change, saying so now and then
             changed = slot.changed
@@ -288,21 +337,47 @@ class ModelPool:
     async def _life(self, slot: _Slot) -> None:
         """One load of the model: its engine's run, from loading to its close; `slot.error`
         says why, when the load failed."""
-        engine = Engine(slot.ref, actor=self.host, **self._options)
+        engine = Engine(slot.ref, actor=self.host, **{**self._options, **self._model_options.get(slot.name, {})})
         slot.engine = engine
+        slot.expired = False
         t0 = trio.current_time()
+        deadline = trio.CancelScope()  # the load's time bound, cancelled once it is loaded
+        load = trio.CancelScope()  # the engine's run, cancelled when the bound passes
 
         class Started:
             def started(self, value: Any = None) -> None:
-                log.info("the model %r is loaded (%.2f s)", slot.name, trio.current_time() - t0)
-                slot.set_state("loaded")
+                deadline.cancel()
+                if slot.state == "loading":
+                    log.info("the model %r is loaded (%.2f s)", slot.name, trio.current_time() - t0)
+                    slot.set_state("loaded")
 
+        async def bound(seconds: float) -> None:
+            with deadline:
+                await trio.sleep(seconds)
+                if slot.state != "loading" or slot.engine is not engine:
+                    return
+                slot.error = ModelLoadTimeoutError(
+                    f"the model {slot.name!r} did not load within {seconds:g} s (startup_timeout); "
+                    "its load is cancelled", retry_after=self.retry_after)
+                log.error("the model %r did not load within %g s: cancelling its load", slot.name, seconds)
+                slot.expired = True
+                slot.set_state("unloading")  # its waiters fail now; it no longer counts against the bounds
+                load.cancel()
+
+        if self.load_timeout is not None and self._nursery is not None:
+            self._nursery.start_soon(bound, self.load_timeout)
         try:
-            await engine.run(task_status=Started())
+            with load:
+                await engine.run(task_status=Started())
         except Exception as exc:
-            slot.error = exc
+            if not slot.expired:
+                slot.error = exc
             log.error("the model %r could not be loaded: %s", slot.name, exc)
         finally:
+            deadline.cancel()
+            if slot.error is not None and slot.state != "loaded":
+                slot.failed_at = trio.current_time()
             slot.engine = None
+            slot.expired = False
             if slot.state != "unloaded":
                 slot.set_state("unloaded")

@@ -76,6 +76,7 @@ class Registry:
         self.c = Counters()
         self.last_progress: float | None = None
         self.memory: tuple[int, int, int] = (0, 0, 0)  # MLX (active, peak, cache) bytes, as the actor reads them
+        self.memory_read_at = -math.inf  # trio time of that reading
         self.prompt_cache: tuple[int, ...] = (0, 0, 0, 0, 0, 0)  # the actor's prompt cache figures
         self.prompt_tokens_in_flight = 0  # the prompts' tokens of `requests`
         self._inbox_send: trio.MemorySendChannel[Command] | None = None
@@ -139,7 +140,7 @@ class Registry:
         c.prompt_tokens += report.prompt_tokens
         self.live = report.live
         if report.memory is not None:
-            self.memory = report.memory
+            self.memory, self.memory_read_at = report.memory, now
         if report.prompt_cache is not None:
             self.prompt_cache = report.prompt_cache
         requests = self.requests
@@ -280,6 +281,7 @@ class Registry:
             active_memory_bytes=self.memory[0],
             peak_memory_bytes=self.memory[1],
             cache_memory_bytes=self.memory[2],
+            memory_read_at=self.memory_read_at,
             step_failures=c.step_failures,
             actor_restarts=c.restarts,
             seconds_since_step=since,

@@ -226,7 +226,10 @@ class TrioMLXApp(QuartTrio):
         options = _engine_options(settings)
         options.pop("model")
         pool = self.pool = ModelPool(settings.model_table, max_loaded=settings.max_loaded_models,
-                                     max_bytes=int(settings.max_loaded_gb * 1e9), engine_options=options,
+                                     max_bytes=int(settings.max_loaded_gb * 1e9),
+                                     load_timeout=settings.startup_timeout, engine_options=options,
+                                     model_options={name: {"tuning": settings.model_tuning(name)}
+                                                    for name in settings.model_adapter_map},
                                      make_actor=self.pool_actor)
         await self.nursery.start(pool.run)
         self.nursery.start_soon(_run_in(self.watchdog, self.pump.watch_stalls, _intake.trimmer))

@@ -21,8 +21,10 @@ from .._errors import (
     EngineBrokenError,
     EngineClosedError,
     InvalidRequestError,
+    ModelBusyError,
     ModelCapacityError,
     ModelLoadError,
+    ModelLoadTimeoutError,
     QueueFullError,
     TrioMLXError,
 )
@@ -93,6 +95,14 @@ def error_from_exception(exc: BaseException) -> HTTPError:
     if isinstance(exc, ModelCapacityError):  # several models, every loaded one busy (`engine/_pool.py`)
         retry = str(max(1, round(exc.retry_after)))
         return HTTPError(503, str(exc), type="server_error", code="model_capacity",
+                         headers=[("Retry-After", retry)])
+    if isinstance(exc, ModelBusyError):  # an unload asked of a model that serves (`engine/_pool.py`)
+        return HTTPError(409, str(exc), code="model_busy")
+    if isinstance(exc, ModelLoadTimeoutError):  # a load on demand past startup_timeout (`engine/_pool.py`):
+        # 503, not 500: the server is sound and the model may load on a later try (a slow download,
+        # the GPU thread busy), and the SDKs that retry 503s then retry after Retry-After
+        retry = str(max(1, round(exc.retry_after)))
+        return HTTPError(503, str(exc), type="server_error", code="model_load_timeout",
                          headers=[("Retry-After", retry)])
     if isinstance(exc, ModelLoadError):  # a model of several, loaded for this request, failed
         return HTTPError(500, str(exc), type="server_error", code="model_load_failed")

@@ -6,7 +6,7 @@ Two sources, neither of which costs anything per token:
   routes are counted once per response (`observe_route`);
 - per scrape: `_EngineCollector` reads `engine.statistics()` (queue, stages,
   decode steps, aborts, the prompt cache, MLX memory, state) when /metrics is
-  fetched.
+  fetched; with `--models`, each loaded model's, labelled by model.
 
 Every app has its own `CollectorRegistry`, never prometheus_client's global
 one, so several apps in one process (tests) do not collide.
@@ -99,7 +99,12 @@ class Metrics:
 
 
 class _EngineCollector:
-    """Reads the engine's statistics at scrape time: free between scrapes."""
+    """Reads the engine's statistics at scrape time: free between scrapes. With `--models`
+    (`app.pool`) every engine figure is one series per loaded model, labelled `model` (an
+    unloaded model has none; a model's counters start again at 0 when it loads again); the
+    figures of the process as a whole (MLX's memory, the open streams, the state) stay
+    unlabelled, MLX's memory as the freshest reading of any loaded model's actor (one
+    process's memory: a sum would count it once per model)."""
 
     def __init__(self, app: ServerHost):
         self.app = app
@@ -108,24 +113,48 @@ class _EngineCollector:
         return []  # no describe-time collect: the engine may not exist yet
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.app.engine
-        s: Any = engine.statistics() if engine is not None else None
-        state = s.state if s is not None else "starting"
+        engine, pool = self.app.engine, self.app.pool
+        keys: list[str] = []  # the label the engine figures carry: none, or "model"
+        sources: list[tuple[list[str], Any]] = []  # (label values, statistics), one per engine
+        if pool is not None:
+            keys = ["model"]
+            for name in pool.names:
+                if (loaded := pool.engine(name)) is not None:
+                    sources.append(([name], loaded.statistics()))
+            state = "draining" if pool.closing else "ready"
+        else:
+            s = engine.statistics() if engine is not None else None
+            sources.append(([], s))
+            state = s.state if s is not None else "starting"
         family = GaugeMetricFamily(PREFIX + "engine_state", "1 for the engine's current state", labels=["state"])
         for name in STATES:
             family.add_metric([name], 1.0 if name == state else 0.0)
         yield family
 
-        def num(attr: str) -> float:
+        def num(s: Any, attr: str) -> float:
             return float(getattr(s, attr) or 0) if s is not None else 0.0
 
+        def each(kind: type[Any], name: str, doc: str, value: Any) -> Metric:
+            """One family, a series per source, of `value(statistics)`."""
+            metric = kind(PREFIX + name, doc, labels=keys)
+            for labels, s in sources:
+                metric.add_metric(labels, value(s))
+            return metric
+
+        def gauge(name: str, attr: str, doc: str) -> Metric:
+            return each(GaugeMetricFamily, name, doc, lambda s: num(s, attr))
+
+        def counter(name: str, attr: str, doc: str) -> Metric:
+            return each(CounterMetricFamily, name, doc, lambda s: num(s, attr))
+
         stages = GaugeMetricFamily(PREFIX + "requests_in_engine", "requests the engine holds, by stage "
-                                   "(queued: waiting for a batch slot)", labels=["stage"])
-        for stage, attr in zip(STAGES, ("queued", "prefilling", "decoding"), strict=True):
-            stages.add_metric([stage], num(attr))
+                                   "(queued: waiting for a batch slot)", labels=[*keys, "stage"])
+        for labels, s in sources:
+            for stage, attr in zip(STAGES, ("queued", "prefilling", "decoding"), strict=True):
+                stages.add_metric([*labels, stage], num(s, attr))
         yield stages
-        yield GaugeMetricFamily(PREFIX + "queue_depth", "requests waiting for a batch slot", value=num("queued"))
-        yield GaugeMetricFamily(PREFIX + "active_sequences", "sequences the GPU actor holds", value=num("active"))
+        yield gauge("queue_depth", "queued", "requests waiting for a batch slot")
+        yield gauge("active_sequences", "active", "sequences the GPU actor holds")
         yield GaugeMetricFamily(PREFIX + "open_streams", "streamed responses being written",
                                 value=float(self.app.open_streams()))
         for name, attr, doc in (
@@ -138,21 +167,20 @@ class _EngineCollector:
             ("step_failures", "step_failures", "sequences ended by a failed generation step"),
             ("actor_restarts", "actor_restarts", "GPU actors started again after one died"),
         ):
-            yield CounterMetricFamily(PREFIX + name, doc, value=num(attr))
-        yield CounterMetricFamily(PREFIX + "decode_step_seconds", "time spent in decode steps (with "
-                                  "decode_steps_total: the mean step time)",
-                                  value=num("mean_step_seconds") * num("decode_steps"))
-        yield GaugeMetricFamily(PREFIX + "decode_step_last_seconds", "the last decode step's time",
-                                value=num("last_step_seconds"))
-        yield GaugeMetricFamily(PREFIX + "seconds_since_step", "seconds since the actor last stepped while "
-                                "work is pending (0 when idle); /health turns 503 past the watchdog",
-                                value=num("seconds_since_step"))
+            yield counter(name, attr, doc)
+        yield each(CounterMetricFamily, "decode_step_seconds", "time spent in decode steps (with "
+                   "decode_steps_total: the mean step time)",
+                   lambda s: num(s, "mean_step_seconds") * num(s, "decode_steps"))
+        yield gauge("decode_step_last_seconds", "last_step_seconds", "the last decode step's time")
+        yield gauge("seconds_since_step", "seconds_since_step", "seconds since the actor last stepped while "
+                    "work is pending (0 when idle); /health turns 503 past the watchdog")
         for label, attr, known in (("stage", "aborts_by_stage", STAGES), ("cause", "aborts_by_cause", CAUSES)):
-            counts: dict[str, int] = dict(getattr(s, attr)) if s is not None else {}
             aborts = CounterMetricFamily(PREFIX + f"aborts_by_{label}", f"requests aborted, by {label}",
-                                         labels=[label])
-            for key in (*known, *sorted(set(counts) - set(known))):
-                aborts.add_metric([key], float(counts.get(key, 0)))
+                                         labels=[*keys, label])
+            for labels, s in sources:
+                counts: dict[str, int] = dict(getattr(s, attr)) if s is not None else {}
+                for key in (*known, *sorted(set(counts) - set(known))):
+                    aborts.add_metric([*labels, key], float(counts.get(key, 0)))
             yield aborts
         for name, attr, doc in (
             ("prompt_cache_lookups", "prompt_cache_lookups", "prompts looked up in the prompt cache"),
@@ -169,18 +197,20 @@ class _EngineCollector:
             ("accepted_draft_tokens", "accepted_draft_tokens", "drafted tokens kept in an output (with "
              "draft_tokens_total: the acceptance rate)"),
         ):
-            yield CounterMetricFamily(PREFIX + name, doc, value=num(attr))
-        yield GaugeMetricFamily(PREFIX + "prompt_cache_bytes", "bytes of KV the prompt cache holds",
-                                value=num("prompt_cache_bytes"))
-        yield GaugeMetricFamily(PREFIX + "prompt_cache_entries", "entries the prompt cache holds",
-                                value=num("prompt_cache_entries"))
+            yield counter(name, attr, doc)
+        yield gauge("prompt_cache_bytes", "prompt_cache_bytes", "bytes of KV the prompt cache holds")
+        yield gauge("prompt_cache_entries", "prompt_cache_entries", "entries the prompt cache holds")
+        # MLX's memory is the process's: the freshest reading (one engine's, or of several models)
+        read = [s for _, s in sources if s is not None]
+        mem = max(read, key=lambda s: s.memory_read_at) if read else None
         yield GaugeMetricFamily(PREFIX + "mlx_active_memory_bytes", "MLX memory in use (read every few "
-                                "dozen steps)", value=num("active_memory_bytes"))
-        yield GaugeMetricFamily(PREFIX + "mlx_peak_memory_bytes", "MLX peak memory", value=num("peak_memory_bytes"))
+                                "dozen steps)", value=num(mem, "active_memory_bytes"))
+        yield GaugeMetricFamily(PREFIX + "mlx_peak_memory_bytes", "MLX peak memory",
+                                value=max((num(s, "peak_memory_bytes") for s in read), default=0.0))
         yield GaugeMetricFamily(PREFIX + "mlx_cache_memory_bytes", "freed MLX buffers kept for reuse",
-                                value=num("cache_memory_bytes"))
-        if self.app.pool is not None:
-            yield from _model_families(self.app.pool)
+                                value=num(mem, "cache_memory_bytes"))
+        if pool is not None:
+            yield from _model_families(pool)
         group = engine.group if engine is not None else None
         if group is not None:  # rank 0 of a distributed group (docs/distributed.md)
             snap = group.snapshot()

@@ -180,7 +180,7 @@ class ModelCard(_Doc):
     root: str | None = Field(None, description="the model directory the server loaded; for a named LoRA "
                              "adapter, its directory")
     parent: str | None = Field(None, description="a named LoRA adapter's: the served model it adapts (a request "
-                               "names the adapter as its model: NAME or PARENT:NAME); absent for the model")
+                               "names the adapter as its model: NAME or PARENT:NAME, with --models PARENT:NAME only); absent for the model")
     adapter: str | None = Field(None, description="the LoRA adapter directory applied over it (adapter_path), "
                                 "or null")
     sampling_defaults: dict[str, float] | None = Field(
@@ -335,6 +335,11 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                             "response.created ... response.completed or response.incomplete"),
     "/v1/models": _get(ModelList, 401),
     "/v1/models/<path:model_id>": _get(ModelCard, 401, 404),
+    "/v1/models/<path:model_id>/unload": {"responses": {
+        "200": {"description": "unloaded (`unloaded`: false when it was not loaded)",
+                "content": {"application/json": {"schema": {"type": "object"}}}},
+        **_errors(400, 401, 404), "409": {"description": "the model serves requests, loads or unloads",
+                                          "content": _json(ErrorResponse)}}},
     "/health": _PROBE,
     "/ready": _PROBE,
     "/health/ready": _PROBE,

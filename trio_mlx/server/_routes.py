@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 from quart import Response, request
 
+from .._errors import TrioMLXError
 from . import _pages
 from ._adapters import pick_adapter, pick_model
-from ._http import dumps
+from ._http import HTTPError, dumps, error_from_exception
 from ._records import CHAT_PATH, COMPLETIONS_PATH, ServerHost
 from ._wire import WireAPI, serve_api
 from .anthropic import COUNT_TOKENS_PATH, MESSAGES_PATH, CountTokensAPI, MessagesAPI
@@ -122,17 +123,49 @@ def pool_card(app: RouteHost, name: str) -> dict[str, Any]:
             "sampling_defaults": dict(engine.sampling_defaults) if engine else None}
 
 
+def pool_adapter_card(app: RouteHost, model: str, name: str) -> dict[str, Any]:
+    """A named adapter over a model of several (`--model-adapter`): id `MODEL:NAME`, `parent`
+    the model, `loaded` and `state` the model's (the adapter loads with it)."""
+    card = pool_card(app, model)
+    card.pop("sampling_defaults")
+    return {**card, "id": f"{model}:{name}", "root": app.settings.model_adapter_map[model][name], "parent": model}
+
+
 async def list_models(app: RouteHost) -> Response:
     if app.pool is not None:
-        return json_response({"object": "list", "data": [pool_card(app, name) for name in app.pool.names]})
+        cards = []
+        for model in app.pool.names:
+            cards.append(pool_card(app, model))
+            cards += [pool_adapter_card(app, model, a) for a in app.settings.model_adapter_map.get(model, {})]
+        return json_response({"object": "list", "data": cards})
     adapters = [adapter_card(app, name) for name in app.settings.tuning.adapter_map]
     return json_response({"object": "list", "data": [model_card(app), *adapters]})
+
+
+async def unload_model(app: RouteHost, model_id: str) -> Response:
+    """With `--models`: unload the model now if it is idle (409 `model_busy` when it serves,
+    loads or unloads); a later request loads it again. An adapter loads and unloads with its model."""
+    adapter = pick_adapter(app.settings, model_id)  # 404 for a name the server does not serve
+    if app.pool is None:
+        raise HTTPError(400, "this server serves one model, loaded for its whole life; unloading is for "
+                        "a server of several models (--models)", code="not_supported")
+    model = pick_model(app.settings, model_id)
+    if adapter is not None:
+        raise HTTPError(400, f"{model_id!r} is an adapter: it loads and unloads with its model; unload "
+                        f"{model!r}", param="model", code="invalid_value")
+    try:
+        unloaded = await app.pool.unload(model)
+    except TrioMLXError as exc:
+        raise error_from_exception(exc) from None
+    return json_response({"id": model, "object": "model", "unloaded": unloaded, "state": "unloaded"})
 
 
 async def get_model(app: RouteHost, model_id: str) -> Response:
     adapter = pick_adapter(app.settings, model_id)  # 404 for a name the server does not serve
     if app.pool is not None:
-        return json_response(pool_card(app, pick_model(app.settings, model_id)))
+        model = pick_model(app.settings, model_id)
+        card = pool_card(app, model) if adapter is None else pool_adapter_card(app, model, adapter)
+        return json_response(card)
     return json_response(model_card(app) if adapter is None else adapter_card(app, adapter))
 
 
@@ -210,7 +243,8 @@ async def server_info(app: RouteHost) -> Response:
         "served_model_name": app.settings.served_model_name,
         "model_path": str(engine.model_path) if engine and engine.model_path else None,
         "adapter_path": app.settings.tuning.adapter_path,
-        "adapters": app.settings.tuning.adapter_map,  # the named ones: {name: directory}
+        "adapters": app.settings.tuning.adapter_map or {  # the named ones: {name: directory}
+            f"{m}:{a}": path for m, over in app.settings.model_adapter_map.items() for a, path in over.items()},
         "replica": app.settings.replica,
         "max_running_requests": app.settings.tuning.max_batch,
         "max_queued_requests": app.settings.max_queue,
@@ -298,6 +332,8 @@ ROUTES: tuple[Route, ...] = (
     wire(RESPONSES_PATH, ResponsesAPI(), "OpenAI's Responses API (stateless)"),
     Route("/v1/models", GET, list_models, "The served model"),
     Route("/v1/models/<path:model_id>", GET, get_model, "One model", listed=False),
+    Route("/v1/models/<path:model_id>/unload", POST, unload_model, "Unload an idle model now (--models)",
+          listed=False),
     Route("/health", GET, health, "Liveness: the GPU actor is alive and stepping or idle"),
     Route("/ready", GET, ready, "Readiness: the model is loaded and warm, not draining"),
     Route("/health/ready", GET, ready, "Readiness (alias of /ready)", listed=False),

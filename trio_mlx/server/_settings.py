@@ -57,6 +57,10 @@ class Settings:
         "with models: the most GB of weights (the model folders' .safetensors files) loaded at once, "
         "beside max_loaded_models: idle models are unloaded, least recently used first, to make room; "
         "a model larger than this by itself loads alone; 0: no bound but max_loaded_models"))
+    model_adapters: tuple[str, ...] = field(default=(), metadata=_doc(
+        "with models: named LoRA adapters over one of the models, each MODEL:NAME=PATH (a directory "
+        "as mlx_lm.lora writes it), the flag once per adapter; a request names one as MODEL:NAME; "
+        "each is checked and loaded with its model, under the rules of adapter", flag="model-adapter"))
     model_name: str | None = field(default=None, metadata=_doc(
         "the model id served in /v1/models and accepted in requests; default: derived from the model"))
     host: str = field(default="127.0.0.1", metadata=_doc("address to bind (trio-mlx serve)"))
@@ -137,7 +141,8 @@ class Settings:
         "Anthropic messages, Anthropic tool_result blocks, Responses input items; counted before "
         "they are validated"))
     startup_timeout: float = field(default=600.0, metadata=_doc(
-        "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve)"))
+        "seconds model loading (download, conversion, warm-up) may take (trio-mlx serve); with "
+        "models, each load on demand too: past it, the requests waiting for it get 503 with Retry-After"))
     access_log: bool = field(default=True, metadata=_doc(
         "log one line per request, ending with its X-Request-Id (trio-mlx serve)"))
     replica: str | None = field(default=None, metadata=_doc(
@@ -228,6 +233,8 @@ class Settings:
             raise ValueError(f"max_loaded_models must be >= 1, got {self.max_loaded_models}")
         if self.models:
             self._check_models()
+        elif self.model_adapters:
+            raise ValueError("model_adapters needs models (one model's adapters: adapter NAME=PATH)")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
@@ -238,25 +245,61 @@ class Settings:
                             ("adapters", self.tuning.adapters), ("draft_model", self.tuning.draft_model),
                             ("step_trace", self.tuning.step_trace)):
             if clash:
-                raise ValueError(f"models serves several models, each by its own name: unset {name}")
+                over = " (adapters over one of them: model_adapter MODEL:NAME=PATH)" if "adapter" in name else ""
+                raise ValueError(f"models serves several models, each by its own name: unset {name}{over}")
         if self.actor != "thread":
             raise ValueError("models needs actor 'thread': the models share the one GPU thread of the process")
         try:
             self.model_table  # noqa: B018  (a folder without models fails here, at startup)
         except ValueError as exc:
             raise ValueError(f"models: {exc}") from None
+        for name in self.model_adapter_map:
+            try:
+                self.model_tuning(name)  # the tuning's own checks of adapters: names, decode_step
+            except ValueError as exc:
+                raise ValueError(f"model_adapters of {name!r}: {exc}") from None
 
     @functools.cached_property
     def model_table(self) -> dict[str, str]:
         """With `models`: every model by the name requests use (`engine.find_models`); else empty."""
         return find_models(self.models) if self.models else {}
 
+    @functools.cached_property
+    def model_adapter_map(self) -> dict[str, dict[str, str]]:
+        """With `models`: each model's named adapters (`model_adapters`), {model: {name: path}},
+        in the order given; a model listed nowhere is a ValueError."""
+        out: dict[str, dict[str, str]] = {}
+        for entry in self.model_adapters:
+            ref, eq, path = entry.partition("=")
+            model, colon, name = ref.strip().rpartition(":")  # a model's name may hold a ':', an adapter's not
+            if not (eq and colon):
+                raise ValueError(f"model_adapters: each entry is MODEL:NAME=PATH, got {entry!r}")
+            if model not in self.model_table:
+                raise ValueError(f"model_adapters: {entry!r} names {model!r}, which models does not list")
+            if f"{model}:{name}" in self.model_table:
+                raise ValueError(f"model_adapters: {model}:{name} is also a model's name")
+            adapters = out.setdefault(model, {})
+            if name in adapters:
+                raise ValueError(f"model_adapters: {model}:{name} is given twice")
+            adapters[name] = path.strip()
+        return out
+
+    def model_tuning(self, name: str) -> ActorTuning:
+        """With `models`: the tuning the model `name` loads with, its own adapters in it."""
+        adapters = self.model_adapter_map.get(name)
+        if not adapters:
+            return self.tuning
+        return dataclasses.replace(self.tuning, adapters=tuple(f"{n}={p}" for n, p in adapters.items()))
+
     def serves(self, name: str) -> str | None | bool:
         """What `name` names without an alias: None for the served model (with `models`, any
-        of them), an adapter's name for that adapter (`NAME` or `MODEL:NAME`), False for
-        anything else."""
+        of them), an adapter's name for that adapter (`NAME` or `MODEL:NAME`; with `models`,
+        `MODEL:NAME` of that model's), False for anything else."""
         if self.models:
-            return None if name in self.model_table else False
+            if name in self.model_table:
+                return None
+            model, _, adapter = name.rpartition(":")
+            return adapter if adapter in self.model_adapter_map.get(model, {}) else False
         base, adapters = self.served_model_name, self.tuning.adapter_map
         if name == base:
             return None
