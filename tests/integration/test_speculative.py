@@ -456,10 +456,17 @@ MIXED = [(0, 1, REPEATING, 40, GREEDY), (0, 2, _random_prompt(1), 30, GREEDY),
          (5, 3, REPEATING[3:], 50, GREEDY), (9, 4, _random_prompt(2, 20), 18, GREEDY)]
 
 
-def test_prompt_lookup_in_a_mixed_batch_keeps_every_rows_greedy_tokens(tiny_model_fp32):
+@pytest.mark.parametrize("cuda_attention", [False, True])
+def test_prompt_lookup_in_a_mixed_batch_keeps_every_rows_greedy_tokens(tiny_model_fp32, monkeypatch, cuda_attention):
     """The real drafter, a batch of rows that repeat their prompts (drafts found) and rows on
     random prompts, entering and leaving at different steps: every row's tokens are those
-    without speculation, and rows speculate while they share the batch, some drafts kept."""
+    without speculation, and rows speculate while they share the batch, some drafts kept.
+    Also with the verify's attention query by query, as it runs on CUDA (padded rows too)."""
+    if cuda_attention:
+        from trio_mlx.actor import _batch
+
+        real, used = _batch.query_by_query, []
+        monkeypatch.setattr(_batch, "query_by_query", lambda on=True: used.append(on) or real(True))
     script = _mixed_script(MIXED)
     base = _serve(_actor(tiny_model_fp32), script)
     run = _serve(_actor(tiny_model_fp32, speculative="ngram"), script)
@@ -468,6 +475,8 @@ def test_prompt_lookup_in_a_mixed_batch_keeps_every_rows_greedy_tokens(tiny_mode
     shared = _spec_in_batches(run)
     assert shared and sum(a for _, _, a in shared) > 0
     assert run.steps < base.steps
+    if cuda_attention:
+        assert len(used) >= len(set(run.spec_steps))  # every verify attended query by query
 
 
 @pytest.mark.parametrize("spoil", [0.0, 0.5])
