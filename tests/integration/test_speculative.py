@@ -101,20 +101,7 @@ def _one(path: Path, sp: SamplingParams, max_tokens: int = 48, prompt: tuple[int
 def _oracle(monkeypatch: pytest.MonkeyPatch, answer: list[int], spoil: float = 0.0, seed: int = 0) -> None:
     """Prompt lookup replaced by drafts from `answer` (the request's tokens without speculation),
     each proposal spoiled at a random position with probability `spoil`."""
-    rng = random.Random(seed)
-
-    def lookup(self: Any, row: DecodeRow, spec: Any, held: list[int], pending: Any, k: int) -> Proposal | None:
-        first = int(pending.item())
-        out = len(held) - len(row.prompt)  # tokens out so far: `first` is the next
-        assert first == answer[out]
-        drafts = list(answer[out + 1 : out + 1 + k]) or [7]
-        if rng.random() < spoil:
-            j = rng.randrange(len(drafts))
-            drafts[j] = 3 + (drafts[j] + 1) % 90
-        inputs = mx.array([[first, *drafts]], dtype=pending.dtype)
-        return Proposal(inputs, inputs[0, 1:], first, drafts, len(held))
-
-    monkeypatch.setattr(_drafting.Drafter, "_lookup", lookup)
+    _oracles(monkeypatch, {}, spoil, seed, default=answer)
 
 
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED, EVERYTHING], ids=["greedy", "seeded", "penalties-logprobs"])
@@ -417,17 +404,18 @@ def _random_prompt(seed: int, n: int = 30) -> tuple[int, ...]:
 
 
 def _oracles(monkeypatch: pytest.MonkeyPatch, answers: dict[tuple[int, ...], list[int]], spoil: float = 0.0,
-             seed: int = 0) -> None:
+             seed: int = 0, default: list[int] | None = None) -> None:
     """`_oracle` for several rows, each known by its prompt; a row whose prompt is not in
-    `answers` never has drafts (a plain row of the batch's speculative steps)."""
+    `answers` drafts from `default`, or never has drafts (a plain row of the batch's
+    speculative steps) without one."""
     rng = random.Random(seed)
 
     def lookup(self: Any, row: DecodeRow, spec: Any, held: list[int], pending: Any, k: int) -> Proposal | None:
-        answer = answers.get(row.prompt)
+        answer = answers.get(row.prompt, default)
         if answer is None:
             return None
         first = int(pending.item())
-        out = len(held) - len(row.prompt)
+        out = len(held) - len(row.prompt)  # tokens out so far: `first` is the next
         assert first == answer[out]
         drafts = list(answer[out + 1 : out + 1 + k]) or [7]
         if rng.random() < spoil:

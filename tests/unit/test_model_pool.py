@@ -71,6 +71,12 @@ async def answer(engine: trio_mlx.Engine, n: int = 3) -> list[int]:
     return ids
 
 
+async def ask(pool: ModelPool, results: list[list[int]], name: str = "alpha") -> None:
+    """One request for `name` through the pool; its answer's ids into `results`."""
+    async with pool.use(name) as engine:
+        results.append(await answer(engine))
+
+
 def test_find_models_names_each_model_folder(folder, tiny_model_fp32):
     assert find_models([str(folder)]) == {name: str(folder / name) for name in sorted(SCRIPTS)}
     assert find_models([str(folder / "beta"), "x=some/hub-id"]) == {"beta": str(folder / "beta"),
@@ -139,18 +145,14 @@ async def test_a_request_that_comes_during_a_load_waits_for_it(folder, monkeypat
     pool = ModelPool(find_models([str(folder)]), max_loaded=1, make_actor=actors)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        results = []
-
-        async def ask() -> None:
-            async with pool.use("alpha") as engine:
-                results.append(await answer(engine))
+        results: list[list[int]] = []
 
         with trio.fail_after(20):
             async with trio.open_nursery() as inner:
-                inner.start_soon(ask)
+                inner.start_soon(ask, pool, results)
                 await trio.sleep(0.1)  # the load has begun
                 assert {s.name: s.state for s in pool.status()}["alpha"] == "loading"
-                inner.start_soon(ask)
+                inner.start_soon(ask, pool, results)
         assert results == [SCRIPTS["alpha"]] * 2
         assert actors.loads("alpha") == 1
         assert "a request for the model 'alpha' waits for its load" in caplog.text  # its progress line
@@ -238,17 +240,13 @@ async def test_a_request_that_leaves_during_the_load_does_not_cancel_it(folder):
     pool = ModelPool(find_models([str(folder)]), make_actor=actors)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        results = []
-
-        async def ask() -> None:
-            async with pool.use("alpha") as engine:
-                results.append(await answer(engine))
+        results: list[list[int]] = []
 
         with trio.fail_after(20):
             async with trio.open_nursery() as inner:
                 with trio.move_on_after(0.1):  # the first asker (whose request began the load) leaves
-                    await ask()
-                inner.start_soon(ask)
+                    await ask(pool, results)
+                inner.start_soon(ask, pool, results)
         assert results == [SCRIPTS["alpha"]] and actors.loads("alpha") == 1
         await pool.aclose()
         nursery.cancel_scope.cancel()
