@@ -304,3 +304,51 @@ def test_a_model_whose_attention_takes_no_quantized_keys_is_refused():
     actor._model = OwnAttention()
     with pytest.raises(ValueError, match="kv_bits: this model does not run with a quantized KV cache"):
         kv_quantization(actor._model, {"hidden_size": 128, "num_attention_heads": 2}, actor.config.tuning)
+
+
+@pytest.mark.parametrize("mask", ["causal", "array", None])
+def test_the_folded_attention_is_mlx_lms_quantized_attention(mask):
+    """`folded_attention` (CUDA's path: a grouped-query model's query heads as more queries of
+    their KV head) computes what mlx-lm's quantized attention computes."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from trio_mlx.actor._kv_quant import folded_attention
+
+    mx.random.seed(5)
+    queries = mx.random.normal((2, 8, 5, 64))
+    keys, values = mx.random.normal((2, 2, 37, 64)), mx.random.normal((2, 2, 37, 64))
+    q_keys, q_values = mx.quantize(keys, group_size=32, bits=4), mx.quantize(values, group_size=32, bits=4)
+    m: Any = mask
+    if mask == "array":  # the second row left-padded by 6, as a batch's mask has it
+        m = mx.broadcast_to((mx.arange(37) >= mx.array([0, 6])[:, None])[:, None, None, :], (2, 1, 5, 37))
+    # each its own copy of the queries: mlx-lm scales its argument in place (`queries *= scale`)
+    want = quantized_scaled_dot_product_attention(queries * 1, q_keys, q_values, 0.125, m, group_size=32, bits=4)
+    got = folded_attention(queries * 1, q_keys, q_values, 0.125, m, group_size=32, bits=4)
+    assert got.shape == want.shape == (2, 8, 5, 64)
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+async def test_with_query_heads_folded_the_engine_still_gives_mlx_lms_tokens(model_hd64, reference, monkeypatch):
+    """Where the actor folds the query heads (CUDA), a batch of rows of different lengths
+    (masks with padding), one prefilled in chunks, still gets mlx-lm's own tokens."""
+    from mlx_lm.models import base
+
+    jobs = [(ids(300, 3), 16), (ids(41, 8), 20), (ids(97, 2), 12)]
+    want = [reference(prompt, n, 4, 32) for prompt, n in jobs]  # before the fold: mlx-lm's own attention
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", base.quantized_scaled_dot_product_attention)
+    from trio_mlx.actor import _loading
+
+    monkeypatch.setattr(_loading.mx.cuda, "is_available", lambda: True)
+    async with trio_mlx.open_engine(model_hd64, kv_bits=4, kv_group_size=32, max_batch=4, prefill_step=128,
+                                    warmup=False, prompt_cache_gb=0) as engine:
+        assert base.quantized_scaled_dot_product_attention.__name__ == "folded_attention"
+        got: dict[int, list[int]] = {}
+
+        async def one(i: int) -> None:
+            prompt, n = jobs[i]
+            got[i], _, _ = await run(engine, prompt, max_tokens=n, **GREEDY)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(jobs)):
+                nursery.start_soon(one, i)
+    assert [got[i] for i in range(len(jobs))] == want

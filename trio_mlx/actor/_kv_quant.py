@@ -280,3 +280,48 @@ def check_kv_bits(bits: int, group_size: int, head_dims: tuple[int, ...]) -> Non
     except Exception as exc:
         raise ValueError(f"kv_bits {bits} with kv_group_size {group_size} does not run on "
                          f"{mx.default_device()}: {exc}") from exc
+
+
+def fold_query_heads() -> None:
+    """Make mlx-lm's quantized attention take a grouped-query model's query heads as more
+    queries of their KV head (`folded_attention`), in this process from now on.
+
+    MLX 0.32.4's CUDA `quantized_matmul` has no kernel for the broadcast that mlx-lm's
+    quantized attention asks of it when several query heads share a KV head (queries
+    (B, kv, repeats, L, D) against keys (B, kv, 1, N, D)): on an H200 it raised "No
+    implementation for problem shape: 1x1x64x32", and `kv_bits` was refused for the
+    Llama-3.2-1B shape (BENCHMARKS.md, "Not measured yet"). The same matmuls over plain
+    4-D shapes ran there. The actor calls this on CUDA only, where the load's check
+    (`_loading.kv_quantization`) then runs the folded attention."""
+    from mlx_lm.models import base
+
+    base.quantized_scaled_dot_product_attention = folded_attention
+
+
+def folded_attention(queries: Any, q_keys: Any, q_values: Any, scale: float, mask: Any,
+                     group_size: int = 64, bits: int = 8) -> Any:
+    """mlx-lm's `quantized_scaled_dot_product_attention` with the `repeats` query heads of
+    each KV head folded into its query axis, (B, kv, repeats x L, D): every query still
+    meets the same keys and values, with no broadcast axis; the mask and softmax as mlx-lm
+    applies them, over (B, kv, repeats, L, N)."""
+    b, n_q_heads, length, d = queries.shape
+    n_kv_heads = q_keys[0].shape[-3]
+    repeats = n_q_heads // n_kv_heads
+    queries = (queries * scale).reshape(b, n_kv_heads, repeats * length, d)
+    k, k_scales, k_biases = q_keys
+    scores = mx.quantized_matmul(queries, k, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits)
+    scores = scores.reshape(b, n_kv_heads, repeats, length, -1)
+    if mask is not None:
+        if isinstance(mask, str):
+            keys = scores.shape[-1]
+            mask = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
+        if mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    scores = mx.softmax(scores, axis=-1, precise=True).reshape(b, n_kv_heads, repeats * length, -1)
+    v, v_scales, v_biases = q_values
+    out = mx.quantized_matmul(scores, v, v_scales, v_biases, transpose=False, group_size=group_size, bits=bits)
+    return out.reshape(b, n_q_heads, length, d)
