@@ -38,7 +38,7 @@ async def test_a_folder_of_models_served_loaded_on_demand_and_drained(tmp_path):
             assert 'trio_mlx_engine_generated_tokens_total{model="two"} 4.0' in metrics, metrics
             assert 'trio_mlx_queue_depth{model="two"} 0.0' in metrics
             assert 'trio_mlx_queue_depth{model="one"}' not in metrics  # unloaded: no series
-            r = await client.post("/v1/models/two/unload")  # idle: unloaded now, and loaded again on demand
+            r = await client.post("/models/unload", json={"model": "two"})  # idle: unloaded now, and loaded again on demand
             assert r.status_code == 200 and r.json()["unloaded"] is True, r.text
             assert (await client.get("/health")).json()["models"]["two"]["state"] == "unloaded"
             r = await client.post("/v1/chat/completions", json={"model": "two", "messages": msgs, "max_tokens": 2})

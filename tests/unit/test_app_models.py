@@ -239,15 +239,15 @@ async def test_an_idle_model_is_unloaded_on_request_and_a_busy_one_is_a_409(fold
     sql = _adapter_dir(tmp_path / "sql")
     async with serve_models(folder, max_loaded_models=2, step_seconds={"beta": 0.02},
                             model_adapters=(f"alpha:sql={sql}",), model_aliases=("gpt-*=alpha",)) as (app, client):
-        r = await client.post("/v1/models/alpha/unload")
+        r = await client.post("/models/unload", json={"model": "alpha"})
         assert r.status_code == 200 and r.json()["unloaded"] is False, r.text  # not loaded: nothing to do
         assert (await client.post(CHAT, json=chat_body(model="alpha", max_tokens=2))).status_code == 200
-        r = await client.post("/v1/models/gpt-4o/unload")  # an alias names its model
+        r = await client.post("/models/unload", json={"model": "gpt-4o"})  # an alias names its model
         assert r.status_code == 200 and r.json() == {"id": "alpha", "object": "model", "unloaded": True,
                                                      "state": "unloaded"}, r.text
         assert {s.name: s.state for s in app.pool.status()}["alpha"] == "unloaded"
-        assert_error(await client.post("/v1/models/delta/unload"), 404, code="model_not_found")
-        assert_error(await client.post("/v1/models/alpha:sql/unload"), 400, code="invalid_value")
+        assert_error(await client.post("/models/unload", json={"model": "delta"}), 404, code="model_not_found")
+        assert_error(await client.post("/models/unload", json={"model": "alpha:sql"}), 400, code="invalid_value")
         async with trio.open_nursery() as nursery:
             done = trio.Event()
 
@@ -260,11 +260,11 @@ async def test_an_idle_model_is_unloaded_on_request_and_a_busy_one_is_a_409(fold
             with trio.fail_after(10):
                 while app.pool.engine("beta") is None or app.pool.engine("beta").in_flight == 0:  # noqa: ASYNC110
                     await trio.sleep(0.01)
-            err = assert_error(await client.post("/v1/models/beta/unload"), 409, code="model_busy")
+            err = assert_error(await client.post("/models/unload", json={"model": "beta"}), 409, code="model_busy")
             assert "'beta' is serving requests" in err["message"]
             await done.wait()
         assert {s.name: s.state for s in app.pool.status()}["beta"] == "loaded"
-        r = await client.post("/v1/models/beta/unload")  # idle now
+        r = await client.post("/models/unload", json={"model": "beta"})  # idle now
         assert r.status_code == 200 and r.json()["unloaded"] is True
         r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))  # and it loads again
         assert r.status_code == 200 and app.pool.status()[1].loads == 2
@@ -349,3 +349,20 @@ def test_the_settings_of_several_models(folder):
         Settings.from_env({}, models=(str(folder),), model_aliases=("claude-*=delta",))
     with pytest.raises(ValueError, match="max_loaded_models must be >= 1"):
         Settings.from_env({}, models=(str(folder),), max_loaded_models=0)
+
+
+async def test_the_unload_needs_a_body_naming_the_model_and_the_api_key(folder):
+    """`POST /models/unload` takes `{"model": NAME}`; anything else is a 400 naming `model`, and
+    with an API key the unload needs it, though it lies outside `/v1/`."""
+    async with serve_models(folder, api_key="sesame") as (app, client):
+        assert_error(await client.post("/models/unload", json={"model": "alpha"}), 401)
+        auth = {"Authorization": "Bearer sesame"}
+        for body in ({}, {"model": ""}, {"model": 3}, [1], "alpha"):
+            err = assert_error(await client.post("/models/unload", json=body, headers=auth), 400, code="invalid_value")
+            assert err["param"] == "model", body
+        r = await client.post("/models/unload", content=b"{not json", headers={**auth, "Content-Type": "application/json"})
+        assert_error(r, 400, code="invalid_value")
+        r = await client.post("/models/unload", json={"model": "alpha"}, headers=auth)
+        assert r.status_code == 200 and r.json()["unloaded"] is False, r.text
+        # a model id with slashes is a model card's path, never an unload
+        assert (await client.post("/v1/models/alpha/unload", headers=auth)).status_code in (404, 405)

@@ -19,7 +19,6 @@ from trio_mlx.server._settings import Settings
 # A concrete request path for each route with parameters: a new one needs its sample here.
 SAMPLES = {
     "/v1/models/<path:model_id>": "/v1/models/tiny-test",
-    "/v1/models/<path:model_id>/unload": "/v1/models/tiny-test/unload",
     "/static/<path:name>": "/static/app.js",
     "/docs/assets/<path:name>": "/docs/assets/swagger-ui.css",
 }
@@ -79,7 +78,7 @@ async def test_every_route_is_served_and_the_index_is_the_tables(tiny_model_fp32
         # the paths as they were kept by hand, before the table
         assert list(doc["paths"]) == ["/v1/chat/completions", "/v1/completions", "/v1/messages",
                                       "/v1/messages/count_tokens", "/v1/responses", "/v1/models",
-                                      "/v1/models/{model_id}", "/v1/models/{model_id}/unload", "/health", "/ready",
+                                      "/v1/models/{model_id}", "/models/unload", "/health", "/ready",
                                       "/health/ready", "/metrics", "/server_info", "/model_info", "/get_load"]
         assert doc["paths"]["/v1/models/{model_id}"]["get"]["parameters"] == [
             {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]

@@ -69,10 +69,14 @@ def _matching(given: str, api_key: str) -> str | None:
     return found
 
 
+# Paths outside `/v1/` that change what the server holds: the API key guards them too.
+ADMIN_PATHS = frozenset({"/models/unload"})
+
+
 def needs_key(path: str) -> bool:
     """Whether a request to `path` must carry the API key (when the server has one): the API's
-    paths under `/v1/`, not the probes, the metrics or the pages."""
-    return path.startswith("/v1/")
+    paths under `/v1/` and `ADMIN_PATHS`, not the probes, the metrics or the pages."""
+    return path.startswith("/v1/") or path in ADMIN_PATHS
 
 
 def check_api_key(authorization: str | bytes | None, api_key: str | None, *,

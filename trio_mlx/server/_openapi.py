@@ -335,7 +335,9 @@ _OPERATIONS: dict[str, dict[str, Any]] = {
                             "response.created ... response.completed or response.incomplete"),
     "/v1/models": _get(ModelList, 401),
     "/v1/models/<path:model_id>": _get(ModelCard, 401, 404),
-    "/v1/models/<path:model_id>/unload": {"responses": {
+    "/models/unload": {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "required": ["model"], "properties": {"model": {"type": "string", "minLength": 1}}}}}},
+                       "responses": {
         "200": {"description": "unloaded (`unloaded`: false when it was not loaded)",
                 "content": {"application/json": {"schema": {"type": "object"}}}},
         **_errors(400, 401, 404), "409": {"description": "the model serves requests, loads or unloads",

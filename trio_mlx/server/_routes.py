@@ -16,6 +16,7 @@ parameters)` and returns a Response; a raw one takes `(app, scope, receive, send
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -142,9 +143,19 @@ async def list_models(app: RouteHost) -> Response:
     return json_response({"object": "list", "data": [model_card(app), *adapters]})
 
 
-async def unload_model(app: RouteHost, model_id: str) -> Response:
-    """With `--models`: unload the model now if it is idle (409 `model_busy` when it serves,
-    loads or unloads); a later request loads it again. An adapter loads and unloads with its model."""
+async def unload_model(app: RouteHost) -> Response:
+    """`POST /models/unload` with `{"model": ID}`, as llama-server's router mode takes it (a
+    path outside `/v1/models/`, whose model ids may hold slashes): with `--models`, unload
+    the model now if it is idle (409 `model_busy` when it serves, loads or unloads); a later
+    request loads it again. An adapter loads and unloads with its model."""
+    try:
+        body = json.loads(await request.get_data(as_text=False) or b"null")
+    except ValueError:
+        body = None
+    model_id = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model_id, str) or not model_id:
+        raise HTTPError(400, 'the body must be a JSON object naming the model: {"model": "NAME"}', param="model",
+                        code="invalid_value")
     adapter = pick_adapter(app.settings, model_id)  # 404 for a name the server does not serve
     if app.pool is None:
         raise HTTPError(400, "this server serves one model, loaded for its whole life; unloading is for "
@@ -332,7 +343,7 @@ ROUTES: tuple[Route, ...] = (
     wire(RESPONSES_PATH, ResponsesAPI(), "OpenAI's Responses API (stateless)"),
     Route("/v1/models", GET, list_models, "The served model"),
     Route("/v1/models/<path:model_id>", GET, get_model, "One model", listed=False),
-    Route("/v1/models/<path:model_id>/unload", POST, unload_model, "Unload an idle model now (--models)",
+    Route("/models/unload", POST, unload_model, 'Unload an idle model now (--models): {"model": NAME}',
           listed=False),
     Route("/health", GET, health, "Liveness: the GPU actor is alive and stepping or idle"),
     Route("/ready", GET, ready, "Readiness: the model is loaded and warm, not draining"),
