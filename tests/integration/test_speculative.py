@@ -212,7 +212,9 @@ def test_a_batch_wider_than_speculative_max_rows_does_not_speculate_and_a_row_le
     assert run.rows[run.last[1]] == 2 and run.rows[run.last[1] + 1] == 1
 
 
-def test_a_constrained_row_does_not_speculate_and_stays_valid(tiny_model_fp32):
+def test_a_constrained_row_near_its_budget_does_not_speculate_and_stays_valid(tiny_model_fp32):
+    """A JSON string in 24 tokens: the row is in its budget's endgame from the start (its
+    completion measured every step), where a constrained row drafts nothing."""
     from trio_mlx.actor._constrain import json_string_grammar, model_vocab
 
     grammar = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
@@ -562,24 +564,110 @@ def test_an_abort_in_a_speculating_batch_ends_that_row_alone(tiny_model_fp32, mo
     assert not actor.schedule.seqs
 
 
-def test_a_batch_holding_a_constrained_row_does_not_speculate(tiny_model_fp32):
-    """A constrained row beside a row on a repeating prompt: no speculative step while the
-    constrained row decodes (the verify applies no grammar mask), then the other speculates;
-    the constrained output is valid and the other row's tokens are those without speculation."""
-    from trio_mlx import models
-    from trio_mlx.actor._constrain import json_string_grammar, model_vocab
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "ids": {"type": "array", "items": {"type": "integer"}}},
+          "required": ["name", "ids"], "additionalProperties": False}
+NUMBERS = {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}}},
+           "required": ["ids"], "additionalProperties": False}
 
-    grammar = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
-    stops = frozenset(model_vocab(tiny_model_fp32).eos)
-    script = {0: [Submit(1, REPEATING, 24, SamplingParams(temperature=1.0, seed=2), stops, grammar),
-                  Submit(2, REPEATING[1:], 60, GREEDY, frozenset())]}
-    base = _serve(_actor(tiny_model_fp32), script)
-    run = _serve(_actor(tiny_model_fp32, speculative="ngram"), script)
+
+def _constrained(path: Path, rid: int, prompt: tuple[int, ...], max_tokens: int, sp: SamplingParams,
+                 schema: dict[str, Any]) -> tuple[Submit, frozenset[int]]:
+    import llguidance
+
+    from trio_mlx.actor._constrain import model_vocab
+    from trio_mlx.engine._grammar import JSON_OPTIONS
+
+    source = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    stops = frozenset(model_vocab(path).eos)
+    return Submit(rid, prompt, max_tokens, sp, stops, Grammar(source=source, min_tokens=16, kind="json_schema")), stops
+
+
+def _valid(path: Path, tokens: list[int], stops: frozenset[int], schema: dict[str, Any]) -> None:
+    import jsonschema
+
+    from trio_mlx import models
+
+    text = models.load_tokenizer(path).decode([t for t in tokens if t not in stops])
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize(("beside", "sp"), [(False, GREEDY), (True, GREEDY), (True, SEEDED)],
+                         ids=["alone", "beside-free-rows", "seeded-beside-free-rows"])
+@pytest.mark.parametrize("spoil", [0.0, 0.5])
+def test_a_constrained_row_speculates_and_keeps_its_tokens(tiny_model_fp32, monkeypatch, beside, sp, spoil):
+    """A row held to a JSON schema, alone or beside free rows (one drafting, one never),
+    with oracle drafts (all right, or spoiled at random): it speculates, keeps drafts, and
+    every row's tokens are those without speculation; the constrained output validates."""
+    submit, stops = _constrained(tiny_model_fp32, 1, PROMPT, 480, sp, SCHEMA)  # room to be far from its end
+    script: dict[int, list[Any]] = {0: [submit]}
+    if beside:
+        script[0].append(Submit(2, REPEATING, 60, GREEDY, frozenset()))
+        script[3] = [Submit(3, _random_prompt(5), 40, GREEDY, frozenset())]
+    base = _serve(_actor(tiny_model_fp32), script, 600)
+    _oracles(monkeypatch, {PROMPT: base.tokens[1], REPEATING: base.tokens.get(2, [])}, spoil)
+    run = _serve(_actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=5), script, 600)
+    assert run.tokens == base.tokens and run.reasons == base.reasons
+    _valid(tiny_model_fp32, run.tokens[1], stops, SCHEMA)
+    mine = [(d, a) for rid, d, a in (_spec_in_batches(run) if beside else run.speculated) if rid == 1]
+    drafted, kept = sum(d for d, _ in mine), sum(a for _, a in mine)
+    assert (0 < kept) if spoil == 0.0 else (0 < kept < drafted)
+
+
+def test_a_draft_the_grammar_forbids_is_never_kept(tiny_model_fp32, monkeypatch):
+    """A greedy constrained row (integers only) whose logit_bias makes a letter the model's
+    choice everywhere, the drafts spoiled with that letter: the grammar forbids it at every
+    position, so the masks reject it where the model alone would keep it; the grammar
+    stops the drafts there, and the tokens are those without speculation."""
+    from trio_mlx import models
+    from trio_mlx.actor import _constrain
+
+    letter = models.load_tokenizer(tiny_model_fp32).encode("q", add_special_tokens=False)[-1]
+    sp = SamplingParams(temperature=0.0, logit_bias=((letter, 60.0),))
+    submit, stops = _constrained(tiny_model_fp32, 1, PROMPT, 480, sp, NUMBERS)
+    script = {0: [submit, Submit(2, REPEATING, 60, GREEDY, frozenset())]}
+    base = _serve(_actor(tiny_model_fp32), script, 600)
+    assert letter not in base.tokens[1]
+    answer = base.tokens[1]
+    rng = random.Random(1)
+
+    def lookup(self: Any, row: DecodeRow, spec: Any, held: list[int], pending: Any, k: int) -> Proposal | None:
+        out = len(held) - len(row.prompt)
+        first = int(pending.item())
+        drafts = list((answer if row.grammar is not None else base.tokens[2])[out + 1 : out + 1 + k]) or [7]
+        if row.grammar is not None and rng.random() < 0.6:
+            drafts[rng.randrange(len(drafts))] = letter
+        inputs = mx.array([[first, *drafts]], dtype=pending.dtype)
+        return Proposal(inputs, inputs[0, 1:], first, drafts, len(held))
+
+    cut: list[tuple[list[int], int]] = []
+    real = _constrain.GrammarProcessor.draft
+
+    def draft(self: Any, drafts: Any, out: Any) -> int:
+        taken = real(self, drafts, out)
+        cut.append((list(drafts), taken))
+        return taken
+
+    monkeypatch.setattr(_drafting.Drafter, "_lookup", lookup)
+    monkeypatch.setattr(_constrain.GrammarProcessor, "draft", draft)
+    run = _serve(_actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=5), script, 600)
     assert run.tokens == base.tokens
-    assert run.speculated and all(rid == 2 for rid, _, _ in run.speculated)
-    assert min(run.spec_steps) > run.last[1]
-    text = models.load_tokenizer(tiny_model_fp32).decode([t for t in run.tokens[1] if t not in stops])
-    assert isinstance(json.loads(text), str), text
+    _valid(tiny_model_fp32, run.tokens[1], stops, NUMBERS)
+    assert sum(a for rid, _, a in run.speculated if rid == 1) > 0
+    stopped = [(d, n) for d, n in cut if letter in d]
+    assert stopped and all(n <= d.index(letter) for d, n in stopped)
+    assert any(n == d.index(letter) for d, n in stopped)
+
+
+def test_a_draft_model_drafts_for_a_constrained_row(tiny_model_fp32):
+    """A copy of the target drafts its unconstrained choices: the grammar stops them at the
+    first it forbids, the row keeps the rest where its masked choice agrees, and its tokens
+    are those without speculation."""
+    submit, stops = _constrained(tiny_model_fp32, 1, PROMPT, 480, GREEDY, SCHEMA)
+    base = _serve(_actor(tiny_model_fp32), {0: [submit]}, 600)
+    run = _serve(_actor(tiny_model_fp32, draft_model=str(tiny_model_fp32)), {0: [submit]}, 600)
+    assert run.tokens == base.tokens
+    _valid(tiny_model_fp32, run.tokens[1], stops, SCHEMA)
+    assert sum(a for _, _, a in run.speculated) > 0
 
 
 @pytest.mark.parametrize("max_rows", [2, 3])

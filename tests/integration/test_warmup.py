@@ -178,9 +178,9 @@ def test_with_speculation_the_rehearsal_verifies_greedy_and_sampled_rows(tiny_mo
     verified: list[Any] = []
     real = Decoder.verify
 
-    def spy(self: Any, logits: Any, row: Any, drafts: Any) -> Any:
+    def spy(self: Any, logits: Any, row: Any, drafts: Any, masks: Any = None) -> Any:
         verified.append(row.sampling)
-        return real(self, logits, row, drafts)
+        return real(self, logits, row, drafts, masks)
 
     monkeypatch.setattr(Decoder, "verify", spy)
     rolled: list[int] = []  # the rows of each speculative step

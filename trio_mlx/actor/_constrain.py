@@ -36,6 +36,16 @@ no completion fits in `max_tokens` and the text ends unfinished: either way the
 row ends "length", never "stop".
 A processor never raises: an internal failure forces EOS and is kept in `error`,
 because an exception here would fail the whole batch's step.
+
+Speculative decoding (`_spec_step.py`) verifies a row's drafts in one forward, each
+position with its own mask: position 0's is the step's own (`begin`, `fill`,
+`complete`, with the pending token), and `draft` advances the matcher tentatively
+through the drafts for the masks of positions 1..K, stopping at the first draft the
+grammar forbids; `keep` then rolls it back past the drafts the step did not keep. Only
+a row far from its budget drafts (`draft_room`): free, with no measurement due at the
+drafted positions (position 0, the plain step's, may measure), so that their masks are
+the matcher's alone; a row in its endgame (calm, forcing, measured every step) drafts
+nothing.
 """
 
 from __future__ import annotations
@@ -132,6 +142,11 @@ class GrammarProcessor:
         self._measured = -1  # the call whose budget `measure` measured
         self._failure: BaseException | None = None  # what failed in `measure`, for `complete`
         self._mode = "free"  # -> "calm" -> "forcing" -> "done" (only EOS)
+        self._endgame = False  # the last measurement found the row within reach of its budget's end
+        self._spacing = 1  # ... else the calls it set until the next one
+        # The tentative drafts `draft` fed the matcher: before each, the completion as it was
+        # and whether it was checked (`keep` puts back what the drafts it undoes changed).
+        self._undo: list[tuple[list[int], bool]] = []
         self.forced_finish = False
         self.error: str | None = None
 
@@ -223,6 +238,70 @@ class GrammarProcessor:
         failed. A `begin` must still follow, as every step."""
         self._fail(exc)
 
+    # -- speculative decoding: the masks of a step's drafted positions ---------------------
+
+    def draft_room(self) -> int:
+        """How many drafted tokens a speculative step may verify for this row now (0: none).
+        Position i of the step is the row's call `_calls + i`: position 0 is its plain step,
+        and each drafted one must stay free of the budget's machinery (no measurement due,
+        no endgame, not the row's last token), so that its mask is the matcher's own and a
+        rollback undoes it (`draft` stops where a measurement at position 0 moved it)."""
+        if self._mode != "free" or self.error is not None or self._endgame:
+            return 0
+        # a measurement due at position 0 is the plain step's own, and sets when the next is due
+        due = self._check_at - self._calls - 1 if self._calls < self._check_at else self._spacing - 1
+        return max(0, min(due, self._max_tokens - self._calls - 2))
+
+    def draft(self, drafts: Sequence[int], out: np.ndarray) -> int:
+        """After this step's position 0 (`begin`, and `fill`/`complete` where it asked): feed
+        `drafts` to the matcher tentatively, writing the mask of position i (after the first
+        i drafts) into `out[i]`. Stops before the first draft the grammar forbids, or one at
+        which the row would leave `draft_room`'s bounds (the grammar stopping, too); returns
+        how many it fed. `keep` must follow, in the same step."""
+        self._undo = []
+        m = self._matcher
+        try:
+            for t in drafts:
+                if self._mode != "free" or self._calls >= self._check_at or self._max_tokens - self._calls <= 1:
+                    break
+                if m.try_consume_tokens([t]) != 1:
+                    break  # forbidden: the matcher is as it was
+                if m.is_stopped():
+                    m.rollback(1)  # the plain step would end the row here: left to it
+                    break
+                self._undo.append((self._tail, self._tail_checked))
+                if self._tail and t == self._tail[0]:
+                    self._tail = self._tail[1:]  # a new list: `_undo` holds the old one
+                else:
+                    self._tail_checked = False
+                llnp.fill_next_token_bitmask(m, out, len(self._undo))
+                self._calls += 1
+        except BaseException as exc:  # as `begin`: the row ends (EOS), the batch goes on
+            if not (isinstance(exc, Exception) or is_panic(exc)):
+                raise
+            self._undo = []
+            self._fail(exc)
+            return 0
+        return len(self._undo)
+
+    def keep(self, n: int) -> None:
+        """The step kept the first `n` of the drafts `draft` fed: the matcher, the call count
+        and the completion go back to just after them, as if the rest never came."""
+        undo, self._undo = self._undo, []
+        extra = len(undo) - n
+        if extra <= 0 or self._mode == "done":
+            return
+        try:
+            if not self._matcher.rollback(extra):
+                raise RuntimeError(f"the grammar could not roll back {extra} tokens: {self._matcher.get_error()}")
+        except BaseException as exc:
+            if not (isinstance(exc, Exception) or is_panic(exc)):
+                raise
+            self._fail(exc)
+            return
+        self._calls -= extra
+        self._tail, self._tail_checked = undo[n]
+
     def _fail(self, exc: BaseException) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
         self._end()
@@ -288,6 +367,7 @@ class GrammarProcessor:
         says which tokens it allows); far from the end, stay free until a later
         measurement."""
         self._jumps = None
+        self._endgame = True  # until found far from the end
         # The last completion, if it still completes the grammar from here, saves a
         # walk (inside a string or a number it does); it is the longer one at worst.
         found: list[int] | None = self._tail
@@ -296,7 +376,7 @@ class GrammarProcessor:
             if found is None:
                 found = self._finish(m)
         if found is None:  # no completion found: generate freely, max_tokens may cut the row
-            self._check_at = self._max_tokens
+            self._check_at, self._endgame, self._spacing = self._max_tokens, False, self._max_tokens
             return
         tail = found
         self._tail, self._tail_checked = tail, True
@@ -317,8 +397,10 @@ class GrammarProcessor:
             self._jumps = {t: growth(m, self._vocab, tail, t)
                            for t in self._vocab.openers if m.validate_tokens([t])}
         else:
-            self._mode = "free"
-            self._check_at = self._calls + max(1, (left - need - far) // (far + 1))
+            self._mode, self._endgame = "free", False
+            # `draft_room`'s guess at the next spacing (`draft` holds to the real one)
+            self._spacing = max(1, (left - need - far) // (far + 1))
+            self._check_at = self._calls + self._spacing
 
     def _decide_calm(self) -> None:
         """The endgame's step, with the mask filled: calm when one of the openers or special

@@ -202,6 +202,16 @@ class _Plan:
             row.counts, row.seen = self.counts[j : j + 1], self.seen[j : j + 1]
 
 
+def _allowed(masks: Any, width: int) -> Any:
+    """Bitmasks (R, words) uint32, bit t%32 of word t//32 for token t, as (R, width) booleans;
+    logits wider than the tokenizer: the extra ids are no tokens at all."""
+    bits = (masks[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    allowed = bits.reshape(masks.shape[0], -1) != 0
+    if allowed.shape[1] >= width:
+        return allowed[:, :width]
+    return mx.concatenate([allowed, mx.zeros((allowed.shape[0], width - allowed.shape[1]), dtype=mx.bool_)], axis=1)
+
+
 def _init_penalty_state(row: DecodeRow, width: int) -> None:
     if row.counts is not None and row.counts.shape[1] == width:
         return
@@ -259,7 +269,29 @@ class Decoder:
             plan.rows[i].steps += 1
         return sampled, fed
 
-    def verify(self, logits: Any, row: DecodeRow, drafts: Any) -> tuple[Any, _Logprobs | None]:
+    def spec_masks(self, row: DecodeRow, width: int, fed: list[int], k: int) -> tuple[Any, int]:
+        """A constrained row's masks for the positions of its speculative step, before `verify`:
+        `fed` is its input to the step (its pending token, its `k` drafts, filler). Position 0
+        is the step the row would take without speculation (its matcher fed the pending
+        token); positions 1.. follow the drafts as far as the grammar allows them
+        (`GrammarProcessor.draft`). Returns the masks (len(fed), words) on the device, and
+        how many drafts they cover: the step keeps no more, and `GrammarProcessor.keep`
+        must follow with how many it kept. Positions past those repeat the last mask (never
+        kept)."""
+        g = row.grammar
+        assert g is not None
+        plan = self._plan_for([row], width)  # binds the row's mask to its plan's bitmask
+        assert plan.bitmask is not None
+        if g.begin(fed[0]):
+            g.fill()
+            g.complete()
+        out = g.new_bitmask(len(fed))
+        out[0] = plan.bitmask[0]
+        taken = g.draft(fed[1 : 1 + k], out)
+        out[taken + 1 :] = out[taken]
+        return mx.array(out.view(np.uint32)), taken
+
+    def verify(self, logits: Any, row: DecodeRow, drafts: Any, masks: Any = None) -> tuple[Any, _Logprobs | None]:
         """The target's own token at each position of a row's speculative step: `logits`
         (K+1, V) are the forward of the row's pending token and the K `drafts` after it
         (`_speculate.py`: the drafts the target keeps are those equal to these tokens).
@@ -268,8 +300,10 @@ class Decoder:
         a seeded row draws position i from its key for the token it would be (its step
         count plus i). Returns the tokens (lazy, started) and, for a row that asks for
         logprobs, theirs; the row's logprobs of its pending token are read into `row.out`.
-        Constrained rows do not speculate (`_drafting.Drafter`). A batch's rows are verified
-        one at a time, each with a plan of its own; `settle` goes back to each row's."""
+        A constrained row's `masks` (from `spec_masks`) forbid at each position what its
+        grammar forbids there, after the penalties, as a plain step's mask does. A batch's
+        rows are verified one at a time, each with a plan of its own; `settle` goes back
+        to each row's."""
         width = logits.shape[-1]
         plan = self._plan_for([row], width)
         pending = row.pending
@@ -285,6 +319,8 @@ class Decoder:
             seen = mx.maximum(plan.seen, mx.minimum(before, 1.0))
             x = mx.where(seen > 0, mx.where(x < 0, x * plan.rep, x / plan.rep), x)
             x = x - plan.freq * counts - plan.pres * (counts > 0)
+        if masks is not None:
+            x = mx.where(_allowed(masks, width), x, -mx.inf)
         if plan.all_greedy:
             sampled = mx.argmax(x, axis=-1)
         else:
@@ -435,15 +471,7 @@ class Decoder:
             sub = sub - plan.freq * plan.counts - plan.pres * (plan.counts > 0)
             x[idx] = sub
         if masks is not None:
-            bits = (masks[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
-            allowed = bits.reshape(masks.shape[0], -1) != 0
-            width = x.shape[-1]
-            if allowed.shape[1] >= width:
-                allowed = allowed[:, :width]
-            else:  # logits wider than the tokenizer: the extra ids are no tokens at all
-                allowed = mx.concatenate(
-                    [allowed, mx.zeros((allowed.shape[0], width - allowed.shape[1]), dtype=mx.bool_)], axis=1)
-            x[plan.g_idx] = mx.where(allowed, x[plan.g_idx], -mx.inf)
+            x[plan.g_idx] = mx.where(_allowed(masks, x.shape[-1]), x[plan.g_idx], -mx.inf)
         greedy_tokens = mx.argmax(x, axis=-1)
         if plan.all_greedy:
             sampled = greedy_tokens

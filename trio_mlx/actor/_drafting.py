@@ -92,8 +92,8 @@ class Drafter:
         """The drafts for `row` this step, or None: it takes a plain step. `held`: the tokens
         its KV holds (prompt and output); `pending`: its next token, sampled last step (on
         the device, (1,))."""
-        if row.grammar is not None or row.max_tokens <= 0:
-            return None  # constrained rows do not speculate (docs/design.md)
+        if row.max_tokens <= 0:
+            return None
         spec = row.spec
         if spec is None:
             row.spec = spec = RowSpec()
@@ -101,6 +101,8 @@ class Drafter:
         if not spec.allowed(position):
             return None
         k = room(self.k, row.max_tokens, position - len(row.prompt))
+        if row.grammar is not None:  # a constrained row drafts only far from its budget's endgame
+            k = min(k, row.grammar.draft_room())
         if k <= 0:
             return None
         if self.model is None:

@@ -37,10 +37,19 @@ layer's KV (the roll, joined by concatenation as `_batch.roll_right` joins it).
 and the batch's: no speculation while the batch has more rows than `max_rows`
 (`Drafter.max_rows`, the tuning's `speculative_max_rows`): verifying K+1 tokens a row
 costs more than it gives once the forward is no longer bound by reading the weights.
-A batch holding a constrained row does not speculate (`Decoder.verify` applies no
-grammar mask; constrained rows never speculate themselves). At one row a step's time
-judges it against the lone row's plain steps (`Decoder.lone_step`); in a wider batch
-acceptance alone does (no plain step of that batch to compare with).
+At one row a step's time judges it against the lone row's plain steps
+(`Decoder.lone_step`); in a wider batch acceptance alone does (no plain step of that
+batch to compare with).
+
+**Constrained rows.** A row with a grammar has each position's logits masked by what its
+grammar allows there (`Decoder.spec_masks`): position 0 by the mask its plain step
+would have, position i by the mask after its first i drafts, its matcher advanced
+through them tentatively and stopping at the first draft the grammar forbids (the row
+keeps no draft from there on). After the acceptance its matcher is rolled back to the
+drafts it kept (`GrammarProcessor.keep`). A constrained row without drafts (its endgame,
+`GrammarProcessor.draft_room`) still takes its position 0 with its mask. The masks
+need the drafts on the host: the step reads its inputs back once the forward is started
+and fills the masks while the device runs it.
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     this step, or the policy leaves the batch alone, and the caller takes a plain step."""
     drafter = decoder.drafter
     rows, helds, n = batch.samplers, batch.tokens, len(batch.uids)
-    if drafter is None or not 1 <= n <= drafter.max_rows or any(r.grammar is not None for r in rows):
+    if drafter is None or not 1 <= n <= drafter.max_rows:
         return None
     caches = batch.prompt_cache if n == 1 else _kv_caches(batch)
     if not caches:
@@ -80,10 +89,26 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     unmask_unpadded(caches)
     with adapter_rows(batch.model, batch.uids):
         logits = batch.model.verify(inputs, cache=caches)
-    verified = [decoder.verify(logits[i], r, inputs[i, 1:]) for i, r in enumerate(rows)]
-    fed: list[list[int]] = inputs.tolist()  # type: ignore[assignment]
+    width = logits.shape[-1]
+    room = [0 if p is None else p.k for p in proposals]  # the drafts each row may keep
+    masks: list[Any] = [None] * n
+    fed: list[list[int]] | None = None
+    if any(r.grammar is not None for r in rows):
+        mx.async_eval(logits)  # the device runs the forward while the host fills the masks
+        fed = inputs.tolist()  # type: ignore[assignment]
+        assert fed is not None
+        for i, r in enumerate(rows):
+            if r.grammar is not None:
+                masks[i], room[i] = decoder.spec_masks(r, width, fed[i], room[i])
+    verified = [decoder.verify(logits[i], r, inputs[i, 1:], masks[i]) for i, r in enumerate(rows)]
+    if fed is None:
+        fed = inputs.tolist()  # type: ignore[assignment]
+        assert fed is not None
     targets: list[list[int]] = mx.stack([s for s, _ in verified]).tolist()  # type: ignore[assignment]
-    kept = [0 if p is None else accepted(fed[i][1 : 1 + p.k], targets[i]) for i, p in enumerate(proposals)]
+    kept = [accepted(fed[i][1 : 1 + room[i]], targets[i]) for i in range(n)]
+    for r, a in zip(rows, kept, strict=True):
+        if r.grammar is not None:
+            r.grammar.keep(a)
     rollback(caches, [k - a for a in kept])
     seconds, plain = (time.perf_counter() - t0, decoder.lone_step()) if n == 1 else (None, None)
     firsts: list[int] = []
