@@ -92,18 +92,13 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     width = logits.shape[-1]
     room = [0 if p is None else p.k for p in proposals]  # the drafts each row may keep
     masks: list[Any] = [None] * n
-    fed: list[list[int]] | None = None
     if any(r.grammar is not None for r in rows):
         mx.async_eval(logits)  # the device runs the forward while the host fills the masks
-        fed = inputs.tolist()  # type: ignore[assignment]
-        assert fed is not None
-        for i, r in enumerate(rows):
-            if r.grammar is not None:
-                masks[i], room[i] = decoder.spec_masks(r, width, fed[i], room[i])
+    fed: list[list[int]] = inputs.tolist()  # type: ignore[assignment]
+    for i, r in enumerate(rows):
+        if r.grammar is not None:
+            masks[i], room[i] = decoder.spec_masks(r, width, fed[i], room[i])
     verified = [decoder.verify(logits[i], r, inputs[i, 1:], masks[i]) for i, r in enumerate(rows)]
-    if fed is None:
-        fed = inputs.tolist()  # type: ignore[assignment]
-        assert fed is not None
     targets: list[list[int]] = mx.stack([s for s, _ in verified]).tolist()  # type: ignore[assignment]
     kept = [accepted(fed[i][1 : 1 + room[i]], targets[i]) for i in range(n)]
     for r, a in zip(rows, kept, strict=True):
