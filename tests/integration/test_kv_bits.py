@@ -307,12 +307,12 @@ def test_a_model_whose_attention_takes_no_quantized_keys_is_refused():
 
 
 @pytest.mark.parametrize("mask", ["causal", "array", None])
-def test_the_folded_attention_is_mlx_lms_quantized_attention(mask):
-    """`folded_attention` (CUDA's path: a grouped-query model's query heads as more queries of
-    their KV head) computes what mlx-lm's quantized attention computes."""
+def test_the_dequantized_attention_is_mlx_lms_quantized_attention(mask):
+    """`dequantized_attention` (CUDA's path: the keys and values dequantized, then MLX's fused
+    attention, grouped-query heads included) computes what mlx-lm's quantized attention computes."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-    from trio_mlx.actor._kv_quant import folded_attention
+    from trio_mlx.actor._kv_quant import dequantized_attention
 
     mx.random.seed(5)
     queries = mx.random.normal((2, 8, 5, 64))
@@ -323,25 +323,31 @@ def test_the_folded_attention_is_mlx_lms_quantized_attention(mask):
         m = mx.broadcast_to((mx.arange(37) >= mx.array([0, 6])[:, None])[:, None, None, :], (2, 1, 5, 37))
     # each its own copy of the queries: mlx-lm scales its argument in place (`queries *= scale`)
     want = quantized_scaled_dot_product_attention(queries * 1, q_keys, q_values, 0.125, m, group_size=32, bits=4)
-    got = folded_attention(queries * 1, q_keys, q_values, 0.125, m, group_size=32, bits=4)
+    got = dequantized_attention(queries * 1, q_keys, q_values, 0.125, m, group_size=32, bits=4)
     assert got.shape == want.shape == (2, 8, 5, 64)
     assert mx.allclose(got, want, atol=1e-5).item()
 
 
-async def test_with_query_heads_folded_the_engine_still_gives_mlx_lms_tokens(model_hd64, reference, monkeypatch):
-    """Where the actor folds the query heads (CUDA), a batch of rows of different lengths
+async def test_with_dequantized_attention_the_engine_still_gives_mlx_lms_tokens(model_hd64, reference, monkeypatch):
+    """Where the actor attends over dequantized keys and values (CUDA, where `quantized_matmul`
+    has no kernel for the attention's shapes: here it raises as there), a batch of rows of different lengths
     (masks with padding), one prefilled in chunks, still gets mlx-lm's own tokens."""
     from mlx_lm.models import base
 
     jobs = [(ids(300, 3), 16), (ids(41, 8), 20), (ids(97, 2), 12)]
-    want = [reference(prompt, n, 4, 32) for prompt, n in jobs]  # before the fold: mlx-lm's own attention
+    want = [reference(prompt, n, 4, 32) for prompt, n in jobs]  # before the swap: mlx-lm's own attention
     monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", base.quantized_scaled_dot_product_attention)
     from trio_mlx.actor import _loading
 
     monkeypatch.setattr(_loading.mx.cuda, "is_available", lambda: True)
+
+    def no_kernel(*args: Any, **kwargs: Any) -> Any:  # as MLX 0.32.4's CUDA answers mlx-lm's shapes
+        raise RuntimeError("[quantized_matmul] No implementation for problem shape: 4x1x64x8")
+
+    monkeypatch.setattr(mx, "quantized_matmul", no_kernel)
     async with trio_mlx.open_engine(model_hd64, kv_bits=4, kv_group_size=32, max_batch=4, prefill_step=128,
                                     warmup=False, prompt_cache_gb=0) as engine:
-        assert base.quantized_scaled_dot_product_attention.__name__ == "folded_attention"
+        assert base.quantized_scaled_dot_product_attention.__name__ == "dequantized_attention"
         got: dict[int, list[int]] = {}
 
         async def one(i: int) -> None:

@@ -268,60 +268,47 @@ def check_kv_bits(bits: int, group_size: int, head_dims: tuple[int, ...]) -> Non
         if dim % group_size:
             raise ValueError(f"kv_group_size {group_size} must divide the model's head dim ({dim}): "
                              f"try {' or '.join(str(g) for g in KV_GROUP_SIZES if dim % g == 0) or 'another model'}")
-    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+    from mlx_lm.models import base  # at call time: `attend_dequantized` may have replaced it
 
     k_dim, v_dim = head_dims[0], head_dims[-1]
     try:
         keys = mx.quantize(mx.ones((1, 1, 2, k_dim)), group_size=group_size, bits=bits)
         values = mx.quantize(mx.ones((1, 1, 2, v_dim)), group_size=group_size, bits=bits)
-        out = quantized_scaled_dot_product_attention(mx.ones((1, 1, 1, k_dim)), keys, values, scale=1.0, mask=None,
-                                                     group_size=group_size, bits=bits)
+        out = base.quantized_scaled_dot_product_attention(mx.ones((1, 1, 1, k_dim)), keys, values, scale=1.0,
+                                                          mask=None, group_size=group_size, bits=bits)
         mx.eval(out)
     except Exception as exc:
         raise ValueError(f"kv_bits {bits} with kv_group_size {group_size} does not run on "
                          f"{mx.default_device()}: {exc}") from exc
 
 
-def fold_query_heads() -> None:
-    """Make mlx-lm's quantized attention take a grouped-query model's query heads as more
-    queries of their KV head (`folded_attention`), in this process from now on.
+def attend_dequantized() -> None:
+    """Make mlx-lm's quantized attention dequantize the step's keys and values and attend
+    with MLX's fused attention (`dequantized_attention`), in this process from now on.
 
-    MLX 0.32.4's CUDA `quantized_matmul` has no kernel for the broadcast that mlx-lm's
-    quantized attention asks of it when several query heads share a KV head (queries
-    (B, kv, repeats, L, D) against keys (B, kv, 1, N, D)): on an H200 it raised "No
-    implementation for problem shape: 1x1x64x32", and `kv_bits` was refused for the
-    Llama-3.2-1B shape (BENCHMARKS.md, "Not measured yet"). The same matmuls over plain
-    4-D shapes ran there. The actor calls this on CUDA only, where the load's check
-    (`_loading.kv_quantization`) then runs the folded attention."""
+    MLX 0.32.4's CUDA `quantized_matmul` has no kernel for the shapes mlx-lm's quantized
+    attention gives it: keys and values batched over (rows, KV heads), one matrix each. On
+    an H200 it raised "No implementation for problem shape" (M x N x K x batch: 1x1x64x32
+    as mlx-lm asks, 4x1x64x8 with each KV head's query heads folded into its queries), and
+    other key lengths at group size 64 sent it to a kernel that failed to compile. MLX's
+    `dequantize` is elementwise and its fused attention takes any length, so the cache
+    stays quantized in memory (what `kv_bits` is for) and each layer's attention reads a
+    transient full-precision copy of it. The actor calls this on CUDA only, where the
+    load's check (`_loading.kv_quantization`) then runs this attention."""
     from mlx_lm.models import base
 
-    base.quantized_scaled_dot_product_attention = folded_attention
+    base.quantized_scaled_dot_product_attention = dequantized_attention
 
 
-def folded_attention(queries: Any, q_keys: Any, q_values: Any, scale: float, mask: Any,
-                     group_size: int = 64, bits: int = 8) -> Any:
-    """mlx-lm's `quantized_scaled_dot_product_attention` with the `repeats` query heads of
-    each KV head folded into its query axis, (B, kv, repeats x L, D): every query still
-    meets the same keys and values, with no broadcast axis; the mask and softmax as mlx-lm
-    applies them, over (B, kv, repeats, L, N)."""
-    b, n_q_heads, length, d = queries.shape
-    n_kv_heads = q_keys[0].shape[-3]
-    repeats = n_q_heads // n_kv_heads
-    queries = (queries * scale).reshape(b, n_kv_heads, repeats * length, d)
+def dequantized_attention(queries: Any, q_keys: Any, q_values: Any, scale: float, mask: Any,
+                          group_size: int = 64, bits: int = 8) -> Any:
+    """mlx-lm's `quantized_scaled_dot_product_attention` computed as MLX's fused attention
+    over the dequantized keys and values: the same keys and values (`dequantize` of the
+    triples is what the quantized matmul multiplies by), the same mask ("causal", an
+    array, or none) and scale. Looked up at call time, so `_shapes`' attention swaps
+    (query by query, row by row) apply to it as to a plain cache's."""
     k, k_scales, k_biases = q_keys
-    scores = mx.quantized_matmul(queries, k, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits)
-    scores = scores.reshape(b, n_kv_heads, repeats, length, -1)
-    if mask is not None:
-        if isinstance(mask, str):
-            keys = scores.shape[-1]
-            mask = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
-        if mask.ndim > 3:
-            mask = mx.expand_dims(mask, -3)
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-    scores = mx.softmax(scores, axis=-1, precise=True).reshape(b, n_kv_heads, repeats * length, -1)
     v, v_scales, v_biases = q_values
-    out = mx.quantized_matmul(scores, v, v_scales, v_biases, transpose=False, group_size=group_size, bits=bits)
-    return out.reshape(b, n_q_heads, length, d)
+    keys = mx.dequantize(k, k_scales, k_biases, group_size=group_size, bits=bits)
+    values = mx.dequantize(v, v_scales, v_biases, group_size=group_size, bits=bits)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

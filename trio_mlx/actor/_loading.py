@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .. import models
 from ._batch import plain_kv
 from ._drafting import Drafter
-from ._kv_quant import RowQuantizedKVCache, check_kv_bits, fold_query_heads
+from ._kv_quant import RowQuantizedKVCache, attend_dequantized, check_kv_bits
 from ._spec_step import speculative_step
 from ._tuning import ActorTuning
 
@@ -37,9 +37,9 @@ def kv_quantization(model: Any, config: dict[str, Any], tuning: ActorTuning) -> 
     if head_dim <= 0:
         raise ValueError("kv_bits: the model's config.json gives no head dim (head_dim, or hidden_size "
                          "and num_attention_heads)")
-    check_kv_bits(tuning.kv_bits, tuning.kv_group_size, (head_dim,))
     if mx.cuda.is_available():
-        fold_query_heads()  # CUDA's quantized matmul lacks the grouped-query broadcast (its docstring)
+        attend_dequantized()  # CUDA's quantized matmul lacks the attention's shapes (its docstring)
+    check_kv_bits(tuning.kv_bits, tuning.kv_group_size, (head_dim,))
     try:  # one token through the model: its attention must take mlx-lm's quantized path
         caches = [RowQuantizedKVCache(tuning.kv_group_size, tuning.kv_bits) for _ in make_prompt_cache(model)]
         mx.eval(model(mx.array([[0]]), cache=caches))
