@@ -8,7 +8,7 @@ round and each configuration (off / `speculative="ngram"` / a draft model: `--dr
 default the model itself, which keeps every draft), one engine at a time, in
 alternating order: a greedy chat request at c=1 that asks the model (default: the
 embedded SmolLM2-135M-Instruct, real weights) to repeat a passage of its context,
-then the same at c=4 (no row speculates beside another: it should match "off").
+then the same at c=4 (four rows speculating in one batch, `speculative_max_rows`).
 Prints per request decode tokens/s (completion tokens after the first over the time
 after the first token), TTFT (and the first request's after the engine is ready: a
 compile stall would show there), the acceptance rate from `usage`, and whether each
@@ -78,6 +78,9 @@ async def main() -> None:
     prompt = "Repeat the following text exactly, from its first line to its last:\n\n" + passage(a.chars)
     configs = {"off": {}, "ngram": {"speculative": "ngram"},
                "draft": {"draft_model": a.draft or a.model or "default"}}
+    for name in a.configs.split(","):  # ngramK: prompt lookup drafting up to K tokens a step
+        if name.startswith("ngram") and name[5:].isdigit():
+            configs[name] = {"speculative": "ngram", "num_draft_tokens": int(name[5:])}
     rows: list[dict] = []
     texts: dict[str, str] = {}
     for r in range(a.rounds):

@@ -36,6 +36,7 @@ from trio_mlx.actor._actor import Actor
 from trio_mlx.actor._batch import batch_rows
 from trio_mlx.actor._decode import Decoder, DecodeRow
 from trio_mlx.actor._drafting import Proposal
+from trio_mlx.actor._tuning import MAX_DRAFT
 
 PROMPT = tuple(range(5, 40))
 REPEATING = tuple([5, 6, 7, 8, 9, 10, 11, 12] * 6)
@@ -198,6 +199,35 @@ def test_an_abort_between_speculative_steps_ends_the_row(tiny_model_fp32, monkey
     assert not actor.schedule.seqs and not actor._bg._generation_batch.uids  # type: ignore[union-attr]
 
 
+def test_rows_of_a_batch_whose_speculative_steps_are_slower_than_its_plain_steps_stop(tiny_model_fp32, monkeypatch):
+    """Two rows speculating side by side (oracle drafts, every one kept) are judged by time
+    as a lone row is: against the plain steps of a batch as wide. Where those cost (next to)
+    nothing, every speculative step gives each row fewer tokens a second, so after a window
+    of them each row stops for BACKOFF tokens, however many drafts it keeps; where they cost
+    forever, it goes on. The tokens are the same either way."""
+    from trio_mlx.actor._speculate import BACKOFF, WINDOW
+
+    rows = [(0, 1, PROMPT, 48, GREEDY), (0, 2, PROMPT[3:], 48, GREEDY)]
+    script = _mixed_script(rows)
+    base = _serve(_actor(tiny_model_fp32), script)
+    _oracles(monkeypatch, {p: base.tokens[rid] for _, rid, p, _, _ in rows})
+    widths: list[int] = []
+
+    def run(plain: float) -> Run:
+        monkeypatch.setattr(Decoder, "plain_step", lambda self, width: widths.append(width) or plain)
+        return _serve(_actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=1), script)
+
+    slow, instant = run(1e9), run(1e-9)
+    assert slow.tokens == instant.tokens == base.tokens
+    assert set(widths) == {2}  # asked of the batch of two alone
+    assert 1 + 2 * WINDOW + BACKOFF > 48  # a row that stops after its first window does not resume
+    for rid in (1, 2):
+        goes_on = sum(1 for r, _, _ in _spec_in_batches(slow) if r == rid)
+        stopped = sum(1 for r, _, _ in _spec_in_batches(instant) if r == rid)
+        assert goes_on > 2 * WINDOW, (rid, goes_on)
+        assert stopped == WINDOW, (rid, stopped)
+
+
 def test_a_batch_wider_than_speculative_max_rows_does_not_speculate_and_a_row_left_alone_does(tiny_model_fp32):
     """Two greedy rows on repeating prompts with speculative_max_rows 1: no speculative step
     while both decode; once the short one has ended, its row leaves at the next step (not
@@ -320,17 +350,21 @@ def _counted(sdpa: Any, calls: list[int], queries: Any, *args: Any, **kwargs: An
     return sdpa(queries, *args, **kwargs)
 
 
-def test_attention_query_by_query_is_the_fused_attention():
+@pytest.mark.parametrize("queries", [5, MAX_DRAFT + 1])
+def test_attention_query_by_query_is_the_fused_attention(queries):
     """`_shapes.query_by_query` (a speculative step's attention on CUDA): a few queries behind
     a KV, one at a time, give what the fused attention gives over them all, causal, unmasked
-    or with an array mask (left padding)."""
+    or with an array mask (left padding); up to the widest step a tuning allows (the most
+    drafts and the pending token), where cuDNN would build a graph per key length."""
     from mlx_lm.models import base as mlx_lm_base
 
     from trio_mlx.actor._shapes import query_by_query
 
     rng = np.random.default_rng(0)
-    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((1, 4, 5, 8), (1, 2, 12, 8), (1, 2, 12, 8)))
-    padded = np.tril(np.ones((5, 12), dtype=bool), k=7)
+    keys = queries + 7
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))
+               for s in ((1, 4, queries, 8), (1, 2, keys, 8), (1, 2, keys, 8)))
+    padded = np.tril(np.ones((queries, keys), dtype=bool), k=7)
     padded[:, :3] = False  # three positions of left padding
     for mask in ("causal", None, mx.array(padded)[None, None]):
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
@@ -342,7 +376,7 @@ def test_attention_query_by_query_is_the_fused_attention():
                 got = mlx_lm_base.scaled_dot_product_attention(q, k, v, cache=None, scale=0.3, mask=mask)
         finally:
             mx.fast.scaled_dot_product_attention = sdpa
-        assert calls == [1] * 5, calls  # one query at a time
+        assert calls == [1] * queries, calls  # one query at a time
         assert got.shape == want.shape
         assert np.allclose(np.array(got), np.array(want), atol=1e-5), mask
     with query_by_query(False):

@@ -14,6 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from ._tuning import MAX_DRAFT
+
 # The bytes one prefill step's attention scores may take. Where MLX has no fused kernel for
 # a prefill's attention (its CUDA and CPU backends, with the padding mask a batched prefill
 # carries), it materializes rows x heads x chunk x context scores: 8 prompts of 3-7.5k
@@ -101,8 +103,9 @@ def grid_sizes(step: int) -> list[int]:
 
 
 # The most tokens a step behind a KV may feed for its attention to run query by query
-# (`query_by_query`): a speculative step feeds a row's pending token and its drafts.
-FEW_QUERIES = 16
+# (`query_by_query`): a speculative step feeds a row's pending token and its drafts, as many
+# as a tuning allows (any more would each meet cuDNN's graph build for a new key length).
+FEW_QUERIES = MAX_DRAFT + 1
 
 
 @contextlib.contextmanager
