@@ -399,17 +399,17 @@ def _owned_next(decoder: Decoder, batch: Any) -> Decoded:
     if not batch.uids:
         return Decoded([], [], [])
     drafter = decoder.drafter
-    lone = drafter is not None and len(batch.uids) == 1
+    timed = drafter is not None and len(batch.uids) <= drafter.max_rows  # a width that may speculate
     if drafter is not None and drafter.step is not None:
         spec = drafter.step(decoder, batch)  # `_spec_step.speculative_step`
         if spec is not None:
             return spec
     t0 = time.perf_counter()
     fed, _ = batch._step()
-    if lone and not decoder.speculated_last:
+    if timed and not decoder.speculated_last:
         # pipelined: a step's wall time here is the device's step time (the first plain step
         # after a speculative one found nothing in flight, so it is not counted)
-        decoder.lone_steps.append(time.perf_counter() - t0)
+        decoder.timed_plain(len(batch.uids), time.perf_counter() - t0)
     decoder.speculated_last = False
     # copies: a group joining in this same `BatchGenerator.next` extends the batch's lists
     return Decoded(list(batch.uids), fed, list(batch.samplers))

@@ -231,15 +231,23 @@ class Decoder:
         self._executor: Any = None  # llguidance's thread pool, made at the first batch of masks
         # Speculative decoding's drafts (`_drafting.Drafter`), verified by `verify`; None: off.
         self.drafter = drafter
-        # wall seconds of a lone row's last plain steps: what a speculative step is judged against
-        self.lone_steps: collections.deque[float] = collections.deque(maxlen=16)
+        # wall seconds of the last plain steps, by the batch's width: what a speculative step of
+        # that width is judged against
+        self.plain_steps: dict[int, collections.deque[float]] = {}
         self.speculated_last = False  # the last step was a speculative one (`_spec_step.py`)
         self._measurer: ThreadPoolExecutor | None = None  # the budget checks' thread (`_fill_many`)
 
-    def lone_step(self) -> float | None:
-        """A lone row's plain step in seconds (the median of the last ones), None before any."""
-        steps = sorted(self.lone_steps)
+    def plain_step(self, width: int) -> float | None:
+        """A plain step of a batch of `width` rows, in seconds (the median of the last ones),
+        None before any."""
+        steps = sorted(self.plain_steps.get(width, ()))
         return steps[len(steps) // 2] if steps else None
+
+    def timed_plain(self, width: int, seconds: float) -> None:
+        """A pipelined plain step of a batch of `width` rows took `seconds`."""
+        if (steps := self.plain_steps.get(width)) is None:
+            steps = self.plain_steps[width] = collections.deque(maxlen=16)
+        steps.append(seconds)
 
     def step(self, logits: Any, rows: Sequence[DecodeRow], inputs: Any, first: bool) -> tuple[Any, list[int]]:
         """Sample every row's next token from `logits` (B, V), the forward of `inputs` (B,):

@@ -113,8 +113,8 @@ class Drafter:
                plain: float | None = None) -> None:
         """The step kept `accepted` of the proposal's drafts, in `seconds`: the draft model's
         cache drops what it holds past them, and the row's policy counts the step against
-        `plain`, a lone row's plain step (`RowSpec.record`; both None for a row of a wider
-        batch: its acceptance alone judges it)."""
+        `plain`, a plain step of a batch as wide (`RowSpec.record`; None: none timed yet,
+        its acceptance alone judges it)."""
         spec = row.spec
         assert spec is not None
         k = proposal.k

@@ -37,9 +37,11 @@ layer's KV (the roll, joined by concatenation as `_batch.roll_right` joins it).
 and the batch's: no speculation while the batch has more rows than `max_rows`
 (`Drafter.max_rows`, the tuning's `speculative_max_rows`): verifying K+1 tokens a row
 costs more than it gives once the forward is no longer bound by reading the weights.
-At one row a step's time judges it against the lone row's plain steps
-(`Decoder.lone_step`); in a wider batch acceptance alone does (no plain step of that
-batch to compare with).
+A step's time judges each of its speculating rows too: against the plain steps of a
+batch of the same width (`Decoder.plain_step`), each of which gives every row one token.
+On random text, where drafts are few and short, a speculative step that keeps a draft
+now and then costs more than the tokens it gives, and its rows stop speculating for a
+while (benchmarks/2026-11-29-h200/README.md).
 
 **Constrained rows.** A row with a grammar has each position's logits masked by what its
 grammar allows there (`Decoder.spec_masks`): position 0 by the mask its plain step
@@ -105,7 +107,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
         if r.grammar is not None:
             r.grammar.keep(a)
     rollback(caches, [k - a for a in kept])
-    seconds, plain = (time.perf_counter() - t0, decoder.lone_step()) if n == 1 else (None, None)
+    seconds, plain = time.perf_counter() - t0, decoder.plain_step(n)
     firsts: list[int] = []
     specs: list[Speculated | None] = []
     for i, (row, held, p, a) in enumerate(zip(rows, helds, proposals, kept, strict=True)):

@@ -28,9 +28,9 @@ steps (its drafts depend on the tokens read back). So rows speculate only in a n
 batch (`_drafting.Drafter.max_rows`: K+1 tokens cost little more than one while a forward
 is bound by reading the weights, which a wide batch's no longer is), and each row keeps
 a window of its last `WINDOW` speculative steps: when they accepted fewer than
-`MIN_ACCEPTED` drafted tokens a step on average, or (for a lone row, whose steps are
-timed) took longer per token they gave than the plain steps of a lone row take (the
-decoder's measure of those, when it has one), the row stops speculating for `BACKOFF` tokens,
+`MIN_ACCEPTED` drafted tokens a step on average, or took longer per token they gave the
+row than the plain steps of a batch as wide take (the decoder's measure of those, when it
+has one), the row stops speculating for `BACKOFF` tokens,
 twice as long at each further stop (at most `MAX_BACKOFF`), then tries again (what a row
 writes changes: an agent starts quoting a file). The time is the judge because what a
 step costs differs by device: on an H200 a speculative step of the 1B shape that kept
@@ -142,8 +142,8 @@ class RowSpec:
     def record(self, drafted: int, accepted: int, position: int, seconds: float | None = None,
                plain: float | None = None) -> None:
         """A speculative step's outcome, the row holding `position` tokens after it: it took
-        `seconds` (None: not timed), and a lone row's plain step takes `plain` seconds (None:
-        not known yet)."""
+        `seconds` (None: not timed), and a plain step of a batch as wide takes `plain` seconds
+        (None: not known yet), giving each row one token."""
         self.drafted += drafted
         self.accepted += accepted
         w, t = self.window, self.seconds
