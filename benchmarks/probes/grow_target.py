@@ -25,8 +25,9 @@ load it as they load any) whose outputs stay close to SmolLM2's:
   moderate W, then grow to the size the GPU should find expensive (W = 153600 makes the
   bfloat16 weights ~16 GB, an 8B model's bytes).
 - Measured on the CPU (float32, `draft_agreement.py`, 8 chat prompts, 64 tokens): at
-  S=0.15 greedy per-token agreement 0.82 (W=4096) and 0.84 (W=6656), the engine's own
-  acceptance 0.71 with 3 drafts a step and 0.60 with 4, answers still coherent; at S=0.25
+  S=0.15 greedy per-token agreement 0.82 (W=4096), 0.84 (W=6656) and 0.81 (W=13824): the
+  rule holds; the engine's own acceptance (W=4096) 0.71 with 3 drafts a step and 0.60 with
+  4, answers still coherent, and the same agreement on the bench's random prompts; at S=0.25
   agreement 0.69 (acceptance 0.46 with 3); at S=0.5 the answers fall apart (0.57).
 - Deterministic: the same SRC, W, S, seed and dtype give the same weights (one key per
   layer and matrix). Everything but the MLPs (embeddings, attention, norms, tokenizer,
