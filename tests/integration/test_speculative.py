@@ -805,3 +805,26 @@ async def test_requests_sharing_a_batch_count_their_drafts_and_stop_at_their_sto
     stopped = await both(text[at : at + 3], draft_model=str(tiny_model_fp32), num_draft_tokens=3)
     assert stopped[0][0] == text[:at] and stopped[0][1].finish_reason == "stop"
     assert stopped[1][0] == plain[1][0] and stopped[1][1].usage.draft_tokens > 0
+
+
+def test_a_draft_models_step_starts_the_verify_before_reading_its_drafts_back(tiny_model_fp32, monkeypatch):
+    """A draft model's drafts are part of the step's graph: the verifying forward is handed to
+    the device (async_eval of its logits) before the host reads the drafts back, every
+    speculative step, so the device runs it while the host waits (not after a round trip)."""
+    from trio_mlx.actor import _spec_step
+
+    started: list[tuple[int, ...]] = []
+
+    class _Mx:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mx, name)
+
+        def async_eval(self, *arrays: Any) -> None:
+            started.append(tuple(a.shape for a in arrays))
+            mx.async_eval(*arrays)
+
+    monkeypatch.setattr(_spec_step, "mx", _Mx())
+    run = _one(tiny_model_fp32, GREEDY, 40, draft_model=str(tiny_model_fp32), num_draft_tokens=3)
+    assert run.speculated
+    assert len(started) == len(set(run.spec_steps))  # once a speculative step: its logits, (rows, K+1, vocab)
+    assert all(len(s) == 1 and len(s[0]) == 3 and s[0][1] > 1 for s in started)

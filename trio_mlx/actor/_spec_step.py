@@ -51,7 +51,8 @@ keeps no draft from there on). After the acceptance its matcher is rolled back t
 drafts it kept (`GrammarProcessor.keep`). A constrained row without drafts (its endgame,
 `GrammarProcessor.draft_room`) still takes its position 0 with its mask. The masks
 need the drafts on the host: the step reads its inputs back once the forward is started
-and fills the masks while the device runs it.
+(every step starts it first: a draft model's drafts, read alone, would stall the device
+between the last draft and the verify) and fills the masks while the device runs it.
 """
 
 from __future__ import annotations
@@ -94,8 +95,11 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     width = logits.shape[-1]
     room = [0 if p is None else p.k for p in proposals]  # the drafts each row may keep
     masks: list[Any] = [None] * n
-    if any(r.grammar is not None for r in rows):
-        mx.async_eval(logits)  # the device runs the forward while the host fills the masks
+    # The forward goes to the device before the host reads the inputs back: a draft model's
+    # drafts are part of its graph, so reading them alone first would leave the device idle
+    # from the last draft until the verify is submitted; and where a constrained row fills
+    # masks, the device runs the forward meanwhile.
+    mx.async_eval(logits)
     fed: list[list[int]] = inputs.tolist()  # type: ignore[assignment]
     for i, r in enumerate(rows):
         if r.grammar is not None:
