@@ -1,5 +1,5 @@
 """Speculative decoding's rules with no model (`actor/_speculate.py`): prompt-lookup drafts,
-the acceptance rule and the per-row policy."""
+the acceptance rule, the per-row policy and the per-width one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from trio_mlx.actor import _speculate
-from trio_mlx.actor._speculate import NgramIndex, RowSpec, accepted, room
+from trio_mlx.actor._speculate import NgramIndex, RowSpec, WidthJudge, accepted, room
 
 
 def _index(tokens: list[int], n: int = 3) -> NgramIndex:
@@ -135,6 +135,38 @@ def test_a_row_whose_speculative_steps_give_tokens_slower_than_plain_steps_stops
     for i in range(_speculate.WINDOW):
         unknown.record(4, 2, 100 + i, seconds=1.0, plain=None)
     assert unknown.allowed(100 + _speculate.WINDOW)
+
+
+def test_a_width_whose_speculative_steps_give_the_batch_less_than_plain_steps_stops_and_retries_later():
+    """A speculative step costs every row of its batch: a window of a width's steps that gave
+    the batch fewer tokens than plain steps of that width give in the same time stops that
+    width (others go on) for WIDTH_BACKOFF steps, then twice as long after its next stop."""
+    judge = WidthJudge()
+    window, backoff = _speculate.WIDTH_WINDOW, _speculate.WIDTH_BACKOFF
+    for _ in range(window):
+        # 2 rows, 6 tokens in 6 ms, where plain steps give 2 in 2.5: it pays
+        assert judge.allowed(2)
+        judge.record(2, 0.006, 6, 0.0025)
+        # 4 rows, one of them kept 3 drafts: 7 tokens in 10 ms, where plain steps give 4 in 2.5
+        assert judge.allowed(4)
+        judge.record(4, 0.010, 7, 0.0025)
+    stopped = judge.steps
+    assert judge.allowed(2) and not judge.allowed(4)
+    while not judge.allowed(4):
+        pass
+    assert judge.steps - stopped == backoff  # counted in steps asked about, of any width
+    for _ in range(window):
+        assert judge.allowed(4)
+        judge.record(4, 0.010, 7, 0.0025)
+    stopped = judge.steps
+    while not judge.allowed(4):
+        pass
+    assert judge.steps - stopped == 2 * backoff
+    unknown = WidthJudge()  # no plain step of the width timed yet: nothing judged
+    for _ in range(2 * window):
+        assert unknown.allowed(4)
+        unknown.record(4, 1.0, 4, None)
+    assert unknown.allowed(4)
 
 
 def _gumbel_max(logp: np.ndarray, rng: np.random.Generator) -> int:

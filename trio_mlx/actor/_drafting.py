@@ -34,7 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ._decode import DecodeRow
 from ._shapes import prefill_grid, query_by_query
-from ._speculate import NgramIndex, RowSpec, room
+from ._speculate import NgramIndex, RowSpec, WidthJudge, room
 
 
 class DraftState:
@@ -83,6 +83,7 @@ class Drafter:
         self.prefill_step = max(1, prefill_step)
         # On CUDA a draft's steps of a few tokens attend query by query (`_shapes.query_by_query`)
         self.by_query = model is not None and prefill_grid()
+        self.widths = WidthJudge()  # which batch widths speculate (`_spec_step.py`)
 
     @property
     def mode(self) -> str:

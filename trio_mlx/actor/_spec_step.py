@@ -38,7 +38,9 @@ and the batch's: no speculation while the batch has more rows than `max_rows`
 (`Drafter.max_rows`, the tuning's `speculative_max_rows`): verifying K+1 tokens a row
 costs more than it gives once the forward is no longer bound by reading the weights.
 A step's time judges each of its speculating rows too: against the plain steps of a
-batch of the same width (`Decoder.plain_step`), each of which gives every row one token.
+batch of the same width (`Decoder.plain_step`), each of which gives every row one token;
+and the batch's width, by what its speculative steps gave all its rows
+(`_speculate.WidthJudge`).
 On random text, where drafts are few and short, a speculative step that keeps a draft
 now and then costs more than the tokens it gives, and its rows stop speculating for a
 while (benchmarks/2026-11-29-h200/README.md).
@@ -74,7 +76,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     this step, or the policy leaves the batch alone, and the caller takes a plain step."""
     drafter = decoder.drafter
     rows, helds, n = batch.samplers, batch.tokens, len(batch.uids)
-    if drafter is None or not 1 <= n <= drafter.max_rows:
+    if drafter is None or not 1 <= n <= drafter.max_rows or not drafter.widths.allowed(n):
         return None
     caches = batch.prompt_cache if n == 1 else _kv_caches(batch)
     if not caches:
@@ -112,6 +114,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
             r.grammar.keep(a)
     rollback(caches, [k - a for a in kept])
     seconds, plain = time.perf_counter() - t0, decoder.plain_step(n)
+    drafter.widths.record(n, seconds, n + sum(kept), plain)
     firsts: list[int] = []
     specs: list[Speculated | None] = []
     for i, (row, held, p, a) in enumerate(zip(rows, helds, proposals, kept, strict=True)):

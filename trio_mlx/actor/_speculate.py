@@ -34,7 +34,11 @@ has one), the row stops speculating for `BACKOFF` tokens,
 twice as long at each further stop (at most `MAX_BACKOFF`), then tries again (what a row
 writes changes: an agent starts quoting a file). The time is the judge because what a
 step costs differs by device: on an H200 a speculative step of the 1B shape that kept
-a drafted token now and then cost 2.7x a pipelined plain step (BENCHMARKS.md).
+a drafted token now and then cost 2.7x a pipelined plain step (BENCHMARKS.md). And a
+speculative step costs every row of its batch, those without drafts too: so each
+width's speculative steps are also judged together (`WidthJudge`), by the tokens they
+gave the whole batch against plain steps of that width, and a width whose steps did not
+pay goes without speculating for a while.
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ MIN_ACCEPTED = 1.0
 # Tokens a row with low acceptance goes without speculating, doubled at each further stop.
 BACKOFF = 32
 MAX_BACKOFF = 1024
+# A width's speculative steps judged together (`WidthJudge`): few, since each one that does
+# not pay costs the whole batch; and the steps a width goes without speculating after a stop.
+WIDTH_WINDOW = 4
+WIDTH_BACKOFF = 256
+MAX_WIDTH_BACKOFF = 4096
 
 
 class NgramIndex:
@@ -99,6 +108,49 @@ class NgramIndex:
                 out.append(toks[p] if p < size else out[p - size])
             return out
         return []
+
+
+class WidthJudge:
+    """Whether a batch of a given width speculates at all (the module's docstring, "The
+    policy"): a speculative step costs every row of the batch, not only those it drafts
+    for, so each width's last `WIDTH_WINDOW` speculative steps are judged by the tokens
+    they gave the whole batch against what plain steps of that width give in the same
+    time. Where they gave fewer, no batch of that width speculates for
+    `WIDTH_BACKOFF` steps, twice as long at each further stop (at most `MAX_WIDTH_BACKOFF`):
+    what a step costs is the device's and the model's, which change less than a row's
+    text, so the wait is longer than a row's. Counts the steps it is asked about."""
+
+    __slots__ = ("steps", "_window", "_resume", "_stops")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._window: dict[int, collections.deque[tuple[float, int]]] = {}
+        self._resume: dict[int, int] = {}  # width -> the step from which it may speculate again
+        self._stops: dict[int, int] = {}
+
+    def allowed(self, width: int) -> bool:
+        """Whether a batch of `width` rows may speculate this step (one step counted)."""
+        self.steps += 1
+        return self.steps >= self._resume.get(width, 0)
+
+    def record(self, width: int, seconds: float, tokens: int, plain: float | None) -> None:
+        """A speculative step of `width` rows gave `tokens` (every row's pending token and
+        its kept drafts) in `seconds`; a plain step of that width takes `plain` seconds
+        (None: not known yet, nothing judged)."""
+        if plain is None:
+            return
+        window = self._window.get(width)
+        if window is None:
+            window = self._window[width] = collections.deque(maxlen=WIDTH_WINDOW)
+        window.append((seconds, tokens))
+        if len(window) < WIDTH_WINDOW:
+            return
+        spent, made = sum(s for s, _ in window), sum(t for _, t in window)
+        if spent > plain * made / width:  # plain steps give `width` tokens each
+            stops = self._stops.get(width, 0)
+            self._resume[width] = self.steps + min(MAX_WIDTH_BACKOFF, WIDTH_BACKOFF << stops)
+            self._stops[width] = stops + 1
+            window.clear()
 
 
 def accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
