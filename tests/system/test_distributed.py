@@ -23,6 +23,7 @@ thread that joined it, as on CUDA (THREAD_BOUND_GROUP): rank 0 joins on its acto
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -30,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,7 @@ JSON_MESSAGES = [{"role": "user", "content": "Who are you?"}]
 MAX_TOKENS = 12
 DROP_TOKENS = 1000  # of the test model's 1,024 positions: 5x the 200 that a late client once outlasted
 TIMEOUT = 3.0  # --distributed-timeout in these tests
+STDIN_FILL = 1 << 20  # bytes for mlx.launch to forward: more than a rank's stdin pipe holds (`Group`)
 
 pytestmark = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
 
@@ -90,10 +93,22 @@ class Group:
                "--port", "0", "--distributed-timeout", str(TIMEOUT), "--drain-timeout", "5",
                "--allow-multiple-workers", *extra]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env or ENV, cwd=ROOT,
-                                     start_new_session=True)
+                                     start_new_session=True, stdin=subprocess.PIPE)
+        # mlx.launch forwards its stdin to each rank's through a thread that selects on the rank's
+        # stdin pipe for writing with nothing to write: while that pipe has room, the select returns
+        # at once, and the launcher spun a core for the group's whole life (~1 CPU-s a second). The
+        # ranks never read their stdin, so once a rank's pipe is full it is not writable and the
+        # thread sleeps in its select; our end stays open (at EOF the launcher's own loop spins).
+        threading.Thread(target=self._fill, args=(self.proc.stdin,), daemon=True).start()
         self.url = self._wait_for(rb"Running on (http://\S+)", 60).decode()
         self.follower = int(self._wait_for(rb"rank 1 of 2 \(pid (\d+)\)", 10))
         self.leader = httpx.get(self.url + "/health").json()["actor_pid"]
+
+    @staticmethod
+    def _fill(pipe: Any) -> None:
+        with contextlib.suppress(OSError):  # the launcher is gone
+            pipe.write(b"\n" * STDIN_FILL)
+            pipe.flush()
 
     def text(self) -> str:
         return self.log_path.read_bytes().decode(errors="replace")
@@ -121,6 +136,8 @@ class Group:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # type: ignore[union-attr]
         self._log.close()
 
 
