@@ -23,8 +23,8 @@ from xdist.scheduler import LoadFileScheduling
 COST = {
     "tests/system/test_process_exit.py": 20,
     "tests/system/test_soak.py": 36,
-    "tests/system/test_distributed.py": 4,  # the module's group of ranks: ~30 s once
-    "tests/system/test_distributed.py::test_a_follower_that_dies_or_hangs": 24,
+    "tests/system/test_distributed.py": 4,  # the module's group of ranks: ~20 s once
+    "tests/system/test_distributed.py::test_a_follower_that_dies_or_hangs": 13,
     "tests/system/test_workers.py": 18,
     "tests/system/test_connections.py": 18,
     "tests/system/test_agents_cli.py": 12,

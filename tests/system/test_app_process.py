@@ -1,4 +1,5 @@
-"""The server as a process: `trio-mlx serve` draining on SIGTERM, exit codes at startup, and
+"""The server as a process: `trio-mlx serve` draining on SIGTERM (and keeping its exit status when
+another comes while it exits), exit codes at startup, and
 `hypercorn -k trio trio_mlx.app:app` serving the embedded default. The other ASGI servers, and
 the same properties under each, are in test_asgi_servers.py."""
 
@@ -8,6 +9,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -64,6 +66,33 @@ async def test_sigterm_drains_then_exits_zero(tiny_model_fp32, actor):
         assert out["long"][-1] == "[DONE]" and out["long"][-2]["error"]["code"] == "aborted"
         assert "SIGTERM: draining" in p.text
         assert not alive(health["actor_pid"])  # a process actor stopped with its server
+        nursery.cancel_scope.cancel()
+
+
+# `trio-mlx serve` whose exit lingers in an atexit handler, as a process does while its threads
+# join (a distributed rank's exit waits up to its watchdog's grace).
+LINGERING = ("import atexit, sys, time\n"
+             "from trio_mlx.server._serve import main\n"
+             "atexit.register(lambda: (print('lingering at exit', file=sys.stderr, flush=True), time.sleep(20)))\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+
+
+async def test_a_sigterm_once_the_drain_is_over_keeps_the_exit_status(tiny_model_fp32):
+    """A second SIGTERM while the process exits (mlx.launch sends one to every rank left once
+    one failed) must not turn its status into death by the signal: it exits with it at once."""
+    async with trio.open_nursery() as nursery:
+        p = await start(nursery, [sys.executable, "-c", LINGERING, str(tiny_model_fp32), "--port", "0",
+                                  "--no-warmup", "--no-access-log"])
+        with trio.fail_after(30):
+            await p.has_url.wait()
+        p.proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(20):
+            while "lingering at exit" not in p.text:  # noqa: ASYNC110 - a log line
+                await trio.sleep(0.02)
+        p.proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):  # not the atexit handler's 20 s
+            rc = await p.proc.wait()
+        assert rc == 0, p.text[-3000:]
         nursery.cancel_scope.cancel()
 
 

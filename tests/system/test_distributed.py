@@ -11,7 +11,8 @@ shared prefix) give the single device's tokens and report cached tokens, with
 both ranks' caches in step; a json_schema response matches the single
 device's and validates; a follower that dies, or hangs,
 ends the in-flight stream with an error event and every rank exits within
-the bound; SIGTERM to rank 0 stops both ranks with status 0. Rank 0 sends each
+the bound; an idle follower waits without spinning (on its wake socket,
+not polling in the collective); SIGTERM to rank 0 stops both ranks with status 0. Rank 0 sends each
 step's commands a step ahead of applying them: requests dropped as soon as
 sent keep the ranks in step, and rank 0 alone (a group of one, scripted) sends
 an abort decided while its row's insert is on its way in the next message and
@@ -22,6 +23,7 @@ thread that joined it, as on CUDA (THREAD_BOUND_GROUP): rank 0 joins on its acto
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -29,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,7 @@ JSON_MESSAGES = [{"role": "user", "content": "Who are you?"}]
 MAX_TOKENS = 12
 DROP_TOKENS = 1000  # of the test model's 1,024 positions: 5x the 200 that a late client once outlasted
 TIMEOUT = 3.0  # --distributed-timeout in these tests
+STDIN_FILL = 1 << 20  # bytes for mlx.launch to forward: more than a rank's stdin pipe holds (`Group`)
 
 pytestmark = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
 
@@ -89,10 +93,22 @@ class Group:
                "--port", "0", "--distributed-timeout", str(TIMEOUT), "--drain-timeout", "5",
                "--allow-multiple-workers", *extra]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env or ENV, cwd=ROOT,
-                                     start_new_session=True)
+                                     start_new_session=True, stdin=subprocess.PIPE)
+        # mlx.launch forwards its stdin to each rank's through a thread that selects on the rank's
+        # stdin pipe for writing with nothing to write: while that pipe has room, the select returns
+        # at once, and the launcher spun a core for the group's whole life (~1 CPU-s a second). The
+        # ranks never read their stdin, so once a rank's pipe is full it is not writable and the
+        # thread sleeps in its select; our end stays open (at EOF the launcher's own loop spins).
+        threading.Thread(target=self._fill, args=(self.proc.stdin,), daemon=True).start()
         self.url = self._wait_for(rb"Running on (http://\S+)", 60).decode()
         self.follower = int(self._wait_for(rb"rank 1 of 2 \(pid (\d+)\)", 10))
         self.leader = httpx.get(self.url + "/health").json()["actor_pid"]
+
+    @staticmethod
+    def _fill(pipe: Any) -> None:
+        with contextlib.suppress(OSError):  # the launcher is gone
+            pipe.write(b"\n" * STDIN_FILL)
+            pipe.flush()
 
     def text(self) -> str:
         return self.log_path.read_bytes().decode(errors="replace")
@@ -120,6 +136,8 @@ class Group:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # type: ignore[union-attr]
         self._log.close()
 
 
@@ -361,6 +379,27 @@ def test_aborts_landing_while_their_insert_is_in_flight_keep_the_ranks_in_step(g
         health = client.get(group.url + "/health").json()
         assert health["group"]["error"] is None and health["status"] == "ok", health
     assert aborts() - before == 8
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_an_idle_follower_waits_without_spinning(group: Group, reference: dict) -> None:
+    """Idle, rank 1 waits for rank 0's next message blocked on its wake socket: inside the
+    ring backend's collective it polled, ~40% of a core for as long as the group idled.
+    Rank 0 heartbeats as soon as it idles, then every second; each wakes rank 1 briefly."""
+    with httpx.Client() as client:
+        complete(client, group.url, PROMPTS[0], max_tokens=2)
+    time.sleep(0.5)
+    before, t0 = _cpu_seconds(group.follower), time.monotonic()
+    time.sleep(2.5)
+    spent, took = _cpu_seconds(group.follower) - before, time.monotonic() - t0
+    assert spent < 0.1 * took, f"the idle follower used {spent:.2f} CPU-s in {took:.1f} s"
+    with httpx.Client() as client:  # and it still follows
+        assert complete(client, group.url, PROMPTS[1])["choices"][0]["text"] == reference[PROMPTS[1]]
 
 
 def test_sigterm_to_rank_0_drains_and_stops_every_rank(group: Group) -> None:

@@ -38,8 +38,11 @@ batch, so the followers replay rank 0's steps:
   the store marks of arrivals, which reach rank 0 only) are made on rank 0
   and ride in the step's message (`_group_cache.py`). The step check
   compares the cache's counters too.
-- Idle, rank 0 sends a heartbeat every `BEAT` seconds, so a follower's wait
-  for the next message is bounded too.
+- Idle, rank 0 sends a heartbeat at once and then every `BEAT` seconds, so a
+  follower's wait for the next message is bounded too. After a heartbeat a
+  follower waits for rank 0's next message blocked on a socket of its own
+  (`_wake.py`), not polling inside MLX's collective, and rank 0 wakes it
+  before it sends that message.
 
 Failure is total. A collective that raises (the ring backend reports a lost
 peer at once) or outlasts its bound (a hung peer: MLX collectives have no
@@ -77,6 +80,7 @@ from ._group_cache import GroupCache, GroupReuse, group_cache_budget, open_group
 from ._link import ActorLink
 from ._memory import prefill_budget
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, Shutdown, StepReport, Submit
+from ._wake import WakeServer
 
 log = logging.getLogger("trio_mlx.distributed")
 
@@ -285,7 +289,11 @@ class Channel:
 
     def agree(self, ok: bool, bound: float) -> int:
         """How many ranks are not ok (every rank calls this at the same point)."""
-        out = self._sum(mx.array([0 if ok else 1], dtype=mx.int32), "checking the ranks agree", bound)
+        return self.count(not ok, bound)
+
+    def count(self, yes: bool, bound: float, what: str = "checking the ranks agree") -> int:
+        """How many ranks say yes (every rank calls this at the same point)."""
+        out = self._sum(mx.array([1 if yes else 0], dtype=mx.int32), what, bound)
         return int(out.item())  # type: ignore[arg-type]
 
 
@@ -294,13 +302,15 @@ def fingerprint(path: Path) -> str:
     return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()[:16]
 
 
-def hello(config: ActorConfig, mode: str, cache_bytes: int) -> tuple[Any, ...]:
+def hello(config: ActorConfig, mode: str, cache_bytes: int,
+          wake: tuple[str, int, bytes] | None = None) -> tuple[Any, ...]:
     """Rank 0's first message: the mode, the model's fingerprint, its whole `ActorTuning`
-    (batching must match on every rank) and the prompt cache's bound in bytes
-    (`group_cache_budget`: the followers take it, not the tuning's prompt_cache_gb)."""
+    (batching must match on every rank), the prompt cache's bound in bytes
+    (`group_cache_budget`: the followers take it, not the tuning's prompt_cache_gb) and
+    where its wake socket listens (`_wake.py`; None: nowhere)."""
     # Rank 0's device decides the default budget: the other ranks' may differ.
     tuning = dataclasses.replace(config.tuning, prefill_budget=prefill_budget(config.tuning.prefill_budget))
-    return ("hello", mode, fingerprint(config.model_path), tuning, cache_bytes)
+    return ("hello", mode, fingerprint(config.model_path), tuning, cache_bytes, wake)
 
 
 def load_shard(path: Path, mode: str, group: Any) -> tuple[Any, dict[str, Any]]:
@@ -428,7 +438,10 @@ def apply_step(actor: Actor, replay: Replay, step: Step | None) -> list[tuple[in
 
 class _BeatingLink:
     """Rank 0's link to its engine: the thread link, plus a heartbeat to the followers
-    every `BEAT` seconds while the actor waits for commands with nothing to do."""
+    while the actor waits for commands with nothing to do: at once where the wait may
+    outlast `BEAT` (the followers then wait blocked, `_wake.py`, rather than in a
+    collective), and every `BEAT` seconds after. A short wait (admission holding
+    arrivals for company, milliseconds) sends none."""
 
     def __init__(self, link: ActorLink, beat: Callable[[], None]):
         self._link, self._beat = link, beat
@@ -447,6 +460,11 @@ class _BeatingLink:
 
     def wait_commands(self, timeout: float | None = None) -> list[Command]:
         deadline = None if timeout is None else time.monotonic() + timeout
+        if timeout is None or timeout > BEAT:
+            commands = self._link.wait_commands(0.0)
+            if commands:
+                return commands
+            self._beat()
         while True:
             left = BEAT if deadline is None else min(BEAT, deadline - time.monotonic())
             commands = self._link.wait_commands(max(0.0, left))
@@ -494,13 +512,17 @@ class LeaderActor(Actor):
         self._digest = 0
         self._cache_bytes, self._pressure = group_cache_budget(config, mode)
         self._ahead: Step | None = None  # sent, not yet applied (None: nothing to apply)
+        self._wake: WakeServer | None = None  # opened in `run`
+        self._asleep = False  # the last message was a heartbeat: wake the followers before the next
 
     def run(self) -> None:
         try:
             with self._watch.guard("starting the group", self._startup):
                 self._join()
                 self._status.set_all("loading", leader="loading")
-                self._channel.send(hello(self.config, self._mode, self._cache_bytes), self._startup,
+                self._wake = WakeServer.open()
+                wake = self._wake.address if self._wake is not None else None
+                self._channel.send(hello(self.config, self._mode, self._cache_bytes, wake), self._startup,
                                    "greeting the followers")
             super().run()
         except GroupError as exc:
@@ -509,6 +531,8 @@ class LeaderActor(Actor):
         finally:
             if not self._watch.failed:
                 self._watch.stop()
+            if self._wake is not None:
+                self._wake.close()
 
     def _join(self) -> None:
         """Join the group here, on the thread that runs every collective of this rank
@@ -528,6 +552,9 @@ class LeaderActor(Actor):
             if bad:
                 raise ModelLoadError(f"{bad} follower rank(s) could not find the same model "
                                      f"(config.json {fingerprint(self.config.model_path)}); see their logs")
+            woken = self._channel.count(False, self._startup, "counting the followers rank 0 can wake")
+            if self._wake is not None:
+                self._wake.accept(woken, self._startup)
             if self.config.tuning.adapter_path or self.config.tuning.adapters:  # load_shard has no adapter: refuse
                 raise ModelLoadError("adapter_path and adapters need a single rank, not a distributed group")
             model, config = load_shard(self.config.model_path, self._mode, self._group)
@@ -588,6 +615,7 @@ class LeaderActor(Actor):
             return None
         if not (any(step[:2]) or self._ahead or self.schedule.seqs):
             return self._step([])  # nothing entered, left or steps: nothing to send
+        self._rouse()
         tail = self._channel.post(("step", step[0], step[1], state, step[2], step[3]), self._timeout)
         ahead, self._ahead = self._ahead, (step if any(step) else None)
         with self._watch.guard("a batch change", self._timeout):
@@ -639,13 +667,22 @@ class LeaderActor(Actor):
             self._step(failed)
 
     def _send(self, message: Any) -> None:
+        self._rouse()
         self._channel.send(message, self._timeout)
+        self._asleep = message[0] == "beat"  # a follower now waits on its wake socket (`_wake.py`)
         if message[0] == "stop":
             self._stopped = True
             self._status.set_all("stopped")
 
     def _beat(self) -> None:
         self._send(("beat",))
+
+    def _rouse(self) -> None:
+        """Before any message that follows a heartbeat: wake the followers waiting for it."""
+        if self._asleep:
+            self._asleep = False
+            if self._wake is not None:
+                self._wake.wake()
 
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
         stepped = bool(self.schedule.seqs)  # else no next() (on any rank)

@@ -8,7 +8,9 @@ and then loops: one message from rank 0 per step (`_distributed.Channel`),
 received a step ahead of the step it is for, its aborts and admitted submits
 applied through `_distributed.apply_step` as rank 0 applies them (admission
 replays rank 0's decision), and the same `BatchGenerator.next()`. Its tokens
-are nobody's: rank 0 delivers the same ones.
+are nobody's: rank 0 delivers the same ones. After a heartbeat (rank 0 is
+idle) it waits for rank 0's wake-up on a socket (`_wake.py`) before it
+receives the next message, rather than in MLX's collective, which polls.
 
 A follower never decides to stop by itself: rank 0's "stop" (its SIGTERM
 drain ended, or its actor left) ends it with status 0; Ctrl-C is ignored, as
@@ -47,6 +49,7 @@ from ._group import GroupError
 from ._group_cache import open_group_cache
 from ._protocol import ActorConfig, ActorInfo, Command, StepReport
 from ._trace import StepTrace
+from ._wake import WakeClient
 
 log = logging.getLogger("trio_mlx.follower")
 
@@ -76,8 +79,9 @@ class FollowerActor(Actor):
     progress_cut = False  # every rank cuts its steps alike: by no rate measured on one
 
     def __init__(self, config: ActorConfig, *, group: Any, mode: str, channel: Channel, watchdog: Watchdog,
-                 timeout: float, startup_timeout: float, cache_bytes: int = 0):
+                 timeout: float, startup_timeout: float, cache_bytes: int = 0, wake: WakeClient | None = None):
         super().__init__(config, _NoLink())
+        self._wake = wake  # None: idle, this rank waits inside the collective
         self._group, self._mode, self._channel, self._watch = group, mode, channel, watchdog
         self._timeout, self._startup = timeout, startup_timeout
         self._cache_bytes = cache_bytes  # rank 0's prompt cache bound
@@ -153,6 +157,12 @@ class FollowerActor(Actor):
             elif kind != "beat":
                 raise GroupError(f"a follower got an unknown message {message!r}")
             mine = state_of(self, digest)
+            if kind == "beat":
+                if self._idle_release and not self.schedule.seqs and time.monotonic() - last_step > self._idle_release:
+                    mx.clear_cache()  # idle as rank 0 is: hand the buffer cache back, once
+                    last_step = float("inf")
+                if self._wake is not None:  # rank 0 wakes this rank before its next message
+                    self._wake.wait(bound)
             posted = channel.expect(bound)  # the next message, ahead of this step on the stream
             if kind == "step":
                 with self._watch.guard("a decode step", self._timeout):
@@ -165,9 +175,6 @@ class FollowerActor(Actor):
                 if trace is not None:  # exchange_s: the wait for the message that led to this step
                     trace.write(t1, t1 - t0, report, self._inserted, len(self.schedule.retired),
                                 batch_rows(self._bg))
-            elif self._idle_release and not self.schedule.seqs and time.monotonic() - last_step > self._idle_release:
-                mx.clear_cache()  # idle as rank 0 is: hand the buffer cache back, once
-                last_step = float("inf")
             t0 = clock()
             message = channel.take(posted, bound)
 
@@ -191,11 +198,12 @@ def follower_main(model: str | None, *, cache_dir: str | None, backend: str, tim
     watchdog = Watchdog(None, grace=0.0)
     channel = Channel(group, watchdog)
     rank = group.rank()
+    wake: WakeClient | None = None
     try:
         message = channel.recv(startup_timeout, "waiting for rank 0 to start")
         if not (isinstance(message, tuple) and message[:1] == ("hello",)):
             raise GroupError(f"expected rank 0's greeting, got {message!r}")
-        _, mode, leader_print, tuning, cache_bytes = message
+        _, mode, leader_print, tuning, cache_bytes, wake_address = message
         problem = None
         try:
             path = models.resolve_model(model, cache_dir=cache_dir)
@@ -210,9 +218,11 @@ def follower_main(model: str | None, *, cache_dir: str | None, backend: str, tim
             else:
                 log.error("rank %d: another rank could not load the model", rank)
             return 1
+        wake = WakeClient.connect(wake_address, startup_timeout)  # connected before it is counted
+        channel.count(wake is not None, startup_timeout, "counting the followers rank 0 can wake")
         config = ActorConfig(model_path=path, tuning=tuning)
         FollowerActor(config, group=group, mode=mode, channel=channel, watchdog=watchdog,
-                      timeout=timeout, startup_timeout=startup_timeout, cache_bytes=cache_bytes).run()
+                      timeout=timeout, startup_timeout=startup_timeout, cache_bytes=cache_bytes, wake=wake).run()
     except GroupError as exc:
         log.error("rank %d: the group failed: %s", rank, exc)
         return 1
@@ -221,4 +231,6 @@ def follower_main(model: str | None, *, cache_dir: str | None, backend: str, tim
         return 1
     finally:
         watchdog.stop()
+        if wake is not None:
+            wake.close()
     return 0

@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import signal
 import sys
+import threading
 from typing import Any
 
 from ._settings import Settings, env_name, field_kind, parse_value, setting_fields
@@ -166,7 +168,18 @@ async def serve(app: Any, config: Any) -> bool:
                              url, url)
             finally:
                 logging.getLogger("hypercorn.error").removeFilter(hide)
+    _exit_on_sigterm(1 if forced else 0)
     return not forced
+
+
+def _exit_on_sigterm(status: int) -> None:
+    """From here the process is on its way out with `status`: the drain is over, and trio's
+    signal handling with it, but its threads still join and its atexit handlers run (after a
+    distributed group failed, for up to the watchdog's grace). A SIGTERM now, from a launcher
+    or supervisor stopping what it believes still runs (mlx.launch once another rank failed),
+    ended the process by the signal and hid the status; it exits with the status at once."""
+    if threading.current_thread() is threading.main_thread():  # signal.signal's rule
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(status))
 
 
 class _HideRunningOn(logging.Filter):
