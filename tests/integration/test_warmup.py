@@ -172,8 +172,12 @@ def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits, 
 def test_with_speculation_the_rehearsal_verifies_greedy_and_sampled_rows(tiny_model_fp32, visits, monkeypatch, mode):
     """A lone greedy row and a lone seeded row with every sampling option take speculative
     steps in the rehearsal, and so do rows sharing a batch: the verifier's kernels, and the
-    batched verify's, are built before ready."""
+    batched verify's, are built before ready. However slow its steps (here plain steps take
+    no time at all), the rehearsal is not judged by them, and serving starts with no width
+    judged."""
     from trio_mlx.actor._decode import Decoder
+
+    monkeypatch.setattr(Decoder, "plain_step", lambda self, width: 1e-9)
 
     verified: list[Any] = []
     real = Decoder.verify
@@ -193,6 +197,7 @@ def test_with_speculation_the_rehearsal_verifies_greedy_and_sampled_rows(tiny_mo
     assert any(sp.seed is not None and sp.logprobs and sp.repetition_penalty != 1.0 for sp in verified)
     assert 1 in rolled and 2 in rolled, rolled  # a lone row's steps, and two rows' in one batch
     assert not actor.schedule.seqs and actor._bg is not None and not actor._bg._generation_batch.uids
+    assert actor._drafter.judging and actor._drafter.widths.steps == 0
 
 
 def test_the_cpu_warm_up_is_one_short_sequence(tiny_model_fp32, visits):

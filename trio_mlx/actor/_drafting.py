@@ -26,7 +26,8 @@ CUDA the draft's steps attend query by query (`_shapes.query_by_query`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -84,6 +85,20 @@ class Drafter:
         # On CUDA a draft's steps of a few tokens attend query by query (`_shapes.query_by_query`)
         self.by_query = model is not None and prefill_grid()
         self.widths = WidthJudge()  # which batch widths speculate (`_spec_step.py`)
+        self.judging = True  # whether steps are judged by their time (`unjudged`)
+
+    @contextlib.contextmanager
+    def unjudged(self) -> Iterator[None]:
+        """Speculative steps not judged by their time while it is open (the warm-up's
+        rehearsal: its steps build kernels, and their times say nothing of serving's; judged,
+        they stopped the speculation the rehearsal is there to run), each width's record
+        forgotten after."""
+        self.judging = False
+        try:
+            yield
+        finally:
+            self.judging = True
+            self.widths = WidthJudge()
 
     @property
     def mode(self) -> str:

@@ -113,7 +113,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
         if r.grammar is not None:
             r.grammar.keep(a)
     rollback(caches, [k - a for a in kept])
-    seconds, plain = time.perf_counter() - t0, decoder.plain_step(n)
+    seconds, plain = time.perf_counter() - t0, decoder.plain_step(n) if drafter.judging else None
     drafter.widths.record(n, seconds, n + sum(kept), plain)
     firsts: list[int] = []
     specs: list[Speculated | None] = []

@@ -6,6 +6,7 @@ own paths through its own steps (`rehearse`). `Actor._warmup` runs them."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
@@ -170,22 +171,30 @@ def rehearse(actor: Rehearsed, token: int, length: int) -> None:
         ]
     counts: collections.Counter[int] = collections.Counter()
     actor._open_cache()
+    unjudged = actor._drafter.unjudged() if actor._drafter is not None else contextlib.nullcontext()
     try:
-        for commands, done in script:
-            failed = actor._apply(commands)
-            for _ in range(64):  # the bound only guards a bug
-                report = actor._step(failed or [])
-                if report.failed:
-                    raise RuntimeError(f"warm-up rehearsal failed: {report.failed}")
-                counts.update(t.rid for t in report.tokens)
-                if done(counts):
-                    break
-                failed = actor._apply([])
-            else:
-                raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
+        with unjudged:
+            _run_script(actor, script, counts)
     finally:
         actor._admission = admission
         actor._reuse = Reuse(PromptCache(0))
+
+
+def _run_script(actor: Rehearsed, script: list[tuple[list[Command], Callable[[collections.Counter[int]], bool]]],
+                counts: collections.Counter[int]) -> None:
+    """The rehearsal's script, step by step: each command list, then steps until its test holds."""
+    for commands, done in script:
+        failed = actor._apply(commands)
+        for _ in range(64):  # the bound only guards a bug
+            report = actor._step(failed or [])
+            if report.failed:
+                raise RuntimeError(f"warm-up rehearsal failed: {report.failed}")
+            counts.update(t.rid for t in report.tokens)
+            if done(counts):
+                break
+            failed = actor._apply([])
+        else:
+            raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
 
 
 def _warm_grammar(model_path: os.PathLike[str]) -> Grammar | None:
