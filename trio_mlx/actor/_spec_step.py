@@ -43,7 +43,7 @@ and the batch's width, by what its speculative steps gave all its rows
 (`_speculate.WidthJudge`).
 On random text, where drafts are few and short, a speculative step that keeps a draft
 now and then costs more than the tokens it gives, and its rows stop speculating for a
-while (benchmarks/2026-11-29-h200/README.md).
+while (docs/server.md, "Speculative decoding").
 
 **Constrained rows.** A row with a grammar has each position's logits masked by what its
 grammar allows there (`Decoder.spec_masks`): position 0 by the mask its plain step
