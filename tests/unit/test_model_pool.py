@@ -5,9 +5,11 @@ Real tiny models: tests/integration/test_model_pool.py; the host alone: test_act
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
@@ -62,6 +64,17 @@ class Actors:
         return sum(1 for n, _ in self.made if n == name)
 
 
+@contextlib.asynccontextmanager
+async def running(pool: ModelPool) -> AsyncIterator[trio.Nursery]:
+    """`pool` running in a nursery of its own (handed out for the test's own tasks), closed
+    and the nursery cancelled once the test's body is through."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        yield nursery
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
 async def answer(engine: trio_mlx.Engine, n: int = 3) -> list[int]:
     ids: list[int] = []
     async with engine.generate("hi", max_tokens=n, ignore_eos=True) as events:
@@ -90,8 +103,7 @@ def test_find_models_names_each_model_folder(folder, tiny_model_fp32):
 async def test_two_models_answer_side_by_side_on_one_thread(folder):
     actors = Actors()
     pool = ModelPool(find_models([str(folder)]), max_loaded=2, make_actor=actors)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         assert pool.engine("alpha") is None  # nothing loads before it is asked for
         results: dict[str, list[int]] = {}
 
@@ -108,15 +120,12 @@ async def test_two_models_answer_side_by_side_on_one_thread(folder):
         assert len(actors.threads) == 1 and actors.threads == {pool.host.thread_id}
         assert {s.name: s.state for s in pool.status()} == {"alpha": "loaded", "beta": "loaded",
                                                             "gamma": "unloaded"}
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_the_least_recently_used_idle_model_is_unloaded_for_a_third(folder):
     actors = Actors()
     pool = ModelPool(find_models([str(folder)]), max_loaded=2, make_actor=actors)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         with trio.fail_after(20):
             for name in ("alpha", "beta", "alpha"):  # beta is now the least recently used
                 async with pool.use(name) as engine:
@@ -132,8 +141,6 @@ async def test_the_least_recently_used_idle_model_is_unloaded_for_a_third(folder
                 assert await answer(engine) == SCRIPTS["beta"]
         assert actors.loads("beta") == 2
         assert {s.name: s.state for s in pool.status()}["alpha"] == "unloaded"
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_request_that_comes_during_a_load_waits_for_it(folder, monkeypatch, caplog):
@@ -143,8 +150,7 @@ async def test_a_request_that_comes_during_a_load_waits_for_it(folder, monkeypat
     caplog.set_level(logging.INFO, "trio_mlx.engine")
     actors = Actors(alpha={"load_seconds": 0.5})
     pool = ModelPool(find_models([str(folder)]), max_loaded=1, make_actor=actors)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         results: list[list[int]] = []
 
         with trio.fail_after(20):
@@ -156,15 +162,12 @@ async def test_a_request_that_comes_during_a_load_waits_for_it(folder, monkeypat
         assert results == [SCRIPTS["alpha"]] * 2
         assert actors.loads("alpha") == 1
         assert "a request for the model 'alpha' waits for its load" in caplog.text  # its progress line
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_no_idle_model_to_unload_is_a_refusal_with_a_retry_time(folder):
     actors = Actors(alpha={"step_seconds": 0.01})
     pool = ModelPool(find_models([str(folder)]), max_loaded=1, make_actor=actors, retry_after=7)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         with trio.fail_after(20):
             async with pool.use("alpha") as engine:
                 stream = engine.generate("hi", max_tokens=200, ignore_eos=True)
@@ -179,23 +182,18 @@ async def test_no_idle_model_to_unload_is_a_refusal_with_a_retry_time(folder):
             async with pool.use("beta") as engine:
                 assert await answer(engine) == SCRIPTS["beta"]
         assert {s.name: s.state for s in pool.status()}["alpha"] == "unloaded"
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_model_that_fails_to_load_fails_its_requests_and_not_the_others(folder):
     actors = Actors(beta={"load_seconds": -1})  # FakeActor sleeps: a negative time raises
     pool = ModelPool(find_models([str(folder)]), max_loaded=2, make_actor=actors)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         with trio.fail_after(20):
             with pytest.raises(ModelLoadError):
                 async with pool.use("beta"):
                     pass
             async with pool.use("alpha") as engine:
                 assert await answer(engine) == SCRIPTS["alpha"]
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_byte_bound_unloads_as_the_count_does(folder):
@@ -203,16 +201,13 @@ async def test_a_byte_bound_unloads_as_the_count_does(folder):
     assert size > 0 and weight_bytes("some/hub-id") == 0
     actors = Actors()
     pool = ModelPool(find_models([str(folder)]), max_loaded=3, max_bytes=int(size * 2.5), make_actor=actors)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         with trio.fail_after(20):
             for name in ("alpha", "beta", "gamma"):  # two fit the bytes; the third unloads alpha
                 async with pool.use(name) as engine:
                     assert await answer(engine) == SCRIPTS[name]
         assert {s.name: s.state for s in pool.status()} == {"alpha": "unloaded", "beta": "loaded",
                                                             "gamma": "loaded"}
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_an_idle_host_hands_mlx_s_buffer_cache_back_once(folder, monkeypatch):
@@ -222,8 +217,7 @@ async def test_an_idle_host_hands_mlx_s_buffer_cache_back_once(folder, monkeypat
     monkeypatch.setattr(_host, "_clear_cache", lambda: cleared.append(1.0))
     pool = ModelPool(find_models([str(folder)]), make_actor=Actors(),
                      engine_options={"idle_release": 0.05})
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         with trio.fail_after(20):
             async with pool.use("alpha") as engine:
                 assert await answer(engine) == SCRIPTS["alpha"]
@@ -231,15 +225,12 @@ async def test_an_idle_host_hands_mlx_s_buffer_cache_back_once(folder, monkeypat
                 await trio.sleep(0.01)
             await trio.sleep(0.2)
         assert len(cleared) == 1  # once per idle spell, not every wake
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_request_that_leaves_during_the_load_does_not_cancel_it(folder):
     actors = Actors(alpha={"load_seconds": 0.4})
     pool = ModelPool(find_models([str(folder)]), make_actor=actors)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         results: list[list[int]] = []
 
         with trio.fail_after(20):
@@ -248,15 +239,12 @@ async def test_a_request_that_leaves_during_the_load_does_not_cancel_it(folder):
                     await ask(pool, results)
                 inner.start_soon(ask, pool, results)
         assert results == [SCRIPTS["alpha"]] and actors.loads("alpha") == 1
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_load_past_its_time_bound_fails_its_requests_and_ends_before_another(folder):
     actors = Actors(alpha={"load_seconds": 1.5})  # "hangs": longer than the bound
     pool = ModelPool(find_models([str(folder)]), max_loaded=1, make_actor=actors, load_timeout=0.3, retry_after=0.5)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         failed: list[tuple[float, ModelLoadTimeoutError]] = []
 
         async def ask() -> None:
@@ -291,16 +279,13 @@ async def test_a_load_past_its_time_bound_fails_its_requests_and_ends_before_ano
         assert actors.loads("alpha") == 2
         with pytest.raises(ValueError, match="load_timeout"):
             ModelPool({"a": "a"}, load_timeout=0)
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_model_whose_load_failed_is_not_loaded_again_for_retry_after(folder):
     """A client that retries a broken model at once does not hold the GPU thread in loads."""
     actors = Actors(beta={"load_seconds": -1})  # FakeActor sleeps: a negative time raises
     pool = ModelPool(find_models([str(folder)]), max_loaded=2, make_actor=actors, retry_after=0.5)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         with trio.fail_after(20):
             for _ in range(20):
                 with pytest.raises(ModelLoadError, match="ValueError") as caught:
@@ -312,8 +297,6 @@ async def test_a_model_whose_load_failed_is_not_loaded_again_for_retry_after(fol
                 async with pool.use("beta"):
                     pass
             assert actors.loads("beta") == 2  # tried again once retry_after passed
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_names_the_pool_does_not_list_load_nothing_and_reach_no_file(folder):
@@ -321,8 +304,7 @@ async def test_names_the_pool_does_not_list_load_nothing_and_reach_no_file(folde
     actors = Actors()
     (folder / "notes" / "config.json").write_text("{}")  # a model folder the pool was not given
     pool = ModelPool(find_models([str(folder / "alpha")]), make_actor=actors)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         with trio.fail_after(20):
             for name in ("beta", "../beta", str(folder / "beta"), "notes", "../notes", "alpha/../beta",
                          "/etc", "", "alpha/", "ALPHA", "alpha\x00"):
@@ -332,15 +314,12 @@ async def test_names_the_pool_does_not_list_load_nothing_and_reach_no_file(folde
                 assert caught.value.code == "model_not_found"
         assert actors.made == [] and pool.names == ("alpha",)
         assert [s.state for s in pool.status()] == ["unloaded"]
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_unload_takes_an_idle_model_only(folder):
     actors = Actors(alpha={"load_seconds": 0.4})
     pool = ModelPool(find_models([str(folder)]), make_actor=actors)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+    async with running(pool):
         with trio.fail_after(20):
             assert await pool.unload("alpha") is False  # not loaded
             async with trio.open_nursery() as inner:
@@ -360,5 +339,3 @@ async def test_unload_takes_an_idle_model_only(folder):
             with pytest.raises(trio_mlx.InvalidRequestError, match="does not exist"):
                 await pool.unload("../alpha")
         assert {s.name: s.state for s in pool.status()}["alpha"] == "unloaded"
-        await pool.aclose()
-        nursery.cancel_scope.cancel()
