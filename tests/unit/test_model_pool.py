@@ -65,12 +65,12 @@ class Actors:
 
 
 @contextlib.asynccontextmanager
-async def running(pool: ModelPool) -> AsyncIterator[trio.Nursery]:
-    """`pool` running in a nursery of its own (handed out for the test's own tasks), closed
-    and the nursery cancelled once the test's body is through."""
+async def running(pool: ModelPool) -> AsyncIterator[None]:
+    """`pool` running in a nursery of its own, closed and the nursery cancelled once the
+    test's body is through."""
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        yield nursery
+        yield
         await pool.aclose()
         nursery.cancel_scope.cancel()
 
