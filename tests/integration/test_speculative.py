@@ -54,6 +54,7 @@ def _untimed(monkeypatch: pytest.MonkeyPatch) -> None:
     change, and a loaded machine's timings would stop rows at random. The judges' own tests
     set the plain steps' time themselves."""
     monkeypatch.setattr(Decoder, "plain_step", lambda self, width: None)
+    monkeypatch.setattr(Decoder, "wants_plain", lambda self, width: False)
 
 
 class _Link:
@@ -341,6 +342,35 @@ def test_a_draft_model_keeps_outputs_a_copy_of_the_target_is_always_right_and_an
     drafted = sum(d for _, d, _ in other.speculated)
     assert sum(a for _, _, a in other.speculated) <= drafted // 4
     assert drafted < 60 * 4 // 2  # the policy stopped it for a while
+
+
+def test_a_row_that_always_has_drafts_is_judged_against_timed_plain_steps(tiny_model_fp32, monkeypatch):
+    """A draft model drafts at every step, so a lone row would never take a plain step, and
+    its speculative steps were judged by acceptance alone however slow (a copy of the target
+    kept every draft while costing more than plain steps). Its width first takes plain steps
+    until one is timed, and each speculative step is judged against it: where plain steps
+    cost next to nothing, the width stops speculating after one window of steps; the
+    tokens are the same either way."""
+    from trio_mlx.actor._drafting import Drafter
+    from trio_mlx.actor._speculate import WIDTH_BACKOFF, WIDTH_WINDOW
+
+    monkeypatch.undo()  # the module's `_untimed`: here the steps are timed
+    base = _one(tiny_model_fp32, GREEDY, 48)
+    judged: list[float | None] = []
+    settle = Drafter.settle
+
+    def spy(self: Drafter, row: Any, proposal: Any, accepted: int, seconds: Any = None, plain: Any = None) -> None:
+        judged.append(plain)
+        settle(self, row, proposal, accepted, seconds, plain)
+
+    monkeypatch.setattr(Drafter, "settle", spy)
+    timed = Decoder.timed_plain
+    monkeypatch.setattr(Decoder, "timed_plain", lambda self, width, seconds: timed(self, width, 1e-9))
+    run = _one(tiny_model_fp32, GREEDY, 48, draft_model=str(tiny_model_fp32), num_draft_tokens=2)
+    assert run.tokens[1] == base.tokens[1]
+    assert judged and None not in judged  # every speculative step judged against a timed plain step
+    assert run.spec_steps and run.spec_steps[0] >= 2  # the first plain step after the prefill is timed
+    assert WIDTH_BACKOFF > 48 and len(run.speculated) == WIDTH_WINDOW  # then the width stopped
 
 
 def test_the_draft_models_kv_is_trimmed_to_the_rows_tokens(tiny_model_fp32, other_draft):

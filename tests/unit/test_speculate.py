@@ -227,3 +227,22 @@ def test_the_tuning_names_one_speculation_and_checks_it():
                 dict(speculative="ngram", decode_step="mlx")):
         with pytest.raises(ValueError):
             ActorTuning(**bad)  # type: ignore[arg-type]
+
+
+def test_a_width_times_a_plain_step_before_it_speculates_and_again_every_so_often():
+    """`Decoder.wants_plain`: speculative steps are judged against timed plain steps of their
+    width, so a width with none timed (or none for `PLAIN_REFRESH` speculative steps)
+    asks for a plain step. (The warm-up's times go with its generator: serving starts a
+    fresh one.)"""
+    from trio_mlx.actor._decode import PLAIN_REFRESH, Decoder
+
+    d = Decoder()
+    assert d.wants_plain(2)
+    d.timed_plain(2, 0.01)
+    assert not d.wants_plain(2) and d.wants_plain(1) and d.plain_step(2) == 0.01
+    d.speculated[2] += PLAIN_REFRESH - 1
+    assert not d.wants_plain(2)
+    d.speculated[2] += 1
+    assert d.wants_plain(2)
+    d.timed_plain(2, 0.03)
+    assert not d.wants_plain(2) and d.plain_step(2) == 0.03  # the median of 0.01 and 0.03: the later

@@ -57,6 +57,11 @@ from ._protocol import SamplingParams
 from ._sampling import _mix64
 
 _serials = itertools.count()
+# Plain steps' times kept per batch width (their median judges speculative steps), and the
+# speculative steps of a width after which it times a plain step again (`Decoder.wants_plain`):
+# two plain steps in so many cost a speculating row about 1% of its tokens.
+PLAIN_TIMES = 16
+PLAIN_REFRESH = 128
 
 
 def _measure_all(grammars: list[GrammarProcessor], matchers: list[Any]) -> None:
@@ -234,6 +239,8 @@ class Decoder:
         # wall seconds of the last plain steps, by the batch's width: what a speculative step of
         # that width is judged against
         self.plain_steps: dict[int, collections.deque[float]] = {}
+        # speculative steps of each width since its last plain step was timed (`wants_plain`)
+        self.speculated: collections.Counter[int] = collections.Counter()
         self.speculated_last = False  # the last step was a speculative one (`_spec_step.py`)
         self._measurer: ThreadPoolExecutor | None = None  # the budget checks' thread (`_fill_many`)
 
@@ -246,8 +253,18 @@ class Decoder:
     def timed_plain(self, width: int, seconds: float) -> None:
         """A pipelined plain step of a batch of `width` rows took `seconds`."""
         if (steps := self.plain_steps.get(width)) is None:
-            steps = self.plain_steps[width] = collections.deque(maxlen=16)
+            steps = self.plain_steps[width] = collections.deque(maxlen=PLAIN_TIMES)
         steps.append(seconds)
+        self.speculated[width] = 0
+
+    def wants_plain(self, width: int) -> bool:
+        """Whether a batch of `width` rows should take a plain step, not a speculative one,
+        to time it: speculative steps are judged against plain ones of their width, and a
+        row that always has drafts (a draft model's) would otherwise never give one, so its
+        steps would be judged by acceptance alone however slow they were. Also every
+        `PLAIN_REFRESH` speculative steps, since a step's cost moves as the KV grows. (The
+        first plain step after a speculative one is not timed, so this asks for two.)"""
+        return width not in self.plain_steps or self.speculated[width] >= PLAIN_REFRESH
 
     def step(self, logits: Any, rows: Sequence[DecodeRow], inputs: Any, first: bool) -> tuple[Any, list[int]]:
         """Sample every row's next token from `logits` (B, V), the forward of `inputs` (B,):

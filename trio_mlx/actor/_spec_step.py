@@ -38,7 +38,8 @@ and the batch's: no speculation while the batch has more rows than `max_rows`
 (`Drafter.max_rows`, the tuning's `speculative_max_rows`): verifying K+1 tokens a row
 costs more than it gives once the forward is no longer bound by reading the weights.
 A step's time judges each of its speculating rows too: against the plain steps of a
-batch of the same width (`Decoder.plain_step`), each of which gives every row one token;
+batch of the same width (`Decoder.plain_step`; a width with none timed lately takes plain
+steps until one is, `Decoder.wants_plain`), each of which gives every row one token;
 and the batch's width, by what its speculative steps gave all its rows
 (`_speculate.WidthJudge`).
 On random text, where drafts are few and short, a speculative step that keeps a draft
@@ -78,6 +79,8 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     rows, helds, n = batch.samplers, batch.tokens, len(batch.uids)
     if drafter is None or not 1 <= n <= drafter.max_rows or not drafter.widths.allowed(n):
         return None
+    if drafter.judging and decoder.wants_plain(n):
+        return None  # a plain step of this width, timed: what its speculative steps are judged against
     caches = batch.prompt_cache if n == 1 else _kv_caches(batch)
     if not caches:
         return None  # rows at different positions: no layout to roll back into
@@ -129,6 +132,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
         drafter.settle(row, p, a, seconds, plain)
         specs.append(Speculated(drafts, outs, p.k))
     decoder.speculated_last = True
+    decoder.speculated[n] += 1
     batch._next_tokens = mx.array([targets[i][a] for i, a in enumerate(kept)], dtype=pending.dtype)
     batch._next_logprobs = [None] * n
     return Decoded(list(batch.uids), firsts, list(rows), specs)
