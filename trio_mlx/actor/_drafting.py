@@ -16,8 +16,9 @@ per-row policy) are `_speculate.py`'s, with no MLX.
 - **A draft model** (`mode="draft"`) drafts K tokens greedily, each from its own KV cache
   (a plain mlx-lm cache per layer, filled with the row's prompt and output the first time
   the row speculates, and kept after). Its input starts with the row's pending token as
-  the device computes it: the draft, the verification and the sampling are one graph,
-  read back once. Its cache is trimmed past the drafts the target rejected, as the
+  the device computes it: the draft, the verification and the sampling are read back
+  once (each drafted token goes to the device as soon as its graph is built, so the
+  device runs a draft's forward while the host builds the next). Its cache is trimmed past the drafts the target rejected, as the
   target's is.
 
 Only public mlx-lm API here (a model's call, `make_prompt_cache`, a cache's `trim`); on
@@ -183,6 +184,9 @@ class Drafter:
             for _ in range(k):
                 logits = model(x[None], cache=cache)[:, -1, : self.width or None]
                 x = mx.argmax(logits, axis=-1).astype(pending.dtype)
+                # to the device now: it runs this draft's forward while the host builds the next
+                # one's graph (a small draft model's forward is bound by that host work)
+                mx.async_eval(x)
                 drafts.append(x)
         state.held = len(held) + k  # the history, the pending token, every draft but the last
         d = mx.concatenate(drafts)
