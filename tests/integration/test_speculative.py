@@ -396,6 +396,77 @@ def test_the_draft_models_kv_is_trimmed_to_the_rows_tokens(tiny_model_fp32, othe
         assert np.allclose(np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]), atol=1e-4)
 
 
+class _Sizes:
+    """A draft model that records the batch size of each forward it runs."""
+
+    def __init__(self, model: Any):
+        self.model, self.sizes = model, []
+
+    def __call__(self, x: Any, cache: Any = None) -> Any:
+        self.sizes.append(x.shape[0])
+        return self.model(x, cache=cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("cuda_attention", [False, True])
+@pytest.mark.parametrize("draft", ["copy", "other"])
+def test_a_draft_model_drafts_for_the_rows_of_a_batch_in_one_forward(tiny_model_fp32, other_draft, monkeypatch,
+                                                                      draft, cuda_attention):
+    """Rows that speculate side by side (entering and leaving at different steps, greedy and
+    seeded) draft in one batch of draft forwards, their caches joined and split back: every
+    row's tokens are those without speculation; a copy of the target has every draft kept.
+    Also with the draft's attention query by query, as it runs on CUDA."""
+    if cuda_attention:
+        monkeypatch.setattr(_drafting, "prefill_grid", lambda: True)
+    rows = [(0, 1, PROMPT, 40, GREEDY), (0, 2, _random_prompt(1), 30, SEEDED),
+            (5, 3, PROMPT[4:], 36, GREEDY), (9, 4, _random_prompt(2, 20), 18, EVERYTHING)]
+    script = _mixed_script(rows)
+    base = _serve(_actor(tiny_model_fp32), script)
+    actor = _actor(tiny_model_fp32, draft_model=str(tiny_model_fp32 if draft == "copy" else other_draft),
+                   num_draft_tokens=3)
+    assert actor._drafter is not None and actor._drafter.by_query == cuda_attention
+    spy = actor._drafter.model = _Sizes(actor._drafter.model)
+    run = _serve(actor, script)
+    for _, rid, _, max_tokens, _ in rows:
+        assert run.tokens[rid] == base.tokens[rid] and len(run.tokens[rid]) == max_tokens, rid
+    assert max(spy.sizes) >= 3  # three rows or more drafted in one forward
+    shared = _spec_in_batches(run)
+    if draft == "copy":
+        greedy = [(d, a) for rid, d, a in shared if rid in (1, 3)]
+        assert greedy and all(d == a for d, a in greedy)  # the target's own argmax, every draft kept
+
+
+def test_a_batchs_draft_caches_hold_each_rows_tokens(tiny_model_fp32, other_draft):
+    """Mid-generation, after steps that drafted for two rows in one batch and kept different
+    counts of their drafts, each row's draft cache holds exactly the keys and values a fresh
+    forward of that row's tokens gives."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from trio_mlx import models
+
+    actor = _actor(tiny_model_fp32, draft_model=str(other_draft), num_draft_tokens=3)
+    spy = actor._drafter.model = _Sizes(actor._drafter.model)  # type: ignore[union-attr]
+    script = {0: [Submit(1, PROMPT, 60, SamplingParams(temperature=1.0, seed=5), frozenset()),
+                  Submit(2, PROMPT[7:], 60, SamplingParams(temperature=1.0, seed=6), frozenset())]}
+    run = _serve(actor, script, steps=6)
+    assert 2 in spy.sizes and len(_spec_in_batches(run)) >= 4
+    batch: Any = actor._bg._generation_batch  # type: ignore[union-attr]
+    model, _ = models.load_model(other_draft)
+    for i in range(2):
+        state = batch.samplers[i].spec.draft
+        held = batch.tokens[i][: state.held]
+        assert len(PROMPT) - 7 < state.held <= len(batch.tokens[i])
+        fresh = make_prompt_cache(model)
+        model(mx.array(held)[None], cache=fresh)
+        for a, b in zip(state.cache, fresh, strict=True):
+            assert a.offset == b.offset == len(held)
+            assert np.allclose(np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]), atol=1e-4)
+            assert np.allclose(np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]),
+                               atol=1e-4)
+
+
 def _counted(sdpa: Any, calls: list[int], queries: Any, *args: Any, **kwargs: Any) -> Any:
     calls.append(queries.shape[2])
     return sdpa(queries, *args, **kwargs)

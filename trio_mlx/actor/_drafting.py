@@ -5,7 +5,7 @@ a decoding batch.
 tokens; `_spec_step.py` runs the step (one forward over every row's pending token and
 drafts, `_decode.Decoder.verify`, each row's KV rolled back past its rejected drafts) and
 hands each row's outcome back (`Drafter.settle`). A draft model drafts for the rows of
-a batch one row at a time, each from its own cache. The rules (the n-gram index, the acceptance rule, the
+a batch in one batch of forwards, each row from its own cache. The rules (the n-gram index, the acceptance rule, the
 per-row policy) are `_speculate.py`'s, with no MLX.
 
 - **Prompt lookup** (`mode="ngram"`) drafts from the row's own tokens. It looks first at
@@ -21,18 +21,22 @@ per-row policy) are `_speculate.py`'s, with no MLX.
   device runs a draft's forward while the host builds the next). Its cache is trimmed past the drafts the target rejected, as the
   target's is.
 
-Only public mlx-lm API here (a model's call, `make_prompt_cache`, a cache's `trim`); on
-CUDA the draft's steps attend query by query (`_shapes.query_by_query`).
+Rows that speculate side by side draft in one batch of draft forwards, their caches
+joined for the step with mlx-lm's `BatchKVCache.merge` and split back after.
+
+Only public mlx-lm API here (a model's call, `make_prompt_cache`, `BatchKVCache.merge`, a
+cache's `trim` and its `keys`, `values` and `offset`); on CUDA the draft's steps attend
+query by query (`_shapes.query_by_query`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from ._decode import DecodeRow
 from ._shapes import prefill_grid, query_by_query
@@ -105,26 +109,42 @@ class Drafter:
     def mode(self) -> str:
         return "ngram" if self.model is None else "draft"
 
-    def propose(self, row: DecodeRow, held: list[int], pending: Any) -> Proposal | None:
-        """The drafts for `row` this step, or None: it takes a plain step. `held`: the tokens
-        its KV holds (prompt and output); `pending`: its next token, sampled last step (on
-        the device, (1,))."""
+    def propose(self, rows: Sequence[DecodeRow], helds: Sequence[list[int]], pending: Any) -> list[Proposal | None]:
+        """Each row's drafts this step, or None for a row that takes a plain step. `helds`:
+        the tokens each row's KV holds (prompt and output); `pending`: each row's next token,
+        sampled last step (on the device, (B,)). A draft model drafts for every row that
+        speculates in one batch (`_draft_batch`)."""
+        ks = [self._room(r, h) for r, h in zip(rows, helds, strict=True)]
+        if self.model is None:
+            return [self._lookup(r, r.spec, h, pending[i : i + 1], k) if k else None
+                    for i, (r, h, k) in enumerate(zip(rows, helds, ks, strict=True))]
+        drafting = [i for i, k in enumerate(ks) if k]
+        out: list[Proposal | None] = [None] * len(rows)
+        if len(drafting) == 1:
+            i = drafting[0]
+            out[i] = self._draft(rows[i].spec, helds[i], pending[i : i + 1], ks[i])
+        elif drafting:
+            made = self._draft_batch([rows[i].spec for i in drafting], [helds[i] for i in drafting],
+                                     pending[mx.array(drafting)] if len(drafting) < len(rows) else pending,
+                                     [ks[i] for i in drafting])
+            for i, p in zip(drafting, made, strict=True):
+                out[i] = p
+        return out
+
+    def _room(self, row: DecodeRow, held: list[int]) -> int:
+        """How many tokens `row` may draft this step (0: it takes a plain step)."""
         if row.max_tokens <= 0:
-            return None
+            return 0
         spec = row.spec
         if spec is None:
             row.spec = spec = RowSpec()
         position = len(held)
         if not spec.allowed(position):
-            return None
+            return 0
         k = room(self.k, row.max_tokens, position - len(row.prompt))
         if row.grammar is not None:  # a constrained row drafts only far from its budget's endgame
             k = min(k, row.grammar.draft_room())
-        if k <= 0:
-            return None
-        if self.model is None:
-            return self._lookup(row, spec, held, pending, k)
-        return self._draft(spec, held, pending, k)
+        return max(0, k)
 
     def settle(self, row: DecodeRow, proposal: Proposal, accepted: int, seconds: float | None = None,
                plain: float | None = None) -> None:
@@ -166,11 +186,24 @@ class Drafter:
         inputs = mx.array([[first, *drafts]], dtype=pending.dtype)
         return Proposal(inputs, inputs[0, 1:], first, drafts, len(held))
 
-    def _draft(self, spec: RowSpec, held: list[int], pending: Any, k: int) -> Proposal:
-        model = self.model
+    def _state(self, spec: RowSpec) -> DraftState:
         state = spec.draft
         if not isinstance(state, DraftState):
-            spec.draft = state = DraftState(make_prompt_cache(model))
+            spec.draft = state = DraftState(make_prompt_cache(self.model))
+        return state
+
+    def _fill(self, state: DraftState, tokens: list[int], dtype: Any) -> None:
+        """Feed the draft model a row's tokens its cache lacks, in chunks, evaluated (a long
+        history: the row's first speculation)."""
+        step = self.prefill_step
+        for at in range(0, len(tokens), step):
+            self.model(mx.array(tokens[at : at + step], dtype=dtype)[None], cache=state.cache)
+            mx.eval([c.state for c in state.cache])
+        state.held += len(tokens)
+
+    def _draft(self, spec: RowSpec, held: list[int], pending: Any, k: int) -> Proposal:
+        model = self.model
+        state = self._state(spec)
         cache = state.cache
         new = held[state.held:]
         step = self.prefill_step
@@ -191,3 +224,46 @@ class Drafter:
         state.held = len(held) + k  # the history, the pending token, every draft but the last
         d = mx.concatenate(drafts)
         return Proposal(mx.concatenate([pending, d])[None], d, None, None, len(held))
+
+    def _draft_batch(self, specs: list[RowSpec], helds: list[list[int]], pending: Any,
+                     ks: list[int]) -> list[Proposal]:
+        """Several rows' drafts in one batch of draft forwards: the rows' caches joined for the
+        step (left-padded, `BatchKVCache.merge`) and split back after, a copy of the draft's
+        KV a step, where drafting row by row costs a forward a row for each drafted token
+        (the forwards of a small draft model are bound by host work, the copies are not).
+        Every row feeds two tokens first: its last held token and its pending one (a row
+        whose cache holds every held token gives its last back, to feed it again)."""
+        dtype = pending.dtype
+        states = [self._state(spec) for spec in specs]
+        for state, held in zip(states, helds, strict=True):
+            if state.held >= len(held):
+                for c in state.cache:
+                    c.trim(state.held - len(held) + 1)
+                state.held = len(held) - 1
+            elif state.held < len(held) - 1:
+                self._fill(state, held[state.held : -1], dtype)
+        lengths = [state.cache[0].size() for state in states]
+        caches = [BatchKVCache.merge(list(layer)) for layer in zip(*(s.cache for s in states), strict=True)]
+        x = mx.concatenate([mx.array([[h[-1]] for h in helds], dtype=dtype), pending[:, None]], axis=1)
+        top = max(ks)
+        drafts = []
+        with query_by_query(self.by_query):
+            for _ in range(top):
+                logits = self.model(x, cache=caches)[:, -1, : self.width or None]
+                x = mx.argmax(logits, axis=-1, keepdims=True).astype(dtype)
+                mx.async_eval(x)  # as `_draft`: the device runs it while the host builds the next
+                drafts.append(x)
+        d = mx.concatenate(drafts, axis=1)
+        longest = max(lengths)
+        end = longest + top + 1  # each row's two tokens, then one a draft but the last
+        out = []
+        for i, (state, held, k) in enumerate(zip(states, helds, ks, strict=True)):
+            start = longest - lengths[i]  # the row's left padding
+            for layer, c in enumerate(state.cache):
+                c.keys, c.values = caches[layer].keys[i : i + 1, :, start:end], caches[layer].values[i : i + 1, :, start:end]
+                c.offset = end - start
+                if top > k:
+                    c.trim(top - k)  # the drafts past the row's own k: as if it had drafted k
+            state.held = len(held) + k  # the history, the pending token, every draft but the last
+            out.append(Proposal(mx.concatenate([pending[i : i + 1], d[i, :k]])[None], d[i, :k], None, None, len(held)))
+        return out

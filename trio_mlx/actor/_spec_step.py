@@ -86,8 +86,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
         return None  # rows at different positions: no layout to roll back into
     t0 = time.perf_counter()
     pending = batch._next_tokens
-    proposals: list[Proposal | None] = [drafter.propose(r, h, pending[i : i + 1])
-                                        for i, (r, h) in enumerate(zip(rows, helds, strict=True))]
+    proposals: list[Proposal | None] = drafter.propose(rows, helds, pending)
     if all(p is None for p in proposals):
         return None
     k = max(p.k for p in proposals if p is not None)
