@@ -2,17 +2,34 @@
 
     python benchmarks/probes/probe_grammar_engine.py MODEL_DIR [BATCH] [TOKENS] [ROUNDS] [string|array]
 
-Asked through the runtime as a server runs it: an `Engine` (thread actor, warmed up) gets BATCH concurrent
-`generate` requests of TOKENS tokens each, with 0%, 50% and 100% of them
-carrying `response_format` (a JSON string of at least 100,000 characters:
-the mask of a long string, where most tokens are allowed, every step, to
-max_tokens); free rows run to max_tokens too (`ignore_eos`). The three shares alternate over ROUNDS rounds because the
-host's speed drifts. Decode tokens/s counts the tokens that arrive once every
-request has its first one, until the last ends. Prints each round and the
-median ratio to 0%. With `array` the format is instead an
-array of 60 strings of at most 12 characters each: a schema whose rows end
-(their budget closes the JSON before max_tokens) and whose completion is long,
-so the per-row budget checks run every step. Use a random-weight model
+Asked through the runtime as a server runs it: an `Engine` (thread actor, warmed up) gets BATCH
+concurrent greedy `generate` requests of at most TOKENS tokens each, 0%, 50% and 100% of them
+carrying `response_format`. Decode tokens/s counts the tokens that arrive once every request has
+its first one, until the last ends.
+
+Formats: `string` (the default), a JSON string of at least 100,000 characters: the mask of a
+long string, where most tokens are allowed, every step; no budget can complete it, so its rows
+run to max_tokens. `array`: an array of 60 strings of at most 12 characters, a schema whose
+completion is long, so the per-row budget checks run every step, and whose rows end before
+max_tokens (the budget closes the JSON), each at its own step.
+
+Free rows run with `ignore_eos`. Three figures per constrained share, each a ratio of tokens/s:
+
+- "same tokens" (the fair one): against free rows given the same per-row token counts
+  (max_tokens = the completion_tokens each constrained row got in the share's last run, the
+  free rows of a 50% batch keeping TOKENS), so that both batches thin out alike as their rows
+  end. Each share's constrained run and its matched free run are paired in every round (the
+  order alternates with the rounds; a round's matched run may take the counts of the round
+  before, which the probe checks for drift: greedy rows of a random model repeat their counts).
+- "full width": tokens/s while every row of the batch is still decoding (from the moment each
+  has its first token until the first one ends) against the same for the 0% batch: the decode
+  step's rate at the batch's full width.
+- "to max_tokens" (the figure this probe printed before): against the free rows run to TOKENS.
+  Where the constrained rows end early it counts the thinned tail of their batch against a full
+  one, so it understates the grammar's rate.
+
+The shares alternate over ROUNDS rounds because the host's speed drifts; each figure is the
+median over rounds of the paired ratio. Use a random-weight model
 (`trio-mlx model build DIR --shape llama-3.2-1b --dtype bfloat16`).
 """
 
@@ -21,6 +38,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import trio
 
@@ -35,33 +53,61 @@ SHARES = (0.0, 0.5, 1.0)
 FORMAT = STRING
 
 
-async def level(engine: trio_mlx.Engine, batch: int, tokens: int, share: float) -> float:
-    constrained = round(batch * share)
+@dataclass
+class Level:
+    rate: float  # decode tokens/s, every request's first token to the last one's end
+    full: float  # ... while every row was still decoding
+    counts: list[int]  # completion_tokens, per row (the steps it decoded, EOS included)
+
+
+async def level(engine: trio_mlx.Engine, batch: int, tokens: int, share: float,
+                limits: list[int] | None = None) -> Level:
+    """One batch: `share` of it constrained; with `limits`, every row free, row i given
+    max_tokens limits[i]."""
+    constrained = 0 if limits is not None else round(batch * share)
     first: list[float] = []
     counts = [0] * batch  # tokens each request has received
+    steps = [0] * batch  # ... its completion_tokens, at its end
     marks: list[int] = []  # counts when every request had its first token
-    done = time.perf_counter
+    at_first_end: list[int] = []  # ... when the first request ended
+    ends: list[float] = []
+    clock = time.perf_counter
 
     async def one(i: int) -> None:
         fmt = FORMAT if i < constrained else None
-        async with engine.generate(f"Row {i}: a long JSON string about mountains.", max_tokens=tokens,
+        cap = tokens if limits is None else limits[i]
+        async with engine.generate(f"Row {i}: a long JSON string about mountains.", max_tokens=cap,
                                    temperature=0.0, ignore_eos=True, response_format=fmt) as events:
             async for ev in events:
                 if isinstance(ev, trio_mlx.TextDelta):
                     if counts[i] == 0:
-                        first.append(done())
+                        first.append(clock())
                         if len(first) == batch:
                             marks.extend(counts)
                     counts[i] += len(ev.token_ids)
+                elif isinstance(ev, trio_mlx.Finished):
+                    steps[i] = ev.usage.completion_tokens
+                    ends.append(clock())
+                    if not at_first_end:
+                        at_first_end.extend(counts)
 
     async with trio.open_nursery() as nursery:
         for i in range(batch):
             nursery.start_soon(one, i)
-    end = done()
-    short = sum(c < tokens for c in counts)
-    if short:  # the figure compares rows that all decode to max_tokens
-        print(f"  note: {short} of {batch} rows ended before max_tokens ({int(share * 100)}% constrained)")
-    return (sum(counts) - sum(marks)) / (end - max(first))
+    end = clock()
+    start = max(first)
+    full_time = min(ends) - start
+    full = (sum(at_first_end) - sum(marks)) / full_time if full_time > 0 else float("nan")
+    return Level((sum(counts) - sum(marks)) / (end - start), full, steps)
+
+
+def describe(counts: list[int], tokens: int) -> str:
+    short = [c for c in counts if c < tokens]
+    if not short:
+        return "every row ran to max_tokens"
+    return (f"{len(short)} of {len(counts)} rows ended before max_tokens: completion tokens "
+            f"min {min(counts)}, median {statistics.median(counts):.0f}, max {max(counts)}, "
+            f"{sum(counts) / (len(counts) * tokens):.0%} of the full batch's")
 
 
 async def main() -> None:
@@ -71,21 +117,51 @@ async def main() -> None:
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 3
     global FORMAT
     FORMAT = ARRAY if len(sys.argv) > 5 and sys.argv[5] == "array" else STRING
+    shares = [s for s in SHARES if s]
     async with trio_mlx.open_engine(path, max_batch=batch, prefill_batch=min(batch, 8)) as engine:
-        # warm-up: the grammar path's kernels (an array needs room for its sure completion)
-        await level(engine, batch, tokens if FORMAT is ARRAY else min(tokens, 32), 1.0)
-        results: dict[float, list[float]] = {s: [] for s in SHARES}
+        # warm-up: the grammar path's kernels (an array needs room for its sure completion),
+        # and each share's per-row counts for the first matched run
+        last: dict[float, list[int]] = {}
+        for s in shares:
+            last[s] = (await level(engine, batch, tokens, s)).counts
+            print(f"warm-up {int(s * 100)}%: {describe(last[s][:round(batch * s)], tokens)}", flush=True)
+        free: list[Level] = []
+        runs: dict[float, list[tuple[Level, Level]]] = {s: [] for s in shares}
         for r in range(rounds):
-            for share in SHARES if r % 2 == 0 else reversed(SHARES):
-                results[share].append(await level(engine, batch, tokens, share))
-            print(f"round {r + 1}: " + ", ".join(f"{int(s * 100)}%: {results[s][-1]:.0f} tok/s" for s in SHARES),
-                  flush=True)
+            line = []
+            if r % 2 == 0:
+                free.append(await level(engine, batch, tokens, 0.0))
+            for s in shares if r % 2 == 0 else reversed(shares):
+                pair: list[Level] = []
+                for matched in (False, True) if r % 2 == 0 else (True, False):
+                    if matched:
+                        pair.append(await level(engine, batch, tokens, s, limits=last[s]))
+                    else:
+                        got = await level(engine, batch, tokens, s)
+                        drift = sum(a != b for a, b in zip(got.counts, last[s], strict=True))
+                        if drift:
+                            print(f"  note: {drift} rows' counts differ from the last {int(s * 100)}% run")
+                        last[s] = got.counts
+                        pair.append(got)
+                con, same = pair if r % 2 == 0 else pair[::-1]
+                runs[s].append((con, same))
+                line.append(f"{int(s * 100)}%: {con.rate:.0f} tok/s (same tokens free: {same.rate:.0f})")
+            if r % 2 == 1:
+                free.append(await level(engine, batch, tokens, 0.0))
+            print(f"round {r + 1}: 0%: {free[-1].rate:.0f} tok/s, " + ", ".join(line), flush=True)
         device = engine.info.device if engine.info else "?"
-    base = statistics.median(results[0.0])
-    for s in SHARES:
-        med = statistics.median(results[s])
-        print(f"{int(s * 100):3d}% constrained: median {med:.0f} tok/s, {med / base:.2f}x of free "
-              f"(engine, batch {batch}, {tokens} tokens, {device})")
+    print(f"  0% constrained: median {statistics.median(f.rate for f in free):.0f} tok/s, "
+          f"{statistics.median(f.full for f in free):.0f} at full width "
+          f"(engine, batch {batch}, {tokens} tokens, {device})")
+    for s in shares:
+        pairs = runs[s]
+        rate = statistics.median(c.rate for c, _ in pairs)
+        fair = statistics.median(c.rate / m.rate for c, m in pairs)
+        full = statistics.median(c.full / f.full for (c, _), f in zip(pairs, free, strict=True))
+        old = statistics.median(c.rate / f.rate for (c, _), f in zip(pairs, free, strict=True))
+        print(f"{int(s * 100):3d}% constrained: median {rate:.0f} tok/s; {fair:.2f}x of free rows with the "
+              f"same tokens (fair), {full:.2f}x at full width, {old:.2f}x of free rows run to max_tokens "
+              f"(unmatched, the old figure); {describe(pairs[-1][0].counts[:round(batch * s)], tokens)}")
 
 
 if __name__ == "__main__":

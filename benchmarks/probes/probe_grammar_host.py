@@ -23,11 +23,14 @@ characters: masked every step to max_tokens; the completion is past what `finish
 looks for, so the budget checks give up early). One warm-up episode per schema
 first (a grammar's start completion is walked once per process, as in a server).
 Rounds alternate the schemas. Prints, per round and schema: host ms per step (mean
-over the episode's steps, and its first, middle and last thirds), the steps, the
+over the episode's steps, and its first, middle and last thirds), the CPU per step of
+the two threads that hold the GIL (the decode step's and its budget checks': work no
+number of cores spreads, and steadier than wall time on a shared machine), the steps, the
 tokens, and a digest of every mask of the episode (the same digest before and
 after a change that must not change what rows may output, same `--seed`).
 llguidance's batch calls run on its own pool: 80% of the cores (one thread on a
-2-core machine, 12 on a 16-core GPU host), so the fill's share depends on the host.
+2-core machine, 12 on a 16-core GPU host), so the fill's share depends on the host;
+their CPU is not in the GIL-side figure.
 
 `--split`: one more episode per schema with each part timed apart (ms per step,
 calls per step, us per call; wrappers add ~0.3 us a call): the batch consume
@@ -72,7 +75,20 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-STRING_SOURCE = [""]  # the string schema's grammar: its rows cannot finish within max_tokens
+STRING_SOURCE = [""]
+MEASURE_CPU = [0.0]  # CPU seconds the decoder's thread for the budget checks has spent in them
+_measure_all = _decode._measure_all
+
+
+def _timed_measure_all(*args: Any) -> None:
+    t = time.thread_time()
+    try:
+        _measure_all(*args)
+    finally:
+        MEASURE_CPU[0] += time.thread_time() - t
+
+
+_decode._measure_all = _timed_measure_all  # the string schema's grammar: its rows cannot finish within max_tokens
 
 
 def tokenizer(path: pathlib.Path) -> Any:
@@ -100,13 +116,15 @@ def episode(vocab: Any, source: str, args: argparse.Namespace, seed: int) -> dic
     live = list(rows)
     fed: list[int] | None = None
     times: list[float] = []
+    cpus: list[float] = []  # CPU seconds of the two threads that hold the GIL: this one and the budget checks'
     digest = hashlib.sha256()
     low = -(-512 // 32)
     while live:
         plan = dec._plan_for([r.row for r in live], VOCAB)
-        t0 = time.perf_counter()
+        t0, c0, m0 = time.perf_counter(), time.thread_time(), MEASURE_CPU[0]
         dec._masks(plan, fed)
         times.append(time.perf_counter() - t0)
+        cpus.append(time.thread_time() - c0 + MEASURE_CPU[0] - m0)
         assert plan.bitmask is not None
         words = plan.bitmask.view(np.uint32)
         digest.update(words.tobytes())
@@ -138,6 +156,8 @@ def episode(vocab: Any, source: str, args: argparse.Namespace, seed: int) -> dic
     return {
         "ms": statistics.fmean(ms), "thirds": [statistics.fmean(ms[k * third:(k + 1) * third] or [0.0])
                                              for k in range(3)],
+        "cpu": 1e3 * statistics.fmean(cpus),
+        "cpu_thirds": [1e3 * statistics.fmean(cpus[k * third:(k + 1) * third] or [0.0]) for k in range(3)],
         "steps": len(ms), "tokens": sum(len(r.tokens) for r in rows), "total": sum(ms),
         "forced": sum(r.proc.forced_finish for r in rows), "digest": digest.hexdigest()[:12],
     }
@@ -218,6 +238,8 @@ def main() -> None:
             o = episode(vocab, source, args, args.seed)
             print(f"round {rnd} {name:6s} host {o['ms']:6.2f} ms/step (thirds "
                   + " / ".join(f"{x:.2f}" for x in o["thirds"])
+                  + f"), GIL-side CPU {o['cpu']:5.2f} ms/step (thirds "
+                  + " / ".join(f"{x:.2f}" for x in o["cpu_thirds"])
                   + f"), {o['steps']} steps, {o['tokens']} tokens, {o['total']:.0f} ms in all, "
                   f"{o['forced']} forced, masks {o['digest']}", flush=True)
     if args.split:

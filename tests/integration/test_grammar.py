@@ -409,6 +409,23 @@ def test_jump_walks_only_for_tokens_that_open_something(tiny: tuple[Any, Any], m
     assert walks
 
 
+@pytest.mark.parametrize("specials", [3, 100], ids=["few-specials", "many-specials"])
+def test_jumpers_are_the_openers_and_specials_the_mask_allows(tiny: tuple[Any, Any], specials: int) -> None:
+    """`jumpers` reads the mask one way for a few special tokens and another for many: both
+    give the openers, then the special tokens, that the bitmask lets through."""
+    import dataclasses
+
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    rng = np.random.default_rng(specials)
+    vocab = dataclasses.replace(vocab, specials=np.sort(rng.choice(vocab.size, specials, replace=False)))
+    for density in (0.0, 0.1, 0.5, 1.0):
+        bits = rng.random(vocab.size) < density
+        words = np.packbits(np.pad(bits, (0, -vocab.size % 32)), bitorder="little").view(np.uint32)
+        expected = [t for t in (*vocab.openers, *vocab.specials.tolist()) if bits[t]]
+        assert _matcher.jumpers(vocab, words.reshape(1, -1)) == expected
+
+
 def test_processor_never_raises(tiny: tuple[Any, Any]) -> None:
     """A token the grammar refuses (impossible while the mask holds) ends the row with
     EOS and records why, rather than failing the batch's step."""

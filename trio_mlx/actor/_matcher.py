@@ -41,6 +41,9 @@ _PRIORITY = _FIRST + bytes([0x80, 0x90, 0xA0, 0xB0]) + bytes(
 # The longest completion `finish` looks for. Arbitrary: a JSON value nested a
 # few levels deep with a few required keys closes in well under 100 tokens.
 FINISH_LIMIT = 512
+# Up to how many special tokens `jumpers` tests one by one (Python ints) rather than as one
+# numpy gather. Arbitrary: about where the two cost the same.
+_FEW_SPECIALS = 16
 _REPEATS = 4  # arbitrary: numbers and padded strings need a few repeats, never many
 # How many of its first tokens `finish` tries its hint after (a UTF-8 character's
 # continuation bytes, an escape's next byte). Arbitrary: each try validates the hint,
@@ -285,9 +288,25 @@ def jumpers(vocab: GrammarVocab, allowed: np.ndarray) -> list[int]:
     the single-byte openers, then the special tokens."""
     words = allowed.reshape(-1)
     specials = vocab.specials
-    if len(specials):
-        specials = specials[(words[specials >> 5] >> (specials & 31).astype(np.uint32)) & 1 == 1]
-    return [t for t in vocab.openers if (words[t >> 5] >> (t & 31)) & 1] + specials.tolist()
+    if len(specials) > _FEW_SPECIALS:
+        picked = specials[(words[specials >> 5] >> (specials & 31).astype(np.uint32)) & 1 == 1].tolist()
+        return [t for t in vocab.openers if int(words[t >> 5]) >> (t & 31) & 1] + picked
+    # One gather and Python ints, not a numpy scalar per token: the decode step asks this of
+    # every constrained row in its endgame, every step, on the thread that waits for the masks.
+    ids, at = _jumper_words(vocab)
+    return [t for t, w in zip(ids, words[at].tolist(), strict=True) if w >> (t & 31) & 1]
+
+
+_JUMPER_WORDS: weakref.WeakKeyDictionary[GrammarVocab, tuple[list[int], np.ndarray]] = weakref.WeakKeyDictionary()
+
+
+def _jumper_words(vocab: GrammarVocab) -> tuple[list[int], np.ndarray]:
+    """The openers and then the special tokens, and the bitmask word of each."""
+    found = _JUMPER_WORDS.get(vocab)
+    if found is None:
+        ids = [*vocab.openers, *vocab.specials.tolist()]
+        found = _JUMPER_WORDS[vocab] = (ids, np.array([t >> 5 for t in ids], dtype=np.intp))
+    return found
 
 
 def growth(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tail: list[int], token: int) -> int:
