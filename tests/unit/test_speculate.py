@@ -246,3 +246,45 @@ def test_a_width_times_a_plain_step_before_it_speculates_and_again_every_so_ofte
     assert d.wants_plain(2)
     d.timed_plain(2, 0.03)
     assert not d.wants_plain(2) and d.plain_step(2) == 0.03  # the median of 0.01 and 0.03: the later
+
+
+def test_the_index_says_whether_the_last_tokens_occurred_before():
+    index = _index([5, 6, 7, 1, 2, 8, 9, 7])  # "7" occurred before, "9 7" did not
+    assert index.repeats(1) and not index.repeats(2) and not index.repeats(3)
+    copy = _index([1, 2, 3, 4, 1, 2, 3])
+    assert copy.repeats(1) and copy.repeats(2) and copy.repeats(3)
+    assert not copy.repeats(4)  # past n
+    assert not _index([7]).repeats(1) and not _index([]).repeats(1)
+    assert not _index([3, 3]).repeats(2) and _index([3, 3]).repeats(1)
+
+
+def test_prompt_lookup_reads_the_pending_token_back_only_where_two_tokens_repeat():
+    """Reading a row's pending token back is a sync that costs the plain step its pipelining:
+    a last token that merely occurred before (in any text, all the time) is no reason."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from trio_mlx.actor._drafting import Drafter
+
+    reads: list[int] = []
+
+    class Pending:  # a row's pending token on the device, counting its reads
+        dtype = mx.int32
+
+        def __getitem__(self, _: object) -> Pending:
+            return self
+
+        def item(self) -> int:
+            reads.append(1)
+            return 4
+
+    def row(prompt: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(max_tokens=64, spec=None, prompt=tuple(prompt), grammar=None, stops=frozenset())
+
+    drafter = Drafter(k=4, ngram=3)
+    once = [5, 6, 7, 1, 2, 8, 9, 7]  # "7" occurred before, "9 7" did not
+    assert drafter.propose([row(once)], [once], Pending()) == [None] and reads == []
+    copy = [1, 2, 3, 4, 1, 2, 3]
+    [proposal] = drafter.propose([row(copy)], [copy], Pending())
+    assert reads == [1] and proposal is not None and proposal.host == [1, 2, 3, 4]

@@ -9,8 +9,9 @@ a batch in one batch of forwards, each row from its own cache. The rules (the n-
 per-row policy) are `_speculate.py`'s, with no MLX.
 
 - **Prompt lookup** (`mode="ngram"`) drafts from the row's own tokens. It looks first at
-  the tokens the row's KV holds, on the host: no earlier occurrence of their suffix, no
-  speculation, and the step stays a plain, pipelined one (random text costs nothing).
+  the tokens the row's KV holds, on the host: no earlier occurrence of their last
+  `READ_MATCH` tokens, no speculation, and the step stays a plain, pipelined one (random
+  text costs nothing).
   With one, it reads the pending token back (the step would wait for it anyway), and
   drafts from the longest suffix that includes it.
 - **A draft model** (`mode="draft"`) drafts K tokens greedily, each from its own KV cache
@@ -40,7 +41,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from ._decode import DecodeRow
 from ._shapes import prefill_grid, query_by_query
-from ._speculate import NgramIndex, RowSpec, WidthJudge, room
+from ._speculate import READ_MATCH, NgramIndex, RowSpec, WidthJudge, room
 
 
 class DraftState:
@@ -175,9 +176,9 @@ class Drafter:
         elif len(index) > len(held):  # not the row's tokens (a bug's guard: the index only grows with them)
             spec.index = index = NgramIndex(self.ngram)
         index.extend(held[len(index):])
-        if not index.draft(1):
-            return None  # nothing before repeats the row's last tokens: a plain step, pipelined
-        first = int(pending.item())  # the last step's token: this step would wait for it anyway
+        if not index.repeats(min(READ_MATCH, self.ngram)):
+            return None  # the row's last tokens do not repeat earlier ones: a plain step, pipelined
+        first = int(pending.item())  # the last step's token: a sync, where a plain step is pipelined
         index.extend((first,))  # the step feeds it, speculative or not
         drafts = index.draft(k) if first not in row.stops else []
         if not drafts:

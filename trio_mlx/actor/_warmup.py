@@ -153,11 +153,14 @@ def rehearse(actor: Rehearsed, token: int, length: int) -> None:
         ([Abort(c)], lambda n: not actor.schedule.seqs),
     ]
     if actor._drafter is not None:
-        # A lone row's speculative steps, seeded, with every option; biased to repeat its
-        # prompt, so that prompt lookup finds drafts and the target keeps them.
-        g = -7
+        # Two rows' speculative steps side by side, then the longer one's alone, seeded, with
+        # every option; biased to repeat their prompts, so that prompt lookup finds drafts and
+        # the target keeps them. (Other prompts differ, so that H does not wait for G's prefill.)
+        g, h = -7, -8
         spec = dataclasses.replace(every, seed=1, logit_bias=((token, 100.0),))
-        script.append(([Submit(g, prompt, 12, spec, frozenset())], lambda n: n[g] >= 12))
+        script.append(([Submit(g, prompt, 12, spec, frozenset()),
+                        Submit(h, (token + 1,) + prompt[1:], 5, dataclasses.replace(spec, seed=2), frozenset())],
+                       lambda n: n[g] >= 12 and n[h] >= 5))
     if mx.cuda.is_available() and (long := min(actor._context - 80, 2 * actor.config.tuning.prefill_step + 64)) > 2 * length:
         # A long prompt, in full chunks and beside a long context, stored as it is
         # prefilled, then a prompt that extends it (a hit): otherwise a chat's first long
