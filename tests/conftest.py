@@ -15,13 +15,23 @@ default (dequantized to float32 then) run their matmuls on it.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from trio_mlx import _heap
-from trio_mlx.models import _models
+# The suite writes bytecode caches, whatever PYTHONDONTWRITEBYTECODE says: it starts over a hundred
+# interpreters (servers, actor processes, ranks, workers), and each one that finds no cache compiles
+# this checkout's trio_mlx again (~0.4 CPU-s a server start on the 2-core box, 2.4 -> 2.0); each
+# pytest-xdist worker rewrites the test modules' asserts again too. Set before trio_mlx is imported
+# here, so this process writes trio_mlx's caches; the processes the tests start inherit the environment.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+from trio_mlx import _heap  # noqa: E402
+from trio_mlx.models import _models  # noqa: E402
 
 # The suite opens hundreds of engines in this one process: it leaves the collector alone
 # (`trio_mlx/_heap.py`); tests/integration/test_heap.py turns the freeze back on for what it checks.

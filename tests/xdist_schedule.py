@@ -18,26 +18,41 @@ from __future__ import annotations
 
 from xdist.scheduler import LoadFileScheduling
 
-# Seconds a test takes, by node id prefix (the longest prefix that matches wins), from
-# `pytest --durations` on the 2-core dev machine with two workers.
+# Seconds a test takes, by node id prefix (the longest prefix that matches wins), from the plugin-timed
+# walls of a whole-suite run with two workers on the 2-core dev machine (beside other work).
 COST = {
-    "tests/system/test_process_exit.py": 20,
-    "tests/system/test_soak.py": 36,
-    "tests/system/test_distributed.py": 4,  # the module's group of ranks: ~20 s once
-    "tests/system/test_distributed.py::test_a_follower_that_dies_or_hangs": 13,
-    "tests/system/test_workers.py": 18,
-    "tests/system/test_connections.py": 18,
-    "tests/system/test_agents_cli.py": 12,
-    "tests/system/test_faults_process.py": 10,
-    "tests/system/test_models.py": 10,
-    "tests/system/test_actor_process.py": 11,
-    "tests/system/test_app_process.py": 7,
-    "tests/system/test_supervise.py": 6,
-    "tests/system/test_examples.py": 5,
-    "tests/system/test_bench.py": 4,
+    "tests/system/test_soak.py": 40,
+    "tests/system/test_process_exit.py": 15,
+    "tests/system/test_distributed.py": 4,  # the module's group of ranks: ~35 s once, in its first test
+    "tests/system/test_distributed.py::test_a_follower_that_dies_or_hangs": 14,
+    "tests/system/test_connections.py": 9,
+    "tests/system/test_workers.py": 9,
+    "tests/system/test_supervise.py": 8,
+    "tests/system/test_app_process.py": 5.5,
+    "tests/system/test_faults_process.py": 5.5,
+    "tests/system/test_models.py": 4,
+    "tests/system/test_agents_cli.py": 4,
+    "tests/system/test_actor_process.py": 6.5,
     "tests/system/test_page_browser.py": 3,
+    "tests/system/test_examples.py": 3,
+    "tests/system/test_asgi_servers.py": 3,
+    "tests/system/test_bench.py": 2,
     "tests/system/test_fuzz.py": 2,
-    "tests/system/test_asgi_servers.py": 1.5,
+    "tests/integration/test_warmup.py": 3,
+    "tests/integration/test_actor_process.py": 2.7,
+    "tests/integration/test_starvation.py": 2.3,
+    "tests/integration/test_kv_bits.py": 1.9,
+    "tests/integration/test_models.py": 1.6,
+    "tests/integration/test_app_responses.py": 1.5,
+    "tests/integration/test_prompt_cache.py": 1.4,
+    "tests/integration/test_engine.py": 1.4,
+    "tests/integration/test_adapters.py": 1.4,
+    "tests/integration/test_speculative.py": 1.3,
+    "tests/integration/test_structured_engine.py": 1.3,
+    # the unit layer's waits (fake actors' slow loads and steps): first when it runs alone
+    "tests/unit/test_app_models.py": 1.4,
+    "tests/unit/test_model_pool.py": 0.9,
+    "tests/unit/test_hostile_bounds.py": 0.6,
 }
 PER_TEST = {"tests/system/": 3.0, "tests/integration/": 1.0, "tests/unit/": 0.2}
 
