@@ -62,6 +62,20 @@ class _Link:
         pass
 
 
+def _judged(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
+    """The plain step's time each speculating row's step was judged against (None: not judged),
+    in the order the rows settled."""
+    judged: list[float | None] = []
+    settle = _drafting.Drafter.settle
+
+    def spy(self: Any, row: Any, proposal: Any, accepted: int, seconds: Any = None, plain: Any = None) -> None:
+        judged.append(plain)
+        settle(self, row, proposal, accepted, seconds, plain)
+
+    monkeypatch.setattr(_drafting.Drafter, "settle", spy)
+    return judged
+
+
 def _actor(path: Path, **tuning: Any) -> Actor:
     actor = Actor(ActorConfig(model_path=path, tuning=ActorTuning(**{"warmup": False, "admit_window": 0.0,
                                                                       **tuning})), link=_Link())  # type: ignore[arg-type]
@@ -216,7 +230,6 @@ def test_a_batch_whose_speculative_steps_give_less_than_its_plain_steps_stops_sp
     nothing, the batch stops after one window of speculative steps and its width waits
     WIDTH_BACKOFF steps, past the rows' end; where they cost forever, it goes on. The
     tokens are the same either way."""
-    from trio_mlx.actor._drafting import Drafter
     from trio_mlx.actor._speculate import WIDTH_BACKOFF, WIDTH_WINDOW
 
     rows = [(0, 1, PROMPT, 48, GREEDY), (0, 2, PROMPT[3:], 48, GREEDY)]
@@ -224,14 +237,7 @@ def test_a_batch_whose_speculative_steps_give_less_than_its_plain_steps_stops_sp
     base = _serve(_actor(tiny_model_fp32), script)
     _oracles(monkeypatch, {p: base.tokens[rid] for _, rid, p, _, _ in rows})
     widths: list[int] = []
-    judged: list[float | None] = []
-    settle = Drafter.settle
-
-    def spy(self: Drafter, row: Any, proposal: Any, accepted: int, seconds: Any = None, plain: Any = None) -> None:
-        judged.append(plain)
-        settle(self, row, proposal, accepted, seconds, plain)
-
-    monkeypatch.setattr(Drafter, "settle", spy)
+    judged = _judged(monkeypatch)
 
     def run(plain: float) -> Run:
         monkeypatch.setattr(Decoder, "plain_step", lambda self, width: widths.append(width) or plain)
@@ -351,19 +357,11 @@ def test_a_row_that_always_has_drafts_is_judged_against_timed_plain_steps(tiny_m
     until one is timed, and each speculative step is judged against it: where plain steps
     cost next to nothing, the width stops speculating after one window of steps; the
     tokens are the same either way."""
-    from trio_mlx.actor._drafting import Drafter
     from trio_mlx.actor._speculate import WIDTH_BACKOFF, WIDTH_WINDOW
 
     monkeypatch.undo()  # the module's `_untimed`: here the steps are timed
     base = _one(tiny_model_fp32, GREEDY, 48)
-    judged: list[float | None] = []
-    settle = Drafter.settle
-
-    def spy(self: Drafter, row: Any, proposal: Any, accepted: int, seconds: Any = None, plain: Any = None) -> None:
-        judged.append(plain)
-        settle(self, row, proposal, accepted, seconds, plain)
-
-    monkeypatch.setattr(Drafter, "settle", spy)
+    judged = _judged(monkeypatch)
     timed = Decoder.timed_plain
     monkeypatch.setattr(Decoder, "timed_plain", lambda self, width, seconds: timed(self, width, 1e-9))
     run = _one(tiny_model_fp32, GREEDY, 48, draft_model=str(tiny_model_fp32), num_draft_tokens=2)
