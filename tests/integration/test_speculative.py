@@ -436,6 +436,19 @@ def test_a_draft_model_drafts_for_the_rows_of_a_batch_in_one_forward(tiny_model_
         assert greedy and all(d == a for d, a in greedy)  # the target's own argmax, every draft kept
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_draft_model_fills_a_long_history_in_chunks(tiny_model_fp32, rows):
+    """A row's first speculation feeds the draft model its whole history, in chunks of the
+    prefill step (here 8 tokens, the prompts 27-35): alone and side by side, the tokens are
+    those without speculation, and a copy of the target keeps every greedy draft."""
+    script = {0: [Submit(i + 1, PROMPT[i * 4 :], 30, GREEDY, frozenset()) for i in range(rows)]}
+    base = _serve(_actor(tiny_model_fp32, prefill_step=8), script)
+    run = _serve(_actor(tiny_model_fp32, prefill_step=8, draft_model=str(tiny_model_fp32), num_draft_tokens=3),
+                 script)
+    assert run.tokens == base.tokens
+    assert run.speculated and all(d == a for _, d, a in run.speculated)
+
+
 def test_a_batchs_draft_caches_hold_each_rows_tokens(tiny_model_fp32, other_draft):
     """Mid-generation, after steps that drafted for two rows in one batch and kept different
     counts of their drafts, each row's draft cache holds exactly the keys and values a fresh

@@ -207,11 +207,10 @@ class Drafter:
         state = self._state(spec)
         cache = state.cache
         new = held[state.held:]
-        step = self.prefill_step
-        while len(new) > step:  # a long history (the row's first speculation): in chunks
-            model(mx.array(new[:step], dtype=pending.dtype)[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            new = new[step:]
+        if len(new) > self.prefill_step:  # a long history (the row's first speculation): whole chunks first
+            cut = (len(new) - 1) // self.prefill_step * self.prefill_step
+            self._fill(state, new[:cut], pending.dtype)
+            new = new[cut:]
         x = mx.concatenate([mx.array(new, dtype=pending.dtype), pending]) if new else pending
         drafts = []
         with query_by_query(self.by_query):
