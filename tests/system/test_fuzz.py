@@ -6,8 +6,8 @@ OpenAI's error shape.
   options the engine's own checks accept or refuse with InvalidRequestError) and over HTTP;
 - explicit cases: huge bodies, invalid UTF-8, wrong content types, deep nesting, absurd numbers.
 
-The server serves a copy of the tiny model with a 48-token context, so that whatever the fuzzers
-ask for stays cheap to generate. Its log must hold no ERROR and no traceback at the end.
+The server serves a copy of the tiny model with a 48-token context, and answers a request that
+names no max_tokens with 4 tokens, so that whatever the fuzzers ask for stays cheap to generate. Its log must hold no ERROR and no traceback at the end.
 
 Here against a server process; the request models in process: tests/unit/test_fuzz.py.
 """
@@ -40,6 +40,9 @@ from trio_mlx.server._settings import Settings
 
 CONTEXT = 48
 MAX_N = 2
+# What an answer gets when its request names no max_tokens (most generated cases): the fuzzers
+# check status codes and shapes, and a request's whole context in tokens cost the server most of its CPU.
+DEFAULT_MAX_TOKENS = 4
 # Examples per fuzz test: CI keeps it at 100 (a third of that per operation of the OpenAPI document,
 # whose cases run through a server: about 20 s for the module); set the variable for a long run.
 EXAMPLES = int(os.environ.get("TRIO_MLX_FUZZ_EXAMPLES", "100"))
@@ -78,7 +81,8 @@ def server(tiny_model_fp32, tmp_path_factory) -> Iterator[ServerProcess]:
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
     srv = ServerProcess([*SERVE, str(model), "--port", "0", "--no-warmup", "--no-access-log",
-                         "--max-n", str(MAX_N), "--max-body-bytes", "1000000", "--model-name", "fuzz"])
+                         "--max-n", str(MAX_N), "--max-body-bytes", "1000000", "--model-name", "fuzz",
+                         "--default-max-tokens", str(DEFAULT_MAX_TOKENS)])
     try:
         assert srv.up.wait(60), "".join(srv.lines)
         yield srv
