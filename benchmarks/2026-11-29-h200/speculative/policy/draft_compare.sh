@@ -1,5 +1,8 @@
-# A trimmed draft_bench.sh: build the pair, one round of off / d3 / mlx_lm.server at c=1,4, then
-# prompt lookup on random prompts at c=4 (off / ngram) with what time is left.
+# The draft-model pair (SmolLM2 grown to 15 GB by grow_target.py, SmolLM2 drafting): speculation
+# off, --draft-model with 3 drafted tokens, and mlx_lm.server with the same draft, in `trio-mlx bench
+# compare` (RD rounds at the LV levels; MLXLM_SIDE=0 leaves mlx_lm.server out). From the repo root on
+# the GPU host, with $OUT set. Ran as `bash draft_compare.sh` (the first table of README.md) and as
+# `LV=1,4 RD=2 RM=2 MR=8 MLXLM_SIDE=0 bash draft_compare.sh` (after drafting was batched).
 set -u
 export PYTHONPATH=$PWD:/root/emb PYTHONUNBUFFERED=1
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
@@ -12,14 +15,17 @@ SMOL=$M/smollm2-$DT; G=$M/grown-w$W-s$S-$DT
 P "== build W=$W $(date +%T)"
 [ -f "$G/config.json" ] || timeout ${TB:-150} python3 benchmarks/probes/grow_target.py --embedded --dtype $DT "$SMOL" "$G" --intermediate $W --scale $S > $OUT/build.log 2>&1 || { P "build failed: $(tail -3 $OUT/build.log)"; }
 P "$(du -sh "$SMOL" "$G" 2>&1 | tr '\n' ' ') $(date +%T)"
-WRAP="bash .gpuwork/metrics_wrap.sh {port} {out}/{run}.metrics"
+# mlx_lm.server with the same draft model beside them, unless MLXLM=0
+MLXLM=()
+[ "${MLXLM_SIDE:-1}" = 1 ] && MLXLM=(--side "mlxlm=python3 -m mlx_lm server --model $G --draft-model $SMOL --num-draft-tokens 3 --port {port}"
+  --side-args "mlxlm=--suppress-eos --served-model-name default_model")
+WRAP="bash benchmarks/2026-11-29-h200/speculative/draft-model/metrics_wrap.sh {port} {out}/{run}.metrics"
 TRIO="python3 -m trio_mlx.cli serve --model $G --port {port}"
-timeout -s INT -k 20 ${TC:-420} python3 -m trio_mlx.cli bench compare --out "$OUT/bench" --rounds 1 --start-timeout 120 --grace 10 \
+timeout -s INT -k 20 ${TC:-420} python3 -m trio_mlx.cli bench compare --out "$OUT/bench" --rounds ${RD:-1} --start-timeout 120 --grace 10 \
   --side "off=$WRAP $TRIO" \
   --side "d3=$WRAP $TRIO --draft-model $SMOL --num-draft-tokens 3" \
-  --side "mlxlm=python3 -m mlx_lm server --model $G --draft-model $SMOL --num-draft-tokens 3 --port {port}" \
-  --side-args "mlxlm=--suppress-eos --served-model-name default_model" \
-  -- --model "$G" --endpoint chat --concurrency "$LV" --max-tokens $MT --prompt-tokens 128 --requests-multiple 1 --min-requests 4 --quiet \
+  "${MLXLM[@]}" \
+  -- --model "$G" --endpoint chat --concurrency "$LV" --max-tokens $MT --prompt-tokens 128 --requests-multiple ${RM:-1} --min-requests ${MR:-4} --quiet \
   > "$OUT/compare.log" 2>&1
 P "compare exit $? $(date +%T)"
 python3 - "$OUT/bench" <<'PY' | tee -a "$OUT/progress.txt"
