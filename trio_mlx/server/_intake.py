@@ -130,11 +130,15 @@ def trim_soon() -> None:
 
 async def trimmer(delay: float = 1.0) -> None:
     """Runs for the app's life: after large bodies, once things have settled for `delay`
-    seconds, `malloc_trim` (glibc keeps freed heap pages otherwise; ~ms, off the loop)."""
+    seconds, `malloc_trim` (glibc keeps freed heap pages otherwise; ~ms, off the loop). A
+    large body that comes while a trim waits asks for the next one: the trim may run while
+    that body is still held."""
+    wanted = trio.Event()
+    _TRIM.set(wanted)
     while True:
+        await wanted.wait()
         wanted = trio.Event()
         _TRIM.set(wanted)
-        await wanted.wait()
         await trio.sleep(delay)
         await trio.to_thread.run_sync(malloc_trim)
 
