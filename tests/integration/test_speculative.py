@@ -449,6 +449,32 @@ def test_a_draft_model_fills_a_long_history_in_chunks(tiny_model_fp32, rows):
     assert run.speculated and all(d == a for _, d, a in run.speculated)
 
 
+def test_filling_a_rows_history_into_the_draft_model_is_not_judged_as_its_steps_cost(tiny_model_fp32, monkeypatch):
+    """A row's first speculation feeds the draft model its whole prompt (an agent's: thousands
+    of tokens), once: judged as part of that step, it stopped a draft that pays at every step
+    after. Here the fill takes a second and plain steps 50 ms; a copy of the target gives 4
+    tokens a speculative step, far faster than plain steps, and the row goes on speculating."""
+    import time
+
+    from trio_mlx.actor._speculate import WIDTH_WINDOW
+
+    class SlowFill(_Sizes):
+        def __call__(self, x: Any, cache: Any = None) -> Any:
+            if x.shape[1] == 8:  # a chunk of the history (the prefill step), never a draft's input
+                time.sleep(0.25)
+            return super().__call__(x, cache)
+
+    monkeypatch.setattr(Decoder, "plain_step", lambda self, width: 0.05)
+    judged = _judged(monkeypatch)
+    actor = _actor(tiny_model_fp32, draft_model=str(tiny_model_fp32), num_draft_tokens=3, prefill_step=8)
+    spy = actor._drafter.model = SlowFill(actor._drafter.model)  # type: ignore[union-attr]
+    run = _serve(actor, {0: [Submit(1, PROMPT, 48, GREEDY, frozenset())]})
+    assert spy.sizes.count(1) >= 4  # the history's four chunks, a second in all
+    assert judged and set(judged) == {0.05}  # the steps were judged, against the plain steps' time
+    assert len(run.speculated) > WIDTH_WINDOW  # not stopped after its first window
+    assert all(d == a for _, d, a in run.speculated)
+
+
 def test_a_batchs_draft_caches_hold_each_rows_tokens(tiny_model_fp32, other_draft):
     """Mid-generation, after steps that drafted for two rows in one batch and kept different
     counts of their drafts, each row's draft cache holds exactly the keys and values a fresh

@@ -33,6 +33,7 @@ query by query (`_shapes.query_by_query`).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -92,6 +93,8 @@ class Drafter:
         self.by_query = model is not None and prefill_grid()
         self.widths = WidthJudge()  # which batch widths speculate (`_spec_step.py`)
         self.judging = True  # whether steps are judged by their time (`unjudged`)
+        # Wall seconds the draft model spent this step filling rows' histories (`filled`)
+        self._filling = 0.0
 
     @contextlib.contextmanager
     def unjudged(self) -> Iterator[None]:
@@ -196,11 +199,20 @@ class Drafter:
     def _fill(self, state: DraftState, tokens: list[int], dtype: Any) -> None:
         """Feed the draft model a row's tokens its cache lacks, in chunks, evaluated (a long
         history: the row's first speculation)."""
+        t0 = time.perf_counter()
         step = self.prefill_step
         for at in range(0, len(tokens), step):
             self.model(mx.array(tokens[at : at + step], dtype=dtype)[None], cache=state.cache)
             mx.eval([c.state for c in state.cache])
         state.held += len(tokens)
+        self._filling += time.perf_counter() - t0
+
+    def filled(self) -> float:
+        """Seconds spent since the last call filling rows' histories into the draft model: a
+        row's first speculation pays its whole prompt (an agent's: thousands of tokens) once,
+        which is not what its steps cost, so the step's judged time leaves it out."""
+        seconds, self._filling = self._filling, 0.0
+        return seconds
 
     def _draft(self, spec: RowSpec, held: list[int], pending: Any, k: int) -> Proposal:
         model = self.model

@@ -85,6 +85,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     if not caches:
         return None  # rows at different positions: no layout to roll back into
     t0 = time.perf_counter()
+    drafter.filled()  # from here, what the draft model's history fills take is this step's
     pending = batch._next_tokens
     proposals: list[Proposal | None] = drafter.propose(rows, helds, pending)
     if all(p is None for p in proposals):
@@ -115,7 +116,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
         if r.grammar is not None:
             r.grammar.keep(a)
     rollback(caches, [k - a for a in kept])
-    seconds, plain = time.perf_counter() - t0, decoder.plain_step(n) if drafter.judging else None
+    seconds, plain = time.perf_counter() - t0 - drafter.filled(), decoder.plain_step(n) if drafter.judging else None
     drafter.widths.record(n, seconds, n + sum(kept), plain)
     firsts: list[int] = []
     specs: list[Speculated | None] = []
