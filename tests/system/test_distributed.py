@@ -244,7 +244,8 @@ for name in ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "rec
 @pytest.fixture(scope="module")
 def group(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory):
     site = tmp_path_factory.mktemp("gpu-warmup")
-    (site / "sitecustomize.py").write_text(GPU_WARMUP + THREAD_BOUND_GROUP)  # imported at start by every rank
+    # imported at start by every rank, in place of the suite's own (tests/startup/), which it runs first
+    (site / "sitecustomize.py").write_text("import import_cache\n" + GPU_WARMUP + THREAD_BOUND_GROUP)
     env = {**ENV, "PYTHONPATH": str(site) + os.pathsep + ENV["PYTHONPATH"]}
     g = Group(tiny_model_fp32, tmp_path_factory.mktemp("group") / "launch.log", env=env)
     try:
