@@ -154,6 +154,26 @@ def test_a_lone_client_never_waits_and_the_wait_is_bounded():
     assert _rids(off.due(now=0.0, decoding=0, prefilling=False)) == [4]
 
 
+def test_a_group_that_fills_the_batch_is_full():
+    """Beside 3 decoding rows a batch of 4 has room for one more: an arrival does not wait
+    for company that could not enter with it (four users on a batch of four, rows ending
+    at different steps, each arrival waited 3/4 of the window)."""
+    adm = _Admission(window=0.8, batch=4, max_batch=4)
+    adm.add(_sub(1), now=0.0)
+    assert adm.group(decoding=3) == (1, True)
+    assert _rids(adm.due(now=0.0, decoding=3, prefilling=False)) == [1]
+    for rid in (2, 3):
+        adm.add(_sub(rid), now=1.0)
+    assert _rids(adm.due(now=1.0, decoding=2, prefilling=False)) == [2, 3]  # two fill two places
+    adm.add(_sub(4), now=2.0)
+    assert adm.due(now=2.0, decoding=2, prefilling=False) == []  # room for two: waits for one more
+    assert adm.due(now=2.0, decoding=4, prefilling=False) == []  # no room at all: the window, as ever
+    assert _rids(adm.due(now=2.9, decoding=4, prefilling=False)) == [4]
+    wide = _Admission(window=0.8, batch=4, max_batch=64)  # room to spare: company is worth a wait
+    wide.add(_sub(5), now=0.0)
+    assert wide.due(now=0.0, decoding=3, prefilling=False) == []
+
+
 def test_window_zero_admits_without_waiting_for_company_and_drop_forgets():
     adm = _Admission(window=0.0, batch=8)
     adm.add(_sub(1), now=5.0)
@@ -211,6 +231,19 @@ async def test_arrivals_during_decode_are_inserted_together(tiny_model_fp32, tmp
     assert min(r["cpu_s"] for r in rows) >= 0 and sum(r["cpu_s"] for r in rows) > 0  # the actor thread's CPU
     inserted = [int(r["inserted"]) for r in rows if r["inserted"]]
     assert inserted == [1, 2], inserted  # the long one alone, then second and third in one step
+
+
+async def test_an_arrival_that_fills_the_batch_enters_at_once(tiny_model_fp32):
+    """max_batch 2 with one row decoding: the batch takes one more, so an arrival enters
+    without waiting the window (60 s x 1/2) for a group of two that could not fit."""
+    opts = dict(temperature=0, ignore_eos=True)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=2, prefill_batch=2, admit_window=60.0) as engine:
+        with trio.fail_after(60):
+            async with engine.generate("a long one", max_tokens=900, **opts) as first:
+                await _first_token(first)
+                async with engine.generate("second", max_tokens=4, **opts) as second:
+                    assert (await _drain(second)).usage.completion_tokens == 4
+                assert first.stage == "decode"  # still decoding: the second did not wait for it
 
 
 async def test_short_prompts_arriving_beside_a_loaded_batch_enter_as_one_group_and_long_ones_by_prefill_batch(

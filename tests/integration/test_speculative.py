@@ -91,6 +91,7 @@ class Run:
         self.speculated: list[tuple[int, int, int]] = []
         self.spec_steps: list[int] = []  # the steps that were speculative
         self.last: dict[int, int] = {}  # the step each rid's last token came in
+        self.first: dict[int, int] = {}  # ... and its first
         self.rows: list[int] = []  # the decoding batch's rows after each step
         self.steps = 0
 
@@ -107,6 +108,7 @@ def _serve(actor: Actor, script: dict[int, list[Any]], steps: int = 200) -> Run:
             run.tokens[t.rid].append(t.token)
             run.logprobs[t.rid].append((t.logprob, t.top_logprobs))
             run.last[t.rid] = k
+            run.first.setdefault(t.rid, k)
             if t.finish_reason is not None:
                 run.reasons[t.rid] = t.finish_reason
         run.speculated += report.speculated
@@ -684,6 +686,24 @@ def test_drafts_verified_beside_plain_rows_keep_tokens_and_logprobs(tiny_model_f
     assert {rid for rid, _, _ in shared} == {1, 3, 5}
     drafted, kept = sum(d for _, d, _ in shared), sum(a for _, _, a in shared)
     assert (kept == drafted > 0) if spoil == 0.0 else (0 < kept < drafted)
+
+
+def test_no_speculative_step_holds_back_a_first_token(tiny_model_fp32, monkeypatch):
+    """A row with drafts at every step (oracle, every one kept) speculates; a request that
+    arrives beside it waits for no speculative step: from the step that inserts it to the
+    one that reports its first token (its prefill, the step that samples it, the one that
+    reports it) the batch takes plain steps, which are pipelined and cost less. After that
+    the row speculates again, and every token is the one without speculation."""
+    rows = [(0, 1, PROMPT, 60, GREEDY), (6, 2, _random_prompt(5), 12, GREEDY)]
+    script = _mixed_script(rows)
+    base = _serve(_actor(tiny_model_fp32), script)
+    _oracles(monkeypatch, {PROMPT: base.tokens[1]})
+    run = _serve(_actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=2), script)
+    assert run.tokens == base.tokens
+    assert 6 in range(run.first[1] + 1, run.last[1])  # it arrived while the first row decoded
+    assert {k for k in run.spec_steps if k < 6}  # which speculated
+    assert not {k for k in run.spec_steps if 6 <= k <= run.first[2]}, (run.spec_steps, run.first[2])
+    assert {k for k in run.spec_steps if k > run.first[2]}  # and speculates again after
 
 
 def test_a_seeded_row_in_a_speculating_batch_is_reproducible(tiny_model_fp32):

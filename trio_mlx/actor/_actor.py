@@ -125,7 +125,7 @@ class Actor:
         self._prefill_rate: float | None = None  # prompt tokens per second, last measured (`PROGRESS_SECONDS`)
         self._idle_release: float | None = None  # likewise
         self._rows, tokens = group_bounds(config.tuning.prefill_batch, config.tuning.prefill_step, config.tuning.max_batch)
-        self._admission = Admission(config.tuning.admit_window, config.tuning.prefill_batch, self._rows, tokens)
+        self._admission = Admission(config.tuning.admit_window, config.tuning.prefill_batch, self._rows, tokens, config.tuning.max_batch)
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
         self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
         self._reuse = Reuse(PromptCache(0))  # the prompt cache, off until warm (`_open_cache`)

@@ -320,7 +320,7 @@ def own_decode(bg: Any, decoder: Decoder) -> None:
     # collector ran (as `unmask_unpadded` says of the caches).
     ref = weakref.proxy(batch)
     vars(batch)["_step"] = functools.partial(_owned_step, decoder, ref, False)
-    vars(batch)["next"] = functools.partial(_owned_next, decoder, ref)
+    vars(batch)["next"] = functools.partial(_owned_next, decoder, ref, weakref.proxy(bg))
 
 
 def owns_decode(bg: Any) -> bool:
@@ -393,14 +393,27 @@ def unmask_unpadded(caches: list[Any]) -> None:
     vars(first)["_trio_padding_seen"] = padding
 
 
-def _owned_next(decoder: Decoder, batch: Any) -> Decoded:
+def first_token_waits(bg: Any, batch: Any) -> bool:
+    """Whether a sequence of `bg` waits for its first token: a prompt inserted and not yet
+    through its prefill (`bg._unprocessed_sequences`, `bg._prompt_batch`), or a row of
+    `batch`, `bg`'s decoding batch, whose pending token is its first (sampled by the step
+    that ended its prompt, reported with the next step: its KV holds its prompt alone)."""
+    if bg._unprocessed_sequences or len(bg._prompt_batch):
+        return True
+    return any(len(held) <= len(row.prompt) for row, held in zip(batch.samplers, batch.tokens, strict=True))
+
+
+def _owned_next(decoder: Decoder, batch: Any, bg: Any) -> Decoded:
     """`GenerationBatch.next`: one owned step; no row ends here (the actor retires them). With
-    a drafter, a speculative step instead where rows have drafts (`_spec_step.py`)."""
+    a drafter, a speculative step instead where rows have drafts (`_spec_step.py`), unless a
+    sequence waits for its first token (`first_token_waits`): a speculative step takes longer
+    than a plain one and is not pipelined, and each step until that token is out adds to
+    its wait (the step that prefills it, the one that samples it, the one that reports it)."""
     if not batch.uids:
         return Decoded([], [], [])
     drafter = decoder.drafter
     timed = drafter is not None and len(batch.uids) <= drafter.max_rows  # a width that may speculate
-    if drafter is not None and drafter.step is not None:
+    if drafter is not None and drafter.step is not None and not first_token_waits(bg, batch):
         spec = drafter.step(decoder, batch)  # `_spec_step.speculative_step`
         if spec is not None:
             return spec

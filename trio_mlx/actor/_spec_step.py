@@ -41,7 +41,10 @@ A step's time judges each of its speculating rows too: against the plain steps o
 batch of the same width (`Decoder.plain_step`; a width with none timed lately takes plain
 steps until one is, `Decoder.wants_plain`), each of which gives every row one token;
 and the batch's width, by what its speculative steps gave all its rows
-(`_speculate.WidthJudge`).
+(`_speculate.WidthJudge`). And none while a sequence waits for its first token
+(`_batch.first_token_waits`, asked by `_batch._owned_next` before this step): the steps
+that prefill it, sample it and report it each add to its time to first token, and a
+speculative step takes longer than a plain one, and is not pipelined.
 On random text, where drafts are few and short, a speculative step that keeps a draft
 now and then costs more than the tokens it gives, and its rows stop speculating for a
 while (docs/server.md, "Speculative decoding").
