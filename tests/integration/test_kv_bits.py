@@ -17,6 +17,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 import trio_mlx
 from integration.test_engine import run, until
+from integration.test_speculative import _oracles
 from trio_mlx.actor._kv_quant import BatchQuantizedKVCache, RowQuantizedKVCache
 from trio_mlx.models import _models
 
@@ -151,11 +152,14 @@ async def test_speculative_decoding_keeps_the_tokens(model_hd64, reference):
         assert got == reference(prompt, 60, 4, 32), knobs
 
 
-async def test_speculative_decoding_in_a_batch_keeps_each_rows_tokens(model_hd64, reference):
+async def test_speculative_decoding_in_a_batch_keeps_each_rows_tokens(model_hd64, reference, monkeypatch):
     """Two repetitive prompts of different lengths decoding side by side, speculating: each
     row's quantized KV rolled back past its own rejected drafts (`_spec_step.rollback`), the
-    tokens mlx-lm's with its quantized cache, and both rows' drafts counted."""
+    tokens mlx-lm's with its quantized cache, and both rows' drafts counted. Prompt lookup
+    drafts each row's own tokens with a third of them spoiled (this random model's text
+    does not copy its prompt, so its own lookup would seldom draft)."""
     prompts = [[5 + (7 * i) % 50 for i in range(200)], [9 + (5 * i) % 40 for i in range(150)]]
+    _oracles(monkeypatch, {tuple(p): reference(p, 40, 4, 32) for p in prompts}, spoil=0.3)
     for knobs in ({"speculative": "ngram"}, {"draft_model": str(model_hd64)}):
         out: list[Any] = [None, None]
         async with trio_mlx.open_engine(model_hd64, kv_bits=4, kv_group_size=32, **knobs) as engine:

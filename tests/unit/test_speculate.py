@@ -32,6 +32,8 @@ def test_prompt_lookup_follows_the_latest_earlier_occurrence_of_the_longest_suff
 
 def test_prompt_lookup_falls_back_to_shorter_matches_and_proposes_nothing_without_one():
     assert _index([5, 6, 7, 1, 2, 8, 9, 7]).draft(3) == [1, 2, 8]  # only "7" matches
+    assert _index([5, 6, 7, 1, 2, 8, 9, 7]).draft(3, least=2) == []  # not as long as asked
+    assert _index([5, 6, 7, 1, 2, 6, 7]).draft(2, least=2) == [1, 2]  # "6 7" is
     assert _index([1, 2, 3, 4]).draft(4) == []
     assert _index([]).draft(4) == [] and _index([3]).draft(4) == []
     assert _index([1, 2, 1]).draft(0) == []
@@ -288,3 +290,7 @@ def test_prompt_lookup_reads_the_pending_token_back_only_where_two_tokens_repeat
     copy = [1, 2, 3, 4, 1, 2, 3]
     [proposal] = drafter.propose([row(copy)], [copy], Pending())
     assert reads == [1] and proposal is not None and proposal.host == [1, 2, 3, 4]
+    # "1 2" repeats, so the pending 4 is read; but "2 4" never occurred, only "4" alone
+    # (followed by 7): drafts after one matching token are seldom kept, and cost a step
+    single = [1, 2, 9, 4, 7, 1, 2]
+    assert drafter.propose([row(single)], [single], Pending()) == [None] and reads == [1, 1]

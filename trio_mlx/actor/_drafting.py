@@ -13,7 +13,8 @@ per-row policy) are `_speculate.py`'s, with no MLX.
   `READ_MATCH` tokens, no speculation, and the step stays a plain, pipelined one (random
   text costs nothing).
   With one, it reads the pending token back (the step would wait for it anyway), and
-  drafts from the longest suffix that includes it.
+  drafts from the longest suffix that includes it, of `READ_MATCH` tokens at least (a
+  single matching token proposes drafts that are seldom kept).
 - **A draft model** (`mode="draft"`) drafts K tokens greedily, each from its own KV cache
   (a plain mlx-lm cache per layer, filled with the row's prompt and output the first time
   the row speculates, and kept after). Its input starts with the row's pending token as
@@ -183,7 +184,7 @@ class Drafter:
             return None  # the row's last tokens do not repeat earlier ones: a plain step, pipelined
         first = int(pending.item())  # the last step's token: a sync, where a plain step is pipelined
         index.extend((first,))  # the step feeds it, speculative or not
-        drafts = index.draft(k) if first not in row.stops else []
+        drafts = index.draft(k, least=min(READ_MATCH, self.ngram)) if first not in row.stops else []
         if not drafts:
             spec.record(0, 0, len(held))
             return None

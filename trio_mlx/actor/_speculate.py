@@ -48,9 +48,11 @@ from collections.abc import Iterable, Sequence
 
 # How many of a row's last tokens must have occurred before for prompt lookup to read its
 # pending token back (a sync: the plain step it would otherwise take is pipelined, the next
-# step built while the device runs this one). One token repeats all the time in any text,
-# and on random prompts on an H200 four rows that read back on every such repeat decoded
-# at 0.67x of no speculation with almost nothing drafted; two repeat where text is copied.
+# step built while the device runs this one), and how long a match, ending with that
+# token, its drafts must follow. One token repeats all the time in any text: on random
+# prompts on an H200 four rows that read back on every such repeat decoded at 0.67x of no
+# speculation with almost nothing drafted, and drafts that follow a single matching token
+# are seldom kept, while each costs a speculative step; two repeat where text is copied.
 READ_MATCH = 2
 # Speculative steps in a row's acceptance window; arbitrary, a few steps' evidence.
 WINDOW = 8
@@ -106,13 +108,14 @@ class NgramIndex:
             return False
         return tuple(toks[len(toks) - m :]) in self._last[m - 1]
 
-    def draft(self, k: int) -> list[int]:
-        """Up to `k` tokens to follow the sequence (none if no suffix occurred before)."""
+    def draft(self, k: int, least: int = 1) -> list[int]:
+        """Up to `k` tokens to follow the sequence (none if no suffix of at least `least`
+        tokens occurred before)."""
         toks = self.tokens
         size = len(toks)
         if k <= 0:
             return []
-        for m in range(min(self.n, size - 1), 0, -1):
+        for m in range(min(self.n, size - 1), max(1, least) - 1, -1):
             at = self._last[m - 1].get(tuple(toks[size - m :]))
             if at is None:
                 continue

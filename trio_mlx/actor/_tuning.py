@@ -111,7 +111,7 @@ class ActorTuning:
         "weights); 1: only a sequence that decodes alone"))
     ngram_size: int = field(default=3, metadata=doc(
         "prompt lookup's longest match: the drafts follow the latest earlier occurrence of the "
-        "longest suffix of the sequence, of this many tokens down to one"))
+        "longest suffix of the sequence, of this many tokens down to two (one where this is 1)"))
     draft_model: str | None = field(default=None, metadata=doc(
         "the draft model of speculative decoding (a local MLX model directory or a Hugging Face id): "
         "any mlx-lm model with the served model's tokenizer, much smaller than it"))
