@@ -41,8 +41,8 @@ def _make_adapter(model_path: Path, where: Path, *, rank: int = 4, layers: int |
     model.freeze()
     num_layers = len(model.layers) if layers is None else layers
     params: dict[str, Any] = {"rank": rank, "dropout": 0.0, "scale": 2.0, **({"keys": keys} if keys else {})}
+    mx.random.seed(seed)  # before the conversion, which draws lora_a: the same adapter in every run
     linear_to_lora_layers(model, num_layers, params, use_dora=kind == "dora")
-    mx.random.seed(seed)
     # lora_b starts at zero (the adapter a no-op): random weights make it change the output
     model.update(tree_map_with_path(
         lambda name, w: mx.random.normal(w.shape) * 0.2 if name.endswith("lora_b") else w,

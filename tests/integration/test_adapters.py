@@ -30,6 +30,7 @@ from trio_mlx.actor._actor import Actor
 
 from .test_adapter import _make_adapter
 from .test_engine import run
+from .test_speculative import _oracles
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -112,11 +113,14 @@ def test_rows_of_two_adapters_and_of_none_share_a_batch_and_each_gets_its_own_to
     assert not actor._adapters.slots  # type: ignore[union-attr]  # every row that left was forgotten
 
 
-def test_a_lone_row_on_an_adapter_speculates_with_its_adapter(tiny_model_fp32, x, greedy):
+def test_a_lone_row_on_an_adapter_speculates_with_its_adapter(tiny_model_fp32, x, greedy, monkeypatch):
     """Prompt lookup's verify forward runs the row's adapter: the tokens are mlx-lm's own
-    greedy ones with the adapter, and drafts were verified."""
-    actor = _actor(tiny_model_fp32, {"x": x}, speculative="ngram")
+    greedy ones with the adapter, and drafts were verified. The row drafts its own tokens,
+    a third of them spoiled (`_oracles`): this random model's text seldom repeats two
+    tokens, so its own lookup might not draft at all."""
     prompt = tuple([5, 6, 7, 8, 9] * 8)
+    _oracles(monkeypatch, {prompt: greedy("x", prompt, 24)}, spoil=0.3)
+    actor = _actor(tiny_model_fp32, {"x": x}, speculative="ngram")
     drafted = 0
     tokens: list[int] = []
     failed = actor._apply([Submit(1, prompt, 24, SamplingParams(temperature=0.0), frozenset(), adapter="x")])
@@ -129,13 +133,16 @@ def test_a_lone_row_on_an_adapter_speculates_with_its_adapter(tiny_model_fp32, x
     assert drafted > 0
 
 
-def test_rows_of_a_batch_on_different_adapters_speculate_each_with_its_own(tiny_model_fp32, x, y, greedy):
+def test_rows_of_a_batch_on_different_adapters_speculate_each_with_its_own(tiny_model_fp32, x, y, greedy,
+                                                                             monkeypatch):
     """Prompt lookup in a batch of rows on x, y and no adapter: one verify forward runs each
     row's adapter, every row's tokens are mlx-lm's own greedy ones with its adapter, and drafts
-    were verified while the rows shared the batch."""
-    actor = _actor(tiny_model_fp32, {"x": x, "y": y}, speculative="ngram")
+    were verified while the rows shared the batch (each row drafting its own tokens, a third
+    spoiled, as above)."""
     prompts = [tuple([5, 6, 7, 8, 9] * 8), tuple([11, 12, 13, 14] * 9), tuple([20, 21, 22] * 12)]
     which = ["x", "y", None]
+    _oracles(monkeypatch, {p: greedy(a, p, 24) for p, a in zip(prompts, which, strict=True)}, spoil=0.3)
+    actor = _actor(tiny_model_fp32, {"x": x, "y": y}, speculative="ngram")
     subs = [Submit(i, p, 24, SamplingParams(temperature=0.0), frozenset(), adapter=a)
             for i, (p, a) in enumerate(zip(prompts, which, strict=True))]
     drafted = 0
