@@ -92,12 +92,23 @@ async def test_rows_leave_when_new_sequences_enter(tiny_model_fp32, trace, monke
 
 
 async def test_rows_leave_after_at_most_retire_steps(tiny_model_fp32, trace, monkeypatch):
+    """A row that ends beside a decoding one is held, then leaves within retire_steps. The
+    short row starts once the long one decodes: started together, the short one could end
+    before the long one entered (a loaded machine), and no row would be held at all."""
     async with trio_mlx.open_engine(tiny_model_fp32, max_batch=8, prefill_batch=2, retire_steps=3,
                                     step_trace=str(trace)) as engine:
+        decoding = trio.Event()
+
+        async def long() -> None:
+            async with engine.generate("long", max_tokens=200, **OPTS) as stream:  # type: ignore[arg-type]
+                async for _ in stream:
+                    decoding.set()
+
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(lambda: _tokens(engine, "short", max_tokens=2, **OPTS))
-                nursery.start_soon(lambda: _tokens(engine, "long", max_tokens=40, **OPTS))
+                nursery.start_soon(long)
+                await decoding.wait()
+                await _tokens(engine, "short", max_tokens=2, **OPTS)
     held = [r["retired"] for r in _trace(trace)]
     assert 1 in held
     assert max(len(run) for run in "".join("x" if h else " " for h in held).split()) <= 4, held
