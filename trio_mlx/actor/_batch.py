@@ -413,7 +413,8 @@ def _owned_next(decoder: Decoder, batch: Any, bg: Any) -> Decoded:
         return Decoded([], [], [])
     drafter = decoder.drafter
     timed = drafter is not None and len(batch.uids) <= drafter.max_rows  # a width that may speculate
-    if drafter is not None and drafter.step is not None and not first_token_waits(bg, batch):
+    # `timed` first: a batch wider than `max_rows` never speculates, so its rows are not walked
+    if timed and drafter.step is not None and not first_token_waits(bg, batch):
         spec = drafter.step(decoder, batch)  # `_spec_step.speculative_step`
         if spec is not None:
             return spec

@@ -180,11 +180,12 @@ class Drafter:
         elif len(index) > len(held):  # not the row's tokens (a bug's guard: the index only grows with them)
             spec.index = index = NgramIndex(self.ngram)
         index.extend(held[len(index):])
-        if not index.repeats(min(READ_MATCH, self.ngram)):
+        match = min(READ_MATCH, self.ngram)
+        if not index.repeats(match):
             return None  # the row's last tokens do not repeat earlier ones: a plain step, pipelined
         first = int(pending.item())  # the last step's token: a sync, where a plain step is pipelined
         index.extend((first,))  # the step feeds it, speculative or not
-        drafts = index.draft(k, least=min(READ_MATCH, self.ngram)) if first not in row.stops else []
+        drafts = index.draft(k, least=match) if first not in row.stops else []
         if not drafts:
             spec.record(0, 0, len(held))
             return None
