@@ -1,7 +1,13 @@
 """Four users in a closed loop on random word prompts (32 requests, 128 tokens, greedy), in process: tok/s, TTFT p50, tokens drafted and kept. usage: python probe.py MODEL REQUESTS ngram|off"""
-import random, statistics, sys, time
-import trio_mlx.models  # OpenBLAS first
-import trio, trio_mlx
+import random
+import statistics
+import sys
+import time
+
+import trio
+
+import trio_mlx
+import trio_mlx.models  # noqa: F401  # OpenBLAS before MLX (importing trio_mlx alone loads no MLX)
 
 MODEL, N, C = sys.argv[1], int(sys.argv[2]), 4
 spec = sys.argv[3] if len(sys.argv) > 3 else "ngram"
@@ -18,13 +24,16 @@ async def main():
         async def client():
             nonlocal toks, drafted, kept
             for p in it:
-                s = time.perf_counter(); first = None
+                s, first = time.perf_counter(), None
                 async with engine.generate(p, max_tokens=128, temperature=0, ignore_eos=True) as st:
                     async for ev in st:
                         if first is None and isinstance(ev, trio_mlx.TextDelta):
                             first = time.perf_counter() - s
                         if isinstance(ev, trio_mlx.Finished):
-                            u = ev.usage; toks += u.completion_tokens; drafted += u.draft_tokens; kept += u.accepted_draft_tokens
+                            u = ev.usage
+                            toks += u.completion_tokens
+                            drafted += u.draft_tokens
+                            kept += u.accepted_draft_tokens
                 ttfts.append(first)
         async with trio.open_nursery() as n:
             for _ in range(C):
