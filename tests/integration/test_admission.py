@@ -547,13 +547,17 @@ def test_the_grid_pads_a_query_to_a_power_of_two_then_to_a_multiple_of_512():
 
 
 @pytest.mark.parametrize("actor", ["thread", "process"])
-async def test_a_request_into_an_idle_batch_gets_its_first_token_with_the_step_that_ends_its_prompt(
+async def test_a_request_into_a_narrow_batch_gets_its_first_token_with_the_step_that_ends_its_prompt(
         tiny_model_fp32, tmp_path, monkeypatch, actor):
-    """mlx_lm reports a row's first token at the step after the one that samples it; into an
-    idle batch the actor reads it at once (`Actor._first_tokens`), a step sooner, and the
-    tokens are the same. A request entering beside a decoding one waits for that step."""
+    """mlx_lm reports a row's first token at the step after the one that samples it; into a
+    batch where at most `EARLY_FIRST_BESIDE` rows decode the actor reads it at once
+    (`Actor._first_tokens`), a step sooner, and the tokens are the same. A request entering
+    beside more decoding rows waits for that step."""
+    from trio_mlx.actor._batch import EARLY_FIRST_BESIDE
+
     opts = dict(temperature=0, ignore_eos=True)
-    async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, actor=actor,
+    wide = EARLY_FIRST_BESIDE + 1
+    async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, actor=actor, max_batch=wide + 1,
                               prompt_cache_gb=0) as (engine, trace):
         alone = await _run_tokens(engine, "The quick brown fox", max_tokens=5, logprobs=True, top_logprobs=2, **opts)
         one = await _run_tokens(engine, "Hello", max_tokens=1, **opts)
@@ -561,14 +565,23 @@ async def test_a_request_into_an_idle_batch_gets_its_first_token_with_the_step_t
             await _first_token(first)  # decoding now
             beside = await _run_tokens(engine, "The quick brown fox", max_tokens=5, logprobs=True, top_logprobs=2,
                                        **opts)
+            async with contextlib.AsyncExitStack() as stack:
+                for i in range(wide - 1):  # with `first`: `wide` rows decoding
+                    await _first_token(await stack.enter_async_context(
+                        engine.generate(f"another long one {i}", max_tokens=400, **opts)))
+                crowded = await _run_tokens(engine, "The quick brown fox", max_tokens=5, **opts)
     rows = _trace(trace)
     # Each request's steps from its insertion: the prefill, then the step that ends its prompt.
     starts = [i for i, r in enumerate(rows) if r["inserted"]]
-    assert len(starts) == 4
+    assert len(starts) == 4 + wide
     assert [int(rows[starts[0] + k]["generated"]) for k in range(4)] == [0, 1, 0, 1]  # the repeat is skipped
     assert int(rows[starts[1] + 1]["generated"]) == 1  # max_tokens 1: it ends with that step
-    assert rows[starts[3] + 1]["generated"] == rows[starts[3] + 1]["rows"] - 1  # the decoding one only
-    assert len(alone[0]) == 5 and alone[0] == beside[0] and len(one[0]) == 1
+    # beside one decoding row: its first token with the decoding row's, then the repeat skipped
+    assert rows[starts[3] + 1]["generated"] == rows[starts[3] + 1]["rows"] == 2
+    assert rows[starts[3] + 2]["generated"] == 1
+    # beside `wide` decoding rows: the decoding rows' tokens only, its own a step later
+    assert rows[starts[-1] + 1]["generated"] == rows[starts[-1] + 1]["rows"] - 1 == wide
+    assert len(alone[0]) == 5 and alone[0] == beside[0] == crowded[0] and len(one[0]) == 1
     assert len(alone[1]) == 5
     for a, b in zip(alone[1], beside[1], strict=True):  # the first token's logprobs too
         assert (a.token_id, [t for t, _, _ in a.top]) == (b.token_id, [t for t, _, _ in b.top])

@@ -32,6 +32,7 @@ from .. import models
 from . import _disk_cache as disk_cache
 from ._admission import Admission, group_bounds
 from ._batch import (
+    EARLY_FIRST_BESIDE,
     CausalPrefill,
     Decoded,
     RowAdapters,
@@ -525,7 +526,7 @@ class Actor:
             tokens = self._tokens(generation_responses)
         except Exception as exc:
             return self._recover(exc, failed)
-        alone = not schedule.decoding  # no live row decodes beside those that start now
+        narrow = schedule.decoding <= EARLY_FIRST_BESIDE  # live rows beside those that start now
         if self._failed_rows:
             failed = failed + self._failed_rows
             self._failed_rows = []
@@ -546,7 +547,7 @@ class Actor:
                 prefilled.append((seq.rid, seq.uid, seq.prompt_len))
         if prefilled:
             self._admission.readmit(self._reuse.prefilled(self._bg, prefilled), time.perf_counter())
-        if prefilled and alone:
+        if prefilled and narrow:
             try:
                 tokens += self._first_tokens([uid for _, uid, _ in prefilled])
             except Exception as exc:
@@ -616,18 +617,17 @@ class Actor:
             self._prefill_rate = prompt_tokens / seconds
 
     def _first_tokens(self, uids: list[int]) -> tuple[TokenOut, ...]:
-        """The first tokens of rows that start decoding in an otherwise idle batch, out with
-        the step that sampled them.
+        """The first tokens of rows that start decoding in a narrow batch, out with the step
+        that sampled them.
 
         mlx_lm reports a row's first token one step after the step that samples it (once
         the next step's graph is built), so a request's time to first token held a whole
         decode step more than its prefill. Read now (`_batch.first_tokens`), the device is
         waited for: the overlap of that computation with building the next step is lost,
-        for every row of the batch. So only where no other row decodes: there, the only
-        cost is the new rows' own second token, later by that overlap; under load, where
-        rows enter beside decoding ones, nothing changes. A constrained row waits for the
-        next step as before (its grammar's state moves with mlx_lm's own step). The next
-        step reports these tokens again: `_tokens` skips them (`Seq.ahead`)."""
+        for every row of the batch. So only beside at most `EARLY_FIRST_BESIDE` decoding rows
+        (`_batch.py` says why); in a wider batch, and for a constrained row (its grammar's state
+        moves with mlx_lm's own step), the next step reports it. The next step reports these
+        tokens again: `_tokens` skips them (`Seq.ahead`)."""
         by_uid = self.schedule.by_uid
         rows = [uid for uid in uids if (seq := by_uid.get(uid)) is not None and seq.grammar is None]
         if not rows:

@@ -49,6 +49,15 @@ def batch_rows(bg: Any) -> int:
     return len(getattr(bg, "_generation_batch", ()) or ())
 
 
+# The most rows that may decode beside rows starting now for their first tokens to be read
+# at once (`first_tokens`, `Actor._first_tokens`). Reading waits for the device, so every row
+# loses the overlap of one step with building the next (a fraction of a step); each starting
+# row gets its first token a whole step sooner. In a narrow batch arrivals are few per step,
+# and the step is the short one; in a wide one they come every few steps, and the overlap of
+# each would be lost for every row.
+EARLY_FIRST_BESIDE = 7
+
+
 def first_tokens(bg: Any, uids: list[int]) -> Any:
     """The first tokens of rows that have just started decoding (uids in `uids`), as the
     generator will report them at its next step: `GenerationBatch.Response`s, or where the
