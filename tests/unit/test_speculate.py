@@ -171,21 +171,6 @@ def test_a_width_whose_speculative_steps_give_the_batch_less_than_plain_steps_st
     assert unknown.allowed(4)
 
 
-def test_a_width_that_stops_stops_the_wider_ones_with_it():
-    """A wider batch's verify costs more beside the plain step it replaces: where a width's
-    speculative steps did not pay, the wider widths wait with it; the narrower ones go on."""
-    judge = WidthJudge()
-    for _ in range(_speculate.WIDTH_WINDOW):
-        assert judge.allowed(2)
-        judge.record(2, 0.010, 2, 0.0025)  # 2 tokens in 10 ms, where plain steps give 2 in 2.5
-    stopped = judge.steps
-    assert judge.allowed(1) and not judge.allowed(2) and not judge.allowed(3) and not judge.allowed(8)
-    while not judge.allowed(3):
-        pass
-    assert judge.steps - stopped == _speculate.WIDTH_BACKOFF
-    assert judge.allowed(2) and judge.allowed(4)
-
-
 def _gumbel_max(logp: np.ndarray, rng: np.random.Generator) -> int:
     return int(np.argmax(logp + rng.gumbel(size=logp.shape)))
 

@@ -132,14 +132,10 @@ class WidthJudge:
     policy"): a speculative step costs every row of the batch, not only those it drafts
     for, so each width's last `WIDTH_WINDOW` speculative steps are judged by the tokens
     they gave the whole batch against what plain steps of that width give in the same
-    time. Where they gave fewer, no batch of that width or wider speculates for
-    `WIDTH_BACKOFF` steps, twice as long at each further stop of that width (at most
-    `MAX_WIDTH_BACKOFF`): what a step costs is the device's and the model's, which change
-    less than a row's text, so the wait is longer than a row's; and a wider batch's
-    verify costs more beside the plain step it replaces, so where a narrower one did not
-    pay, neither would it (four users on random prompts, each width judged alone, spent
-    ~40 of ~1,000 steps on the trials of widths 2, 3 and 4, each 2-4 plain steps long, on
-    an H200). Counts the steps it is asked about."""
+    time. Where they gave fewer, no batch of that width speculates for
+    `WIDTH_BACKOFF` steps, twice as long at each further stop (at most `MAX_WIDTH_BACKOFF`):
+    what a step costs is the device's and the model's, which change less than a row's
+    text, so the wait is longer than a row's. Counts the steps it is asked about."""
 
     __slots__ = ("steps", "_window", "_resume", "_stops")
 
@@ -152,7 +148,7 @@ class WidthJudge:
     def allowed(self, width: int) -> bool:
         """Whether a batch of `width` rows may speculate this step (one step counted)."""
         self.steps += 1
-        return all(self.steps >= resume for w, resume in self._resume.items() if w <= width)
+        return self.steps >= self._resume.get(width, 0)
 
     def record(self, width: int, seconds: float, tokens: int, plain: float | None) -> None:
         """A speculative step of `width` rows gave `tokens` (every row's pending token and
