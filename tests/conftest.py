@@ -16,6 +16,7 @@ default (dequantized to float32 then) run their matmuls on it.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import sys
@@ -49,9 +50,29 @@ import import_cache  # noqa: E402, F401
 from trio_mlx import _heap  # noqa: E402
 from trio_mlx.models import _models  # noqa: E402
 
-# The suite opens hundreds of engines in this one process: it leaves the collector alone
+# The suite opens hundreds of engines in this one process: the actor leaves the collector alone
 # (`trio_mlx/_heap.py`); tests/integration/test_heap.py turns the freeze back on for what it checks.
+# This process freezes instead, once, what collecting the tests loaded (pytest, every test module,
+# transformers, mlx-lm, hypothesis, the SDKs: 350-450k objects a worker): every actor's end runs a
+# full collection (`Actor._free`), which walked all of them, ~0.2 s at each of hundreds of engine
+# ends. The integration layer with two workers spent 70 s in full collections, 4-8 s frozen (two
+# rounds each: 158-161 -> 150-151 s of pytest, 252-255 -> 233-236 user CPU-s). A test that thaws
+# the heap (test_heap.py, the bench's) has it frozen again after it.
 _heap.enabled = False
+
+
+def _freeze_what_is_loaded() -> None:
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _freeze_what_is_loaded()
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if gc.get_freeze_count() == 0:
+        _freeze_what_is_loaded()
 
 
 @pytest.fixture(scope="session")
