@@ -1,5 +1,6 @@
 # after the early first token beside a narrow batch: random prompts, engine, 1B bf16, off and
 # ngram in alternating order, four rounds, each run all three levels (c=1,4,16) in one engine
+# (run from the repository root with PYTHONPATH=$PWD on the device; $OUT: where the results go)
 set -u
 P() { echo "$@" | tee -a $OUT/progress.txt; }
 [ -d /tmp/m1b ] || python3 -m trio_mlx.cli model build --shape llama-3.2-1b --dtype bfloat16 /tmp/m1b > /dev/null 2>&1
@@ -10,7 +11,7 @@ for r in 1 2 3 4; do
  for cfg in $order; do
   case $cfg in off) E="TRIO_MLX_STEP_TRACE=$OUT/t$r-off.tsv";; ngram) E="TRIO_MLX_SPECULATIVE=ngram TRIO_MLX_STEP_TRACE=$OUT/t$r-ngram.tsv";; esac
   env $E timeout 100 python3 -m trio_mlx.cli bench --engine --model /tmp/m1b --concurrency 1,4,16 --requests-multiple 8 --min-requests 16 --max-tokens 128 --prompt-tokens 128 --quiet --out $OUT/r$r-$cfg.json > $OUT/r$r-$cfg.log 2>&1
-  P "$r $cfg rc=$? $(date +%T)"; python3 .gpuwork/summ.py $OUT/r$r-$cfg.json | tee -a $OUT/progress.txt
+  P "$r $cfg rc=$? $(date +%T)"; python3 benchmarks/2026-11-29-h200/speculative/batched/summ.py $OUT/r$r-$cfg.json | tee -a $OUT/progress.txt
  done
 done
 cd $OUT && tar czf all.tgz *.json *.log *.tsv progress.txt 2>/dev/null; ls | head -3
