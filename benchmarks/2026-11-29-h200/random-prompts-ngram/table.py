@@ -10,7 +10,7 @@ import os
 import re
 import statistics as st
 
-for sub in ("a-0210059", "b-7191545", "c-width", "d-readbacks", "e-read-three"):
+for sub in ("a-0210059", "b-7191545", "c-width", "d-readbacks", "e-read-three", "g-varied-lengths"):
     acc = collections.defaultdict(lambda: collections.defaultdict(list))
     for f in sorted(glob.glob(f"{sub}/[rf]*.json")):
         cfg = re.sub(r"^[rf]\d+-(c\d+-)?|-c\d+$", "", os.path.basename(f)[: -len(".json")])
