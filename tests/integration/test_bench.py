@@ -114,6 +114,21 @@ def test_engine_mode_runs_the_same_prompts_through_the_channel_api(tiny_model: P
         assert lv["event_loop_cpu_us_per_token"] > 0
 
 
+def test_engine_mode_asks_each_request_for_its_drawn_length(tiny_model: Path, tmp_path: Path) -> None:
+    from trio_mlx.bench._prompts import request_lengths
+
+    out = tmp_path / "engine.json"
+    argv = ["--engine", "--model", str(tiny_model), "--concurrency", "3", "--requests-per-level", "6",
+            "--prompt-tokens", "24", "--max-tokens", "8", "--max-tokens-spread", "0.5", "--out", str(out),
+            "--quiet"]  # fmt: skip
+    assert _bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    (lv,) = res["levels"]
+    lengths = request_lengths(6, 8, 0.5)
+    assert res["max_tokens_spread"] == 0.5 and len(set(lengths)) > 1
+    assert lv["errors"]["total"] == 0 and lv["output_tokens"] == sum(lengths)
+
+
 async def test_url_mode_takes_the_model_from_the_server(tiny_model: Path, tmp_path: Path) -> None:
     from app_server import serve
 

@@ -519,6 +519,42 @@ async def _run_against(app: FakeOpenAI, tokenizer: Any, argv: list[str]) -> list
     return levels
 
 
+def test_request_lengths_are_alike_without_a_spread_and_seeded_within_it() -> None:
+    from trio_mlx.bench._prompts import request_lengths
+
+    assert request_lengths(5, 128, 0.0, seed=3) == [128] * 5
+    drawn = request_lengths(400, 128, 0.5, seed=3)
+    assert drawn == request_lengths(400, 128, 0.5, seed=3)  # every target of a run gets the same
+    assert drawn != request_lengths(400, 128, 0.5, seed=4)
+    assert min(drawn) >= 64 and max(drawn) <= 192 and len(set(drawn)) > 50
+    assert 118 < sum(drawn) / len(drawn) < 138  # centred on --max-tokens
+    assert min(request_lengths(50, 2, 0.9)) >= 1
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="spread"):
+            request_lengths(3, 8, bad)
+
+
+def test_a_max_tokens_spread_is_refused_where_every_row_gets_max_tokens() -> None:
+    for argv in (["--limit", "--max-tokens-spread", "0.5", "--model", "m"],
+                 ["--url", "http://127.0.0.1:9", "--paired", "c.json", "--max-tokens-spread", "0.5", "--model", "m"],
+                 ["--engine", "--max-tokens-spread", "1.5", "--model", "m"]):  # fmt: skip
+        with pytest.raises(SystemExit, match="max-tokens-spread"):
+            _bench.main(argv)
+
+
+async def test_http_mode_asks_each_request_for_its_drawn_length(tokenizer: Any) -> None:
+    from trio_mlx.bench._prompts import request_lengths
+
+    app = FakeOpenAI(faults=False)
+    levels = await _run_against(app, tokenizer, ["--concurrency", "2", "--requests-per-level", "8", "--max-tokens",
+                                                 "6", "--max-tokens-spread", "0.5", "--quiet"])  # fmt: skip
+    (lv,) = levels
+    lengths = request_lengths(8, 6, 0.5)
+    assert len(set(lengths)) > 1  # the test means something: the lengths differ
+    # every answer filled the length it asked for (a request that asked --max-tokens would not)
+    assert lv["errors"]["total"] == 0 and lv["completed"] == 8 and lv["output_tokens"] == sum(lengths)
+
+
 @pytest.mark.parametrize("client", ["raw", "httpx"])
 async def test_http_mode_keepalive_and_chunked(client: str, tokenizer: Any) -> None:
     app = FakeOpenAI(faults=False)

@@ -39,7 +39,7 @@ from typing import Any
 import trio_mlx
 
 from ..engine import freeze_heap
-from ._prompts import load_tokenizer, make_prompts, model_from_server
+from ._prompts import load_tokenizer, make_prompts, model_from_server, request_lengths
 from ._stats import format_table, load_results, write_plot
 from ._sweep import print_level, run_http, run_paired
 
@@ -117,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
                    help='the "model" field sent (default: the first id of GET /v1/models)')  # fmt: skip
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens-spread", type=float, default=0.0, metavar="R",
+                   help="each request's max_tokens drawn uniformly from MAX_TOKENS x [1-R, 1+R] (seeded by "
+                   "--seed; 0 <= R < 1; default 0: all alike), so that requests end apart as served "
+                   "traffic's do instead of in waves; not with --limit or --paired")  # fmt: skip
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=_csv(int), default=[1, 8, 32],
                       help="closed loop: comma-separated in-flight request counts (default 1,8,32)")  # fmt: skip
@@ -223,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("trio-mlx bench: --ceiling picks what --limit or --paired measures")
     if args.paired and args.ceiling == "both":
         args.ceiling = "batchgenerator"  # --paired interleaves one ceiling with the server
+    if not 0 <= args.max_tokens_spread < 1:
+        raise SystemExit("trio-mlx bench: --max-tokens-spread is in [0, 1)")
+    if args.max_tokens_spread and (args.limit or args.paired):
+        raise SystemExit("trio-mlx bench: --max-tokens-spread is for --engine and --url: the ceilings give every row "
+                         "--max-tokens")
     if args.bandwidth_gbs is not None and args.bandwidth_gbs <= 0:
         raise SystemExit("trio-mlx bench: --bandwidth-gbs must be positive")
     if args.limit and args.endpoint == "chat":
@@ -266,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
+        "max_tokens_spread": args.max_tokens_spread,
         "seed": args.seed,
         "temperature": args.temperature,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -308,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             [p.ids for p in prompts],
             warmup=[p.ids for p in warm],
             plan=in_process,
-            max_tokens=args.max_tokens,
+            lengths=request_lengths(total, args.max_tokens, args.max_tokens_spread, seed=args.seed),
             tuning=tuning,
             actor=args.actor,
             on_level=level_done,

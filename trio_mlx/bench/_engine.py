@@ -44,14 +44,15 @@ async def _one(engine: trio_mlx.Engine, prompt: Sequence[int], max_tokens: int, 
     check_length(rec, max_tokens)
 
 
-async def _level(engine: trio_mlx.Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_tokens: int) -> tuple[list[RequestRecord], float]:
+async def _level(engine: trio_mlx.Engine, prompts: Sequence[Sequence[int]], concurrency: int,
+                 lengths: Sequence[int]) -> tuple[list[RequestRecord], float]:
     records = [RequestRecord() for _ in prompts]
     todo = iter(range(len(prompts)))
     bar = LevelBar(level_label(concurrency, None), len(prompts))
 
     async def worker() -> None:
         for i in todo:
-            await _one(engine, prompts[i], max_tokens, records[i])
+            await _one(engine, prompts[i], lengths[i], records[i])
             bar.done(records[i].output_tokens)
 
     t0 = time.perf_counter()
@@ -68,7 +69,7 @@ def run_engine(
     *,
     warmup: Sequence[Sequence[int]],
     plan: Sequence[tuple[int, int]],
-    max_tokens: int,
+    lengths: Sequence[int],
     tuning: trio_mlx.ActorTuning,
     actor: str = "thread",
     on_level: Callable[[dict[str, Any]], None] | None = None,
@@ -77,11 +78,11 @@ def run_engine(
         levels = []
         async with trio_mlx.open_engine(model, tuning=tuning, max_queue=1 << 20, actor=actor) as engine:
             if warmup:
-                await _level(engine, warmup, len(warmup), 4)
+                await _level(engine, warmup, len(warmup), [4] * len(warmup))
             pos = 0
             for concurrency, n in plan:
                 cpu0 = time.thread_time()  # this thread runs the event loop
-                records, duration = await _level(engine, prompts[pos : pos + n], concurrency, max_tokens)
+                records, duration = await _level(engine, prompts[pos : pos + n], concurrency, lengths[pos : pos + n])
                 pos += n
                 lv = in_process_level(
                     records,

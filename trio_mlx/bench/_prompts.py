@@ -1,6 +1,7 @@
 """The prompts of `trio-mlx bench`: random token ids of an exact token length under the
-model's tokenizer, each one distinct so that prefix caches don't flatter; and the model
-whose tokenizer makes them, named by `--model` or by the server's `GET /v1/models`."""
+model's tokenizer, each one distinct so that prefix caches don't flatter; each request's
+answer length (`request_lengths`); and the model whose tokenizer makes them, named by
+`--model` or by the server's `GET /v1/models`."""
 
 from __future__ import annotations
 
@@ -127,3 +128,19 @@ def model_from_server(url: str, timeout: float) -> tuple[str, str]:
     if isinstance(root, str) and Path(root).is_dir():
         return root, card["id"]
     return card["id"], card["id"]
+
+
+def request_lengths(n: int, max_tokens: int, spread: float, *, seed: int = 0) -> list[int]:
+    """Each of `n` requests' max_tokens: `max_tokens` for all with no `spread`, else drawn
+    uniformly from [max_tokens x (1 - spread), max_tokens x (1 + spread)] (at least 1), seeded,
+    so that every target of a run gets the same lengths. With one length for all, a closed
+    loop's requests start and end together, in waves; traffic's end apart, and a batch pays
+    for that (each new prompt enters beside decoding rows), so lengths that differ measure
+    what serving does (vLLM's bench draws its lengths so with `--random-range-ratio`)."""
+    if not 0 <= spread < 1:
+        raise ValueError(f"a max_tokens spread is in [0, 1), got {spread}")
+    if not spread:
+        return [max_tokens] * n
+    rng = random.Random(f"lengths-{seed}")  # apart from the prompts' draws: they stay as they were
+    low, high = max(1, round(max_tokens * (1 - spread))), max(1, round(max_tokens * (1 + spread)))
+    return [rng.randint(low, high) for _ in range(n)]

@@ -187,9 +187,10 @@ def write_plot(results: Sequence[dict[str, Any]], out: str | Path) -> Path:
     if any((lv["ttft_ms"]["p50"] or 0) > 0 for lvs in lines.values() for lv in lvs):
         ax_ttft.set_yscale("log")
     ax_ttft.set_title("time to first token")
+    spread = first.get("max_tokens_spread") or 0
     fig.suptitle(
         f"{Path(str(first.get('model', ''))).name}  prompt {first.get('prompt_tokens')} / output "
-        f"{first.get('max_tokens')} tokens",
+        f"{first.get('max_tokens')}{f' ± {spread:.0%}' if spread else ''} tokens",
         fontsize=10,
     )
     fig.tight_layout()

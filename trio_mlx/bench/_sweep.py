@@ -21,7 +21,7 @@ import trio_mlx
 from ._limit import bare_waves
 from ._limit import ceiling_level as run_ceiling_level
 from ._progress import LevelBar, level_label
-from ._prompts import Prompt
+from ._prompts import Prompt, request_lengths
 from ._stats import RequestRecord, in_process_level, level_stats
 
 if TYPE_CHECKING:
@@ -117,6 +117,7 @@ async def run_http(
                 raise SystemExit(f"{base}/v1/models lists no model; pass --served-model-name")
             args.served_model_name = str(data[0]["id"])
         model = args.served_model_name
+        every_length = request_lengths(len(prompts), args.max_tokens, args.max_tokens_spread, seed=args.seed)
         pos = 0
         async with trio.open_nursery() as nursery:
             for p in warm:
@@ -124,7 +125,8 @@ async def run_http(
                 nursery.start_soon(stream_request, client, path, body, 8, args.timeout)
         for concurrency, rate, n in plan:
             mine = prompts[pos : pos + n]
-            bodies = [request_body(args, p, args.max_tokens, model) for p in mine]
+            lengths = every_length[pos : pos + n]
+            bodies = [request_body(args, p, m, model) for p, m in zip(mine, lengths, strict=True)]
             pos += n
             if paired is not None and concurrency is not None and n >= 2:
                 assert on_paired_level is not None
@@ -134,7 +136,7 @@ async def run_http(
             else:
                 cpu0, srv0 = time.process_time(), _proc_cpu(args.server_pid)
                 t0 = time.perf_counter()
-                records = await _run_level(client, path, bodies, concurrency, rate, args)
+                records = await _run_level(client, path, bodies, lengths, concurrency, rate, args)
                 duration = time.perf_counter() - t0
                 client_cpu = time.process_time() - cpu0
             extra = _cpu_figures(records, client_cpu, srv0, args.server_pid)
@@ -180,7 +182,8 @@ async def _run_paired_level(
         for on_server, lo, hi in ((False, a, b), (True, a, b), (True, b, c), (False, b, c)):
             if on_server:
                 cpu0, t0 = time.process_time(), time.perf_counter()
-                records += await _run_level(client, path, bodies[lo:hi], concurrency, None, args)
+                records += await _run_level(client, path, bodies[lo:hi], [args.max_tokens] * (hi - lo), concurrency,
+                                            None, args)
                 duration += time.perf_counter() - t0
                 client_cpu += time.process_time() - cpu0
             else:
@@ -206,11 +209,13 @@ async def _run_level(
     client: RawClient | HttpxClient,
     path: str,
     bodies: list[bytes],
+    lengths: Sequence[int],
     concurrency: int | None,
     rate: float | None,
     args: argparse.Namespace,
 ) -> list[RequestRecord]:
-    """Send every body, closed loop (`concurrency` in flight) or Poisson arrivals at `rate`/s."""
+    """Send every body, closed loop (`concurrency` in flight) or Poisson arrivals at `rate`/s;
+    `lengths`: each body's max_tokens, which its answer must fill."""
     import trio
 
     from ._http import stream_request
@@ -219,7 +224,7 @@ async def _run_level(
     bar = LevelBar(level_label(concurrency, rate), len(bodies))
 
     async def one(i: int) -> None:
-        records[i] = await stream_request(client, path, bodies[i], args.max_tokens, args.timeout)
+        records[i] = await stream_request(client, path, bodies[i], lengths[i], args.timeout)
         bar.done(records[i].output_tokens)
 
     with bar:
