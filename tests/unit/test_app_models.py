@@ -74,6 +74,15 @@ async def serve_models(folder, *, step_seconds: dict[str, float] | None = None, 
             stop.set()
 
 
+async def stream_until(client: httpx.AsyncClient, body: dict[str, Any], leave: trio.Event) -> None:
+    """A streamed request that its client leaves once `leave` is set (the stream closed
+    mid-answer: the server aborts it), so that a test holds a model busy only as long as
+    it needs."""
+    async with client.stream("POST", CHAT, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        await leave.wait()
+
+
 async def test_v1_models_lists_every_model_and_loads_none_before_it_is_asked_for(folder):
     async with serve_models(folder) as (app, client):
         data = (await client.get("/v1/models")).json()["data"]
@@ -114,13 +123,11 @@ async def test_each_api_reaches_the_model_it_names_or_an_alias_of(folder):
 
 async def test_no_idle_model_to_unload_is_a_503_with_retry_after_in_each_api_s_shape(folder):
     async with serve_models(folder, step_seconds={"alpha": 0.02}) as (app, client):
+        leave = trio.Event()
         async with trio.open_nursery() as nursery:
-            done = trio.Event()
 
-            async def busy() -> None:  # alpha decodes for a while: it is not idle
-                r = await client.post(CHAT, json=chat_body(model="alpha", max_tokens=150, ignore_eos=True))
-                assert r.status_code == 200
-                done.set()
+            async def busy() -> None:  # alpha decodes until its client leaves: it is not idle
+                await stream_until(client, chat_body(model="alpha", max_tokens=400, ignore_eos=True), leave)
 
             nursery.start_soon(busy)
             with trio.fail_after(10):
@@ -140,7 +147,10 @@ async def test_no_idle_model_to_unload_is_a_503_with_retry_after_in_each_api_s_s
             r = await client.post(RESPONSES, json={"model": "beta", "input": "hi"})
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_capacity", r.text
             assert "retry-after" in r.headers
-            await done.wait()
+            leave.set()  # alpha's client leaves: its request is aborted
+        with trio.fail_after(10):
+            while app.pool.engine("alpha").in_flight:  # noqa: ASYNC110
+                await trio.sleep(0.01)
         r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))  # alpha idle: unloaded for beta
         assert r.status_code == 200 and r.json()["model"] == "beta", r.text
         assert {s.name: s.state for s in app.pool.status()}["alpha"] == "unloaded"
@@ -182,13 +192,11 @@ async def test_metrics_give_each_loaded_model_s_engine_figures_by_model(folder):
         assert "trio_mlx_queue_depth{" not in scrape.text  # no model loaded: no series of one
         r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=3, ignore_eos=True))
         assert r.status_code == 200, r.text
+        leave = trio.Event()
         async with trio.open_nursery() as nursery:
-            done = trio.Event()
 
-            async def busy() -> None:  # alpha decodes for a while
-                r = await client.post(CHAT, json=chat_body(model="alpha", max_tokens=100, ignore_eos=True))
-                assert r.status_code == 200
-                done.set()
+            async def busy() -> None:  # alpha decodes until its client leaves
+                await stream_until(client, chat_body(model="alpha", max_tokens=400, ignore_eos=True), leave)
 
             nursery.start_soon(busy)
             with trio.fail_after(10):
@@ -215,7 +223,7 @@ async def test_metrics_give_each_loaded_model_s_engine_figures_by_model(folder):
             assert scrape.value("trio_mlx_mlx_cache_memory_bytes") == 9
             assert scrape.value("trio_mlx_mlx_peak_memory_bytes") == 500
             assert scrape.value("trio_mlx_engine_state", state="ready") == 1
-            await done.wait()
+            leave.set()
 
 
 async def test_names_it_does_not_serve_are_404s_that_load_nothing_and_leave_no_series(folder):
@@ -248,13 +256,11 @@ async def test_an_idle_model_is_unloaded_on_request_and_a_busy_one_is_a_409(fold
         assert {s.name: s.state for s in app.pool.status()}["alpha"] == "unloaded"
         assert_error(await client.post("/models/unload", json={"model": "delta"}), 404, code="model_not_found")
         assert_error(await client.post("/models/unload", json={"model": "alpha:sql"}), 400, code="invalid_value")
+        leave = trio.Event()
         async with trio.open_nursery() as nursery:
-            done = trio.Event()
 
-            async def busy() -> None:  # beta decodes for a while: it is not idle
-                r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=100, ignore_eos=True))
-                assert r.status_code == 200, r.text
-                done.set()
+            async def busy() -> None:  # beta decodes until its client leaves: it is not idle
+                await stream_until(client, chat_body(model="beta", max_tokens=400, ignore_eos=True), leave)
 
             nursery.start_soon(busy)
             with trio.fail_after(10):
@@ -262,7 +268,10 @@ async def test_an_idle_model_is_unloaded_on_request_and_a_busy_one_is_a_409(fold
                     await trio.sleep(0.01)
             err = assert_error(await client.post("/models/unload", json={"model": "beta"}), 409, code="model_busy")
             assert "'beta' is serving requests" in err["message"]
-            await done.wait()
+            leave.set()
+        with trio.fail_after(10):
+            while app.pool.engine("beta").in_flight:  # noqa: ASYNC110
+                await trio.sleep(0.01)
         assert {s.name: s.state for s in app.pool.status()}["beta"] == "loaded"
         r = await client.post("/models/unload", json={"model": "beta"})  # idle now
         assert r.status_code == 200 and r.json()["unloaded"] is True
