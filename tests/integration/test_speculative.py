@@ -13,6 +13,7 @@ rule applied token by token.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import json
 import random
@@ -120,9 +121,25 @@ def _serve(actor: Actor, script: dict[int, list[Any]], steps: int = 200) -> Run:
     return run
 
 
+_PLAIN: dict[str, Run] = {}
+
+
+def _plain(path: Path, script: dict[int, list[Any]], steps: int = 200) -> Run:
+    """`_serve` of a fresh actor without speculation (default tuning): the reference the tests
+    compare speculation with. It is deterministic (greedy and seeded rows alike), and what the
+    tests patch (drafts, judges, the verify's attention) never reaches a step without
+    speculation, so each script is served once a module run and every test that compares with
+    it gets a copy of its own (the constrained rows' 472 tokens: ~1 CPU-s a serve)."""
+    key = repr((str(path), sorted(script.items()), steps))
+    if key not in _PLAIN:
+        _PLAIN[key] = _serve(_actor(path), script, steps)
+    return copy.deepcopy(_PLAIN[key])
+
+
 def _one(path: Path, sp: SamplingParams, max_tokens: int = 48, prompt: tuple[int, ...] = PROMPT,
          stops: frozenset[int] = frozenset(), **tuning: Any) -> Run:
-    return _serve(_actor(path, **tuning), {0: [Submit(1, prompt, max_tokens, sp, stops)]})
+    script = {0: [Submit(1, prompt, max_tokens, sp, stops)]}
+    return _serve(_actor(path, **tuning), script) if tuning else _plain(path, script)
 
 
 def _oracle(monkeypatch: pytest.MonkeyPatch, answer: list[int], spoil: float = 0.0, seed: int = 0) -> None:
@@ -236,7 +253,7 @@ def test_a_batch_whose_speculative_steps_give_less_than_its_plain_steps_stops_sp
 
     rows = [(0, 1, PROMPT, 48, GREEDY), (0, 2, PROMPT[3:], 48, GREEDY)]
     script = _mixed_script(rows)
-    base = _serve(_actor(tiny_model_fp32), script)
+    base = _plain(tiny_model_fp32, script)
     _oracles(monkeypatch, {p: base.tokens[rid] for _, rid, p, _, _ in rows})
     widths: list[int] = []
     judged = _judged(monkeypatch)
@@ -423,7 +440,7 @@ def test_a_draft_model_drafts_for_the_rows_of_a_batch_in_one_forward(tiny_model_
     rows = [(0, 1, PROMPT, 40, GREEDY), (0, 2, _random_prompt(1), 30, SEEDED),
             (5, 3, PROMPT[4:], 36, GREEDY), (9, 4, _random_prompt(2, 20), 18, EVERYTHING)]
     script = _mixed_script(rows)
-    base = _serve(_actor(tiny_model_fp32), script)
+    base = _plain(tiny_model_fp32, script)
     actor = _actor(tiny_model_fp32, draft_model=str(tiny_model_fp32 if draft == "copy" else other_draft),
                    num_draft_tokens=3)
     assert actor._drafter is not None and actor._drafter.by_query == cuda_attention
@@ -653,7 +670,7 @@ def test_prompt_lookup_in_a_mixed_batch_keeps_every_rows_greedy_tokens(tiny_mode
         real, used = _batch.query_by_query, []
         monkeypatch.setattr(_batch, "query_by_query", lambda on=True: used.append(on) or real(True))
     script = _mixed_script(MIXED)
-    base = _serve(_actor(tiny_model_fp32), script)
+    base = _plain(tiny_model_fp32, script)
     run = _serve(_actor(tiny_model_fp32, speculative="ngram"), script)
     for _, rid, _, max_tokens, _ in MIXED:
         assert run.tokens[rid] == base.tokens[rid] and len(run.tokens[rid]) == max_tokens, rid
@@ -673,7 +690,7 @@ def test_drafts_verified_beside_plain_rows_keep_tokens_and_logprobs(tiny_model_f
     rows = [(0, 1, PROMPT, 40, GREEDY), (0, 2, _random_prompt(3), 30, SEEDED), (2, 3, PROMPT[4:], 36, EVERYTHING),
             (4, 4, _random_prompt(4), 24, EVERYTHING), (6, 5, REPEATING, 30, SEEDED)]
     script = _mixed_script(rows)
-    base = _serve(_actor(tiny_model_fp32), script)
+    base = _plain(tiny_model_fp32, script)
     _oracles(monkeypatch, {p: base.tokens[rid] for _, rid, p, _, _ in rows if rid in (1, 3, 5)}, spoil)
     run = _serve(_actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=5), script)
     for _, rid, _, _, sp in rows:
@@ -696,7 +713,7 @@ def test_no_speculative_step_holds_back_a_first_token(tiny_model_fp32, monkeypat
     the row speculates again, and every token is the one without speculation."""
     rows = [(0, 1, PROMPT, 60, GREEDY), (6, 2, _random_prompt(5), 12, GREEDY)]
     script = _mixed_script(rows)
-    base = _serve(_actor(tiny_model_fp32), script)
+    base = _plain(tiny_model_fp32, script)
     _oracles(monkeypatch, {PROMPT: base.tokens[1]})
     run = _serve(_actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=2), script)
     assert run.tokens == base.tokens
@@ -711,7 +728,7 @@ def test_a_seeded_row_in_a_speculating_batch_is_reproducible(tiny_model_fp32):
     as without speculation."""
     script = _mixed_script([(0, 1, REPEATING, 50, SEEDED), (0, 2, REPEATING[2:], 50, GREEDY)])
     runs = [_serve(_actor(tiny_model_fp32, speculative="ngram"), script) for _ in range(2)]
-    base = _serve(_actor(tiny_model_fp32), script)
+    base = _plain(tiny_model_fp32, script)
     assert runs[0].tokens == runs[1].tokens == base.tokens
     assert _spec_in_batches(runs[0])
 
@@ -747,7 +764,7 @@ def test_a_stop_token_or_max_tokens_inside_a_batch_rows_drafts_ends_it_there(tin
     past max_tokens allowed, another row still ends at its max_tokens-th token; a third row,
     never drafting, is unchanged."""
     rows = [(0, 1, PROMPT, 48, GREEDY), (0, 2, PROMPT[3:], 48, GREEDY), (0, 3, _random_prompt(6), 40, GREEDY)]
-    base = _serve(_actor(tiny_model_fp32), _mixed_script(rows))
+    base = _plain(tiny_model_fp32, _mixed_script(rows))
     answer = base.tokens[1]
     stop = next(t for t in answer[10:] if answer.index(t) >= 10)
     at = answer.index(stop)
@@ -766,7 +783,7 @@ def test_a_stop_token_or_max_tokens_inside_a_batch_rows_drafts_ends_it_there(tin
 def test_an_abort_in_a_speculating_batch_ends_that_row_alone(tiny_model_fp32, monkeypatch):
     rows = [(0, 1, PROMPT, 40, GREEDY), (0, 2, PROMPT[2:], 40, GREEDY), (0, 3, _random_prompt(7), 40, GREEDY)]
     script = _mixed_script(rows)
-    base = _serve(_actor(tiny_model_fp32), script)
+    base = _plain(tiny_model_fp32, script)
     _oracles(monkeypatch, {PROMPT: base.tokens[1], PROMPT[2:]: base.tokens[2]}, spoil=0.3)
     actor = _actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=4)
     run = _serve(actor, {**script, 3: [Abort(2)]})
@@ -816,7 +833,7 @@ def test_a_constrained_row_speculates_and_keeps_its_tokens(tiny_model_fp32, monk
     if beside:
         script[0].append(Submit(2, REPEATING, 60, GREEDY, frozenset()))
         script[3] = [Submit(3, _random_prompt(5), 40, GREEDY, frozenset())]
-    base = _serve(_actor(tiny_model_fp32), script, 600)
+    base = _plain(tiny_model_fp32, script, 600)
     _oracles(monkeypatch, {PROMPT: base.tokens[1], REPEATING: base.tokens.get(2, [])}, spoil)
     run = _serve(_actor(tiny_model_fp32, speculative="ngram", num_draft_tokens=5), script, 600)
     assert run.tokens == base.tokens and run.reasons == base.reasons
@@ -838,7 +855,7 @@ def test_a_draft_the_grammar_forbids_is_never_kept(tiny_model_fp32, monkeypatch)
     sp = SamplingParams(temperature=0.0, logit_bias=((letter, 60.0),))
     submit, stops = _constrained(tiny_model_fp32, 1, PROMPT, 480, sp, NUMBERS)
     script = {0: [submit, Submit(2, REPEATING, 60, GREEDY, frozenset())]}
-    base = _serve(_actor(tiny_model_fp32), script, 600)
+    base = _plain(tiny_model_fp32, script, 600)
     assert letter not in base.tokens[1]
     answer = base.tokens[1]
     rng = random.Random(1)
@@ -876,7 +893,7 @@ def test_a_draft_model_drafts_for_a_constrained_row(tiny_model_fp32):
     first it forbids, the row keeps the rest where its masked choice agrees, and its tokens
     are those without speculation."""
     submit, stops = _constrained(tiny_model_fp32, 1, PROMPT, 480, GREEDY, SCHEMA)
-    base = _serve(_actor(tiny_model_fp32), {0: [submit]}, 600)
+    base = _plain(tiny_model_fp32, {0: [submit]}, 600)
     run = _serve(_actor(tiny_model_fp32, draft_model=str(tiny_model_fp32)), {0: [submit]}, 600)
     assert run.tokens == base.tokens
     _valid(tiny_model_fp32, run.tokens[1], stops, SCHEMA)
@@ -889,7 +906,7 @@ def test_no_speculation_in_a_batch_wider_than_speculative_max_rows(tiny_model_fp
     the short one has left; with 3 they speculate from the start. The tokens are the same."""
     rows = [(0, 1, REPEATING, 10, GREEDY), (0, 2, REPEATING[1:], 50, GREEDY), (0, 3, REPEATING[2:], 50, GREEDY)]
     script = _mixed_script(rows)
-    base = _serve(_actor(tiny_model_fp32), script)
+    base = _plain(tiny_model_fp32, script)
     run = _serve(_actor(tiny_model_fp32, speculative="ngram", speculative_max_rows=max_rows), script)
     assert run.tokens == base.tokens and run.speculated
     if max_rows == 2:

@@ -54,6 +54,10 @@ def _greedy(actor: Actor, prompt: tuple[int, ...], n: int) -> list[int]:
 
 @pytest.fixture
 def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    return _spies(monkeypatch)
+
+
+def _spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Records every removal (rows kept, whether the padding was trimmed), sampler,
     processor list and logprobs call the actor makes; with the owned decode step, every
     plan of per-row parameters it builds and every batch of grammar masks."""
@@ -124,11 +128,29 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     return seen
 
 
+@pytest.fixture(scope="module")
+def warmed_without_cuda(tiny_model_fp32: Path) -> tuple[Actor, dict[str, list[Any]]]:
+    """The GPU warm-up of the default tuning (owned decode step) where CUDA is not available,
+    and what it visited, the spies taken off after it: the rehearsal's visits (two tests
+    read them, and the actor's state after it; neither serves on it) are one warm-up's,
+    ~2.2 CPU-s each on the 2-core box."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(_actor.mx.cuda, "is_available", lambda: False)
+        seen = _spies(monkeypatch)
+        actor = _loaded(tiny_model_fp32, gpu=True)
+        actor._warmup()
+    return actor, seen
+
+
 @pytest.mark.parametrize("decode_step", ["owned", "mlx"])
-def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort(tiny_model_fp32, visits,
+def test_the_gpu_warm_up_rehearses_a_trimming_removal_every_sampler_and_an_abort(tiny_model_fp32, request,
                                                                                   decode_step):
-    actor = _loaded(tiny_model_fp32, gpu=True, decode_step=decode_step)
-    actor._warmup()
+    if decode_step == "owned":  # the default tuning's warm-up, as test_on_cuda_...[False] reads it too
+        actor, visits = request.getfixturevalue("warmed_without_cuda")
+    else:
+        visits = request.getfixturevalue("visits")
+        actor = _loaded(tiny_model_fp32, gpu=True, decode_step=decode_step)
+        actor._warmup()
     kept = [(rows, trimmed) for rows, trimmed in visits["removals"] if rows]
     # the retired row leaves while two stay (the first removal that gathers the kept rows'
     # tokens: 3.3 s of kernel compile on an H100), trimming the padding they share...
@@ -208,13 +230,17 @@ def test_the_cpu_warm_up_is_one_short_sequence(tiny_model_fp32, visits):
 
 
 @pytest.mark.parametrize("cuda", [True, False])
-def test_on_cuda_the_rehearsal_prefills_a_long_prompt_and_a_hit_on_it(tiny_model_fp32, visits, monkeypatch, cuda):
+def test_on_cuda_the_rehearsal_prefills_a_long_prompt_and_a_hit_on_it(tiny_model_fp32, request, monkeypatch, cuda):
     """CUDA compiles kernels for the first long prompt (0.8-1.1 s each for the first long
     turns of a chat on an H100): the rehearsal prefills one in full chunks beside a long
     context, stores it, and enters a prompt extending it."""
-    monkeypatch.setattr(_actor.mx.cuda, "is_available", lambda: cuda)
-    actor = _loaded(tiny_model_fp32, gpu=True)
-    actor._warmup()
+    if cuda:
+        visits = request.getfixturevalue("visits")
+        monkeypatch.setattr(_actor.mx.cuda, "is_available", lambda: cuda)
+        actor = _loaded(tiny_model_fp32, gpu=True)
+        actor._warmup()
+    else:  # the same warm-up as test_the_gpu_warm_up_...[owned]'s, without CUDA
+        actor, visits = request.getfixturevalue("warmed_without_cuda")
     long = min(actor._context - 80, 2 * actor.config.tuning.prefill_step + 64)  # 944 of the tiny model's 1024
     assert (max(visits["hits"]) >= long) == cuda
     assert not actor._reuse.cache.enabled and not actor.schedule.seqs
