@@ -432,10 +432,37 @@ def _stream_then(group: Group, signum: int) -> tuple[list[str], float]:
     return lines, time.monotonic() - sent
 
 
+# Every rank's steps take 20 ms at least: the stream's 1,000 tokens then take 20 s or more, so
+# the signal lands mid-decode however slowly the test reads its first lines (on a loaded 2-core
+# box the tiny model's whole answer, ~5 s of steps, was once done before the test had read three
+# lines: the stream ended with its last chunk, no error). The sleep is inside the step, well
+# within --distributed-timeout.
+SLOW_STEPS = """
+import time
+
+import trio_mlx.actor._actor as actor
+
+_step = actor.Actor._step
+
+
+def _slow_step(self, failed):
+    time.sleep(0.02)
+    return _step(self, failed)
+
+
+actor.Actor._step = _slow_step
+"""
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
 def test_a_follower_that_dies_or_hangs_ends_requests_with_an_error_and_every_rank_exits(
         tiny_model_fp32: Path, tmp_path: Path, signum: int) -> None:
-    g = Group(tiny_model_fp32, tmp_path / "launch.log")
+    site = tmp_path / "slow-steps"
+    site.mkdir()
+    # imported at start by every rank, in place of the suite's own (tests/startup/), which it runs first
+    (site / "sitecustomize.py").write_text("import import_cache\n" + SLOW_STEPS)
+    g = Group(tiny_model_fp32, tmp_path / "launch.log",
+              env={**ENV, "PYTHONPATH": str(site) + os.pathsep + ENV["PYTHONPATH"]})
     try:
         lines, took = _stream_then(g, signum)
         assert lines[-1] == "[DONE]"
