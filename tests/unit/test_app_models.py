@@ -74,13 +74,29 @@ async def serve_models(folder, *, step_seconds: dict[str, float] | None = None, 
             stop.set()
 
 
-async def stream_until(client: httpx.AsyncClient, body: dict[str, Any], leave: trio.Event) -> None:
-    """A streamed request that its client leaves once `leave` is set (the stream closed
-    mid-answer: the server aborts it), so that a test holds a model busy only as long as
-    it needs."""
-    async with client.stream("POST", CHAT, json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        await leave.wait()
+@asynccontextmanager
+async def busy(app: Any, client: httpx.AsyncClient, model: str) -> AsyncIterator[None]:
+    """`model` decoding one streamed request (it is not idle) for as long as the block runs;
+    at its end the client leaves (the stream closed mid-answer: the server aborts it) and the
+    model is idle again. A test holds a model busy only as long as it needs."""
+    leave = trio.Event()
+
+    async def hold() -> None:
+        body = chat_body(model=model, max_tokens=400, ignore_eos=True, stream=True)
+        async with client.stream("POST", CHAT, json=body) as r:
+            assert r.status_code == 200
+            await leave.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold)
+        with trio.fail_after(10):
+            while app.pool.engine(model) is None or app.pool.engine(model).statistics().decoding == 0:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        yield
+        leave.set()
+    with trio.fail_after(10):
+        while app.pool.engine(model).in_flight:  # noqa: ASYNC110
+            await trio.sleep(0.01)
 
 
 async def test_v1_models_lists_every_model_and_loads_none_before_it_is_asked_for(folder):
@@ -123,16 +139,7 @@ async def test_each_api_reaches_the_model_it_names_or_an_alias_of(folder):
 
 async def test_no_idle_model_to_unload_is_a_503_with_retry_after_in_each_api_s_shape(folder):
     async with serve_models(folder, step_seconds={"alpha": 0.02}) as (app, client):
-        leave = trio.Event()
-        async with trio.open_nursery() as nursery:
-
-            async def busy() -> None:  # alpha decodes until its client leaves: it is not idle
-                await stream_until(client, chat_body(model="alpha", max_tokens=400, ignore_eos=True), leave)
-
-            nursery.start_soon(busy)
-            with trio.fail_after(10):
-                while app.pool.engine("alpha") is None or app.pool.engine("alpha").in_flight == 0:  # noqa: ASYNC110
-                    await trio.sleep(0.01)
+        async with busy(app, client, "alpha"):
             load = (await client.get("/get_load")).json()[0]
             assert load["num_reqs"] + load["num_waiting_reqs"] == 1  # alpha's request, summed over models
             r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))
@@ -147,10 +154,6 @@ async def test_no_idle_model_to_unload_is_a_503_with_retry_after_in_each_api_s_s
             r = await client.post(RESPONSES, json={"model": "beta", "input": "hi"})
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_capacity", r.text
             assert "retry-after" in r.headers
-            leave.set()  # alpha's client leaves: its request is aborted
-        with trio.fail_after(10):
-            while app.pool.engine("alpha").in_flight:  # noqa: ASYNC110
-                await trio.sleep(0.01)
         r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=2))  # alpha idle: unloaded for beta
         assert r.status_code == 200 and r.json()["model"] == "beta", r.text
         assert {s.name: s.state for s in app.pool.status()}["alpha"] == "unloaded"
@@ -192,17 +195,7 @@ async def test_metrics_give_each_loaded_model_s_engine_figures_by_model(folder):
         assert "trio_mlx_queue_depth{" not in scrape.text  # no model loaded: no series of one
         r = await client.post(CHAT, json=chat_body(model="beta", max_tokens=3, ignore_eos=True))
         assert r.status_code == 200, r.text
-        leave = trio.Event()
-        async with trio.open_nursery() as nursery:
-
-            async def busy() -> None:  # alpha decodes until its client leaves
-                await stream_until(client, chat_body(model="alpha", max_tokens=400, ignore_eos=True), leave)
-
-            nursery.start_soon(busy)
-            with trio.fail_after(10):
-                while (app.pool.engine("alpha") is None  # noqa: ASYNC110
-                       or app.pool.engine("alpha").statistics().decoding == 0):
-                    await trio.sleep(0.01)
+        async with busy(app, client, "alpha"):
             # MLX's memory is the process's: the freshest model's reading, the peak's largest
             for name, memory, at in (("alpha", (100, 500, 7), 1.0), ("beta", (200, 400, 9), 2.0)):
                 registry = app.pool.engine(name)._registry
@@ -223,7 +216,6 @@ async def test_metrics_give_each_loaded_model_s_engine_figures_by_model(folder):
             assert scrape.value("trio_mlx_mlx_cache_memory_bytes") == 9
             assert scrape.value("trio_mlx_mlx_peak_memory_bytes") == 500
             assert scrape.value("trio_mlx_engine_state", state="ready") == 1
-            leave.set()
 
 
 async def test_names_it_does_not_serve_are_404s_that_load_nothing_and_leave_no_series(folder):
@@ -256,22 +248,9 @@ async def test_an_idle_model_is_unloaded_on_request_and_a_busy_one_is_a_409(fold
         assert {s.name: s.state for s in app.pool.status()}["alpha"] == "unloaded"
         assert_error(await client.post("/models/unload", json={"model": "delta"}), 404, code="model_not_found")
         assert_error(await client.post("/models/unload", json={"model": "alpha:sql"}), 400, code="invalid_value")
-        leave = trio.Event()
-        async with trio.open_nursery() as nursery:
-
-            async def busy() -> None:  # beta decodes until its client leaves: it is not idle
-                await stream_until(client, chat_body(model="beta", max_tokens=400, ignore_eos=True), leave)
-
-            nursery.start_soon(busy)
-            with trio.fail_after(10):
-                while app.pool.engine("beta") is None or app.pool.engine("beta").in_flight == 0:  # noqa: ASYNC110
-                    await trio.sleep(0.01)
+        async with busy(app, client, "beta"):
             err = assert_error(await client.post("/models/unload", json={"model": "beta"}), 409, code="model_busy")
             assert "'beta' is serving requests" in err["message"]
-            leave.set()
-        with trio.fail_after(10):
-            while app.pool.engine("beta").in_flight:  # noqa: ASYNC110
-                await trio.sleep(0.01)
         assert {s.name: s.state for s in app.pool.status()}["beta"] == "loaded"
         r = await client.post("/models/unload", json={"model": "beta"})  # idle now
         assert r.status_code == 200 and r.json()["unloaded"] is True
