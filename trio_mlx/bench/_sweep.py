@@ -131,7 +131,7 @@ async def run_http(
             if paired is not None and concurrency is not None and n >= 2:
                 assert on_paired_level is not None
                 records, duration, client_cpu, srv0, ceiling_level = await _run_paired_level(
-                    client, path, bodies, [p.ids for p in mine], concurrency, args, paired)
+                    client, path, bodies, lengths, [p.ids for p in mine], concurrency, args, paired)
                 on_paired_level(ceiling_level)
             else:
                 cpu0, srv0 = time.process_time(), _proc_cpu(args.server_pid)
@@ -157,6 +157,7 @@ async def _run_paired_level(
     client: RawClient | HttpxClient,
     path: str,
     bodies: list[bytes],
+    lengths: Sequence[int],
     ids: Sequence[Sequence[int]],
     concurrency: int,
     args: argparse.Namespace,
@@ -182,8 +183,7 @@ async def _run_paired_level(
         for on_server, lo, hi in ((False, a, b), (True, a, b), (True, b, c), (False, b, c)):
             if on_server:
                 cpu0, t0 = time.process_time(), time.perf_counter()
-                records += await _run_level(client, path, bodies[lo:hi], [args.max_tokens] * (hi - lo), concurrency,
-                                            None, args)
+                records += await _run_level(client, path, bodies[lo:hi], lengths[lo:hi], concurrency, None, args)
                 duration += time.perf_counter() - t0
                 client_cpu += time.process_time() - cpu0
             else:
