@@ -241,12 +241,16 @@ for name in ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "rec
 """
 
 
+def ranks_running(site: Path, code: str) -> dict[str, str]:
+    """The environment of ranks that each run `code` at start: a `sitecustomize` in `site`,
+    imported in place of the suite's own (tests/startup/), which it runs first."""
+    (site / "sitecustomize.py").write_text("import import_cache\n" + code)
+    return {**ENV, "PYTHONPATH": str(site) + os.pathsep + ENV["PYTHONPATH"]}
+
+
 @pytest.fixture(scope="module")
 def group(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory):
-    site = tmp_path_factory.mktemp("gpu-warmup")
-    # imported at start by every rank, in place of the suite's own (tests/startup/), which it runs first
-    (site / "sitecustomize.py").write_text("import import_cache\n" + GPU_WARMUP + THREAD_BOUND_GROUP)
-    env = {**ENV, "PYTHONPATH": str(site) + os.pathsep + ENV["PYTHONPATH"]}
+    env = ranks_running(tmp_path_factory.mktemp("gpu-warmup"), GPU_WARMUP + THREAD_BOUND_GROUP)
     g = Group(tiny_model_fp32, tmp_path_factory.mktemp("group") / "launch.log", env=env)
     try:
         yield g
@@ -459,10 +463,7 @@ def test_a_follower_that_dies_or_hangs_ends_requests_with_an_error_and_every_ran
         tiny_model_fp32: Path, tmp_path: Path, signum: int) -> None:
     site = tmp_path / "slow-steps"
     site.mkdir()
-    # imported at start by every rank, in place of the suite's own (tests/startup/), which it runs first
-    (site / "sitecustomize.py").write_text("import import_cache\n" + SLOW_STEPS)
-    g = Group(tiny_model_fp32, tmp_path / "launch.log",
-              env={**ENV, "PYTHONPATH": str(site) + os.pathsep + ENV["PYTHONPATH"]})
+    g = Group(tiny_model_fp32, tmp_path / "launch.log", env=ranks_running(site, SLOW_STEPS))
     try:
         lines, took = _stream_then(g, signum)
         assert lines[-1] == "[DONE]"
