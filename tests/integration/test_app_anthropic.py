@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
-import anthropic
 import pytest
 import trio
 from app_server import engine_factory, open_raw, serve, slow_steps, until
 from tool_schemas import ASK, WEATHER_DESCRIPTION, search_parameters, weather_parameters
 
 from integration.test_app_cancel import assert_disconnects_free_the_slot
+
+if TYPE_CHECKING:
+    import anthropic
 
 MESSAGES = "/v1/messages"
 USER = [{"role": "user", "content": "Hello there"}]
@@ -25,6 +28,10 @@ GREEDY = {"temperature": 0}
 
 
 def sdk(url: str, **kw) -> anthropic.Anthropic:
+    # Imported here, not at the top: every pytest-xdist worker collects every module, and the SDK's
+    # import (~2-4 CPU-s) is paid only by the worker that runs these tests.
+    import anthropic
+
     return anthropic.Anthropic(base_url=url, api_key=kw.pop("api_key", "k"), max_retries=0, timeout=20, **kw)
 
 
@@ -128,6 +135,8 @@ async def test_errors_have_anthropics_shape(tiny_model_fp32):
 
 
 def auth_calls(url: str) -> tuple[str, str]:
+    import anthropic
+
     good = sdk(url, api_key="sekret").messages.create(model="model", max_tokens=2, messages=USER)
     with pytest.raises(anthropic.AuthenticationError) as info:
         sdk(url, api_key="wrong").messages.create(model="model", max_tokens=2, messages=USER)
