@@ -92,6 +92,20 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
         _freeze_what_is_loaded()
 
 
+@pytest.fixture(scope="module")
+def anthropic_sdk() -> object:
+    """The anthropic SDK, imported as the first test of a module that uses it starts, not at
+    collection: every pytest-xdist worker collects every module (~3 CPU-s of import each), and
+    only one runs these. What the import loads (~156k objects, its pydantic types) is frozen
+    then, as collection's imports are: unfrozen, every later full collection in the worker
+    walked them (~100 ms more at each engine's end). At a module's setup, the only fixtures
+    alive are the session's (model paths): nothing a test drops later is frozen with it."""
+    import anthropic
+
+    _freeze_what_is_loaded()
+    return anthropic
+
+
 @pytest.fixture(scope="session")
 def tiny_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _models.build_test_model(tmp_path_factory.mktemp("tiny-fp32") / "model", dtype="float32")

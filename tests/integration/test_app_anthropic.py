@@ -21,6 +21,9 @@ from integration.test_app_cancel import assert_disconnects_free_the_slot
 if TYPE_CHECKING:
     import anthropic
 
+# The SDK is imported by the first test (conftest.py's anthropic_sdk: once per worker that runs
+# this module, and frozen out of the collector's walks), not at collection.
+pytestmark = pytest.mark.usefixtures("anthropic_sdk")
 MESSAGES = "/v1/messages"
 USER = [{"role": "user", "content": "Hello there"}]
 # This SDK no longer sends sampling parameters (newer models fix them); the API still takes them.
@@ -28,9 +31,7 @@ GREEDY = {"temperature": 0}
 
 
 def sdk(url: str, **kw) -> anthropic.Anthropic:
-    # Imported here, not at the top: every pytest-xdist worker collects every module, and the SDK's
-    # import (~2-4 CPU-s) is paid only by the worker that runs these tests.
-    import anthropic
+    import anthropic  # loaded already (pytestmark)
 
     return anthropic.Anthropic(base_url=url, api_key=kw.pop("api_key", "k"), max_retries=0, timeout=20, **kw)
 

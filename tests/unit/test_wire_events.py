@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx2  # the SDKs' own HTTP client package
 import openai
+import pytest
 from openai.types.responses import Response
 
 from trio_mlx.engine import Finished, TextDelta, ToolCall, ToolCallDelta, ToolCalls, Usage
@@ -23,6 +24,9 @@ from trio_mlx.server.anthropic._serving import MessagesCall
 from trio_mlx.server.responses._protocol import ResponsesRequest
 from trio_mlx.server.responses._serving import ResponsesCall
 
+# The anthropic SDK is imported by the first test (conftest.py's anthropic_sdk: once per worker
+# that runs this module, and frozen out of the collector's walks), not at collection.
+pytestmark = pytest.mark.usefixtures("anthropic_sdk")
 CALL = ToolCall(0, "call_1", "get_weather", '{"city":"Paris"}')
 SCRIPT: list[Any] = [TextDelta("", (1,), reasoning="Let me "), TextDelta("", (2,), reasoning="think."),
                      TextDelta("Checking", (3,)), TextDelta(" now.", (4,)), ToolCalls((CALL,)),
@@ -64,10 +68,7 @@ def mock(body: bytes, sse: bool) -> httpx2.Client:
 
 
 def anthropic_message(body: bytes) -> Any:
-    """`body` read as the Anthropic SDK's Message.
-
-    The SDK is imported here and below, not at the top: every pytest-xdist worker collects every
-    module, and its import (~2-4 CPU-s) is paid only by the worker that runs these tests."""
+    """`body` read as the Anthropic SDK's Message (the SDK is loaded already: pytestmark)."""
     from anthropic.types import Message
 
     return Message.model_validate(json.loads(body))
