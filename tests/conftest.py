@@ -76,15 +76,34 @@ def _unfreeze_noted() -> None:
 gc.unfreeze = _unfreeze_noted
 
 
+# And what a module's tests imported (an SDK, the parts of mlx-lm and transformers a model
+# type needs, trio_mlx's lazy imports) is frozen once the next module starts, as what
+# collecting loaded is: left out, every later full collection in the worker (each engine's
+# end) walked it. Only then: between modules, the only fixtures alive are the session's
+# (model paths), so nothing a test drops later is frozen with it.
+_modules_at_freeze = 0
+_module: object = None
+
+
 def _freeze_what_is_loaded() -> None:
-    global _thawed
+    global _thawed, _modules_at_freeze
     gc.collect()
     gc.freeze()
     _thawed = False
+    _modules_at_freeze = len(sys.modules)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     _freeze_what_is_loaded()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _module
+    module = getattr(item, "module", None)
+    if module is not _module:
+        _module = module
+        if len(sys.modules) > _modules_at_freeze:
+            _freeze_what_is_loaded()
 
 
 def pytest_runtest_teardown(item: pytest.Item) -> None:
