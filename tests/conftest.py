@@ -59,20 +59,70 @@ from trio_mlx.models import _models  # noqa: E402
 # rounds each: 158-161 -> 150-151 s of pytest, 252-255 -> 233-236 user CPU-s). A test that thaws
 # the heap (test_heap.py, the bench's) has it frozen again after it.
 _heap.enabled = False
+# Whether what this process froze may have been thawed since, noted as it happens: a test's
+# teardown asked gc.get_freeze_count() instead, which walks every frozen object (~35 ms a test
+# with ~400k frozen, ~30 CPU-s over the suite's ~945 tests). Every thaw goes through
+# gc.unfreeze (trio_mlx._heap.thaw, and the tests that thaw by hand), looked up at each call.
+_thawed = True
+_unfreeze = gc.unfreeze
+
+
+def _unfreeze_noted() -> None:
+    global _thawed
+    _thawed = True
+    _unfreeze()
+
+
+gc.unfreeze = _unfreeze_noted
+
+
+# And what a module's tests imported (an SDK, the parts of mlx-lm and transformers a model
+# type needs, trio_mlx's lazy imports) is frozen once the next module starts, as what
+# collecting loaded is: left out, every later full collection in the worker (each engine's
+# end) walked it. Only then: between modules, the only fixtures alive are the session's
+# (model paths), so nothing a test drops later is frozen with it.
+_modules_at_freeze = 0
+_module: object = None
 
 
 def _freeze_what_is_loaded() -> None:
+    global _thawed, _modules_at_freeze
     gc.collect()
     gc.freeze()
+    _thawed = False
+    _modules_at_freeze = len(sys.modules)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     _freeze_what_is_loaded()
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _module
+    module = getattr(item, "module", None)
+    if module is not _module:
+        _module = module
+        if len(sys.modules) > _modules_at_freeze:
+            _freeze_what_is_loaded()
+
+
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    if gc.get_freeze_count() == 0:
+    if _thawed:
         _freeze_what_is_loaded()
+
+
+@pytest.fixture(scope="module")
+def anthropic_sdk() -> object:
+    """The anthropic SDK, imported as the first test of a module that uses it starts, not at
+    collection: every pytest-xdist worker collects every module (~3 CPU-s of import each), and
+    only one runs these. What the import loads (~156k objects, its pydantic types) is frozen
+    then, as collection's imports are: unfrozen, every later full collection in the worker
+    walked them (~100 ms more at each engine's end). At a module's setup, the only fixtures
+    alive are the session's (model paths): nothing a test drops later is frozen with it."""
+    import anthropic
+
+    _freeze_what_is_loaded()
+    return anthropic
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
-import anthropic
 import pytest
 import trio
 from app_server import engine_factory, open_raw, serve, slow_steps, until
@@ -18,6 +18,12 @@ from tool_schemas import ASK, WEATHER_DESCRIPTION, search_parameters, weather_pa
 
 from integration.test_app_cancel import assert_disconnects_free_the_slot
 
+if TYPE_CHECKING:
+    import anthropic
+
+# The SDK is imported by the first test (conftest.py's anthropic_sdk: once per worker that runs
+# this module, and frozen out of the collector's walks), not at collection.
+pytestmark = pytest.mark.usefixtures("anthropic_sdk")
 MESSAGES = "/v1/messages"
 USER = [{"role": "user", "content": "Hello there"}]
 # This SDK no longer sends sampling parameters (newer models fix them); the API still takes them.
@@ -25,6 +31,8 @@ GREEDY = {"temperature": 0}
 
 
 def sdk(url: str, **kw) -> anthropic.Anthropic:
+    import anthropic  # loaded already (pytestmark)
+
     return anthropic.Anthropic(base_url=url, api_key=kw.pop("api_key", "k"), max_retries=0, timeout=20, **kw)
 
 
@@ -128,6 +136,8 @@ async def test_errors_have_anthropics_shape(tiny_model_fp32):
 
 
 def auth_calls(url: str) -> tuple[str, str]:
+    import anthropic
+
     good = sdk(url, api_key="sekret").messages.create(model="model", max_tokens=2, messages=USER)
     with pytest.raises(anthropic.AuthenticationError) as info:
         sdk(url, api_key="wrong").messages.create(model="model", max_tokens=2, messages=USER)

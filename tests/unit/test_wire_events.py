@@ -11,10 +11,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import anthropic
 import httpx2  # the SDKs' own HTTP client package
 import openai
-from anthropic.types import Message
+import pytest
 from openai.types.responses import Response
 
 from trio_mlx.engine import Finished, TextDelta, ToolCall, ToolCallDelta, ToolCalls, Usage
@@ -25,6 +24,9 @@ from trio_mlx.server.anthropic._serving import MessagesCall
 from trio_mlx.server.responses._protocol import ResponsesRequest
 from trio_mlx.server.responses._serving import ResponsesCall
 
+# The anthropic SDK is imported by the first test (conftest.py's anthropic_sdk: once per worker
+# that runs this module, and frozen out of the collector's walks), not at collection.
+pytestmark = pytest.mark.usefixtures("anthropic_sdk")
 CALL = ToolCall(0, "call_1", "get_weather", '{"city":"Paris"}')
 SCRIPT: list[Any] = [TextDelta("", (1,), reasoning="Let me "), TextDelta("", (2,), reasoning="think."),
                      TextDelta("Checking", (3,)), TextDelta(" now.", (4,)), ToolCalls((CALL,)),
@@ -65,8 +67,17 @@ def mock(body: bytes, sse: bool) -> httpx2.Client:
         lambda request: httpx2.Response(200, content=body, headers={"content-type": ctype})))
 
 
+def anthropic_message(body: bytes) -> Any:
+    """`body` read as the Anthropic SDK's Message (the SDK is loaded already: pytestmark)."""
+    from anthropic.types import Message
+
+    return Message.model_validate(json.loads(body))
+
+
 def anthropic_stream(body: bytes) -> tuple[list[Any], Any]:
     """The Anthropic SDK's stream helper over `body`: its events, and the message it rebuilds."""
+    import anthropic
+
     client = anthropic.Anthropic(base_url="http://x", api_key="k", http_client=mock(body, True))
     with client.messages.stream(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}]) as s:
         return list(s), s.get_final_message()
@@ -82,7 +93,7 @@ def anthropic_call(**kw: Any) -> MessagesCall:
 
 def test_anthropic_whole_and_streamed_with_thinking_text_and_a_tool_call():
     call = anthropic_call(tools=TOOLS)
-    whole = Message.model_validate(json.loads(call.whole("msg_1", "m", result_of(SCRIPT))))
+    whole = anthropic_message(call.whole("msg_1", "m", result_of(SCRIPT)))
     assert [b.type for b in whole.content] == ["thinking", "text", "tool_use"]
     assert whole.content[0].thinking == "Let me think." and whole.content[1].text == "Checking now."
     assert whole.content[2].input == {"city": "Paris"} and whole.content[2].id == "call_1"
@@ -98,7 +109,7 @@ def test_anthropic_whole_and_streamed_with_thinking_text_and_a_tool_call():
 
 def test_anthropic_text_only_ends_at_max_tokens_and_errors_have_its_shape():
     call = anthropic_call()
-    whole = Message.model_validate(json.loads(call.whole("msg_1", "m", result_of(TEXT_ONLY))))
+    whole = anthropic_message(call.whole("msg_1", "m", result_of(TEXT_ONLY)))
     assert [b.type for b in whole.content] == ["text"] and whole.stop_reason == "max_tokens"
     enc = call.encoder("msg_1", "m", 5)
     body = stream_body(enc, TEXT_ONLY)
@@ -171,7 +182,7 @@ def test_anthropic_streams_a_call_in_input_json_fragments():
     """One tool_use block opened with the id, name and an empty input, one input_json_delta
     per fragment; the SDK's stream helper rebuilds the whole message."""
     call = anthropic_call(tools=TOOLS)
-    whole = Message.model_validate(json.loads(call.whole("msg_1", "m", result_of(STREAMED))))
+    whole = anthropic_message(call.whole("msg_1", "m", result_of(STREAMED)))
     body = stream_body(call.encoder("msg_1", "m", 11), STREAMED)
     events, final = anthropic_stream(body)
     assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})

@@ -13,7 +13,7 @@ prompts), which imports only public names of the runtime.
 
 from .._errors import ModelCapacityError as ModelCapacityError
 from .._errors import ModelLoadTimeoutError as ModelLoadTimeoutError
-from .._heap import freeze as freeze_heap  # noqa: F401  (a re-export under a public name: see above)
+from .._heap import freeze_counted as freeze_heap  # noqa: F401  (a re-export under a public name: see above)
 from ..actor import ActorTuning as ActorTuning
 from ._engine import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from ._engine import Engine as Engine
