@@ -8,7 +8,7 @@ with one worker on them while the other sat idle. `LongestFirst` keeps loadfile'
 - the next unit a worker gets is the one expected to take longest (`COST`), so the system layer
   starts first and the unit layer's small files fill the end;
 - the files in `SPLIT` (tests that each start their own processes and share no module fixture)
-  are a unit per test, so their long tests run on both workers at once.
+  are a unit per test, so their long tests run on several workers at once.
 
 The estimates only order the work: a wrong one costs balance, never a test. A test not in `COST`
 counts its layer's `PER_TEST`.
