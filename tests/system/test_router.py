@@ -56,25 +56,55 @@ def _conversation(client: httpx.Client, n: int, turns: int = 3) -> list[int]:
     return cached
 
 
+async def _registered(router: trio.Process, probe: httpx.AsyncClient) -> list[dict] | None:
+    """The router's workers once both replicas are registered and healthy, under the name their
+    /server_info gives; None if the router exited first (a port taken: try again) or took 30 s."""
+    with trio.move_on_after(30):
+        while router.returncode is None:
+            try:
+                ws = (await probe.get("/workers")).json()["workers"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                ws = []
+            if len(ws) == 2 and all(w["is_healthy"] and w["model_id"] == "model" for w in ws):
+                return ws
+            await trio.sleep(0.2)
+    return None
+
+
 @pytest.mark.skipif(ROUTER is None, reason="sglang-router is not installed (the test extra has it)")
-async def test_conversations_stick_to_their_replica_and_survive_one_replica_killed(tiny_model_fp32: Path) -> None:
+async def test_conversations_stick_to_their_replica_and_survive_one_replica_killed(tiny_model_fp32: Path,
+                                                                                   tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         replicas = [await start(nursery, [*SERVE, str(tiny_model_fp32), "--port", "0", "--no-warmup",
                                           "--replica", name, "--max-batch", "8"]) for name in ("r1", "r2")]
-        router_port = _free_port()
         router: trio.Process | None = None
         try:
             with trio.fail_after(60):
                 for p in replicas:
                     await p.has_url.wait()
-            router = await trio.lowlevel.open_process(
-                [str(ROUTER), "launch", "--host", "127.0.0.1", "--port", str(router_port),
-                 "--worker-urls", *[p.url or "" for p in replicas], "--policy", "cache_aware",
-                 "--health-check-endpoint", "/ready", "--health-check-interval-secs", "1",
-                 "--health-failure-threshold", "2", "--prometheus-host", "127.0.0.1",
-                 "--prometheus-port", str(_free_port()), "--log-level", "warn"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
-            url = f"http://127.0.0.1:{router_port}"
+            log = tmp_path / "router.log"
+            for attempt in range(3):  # a port picked free can be taken before the router binds it
+                router_port = _free_port()
+                with log.open("wb") as err:
+                    router = await trio.lowlevel.open_process(
+                        [str(ROUTER), "launch", "--host", "127.0.0.1", "--port", str(router_port),
+                         "--worker-urls", *[p.url or "" for p in replicas], "--policy", "cache_aware",
+                         "--health-check-endpoint", "/ready", "--health-check-interval-secs", "1",
+                         "--health-failure-threshold", "2", "--prometheus-host", "127.0.0.1",
+                         "--prometheus-port", str(_free_port()), "--log-level", "warn"],
+                        stdout=subprocess.DEVNULL, stderr=err, env=ENV, start_new_session=True)
+                url = f"http://127.0.0.1:{router_port}"
+                async with httpx.AsyncClient(base_url=url, timeout=5) as probe:
+                    ws = await _registered(router, probe)
+                if ws is not None:
+                    break
+                exited = router.returncode is not None  # by itself: its port was taken, try again
+                if not exited:
+                    os.killpg(router.pid, signal.SIGKILL)
+                await router.wait()
+                router = None
+                assert exited and attempt < 2, (
+                    f"the router never registered both replicas; its log: {log.read_text()[-3000:]}")
             async with httpx.AsyncClient(base_url=url, timeout=5) as probe:
 
                 async def workers() -> list[dict]:
@@ -83,10 +113,6 @@ async def test_conversations_stick_to_their_replica_and_survive_one_replica_kill
                     except (httpx.HTTPError, ValueError, KeyError):
                         return []
 
-                with trio.fail_after(30):  # both registered, under the name their /server_info gives
-                    while not ((ws := await workers()) and len(ws) == 2  # noqa: ASYNC110 - another process
-                               and all(w["is_healthy"] and w["model_id"] == "model" for w in ws)):
-                        await trio.sleep(0.2)
                 assert [m["id"] for m in (await probe.get("/v1/models")).json()["data"]] == ["model"]
 
                 def traffic() -> None:
