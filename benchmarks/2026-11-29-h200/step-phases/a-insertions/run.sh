@@ -1,9 +1,5 @@
 # c=4 random prompts, lengths 64-192: per-phase timers in the actor's step (phase.py), prompt cache on / off
-set -u
-P() { echo "$@" | tee -a $OUT/progress.txt; }
-[ -d /tmp/m1b ] || python3 -m trio_mlx.cli model build --shape llama-3.2-1b --dtype bfloat16 /tmp/m1b > /dev/null 2>&1
-timeout 150 python3 benchmarks/2026-11-29-h200/step-phases/phase.py bench --engine --model /tmp/m1b --concurrency 4 --requests-per-level 4 --max-tokens 16 --prompt-tokens 128 --quiet --out $OUT/warm.json > $OUT/warm.log 2>&1
-P "warm rc=$? $(date +%T)"
+. benchmarks/2026-11-29-h200/step-phases/warm.sh
 run() {
   local r=$1 cfg=$2
   local E="TRIO_MLX_STEP_TRACE=$OUT/t$r-$cfg.tsv PHASE_OUT=$OUT/p$r-$cfg.tsv"
