@@ -56,15 +56,20 @@ def _conversation(client: httpx.Client, n: int, turns: int = 3) -> list[int]:
     return cached
 
 
+async def _workers(probe: httpx.AsyncClient) -> list[dict]:
+    """The workers the router at `probe` lists; none while it does not answer."""
+    try:
+        return (await probe.get("/workers")).json()["workers"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+
+
 async def _registered(router: trio.Process, probe: httpx.AsyncClient) -> list[dict] | None:
     """The router's workers once both replicas are registered and healthy, under the name their
     /server_info gives; None if the router exited first (a port taken: try again) or took 30 s."""
     with trio.move_on_after(30):
         while router.returncode is None:
-            try:
-                ws = (await probe.get("/workers")).json()["workers"]
-            except (httpx.HTTPError, ValueError, KeyError):
-                ws = []
+            ws = await _workers(probe)
             if len(ws) == 2 and all(w["is_healthy"] and w["model_id"] == "model" for w in ws):
                 return ws
             await trio.sleep(0.2)
@@ -106,13 +111,6 @@ async def test_conversations_stick_to_their_replica_and_survive_one_replica_kill
                 assert exited and attempt < 2, (
                     f"the router never registered both replicas; its log: {log.read_text()[-3000:]}")
             async with httpx.AsyncClient(base_url=url, timeout=5) as probe:
-
-                async def workers() -> list[dict]:
-                    try:
-                        return (await probe.get("/workers")).json()["workers"]
-                    except (httpx.HTTPError, ValueError, KeyError):
-                        return []
-
                 assert [m["id"] for m in (await probe.get("/v1/models")).json()["data"]] == ["model"]
 
                 def traffic() -> None:
@@ -140,7 +138,7 @@ async def test_conversations_stick_to_their_replica_and_survive_one_replica_kill
                 before = _served(other)
                 busiest.proc.send_signal(signal.SIGKILL)
                 with trio.fail_after(15):  # the router's health check notices (twice, a second apart)
-                    while any(w["is_healthy"] for w in await workers() if w["url"] == busiest.url):  # noqa: ASYNC110
+                    while any(w["is_healthy"] for w in await _workers(probe) if w["url"] == busiest.url):  # noqa: ASYNC110
                         await trio.sleep(0.2)
 
                 def after() -> list[list[int]]:
