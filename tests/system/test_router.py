@@ -14,8 +14,8 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import httpx
@@ -23,7 +23,7 @@ import pytest
 import trio
 from processes import ENV, SERVE, Proc, start
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(180)  # three starts of the router at the most, 30 s each
 
 ROUTER = shutil.which("sglang-router", path=os.pathsep.join([str(Path(sys.executable).parent),
                                                              os.environ.get("PATH", "")]))
@@ -64,12 +64,16 @@ async def _workers(probe: httpx.AsyncClient) -> list[dict]:
         return []
 
 
-async def _registered(router: trio.Process, probe: httpx.AsyncClient) -> list[dict] | None:
+async def _registered(router: trio.Process, probe: httpx.AsyncClient,
+                      seen: list[tuple[float, list[dict]]]) -> list[dict] | None:
     """The router's workers once both replicas are registered and healthy, under the name their
-    /server_info gives; None if the router exited first (a port taken: try again) or took 30 s."""
+    /server_info gives; None if the router exited first (a port taken: try again) or took 30 s.
+    `seen` gets each answer that differs from the one before (for the failure's message)."""
     with trio.move_on_after(30):
         while router.returncode is None:
             ws = await _workers(probe)
+            if not seen or seen[-1][1] != ws:
+                seen.append((round(trio.current_time(), 1), ws))
             if len(ws) == 2 and all(w["is_healthy"] and w["model_id"] == "model" for w in ws):
                 return ws
             await trio.sleep(0.2)
@@ -87,29 +91,42 @@ async def test_conversations_stick_to_their_replica_and_survive_one_replica_kill
             with trio.fail_after(60):
                 for p in replicas:
                     await p.has_url.wait()
-            log = tmp_path / "router.log"
-            for attempt in range(3):  # a port picked free can be taken before the router binds it
+            failures: list[str] = []
+            for attempt in range(3):
+                # A port picked free can be taken before the router binds it (it exits then), and
+                # in whole-suite runs the router has also, now and then, not registered both
+                # replicas within 30 s for reasons not found: each such start is retried on fresh
+                # ports, and reported as a warning (the suite's summary shows it) with what the
+                # router's /workers said and its log.
+                log = tmp_path / f"router-{attempt}.log"
                 router_port = _free_port()
-                with log.open("wb") as err:
+                with log.open("wb") as out:
                     router = await trio.lowlevel.open_process(
                         [str(ROUTER), "launch", "--host", "127.0.0.1", "--port", str(router_port),
                          "--worker-urls", *[p.url or "" for p in replicas], "--policy", "cache_aware",
                          "--health-check-endpoint", "/ready", "--health-check-interval-secs", "1",
                          "--health-failure-threshold", "2", "--prometheus-host", "127.0.0.1",
                          "--prometheus-port", str(_free_port()), "--log-level", "warn"],
-                        stdout=subprocess.DEVNULL, stderr=err, env=ENV, start_new_session=True)
+                        stdout=out, stderr=out, env=ENV, start_new_session=True)
                 url = f"http://127.0.0.1:{router_port}"
+                seen: list[tuple[float, list[dict]]] = []
                 async with httpx.AsyncClient(base_url=url, timeout=5) as probe:
-                    ws = await _registered(router, probe)
+                    ws = await _registered(router, probe, seen)
                 if ws is not None:
                     break
-                exited = router.returncode is not None  # by itself: its port was taken, try again
+                exited = router.returncode is not None
                 if not exited:
                     os.killpg(router.pid, signal.SIGKILL)
-                await router.wait()
+                code = await router.wait()
                 router = None
-                assert exited and attempt < 2, (
-                    f"the router never registered both replicas; its log: {log.read_text()[-3000:]}")
+                failures.append(f"attempt {attempt}: {'exited ' + str(code) if exited else 'running after 30 s'}; "
+                                f"/workers said {seen}; its log: {log.read_text()[-2000:]}")
+            else:
+                pytest.fail(f"the router never registered both replicas: {failures}; "
+                            f"the replicas' logs: {[p.text[-1500:] for p in replicas]}")
+            if failures:
+                warnings.warn(f"the router registered both replicas only at attempt {len(failures)}: {failures}",
+                              stacklevel=1)
             async with httpx.AsyncClient(base_url=url, timeout=5) as probe:
                 assert [m["id"] for m in (await probe.get("/v1/models")).json()["data"]] == ["model"]
 
