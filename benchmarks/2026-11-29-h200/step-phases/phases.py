@@ -32,7 +32,8 @@ for name in sys.argv[1 + brief:]:
             return statistics.median(xs) if xs else 0.0
         pl = [per[s] for s in plain]
         print(f"{name.split('/')[-1]}: ins {len(ins)} plain {len(plain)} | plain STEP {med([p['STEP'] for p in pl]):.2f} "
-              f"async_eval {med([p['async_eval'] for p in pl]):.2f} fwd_build {med([p['fwd_build'] for p in pl]):.2f} | "
+              f"async_eval {med([p['async_eval'] for p in pl]):.2f} fwd_build {med([p['fwd_build'] for p in pl]):.2f} "
+              f"wait {med([p['wait'] for p in pl]):.2f} | "
               "after insertion STEP " + " ".join(f"{med([per[s + d]['STEP'] for s in ins]):.1f}" for d in range(5)))
         continue
     print(f"{name}: {len(ins)} insertions beside decoding rows, {len(plain)} plain steps")
