@@ -16,8 +16,8 @@ not polling in the collective); SIGTERM to rank 0 stops both ranks with status 0
 step's commands a step ahead of applying them: requests dropped as soon as
 sent keep the ranks in step, and rank 0 alone (a group of one, scripted) sends
 an abort decided while its row's insert is on its way in the next message and
-runs the step a follower runs before it reads "stop". Each rank's group is bound to the
-thread that joined it, as on CUDA (THREAD_BOUND_GROUP): rank 0 joins on its actor's thread.
+runs the step a follower runs before it reads "stop". Every rank refuses a collective on the
+CPU stream, as NCCL does (NCCL_STREAMS); rank 0 joins its group on its actor's thread.
 """
 
 from __future__ import annotations
@@ -204,40 +204,29 @@ def _as_on_a_gpu(self):
 actor.Actor._load = _as_on_a_gpu
 """
 
-# And as on CUDA, a rank's group is bound to the thread that joined it: MLX streams are
-# thread-local, and on CUDA a group joined on one thread and used on another failed in
-# mlx-lm's `sharded_load` with "There is no Stream(gpu, 2) in current thread". The CPU
-# build does not show it (the ring backend resolves its stream on each call, on the
-# calling thread), so every rank here refuses a collective of its group on any other
-# thread than the one that joined it, with CUDA's error.
-THREAD_BOUND_GROUP = """
-import threading
-
+# And as with NCCL on CUDA, a collective asked of the CPU stream fails: MLX's NCCL backend has
+# no CPU path, and `all_sum(..., stream=mx.cpu)` raises "There is no Stream(gpu, 1) in current
+# thread" on whichever thread calls it (measured on two H200s). mlx-lm's `sharded_load` ends with
+# such a barrier, and every NCCL start of `--distributed` died there. The ring backend of the CPU
+# build runs it, so every rank here refuses a collective given the CPU stream, with NCCL's error;
+# one left to pick its stream (the group's own) runs.
+NCCL_STREAMS = """
 import mlx.core as mx
 
-_init = mx.distributed.init
-_joined_on = []
 
-
-def _join(*args, **kwargs):
-    group = _init(*args, **kwargs)
-    if group.size() > 1 and not _joined_on:
-        _joined_on.append(threading.get_ident())
-    return group
-
-
-def _bound(op):
-    def collective(*args, **kwargs):
-        if _joined_on and _joined_on[0] != threading.get_ident():
-            raise RuntimeError("There is no Stream(gpu, 2) in current thread.")
-        return op(*args, **kwargs)
+def _no_cpu_stream(op):
+    def collective(*args, stream=None, **kwargs):
+        if stream is None:
+            return op(*args, **kwargs)
+        if getattr(stream, "device", stream) == mx.cpu:
+            raise RuntimeError("There is no Stream(gpu, 1) in current thread.")
+        return op(*args, stream=stream, **kwargs)
     return collective
 
 
-mx.distributed.init = _join
 for name in ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "recv_like", "sum_scatter"):
     if hasattr(mx.distributed, name):
-        setattr(mx.distributed, name, _bound(getattr(mx.distributed, name)))
+        setattr(mx.distributed, name, _no_cpu_stream(getattr(mx.distributed, name)))
 """
 
 
@@ -250,7 +239,7 @@ def ranks_running(site: Path, code: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def group(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory):
-    env = ranks_running(tmp_path_factory.mktemp("gpu-warmup"), GPU_WARMUP + THREAD_BOUND_GROUP)
+    env = ranks_running(tmp_path_factory.mktemp("gpu-warmup"), GPU_WARMUP + NCCL_STREAMS)
     g = Group(tiny_model_fp32, tmp_path_factory.mktemp("group") / "launch.log", env=env)
     try:
         yield g
@@ -270,8 +259,8 @@ def test_greedy_tokens_equal_the_single_device_alone_and_in_a_batch_of_8(group: 
     assert texts == [reference[p] for p in PROMPTS]
     assert "distributed: 2 ranks over ring, tensor parallel" in group.text()
     assert "warming up (every prefill group size, then a rehearsal)" in group.text()
-    # Rank 0 joined on its actor's thread, where it loads, steps and sends (its group is
-    # bound to that thread here, as on CUDA: THREAD_BOUND_GROUP).
+    # Rank 0 joined on its actor's thread, where it loads, steps and sends (the one thread
+    # that holds its MLX state).
     joined = re.search(r"rank 0 of 2 joined the group over ring on the actor's thread \((.+?)\)", group.text())
     assert joined is not None and joined.group(1) != "MainThread", group.text()[-3000:]
 

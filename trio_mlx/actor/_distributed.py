@@ -99,11 +99,9 @@ def init_group(backend: str = "any") -> tuple[Any, str]:
     """Join the group `mlx.launch` started: (group, backend name). Raises GroupError
     when this process is not one of at least two ranks.
 
-    Call it on the thread that will use the group, and nowhere else first: MLX makes a
-    backend's group once per process (a second call returns the first's), and its
-    streams are thread-local, so a group joined on one thread and used on another failed
-    on CUDA with "There is no Stream(gpu, N) in current thread" (rank 0 joins on its
-    actor's thread, `LeaderActor.run`; a follower on its main thread)."""
+    Call it on the thread that will use the group, the one that holds all of the rank's
+    MLX state (rank 0's actor thread, `LeaderActor.run`; a follower's main thread): MLX
+    makes a backend's group once per process, and a second call returns the first's."""
     name = env_backend() if backend == "any" else backend
     try:
         group = mx.distributed.init(strict=True, backend=name)
@@ -313,6 +311,30 @@ def hello(config: ActorConfig, mode: str, cache_bytes: int,
     return ("hello", mode, fingerprint(config.model_path), tuning, cache_bytes, wake)
 
 
+@contextlib.contextmanager
+def _collectives_on_group_stream() -> Iterator[None]:
+    """Inside: `mx.distributed.all_sum` ignores a `stream` argument, so the collective runs on
+    the stream its group picks (MLX's `communication_stream`: the GPU's for NCCL, the CPU's
+    for ring and MPI).
+
+    mlx-lm's `sharded_load` ends with a barrier pinned to the CPU stream (`all_sum(...,
+    stream=mx.cpu)`), and MLX's NCCL backend has no CPU path: there, that collective fails
+    with "There is no Stream(gpu, 1) in current thread", on whichever thread makes it. The
+    rest of `sharded_load` is what it should be, so it is kept and only its barrier moved.
+    Rank 0 loads on its actor's thread and a follower on its main thread, before either
+    sends anything through the group: nothing else calls a collective while this holds."""
+    real = mx.distributed.all_sum
+
+    def all_sum(x: Any, *, stream: Any = None, **kwargs: Any) -> Any:
+        return real(x, **kwargs)
+
+    mx.distributed.all_sum = all_sum
+    try:
+        yield
+    finally:
+        mx.distributed.all_sum = real
+
+
 def load_shard(path: Path, mode: str, group: Any) -> tuple[Any, dict[str, Any]]:
     """This rank's shard of the model at `path` through mlx-lm's `sharded_load`."""
     import json
@@ -328,9 +350,10 @@ def load_shard(path: Path, mode: str, group: Any) -> tuple[Any, dict[str, Any]]:
             if isinstance(heads, int) and heads % n:
                 raise ModelLoadError(f"tensor parallelism over {n} ranks needs {key} ({heads}) divisible by {n}")
     try:
-        model, _tokenizer, config = sharded_load(
-            str(path), pipeline_group=group if mode == "pipeline" else None,
-            tensor_group=group if mode == "tensor" else None, return_config=True)
+        with _collectives_on_group_stream():
+            model, _tokenizer, config = sharded_load(
+                str(path), pipeline_group=group if mode == "pipeline" else None,
+                tensor_group=group if mode == "tensor" else None, return_config=True)
     except ValueError as exc:  # "The model does not support pipelining / tensor parallelism"
         hint = ("; `trio-mlx serve --help` (--distributed) and docs/distributed.md name the families mlx-lm "
                 "pipelines, and --distributed tensor shards most others" if mode == "pipeline" else "")

@@ -11,9 +11,8 @@ single assignment under the GIL.
 `launched` reads a rank's number, the group's size and its backend from the
 variables `mlx.launch` (or `mpirun`) sets, without MLX: the process's main
 thread decides with it whether to serve HTTP or follow, and only the thread
-that will use the group joins it (`_distributed.init_group`). MLX streams
-are thread-local, and a group joined on one thread and used on another
-failed on CUDA (docs/design.md, rule 1).
+that will use the group joins it (`_distributed.init_group`), the one that
+holds all of the rank's MLX state (docs/design.md, rule 1).
 """
 
 from __future__ import annotations
