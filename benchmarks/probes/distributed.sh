@@ -19,7 +19,8 @@
 # BACKEND=ring (RING_PORT=32323) runs it on two CPU processes instead, as a dry run. Then, per
 # shape, benchmarks/probes/probe_dist_exchange.py (the per-step message's cost on the raw decode
 # steps: none / sent just before its step / a step ahead) into OUTDIR/<shape>-exchange.txt and the
-# summary; EXCHANGE=0 skips it.
+# summary; EXCHANGE=0 skips it. SIDES (default "single tp mlx_lm") picks the sides run; TP_ENV
+# (e.g. MLX_USE_CUDA_GRAPHS=0) is set for the tp side's ranks alone.
 # Time: ~2 min to build the 8B model, then ~1-2 min per run: ~25 min for 2 shapes x 2 rounds;
 # one shape and one round (SHAPES=llama-3.2-1b ROUNDS=1) fits a 10-minute command.
 set -euo pipefail
@@ -91,7 +92,7 @@ run() {  # SHAPE SIDE ROUND
   case "$side" in
     single) start "$shape-$side-$r" env CUDA_VISIBLE_DEVICES=0 "$py" -m trio_mlx.cli serve "$dir" --port "$port" \
               --max-batch 64 --no-access-log --step-trace "$out/$shape-$side-$r.trace" ;;
-    tp) start "$shape-$side-$r" "$launch" "${group[@]}" -- \
+    tp) start "$shape-$side-$r" env ${TP_ENV:-} "$launch" "${group[@]}" -- \
           "$py" -m trio_mlx.cli serve "$dir" --port "$port" --max-batch 64 --no-access-log --distributed tensor \
           --step-trace "$out/$shape-$side-$r.trace" ;;
     mlx_lm) start "$shape-$side-$r" "$launch" "${group[@]}" -- \
@@ -108,7 +109,9 @@ for shape in ${SHAPES:-llama-3.2-1b llama-3.1-8b}; do
     --seed 0 >/dev/null
   for ((r = 1; r <= rounds; r++)); do
     if ((r % 2)); then order=(single tp mlx_lm); else order=(mlx_lm tp single); fi
-    for side in "${order[@]}"; do run "$shape" "$side" "$r"; done
+    for side in "${order[@]}"; do
+      if [[ " ${SIDES:-single tp mlx_lm} " == *" $side "* ]]; then run "$shape" "$side" "$r"; fi
+    done
   done
   if [ "${EXCHANGE:-1}" = 1 ]; then  # the per-step message alone, no server (~1-2 min)
     timeout 600 "$launch" "${group[@]}" -- "$py" benchmarks/probes/probe_dist_exchange.py "$out/$shape" \

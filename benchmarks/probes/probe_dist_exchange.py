@@ -9,7 +9,8 @@
 Every rank loads its shard with mlx-lm's `sharded_load` and runs the same
 `BatchGenerator` decode steps in lockstep (no server, no trio), at each batch
 width of WIDTHS (default 1,8,64), in ROUNDS (3) rounds of STEPS (150) steps, with
-a 1 KiB `all_sum` message per step on the generation stream, as trio_mlx sends:
+a 1 KiB `all_sum` message per step on the generation stream, as trio_mlx sends
+(MODES, default none,before,ahead, picks which):
 
 - none:  no message (the model's own all-reduces only);
 - before: rank 0 queues step k's message just before step k and a follower
@@ -27,16 +28,16 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, generation_stream
-from mlx_lm.utils import sharded_load
 
-from trio_mlx.actor._distributed import init_group
+from trio_mlx.actor._distributed import init_group, load_shard
 
 group, backend = init_group()  # the backend mlx.launch set up, as trio-mlx serve picks it
-model, _ = sharded_load(sys.argv[1], tensor_group=group)
+model, _ = load_shard(Path(sys.argv[1]), "tensor", group)  # as a rank of trio-mlx serve loads
 lead = group.rank() == 0
 widths = [int(w) for w in os.environ.get("WIDTHS", "1,8,64").split(",")]
 rounds, steps = int(os.environ.get("ROUNDS", "3")), int(os.environ.get("STEPS", "150"))
@@ -86,7 +87,8 @@ def run(mode: str, width: int) -> tuple[float, float]:
     return min(step_ms), statistics.median(wait_ms)
 
 
-results = {(mode, w): run(mode, w) for w in widths for mode in ("none", "before", "ahead")}
+modes = os.environ.get("MODES", "none,before,ahead").split(",")
+results = {(mode, w): run(mode, w) for w in widths for mode in modes}
 # the followers' waits, to rank 0: an all_sum of each rank's figures, on the model's stream once it
 # is done (on another stream it could meet the last step's all-reduces instead of its own)
 mx.synchronize()

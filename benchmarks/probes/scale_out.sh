@@ -38,10 +38,11 @@ bg() {  # LOG COMMAND...: start COMMAND in a process group of its own
   pgids+=($!)
 }
 
-wait_ready() {  # URL LOG SECONDS
-  local i
+wait_ready() {  # URL LOG SECONDS: wait for the server that bg started last (it must stay up)
+  local i pid="${pgids[-1]}"
   for ((i = 0; i < $3 * 2; i++)); do
     curl -sf -o /dev/null --max-time 2 "$1/ready" && return 0
+    kill -0 "$pid" 2>/dev/null || { echo "exited before ready: $1" >&2; tail -40 "$2" >&2; return 1; }
     sleep 0.5
   done
   echo "not ready: $1" >&2
@@ -70,13 +71,23 @@ smoke)
     curl -s http://127.0.0.1:8831/v1/completions -H 'content-type: application/json' \
       -d '{"prompt": "Hello", "max_tokens": 16, "temperature": 0}' | tee -a "$out/smoke-answers.jsonl"; echo
   done
-  # one GPU, the same greedy prompt: the text must match the two ranks'
+  "$py" -m trio_mlx.cli bench --url http://127.0.0.1:8831 --model "$dir" --concurrency 1,8,64 \
+    --prompt-tokens 128 --max-tokens 128 --label tp2 --out "$out/smoke-bench-tp2.json" || true
+  cleanup; pgids=(); sleep 3
+  # one GPU (the one rank 0 used: a server there would be refused), the same greedy prompt:
+  # the text must match the two ranks'
   bg "$out/smoke-single.log" env CUDA_VISIBLE_DEVICES=0 "$py" -m trio_mlx.cli serve "$dir" --port 8832
   wait_ready http://127.0.0.1:8832 "$out/smoke-single.log" 300
   curl -s http://127.0.0.1:8832/v1/completions -H 'content-type: application/json' \
     -d '{"prompt": "Hello", "max_tokens": 16, "temperature": 0}' | tee "$out/smoke-single.json"; echo
-  "$py" -m trio_mlx.cli bench --url http://127.0.0.1:8831 --model "$dir" --concurrency 1,8,64 \
-    --prompt-tokens 128 --max-tokens 128 --label tp2 --out "$out/smoke-bench-tp2.json" || true
+  cleanup; pgids=(); sleep 3
+  # mlx_lm.server's own tensor-parallel mode on the same two GPUs: one request, bounded, so
+  # that a server whose generation thread died costs minutes of nobody's time
+  bg "$out/smoke-mlx_lm.log" "$launch" --backend nccl -n 2 -- "$py" -m mlx_lm.server --model "$dir" --port 8833
+  for ((i = 0; i < 600; i++)); do curl -sf -o /dev/null --max-time 2 http://127.0.0.1:8833/health && break; sleep 0.5; done
+  curl -s --max-time 120 http://127.0.0.1:8833/v1/completions -H 'content-type: application/json' \
+    -d '{"model": "default_model", "prompt": "Hello", "max_tokens": 16, "temperature": 0}' \
+    | tee "$out/smoke-mlx_lm.json"; echo " (mlx_lm.server: curl exit ${PIPESTATUS[0]})"
   ;;
 tp)
   # TP=2 against one GPU and mlx_lm.server's distributed mode, in paired rounds (the existing probe)
@@ -99,8 +110,8 @@ replicas)
       --no-access-log
     bg "$out/replica1.log" env CUDA_VISIBLE_DEVICES=1 "$py" -m trio_mlx.cli serve "$dir" --port 8842 --max-batch 64 \
       --no-access-log
-    wait_ready http://127.0.0.1:8841 "$out/replica0.log" 300
     wait_ready http://127.0.0.1:8842 "$out/replica1.log" 300
+    wait_ready http://127.0.0.1:8841 "$out/replica0.log" 300
   }
   router() {  # LABEL ROUTER-ARGS...
     local label=$1
@@ -124,8 +135,10 @@ replicas)
   kill -TERM -- "-${pgids[-1]}"; sleep 3
   # fresh replicas for each policy, so that no policy inherits another's prompt caches
   replicas_up; router cache-aware --policy cache_aware; cleanup; pgids=(); sleep 3
-  replicas_up; router cache-aware-balanced --policy cache_aware --balance-abs-threshold 4 \
-    --balance-rel-threshold 1.2; cleanup; pgids=(); sleep 3
+  if [ "${BALANCED:-1}" = 1 ]; then  # BALANCED=0 skips this policy
+    replicas_up; router cache-aware-balanced --policy cache_aware --balance-abs-threshold 4 \
+      --balance-rel-threshold 1.2; cleanup; pgids=(); sleep 3
+  fi
   replicas_up; router round-robin --policy round_robin
   ;;
 *)
