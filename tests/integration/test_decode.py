@@ -180,6 +180,47 @@ def _processed(logits: np.ndarray, sp: SamplingParams, generated: list[int]) -> 
     return x
 
 
+class _OnlyToken4:
+    """The decode step's side of `GrammarProcessor`: a grammar that allows token 4 alone,
+    and notes each mask it fills in `events`."""
+
+    error = None
+
+    def __init__(self, events: list[str], fail: BaseException | None = None) -> None:
+        self.events = events
+        self.fail = fail
+        self.fed: list[int | None] = []
+
+    def new_bitmask(self, n: int) -> np.ndarray:
+        return np.zeros((n, 1), dtype=np.int32)
+
+    def bind(self, row: np.ndarray) -> None:
+        self.row = row
+
+    def begin(self, token: int | None) -> bool:
+        if self.fail is not None:
+            raise self.fail
+        self.events.append("mask")
+        self.fed.append(token)
+        self.row[0, 0] = 1 << 4  # only token 4
+        return False
+
+
+class _Fed:
+    """A step's `inputs`: last step's tokens, each read noted in `events` (after `delay` s)."""
+
+    def __init__(self, values: list[int], events: list[str], delay: float = 0.0):
+        self.values, self.events, self.delay = values, events, delay
+
+    def tolist(self) -> list[int]:
+        if self.delay:
+            import time
+
+            time.sleep(self.delay)
+        self.events.append("read")
+        return self.values
+
+
 def test_the_next_step_starts_before_this_steps_tokens_are_read(monkeypatch):
     """Pipelined as mlx_lm's generate_step: the sampled tokens are started (`async_eval`) before
     the fed ones are read back; with a grammar row, the forward is started first, then the
@@ -191,45 +232,88 @@ def test_the_next_step_starts_before_this_steps_tokens_are_read(monkeypatch):
         events.append("start")
         real(*arrays)
 
-    class Fed:
-        def __init__(self, values: list[int]):
-            self.values = values
-
-        def tolist(self) -> list[int]:
-            events.append("read")
-            return self.values
-
     monkeypatch.setattr(mx, "async_eval", spy)
     rows = [DecodeRow(SamplingParams(temperature=1.0), PROMPT), DecodeRow(SamplingParams(temperature=0.0), PROMPT)]
     decoder = Decoder()
-    fed = Fed([1, 2])
+    fed = _Fed([1, 2], events)
     sampled, got = decoder.step(mx.array(np.tile(LOGITS, (2, 1))), rows, fed, False)
     assert got == [1, 2] and events == ["start", "read"]
 
-    class Grammar:  # the decode step's side of `GrammarProcessor`
-        error = None
-
-        def __init__(self) -> None:
-            self.fed: list[int | None] = []
-
-        def new_bitmask(self, n: int) -> np.ndarray:
-            return np.zeros((n, 1), dtype=np.int32)
-
-        def bind(self, row: np.ndarray) -> None:
-            self.row = row
-
-        def begin(self, token: int | None) -> bool:
-            events.append("mask")
-            self.fed.append(token)
-            self.row[0, 0] = 1 << 4  # only token 4
-            return False
-
-    g = Grammar()
+    g = _OnlyToken4(events)
     rows.append(DecodeRow(SamplingParams(temperature=1.0), PROMPT, g))  # type: ignore[arg-type]
     events.clear()
-    sampled, _ = decoder.step(mx.array(np.tile(LOGITS, (3, 1))), rows, Fed([1, 2, 3]), False)
+    sampled, _ = decoder.step(mx.array(np.tile(LOGITS, (3, 1))), rows, _Fed([1, 2, 3], events), False)
     assert events == ["start", "read", "mask", "start"] and g.fed == [3]
     assert sampled.tolist()[2] == 4
+
+
+def _constrained_rows(events: list[str], fail: BaseException | None = None) -> tuple[list[DecodeRow], _OnlyToken4]:
+    g = _OnlyToken4(events, fail)
+    rows = [DecodeRow(SamplingParams(temperature=1.0), PROMPT), DecodeRow(SamplingParams(temperature=0.0), PROMPT),
+            DecodeRow(SamplingParams(temperature=1.0), PROMPT, g)]  # type: ignore[arg-type]
+    return rows, g
+
+
+def test_grammar_masks_before_reads_the_tokens_first_and_fills_the_masks_beside_the_forward(monkeypatch):
+    """`grammar_masks` 'before': last step's tokens are read before the forward is started,
+    the masks are filled in the decoder's thread (before the sampling starts), and the row
+    gets what its mask allows, as with 'after'. The first step, whose logits' width is not
+    known yet, fills them after."""
+    events: list[str] = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (events.append("start"), real(*a))[1])
+    rows, g = _constrained_rows(events)
+    decoder = Decoder(grammar_masks="before")
+    logits = mx.array(np.tile(LOGITS, (3, 1)))
+    assert decoder.masks_first(rows, _Fed([1, 2, 3], events), False) is None  # no width yet
+    decoder.step(logits, rows, _Fed([1, 2, 3], events), False)
+    assert events == ["start", "read", "mask", "start"]
+    events.clear()
+    early = decoder.masks_first(rows, _Fed([5, 6, 7], events), False)
+    assert early is not None and events[0] == "read"
+    sampled, fed = decoder.step(logits, rows, _Fed([0, 0, 0], events), False, early)
+    assert fed == [5, 6, 7] and g.fed == [3, 7] and sampled.tolist()[2] == 4
+    assert events.count("read") == 1 and events.index("mask") < len(events) - 1 and events[-1] == "start"
+    assert decoder.early_steps == 1
+
+
+def test_grammar_masks_auto_goes_before_only_while_the_tokens_were_ready_when_read(monkeypatch):
+    """'auto': after a read that found last step's tokens ready, masks go before the forward;
+    every `AUTO_RECHECK` such steps one reads after the forward again, and a read that waited
+    (the device behind the host) keeps them after."""
+    monkeypatch.setattr(_decode, "AUTO_RECHECK", 3)
+    events: list[str] = []
+    rows, g = _constrained_rows(events)
+    decoder = Decoder(grammar_masks="auto")
+    logits = mx.array(np.tile(LOGITS, (3, 1)))
+    decoder.step(logits, rows, _Fed([1, 2, 3], events), False)  # timed: ready at once
+    kinds = []
+    for _ in range(8):
+        early = decoder.masks_first(rows, _Fed([1, 2, 3], events), False)
+        kinds.append("before" if early else "after")
+        decoder.step(logits, rows, _Fed([1, 2, 3], events), False, early)
+    assert kinds == ["before", "before", "before", "after", "before", "before", "before", "after"]
+    slow = Decoder(grammar_masks="auto")
+    for _ in range(3):
+        early = slow.masks_first(rows, _Fed([1, 2, 3], events, delay=0.002), False)
+        assert early is None
+        slow.step(logits, rows, _Fed([1, 2, 3], events, delay=0.002), False, early)
+    assert slow.early_steps == 0 and decoder.early_steps == 6
+
+
+def test_a_mask_fill_that_raises_beside_the_forward_raises_from_the_step():
+    """What the fill raised in the decoder's thread is raised by `step`, as a fill after the
+    forward raises it (the actor then fails the step's rows)."""
+    events: list[str] = []
+    rows, g = _constrained_rows(events)
+    decoder = Decoder(grammar_masks="before")
+    logits = mx.array(np.tile(LOGITS, (3, 1)))
+    decoder.step(logits, rows, _Fed([1, 2, 3], events), False)
+    g.fail = ValueError("the matcher broke")
+    early = decoder.masks_first(rows, _Fed([1, 2, 3], events), False)
+    assert early is not None
+    with pytest.raises(ValueError, match="the matcher broke"):
+        decoder.step(logits, rows, _Fed([1, 2, 3], events), False, early)
 
 
 # -- the step through the actor, on a tiny model ----------------------------------------
@@ -360,3 +444,26 @@ def test_constrained_rows_fill_their_masks_together_beside_free_rows(tiny_model_
         text = tok.decode([t for t in tokens[i] if t not in stops])
         assert isinstance(json.loads(text), str), text
     assert batches and max(batches) >= 2
+
+
+@pytest.mark.parametrize("when", ["before", "auto"])
+def test_masks_filled_beside_the_forward_give_the_tokens_of_masks_filled_after_it(tiny_model_fp32, when):
+    """JSON-constrained rows (seeded sampling, one greedy) beside free rows, some entering
+    while others decode: every row's tokens are the same whether the masks are filled after
+    the forward or beside it, and beside it is what the steps did."""
+    from trio_mlx.actor import Grammar
+    from trio_mlx.actor._constrain import json_string_grammar, model_vocab
+
+    grammar = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
+    stops = frozenset(model_vocab(tiny_model_fp32).eos)
+
+    def run(masks: str) -> tuple[dict[int, list[int]], int]:
+        actor = _actor(tiny_model_fp32, max_batch=8, prefill_batch=4, grammar_masks=masks)
+        subs = [Submit(i, (5 + i, 6, 7), 20, SamplingParams(temperature=0.0 if i == 0 else 1.0, seed=i), stops,
+                       grammar if i % 2 == 0 else None) for i in range(8)]
+        tokens, _ = _serve(actor, {0: subs[:4], 5: subs[4:]}, 40)
+        return dict(tokens), actor._decoder.early_steps  # type: ignore[union-attr]
+
+    after, none_early = run("after")
+    beside, early = run(when)
+    assert beside == after and none_early == 0 and early > 10

@@ -27,9 +27,18 @@ def test_environment_variables_are_parsed_strictly():
     for var, value in [("TRIO_MLX_MAX_BATCH", "many"), ("TRIO_MLX_WARMUP", "perhaps"),
                        ("TRIO_MLX_STALL_TIMEOUT", "0"), ("TRIO_MLX_MAX_BATCH", "0"),
                        ("TRIO_MLX_PING_INTERVAL", "nan"), ("TRIO_MLX_LOG_LEVEL", "loud"),
-                       ("TRIO_MLX_PROMPT_CACHE_DISK_GB", "-1"), ("TRIO_MLX_PROMPT_CACHE_ISOLATION", "user")]:
+                       ("TRIO_MLX_PROMPT_CACHE_DISK_GB", "-1"), ("TRIO_MLX_PROMPT_CACHE_ISOLATION", "user"),
+                       ("TRIO_MLX_GRAMMAR_MASKS", "sometimes")]:
         with pytest.raises(ValueError, match=var.removeprefix("TRIO_MLX_").lower() + "|" + var):
             Settings.from_env({var: value})
+
+
+def test_grammar_masks_before_the_forward_needs_the_owned_step():
+    """mlx-lm's step fills each row's mask in its own processor: only the owned step can fill
+    them beside the forward."""
+    assert Settings.from_env({"TRIO_MLX_GRAMMAR_MASKS": "before"}).tuning.grammar_masks == "before"
+    with pytest.raises(ValueError, match="grammar_masks 'before' and 'auto' need decode_step 'owned'"):
+        Settings.from_env({"TRIO_MLX_GRAMMAR_MASKS": "auto", "TRIO_MLX_DECODE_STEP": "mlx"})
 
 
 def test_prompt_cache_isolation_by_key_needs_keys():
@@ -112,7 +121,8 @@ def test_the_prefill_budget_reaches_the_actor_with_one_default():
 
 
 # A text each str knob accepts (any text for the others); every other kind has one below.
-_SAMPLE_TEXT = {"decode_step": "mlx", "speculative": "ngram", "ngram_size": "2", "adapters": "x=/tmp/x"}
+_SAMPLE_TEXT = {"decode_step": "mlx", "speculative": "ngram", "ngram_size": "2", "adapters": "x=/tmp/x",
+                "grammar_masks": "auto"}
 _KIND_TEXT = {"int": "3", "float": "0.5", "bool": "off"}
 
 

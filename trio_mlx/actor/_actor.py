@@ -276,7 +276,7 @@ class Actor:
             self._adapters.slots.clear()  # a fresh generator: no row of the old one is left
             select_adapters(bg)
         if self._owned:
-            self._decoder = Decoder(self._drafter)
+            self._decoder = Decoder(self._drafter, self.config.tuning.grammar_masks)
             own_decode(bg, self._decoder)
         return bg
 

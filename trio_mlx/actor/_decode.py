@@ -36,14 +36,28 @@ reads last step's tokens (the matchers need them), computes the masks on the
 host while the device runs the forward (llguidance's batch fill releases the
 GIL and uses threads of its own), then builds and starts the sampling.
 
+That hides the masks behind the device's work, not the host's: where the step
+is bound by the host building and encoding the forward (a small model; the
+device waits for it), the masks follow that work. With `grammar_masks` 'before'
+(`masks_first`) the step reads last step's tokens before it builds the forward
+and fills the masks in a thread of the decoder's own meanwhile, so the two host
+jobs overlap; it costs the pipelining where the device is the slower side (the
+host waits for last step's tokens before it encodes this one's forward).
+'auto' takes 'before' while the tokens were ready when read after the forward
+was started (the device waiting for the host), checked again every
+`AUTO_RECHECK` constrained steps.
+
 No mlx-lm here: `_batch.py` holds every use of its internals.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
+import statistics
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,6 +76,12 @@ _serials = itertools.count()
 # two plain steps in so many cost a speculating row about 1% of its tokens.
 PLAIN_TIMES = 16
 PLAIN_REFRESH = 128
+# `grammar_masks` 'auto': a read of last step's tokens, made after the forward was started,
+# that waited less than this (the median of the last AUTO_READS) says the device waits for the
+# host; constrained steps between two such reads.
+AUTO_WAIT = 0.0002
+AUTO_READS = 8
+AUTO_RECHECK = 32
 
 
 def _measure_all(grammars: list[GrammarProcessor], matchers: list[Any]) -> None:
@@ -228,10 +248,31 @@ def _init_penalty_state(row: DecodeRow, width: int) -> None:
     row.seen = seen
 
 
+class _Early:
+    """A constrained batch's masks started before its forward (`Decoder.masks_first`)."""
+
+    __slots__ = ("fed", "done")
+
+    def __init__(self, fed: list[int], done: Any):
+        self.fed = fed  # last step's tokens, what each row is fed this step
+        self.done = done  # the fill's Future
+
+    def wait(self) -> None:
+        """Until the fill is over, whatever it raised (a step that failed before `step`)."""
+        with contextlib.suppress(BaseException):
+            self.done.result()
+
+
 class Decoder:
     """Processes and samples a decoding batch's logits; one per generator (`_batch.own_decode`)."""
 
-    def __init__(self, drafter: Any = None) -> None:
+    def __init__(self, drafter: Any = None, grammar_masks: str = "after") -> None:
+        self.grammar_masks = grammar_masks  # `ActorTuning.grammar_masks`, checked there
+        self._vocab: int | None = None  # the logits' width, known from the first step
+        self._masker: ThreadPoolExecutor | None = None  # 'before': the masks' thread
+        self._late_reads: collections.deque[float] = collections.deque(maxlen=AUTO_READS)
+        self._since_read = 0  # 'auto': constrained steps since the last read after the forward
+        self.early_steps = 0  # constrained steps whose masks were filled beside their forward
         self._plan: _Plan | None = None
         self._executor: Any = None  # llguidance's thread pool, made at the first batch of masks
         # Speculative decoding's drafts (`_drafting.Drafter`), verified by `verify`; None: off.
@@ -266,20 +307,56 @@ class Decoder:
         first plain step after a speculative one is not timed, so this asks for two.)"""
         return width not in self.plain_steps or self.speculated[width] >= PLAIN_REFRESH
 
-    def step(self, logits: Any, rows: Sequence[DecodeRow], inputs: Any, first: bool) -> tuple[Any, list[int]]:
+    def masks_first(self, rows: Sequence[DecodeRow], inputs: Any, first: bool) -> _Early | None:
+        """Before the forward of `inputs` is built: for a batch with grammar rows, when
+        `grammar_masks` says so, read `inputs` (last step's tokens) now and start filling the
+        rows' masks in the decoder's thread, which `step` then joins (the module docstring
+        says when this pays). None: the masks are left to `step`. A caller that fails before
+        `step` must `wait` for the fill."""
+        if self.grammar_masks == "after" or self._vocab is None:
+            return None
+        plan = self._plan_for(rows, self._vocab)
+        if not plan.grammar:
+            return None
+        if self.grammar_masks == "auto":
+            self._since_read += 1
+            reads = self._late_reads
+            if not reads or self._since_read > AUTO_RECHECK or statistics.median(reads) >= AUTO_WAIT:
+                return None  # `step` reads after the forward, and times the read
+        fed: list[int] = inputs.tolist()  # type: ignore[assignment]
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="trio-mlx-masks")
+        self.early_steps += 1
+        return _Early(fed, self._masker.submit(self._fill_masks, plan, None if first else fed))
+
+    def step(self, logits: Any, rows: Sequence[DecodeRow], inputs: Any, first: bool,
+             early: _Early | None = None) -> tuple[Any, list[int]]:
         """Sample every row's next token from `logits` (B, V), the forward of `inputs` (B,):
         what each row was fed this step (the token sampled for it last step, or at its
         `first` step its prompt's last token). Returns the sampled tokens (lazy, computing)
         and `inputs` read back to the host; each row that asks for logprobs has them for
-        its token in `inputs` in `row.out`."""
+        its token in `inputs` in `row.out`. `early`: the masks `masks_first` started."""
         plan = self._plan_for(rows, logits.shape[-1])
+        self._vocab = plan.width
         asked = [(r, r.pending) for i in plan.logprobs if (r := plan.rows[i]).pending is not None]
         fed: list[int] | None = None
         masks = None
-        if plan.grammar:
+        if early is not None:
+            try:
+                mx.async_eval(logits)
+            finally:
+                early.wait()
+            early.done.result()  # what the fill raised, raised here as `_masks` would
+            fed = early.fed
+            masks = self._mask_array(plan)
+        elif plan.grammar:
             mx.async_eval(logits)  # the device runs the forward while the host fills the masks
+            t0 = time.perf_counter()
             fed = inputs.tolist()  # type: ignore[assignment]
             assert fed is not None
+            if self.grammar_masks == "auto":
+                self._late_reads.append(time.perf_counter() - t0)
+                self._since_read = 0
             masks = self._masks(plan, None if first else fed)
         sampled, outputs = self._sample(plan, logits, masks)
         mx.async_eval(sampled, *outputs)
@@ -409,8 +486,17 @@ class Decoder:
     # -- the host side: grammar masks ---------------------------------------------
 
     def _masks(self, plan: _Plan, fed: list[int] | None) -> Any:
+        self._fill_masks(plan, fed)
+        return self._mask_array(plan)
+
+    @staticmethod
+    def _mask_array(plan: _Plan) -> Any:
+        return mx.array(plan.bitmask.view(np.uint32))  # type: ignore[union-attr]  # copied now: the buffer is reused
+
+    def _fill_masks(self, plan: _Plan, fed: list[int] | None) -> None:
         """Advance each grammar row's matcher by the token it was fed and fill its mask (a row
-        of `plan.bitmask`); the matchers that need llguidance's full mask fill in one batch."""
+        of `plan.bitmask`); the matchers that need llguidance's full mask fill in one batch.
+        No MLX (it may run in the decoder's masks thread)."""
         fill: list[tuple[Any, int]] = []
         grammars: list[Any] = [plan.rows[i].grammar for i in plan.grammar]
         tokens = [None if fed is None else fed[i] for i in plan.grammar]
@@ -426,7 +512,6 @@ class Decoder:
                 self._fill_many(fill, plan.bitmask)
             for g, _ in fill:
                 g.complete()
-        return mx.array(plan.bitmask.view(np.uint32))  # type: ignore[union-attr]  # copied now: the buffer is reused
 
     def _consume_many(self, grammars: list[Any], tokens: list[int | None]) -> dict[int, bool]:
         """Feed each grammar row's matcher its token in one llguidance batch (its threads, the

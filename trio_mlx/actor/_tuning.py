@@ -95,6 +95,11 @@ class ActorTuning:
         "the actor's decode step: 'owned' (one forward over the decoding batch, every row's sampling "
         "batched on the device, the next step started before this one's tokens are read) or 'mlx' "
         "(mlx-lm's BatchGenerator step, a sampler and logits processors per row), to compare the two"))
+    grammar_masks: str = field(default="after", metadata=doc(  # `_decode.py`
+        "when a decode step fills its constrained sequences' grammar masks: 'after' the forward is "
+        "started (while the device runs it), 'before' (last step's tokens read first, the masks filled "
+        "in a thread while the host builds and starts the forward: for steps bound by the host), or "
+        "'auto' ('before' while the device is seen waiting for the host); with decode_step 'owned'"))
     # `_speculate.py` (the rules), `_drafting.py` (the drafters), `_spec_step.py` (the step).
     speculative: str | None = field(default=None, metadata=doc(
         "speculative decoding, for the sequences of a batch of up to speculative_max_rows: 'ngram' (prompt "
@@ -191,6 +196,11 @@ class ActorTuning:
                 raise ValueError(f"{name} must be >= 0 (a finite number), got {value!r}")
         if self.decode_step not in ("owned", "mlx"):
             raise ValueError(f"decode_step must be 'owned' or 'mlx', got {self.decode_step!r}")
+        if self.grammar_masks not in ("after", "before", "auto"):
+            raise ValueError(f"grammar_masks must be 'after', 'before' or 'auto', got {self.grammar_masks!r}")
+        if self.grammar_masks != "after" and self.decode_step != "owned":
+            raise ValueError("grammar_masks 'before' and 'auto' need decode_step 'owned' (mlx-lm's step "
+                             "fills each row's mask in its own processor)")
         for name in ("num_draft_tokens", "ngram_size"):
             value = getattr(self, name)
             if value is None:
