@@ -1,6 +1,7 @@
 """Probe: what grammar masking costs the served batch, by the share of constrained rows.
 
     python benchmarks/probes/probe_grammar_engine.py MODEL_DIR [BATCH] [TOKENS] [ROUNDS] [string|array]
+    GRAMMAR_MASKS=before python benchmarks/probes/probe_grammar_engine.py ...  # or auto (default: after)
 
 Asked through the runtime as a server runs it: an `Engine` (thread actor, warmed up) gets BATCH
 concurrent greedy `generate` requests of at most TOKENS tokens each, 0%, 50% and 100% of them
@@ -35,6 +36,7 @@ median over rounds of the paired ratio. Use a random-weight model
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -118,7 +120,9 @@ async def main() -> None:
     global FORMAT
     FORMAT = ARRAY if len(sys.argv) > 5 and sys.argv[5] == "array" else STRING
     shares = [s for s in SHARES if s]
-    async with trio_mlx.open_engine(path, max_batch=batch, prefill_batch=min(batch, 8)) as engine:
+    masks = os.environ.get("GRAMMAR_MASKS", "after")  # ActorTuning.grammar_masks
+    async with trio_mlx.open_engine(path, max_batch=batch, prefill_batch=min(batch, 8),
+                                    grammar_masks=masks) as engine:
         # warm-up: the grammar path's kernels (an array needs room for its sure completion),
         # and each share's per-row counts for the first matched run
         last: dict[float, list[int]] = {}
