@@ -100,7 +100,15 @@ run() {  # SHAPE SIDE ROUND
   esac
   # mlx_lm.server's /v1/models reads the hub cache; "default_model" names its --model
   if [ "$side" = mlx_lm ]; then extra=(--served-model-name default_model); else extra=(); fi
-  bench "$shape-$side" "$out/$shape-$side-$r.json" "$dir" "${extra[@]}"
+  # One bounded request first: a server whose generation thread died (mlx-lm's sharded_load
+  # fails over NCCL, see benchmarks/2026-11-29-h200x2/) would hold every bench request to its timeout.
+  if [ "$side" != mlx_lm ] || curl -sf --max-time 180 "http://127.0.0.1:$port/v1/completions" \
+      -H 'content-type: application/json' \
+      -d '{"model": "default_model", "prompt": "Hello", "max_tokens": 4, "temperature": 0}' >/dev/null; then
+    bench "$shape-$side" "$out/$shape-$side-$r.json" "$dir" "${extra[@]}"
+  else
+    echo "($shape-$side-$r: no answer to one request within 180 s; not benchmarked)" | tee -a "$out/skipped.txt" >&2
+  fi
   stop
 }
 
@@ -134,7 +142,7 @@ for path in sorted(glob.glob(os.path.join(out, "*.json"))):
 print("Output tok/s per round (TTFT p50 ms, mean of rounds); tp / single is the ratio of the sums.\n")
 for shape in sorted({s for s, _ in tps}):
     print(f"## {shape}\n\n| c | single | tp (2 GPUs) | mlx_lm.server (2 GPUs) | tp / single |\n|---|---|---|---|---|")
-    for c in sorted(tps[(shape, "single")] or tps[(shape, "tp")]):
+    for c in sorted(set().union(*(tps[(shape, side)] for side in ("single", "tp", "mlx_lm")))):
         cells = []
         for side in ("single", "tp", "mlx_lm"):
             v, t = tps[(shape, side)][c], ttft[(shape, side)][c]
@@ -164,6 +172,7 @@ for path in sorted(glob.glob(os.path.join(out, "*.trace"))):
         wait = f"{med([x[1] for x in theirs[w]]) * 1e3:.2f}" if theirs.get(w) else "-"
         print(f"| {os.path.basename(path)[:-6]} | {w} | {len(v)} | {med([x[0] for x in v]) * 1e3:.2f} | {wait} |")
 EOF
+if [ -f "$out/skipped.txt" ]; then { echo; cat "$out/skipped.txt"; } >>"$out/summary.md"; fi
 for f in "$out"/*-exchange.txt; do
   if [ -f "$f" ]; then { echo; echo '```'; grep -v '^\[' "$f"; echo '```'; } >>"$out/summary.md"; fi
 done
