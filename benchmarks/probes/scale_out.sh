@@ -6,12 +6,13 @@
 #   bash benchmarks/probes/scale_out.sh setup               # once per fresh machine (~2-3 min)
 #   bash benchmarks/probes/scale_out.sh smoke   OUT          # TP=2 starts and serves (~3 min; the fix)
 #   bash benchmarks/probes/scale_out.sh tp      OUT [SHAPE]  # TP=2 vs 1 GPU vs mlx_lm.server, one shape
+#   bash benchmarks/probes/scale_out.sh leads   OUT          # where a served TP step's time goes (~8 min; LEADS)
 #   bash benchmarks/probes/scale_out.sh replicas OUT         # 1 GPU vs 2 replicas: cache-aware / round-robin
 #
 # Each mode fits one 10-minute command except `tp` with the 8B shape (split it: SHAPE=llama-3.1-8b
 # ROUNDS=1, then again into the same OUT). Everything it writes goes under OUT ($OUT on the device).
 set -euo pipefail
-mode="${1:?usage: scale_out.sh setup|smoke|tp|replicas OUT}"
+mode="${1:?usage: scale_out.sh setup|smoke|leads|tp|replicas OUT}"
 py="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -88,6 +89,28 @@ smoke)
   curl -s --max-time 120 http://127.0.0.1:8833/v1/completions -H 'content-type: application/json' \
     -d '{"model": "default_model", "prompt": "Hello", "max_tokens": 16, "temperature": 0}' \
     | tee "$out/smoke-mlx_lm.json"; echo " (mlx_lm.server: curl exit ${PIPESTATUS[0]})"
+  ;;
+leads)
+  # Where a served TP step's time goes (benchmarks/2026-11-29-h200x2/: 31-40 ms at one row of the
+  # 1B, against 4.8 ms for the same shards stepped raw): the per-step message on the raw steps,
+  # then the served ranks with mlx-lm's decode step, without CUDA graphs, and as they are: ~2 min
+  # each, 8 in all; LEADS picks some (e.g. LEADS="raw mlx-step" in one call, the rest in another)
+  shape="${SHAPE:-llama-3.2-1b}"  # CPU dry run: SHAPE=tiny BACKEND=ring
+  dir="$(model "$shape")"
+  leads="${LEADS:-raw owned mlx-step no-graphs}"
+  if [[ " $leads " == *" raw "* ]]; then
+    group=(--backend nccl -n 2)  # BACKEND=ring: a dry run on two CPU processes, as distributed.sh's
+    if [ "${BACKEND:-nccl}" = ring ]; then group=(--backend ring -n 2 --starting-port "${RING_PORT:-32323}"); fi
+    MODES=none,ahead WIDTHS=1,64 ROUNDS=2 STEPS=60 timeout 240 "$launch" "${group[@]}" -- \
+      "$py" benchmarks/probes/probe_dist_exchange.py "$dir" 2>&1 | grep -v '^\[' | tee "$out/raw-steps.txt" || true
+  fi
+  for lead in owned:X=1 mlx-step:TRIO_MLX_DECODE_STEP=mlx no-graphs:MLX_USE_CUDA_GRAPHS=0; do
+    [[ " $leads " == *" ${lead%%:*} "* ]] || continue
+    mkdir -p "$out/${lead%%:*}"
+    ln -sfn "$dir" "$out/${lead%%:*}/$shape"
+    SIDES=tp TP_ENV="${lead#*:}" EXCHANGE=0 SHAPES="$shape" ROUNDS=1 CONCURRENCY=1,64 \
+      timeout 200 benchmarks/probes/distributed.sh "$out/${lead%%:*}" | tail -8 || true
+  done
   ;;
 tp)
   # TP=2 against one GPU and mlx_lm.server's distributed mode, in paired rounds (the existing probe)
