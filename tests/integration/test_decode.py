@@ -282,6 +282,7 @@ def test_grammar_masks_auto_goes_before_only_while_the_tokens_were_ready_when_re
     every `AUTO_RECHECK` such steps one reads after the forward again, and a read that waited
     (the device behind the host) keeps them after."""
     monkeypatch.setattr(_decode, "AUTO_RECHECK", 3)
+    monkeypatch.setattr(_decode, "AUTO_WAIT", 0.05)  # a read here takes microseconds, unless preempted
     events: list[str] = []
     rows, g = _constrained_rows(events)
     decoder = Decoder(grammar_masks="auto")
@@ -295,9 +296,9 @@ def test_grammar_masks_auto_goes_before_only_while_the_tokens_were_ready_when_re
     assert kinds == ["before", "before", "before", "after", "before", "before", "before", "after"]
     slow = Decoder(grammar_masks="auto")
     for _ in range(3):
-        early = slow.masks_first(rows, _Fed([1, 2, 3], events, delay=0.002), False)
+        early = slow.masks_first(rows, _Fed([1, 2, 3], events, delay=0.1), False)
         assert early is None
-        slow.step(logits, rows, _Fed([1, 2, 3], events, delay=0.002), False, early)
+        slow.step(logits, rows, _Fed([1, 2, 3], events, delay=0.1), False, early)
     assert slow.early_steps == 0 and decoder.early_steps == 6
 
 
@@ -447,10 +448,13 @@ def test_constrained_rows_fill_their_masks_together_beside_free_rows(tiny_model_
 
 
 @pytest.mark.parametrize("when", ["before", "auto"])
-def test_masks_filled_beside_the_forward_give_the_tokens_of_masks_filled_after_it(tiny_model_fp32, when):
+def test_masks_filled_beside_the_forward_give_the_tokens_of_masks_filled_after_it(tiny_model_fp32, when,
+                                                                                   monkeypatch):
     """JSON-constrained rows (seeded sampling, one greedy) beside free rows, some entering
     while others decode: every row's tokens are the same whether the masks are filled after
-    the forward or beside it, and beside it is what the steps did."""
+    the forward or beside it, and beside it is what the steps did ('auto' switching between
+    the two: every read counts as ready here, the CPU's being as slow as the box is busy)."""
+    monkeypatch.setattr(_decode, "AUTO_WAIT", 60.0)
     from trio_mlx.actor import Grammar
     from trio_mlx.actor._constrain import json_string_grammar, model_vocab
 
