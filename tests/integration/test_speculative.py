@@ -41,6 +41,10 @@ from trio_mlx.actor._tuning import MAX_DRAFT
 
 PROMPT = tuple(range(5, 40))
 REPEATING = tuple([5, 6, 7, 8, 9, 10, 11, 12] * 6)
+# The tiny model's greedy output after this prompt falls into a loop (one token over and
+# over) within a few tokens: prompt lookup's guesses hit, and it drafts. After REPEATING
+# its output seldom repeats: the guesses miss, and it does not.
+LOOPING = (13, 70) * 15
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=3)
 EVERYTHING = SamplingParams(temperature=0.8, top_k=40, min_p=0.02, seed=11, repetition_penalty=1.2,
@@ -180,12 +184,22 @@ def test_prompt_lookup_on_a_repeating_prompt_keeps_greedy_tokens_and_its_drafts_
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
-    base = _one(tiny_model_fp32, GREEDY, 60, REPEATING)
-    spec = _one(tiny_model_fp32, GREEDY, 60, REPEATING, speculative="ngram")
+    base = _one(tiny_model_fp32, GREEDY, 60, LOOPING)
+    spec = _one(tiny_model_fp32, GREEDY, 60, LOOPING, speculative="ngram")
     assert spec.tokens[1] == base.tokens[1]
     model, _ = load_model(tiny_model_fp32)
-    assert spec.tokens[1] == [int(t) for t, _ in generate_step(mx.array(REPEATING), model, max_tokens=60)]
+    assert spec.tokens[1] == [int(t) for t, _ in generate_step(mx.array(LOOPING), model, max_tokens=60)]
     assert sum(a for _, _, a in spec.speculated) > 0
+
+
+def test_prompt_lookup_takes_no_speculative_step_on_text_its_guesses_miss(tiny_model_fp32):
+    """After REPEATING the tiny model's greedy text seldom repeats itself (3 of its 60 tokens
+    guessed in a row at best): prompt lookup's guesses of its tokens miss, so it never
+    speculates (no trial steps to learn that its drafts are not kept, where drafting
+    wherever two tokens repeat took some), and the tokens are those without it."""
+    run = _one(tiny_model_fp32, GREEDY, 60, REPEATING, speculative="ngram")
+    assert run.tokens[1] == _one(tiny_model_fp32, GREEDY, 60, REPEATING).tokens[1]
+    assert run.speculated == [] and run.spec_steps == []
 
 
 def test_seeded_sampling_with_prompt_lookup_is_reproducible(tiny_model_fp32):
@@ -279,7 +293,7 @@ def test_a_batch_wider_than_speculative_max_rows_does_not_speculate_and_a_row_le
     """Two greedy rows on repeating prompts with speculative_max_rows 1: no speculative step
     while both decode; once the short one has ended, its row leaves at the next step (not
     after retire_steps), and the other speculates. Both outputs are what each makes alone."""
-    short, long = Submit(1, REPEATING, 8, GREEDY, frozenset()), Submit(2, REPEATING[1:], 60, GREEDY, frozenset())
+    short, long = Submit(1, LOOPING, 8, GREEDY, frozenset()), Submit(2, LOOPING[1:], 60, GREEDY, frozenset())
     alone = {rid: _one(tiny_model_fp32, GREEDY, s.max_tokens, s.prompt).tokens[1] for rid, s in ((1, short), (2, long))}
     actor = _actor(tiny_model_fp32, speculative="ngram", speculative_max_rows=1)
     run = _serve(actor, {0: [short, long]})
@@ -576,9 +590,9 @@ def test_speculative_steps_attending_query_by_query_keep_their_tokens(tiny_model
 
     monkeypatch.setattr(_batch, "query_by_query", forced)
     monkeypatch.setattr(_drafting, "query_by_query", forced)
-    base = _one(tiny_model_fp32, GREEDY, 60, REPEATING)
+    base = _one(tiny_model_fp32, GREEDY, 60, LOOPING)
     tuning = {"speculative": "ngram"} if drafter == "ngram" else {"draft_model": str(tiny_model_fp32)}
-    run = _one(tiny_model_fp32, GREEDY, 60, REPEATING, **tuning)
+    run = _one(tiny_model_fp32, GREEDY, 60, LOOPING, **tuning)
     assert run.tokens[1] == base.tokens[1]
     kept = sum(a for _, _, a in run.speculated)
     assert used and kept > 0
@@ -654,8 +668,8 @@ def _mixed_script(rows: list[tuple[int, int, tuple[int, ...], int, SamplingParam
     return dict(script)
 
 
-MIXED = [(0, 1, REPEATING, 40, GREEDY), (0, 2, _random_prompt(1), 30, GREEDY),
-         (5, 3, REPEATING[3:], 50, GREEDY), (9, 4, _random_prompt(2, 20), 18, GREEDY)]
+MIXED = [(0, 1, LOOPING, 40, GREEDY), (0, 2, _random_prompt(1), 30, GREEDY),
+         (5, 3, LOOPING[3:], 50, GREEDY), (9, 4, _random_prompt(2, 20), 18, GREEDY)]
 
 
 @pytest.mark.parametrize("cuda_attention", [False, True])
@@ -726,7 +740,7 @@ def test_no_speculative_step_holds_back_a_first_token(tiny_model_fp32, monkeypat
 def test_a_seeded_row_in_a_speculating_batch_is_reproducible(tiny_model_fp32):
     """Prompt lookup for a seeded row beside a greedy one: the same tokens run after run, and
     as without speculation."""
-    script = _mixed_script([(0, 1, REPEATING, 50, SEEDED), (0, 2, REPEATING[2:], 50, GREEDY)])
+    script = _mixed_script([(0, 1, REPEATING, 50, SEEDED), (0, 2, LOOPING[2:], 50, GREEDY)])
     runs = [_serve(_actor(tiny_model_fp32, speculative="ngram"), script) for _ in range(2)]
     base = _plain(tiny_model_fp32, script)
     assert runs[0].tokens == runs[1].tokens == base.tokens
@@ -904,7 +918,7 @@ def test_a_draft_model_drafts_for_a_constrained_row(tiny_model_fp32):
 def test_no_speculation_in_a_batch_wider_than_speculative_max_rows(tiny_model_fp32, max_rows):
     """Three rows on repeating prompts: with speculative_max_rows 2 none speculates until
     the short one has left; with 3 they speculate from the start. The tokens are the same."""
-    rows = [(0, 1, REPEATING, 10, GREEDY), (0, 2, REPEATING[1:], 50, GREEDY), (0, 3, REPEATING[2:], 50, GREEDY)]
+    rows = [(0, 1, LOOPING, 20, GREEDY), (0, 2, LOOPING[1:], 50, GREEDY), (0, 3, LOOPING[2:], 50, GREEDY)]
     script = _mixed_script(rows)
     base = _plain(tiny_model_fp32, script)
     run = _serve(_actor(tiny_model_fp32, speculative="ngram", speculative_max_rows=max_rows), script)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -260,37 +261,100 @@ def test_the_index_says_whether_the_last_tokens_occurred_before():
     assert not _index([3, 3]).repeats(2) and _index([3, 3]).repeats(1)
 
 
+class _Pending:
+    """A row's pending token on the device, counting its reads (`reads`)."""
+
+    def __init__(self, token: int, reads: list[int]):
+        import mlx.core as mx
+
+        self.dtype, self.token, self.reads = mx.int32, token, reads
+
+    def __getitem__(self, _: object) -> _Pending:
+        return self
+
+    def item(self) -> int:
+        self.reads.append(self.token)
+        return self.token
+
+
+def _lookup_row(prompt: list[int]) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(max_tokens=1000, spec=None, prompt=tuple(prompt), grammar=None, stops=frozenset())
+
+
+def _plain_steps(drafter: Any, row: Any, held: list[int], tokens: list[int], reads: list[int]) -> list[Any]:
+    """Prompt lookup asked before each of the plain steps that sample `tokens` in turn (no
+    proposal's drafts kept): each step's proposal."""
+    out = []
+    for t in tokens:
+        [proposal] = drafter.propose([row], [held], _Pending(t, reads))
+        out.append(proposal)
+        held.append(t)
+    return out
+
+
+def test_prompt_lookup_guesses_each_next_token_and_drafts_only_after_enough_hits():
+    """Before a row speculates, the lookup's guesses of its tokens (made on the host, checked
+    as each token is read back anyway) must have hit GUESS_HITS of the last GUESS_WINDOW
+    times: a row copying its prompt starts drafting then, and never reads its pending
+    token back before."""
+    from trio_mlx.actor._drafting import Drafter
+
+    drafter = Drafter(k=4, ngram=3)
+    prompt = list(range(1, 21))
+    row, held, reads = _lookup_row(prompt), list(prompt), []
+    # the copy: "20 1" and "1" alone give no guess (two tokens at least), "1 2" guesses 3, ...
+    first = _plain_steps(drafter, row, held, [1, 2, 3, 4, 5, 6], reads)
+    assert first == [None] * 6 and reads == []
+    [proposal] = drafter.propose([row], [held], _Pending(7, reads))  # the 4th hit was checked
+    assert reads == [7] and proposal is not None and proposal.host == [8, 9, 10, 11]
+
+
 def test_prompt_lookup_reads_the_pending_token_back_only_where_two_tokens_repeat():
     """Reading a row's pending token back is a sync that costs the plain step its pipelining:
     a last token that merely occurred before (in any text, all the time) is no reason."""
-    from types import SimpleNamespace
-
-    import mlx.core as mx
-
     from trio_mlx.actor._drafting import Drafter
 
-    reads: list[int] = []
-
-    class Pending:  # a row's pending token on the device, counting its reads
-        dtype = mx.int32
-
-        def __getitem__(self, _: object) -> Pending:
-            return self
-
-        def item(self) -> int:
-            reads.append(1)
-            return 4
-
-    def row(prompt: list[int]) -> SimpleNamespace:
-        return SimpleNamespace(max_tokens=64, spec=None, prompt=tuple(prompt), grammar=None, stops=frozenset())
-
     drafter = Drafter(k=4, ngram=3)
-    once = [5, 6, 7, 1, 2, 8, 9, 7]  # "7" occurred before, "9 7" did not
-    assert drafter.propose([row(once)], [once], Pending()) == [None] and reads == []
-    copy = [1, 2, 3, 4, 1, 2, 3]
-    [proposal] = drafter.propose([row(copy)], [copy], Pending())
-    assert reads == [1] and proposal is not None and proposal.host == [1, 2, 3, 4]
-    # "1 2" repeats, so the pending 4 is read; but "2 4" never occurred, only "4" alone
-    # (followed by 7): drafts after one matching token are seldom kept, and cost a step
-    single = [1, 2, 9, 4, 7, 1, 2]
-    assert drafter.propose([row(single)], [single], Pending()) == [None] and reads == [1, 1]
+    prompt = list(range(1, 21))
+    row, held, reads = _lookup_row(prompt), list(prompt), []
+    _plain_steps(drafter, row, held, [1, 2, 3, 4, 5, 6, 7], reads)
+    assert reads == [7]  # the guesses hit: the copy drafts
+    # "6 7" repeats, so 99 is read (and drafts nothing); "7 99" never occurred: 8 is not
+    # read, though the last guesses hit
+    assert _plain_steps(drafter, row, held, [99, 8], reads) == [None, None] and reads == [7, 99]
+    # "99 8" did not either, only "8" alone (followed by 9): drafts after one matching
+    # token are seldom kept, and cost a step
+    assert _plain_steps(drafter, row, held, [9], reads) == [None] and reads == [7, 99]
+
+
+def test_prompt_lookup_on_random_text_never_reads_back_or_drafts():
+    """Random text over a small vocabulary repeats pairs of tokens all the time, but the
+    lookup's guesses of what follows them miss: no read-back, no speculative step, where
+    drafting wherever two tokens repeat read back on most steps (and trial steps followed)."""
+    from trio_mlx.actor._drafting import Drafter
+
+    rng = random.Random(5)
+    text = [rng.randrange(16) for _ in range(400)]
+    drafter, reads = Drafter(k=4, ngram=3), []
+    row, held = _lookup_row(text[:100]), text[:100]
+    assert _plain_steps(drafter, row, held, text[100:], reads) == [None] * 300 and reads == []
+    index = _index(text[:100])
+    repeats = 0
+    for t in text[100:]:
+        repeats += index.repeats(2)
+        index.extend([t])
+    assert repeats > 100  # what drafting wherever two tokens repeat would have read back
+
+
+def test_a_rows_guesses_open_speculation_while_they_hit_and_close_it_when_they_miss():
+    spec, index = RowSpec(), NgramIndex(3)
+    index.extend([1, 2, 3, 4, 5, 6, 7, 8])
+    opened = []
+    for t in [1, 2, 3, 4, 5, 6, 7, 8] + [40, 41, 42, 43, 44, 45, 46, 47, 48]:
+        opened.append(spec.watch(index, 2))
+        index.extend([t])
+    # no guess after "8" or "8 1"; "1 2" on hit from the 3rd token; the 4th hit is seen a
+    # step later; the new text's guesses all miss: closed once 5 of the last 8 missed
+    assert opened == [False] * 6 + [True] * 7 + [False] * 4

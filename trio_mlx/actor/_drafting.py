@@ -9,10 +9,11 @@ a batch in one batch of forwards, each row from its own cache. The rules (the n-
 per-row policy) are `_speculate.py`'s, with no MLX.
 
 - **Prompt lookup** (`mode="ngram"`) drafts from the row's own tokens. It looks first at
-  the tokens the row's KV holds, on the host: no earlier occurrence of their last
-  `READ_MATCH` tokens, no speculation, and the step stays a plain, pipelined one (random
-  text costs nothing).
-  With one, it reads the pending token back (the step would wait for it anyway), and
+  the tokens the row's KV holds, on the host: where its guesses of the row's last tokens
+  mostly missed (`RowSpec.watch`), or their last `READ_MATCH` tokens have no earlier
+  occurrence, no speculation, and the step stays a plain, pipelined one (random text
+  costs nothing).
+  Otherwise it reads the pending token back (the step would wait for it anyway), and
   drafts from the longest suffix that includes it, of `READ_MATCH` tokens at least (a
   single matching token proposes drafts that are seldom kept).
 - **A draft model** (`mode="draft"`) drafts K tokens greedily, each from its own KV cache
@@ -121,8 +122,14 @@ class Drafter:
         speculates in one batch (`_draft_batch`)."""
         ks = [self._room(r, h) for r, h in zip(rows, helds, strict=True)]
         if self.model is None:
-            return [self._lookup(r, r.spec, h, pending[i : i + 1], k) if k else None
-                    for i, (r, h, k) in enumerate(zip(rows, helds, ks, strict=True))]
+            looked: list[Proposal | None] = []
+            for i, (r, h, k) in enumerate(zip(rows, helds, ks, strict=True)):
+                if k:
+                    looked.append(self._lookup(r, r.spec, h, pending[i : i + 1], k))
+                else:
+                    self._watch(r, h)
+                    looked.append(None)
+            return looked
         drafting = [i for i, k in enumerate(ks) if k]
         out: list[Proposal | None] = [None] * len(rows)
         if len(drafting) == 1:
@@ -173,14 +180,25 @@ class Drafter:
 
     # -- the drafters ---------------------------------------------------------------
 
-    def _lookup(self, row: DecodeRow, spec: RowSpec, held: list[int], pending: Any, k: int) -> Proposal | None:
+    def _index(self, spec: RowSpec, held: list[int]) -> NgramIndex:
+        """The row's prompt-lookup index, brought up to the tokens its KV holds."""
         index = spec.index
-        if index is None:
-            spec.index = index = NgramIndex(self.ngram)
-        elif len(index) > len(held):  # not the row's tokens (a bug's guard: the index only grows with them)
+        if index is None or len(index) > len(held):  # (the latter a bug's guard: it only grows with them)
             spec.index = index = NgramIndex(self.ngram)
         index.extend(held[len(index):])
+        return index
+
+    def _watch(self, row: DecodeRow, held: list[int]) -> None:
+        """A row that may not speculate this step still has prompt lookup's guesses checked
+        and made (`RowSpec.watch`), so that they say what its text does now when it may."""
+        if row.spec is not None and row.max_tokens > 0:
+            row.spec.watch(self._index(row.spec, held), min(READ_MATCH, self.ngram))
+
+    def _lookup(self, row: DecodeRow, spec: RowSpec, held: list[int], pending: Any, k: int) -> Proposal | None:
+        index = self._index(spec, held)
         match = min(READ_MATCH, self.ngram)
+        if not spec.watch(index, match):
+            return None  # the lookup's last guesses missed: a plain step, pipelined
         if not index.repeats(match):
             return None  # the row's last tokens do not repeat earlier ones: a plain step, pipelined
         first = int(pending.item())  # the last step's token: a sync, where a plain step is pipelined

@@ -21,6 +21,19 @@ distribution, a seeded row from its own key for that token's index) and keeps dr
 while they equal what it drew (`accepted`): a seeded row's tokens are the same with
 speculation on and off, and a greedy row's are the same as without it.
 
+**Prompt lookup's guesses.** Before a row's prompt lookup may draft, it must have
+guessed the row's next tokens: at every step, from the tokens the row's KV holds (on the
+host; the pending token is still on the device), it guesses the pending token as the
+lookup would (the token after the longest earlier occurrence of their last tokens), and
+checks the guess once that token is read back, as a plain step reads it anyway
+(`RowSpec.watch`). A row whose last `GUESS_WINDOW` guesses hit fewer than `GUESS_HITS`
+times takes plain, pipelined steps with no read-back: on random text, where a lookup's
+drafts are seldom kept, it never pays a speculative step to find that out, where
+judging by speculative steps alone cost every new row its trial steps (on an H200,
+four rows on random prompts decoded at 0.64x of no speculation, almost nothing
+drafted). A guess that hits says the drafts after it would be kept too: text being
+copied.
+
 **The policy.** Verifying pays only where one forward over K+1 tokens costs little more
 than one over a token, and where drafts are accepted: on an H200 a forward over 8 tokens
 costs 1.7-1.9x one token's, and a speculative step gives up the pipelining of plain
@@ -54,6 +67,12 @@ from collections.abc import Iterable, Sequence
 # speculation with almost nothing drafted, and drafts that follow a single matching token
 # are seldom kept, while each costs a speculative step; two repeat where text is copied.
 READ_MATCH = 2
+# Prompt lookup's guesses a row is judged by before it speculates (`RowSpec.watch`): of the
+# last GUESS_WINDOW tokens' guesses, GUESS_HITS must have hit. A speculative step costs ~2
+# plain ones on an H200 and gives its pending token and the kept drafts: with each guess
+# hitting with probability h, about 1 + h + h^2 + ... tokens, 2 at h = 1/2.
+GUESS_WINDOW = 8
+GUESS_HITS = 4
 # Speculative steps in a row's acceptance window; arbitrary, a few steps' evidence.
 WINDOW = 8
 # Drafted tokens a speculative step must accept on average over the window, or the row stops
@@ -192,10 +211,14 @@ class RowSpec:
     """One row's speculation: its drafter's state, its acceptance window, and from which of
     its tokens it may speculate again (the module's docstring, "The policy")."""
 
-    __slots__ = ("index", "draft", "window", "seconds", "resume_at", "stops", "drafted", "accepted")
+    __slots__ = ("index", "draft", "window", "seconds", "resume_at", "stops", "drafted", "accepted", "guesses",
+                 "_guess", "_guess_at")
 
     def __init__(self) -> None:
         self.index: NgramIndex | None = None  # prompt lookup's index of the row's tokens
+        self.guesses: collections.deque[bool] = collections.deque(maxlen=GUESS_WINDOW)  # each hit or not
+        self._guess: int | None = None  # the outstanding guess (None: the lookup had none) ...
+        self._guess_at = -1  # ... at this position of the index (-1: none outstanding)
         self.draft: object = None  # the draft model's state for the row (`_draft.DraftState`)
         self.window: collections.deque[int] = collections.deque(maxlen=WINDOW)
         self.seconds: collections.deque[float] = collections.deque(maxlen=WINDOW)  # each step's wall time
@@ -207,6 +230,21 @@ class RowSpec:
     def allowed(self, position: int) -> bool:
         """Whether the row, holding `position` tokens, may speculate now."""
         return position >= self.resume_at
+
+    def watch(self, index: NgramIndex, least: int) -> bool:
+        """Prompt lookup's guesses (the module's docstring): `index` holds the row's tokens
+        as far as they are known on the host. Checks the outstanding guess if its token is
+        there now, guesses the next unknown one from a suffix of at least `least` tokens (no
+        such suffix: a miss), and says whether enough of the last guesses hit for the row's
+        drafts to be worth a speculative step."""
+        at, size = self._guess_at, len(index)
+        if 0 <= at < size:
+            self.guesses.append(self._guess is not None and index.tokens[at] == self._guess)
+            at = self._guess_at = -1
+        if at < 0:
+            guess = index.draft(1, least)
+            self._guess, self._guess_at = (guess[0] if guess else None), size
+        return sum(self.guesses) >= GUESS_HITS
 
     def record(self, drafted: int, accepted: int, position: int, seconds: float | None = None,
                plain: float | None = None) -> None:
