@@ -2,6 +2,7 @@
 
     python benchmarks/probes/probe_grammar_engine.py MODEL_DIR [BATCH] [TOKENS] [ROUNDS] [string|array]
     GRAMMAR_MASKS=before python benchmarks/probes/probe_grammar_engine.py ...  # or auto (default: after)
+    SHARES=1 python benchmarks/probes/probe_grammar_engine.py ...  # 100% constrained alone (default: 0.5,1)
 
 Asked through the runtime as a server runs it: an `Engine` (thread actor, warmed up) gets BATCH
 concurrent greedy `generate` requests of at most TOKENS tokens each, 0%, 50% and 100% of them
@@ -51,7 +52,8 @@ import trio_mlx
 STRING = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 100_000}}}
 ARRAY = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
     "type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 60, "maxItems": 60}}}
-SHARES = (0.0, 0.5, 1.0)
+# The constrained shares measured beside 0% (`SHARES=1` for every row constrained alone).
+SHARES = (0.0, *(float(x) for x in os.environ.get("SHARES", "0.5,1").split(",")))
 FORMAT = STRING
 
 
