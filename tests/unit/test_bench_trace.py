@@ -109,3 +109,22 @@ def test_trace_of_a_missing_file_or_column_says_so(tmp_path: Path) -> None:
                    "0.0\t0.0\t0.01\t0\t8\t0\t8\n")
     with pytest.raises(SystemExit, match="no column 'retired'"):
         _bench.main(["trace", str(old)])
+
+
+def test_the_step_trace_gives_each_steps_drafted_tokens(tmp_path):
+    """A speculative step's line counts the tokens drafted in it (every row's), a plain step's
+    0: what tells the two apart, a kept draft's tokens being in `generated` either way."""
+    from types import SimpleNamespace
+
+    from trio_mlx.actor._trace import StepTrace
+
+    trace = StepTrace(str(tmp_path / "t.tsv"))
+    plain = SimpleNamespace(step_seconds=0.01, tokens=[1, 2], prompt_tokens=0, live=2, speculated=())
+    spec = SimpleNamespace(step_seconds=0.02, tokens=[1, 2, 3, 4], prompt_tokens=0, live=2,
+                           speculated=((7, 4, 2), (8, 3, 0)))
+    trace.write(1.0, 0.0, plain, 0, 0, 2)  # type: ignore[arg-type]
+    trace.write(2.0, 0.0, spec, 0, 0, 2)  # type: ignore[arg-type]
+    trace.close()
+    header, *lines = (tmp_path / "t.tsv").read_text().splitlines()
+    rows = [dict(zip(header.split("\t"), line.split("\t"), strict=True)) for line in lines]
+    assert [(r["generated"], r["drafted"]) for r in rows] == [("2", "0"), ("4", "7")]

@@ -12,11 +12,13 @@ class StepTrace:
     """One line per step: wall time, seconds waiting on the engine (the exchange),
     seconds in `BatchGenerator.next()`, sequences inserted this step, tokens
     generated, prompt tokens prefilled, live sequences, finished sequences
-    whose rows are still in the batch (retired), the decoding batch's rows, and the
+    whose rows are still in the batch (retired), the decoding batch's rows, the
     stepping thread's CPU seconds since the last line (beside the wall time, it tells
-    a step that computed from one that waited: for the GPU, or for the GIL)."""
+    a step that computed from one that waited: for the GPU, or for the GIL), and the
+    tokens drafted in the step (0: a plain step; `generated` counts the kept ones)."""
 
-    HEADER = "t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\tretired\trows\tcpu_s\n"
+    HEADER = ("t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\tretired\trows\tcpu_s"
+              "\tdrafted\n")
 
     def __init__(self, path: str):
         self._f = open(path, "a", buffering=1 << 16)  # closed in close()
@@ -26,15 +28,15 @@ class StepTrace:
     def write(self, t: float, exchange: float, report: StepReport, inserted: int, retired: int,
               rows: int) -> None:
         self.row(t, exchange, report.step_seconds, inserted, len(report.tokens), report.prompt_tokens,
-                 report.live, retired, rows)
+                 report.live, retired, rows, sum(d for _, d, _ in report.speculated))
 
     def row(self, t: float, exchange: float, next_s: float, inserted: int, generated: int,
-            prompt_tokens: int, live: int, retired: int, rows: int) -> None:
+            prompt_tokens: int, live: int, retired: int, rows: int, drafted: int = 0) -> None:
         """One line, whoever steps (the ceiling of `trio-mlx bench --limit` writes these too)."""
         now = time.thread_time()
         cpu, self._cpu = (now if self._cpu is None else self._cpu), now
         self._f.write(f"{t:.6f}\t{exchange:.6f}\t{next_s:.6f}\t{inserted}\t{generated}\t"
-                      f"{prompt_tokens}\t{live}\t{retired}\t{rows}\t{now - cpu:.6f}\n")
+                      f"{prompt_tokens}\t{live}\t{retired}\t{rows}\t{now - cpu:.6f}\t{drafted}\n")
 
     def close(self) -> None:
         self._f.close()

@@ -2,6 +2,7 @@
 # trio_mlx from before the change) and speculation off, on one H200.
 #   OLD=DIR bash run.sh random   # random 1B shape, 128-token random prompts, c=1,4,16, two rounds
 #   bash run.sh repeat           # the embedded SmolLM2 asked to repeat a file (probe_speculative.py)
+#   bash run.sh trace            # c=4 alone, off and ngram, with step traces (TRIO_MLX_STEP_TRACE)
 # Results and progress.txt under $OUT.
 set -u
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
@@ -28,6 +29,15 @@ random)
           --requests-multiple 12 --min-requests 24 --max-tokens 128 --prompt-tokens 128 --quiet --out "$f" > /dev/null 2>&1 )
       [ -f "$f" ] && summ "$f" | tee -a "$OUT/progress.txt"
     done
+  done ;;
+trace)
+  for m in off ngram ngram off; do
+    f=$OUT/t-$m-$(date +%s)
+    P "== trace c=4 $m $(date +%T)"
+    ( if [ $m = ngram ]; then export TRIO_MLX_SPECULATIVE=ngram; fi
+      TRIO_MLX_STEP_TRACE=$f.tsv timeout 100 python3 -m trio_mlx.cli bench --engine --model /root/m1b --concurrency 4 \
+        --requests-per-level 48 --max-tokens 128 --prompt-tokens 128 --quiet --out "$f.json" > /dev/null 2>&1 )
+    [ -f "$f.json" ] && summ "$f.json" | tee -a "$OUT/progress.txt"
   done ;;
 repeat)
   export PYTHONPATH=$NEW:/root/emb
