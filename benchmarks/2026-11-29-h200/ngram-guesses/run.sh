@@ -3,6 +3,7 @@
 #   OLD=DIR bash run.sh random   # random 1B shape, 128-token random prompts, c=1,4,16, two rounds
 #   bash run.sh repeat           # the embedded SmolLM2 asked to repeat a file (probe_speculative.py)
 #   bash run.sh trace            # c=4 alone, off and ngram, with step traces (TRIO_MLX_STEP_TRACE)
+#   bash run.sh plain            # probe_plain_with_drafter.py: a plain step with a drafter, cold and warmed
 # Results and progress.txt under $OUT.
 set -u
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
@@ -29,6 +30,12 @@ random)
           --requests-multiple 12 --min-requests 24 --max-tokens 128 --prompt-tokens 128 --quiet --out "$f" > /dev/null 2>&1 )
       [ -f "$f" ] && summ "$f" | tee -a "$OUT/progress.txt"
     done
+  done ;;
+plain)
+  [ -d /root/m1b ] || python3 -m trio_mlx.cli model build --shape llama-3.2-1b --dtype bfloat16 /root/m1b > /dev/null 2>&1
+  for w in "" --warm; do
+    P "== plain steps with a drafter $w $(date +%T)"
+    timeout 200 python3 benchmarks/probes/probe_plain_with_drafter.py /root/m1b --rounds 2 $w 2>&1 | tail -8 | tee -a "$OUT/progress.txt"
   done ;;
 trace)
   for m in off ngram ngram off; do
