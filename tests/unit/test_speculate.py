@@ -251,44 +251,23 @@ def test_a_width_times_a_plain_step_before_it_speculates_and_again_every_so_ofte
     assert not d.wants_plain(2) and d.plain_step(2) == 0.03  # the median of 0.01 and 0.03: the later
 
 
-def test_the_index_says_whether_the_last_tokens_occurred_before():
-    index = _index([5, 6, 7, 1, 2, 8, 9, 7])  # "7" occurred before, "9 7" did not
-    assert index.repeats(1) and not index.repeats(2) and not index.repeats(3)
-    copy = _index([1, 2, 3, 4, 1, 2, 3])
-    assert copy.repeats(1) and copy.repeats(2) and copy.repeats(3)
-    assert not copy.repeats(4)  # past n
-    assert not _index([7]).repeats(1) and not _index([]).repeats(1)
-    assert not _index([3, 3]).repeats(2) and _index([3, 3]).repeats(1)
-
-
-class _Pending:
-    """A row's pending token on the device, counting its reads (`reads`)."""
-
-    def __init__(self, token: int, reads: list[int]):
-        import mlx.core as mx
-
-        self.dtype, self.token, self.reads = mx.int32, token, reads
-
-    def __getitem__(self, _: object) -> _Pending:
-        return self
-
-    def item(self) -> int:
-        self.reads.append(self.token)
-        return self.token
-
-
 def _lookup_row(prompt: list[int]) -> Any:
     from types import SimpleNamespace
 
     return SimpleNamespace(max_tokens=1000, spec=None, prompt=tuple(prompt), grammar=None, stops=frozenset())
 
 
-def _plain_steps(drafter: Any, row: Any, held: list[int], tokens: list[int], reads: list[int]) -> list[Any]:
+def _plain_steps(drafter: Any, row: Any, held: list[int], tokens: list[int]) -> list[Any]:
     """Prompt lookup asked before each of the plain steps that sample `tokens` in turn (no
-    proposal's drafts kept): each step's proposal."""
+    proposal's drafts kept), the pending token on the device: each step's proposal, whose
+    inputs must be that token and then its drafts."""
+    import mlx.core as mx
+
     out = []
     for t in tokens:
-        [proposal] = drafter.propose([row], [held], _Pending(t, reads))
+        [proposal] = drafter.propose([row], [held], mx.array([t], dtype=mx.int32))
+        if proposal is not None:
+            assert proposal.inputs.tolist() == [[t, *proposal.host]]
         out.append(proposal)
         held.append(t)
     return out
@@ -297,55 +276,61 @@ def _plain_steps(drafter: Any, row: Any, held: list[int], tokens: list[int], rea
 def test_prompt_lookup_guesses_each_next_token_and_drafts_only_after_enough_hits():
     """Before a row speculates, the lookup's guesses of its tokens (made on the host, checked
     as each token is read back anyway) must have hit GUESS_HITS of the last GUESS_WINDOW
-    times: a row copying its prompt starts drafting then, and never reads its pending
-    token back before."""
+    times: a row copying its prompt starts drafting then. The drafts follow the guess of
+    the pending token, which goes into the step as the device has it: never read back."""
     from trio_mlx.actor._drafting import Drafter
 
     drafter = Drafter(k=4, ngram=3)
     prompt = list(range(1, 21))
-    row, held, reads = _lookup_row(prompt), list(prompt), []
+    row, held = _lookup_row(prompt), list(prompt)
     # the copy: "20 1" and "1" alone give no guess (two tokens at least), "1 2" guesses 3, ...
-    first = _plain_steps(drafter, row, held, [1, 2, 3, 4, 5, 6], reads)
-    assert first == [None] * 6 and reads == []
-    [proposal] = drafter.propose([row], [held], _Pending(7, reads))  # the 4th hit was checked
-    assert reads == [7] and proposal is not None and proposal.host == [8, 9, 10, 11]
+    first = _plain_steps(drafter, row, held, [1, 2, 3, 4, 5, 6])
+    assert first == [None] * 6
+    [proposal] = _plain_steps(drafter, row, held, [7])  # the 4th hit was checked
+    assert proposal is not None and proposal.host == [8, 9, 10, 11] and proposal.first is None
 
 
-def test_prompt_lookup_reads_the_pending_token_back_only_where_two_tokens_repeat():
-    """Reading a row's pending token back is a sync that costs the plain step its pipelining:
-    a last token that merely occurred before (in any text, all the time) is no reason."""
+def test_prompt_lookup_never_reads_the_pending_token_back():
+    """Reading a row's pending token back is a sync that costs the plain step its pipelining.
+    The drafts follow the lookup's guess of it, right or wrong (the verify keeps none after
+    a wrong one); no guess (the last two tokens never occurred before), or a guess that
+    would end the row, and no drafts."""
     from trio_mlx.actor._drafting import Drafter
 
     drafter = Drafter(k=4, ngram=3)
     prompt = list(range(1, 21))
-    row, held, reads = _lookup_row(prompt), list(prompt), []
-    _plain_steps(drafter, row, held, [1, 2, 3, 4, 5, 6, 7], reads)
-    assert reads == [7]  # the guesses hit: the copy drafts
-    # "6 7" repeats, so 99 is read (and drafts nothing); "7 99" never occurred: 8 is not
-    # read, though the last guesses hit
-    assert _plain_steps(drafter, row, held, [99, 8], reads) == [None, None] and reads == [7, 99]
-    # "99 8" did not either, only "8" alone (followed by 9): drafts after one matching
-    # token are seldom kept, and cost a step
-    assert _plain_steps(drafter, row, held, [9], reads) == [None] and reads == [7, 99]
+    row, held = _lookup_row(prompt), list(prompt)
+    proposals = _plain_steps(drafter, row, held, [1, 2, 3, 4, 5, 6, 7, 8, 99, 9])
+    assert [p and p.host for p in proposals] == [None] * 6 + [
+        [8, 9, 10, 11],  # guessed 7
+        [9, 10, 11, 12],  # guessed 8
+        [10, 11, 12, 13],  # guessed 9: the pending token was 99
+        None,  # "8 99" never occurred: no guess, though the last guesses mostly hit
+    ]
+    stopping = _lookup_row(prompt)
+    stopping.stops = frozenset({10})
+    proposals = _plain_steps(drafter, stopping, list(prompt), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert proposals[-2] is not None and proposals[-2].host == [10, 11, 12, 13]  # guessed 9
+    assert proposals[-1] is None  # guessed 10, which ends the row
 
 
-def test_prompt_lookup_on_random_text_never_reads_back_or_drafts():
+def test_prompt_lookup_on_random_text_never_drafts():
     """Random text over a small vocabulary repeats pairs of tokens all the time, but the
-    lookup's guesses of what follows them miss: no read-back, no speculative step, where
-    drafting wherever two tokens repeat read back on most steps (and trial steps followed)."""
+    lookup's guesses of what follows them miss: no speculative step, where drafting wherever
+    two tokens repeat (reading the pending token back to draft after it) did on most steps."""
     from trio_mlx.actor._drafting import Drafter
 
     rng = random.Random(5)
     text = [rng.randrange(16) for _ in range(400)]
-    drafter, reads = Drafter(k=4, ngram=3), []
+    drafter = Drafter(k=4, ngram=3)
     row, held = _lookup_row(text[:100]), text[:100]
-    assert _plain_steps(drafter, row, held, text[100:], reads) == [None] * 300 and reads == []
-    index = _index(text[:100])
+    assert _plain_steps(drafter, row, held, text[100:]) == [None] * 300
+    pairs = {tuple(text[i : i + 2]) for i in range(99)}
     repeats = 0
-    for t in text[100:]:
-        repeats += index.repeats(2)
-        index.extend([t])
-    assert repeats > 100  # what drafting wherever two tokens repeat would have read back
+    for i in range(100, 400):
+        repeats += tuple(text[i - 2 : i]) in pairs
+        pairs.add(tuple(text[i - 1 : i + 1]))
+    assert repeats > 100  # the steps that would have read back
 
 
 def test_a_rows_guesses_open_speculation_while_they_hit_and_close_it_when_they_miss():

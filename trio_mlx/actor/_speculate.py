@@ -32,7 +32,8 @@ drafts are seldom kept, it never pays a speculative step to find that out, where
 judging by speculative steps alone cost every new row its trial steps (on an H200,
 four rows on random prompts decoded at 0.64x of no speculation, almost nothing
 drafted). A guess that hits says the drafts after it would be kept too: text being
-copied.
+copied. The drafts themselves follow the guess (`_drafting.py`), so the pending token is
+never read back before a step; where this guess missed, the step keeps none of them.
 
 **The policy.** Verifying pays only where one forward over K+1 tokens costs little more
 than one over a token, and where drafts are accepted: on an H200 a forward over 8 tokens
@@ -59,13 +60,10 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Sequence
 
-# How many of a row's last tokens must have occurred before for prompt lookup to read its
-# pending token back (a sync: the plain step it would otherwise take is pipelined, the next
-# step built while the device runs this one), and how long a match, ending with that
-# token, its drafts must follow. One token repeats all the time in any text: on random
-# prompts on an H200 four rows that read back on every such repeat decoded at 0.67x of no
-# speculation with almost nothing drafted, and drafts that follow a single matching token
-# are seldom kept, while each costs a speculative step; two repeat where text is copied.
+# The shortest suffix of a row's tokens prompt lookup guesses and drafts from: one token
+# repeats all the time in any text, and what followed it elsewhere seldom follows it again
+# (drafts after a single matching token are seldom kept, and each costs a speculative step);
+# two repeat where text is copied.
 READ_MATCH = 2
 # Prompt lookup's guesses a row is judged by before it speculates (`RowSpec.watch`): of the
 # last GUESS_WINDOW tokens' guesses, GUESS_HITS must have hit. A speculative step costs ~2
@@ -118,14 +116,6 @@ class NgramIndex:
             for m in range(1, min(n, j) + 1):
                 last[m - 1][tuple(toks[j - m : j])] = j
             toks.append(t)
-
-    def repeats(self, m: int) -> bool:
-        """Whether the sequence's last `m` tokens occurred earlier with a token after them
-        (m at most n)."""
-        toks = self.tokens
-        if not 0 < m <= min(self.n, len(toks) - 1):
-            return False
-        return tuple(toks[len(toks) - m :]) in self._last[m - 1]
 
     def draft(self, k: int, least: int = 1) -> list[int]:
         """Up to `k` tokens to follow the sequence (none if no suffix of at least `least`
@@ -212,12 +202,12 @@ class RowSpec:
     its tokens it may speculate again (the module's docstring, "The policy")."""
 
     __slots__ = ("index", "draft", "window", "seconds", "resume_at", "stops", "drafted", "accepted", "guesses",
-                 "_guess", "_guess_at")
+                 "guess", "_guess_at")
 
     def __init__(self) -> None:
         self.index: NgramIndex | None = None  # prompt lookup's index of the row's tokens
         self.guesses: collections.deque[bool] = collections.deque(maxlen=GUESS_WINDOW)  # each hit or not
-        self._guess: int | None = None  # the outstanding guess (None: the lookup had none) ...
+        self.guess: int | None = None  # the outstanding guess (None: the lookup had none) ...
         self._guess_at = -1  # ... at this position of the index (-1: none outstanding)
         self.draft: object = None  # the draft model's state for the row (`_draft.DraftState`)
         self.window: collections.deque[int] = collections.deque(maxlen=WINDOW)
@@ -239,11 +229,11 @@ class RowSpec:
         drafts to be worth a speculative step."""
         at, size = self._guess_at, len(index)
         if 0 <= at < size:
-            self.guesses.append(self._guess is not None and index.tokens[at] == self._guess)
+            self.guesses.append(self.guess is not None and index.tokens[at] == self.guess)
             at = self._guess_at = -1
         if at < 0:
             guess = index.draft(1, least)
-            self._guess, self._guess_at = (guess[0] if guess else None), size
+            self.guess, self._guess_at = (guess[0] if guess else None), size
         return sum(self.guesses) >= GUESS_HITS
 
     def record(self, drafted: int, accepted: int, position: int, seconds: float | None = None,
