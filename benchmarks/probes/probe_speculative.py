@@ -29,9 +29,10 @@ import trio_mlx
 
 
 def passage(chars: int) -> str:
-    # a fixed text (the first 3,000 characters of a module of this repository as it was), so
-    # that the workload stays the same when the module changes: the model's answer, and so
-    # what there is to draft, depends on every character of it
+    # a fixed text (the first 3,000 characters of actor/_speculate.py as the records of
+    # benchmarks/2026-11-29-h200/speculative/batched/ quoted it), so that the workload stays
+    # the same when the module changes: the model's answer, and so what there is to draft,
+    # depends on every character of it (a later version of the module drew a 36-token answer)
     text = (Path(__file__).parent / "repeat_passage.txt").read_text()
     return text[:chars]
 

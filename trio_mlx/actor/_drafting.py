@@ -17,7 +17,7 @@ per-row policy) are `_speculate.py`'s, with no MLX.
   drafts are the K tokens that followed the guess, fed after the pending token as the
   device computes it: nothing is read back before the step (a read of the pending
   token costs a plain step its pipelining: on an H200 four rows' plain steps took
-  1.4-3 ms longer where prompt lookup read it whenever two tokens repeated).
+  ~3 ms longer while prompt lookup read it back to draft after it).
 - **A draft model** (`mode="draft"`) drafts K tokens greedily, each from its own KV cache
   (a plain mlx-lm cache per layer, filled with the row's prompt and output the first time
   the row speculates, and kept after). Its input starts with the row's pending token as
