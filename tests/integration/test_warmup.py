@@ -192,8 +192,8 @@ def test_the_rehearsal_leaves_the_actor_as_it_found_it(tiny_model_fp32, visits, 
 
 @pytest.mark.parametrize("mode", ["ngram", "draft"])
 def test_with_speculation_the_rehearsal_verifies_greedy_and_sampled_rows(tiny_model_fp32, visits, monkeypatch, mode):
-    """A lone greedy row and a lone seeded row with every sampling option take speculative
-    steps in the rehearsal, and so do rows sharing a batch: the verifier's kernels, and the
+    """A greedy row and a seeded row with every sampling option take speculative steps in
+    the rehearsal, side by side and (the seeded one) alone: the verifier's kernels, and the
     batched verify's, are built before ready. However slow its steps (here plain steps take
     no time at all), the rehearsal is not judged by them, and serving starts with no width
     judged."""

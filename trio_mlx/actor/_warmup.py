@@ -154,13 +154,16 @@ def rehearse(actor: Rehearsed, token: int, length: int) -> None:
     ]
     if actor._drafter is not None:
         # Two rows' speculative steps side by side, then the longer one's alone, seeded, with
-        # every option; biased to repeat their prompts, so that prompt lookup finds drafts and
-        # the target keeps them. (Other prompts differ, so that H does not wait for G's prefill.)
+        # every option (the other greedy); biased to repeat their prompts, so that prompt
+        # lookup's guesses hit (it drafts after the first few: `_speculate.GUESS_HITS`) and
+        # the target keeps the drafts. (Other prompts differ, so that H does not wait for G's
+        # prefill.)
         g, h = -7, -8
-        spec = dataclasses.replace(every, seed=1, logit_bias=((token, 100.0),))
-        script.append(([Submit(g, prompt, 12, spec, frozenset()),
-                        Submit(h, (token + 1,) + prompt[1:], 5, dataclasses.replace(spec, seed=2), frozenset())],
-                       lambda n: n[g] >= 12 and n[h] >= 5))
+        bias = ((token, 100.0),)
+        script.append(([Submit(g, prompt, 20, dataclasses.replace(every, seed=1, logit_bias=bias), frozenset()),
+                        Submit(h, (token + 1,) + prompt[1:], 10, SamplingParams(temperature=0.0, logit_bias=bias),
+                               frozenset())],
+                       lambda n: n[g] >= 20 and n[h] >= 10))
     if mx.cuda.is_available() and (long := min(actor._context - 80, 2 * actor.config.tuning.prefill_step + 64)) > 2 * length:
         # A long prompt, in full chunks and beside a long context, stored as it is
         # prefilled, then a prompt that extends it (a hit): otherwise a chat's first long
