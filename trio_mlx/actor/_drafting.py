@@ -11,7 +11,7 @@ per-row policy) are `_speculate.py`'s, with no MLX.
 - **Prompt lookup** (`mode="ngram"`) drafts from the row's own tokens, as far as the
   host has them: the row's KV's tokens, the pending one still on the device. It guesses
   the pending token from them (the token after the latest earlier occurrence of their
-  longest suffix, of `READ_MATCH` tokens at least) and checks the guess when the token
+  longest suffix, of `MIN_MATCH` tokens at least) and checks the guess when the token
   comes back (`RowSpec.watch`). Where its last guesses mostly missed, no speculation:
   the step stays a plain, pipelined one, and random text costs nothing. Otherwise the
   drafts are the K tokens that followed the guess, fed after the pending token as the
@@ -46,7 +46,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from ._decode import DecodeRow
 from ._shapes import prefill_grid, query_by_query
-from ._speculate import READ_MATCH, NgramIndex, RowSpec, WidthJudge, room
+from ._speculate import MIN_MATCH, NgramIndex, RowSpec, WidthJudge, room
 
 
 class DraftState:
@@ -91,6 +91,7 @@ class Drafter:
         # `_batch.py`'s helpers: handed in, so that `_batch.py` calls it without importing it.
         self.step = step
         self.ngram = ngram
+        self.least = min(MIN_MATCH, ngram)  # the shortest suffix prompt lookup guesses and drafts from
         self.model = model
         self.width = width
         self.prefill_step = max(1, prefill_step)
@@ -195,19 +196,18 @@ class Drafter:
         """A row that may not speculate this step still has prompt lookup's guesses checked
         and made (`RowSpec.watch`), so that they say what its text does now when it may."""
         if row.spec is not None and row.max_tokens > 0:
-            row.spec.watch(self._index(row.spec, held), min(READ_MATCH, self.ngram))
+            row.spec.watch(self._index(row.spec, held), self.least)
 
     def _lookup(self, row: DecodeRow, spec: RowSpec, held: list[int], pending: Any, k: int) -> Proposal | None:
         index = self._index(spec, held)
-        match = min(READ_MATCH, self.ngram)
-        if not spec.watch(index, match):
+        if not spec.watch(index, self.least):
             return None  # the lookup's last guesses missed: a plain step, pipelined
         if spec.guess is None or spec.guess in row.stops:
             return None  # no guess of the pending token, or one that ends the row: nothing to follow it
         # The guess and the k tokens after it (the same longest suffix): the drafts follow the
         # guess, and the pending token itself goes in as the device computes it, never read back.
         # Where the guess missed, the verify keeps none of them; the acceptance is exact either way.
-        drafts = index.draft(k + 1, least=match)[1:]
+        drafts = index.draft(k + 1, least=self.least)[1:]
         inputs = mx.concatenate([pending, mx.array(drafts, dtype=pending.dtype)])[None]
         return Proposal(inputs, inputs[0, 1:], None, drafts, len(held))
 

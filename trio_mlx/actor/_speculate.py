@@ -64,7 +64,7 @@ from collections.abc import Iterable, Sequence
 # repeats all the time in any text, and what followed it elsewhere seldom follows it again
 # (drafts after a single matching token are seldom kept, and each costs a speculative step);
 # two repeat where text is copied.
-READ_MATCH = 2
+MIN_MATCH = 2
 # Prompt lookup's guesses a row is judged by before it speculates (`RowSpec.watch`): of the
 # last GUESS_WINDOW tokens' guesses, GUESS_HITS must have hit. A speculative step costs ~2
 # plain ones on an H200 and gives its pending token and the kept drafts: with each guess
