@@ -215,6 +215,28 @@ def test_finish_rejoins_its_hint(tiny: tuple[Any, Any]) -> None:
     assert finish(m, vocab, hint=list(reversed(hint))) == walked
 
 
+def test_finish_closes_each_string_of_an_array_at_once(tiny: tuple[Any, Any]) -> None:
+    """The closing quote of each item of an array of strings is chosen at once, item after
+    item: the `, "` llguidance forces between them is not the same closer chosen over and
+    over (text that closes nothing, `}` inside a string), which waits its turn after a few
+    in a row. Counted across the forced text, every fifth item got a byte of padding first,
+    and the completion the budget fits in was longer than it needs to be."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 20, "maxItems": 20}
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    m = llguidance.LLMatcher(vocab.tokenizer, grammar.source)
+    tail = finish(m, vocab)
+    assert tail is not None and completes(m, vocab, tail)
+    assert json.loads(tok.decode(tail)) == [""] * 20
+    for t in tok.encode('["ab", "c'):  # inside a string: `}` and the like are text there
+        assert m.consume_token(t)
+    tail = finish(m, vocab)
+    assert tail is not None and json.loads(tok.decode(tok.encode('["ab", "c')) + tok.decode(tail)) == [
+        "ab", "c", *[""] * 18]
+
+
 class _EveryStep(GrammarProcessor):
     """The budget's rule with no measurement skipped: in the endgame, the jump at every
     step, calm or not (as before the skips)."""

@@ -197,6 +197,7 @@ def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINI
         forced = m.compute_ff_tokens()
         if forced and (n := m.try_consume_tokens(forced)):
             out.extend(forced[:n])
+            last, repeats = -1, 0  # a closer after forced text is not one chosen again in a row
             continue
         for t in vocab.brackets:
             if m.validate_tokens([t]):
