@@ -132,3 +132,55 @@ async def test_http2_probes_that_hang_up_mid_answer_leave_the_server_serving(tin
         finally:
             p.proc.kill()
             nursery.cancel_scope.cancel()
+
+
+def _body_after_the_answer(port: int) -> None:
+    """An HTTP/2 request without TLS whose body comes after the server has answered it (and
+    closed the stream): a gRPC health check's body sent a moment after its headers, as
+    sglang-router's probe does now and then. h2 refuses to send on a closed stream, so the
+    DATA frame is written by hand."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        stream_id = conn.get_next_available_stream_id()
+        conn.send_headers(stream_id, [(":method", "POST"), (":path", "/grpc.health.v1.Health/Check"),
+                                      (":scheme", "http"), (":authority", f"127.0.0.1:{port}"),
+                                      ("content-type", "application/grpc"), ("te", "trailers")])
+        s.sendall(conn.data_to_send())
+        ended = False
+        while not ended and (data := s.recv(65536)):
+            ended = any(isinstance(e, h2.events.StreamEnded) for e in conn.receive_data(data))
+        body = b"\0\0\0\0\0"
+        s.sendall(len(body).to_bytes(3, "big") + bytes([0x0, 0x1]) + stream_id.to_bytes(4, "big") + body)
+        try:
+            while s.recv(65536):
+                pass
+        except OSError:
+            pass
+
+
+async def test_a_request_body_after_its_answer_leaves_the_server_serving(tiny_model_fp32) -> None:
+    """Hypercorn 0.18 raises KeyError for HTTP/2 data on a stream it has answered and closed,
+    and its trio worker let that end the whole server, at the first such connection
+    (server/_connections.py, `ConnectionGate`). Now the connection ends alone, in one warning
+    line for all of them."""
+    async with trio.open_nursery() as nursery:
+        p = await start(nursery, [*SERVE, str(tiny_model_fp32), "--port", "0", "--no-warmup", "--no-access-log"])
+        try:
+            with trio.fail_after(60):
+                await p.has_url.wait()
+            port = int((p.url or "").rsplit(":", 1)[1])
+            for _ in range(5):
+                await trio.to_thread.run_sync(_body_after_the_answer, port)
+            async with httpx.AsyncClient(base_url=p.url or "", timeout=30) as client:
+                assert (await client.get("/health")).status_code == 200
+            assert p.proc.returncode is None, p.text[-3000:]
+            assert len(re.findall("ended by an error inside the HTTP server", p.text)) == 1, p.text[-3000:]
+            assert "Traceback" not in p.text
+        finally:
+            p.proc.kill()
+            nursery.cancel_scope.cancel()

@@ -93,11 +93,12 @@ async def test_conversations_stick_to_their_replica_and_survive_one_replica_kill
                     await p.has_url.wait()
             failures: list[str] = []
             for attempt in range(3):
-                # A port picked free can be taken before the router binds it (it exits then), and
-                # in whole-suite runs the router has also, now and then, not registered both
-                # replicas within 30 s for reasons not found: each such start is retried on fresh
-                # ports, and reported as a warning (the suite's summary shows it) with what the
-                # router's /workers said and its log.
+                # A port picked free can be taken before the router binds it (it exits then): each
+                # start that did not register both replicas within 30 s is retried on fresh ports,
+                # and reported as a warning (the suite's summary shows it) with what the router's
+                # /workers said and its log. (Its gRPC probe of each replica, a body a moment after
+                # the headers, also stopped the replicas now and then, before
+                # server/_connections.py kept one connection's failure to that connection.)
                 log = tmp_path / f"router-{attempt}.log"
                 router_port = _free_port()
                 with log.open("wb") as out:

@@ -14,7 +14,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_mlx.server._connections import AcceptErrorFilter, OneSender
+from trio_mlx.server._connections import AcceptErrorFilter, ConnectionGate, OneSender
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -89,6 +89,35 @@ async def test_a_half_close_beside_a_send_no_longer_breaks_the_connection() -> N
         with pytest.raises(trio.BusyResourceError):
             await stream.send_eof()
         inner.gate.set()
+
+
+async def test_a_connection_that_fails_inside_hypercorn_ends_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """Hypercorn's trio worker runs each connection in the server's nursery: an exception from
+    its protocol code (HTTP/2 data on a stream it has closed raises KeyError) ended the
+    server. Through the gate it ends that connection, counted and logged once per interval;
+    cancellation still goes through."""
+
+    async def broken(app: object, config: object, context: object, state: object, stream: object) -> None:
+        async with trio.open_nursery() as inner:  # as hypercorn's connection task group raises it
+            inner.start_soon(trio.sleep_forever)
+            raise KeyError(1)
+
+    gate = ConnectionGate(100, log_every=60.0)
+    wrapped = gate.wrap(broken)
+    with caplog.at_level(logging.WARNING, logger="trio_mlx.serve"):
+        for _ in range(3):
+            await wrapped(None, None, None, None, _Stream())
+    assert gate.failed == 3 and gate.open == 0
+    warned = [r.getMessage() for r in caplog.records if "ended by an error" in r.getMessage()]
+    assert warned == ["1 connection(s) ended by an error inside the HTTP server (the last: KeyError(1)); "
+                      "closed, the server goes on"]
+
+    async def waits(app: object, config: object, context: object, state: object, stream: object) -> None:
+        await trio.sleep_forever()
+
+    with trio.move_on_after(0.05) as scope:
+        await gate.wrap(waits)(None, None, None, None, _Stream())
+    assert scope.cancelled_caught and gate.failed == 3 and gate.open == 0
 
 
 def test_accept_errors_are_logged_once_per_interval() -> None:

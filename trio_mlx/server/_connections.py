@@ -27,6 +27,17 @@ side: an HTTP/2 response still being written then raised `BusyResourceError`
 out of the connection's task group and ended the whole server. sglang-router's
 probe of each worker (a gRPC health check, HTTP/2 without TLS, then a GOAWAY)
 did that to a replica now and then.
+
+And one connection's failure inside hypercorn ends that connection, never the server
+(`ConnectionGate`): hypercorn's trio worker runs each connection in the server's own
+nursery, so an exception from its protocol code ended every connection and the
+server. Hypercorn 0.18's HTTP/2 code raises `KeyError` for request data that arrives
+on a stream it has already answered and closed (upstream's issue 329, the fix
+unreleased): a gRPC health check's body sent a moment after the headers, or any
+client that writes so on purpose, stopped `trio-mlx serve`. Such a failure is logged
+as a warning, counted and rate-limited like refusals, and the connection closed.
+Under `hypercorn -k trio trio_mlx.app:app` there is no wrapper: prefer `trio-mlx
+serve`, or keep HTTP/2 without TLS away from the port.
 """
 
 from __future__ import annotations
@@ -119,9 +130,12 @@ class ConnectionGate:
         self.limit = limit
         self.open = 0
         self.refused = 0
+        self.failed = 0  # connections ended by an exception inside hypercorn (the module docstring)
         self._log_every = log_every
         self._logged_at = -math.inf
         self._unlogged = 0
+        self._failed_logged_at = -math.inf
+        self._failed_unlogged = 0
 
     def wrap(self, handler: Callable[..., Any]) -> Callable[..., Any]:
         """`handler` (hypercorn's TCPServer class), counted and capped."""
@@ -144,10 +158,24 @@ class ConnectionGate:
             self.open += 1
             try:
                 await handler(app, config, context, state, OneSender(stream))
+            except* Exception as group:  # cancellation and the like go on up
+                self._fail(group)
             finally:
                 self.open -= 1
 
         return capped
+
+    def _fail(self, group: BaseExceptionGroup) -> None:
+        self.failed += 1
+        self._failed_unlogged += 1
+        now = time.monotonic()
+        if now - self._failed_logged_at >= self._log_every:
+            first: BaseException = group
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            log.warning("%d connection(s) ended by an error inside the HTTP server (the last: %r); "
+                        "closed, the server goes on", self._failed_unlogged, first)
+            self._failed_logged_at, self._failed_unlogged = now, 0
 
     def _refuse(self) -> None:
         self.refused += 1
