@@ -120,6 +120,25 @@ async def test_a_connection_that_fails_inside_hypercorn_ends_alone(caplog: pytes
     assert scope.cancelled_caught and gate.failed == 3 and gate.open == 0
 
 
+def test_under_hypercorns_trio_worker_the_app_gates_its_connections_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hypercorn -k trio trio_mlx.app:app` has no `trio-mlx serve` around it: the app's first
+    call (the lifespan, before hypercorn binds its connection handler) puts the gate around
+    hypercorn's handler, with no cap; once, and not over `trio-mlx serve`'s own."""
+    import hypercorn.trio.run as run
+
+    from trio_mlx.server._connections import capped_connections, guard_hypercorn_trio
+
+    original = run.TCPServer
+    monkeypatch.setattr(run, "TCPServer", original)
+    gate = guard_hypercorn_trio()
+    assert gate is not None and gate.limit > 1 << 40
+    assert run.TCPServer is not original and run.TCPServer.trio_mlx_gate is gate  # type: ignore[attr-defined]
+    assert guard_hypercorn_trio() is None  # once
+    monkeypatch.setattr(run, "TCPServer", original)
+    with capped_connections(30) as served:
+        assert guard_hypercorn_trio() is None and run.TCPServer.trio_mlx_gate is served  # type: ignore[attr-defined]
+
+
 def test_accept_errors_are_logged_once_per_interval() -> None:
     now = [0.0]
     flt = AcceptErrorFilter(interval=10.0, clock=lambda: now[0])

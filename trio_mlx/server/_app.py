@@ -39,6 +39,7 @@ from ._asgi import (
     request_id,
     send_error,
 )
+from ._connections import guard_hypercorn_trio
 from ._guard import check_framing, check_host
 from ._guest import GuestBridge, native_trio
 from ._http import HTTPError, new_id, unavailable
@@ -151,6 +152,8 @@ class TrioMLXApp(QuartTrio):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         serve = self._serve
         if serve is None:
+            if native_trio():
+                guard_hypercorn_trio()  # hypercorn -k trio: one connection's failure stays its own
             serve = self._serve = self.serve_trio if native_trio() else GuestBridge(self.serve_trio)
         if scope["type"] == "lifespan":
             self.asgi_server = _exit.ServerInfo.of(receive)

@@ -36,8 +36,9 @@ on a stream it has already answered and closed (upstream's issue 329, the fix
 unreleased): a gRPC health check's body sent a moment after the headers, or any
 client that writes so on purpose, stopped `trio-mlx serve`. Such a failure is logged
 as a warning, counted and rate-limited like refusals, and the connection closed.
-Under `hypercorn -k trio trio_mlx.app:app` there is no wrapper: prefer `trio-mlx
-serve`, or keep HTTP/2 without TLS away from the port.
+Under `hypercorn -k trio trio_mlx.app:app` the app puts the same wrapper, with no cap,
+around hypercorn's handler when its lifespan starts (`guard_hypercorn_trio`): hypercorn
+binds the handler for its connections only after the lifespan's startup.
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ class ConnectionGate:
             finally:
                 self.open -= 1
 
+        capped.trio_mlx_gate = self  # type: ignore[attr-defined]
         return capped
 
     def _fail(self, group: BaseExceptionGroup) -> None:
@@ -199,6 +201,22 @@ def capped_connections(limit: int) -> Iterator[ConnectionGate]:
         yield gate
     finally:
         run.TCPServer = original  # type: ignore[misc]
+
+
+def guard_hypercorn_trio() -> ConnectionGate | None:
+    """Under hypercorn's trio worker with no gate of `trio-mlx serve`'s (`capped_connections`):
+    put one around its connection handler, with no cap (hypercorn's own settings hold), so
+    that one connection's failure ends that connection alone (the module's docstring). It
+    takes effect for the connections hypercorn accepts after the app's lifespan startup,
+    which is all of them. None where hypercorn's trio worker is not loaded or a gate is on."""
+    import sys
+
+    run: Any = sys.modules.get("hypercorn.trio.run")
+    if run is None or hasattr(run.TCPServer, "trio_mlx_gate"):
+        return None
+    gate = ConnectionGate(1 << 62)
+    run.TCPServer = gate.wrap(run.TCPServer)
+    return gate
 
 
 class AcceptErrorFilter(logging.Filter):
