@@ -128,7 +128,9 @@ def test_under_hypercorns_trio_worker_the_app_gates_its_connections_once(monkeyp
 
     from trio_mlx.server._connections import capped_connections, guard_hypercorn_trio
 
-    original = run.TCPServer
+    async def original(app: object, config: object, context: object, state: object, stream: object) -> None:
+        pass  # hypercorn's handler (an app natively on trio earlier in this process gated the real one)
+
     monkeypatch.setattr(run, "TCPServer", original)
     gate = guard_hypercorn_trio()
     assert gate is not None and gate.limit > 1 << 40
