@@ -1,14 +1,17 @@
 """Server processes for the tests that run one (`trio-mlx serve`, hypercorn): the command lines, an
 environment that imports this checkout's trio_mlx, and `start()`, which collects a server's stderr
-and finds the URL it serves on."""
+and finds the URL it serves on; and the gRPC health checks that sglang-router's probe sends a
+worker, which have ended servers (`grpc_check`, `late_grpc_body`)."""
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -55,3 +58,39 @@ async def start(nursery: trio.Nursery, args: list[str], env: dict | None = None)
     p = Proc(proc)
     nursery.start_soon(p.pump)
     return p
+
+
+def grpc_check(s: socket.socket, port: int) -> Any:
+    """An HTTP/2 connection without TLS (the `h2` library's client side) over `s`, with the
+    headers of a gRPC health check on stream 1, not sent yet: the connection."""
+    import h2.config
+    import h2.connection
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.send_headers(1, [(":method", "POST"), (":path", "/grpc.health.v1.Health/Check"), (":scheme", "http"),
+                          (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"),
+                          ("te", "trailers")])
+    return conn
+
+
+def late_grpc_body(port: int) -> None:
+    """A gRPC health check whose body comes after the server has answered it and closed the
+    stream, as sglang-router's probe sends it now and then (h2 will not send on a closed
+    stream: the DATA frame is written by hand). A server that does not speak HTTP/2 just
+    closes the connection."""
+    import h2.events
+    import h2.exceptions
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        conn = grpc_check(s, port)
+        try:
+            s.sendall(conn.data_to_send())
+            ended = False
+            while not ended and (data := s.recv(65536)):
+                ended = any(isinstance(e, h2.events.StreamEnded) for e in conn.receive_data(data))
+            s.sendall((5).to_bytes(3, "big") + bytes([0x0, 0x1]) + (1).to_bytes(4, "big") + b"\0" * 5)
+            while s.recv(65536):
+                pass
+        except (OSError, h2.exceptions.ProtocolError):
+            pass

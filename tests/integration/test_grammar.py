@@ -189,6 +189,14 @@ def test_completes_answers_as_consuming_does(tiny: tuple[Any, Any]) -> None:
     assert yes and no  # both answers were exercised
 
 
+def _twenty_strings(tok: Any, vocab: Any) -> Any:
+    """A matcher at the start of an array of exactly 20 strings of at most 12 characters."""
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 20, "maxItems": 20}
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    return llguidance.LLMatcher(vocab.tokenizer, grammar.source)
+
+
 def test_finish_rejoins_its_hint(tiny: tuple[Any, Any]) -> None:
     """After the first byte of a UTF-8 character inside a string, the last completion no
     longer fits; `finish` with it as a hint walks the continuation bytes and then takes
@@ -196,10 +204,7 @@ def test_finish_rejoins_its_hint(tiny: tuple[Any, Any]) -> None:
     grammar, as the whole walk's answer does; a hint that never fits changes nothing."""
     _, tok = tiny
     vocab = grammar_vocab(tok)
-    schema = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 20, "maxItems": 20}
-    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
-    assert grammar is not None
-    m = llguidance.LLMatcher(vocab.tokenizer, grammar.source)
+    m = _twenty_strings(tok, vocab)
     for t in tok.encode('["ab", "c'):
         assert m.consume_token(t)
     hint = finish(m, vocab)
@@ -223,10 +228,7 @@ def test_finish_closes_each_string_of_an_array_at_once(tiny: tuple[Any, Any]) ->
     and the completion the budget fits in was longer than it needs to be."""
     _, tok = tiny
     vocab = grammar_vocab(tok)
-    schema = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 20, "maxItems": 20}
-    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
-    assert grammar is not None
-    m = llguidance.LLMatcher(vocab.tokenizer, grammar.source)
+    m = _twenty_strings(tok, vocab)
     tail = finish(m, vocab)
     assert tail is not None and completes(m, vocab, tail)
     assert json.loads(tok.decode(tail)) == [""] * 20

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ import openai
 import pytest
 import trio
 from app_server import CHAT, HELLO, Scrape, open_raw
-from processes import alive
+from processes import alive, late_grpc_body
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -231,32 +230,6 @@ async def test_a_client_that_stops_reading_is_cut_after_the_stall_timeout(server
 
 
 @pytest.mark.timeout(90)
-def _http2_body_after_its_answer(port: int) -> None:
-    """An HTTP/2 request without TLS whose body comes after the server has answered it and
-    closed the stream (a gRPC health check's body a moment late); the DATA frame by hand,
-    since h2 will not send on a closed stream. Servers that do not speak HTTP/2 just close."""
-    import h2.config
-    import h2.connection
-    import h2.events
-    import h2.exceptions
-
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        conn.initiate_connection()
-        conn.send_headers(1, [(":method", "POST"), (":path", "/grpc.health.v1.Health/Check"), (":scheme", "http"),
-                              (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc")])
-        try:
-            s.sendall(conn.data_to_send())
-            ended = False
-            while not ended and (data := s.recv(65536)):
-                ended = any(isinstance(e, h2.events.StreamEnded) for e in conn.receive_data(data))
-            s.sendall((5).to_bytes(3, "big") + bytes([0x0, 0x1]) + (1).to_bytes(4, "big") + b"\0" * 5)
-            while s.recv(65536):
-                pass
-        except (OSError, h2.exceptions.ProtocolError):
-            pass
-
-
 @pytest.mark.skipif(not installed("hypercorn"), reason="hypercorn is not installed")
 async def test_an_http2_body_after_its_answer_leaves_hypercorns_trio_worker_serving(tiny_model_fp32):
     """Hypercorn 0.18 raises KeyError for such data, and its trio worker let that end the whole
@@ -267,7 +240,7 @@ async def test_an_http2_body_after_its_answer_leaves_hypercorns_trio_worker_serv
     try:
         port = int(server.url.rsplit(":", 1)[1])
         for _ in range(3):
-            await trio.to_thread.run_sync(_http2_body_after_its_answer, port)
+            await trio.to_thread.run_sync(late_grpc_body, port)
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
             assert (await client.get("/health")).status_code == 200
         assert server.proc.poll() is None, server.text[-3000:]

@@ -12,11 +12,13 @@ import resource
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
 import trio
-from processes import ENV, SERVE, start
+from processes import ENV, SERVE, Proc, grpc_check, late_grpc_body, start
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -94,18 +96,11 @@ def _probe_then_goaway(port: int) -> None:
     """What sglang-router's gRPC health check does to a worker that speaks HTTP: an HTTP/2
     request without TLS, and the connection ended (GOAWAY) as soon as the answer's headers
     come, while the server is still writing its body."""
-    import h2.config
-    import h2.connection
     import h2.events
 
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        conn.initiate_connection()
-        stream_id = conn.get_next_available_stream_id()
-        conn.send_headers(stream_id, [(":method", "POST"), (":path", "/grpc.health.v1.Health/Check"),
-                                      (":scheme", "http"), (":authority", f"127.0.0.1:{port}"),
-                                      ("content-type", "application/grpc"), ("te", "trailers")])
-        conn.send_data(stream_id, b"\0\0\0\0\0", end_stream=True)
+        conn = grpc_check(s, port)
+        conn.send_data(1, b"\0\0\0\0\0", end_stream=True)
         s.sendall(conn.data_to_send())
         answered = False
         while not answered and (data := s.recv(65536)):
@@ -114,53 +109,32 @@ def _probe_then_goaway(port: int) -> None:
         s.sendall(conn.data_to_send())
 
 
-async def test_http2_probes_that_hang_up_mid_answer_leave_the_server_serving(tiny_model_fp32) -> None:
-    """Hypercorn half-closed such a connection beside the send of its answer's body, and the
-    BusyResourceError that trio raised ended the whole server (server/_connections.py,
-    `OneSender`): it took at most some 50 probes."""
+async def _probed(model: Path, probe: Callable[[int], None], times: int) -> Proc:
+    """A `trio-mlx serve` that `probe(port)` hit `times` times and that then answered
+    `/health` with 200: the process, its log collected."""
     async with trio.open_nursery() as nursery:
-        p = await start(nursery, [*SERVE, str(tiny_model_fp32), "--port", "0", "--no-warmup", "--no-access-log"])
+        p = await start(nursery, [*SERVE, str(model), "--port", "0", "--no-warmup", "--no-access-log"])
         try:
             with trio.fail_after(60):
                 await p.has_url.wait()
             port = int((p.url or "").rsplit(":", 1)[1])
-            for _ in range(200):
-                await trio.to_thread.run_sync(_probe_then_goaway, port)
+            for _ in range(times):
+                await trio.to_thread.run_sync(probe, port)
             async with httpx.AsyncClient(base_url=p.url or "", timeout=30) as client:
                 assert (await client.get("/health")).status_code == 200
-            assert p.proc.returncode is None and "BusyResourceError" not in p.text, p.text[-3000:]
+            assert p.proc.returncode is None, p.text[-3000:]
+            return p
         finally:
             p.proc.kill()
             nursery.cancel_scope.cancel()
 
 
-def _body_after_the_answer(port: int) -> None:
-    """An HTTP/2 request without TLS whose body comes after the server has answered it (and
-    closed the stream): a gRPC health check's body sent a moment after its headers, as
-    sglang-router's probe does now and then. h2 refuses to send on a closed stream, so the
-    DATA frame is written by hand."""
-    import h2.config
-    import h2.connection
-    import h2.events
-
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        conn.initiate_connection()
-        stream_id = conn.get_next_available_stream_id()
-        conn.send_headers(stream_id, [(":method", "POST"), (":path", "/grpc.health.v1.Health/Check"),
-                                      (":scheme", "http"), (":authority", f"127.0.0.1:{port}"),
-                                      ("content-type", "application/grpc"), ("te", "trailers")])
-        s.sendall(conn.data_to_send())
-        ended = False
-        while not ended and (data := s.recv(65536)):
-            ended = any(isinstance(e, h2.events.StreamEnded) for e in conn.receive_data(data))
-        body = b"\0\0\0\0\0"
-        s.sendall(len(body).to_bytes(3, "big") + bytes([0x0, 0x1]) + stream_id.to_bytes(4, "big") + body)
-        try:
-            while s.recv(65536):
-                pass
-        except OSError:
-            pass
+async def test_http2_probes_that_hang_up_mid_answer_leave_the_server_serving(tiny_model_fp32) -> None:
+    """Hypercorn half-closed such a connection beside the send of its answer's body, and the
+    BusyResourceError that trio raised ended the whole server (server/_connections.py,
+    `OneSender`): it took at most some 50 probes."""
+    p = await _probed(tiny_model_fp32, _probe_then_goaway, 200)
+    assert "BusyResourceError" not in p.text, p.text[-3000:]
 
 
 async def test_a_request_body_after_its_answer_leaves_the_server_serving(tiny_model_fp32) -> None:
@@ -168,19 +142,6 @@ async def test_a_request_body_after_its_answer_leaves_the_server_serving(tiny_mo
     and its trio worker let that end the whole server, at the first such connection
     (server/_connections.py, `ConnectionGate`). Now the connection ends alone, in one warning
     line for all of them."""
-    async with trio.open_nursery() as nursery:
-        p = await start(nursery, [*SERVE, str(tiny_model_fp32), "--port", "0", "--no-warmup", "--no-access-log"])
-        try:
-            with trio.fail_after(60):
-                await p.has_url.wait()
-            port = int((p.url or "").rsplit(":", 1)[1])
-            for _ in range(5):
-                await trio.to_thread.run_sync(_body_after_the_answer, port)
-            async with httpx.AsyncClient(base_url=p.url or "", timeout=30) as client:
-                assert (await client.get("/health")).status_code == 200
-            assert p.proc.returncode is None, p.text[-3000:]
-            assert len(re.findall("ended by an error inside the HTTP server", p.text)) == 1, p.text[-3000:]
-            assert "Traceback" not in p.text
-        finally:
-            p.proc.kill()
-            nursery.cancel_scope.cancel()
+    p = await _probed(tiny_model_fp32, late_grpc_body, 5)
+    assert len(re.findall("ended by an error inside the HTTP server", p.text)) == 1, p.text[-3000:]
+    assert "Traceback" not in p.text
