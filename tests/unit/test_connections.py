@@ -107,7 +107,7 @@ async def test_a_connection_that_fails_inside_hypercorn_ends_alone(caplog: pytes
     with caplog.at_level(logging.WARNING, logger="trio_mlx.serve"):
         for _ in range(3):
             await wrapped(None, None, None, None, _Stream())
-    assert gate.failed == 3 and gate.open == 0
+    assert gate.failures.total == 3 and gate.open == 0
     warned = [r.getMessage() for r in caplog.records if "ended by an error" in r.getMessage()]
     assert warned == ["1 connection(s) ended by an error inside the HTTP server (the last: KeyError(1)); "
                       "closed, the server goes on"]
@@ -117,7 +117,7 @@ async def test_a_connection_that_fails_inside_hypercorn_ends_alone(caplog: pytes
 
     with trio.move_on_after(0.05) as scope:
         await gate.wrap(waits)(None, None, None, None, _Stream())
-    assert scope.cancelled_caught and gate.failed == 3 and gate.open == 0
+    assert scope.cancelled_caught and gate.failures.total == 3 and gate.open == 0
 
 
 def test_under_hypercorns_trio_worker_the_app_gates_its_connections_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -154,7 +154,9 @@ class TrioMLXApp(QuartTrio):
         if serve is None:
             if native_trio():
                 guard_hypercorn_trio()  # hypercorn -k trio: one connection's failure stays its own
-            serve = self._serve = self.serve_trio if native_trio() else GuestBridge(self.serve_trio)
+                serve = self._serve = self.serve_trio
+            else:
+                serve = self._serve = GuestBridge(self.serve_trio)
         if scope["type"] == "lifespan":
             self.asgi_server = _exit.ServerInfo.of(receive)
         await serve(scope, receive, send)

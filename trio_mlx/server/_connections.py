@@ -124,19 +124,35 @@ class OneSender:
             self._sending.release()
 
 
+class Tally:
+    """A count of events that are logged in one line at most every `every` seconds: `add`
+    counts one and says how many to log now, all since the last line (0: not yet)."""
+
+    def __init__(self, every: float, clock: Callable[[], float] = time.monotonic):
+        self.total = 0
+        self.every = every
+        self._clock = clock
+        self._logged_at = -math.inf
+        self._unlogged = 0
+
+    def add(self) -> int:
+        self.total += 1
+        self._unlogged += 1
+        now = self._clock()
+        if now - self._logged_at < self.every:
+            return 0
+        due, self._logged_at, self._unlogged = self._unlogged, now, 0
+        return due
+
+
 class ConnectionGate:
     """Counts hypercorn's connections; refuses those over `limit`."""
 
     def __init__(self, limit: int, *, log_every: float = 10.0):
         self.limit = limit
         self.open = 0
-        self.refused = 0
-        self.failed = 0  # connections ended by an exception inside hypercorn (the module docstring)
-        self._log_every = log_every
-        self._logged_at = -math.inf
-        self._unlogged = 0
-        self._failed_logged_at = -math.inf
-        self._failed_unlogged = 0
+        self.refusals = Tally(log_every)
+        self.failures = Tally(log_every)  # connections ended by an exception inside hypercorn (the module docstring)
 
     def wrap(self, handler: Callable[..., Any]) -> Callable[..., Any]:
         """`handler` (hypercorn's TCPServer class), counted and capped."""
@@ -168,25 +184,17 @@ class ConnectionGate:
         return capped
 
     def _fail(self, group: BaseExceptionGroup) -> None:
-        self.failed += 1
-        self._failed_unlogged += 1
-        now = time.monotonic()
-        if now - self._failed_logged_at >= self._log_every:
+        if n := self.failures.add():
             first: BaseException = group
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             log.warning("%d connection(s) ended by an error inside the HTTP server (the last: %r); "
-                        "closed, the server goes on", self._failed_unlogged, first)
-            self._failed_logged_at, self._failed_unlogged = now, 0
+                        "closed, the server goes on", n, first)
 
     def _refuse(self) -> None:
-        self.refused += 1
-        self._unlogged += 1
-        now = time.monotonic()
-        if now - self._logged_at >= self._log_every:
+        if n := self.refusals.add():
             log.warning("%d open connections, the cap (max_connections): refused %d new one(s) with 503",
-                        self.open, self._unlogged)
-            self._logged_at, self._unlogged = now, 0
+                        self.open, n)
 
 
 @contextmanager
@@ -226,20 +234,15 @@ class AcceptErrorFilter(logging.Filter):
     def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self.interval = interval
-        self._clock = clock
-        self._last = -math.inf
-        self._dropped = 0
+        self._errors = Tally(interval, clock)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        now = self._clock()
-        if now - self._last < self.interval:
-            self._dropped += 1
+        if not (n := self._errors.add()):
             return False
-        if self._dropped:
-            record.msg = f"{record.msg} ({self._dropped} more like it in the last {self.interval:g} s)"
+        if dropped := n - 1:
+            record.msg = f"{record.msg} ({dropped} more like it in the last {self.interval:g} s)"
         record.exc_info = None
         record.exc_text = None
-        self._last, self._dropped = now, 0
         return True
 
 
