@@ -7,7 +7,7 @@ Each line times one operation, synchronously, over a run of shapes it has not me
 attention with 5 queries (causal, or an array mask) and with 1 query at new key
 lengths, a 5-row slice update at new offsets. On CUDA the fused attention of several
 queries builds a cuDNN graph for each new pair of query and key lengths
-(`trio_mlx/actor/_shapes.py`: `query_by_query`; `_batch.CausalPrefill`).
+(`trio_mlx/actor/_shapes.py`: `few_queries`; `_batch.CausalPrefill`).
 """
 
 from __future__ import annotations

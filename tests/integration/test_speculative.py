@@ -448,7 +448,7 @@ def test_a_draft_model_drafts_for_the_rows_of_a_batch_in_one_forward(tiny_model_
     """Rows that speculate side by side (entering and leaving at different steps, greedy and
     seeded) draft in one batch of draft forwards, their caches joined and split back: every
     row's tokens are those without speculation; a copy of the target has every draft kept.
-    Also with the draft's attention query by query, as it runs on CUDA."""
+    Also with the draft's attention over a few queries as matmuls, as on CUDA."""
     if cuda_attention:
         monkeypatch.setattr(_drafting, "prefill_grid", lambda: True)
     rows = [(0, 1, PROMPT, 40, GREEDY), (0, 2, _random_prompt(1), 30, SEEDED),
@@ -457,7 +457,7 @@ def test_a_draft_model_drafts_for_the_rows_of_a_batch_in_one_forward(tiny_model_
     base = _plain(tiny_model_fp32, script)
     actor = _actor(tiny_model_fp32, draft_model=str(tiny_model_fp32 if draft == "copy" else other_draft),
                    num_draft_tokens=3)
-    assert actor._drafter is not None and actor._drafter.by_query == cuda_attention
+    assert actor._drafter is not None and actor._drafter.few_as_matmuls == cuda_attention
     spy = actor._drafter.model = _Sizes(actor._drafter.model)
     run = _serve(actor, script)
     for _, rid, _, max_tokens, _ in rows:
@@ -537,59 +537,65 @@ def test_a_batchs_draft_caches_hold_each_rows_tokens(tiny_model_fp32, other_draf
                                atol=1e-4)
 
 
-def _counted(sdpa: Any, calls: list[int], queries: Any, *args: Any, **kwargs: Any) -> Any:
-    calls.append(queries.shape[2])
-    return sdpa(queries, *args, **kwargs)
+def _given(sdpa: Any, masks: list[Any], *args: Any, mask: Any = None, **kwargs: Any) -> Any:
+    masks.append(mask)
+    return sdpa(*args, mask=mask, **kwargs)
 
 
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
 @pytest.mark.parametrize("queries", [5, MAX_DRAFT + 1])
-def test_attention_query_by_query_is_the_fused_attention(queries):
-    """`_shapes.query_by_query` (a speculative step's attention on CUDA): a few queries behind
-    a KV, one at a time, give what the fused attention gives over them all, causal, unmasked
-    or with an array mask (left padding); up to the widest step a tuning allows (the most
-    drafts and the pending token), where cuDNN would build a graph per key length."""
+def test_attention_with_few_queries_is_the_fused_attention(queries, heads):
+    """`_shapes.few_queries` (a speculative step's attention on CUDA): a few queries behind a
+    KV, causal or with an array mask (left padding, boolean or additive, per row or per
+    head), attend as matmuls and give what the fused attention gives, without calling it;
+    up to the widest step a tuning allows (the most drafts and the pending token), where
+    cuDNN would build a graph per key length. Unmasked calls go through to it."""
     from mlx_lm.models import base as mlx_lm_base
 
-    from trio_mlx.actor._shapes import query_by_query
+    from trio_mlx.actor._shapes import few_queries
 
     rng = np.random.default_rng(0)
-    keys = queries + 7
+    keys, (h, kv) = queries + 7, heads
     q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))
-               for s in ((1, 4, queries, 8), (1, 2, keys, 8), (1, 2, keys, 8)))
-    padded = np.tril(np.ones((queries, keys), dtype=bool), k=7)
-    padded[:, :3] = False  # three positions of left padding
-    for mask in ("causal", None, mx.array(padded)[None, None]):
+               for s in ((2, h, queries, 8), (2, kv, keys, 8), (2, kv, keys, 8)))
+    padded = np.broadcast_to(np.tril(np.ones((queries, keys), dtype=bool), k=7), (2, 1, queries, keys)).copy()
+    padded[0, :, :, :3] = False  # row 0: three positions of left padding
+    per_head = np.broadcast_to(padded, (2, h, queries, keys)).copy()
+    per_head[1, 1, :, :2] = False
+    additive = np.where(padded, 0.0, -1e9).astype(np.float32)
+    for mask in ("causal", None, mx.array(padded), mx.array(per_head), mx.array(additive)):
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
         sdpa = mx.fast.scaled_dot_product_attention
-        calls: list[int] = []
-        mx.fast.scaled_dot_product_attention = functools.partial(_counted, sdpa, calls)
+        masks: list[Any] = []
+        mx.fast.scaled_dot_product_attention = functools.partial(_given, sdpa, masks)
         try:
-            with query_by_query():  # called as mlx_lm's models call it (sinks=None)
+            with few_queries():  # called as mlx_lm's models call it (sinks=None)
                 got = mlx_lm_base.scaled_dot_product_attention(q, k, v, cache=None, scale=0.3, mask=mask)
         finally:
             mx.fast.scaled_dot_product_attention = sdpa
-        assert calls == [1] * queries, calls  # one query at a time
+        assert len(masks) == (1 if mask is None else 0)  # the fused attention only where unmasked
         assert got.shape == want.shape
         assert np.allclose(np.array(got), np.array(want), atol=1e-5), mask
-    with query_by_query(False):
+    with few_queries(False):
         assert mx.fast.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
-def test_speculative_steps_attending_query_by_query_keep_their_tokens(tiny_model_fp32, monkeypatch, drafter):
-    """Speculation as it runs on CUDA (the verify's and the draft model's attention query by
-    query): the same greedy tokens as no speculation, the copy's drafts all kept."""
+def test_speculative_steps_attending_as_on_cuda_keep_their_tokens(tiny_model_fp32, monkeypatch, drafter):
+    """Speculation as it runs on CUDA (the verify's and the draft model's attention over a
+    few queries as matmuls): the same greedy tokens as no speculation, the copy's drafts all
+    kept."""
     from trio_mlx.actor import _batch, _drafting
 
-    real = _batch.query_by_query
+    real = _batch.few_queries
     used: list[bool] = []
 
     def forced(on: bool = True) -> Any:
         used.append(on)
         return real(True)
 
-    monkeypatch.setattr(_batch, "query_by_query", forced)
-    monkeypatch.setattr(_drafting, "query_by_query", forced)
+    monkeypatch.setattr(_batch, "few_queries", forced)
+    monkeypatch.setattr(_drafting, "few_queries", forced)
     base = _one(tiny_model_fp32, GREEDY, 60, LOOPING)
     tuning = {"speculative": "ngram"} if drafter == "ngram" else {"draft_model": str(tiny_model_fp32)}
     run = _one(tiny_model_fp32, GREEDY, 60, LOOPING, **tuning)
@@ -677,12 +683,12 @@ def test_prompt_lookup_in_a_mixed_batch_keeps_every_rows_greedy_tokens(tiny_mode
     """The real drafter, a batch of rows that repeat their prompts (drafts found) and rows on
     random prompts, entering and leaving at different steps: every row's tokens are those
     without speculation, and rows speculate while they share the batch, some drafts kept.
-    Also with the verify's attention query by query, as it runs on CUDA (padded rows too)."""
+    Also with the verify's attention as matmuls, as on CUDA (padded rows too)."""
     if cuda_attention:
         from trio_mlx.actor import _batch
 
-        real, used = _batch.query_by_query, []
-        monkeypatch.setattr(_batch, "query_by_query", lambda on=True: used.append(on) or real(True))
+        real, used = _batch.few_queries, []
+        monkeypatch.setattr(_batch, "few_queries", lambda on=True: used.append(on) or real(True))
     script = _mixed_script(MIXED)
     base = _plain(tiny_model_fp32, script)
     run = _serve(_actor(tiny_model_fp32, speculative="ngram"), script)
@@ -692,7 +698,7 @@ def test_prompt_lookup_in_a_mixed_batch_keeps_every_rows_greedy_tokens(tiny_mode
     assert shared and sum(a for _, _, a in shared) > 0
     assert run.steps < base.steps
     if cuda_attention:
-        assert len(used) >= len(set(run.spec_steps))  # every verify attended query by query
+        assert len(used) >= len(set(run.spec_steps))  # every verify took the CUDA path
 
 
 @pytest.mark.parametrize("spoil", [0.0, 0.5])

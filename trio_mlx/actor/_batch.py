@@ -37,9 +37,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt
 from ._decode import Decoder, DecodeRow
 from ._kv_quant import BatchQuantizedKVCache, RowQuantizedKVCache, kv_arrays, kv_map
 from ._shapes import (
+    few_queries,
     grid_length,
     prefill_chunk,
-    query_by_query,
     row_by_row,
 )
 
@@ -702,8 +702,8 @@ class CausalPrefill:
         """The forward of a speculative step (`_spec_step.speculative_step`): each decoding
         row's pending token and its drafts (or fillers), a few tokens behind its KV, with
         mlx_lm's own mask (the rows' left padding, if any): none of the prefill's grid or
-        chunking applies; on CUDA its attention runs query by query (`query_by_query`)."""
-        with query_by_query(self.grid):
+        chunking applies; on CUDA its attention runs as matmuls (`few_queries`)."""
+        with few_queries(self.grid):
             out = self._model(inputs, cache=cache)
         if self._built is not None:
             self._built()

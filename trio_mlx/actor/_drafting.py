@@ -30,8 +30,8 @@ Rows that speculate side by side draft in one batch of draft forwards, their cac
 joined for the step with mlx-lm's `BatchKVCache.merge` and split back after.
 
 Only public mlx-lm API here (a model's call, `make_prompt_cache`, `BatchKVCache.merge`, a
-cache's `trim` and its `keys`, `values` and `offset`); on CUDA the draft's steps attend
-query by query (`_shapes.query_by_query`).
+cache's `trim` and its `keys`, `values` and `offset`); on CUDA the draft's steps of
+several tokens attend as matmuls (`_shapes.few_queries`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from ._decode import DecodeRow
-from ._shapes import prefill_grid, query_by_query
+from ._shapes import few_queries, prefill_grid
 from ._speculate import MIN_MATCH, NgramIndex, RowSpec, WidthJudge, room
 
 
@@ -95,8 +95,8 @@ class Drafter:
         self.model = model
         self.width = width
         self.prefill_step = max(1, prefill_step)
-        # On CUDA a draft's steps of a few tokens attend query by query (`_shapes.query_by_query`)
-        self.by_query = model is not None and prefill_grid()
+        # On CUDA a draft's steps of a few tokens attend as matmuls (`_shapes.few_queries`)
+        self.few_as_matmuls = model is not None and prefill_grid()
         self.widths = WidthJudge()  # which batch widths speculate (`_spec_step.py`)
         self.judging = True  # whether steps are judged by their time (`unjudged`)
         # Wall seconds the draft model spent this step filling rows' histories (`filled`)
@@ -246,7 +246,7 @@ class Drafter:
             new = new[cut:]
         x = mx.concatenate([mx.array(new, dtype=pending.dtype), pending]) if new else pending
         drafts = []
-        with query_by_query(self.by_query):
+        with few_queries(self.few_as_matmuls):
             for _ in range(k):
                 logits = model(x[None], cache=cache)[:, -1, : self.width or None]
                 x = mx.argmax(logits, axis=-1).astype(pending.dtype)
@@ -280,7 +280,7 @@ class Drafter:
         x = mx.concatenate([mx.array([[h[-1]] for h in helds], dtype=dtype), pending[:, None]], axis=1)
         top = max(ks)
         drafts = []
-        with query_by_query(self.by_query):
+        with few_queries(self.few_as_matmuls):
             for _ in range(top):
                 logits = self.model(x, cache=caches)[:, -1, : self.width or None]
                 x = mx.argmax(logits, axis=-1, keepdims=True).astype(dtype)

@@ -1,7 +1,7 @@
 """The shapes the actor's forwards run at, and why: the prefill chunk that bounds attention
 scores, the prefill budget's chunks, the shape grid prefills run on under CUDA, and the
 swaps of MLX's fused attention that keep cuDNN from building a graph for every shape it
-meets (`query_by_query` for a speculative step, `row_by_row` for a prefill of several
+meets (`few_queries` for a speculative step, `row_by_row` for a prefill of several
 rows). No mlx-lm here: `_batch.py`'s `CausalPrefill` applies them to the model.
 """
 
@@ -102,9 +102,9 @@ def grid_sizes(step: int) -> list[int]:
     return out
 
 
-# The most tokens a step behind a KV may feed for its attention to run query by query
-# (`query_by_query`): a speculative step feeds a row's pending token and its drafts, as many
-# as a tuning allows (any more would each meet cuDNN's graph build for a new key length).
+# The most tokens a step behind a KV may feed for its attention to run as matmuls
+# (`few_queries`), its scores materialized: a speculative step feeds a row's pending token
+# and its drafts, as many as a tuning allows.
 FEW_QUERIES = MAX_DRAFT + 1
 
 
@@ -127,34 +127,54 @@ def row_by_row(on: bool = True) -> contextlib.AbstractContextManager[None]:
     return _attending(_row_attention) if on else contextlib.nullcontext()
 
 
-def query_by_query(on: bool = True) -> contextlib.AbstractContextManager[None]:
-    """While it is open (and `on`), MLX's fused attention over a few queries (2 to
-    FEW_QUERIES) runs one query at a time, each over the keys it may see, with no mask
-    where the step's is causal: the same attention, as that many one-token steps take it.
+def few_queries(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """While it is open (and `on`), a few queries (2 to FEW_QUERIES) behind a KV attend
+    through `attention` (matmuls, the mask applied, a softmax: what MLX's own attention
+    computes where it has no fused kernel), not MLX's fused attention: the same result.
 
-    On CUDA, MLX 0.32.4 takes a step of several queries to cuDNN, which builds a graph for
-    every pair of query and key lengths it meets (`CausalPrefill`), tens of ms each, and a
-    speculative step behind a KV one step longer than the last meets a new pair at nearly
-    every step (on an H200 a (1, 5) verify took 78 ms at a new key length, 6.6 ms at one
-    met before). One query at a time takes the kernel a decode step takes, built for any
-    key length."""
-    return _attending(_by_query) if on else contextlib.nullcontext()
+    On CUDA, MLX 0.32.4 takes the fused attention of several queries to cuDNN, which builds
+    a graph for every pair of query and key lengths it meets (`CausalPrefill`), tens of ms
+    each, with a causal mask and with an array one (on an H200: 68-112 and 70-1,350 ms),
+    and a speculative step behind a KV one step longer than the last meets a new pair at
+    nearly every step. The matmuls take kernels built for any length. On an H200 the
+    verify step of four padded rows (1B shape) took ~9 ms so, against ~19 ms with each
+    query attending alone through the fused kernel of one query (BENCHMARKS.md)."""
+    return _attending(_few) if on else contextlib.nullcontext()
 
 
-def _by_query(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
-              mask: Any = None, sinks: Any = None, **kwargs: Any) -> Any:
-    n = queries.shape[2]
+def _few(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
+         mask: Any = None, sinks: Any = None, **kwargs: Any) -> Any:
+    n, total = queries.shape[2], keys.shape[2]
     causal = isinstance(mask, str) and mask == "causal"
-    if (not 1 < n <= FEW_QUERIES or sinks is not None or kwargs
-            or not (causal or mask is None or isinstance(mask, mx.array))):
+    if not 1 < n <= FEW_QUERIES or sinks is not None or kwargs or not (causal or isinstance(mask, mx.array)):
         return sdpa(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
-    total = keys.shape[2]
-    outs = []
-    for i in range(n):
-        end = total - (n - 1 - i) if causal else total  # query i sees the keys up to its own
-        m = mask[..., i : i + 1, :end] if isinstance(mask, mx.array) else None
-        outs.append(sdpa(queries[:, :, i : i + 1], keys[:, :, :end], values[:, :, :end], scale=scale, mask=m))
-    return mx.concatenate(outs, axis=2)
+    return attention(queries, keys, values, scale, _causal(n, total) if causal else mask)
+
+
+def attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any:
+    """Scaled dot-product attention as MLX computes it without a fused kernel (its
+    `fast.scaled_dot_product_attention` fallback): queries (B, H, N, D) over keys and
+    values (B, H_kv, T, D), H a multiple of H_kv; `mask` an array broadcast against
+    (B, H, N, T), boolean (True: attend) or added to the scores. The scores are
+    materialized: for a few queries only."""
+    b, h, n, d = queries.shape
+    kv, total = keys.shape[1], keys.shape[2]
+    group = h // kv
+    scores = ((queries * scale).reshape(b, kv, group * n, d) @ keys.swapaxes(-1, -2)).reshape(b, kv, group, n, total)
+    if mask.ndim == 4 and mask.shape[1] == h > 1:
+        mask = mask.reshape(mask.shape[0], kv, group, n, total)
+    elif mask.ndim >= 3:
+        mask = mx.expand_dims(mask, -3)
+    scores = mx.where(mask, scores, mx.finfo(scores.dtype).min) if mask.dtype == mx.bool_ else scores + mask
+    weights = mx.softmax(scores, axis=-1, precise=True).reshape(b, kv, group * n, total)
+    return (weights @ values).reshape(b, h, n, d)
+
+
+@functools.lru_cache(maxsize=4)
+def _causal(n: int, total: int) -> Any:
+    """The causal mask of `n` queries at the end of `total` keys, as an array (every layer
+    of a step asks for the same one)."""
+    return mx.arange(total)[None] <= mx.arange(total - n, total)[:, None]
 
 
 def _row_attention(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
