@@ -172,6 +172,26 @@ def test_a_width_whose_speculative_steps_give_the_batch_less_than_plain_steps_st
     assert unknown.allowed(4)
 
 
+def test_a_batch_of_one_row_is_left_to_the_rows_own_judgement():
+    """A width of one row is never stopped by `WidthJudge` (its step costs no other row):
+    the row's `RowSpec` judges the same steps by the same time test, over its own window
+    and with its own shorter wait; a width of two losing alike stops."""
+    judge = WidthJudge()
+    for _ in range(4 * _speculate.WIDTH_WINDOW):
+        assert judge.allowed(1)
+        judge.record(1, 0.010, 1, 0.0025)  # one token in 10 ms, where a plain step gives it in 2.5
+    for _ in range(_speculate.WIDTH_WINDOW):
+        assert judge.allowed(2)
+        judge.record(2, 0.010, 2, 0.0025)
+    assert judge.allowed(1) and not judge.allowed(2)
+    row = RowSpec()
+    for i in range(_speculate.WINDOW):
+        assert row.allowed(100 + i)
+        row.record(4, 1, 100 + i, 0.010, 0.0025)  # a kept draft a step: 2 tokens in 10 ms, against 5 ms
+    assert not row.allowed(100 + _speculate.WINDOW)
+    assert row.allowed(100 + _speculate.WINDOW + _speculate.BACKOFF)
+
+
 def _gumbel_max(logp: np.ndarray, rng: np.random.Generator) -> int:
     return int(np.argmax(logp + rng.gumbel(size=logp.shape)))
 

@@ -144,7 +144,12 @@ class WidthJudge:
     time. Where they gave fewer, no batch of that width speculates for
     `WIDTH_BACKOFF` steps, twice as long at each further stop (at most `MAX_WIDTH_BACKOFF`):
     what a step costs is the device's and the model's, which change less than a row's
-    text, so the wait is longer than a row's. Counts the steps it is asked about."""
+    text, so the wait is longer than a row's. A batch of one row is left to the row's own
+    judgement (`RowSpec.record`: the same time test, over a longer window, with a row's
+    shorter wait): its step costs no other row, and judged here too a chat's first few
+    speculative steps, where the text had not settled into a copy yet, stopped it for
+    256 steps (on an H200, the repeating workload drafted 32 of its 300 tokens). Counts
+    the steps it is asked about."""
 
     __slots__ = ("steps", "_window", "_resume", "_stops")
 
@@ -163,7 +168,7 @@ class WidthJudge:
         """A speculative step of `width` rows gave `tokens` (every row's pending token and
         its kept drafts) in `seconds`; a plain step of that width takes `plain` seconds
         (None: not known yet, nothing judged)."""
-        if plain is None:
+        if plain is None or width == 1:
             return
         window = self._window.get(width)
         if window is None:
