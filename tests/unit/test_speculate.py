@@ -46,16 +46,22 @@ def test_prompt_lookup_continues_a_copy_past_the_end_of_the_tokens():
     assert _index([9, 9, 9]).draft(4) == [9, 9, 9, 9]
 
 
-def test_the_index_grown_token_by_token_drafts_as_one_built_at_once():
+@pytest.mark.parametrize("n", [3, 8])
+def test_the_index_grown_in_pieces_drafts_as_one_built_at_once(n):
+    """Grown token by token or in pieces of any length (a prompt, then a speculative step's
+    kept drafts), the index drafts what one built at once drafts, and what the rule says."""
     rng = random.Random(3)
     tokens = [rng.randrange(6) for _ in range(300)]
-    grown = NgramIndex(3)
-    for i, t in enumerate(tokens):
-        grown.extend([t])
-        whole = _index(tokens[: i + 1])
-        assert grown.draft(4) == whole.draft(4)
-        assert grown.draft(4) == _brute_force(tokens[: i + 1], 3, 4)
-    assert len(grown) == len(tokens)
+    for pieces in (False, True):
+        grown, i = NgramIndex(n), 0
+        while i < len(tokens):
+            step = rng.choice([0, 1, 2, 5, 17]) if pieces else 1
+            grown.extend(tokens[i : i + step])
+            i += step
+            whole = _index(tokens[:i], n)
+            assert grown.draft(4) == whole.draft(4) == _brute_force(tokens[:i], n, 4)
+            assert grown.draft(3, least=2) == whole.draft(3, least=2)
+        assert len(grown) == len(tokens)
 
 
 def _brute_force(tokens: list[int], n: int, k: int) -> list[int]:

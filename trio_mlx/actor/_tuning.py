@@ -114,7 +114,11 @@ class ActorTuning:
         "the widest decoding batch that speculates: in a wider one every sequence takes plain steps "
         "(verifying drafts costs more than it gives once a forward is no longer bound by reading the "
         "weights); 1: only a sequence that decodes alone"))
-    ngram_size: int = field(default=3, metadata=doc(
+    # 8, not 3: text repeats short phrases inside what it copies, and a suffix of 3 tokens
+    # follows the wrong one of them (SmolLM2 looping on a 20-token sentence that says one
+    # 7-token phrase twice kept 40% of its drafts at 3, 96% at 8). The index's host memory
+    # grows with it: ~160 MB for a 128k-token sequence at 8.
+    ngram_size: int = field(default=8, metadata=doc(
         "prompt lookup's longest match: the drafts follow the latest earlier occurrence of the "
         "longest suffix of the sequence, of this many tokens down to two (one where this is 1)"))
     draft_model: str | None = field(default=None, metadata=doc(
