@@ -122,20 +122,13 @@ def attention(rows: int, rounds: int) -> None:
 
 def _by_query(sdpa: Any, queries: Any, keys: Any, values: Any, *, scale: float, mask: Any = None,
               sinks: Any = None, **kwargs: Any) -> Any:
-    """A speculative step's attention before `_shapes.few_queries`: one query at a time
-    through the fused attention, each over the keys it may see (the mask's slice for it)."""
-    n = queries.shape[2]
+    """A speculative step's attention before `_shapes.few_queries` took matmuls: one query at
+    a time through the fused attention (what `few_queries` still does past FEW_SCRATCH)."""
     causal = isinstance(mask, str) and mask == "causal"
-    if (not 1 < n <= FEW_QUERIES or sinks is not None or kwargs
+    if (not 1 < queries.shape[2] <= FEW_QUERIES or sinks is not None or kwargs
             or not (causal or mask is None or isinstance(mask, mx.array))):
         return sdpa(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
-    total = keys.shape[2]
-    outs = []
-    for i in range(n):
-        end = total - (n - 1 - i) if causal else total
-        m = mask[..., i : i + 1, :end] if isinstance(mask, mx.array) else None
-        outs.append(sdpa(queries[:, :, i : i + 1], keys[:, :, :end], values[:, :, :end], scale=scale, mask=m))
-    return mx.concatenate(outs, axis=2)
+    return _shapes._by_query(sdpa, queries, keys, values, scale, mask, causal)
 
 
 def steps(path: Path, rows: int, tokens: int, synced: bool, variant: str = "matmuls") -> None:

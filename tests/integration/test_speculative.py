@@ -544,17 +544,24 @@ def _given(sdpa: Any, masks: list[Any], *args: Any, mask: Any = None, **kwargs: 
     return sdpa(*args, mask=mask, **kwargs)
 
 
+@pytest.mark.parametrize("scratch", ["ample", "none"])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
 @pytest.mark.parametrize("queries", [5, MAX_DRAFT + 1])
-def test_attention_with_few_queries_is_the_fused_attention(queries, heads):
+def test_attention_with_few_queries_is_the_fused_attention(queries, heads, scratch, monkeypatch):
     """`_shapes.few_queries` (a speculative step's attention on CUDA): a few queries behind a
     KV, causal or with an array mask (left padding, boolean or additive, per row or per
     head), attend as matmuls and give what the fused attention gives, without calling it;
     up to the widest step a tuning allows (the most drafts and the pending token), where
-    cuDNN would build a graph per key length. Unmasked calls go through to it."""
+    cuDNN would build a graph per key length. Where the scores would pass FEW_SCRATCH, one
+    query at a time through the fused attention of one query, the same. Unmasked calls go
+    through to it."""
     from mlx_lm.models import base as mlx_lm_base
 
+    from trio_mlx.actor import _shapes
     from trio_mlx.actor._shapes import few_queries
+
+    if scratch == "none":
+        monkeypatch.setattr(_shapes, "FEW_SCRATCH", 0)
 
     rng = np.random.default_rng(0)
     keys, (h, kv) = queries + 7, heads
@@ -575,7 +582,12 @@ def test_attention_with_few_queries_is_the_fused_attention(queries, heads):
                 got = mlx_lm_base.scaled_dot_product_attention(q, k, v, cache=None, scale=0.3, mask=mask)
         finally:
             mx.fast.scaled_dot_product_attention = sdpa
-        assert len(masks) == (1 if mask is None else 0)  # the fused attention only where unmasked
+        if mask is None:
+            assert len(masks) == 1  # through to the fused attention, as it is
+        elif scratch == "ample":
+            assert not masks  # matmuls
+        else:
+            assert len(masks) == queries and all(m is None or m.shape[-2] == 1 for m in masks)  # one at a time
         assert got.shape == want.shape
         assert np.allclose(np.array(got), np.array(want), atol=1e-5), mask
     with few_queries(False):

@@ -106,6 +106,10 @@ def grid_sizes(step: int) -> list[int]:
 # (`few_queries`), its scores materialized: a speculative step feeds a row's pending token
 # and its drafts, as many as a tuning allows.
 FEW_QUERIES = MAX_DRAFT + 1
+# The most bytes those matmuls' scores (float32) may take; past them (a long context, many
+# drafts, many rows) the queries attend one at a time, materializing nothing: 8 rows of 32
+# heads verifying 9 tokens each reach it at ~116k tokens of context.
+FEW_SCRATCH = 1 << 30
 
 
 @contextlib.contextmanager
@@ -138,17 +142,35 @@ def few_queries(on: bool = True) -> contextlib.AbstractContextManager[None]:
     and a speculative step behind a KV one step longer than the last meets a new pair at
     nearly every step. The matmuls take kernels built for any length. On an H200 the
     verify step of four padded rows (1B shape) took ~9 ms so, against ~19 ms with each
-    query attending alone through the fused kernel of one query (BENCHMARKS.md)."""
+    query attending alone through the fused kernel of one query (BENCHMARKS.md), which is
+    what a step whose scores would pass FEW_SCRATCH does."""
     return _attending(_few) if on else contextlib.nullcontext()
 
 
 def _few(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
          mask: Any = None, sinks: Any = None, **kwargs: Any) -> Any:
-    n, total = queries.shape[2], keys.shape[2]
+    b, h, n, _ = queries.shape
+    total = keys.shape[2]
     causal = isinstance(mask, str) and mask == "causal"
     if not 1 < n <= FEW_QUERIES or sinks is not None or kwargs or not (causal or isinstance(mask, mx.array)):
         return sdpa(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
+    if b * h * n * total * 4 > FEW_SCRATCH:
+        return _by_query(sdpa, queries, keys, values, scale, mask, causal)
     return attention(queries, keys, values, scale, _causal(n, total) if causal else mask)
+
+
+def _by_query(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, scale: float, mask: Any,
+              causal: bool) -> Any:
+    """One query at a time through the fused attention of one query (a kernel built for any
+    key length), each over the keys it may see: scores never materialized, ~3x the matmuls'
+    time on an H200."""
+    n, total = queries.shape[2], keys.shape[2]
+    outs = []
+    for i in range(n):
+        end = total - (n - 1 - i) if causal else total  # query i sees the keys up to its own
+        m = mask[..., i : i + 1, :end] if isinstance(mask, mx.array) else None
+        outs.append(sdpa(queries[:, :, i : i + 1], keys[:, :, :end], values[:, :, :end], scale=scale, mask=m))
+    return mx.concatenate(outs, axis=2)
 
 
 def attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any:
