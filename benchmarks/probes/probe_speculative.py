@@ -107,8 +107,9 @@ async def main() -> None:
                            "load_s": load}
                     texts.setdefault(f"{c}", got[0]["text"])
                     row["same_text_as_first_config"] = got[0]["text"] == texts[f"{c}"]
+                    row["text"] = got[0]["text"]
                     rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    print(json.dumps({k: v for k, v in row.items() if k != "text"}), flush=True)
     Path(a.out).write_text(json.dumps(rows, indent=1))  # noqa: ASYNC240 - once, after every level
     for c in (1, 4):
         base = statistics.median(r["decode_tps"] for r in rows if r["config"] == "off" and r["c"] == c) if any(

@@ -4,6 +4,7 @@
 #   OLD=DIR bash run.sh random R  # random 1B shape, 128-token random prompts, c=1,4,16; round R (1 or 2)
 #   bash run.sh trace          # c=4, off / ngram / ngram / off, with step traces (TRIO_MLX_STEP_TRACE)
 #   bash run.sh repeat         # the embedded SmolLM2 asked to repeat a passage (probe_speculative.py)
+#   OLD=DIR bash run.sh repeat-old  # the same, prompt lookup alone, with the OLD tree (one round)
 set -u
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
 NEW=$PWD
@@ -47,5 +48,11 @@ repeat)
   timeout 280 python3 benchmarks/probes/probe_speculative.py --rounds 2 --configs off,ngram --max-tokens 300 \
     --out "$OUT/repeat.json" > "$OUT/repeat.txt" 2>&1
   grep -v '^\[' "$OUT/repeat.txt" | grep -v '^{' | tail -12 | tee -a "$OUT/progress.txt" ;;
+repeat-old)
+  export PYTHONPATH=$OLD:/root/emb
+  P "== repeat workload SmolLM2, old tree $(date +%T)"
+  timeout 200 python3 benchmarks/probes/probe_speculative.py --rounds 1 --configs ngram --max-tokens 300 \
+    --out "$OUT/repeat-old.json" > "$OUT/repeat-old.txt" 2>&1
+  grep -v '^\[' "$OUT/repeat-old.txt" | grep -v '^{' | tail -4 | tee -a "$OUT/progress.txt" ;;
 esac
 P "== done $1 $(date +%T)"
