@@ -197,13 +197,40 @@ def steps(path: Path, rows: int, tokens: int, synced: bool, variant: str = "matm
         print(f"  {name:14s} {len(ms)} calls, p50 {statistics.median(ms):.2f} ms, max {max(ms):.2f}")
 
 
+def one_query(rows: int, steps: int) -> None:
+    """A plain decode step's attention (one query a row), key lengths growing by one: with no
+    mask (a batch without left padding), and with the batch's left padding as an array mask."""
+    h, hkv, d = 32, 8, 64
+    sdpa = mx.fast.scaled_dot_product_attention
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    kbuf, vbuf = (mx.random.normal((rows, hkv, 512, d)).astype(mx.bfloat16) for _ in range(2))
+    q = mx.random.normal((rows, h, 1, d)).astype(mx.bfloat16)
+    mx.eval(q, kbuf, vbuf)
+    for kl in range(300, 300 + steps):
+        k, v = kbuf[:, :, :kl], vbuf[:, :, :kl]
+        mask = (mx.arange(kl)[None] >= (mx.arange(rows) % 13)[:, None])[:, None, None, :]
+        mx.eval(mask)
+        for name, m in (("no mask", None), ("array mask", mask)):
+            def f(k: Any = k, v: Any = v, m: Any = m) -> Any:
+                return sdpa(q, k, v, scale=0.125, mask=m)
+            _timed(f)
+            times[name].append(_timed(f))
+    print(f"== one query a row, {rows} rows, key lengths 300..{300 + steps - 1}: " + ", ".join(
+        f"{name} p50 {statistics.median(ms):.3f} ms" for name, ms in times.items()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model", type=Path)
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--tokens", type=int, default=160)
     p.add_argument("--attention-steps", type=int, default=12)
+    p.add_argument("--one-query", action="store_true", help="only a plain step's attention, masked or not")
     args = p.parse_args()
+    if args.one_query:
+        for rows in (1, 4, 64):
+            one_query(rows, 12)
+        return
     attention(args.rows, args.attention_steps)
     attention(1, args.attention_steps)
     for rows in (1, args.rows):
