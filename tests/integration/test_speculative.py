@@ -192,6 +192,32 @@ def test_prompt_lookup_on_a_repeating_prompt_keeps_greedy_tokens_and_its_drafts_
     assert sum(a for _, _, a in spec.speculated) > 0
 
 
+def test_a_long_prompts_index_is_built_a_slice_a_step(tiny_model_fp32, monkeypatch):
+    """Prompt lookup's index of a row takes at most INDEX_SLICE of its tokens a step (a long
+    prompt's whole index at once stalled every row of the batch), and the row guesses and
+    drafts nothing until the index holds them all: the first speculative step comes after
+    it; the tokens are those without speculation, and the loop is still drafted."""
+    from trio_mlx.actor import _drafting
+    from trio_mlx.actor._speculate import NgramIndex
+
+    monkeypatch.setattr(_drafting, "INDEX_SLICE", 8)
+    sizes: list[int] = []
+    extend = NgramIndex.extend
+
+    def counted(self: NgramIndex, new: Any) -> None:
+        new = list(new)
+        sizes.append(len(new))
+        extend(self, new)
+
+    monkeypatch.setattr(NgramIndex, "extend", counted)
+    base = _one(tiny_model_fp32, GREEDY, 60, LOOPING)
+    spec = _one(tiny_model_fp32, GREEDY, 60, LOOPING, speculative="ngram")
+    assert spec.tokens[1] == base.tokens[1]
+    assert max(sizes) == 8 and sizes[:4] == [8, 8, 8, 8]  # the 30-token prompt and the first token, 4 steps
+    assert sum(a for _, _, a in spec.speculated) > 0
+    assert spec.spec_steps[0] >= 4
+
+
 def test_prompt_lookup_takes_no_speculative_step_on_text_its_guesses_miss(tiny_model_fp32):
     """After REPEATING the tiny model's greedy text seldom repeats itself (3 of its 60 tokens
     guessed in a row at best): prompt lookup's guesses of its tokens miss, so it never

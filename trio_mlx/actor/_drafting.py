@@ -48,6 +48,12 @@ from ._decode import DecodeRow
 from ._shapes import few_queries, prefill_grid
 from ._speculate import MIN_MATCH, NgramIndex, RowSpec, WidthJudge, room
 
+# The most of a row's tokens its prompt-lookup index takes in one step: a long prompt's index
+# is built over several steps, not in one that stalls every row of the batch (a 128k-token
+# prompt's took ~0.3 s of host time at 8-token suffixes, on a slow host); the row's lookup
+# guesses nothing until its index is whole.
+INDEX_SLICE = 2048
+
 
 class DraftState:
     """A row's KV in the draft model: its caches and how many of the row's tokens they hold."""
@@ -184,23 +190,25 @@ class Drafter:
 
     # -- the drafters ---------------------------------------------------------------
 
-    def _index(self, spec: RowSpec, held: list[int]) -> NgramIndex:
-        """The row's prompt-lookup index, brought up to the tokens its KV holds."""
+    def _index(self, spec: RowSpec, held: list[int]) -> NgramIndex | None:
+        """The row's prompt-lookup index, brought up to the tokens its KV holds, at most
+        INDEX_SLICE of them a step; None while it holds fewer (its suffix is not the row's:
+        nothing to guess or draft from yet)."""
         index = spec.index
         if index is None or len(index) > len(held):  # (the latter a bug's guard: it only grows with them)
             spec.index = index = NgramIndex(self.ngram)
-        index.extend(held[len(index):])
-        return index
+        index.extend(held[len(index) : len(index) + INDEX_SLICE])
+        return index if len(index) == len(held) else None
 
     def _watch(self, row: DecodeRow, held: list[int]) -> None:
         """A row that may not speculate this step still has prompt lookup's guesses checked
         and made (`RowSpec.watch`), so that they say what its text does now when it may."""
-        if row.spec is not None and row.max_tokens > 0:
-            row.spec.watch(self._index(row.spec, held), self.least)
+        if row.spec is not None and row.max_tokens > 0 and (index := self._index(row.spec, held)) is not None:
+            row.spec.watch(index, self.least)
 
     def _lookup(self, row: DecodeRow, spec: RowSpec, held: list[int], pending: Any, k: int) -> Proposal | None:
         index = self._index(spec, held)
-        if not spec.watch(index, self.least):
+        if index is None or not spec.watch(index, self.least):
             return None  # the lookup's last guesses missed: a plain step, pipelined
         if spec.guess is None or spec.guess in row.stops:
             return None  # no guess of the pending token, or one that ends the row: nothing to follow it
