@@ -620,6 +620,22 @@ def test_attention_with_few_queries_is_the_fused_attention(queries, heads, scrat
         assert mx.fast.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
 
 
+def test_attention_as_matmuls_keeps_the_queries_type():
+    """`_shapes.attention` over bf16 queries, keys and values (a served model's) gives bf16, as
+    the fused attention does, with a boolean mask or an additive one of another type."""
+    from trio_mlx.actor._shapes import attention
+
+    rng = np.random.default_rng(1)
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(mx.bfloat16)
+               for s in ((2, 4, 5, 8), (2, 2, 12, 8), (2, 2, 12, 8)))
+    keep = mx.array(np.tril(np.ones((5, 12), dtype=bool), k=7))[None, None]
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=keep).astype(mx.float32)
+    for mask in (keep, mx.where(keep, 0.0, -1e9).astype(mx.float32)):
+        got = attention(q, k, v, 0.3, mask)
+        assert got.dtype == mx.bfloat16
+        assert np.allclose(np.array(got.astype(mx.float32)), np.array(want), atol=0.05)
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
 def test_speculative_steps_attending_as_on_cuda_keep_their_tokens(tiny_model_fp32, monkeypatch, drafter):
     """Speculation as it runs on CUDA (the verify's and the draft model's attention over a

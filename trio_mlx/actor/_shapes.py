@@ -187,7 +187,10 @@ def attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> 
         mask = mask.reshape(mask.shape[0], kv, group, n, total)
     elif mask.ndim >= 3:
         mask = mx.expand_dims(mask, -3)
-    scores = mx.where(mask, scores, mx.finfo(scores.dtype).min) if mask.dtype == mx.bool_ else scores + mask
+    if mask.dtype == mx.bool_:
+        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask.astype(scores.dtype)  # in the queries' type, as the fused attention keeps it
     weights = mx.softmax(scores, axis=-1, precise=True).reshape(b, kv, group * n, total)
     return (weights @ values).reshape(b, h, n, d)
 
