@@ -306,7 +306,7 @@ def dequantized_attention(queries: Any, q_keys: Any, q_values: Any, scale: float
     over the dequantized keys and values: the same keys and values (`dequantize` of the
     triples is what the quantized matmul multiplies by), the same mask ("causal", an
     array, or none) and scale. Looked up at call time, so `_shapes`' attention swaps
-    (query by query, row by row) apply to it as to a plain cache's."""
+    (`few_queries`, `row_by_row`) apply to it as to a plain cache's."""
     k, k_scales, k_biases = q_keys
     v, v_scales, v_biases = q_values
     keys = mx.dequantize(k, k_scales, k_biases, group_size=group_size, bits=bits)
