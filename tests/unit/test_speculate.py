@@ -64,6 +64,23 @@ def test_the_index_grown_in_pieces_drafts_as_one_built_at_once(n):
         assert len(grown) == len(tokens)
 
 
+def test_a_rows_drafts_continue_the_copy_its_guess_came_from():
+    """`RowSpec.drafts` takes the tokens after the guess from the match `watch` found, with no
+    second search: what a fresh lookup drafts after the guess; none once the index has grown
+    past the guess, or without one."""
+    rng = random.Random(5)
+    tokens = [rng.randrange(5) for _ in range(200)]
+    spec, index = RowSpec(), NgramIndex(8)
+    for i, t in enumerate(tokens):
+        index.extend([t])
+        spec.watch(index, 2)
+        fresh = index.draft(6, least=2)
+        assert spec.guess == (fresh[0] if fresh else None), i
+        assert spec.drafts(index, 5) == fresh[1:], i
+    index.extend([0])
+    assert spec.drafts(index, 5) == []  # guessed for an index one token shorter
+
+
 def _brute_force(tokens: list[int], n: int, k: int) -> list[int]:
     """The rule written out: the longest suffix (n tokens at most) found earlier, at its latest
     occurrence that has a token after it, and the copy from there."""

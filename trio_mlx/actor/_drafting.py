@@ -215,7 +215,7 @@ class Drafter:
         # The guess and the k tokens after it (the same longest suffix): the drafts follow the
         # guess, and the pending token itself goes in as the device computes it, never read back.
         # Where the guess missed, the verify keeps none of them; the acceptance is exact either way.
-        drafts = index.draft(k + 1, least=self.least)[1:]
+        drafts = spec.drafts(index, k)
         inputs = mx.concatenate([pending, mx.array(drafts, dtype=pending.dtype)])[None]
         return Proposal(inputs, inputs[0, 1:], None, drafts, len(held))
 

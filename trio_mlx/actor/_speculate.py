@@ -126,20 +126,30 @@ class NgramIndex:
     def draft(self, k: int, least: int = 1) -> list[int]:
         """Up to `k` tokens to follow the sequence (none if no suffix of at least `least`
         tokens occurred before)."""
+        at = self.match(least) if k > 0 else None
+        return [] if at is None else self.copy(at, k)
+
+    def match(self, least: int = 1) -> int | None:
+        """Where the sequence's copy starts: the index just after the latest earlier
+        occurrence of its longest suffix (n tokens at most, `least` at least), or None."""
         toks = self.tokens
         size = len(toks)
-        if k <= 0:
-            return []
         for m in range(min(self.n, size - 1), max(1, least) - 1, -1):
             at = self._last[m - 1].get(tuple(toks[size - m :]))
-            if at is None:
-                continue
-            out: list[int] = []
-            for i in range(k):
-                p = at + i
-                out.append(toks[p] if p < size else out[p - size])
-            return out
-        return []
+            if at is not None:
+                return at
+        return None
+
+    def copy(self, at: int, k: int) -> list[int]:
+        """`k` tokens copied from index `at` on (a `match` of the sequence as it is now),
+        continuing the copy past the sequence's end."""
+        toks = self.tokens
+        size = len(toks)
+        out: list[int] = []
+        for i in range(k):
+            p = at + i
+            out.append(toks[p] if p < size else out[p - size])
+        return out
 
 
 class WidthJudge:
@@ -213,13 +223,14 @@ class RowSpec:
     its tokens it may speculate again (the module's docstring, "The policy")."""
 
     __slots__ = ("index", "draft", "window", "seconds", "resume_at", "stops", "drafted", "accepted", "guesses",
-                 "guess", "_guess_at")
+                 "guess", "_guess_at", "_copy_from")
 
     def __init__(self) -> None:
         self.index: NgramIndex | None = None  # prompt lookup's index of the row's tokens
         self.guesses: collections.deque[bool] = collections.deque(maxlen=GUESS_WINDOW)  # each hit or not
         self.guess: int | None = None  # the outstanding guess (None: the lookup had none) ...
-        self._guess_at = -1  # ... at this position of the index (-1: none outstanding)
+        self._guess_at = -1  # ... at this position of the index (-1: none outstanding) ...
+        self._copy_from = 0  # ... the index's `match` it was copied from
         self.draft: object = None  # the draft model's state for the row (`_draft.DraftState`)
         self.window: collections.deque[int] = collections.deque(maxlen=WINDOW)
         self.seconds: collections.deque[float] = collections.deque(maxlen=WINDOW)  # each step's wall time
@@ -243,9 +254,17 @@ class RowSpec:
             self.guesses.append(self.guess is not None and index.tokens[at] == self.guess)
             at = self._guess_at = -1
         if at < 0:
-            guess = index.draft(1, least)
-            self.guess, self._guess_at = (guess[0] if guess else None), size
+            start = index.match(least)
+            self._guess_at, self._copy_from = size, start or 0
+            self.guess = None if start is None else index.tokens[start]
         return sum(self.guesses) >= GUESS_HITS
+
+    def drafts(self, index: NgramIndex, k: int) -> list[int]:
+        """The `k` tokens that follow the outstanding guess in the copy it came from (none
+        without one): `watch`'s search, not a second one, while `index` is as it guessed."""
+        if self.guess is None or self._guess_at != len(index):
+            return []
+        return index.copy(self._copy_from, k + 1)[1:]
 
     def record(self, drafted: int, accepted: int, position: int, seconds: float | None = None,
                plain: float | None = None) -> None:
