@@ -711,7 +711,10 @@ class CausalPrefill:
 
     def _forward(self, inputs: Any, cache: Any, **kwargs: Any) -> Any:
         first: Any = cache[0] if cache else None
-        if not (inputs.shape[1] > 1 and type(first) is BatchKVCache):
+        if inputs.shape[1] == 1:  # a decode step: with rows left-padded, one kernel (`few_queries`)
+            with few_queries(self.grid):
+                return self._model(inputs, cache=cache, **kwargs)
+        if type(first) is not BatchKVCache:
             return self._model(inputs, cache=cache, **kwargs)
         if any(_host_list(first.left_padding)):
             return self._padded(inputs, cache, **kwargs)

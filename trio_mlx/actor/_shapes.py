@@ -2,7 +2,9 @@
 scores, the prefill budget's chunks, the shape grid prefills run on under CUDA, and the
 swaps of MLX's fused attention that keep cuDNN from building a graph for every shape it
 meets (`few_queries` for a speculative step, `row_by_row` for a prefill of several
-rows). No mlx-lm here: `_batch.py`'s `CausalPrefill` applies them to the model.
+rows), and the one that gives a left-padded decode step one kernel (`few_queries` at one
+query, `_cuda_attention.py`). No mlx-lm here: `_batch.py`'s `CausalPrefill` applies them
+to the model.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import _cuda_attention
 from ._tuning import MAX_DRAFT
 
 # The bytes one prefill step's attention scores may take. Where MLX has no fused kernel for
@@ -143,13 +146,20 @@ def few_queries(on: bool = True) -> contextlib.AbstractContextManager[None]:
     nearly every step. The matmuls take kernels built for any length. On an H200 the
     verify step of four padded rows (1B shape) took ~9 ms so, against ~19 ms with each
     query attending alone through the fused kernel of one query (BENCHMARKS.md), which is
-    what a step whose scores would pass FEW_SCRATCH does."""
+    what a step whose scores would pass FEW_SCRATCH does.
+
+    One query under an array mask (a decode step of left-padded rows) takes the kernel of
+    `_cuda_attention.py` where it runs, in place of MLX's fallback, which materializes the
+    scores in several kernels a layer."""
     return _attending(_few) if on else contextlib.nullcontext()
 
 
 def _few(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scale: float,
          mask: Any = None, sinks: Any = None, **kwargs: Any) -> Any:
     b, h, n, _ = queries.shape
+    if (n == 1 and sinks is None and not kwargs and _cuda_attention.available()
+            and _cuda_attention.applies(queries, keys, values, mask)):
+        return _cuda_attention.attention(queries, keys, values, scale, mask)
     total = keys.shape[2]
     causal = isinstance(mask, str) and mask == "causal"
     if not 1 < n <= FEW_QUERIES or sinks is not None or kwargs or not (causal or isinstance(mask, mx.array)):
