@@ -78,7 +78,7 @@ from ._shapes import (
     prefill_grid,
 )
 from ._trace import StepTrace
-from ._warmup import WARMUP_PROMPT, prebuild_prefill, rehearse, warm_up
+from ._warmup import WARMUP_PROMPT, prebuild_masked_decode, prebuild_prefill, rehearse, warm_up
 
 log = logging.getLogger("trio_mlx.actor")  # stages of startup; from any thread, through logging
 
@@ -281,8 +281,8 @@ class Actor:
         return bg
 
     def _warmup(self) -> None:
-        """Visit, before the server reports ready, what live traffic will make MLX
-        compile: every prefill group size (`warm_up`), then, on a GPU, a
+        """Visit, before the server reports ready, what live traffic will make MLX compile: every
+        prefill group size (`warm_up`), the grid's prefills and padded decode steps, then, on a GPU, a
         rehearsal of the actor's other paths (`_warmup.rehearse`)."""
         assert self._bg is not None
         gpu = self._gpu
@@ -293,10 +293,10 @@ class Actor:
         if self._grid:
             t0 = time.perf_counter()
             with mx.stream(self._bg.stream):
-                ran = prebuild_prefill(CausalPrefill(self._model, grid=True), len(self._model.layers), token,
+                ran = prebuild_prefill(grid := CausalPrefill(self._model, grid=True), len(self._model.layers), token,
                                        min(self._context, GRID_PREBUILD), grid_sizes(self.config.tuning.prefill_step),
-                                       GRID_PREFIX)
-            log.info("ran %d prefill shapes of the grid in %.2f s", ran, time.perf_counter() - t0)
+                                       GRID_PREFIX) + prebuild_masked_decode(grid, len(self._model.layers), token)
+            log.info("ran %d prefill shapes of the grid and padded decode steps in %.2f s", ran, time.perf_counter() - t0)
         if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens
             rehearse(self, token, length)
         self._reset_batch()

@@ -1,6 +1,7 @@
 """Warm-up: visit, before the server reports ready, every path live traffic will make MLX
 compile, so no request pays a kernel compile (seconds on CUDA): every prefill group size
-(`warm_up`), the shape grid's prefills (`prebuild_prefill`), and a rehearsal of the actor's
+(`warm_up`), the shape grid's prefills (`prebuild_prefill`), the padded decode step's attention
+kernels (`prebuild_masked_decode`), and a rehearsal of the actor's
 own paths through its own steps (`rehearse`). `Actor._warmup` runs them."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from . import _cuda_attention
 from ._admission import Admission
 from ._constrain import json_string_grammar, model_vocab
 from ._prompt_cache import PromptCache
@@ -91,6 +93,26 @@ def prebuild_prefill(forward: Any, layers: int, token: int, limit: int, sizes: l
         forward(mx.full((1, stride), token, dtype=mx.int32), cache=caches)
         mx.eval([a for c in caches for a in (c.keys, c.values)])
         cached += stride
+
+
+def prebuild_masked_decode(forward: Any, layers: int, token: int) -> int:
+    """Run a decode step of two left-padded rows behind a short context and one behind a
+    long context; returns how many steps it ran (2). `forward` is the grid-prefilling model.
+
+    On CUDA, such a step's attention takes `_cuda_attention`'s kernels, which NVRTC
+    compiles (~1 s each) the first time they meet the model's types and head counts: the
+    kernel over all the keys, and the one that splits them with the kernel that combines the
+    splits (a narrow batch behind a long context). Live traffic would otherwise compile them
+    in someone's stream: the first step of rows of different lengths, then the first
+    behind a longer context.
+    """
+    from mlx_lm.models.cache import BatchKVCache
+
+    for keys in (8, 4 * _cuda_attention.MIN_KEYS):
+        caches = [BatchKVCache([0, 1]) for _ in range(layers)]
+        forward(mx.full((2, keys), token, dtype=mx.int32), cache=caches)
+        mx.eval(forward(mx.full((2, 1), token, dtype=mx.int32), cache=caches))
+    return 2
 
 
 class Rehearsed(Protocol):
