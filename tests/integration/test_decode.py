@@ -471,3 +471,108 @@ def test_masks_filled_beside_the_forward_give_the_tokens_of_masks_filled_after_i
     after, none_early = run("after")
     beside, early = run(when)
     assert beside == after and none_early == 0 and early > 10
+
+
+def test_one_masked_query_is_what_the_cuda_kernel_is_given():
+    """`_cuda_attention.applies`: the one-query attention a decode step of left-padded rows
+    makes (B, H, 1, D) under a mask of (1 or B, 1 or H, 1, T), boolean or additive, GQA or
+    not; not several queries, a head size the kernel's lanes do not divide, a mask of
+    another shape, or none."""
+    from trio_mlx.actor._cuda_attention import applies
+
+    q, k = mx.zeros((3, 4, 1, 64)), mx.zeros((3, 2, 9, 64))
+    keep = mx.ones((3, 1, 1, 9), dtype=mx.bool_)
+    assert applies(q, k, k, keep)
+    assert applies(q, k, k, mx.zeros((1, 4, 1, 9)))  # additive, per head, broadcast over rows
+    assert applies(q.astype(mx.bfloat16), k.astype(mx.bfloat16), k.astype(mx.bfloat16), keep)
+    assert not applies(q, k, k, None)
+    assert not applies(mx.zeros((3, 4, 2, 64)), k, k, mx.ones((3, 1, 2, 9), dtype=mx.bool_))  # two queries
+    assert not applies(mx.zeros((3, 4, 1, 80)), mx.zeros((3, 2, 9, 80)), mx.zeros((3, 2, 9, 80)), keep)
+    assert not applies(q, k, k, mx.ones((3, 1, 1, 8), dtype=mx.bool_))  # not one mask value per key
+    assert not applies(q, k, k, mx.ones((2, 1, 1, 9), dtype=mx.bool_))  # rows the batch has not
+    assert not applies(q, k.astype(mx.float16), k.astype(mx.float16), keep)  # keys of another type
+    assert not applies(q, mx.zeros((3, 3, 9, 64)), mx.zeros((3, 3, 9, 64)), keep)  # 4 heads over 3
+
+
+def test_a_kernel_block_takes_the_query_heads_of_one_key_head_that_fit_its_registers():
+    """`_cuda_attention._heads_per_block`: a divisor of the query heads per key head (the
+    block reads one key head), with at most 16 floats of queries a lane (D / 32 each)."""
+    from trio_mlx.actor._cuda_attention import _heads_per_block
+
+    got = {(g, d): _heads_per_block(g, d) for g in (1, 3, 4, 6, 7, 8, 16) for d in (64, 96, 128, 256)}
+    assert got[4, 64] == got[4, 128] == 4 and got[8, 64] == 8 and got[16, 64] == 8 and got[8, 128] == 4
+    assert got[6, 128] == 3 and got[7, 128] == 1 and got[8, 256] == 2 and got[1, 64] == 1
+    assert all(g % n == 0 and n * (d // 32) <= 16 for (g, d), n in got.items())
+
+
+@pytest.fixture(scope="module")
+def model_hd64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trio_mlx.models import _models
+
+    return _models.build_test_model(tmp_path_factory.mktemp("tiny-hd64") / "model", shape="tiny-hd64")
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_left_padded_decode_steps_on_cuda_give_each_layers_attention_to_the_kernel(model_hd64, monkeypatch, kernel):
+    """The actor's decode step as it runs on CUDA (its grid on, forced here), its rows of
+    different lengths (left-padded, so each step's attention has an array mask): where the
+    kernel runs, every layer's one-query attention is handed to `_cuda_attention.attention`
+    with the padding's mask (standing in for the kernel here: the scores as matmuls, what
+    MLX's own attention computes), and every row's greedy tokens are mlx-lm's own; where it
+    does not, nothing is. A row decoding alone is unpadded: its steps have no mask, and
+    MLX's fused attention takes them."""
+    from trio_mlx.actor import _batch, _cuda_attention, _shapes
+
+    real = _batch.few_queries
+    monkeypatch.setattr(_batch, "few_queries", lambda on=True: real(True))
+    monkeypatch.setattr(_cuda_attention, "available", lambda: kernel)
+    given: list[tuple[tuple[int, ...], Any]] = []
+
+    def reference(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
+        given.append((tuple(q.shape), mask))
+        return _shapes.attention(q, k, v, scale, mask)
+
+    monkeypatch.setattr(_cuda_attention, "attention", reference)
+    rng = random.Random(11)
+    actor = _actor(model_hd64, max_batch=4, prefill_batch=4)
+    prompts = {rid: tuple(rng.randrange(3, actor._vocab) for _ in range(n)) for rid, n in ((1, 5), (2, 17), (3, 30))}
+    script = {0: [Submit(rid, p, 12, SamplingParams(temperature=0.0), frozenset()) for rid, p in prompts.items()]}
+    tokens, _ = _serve(actor, script, 16)
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == _reference_greedy(model_hd64, prompt, 12), rid
+    layers = len(actor._model.layers)
+    if not kernel:
+        assert not given
+        return
+    assert len(given) >= 8 * layers  # every step of the three rows, in each layer
+    assert all(shape == (3, 2, 1, 64) and mask.dtype == mx.bool_ and mask.shape[:3] == (3, 1, 1)
+               for shape, mask in given)
+    given.clear()
+    alone = tuple(rng.randrange(3, actor._vocab) for _ in range(9))
+    tokens, _ = _serve(actor, {0: [Submit(9, alone, 6, SamplingParams(temperature=0.0), frozenset())]}, 8)
+    assert tokens[9] == _reference_greedy(model_hd64, alone, 6)
+    assert not given
+
+
+def test_warm_up_runs_the_padded_decode_steps_kernels_whole_and_split(model_hd64, monkeypatch):
+    """`_warmup.prebuild_masked_decode` (CUDA's warm-up, forced here): decode steps of
+    left-padded rows whose attention goes to `_cuda_attention.attention` behind a context
+    short enough for one block over all the keys and one long enough to split them, so
+    that NVRTC compiles both before the server reports ready."""
+    from trio_mlx.actor import _batch, _cuda_attention, _shapes, _warmup
+    from trio_mlx.models import load_model
+
+    monkeypatch.setattr(_cuda_attention, "available", lambda: True)
+    keys: list[int] = []
+
+    def record(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
+        keys.append(k.shape[2])
+        return _shapes.attention(q, k, v, scale, mask)
+
+    monkeypatch.setattr(_cuda_attention, "attention", record)
+    model, config = load_model(model_hd64)
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config["hidden_size"] // heads
+    assert _warmup.prebuild_masked_decode(_batch.CausalPrefill(model, grid=True), len(model.layers), 1) == 2
+    assert len(keys) == 2 * len(model.layers)
+    assert {_cuda_attention.key_splits(2, heads, kv, d, t) > 1 for t in keys} == {False, True}
