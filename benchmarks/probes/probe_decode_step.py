@@ -62,7 +62,13 @@ def submits(mode: str, rows: int, vocab: int, steps: int, rng: random.Random) ->
 
 
 def measure(a: Actor, mode: str, rows: int, steps: int, seed: int) -> dict[str, float]:
-    subs = submits(mode, rows, a._vocab, steps, random.Random(seed))
+    return timed_steps(a, submits(mode, rows, a._vocab, steps, random.Random(seed)), steps)
+
+
+def timed_steps(a: Actor, subs: list[Submit], steps: int) -> dict[str, float]:
+    """`subs` entered and prefilled until every one decodes, then `steps` decode steps timed;
+    every one aborted and the batch run dry after."""
+    rows = len(subs)
     failed = a._apply(subs)
     for _ in range(10_000):  # prefill until every row decodes
         report = a._step(failed or [])

@@ -128,7 +128,7 @@ def steps(model: Path, rows_list: list[int], n_steps: int, rounds: int) -> list[
     sys.path.insert(0, str(Path(__file__).parent))
     import probe_decode_step as pds  # the actor harness
 
-    from trio_mlx.actor import Abort, SamplingParams, Submit
+    from trio_mlx.actor import SamplingParams, Submit
 
     available = _cuda_attention.available
 
@@ -136,23 +136,7 @@ def steps(model: Path, rows_list: list[int], n_steps: int, rounds: int) -> list[
         rng = random.Random(seed)
         subs = [Submit(20_000 + i, tuple(rng.randrange(10, a._vocab) for _ in range(rng.randrange(64, 192))),
                        n_steps + 64, SamplingParams(temperature=0.0), frozenset(), None) for i in range(rows)]
-        failed = a._apply(subs)
-        for _ in range(10_000):
-            report = a._step(failed or [])
-            assert not report.failed, report.failed
-            failed = a._apply([])
-            if a.schedule.decoding == rows:
-                break
-        mx.synchronize()
-        tokens, t0 = 0, time.perf_counter()
-        for _ in range(n_steps):
-            tokens += len(a._step(a._apply([]) or []).tokens)
-        mx.synchronize()
-        seconds = time.perf_counter() - t0
-        a._apply([Abort(s.rid) for s in subs])
-        while a.schedule.seqs or a.schedule.retired:
-            a._step(a._apply([]) or [])
-        return {"tok_s": tokens / seconds, "ms_step": 1e3 * seconds / n_steps}
+        return pds.timed_steps(a, subs, n_steps)
 
     out = []
     for rows in rows_list:
