@@ -573,6 +573,6 @@ def test_warm_up_runs_the_padded_decode_steps_kernels_whole_and_split(model_hd64
     model, config = load_model(model_hd64)
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     d = config["hidden_size"] // heads
-    assert _warmup.prebuild_masked_decode(_batch.CausalPrefill(model, grid=True), len(model.layers), 1) == 2
+    _warmup.prebuild_masked_decode(_batch.CausalPrefill(model, grid=True), len(model.layers), 1)
     assert len(keys) == 2 * len(model.layers)
     assert {_cuda_attention.key_splits(2, heads, kv, d, t) > 1 for t in keys} == {False, True}

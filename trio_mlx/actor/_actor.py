@@ -281,9 +281,8 @@ class Actor:
         return bg
 
     def _warmup(self) -> None:
-        """Visit, before the server reports ready, what live traffic will make MLX compile: every
-        prefill group size (`warm_up`), the grid's prefills and padded decode steps, then, on a GPU, a
-        rehearsal of the actor's other paths (`_warmup.rehearse`)."""
+        """Visit before ready what live traffic would make MLX compile (`_warmup.py`): every prefill
+        group size; on CUDA the grid's prefills and padded decode steps; on a GPU a rehearsal."""
         assert self._bg is not None
         gpu = self._gpu
         length = max(1, min(WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
@@ -293,10 +292,11 @@ class Actor:
         if self._grid:
             t0 = time.perf_counter()
             with mx.stream(self._bg.stream):
-                ran = prebuild_prefill(grid := CausalPrefill(self._model, grid=True), len(self._model.layers), token,
-                                       min(self._context, GRID_PREBUILD), grid_sizes(self.config.tuning.prefill_step),
-                                       GRID_PREFIX) + prebuild_masked_decode(grid, len(self._model.layers), token)
-            log.info("ran %d prefill shapes of the grid and padded decode steps in %.2f s", ran, time.perf_counter() - t0)
+                grid, layers = CausalPrefill(self._model, grid=True), len(self._model.layers)
+                ran = prebuild_prefill(grid, layers, token, min(self._context, GRID_PREBUILD),
+                                       grid_sizes(self.config.tuning.prefill_step), GRID_PREFIX)
+                prebuild_masked_decode(grid, layers, token)
+            log.info("ran %d prefill shapes of the grid, then padded decode steps, in %.2f s", ran, time.perf_counter() - t0)
         if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens
             rehearse(self, token, length)
         self._reset_batch()

@@ -253,6 +253,8 @@ def attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> 
     splits = key_splits(b, h, kv, d, total)
     whole, split, combine = _kernels()
     inputs = [queries, keys, values, mask, _scale(float(scale))]
+    # M is in no source: MLX keys a compiled kernel by its name and these arguments alone,
+    # and the mask's type is in the kernel's signature.
     template = [("T", queries.dtype), ("M", mask.dtype), ("D", d), ("HG", hg), ("WARPS", _WARPS),
                 ("MASK_BOOL", mask.dtype == mx.bool_)]
     grid = (h // hg * 32 * _WARPS, b, splits)

@@ -95,9 +95,9 @@ def prebuild_prefill(forward: Any, layers: int, token: int, limit: int, sizes: l
         cached += stride
 
 
-def prebuild_masked_decode(forward: Any, layers: int, token: int) -> int:
+def prebuild_masked_decode(forward: Any, layers: int, token: int) -> None:
     """Run a decode step of two left-padded rows behind a short context and one behind a
-    long context; returns how many steps it ran (2). `forward` is the grid-prefilling model.
+    long context. `forward` is the grid-prefilling model.
 
     On CUDA, such a step's attention takes `_cuda_attention`'s kernels, which NVRTC
     compiles (~1 s each) the first time they meet the model's types and head counts: the
@@ -112,7 +112,6 @@ def prebuild_masked_decode(forward: Any, layers: int, token: int) -> int:
         caches = [BatchKVCache([0, 1]) for _ in range(layers)]
         forward(mx.full((2, keys), token, dtype=mx.int32), cache=caches)
         mx.eval(forward(mx.full((2, 1), token, dtype=mx.int32), cache=caches))
-    return 2
 
 
 class Rehearsed(Protocol):
