@@ -302,6 +302,71 @@ def test_grammar_masks_auto_goes_before_only_while_the_tokens_were_ready_when_re
     assert slow.early_steps == 0 and decoder.early_steps == 6
 
 
+def test_an_owned_step_fills_masks_early_only_once_its_forward_is_built():
+    """`_owned_step` builds the forward's graph before `masks_first` reads last step's tokens:
+    the fill then overlaps MLX's encoding of the forward (in `step`), not its Python build."""
+    from types import SimpleNamespace
+
+    from trio_mlx.actor import _batch
+
+    events: list[str] = []
+
+    class _Decoder:
+        def masks_first(self, rows: object, inputs: object, first: bool) -> None:
+            events.append("masks_first")
+
+        def step(self, logits: object, rows: object, inputs: object, first: bool, early: object) -> tuple:
+            events.append("step")
+            return mx.array([4]), [7]
+
+    def model(inputs: mx.array, cache: object = None) -> mx.array:
+        events.append("forward")
+        return mx.zeros((1, 1, 8))
+
+    batch = SimpleNamespace(_next_tokens=mx.array([7]), _next_logprobs=[None], prompt_cache=[], model=model,
+                            uids=[1], samplers=[], tokens=[[]])
+    fed, _ = _batch._owned_step(_Decoder(), batch, False)  # type: ignore[arg-type]
+    assert events == ["forward", "masks_first", "step"]
+    assert fed == [7] and batch.tokens == [[7]]
+
+
+def test_grammar_masks_auto_turns_before_down_while_its_read_waits_longer_than_the_masks(monkeypatch):
+    """'auto': once `AUTO_READS` reads made before the forward waited longer than the masks take
+    after it, the steps go 'after' (one goes 'before' every `AUTO_RECHECK` to time the read
+    again); masks that grow slower than that read bring 'before' back."""
+    import time
+
+    monkeypatch.setattr(_decode, "AUTO_READS", 2)
+    monkeypatch.setattr(_decode, "AUTO_RECHECK", 3)
+    monkeypatch.setattr(_decode, "AUTO_WAIT", 0.5)  # every read here counts as ready
+    events: list[str] = []
+    rows, g = _constrained_rows(events)
+    slow = {"mask": 0.0}
+    begin = g.begin
+
+    def timed_begin(token: int | None) -> bool:
+        time.sleep(slow["mask"])
+        return begin(token)
+
+    g.begin = timed_begin  # type: ignore[method-assign]
+    decoder = Decoder(grammar_masks="auto")
+    logits = mx.array(np.tile(LOGITS, (3, 1)))
+
+    def kinds(n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            early = decoder.masks_first(rows, _Fed([1, 2, 3], events, delay=0.02), False)
+            out.append("before" if early else "after")
+            decoder.step(logits, rows, _Fed([1, 2, 3], events, delay=0.02), False, early)
+        return out
+
+    decoder.step(logits, rows, _Fed([1, 2, 3], events), False)  # the first read after, timed
+    assert kinds(10) == ["before", "before", "after", "after", "after", "before", "after", "after", "after",
+                         "before"]
+    slow["mask"] = 0.1  # masks slower than the read: once one is timed (the median of two), 'before'
+    assert kinds(4) == ["after", "before", "before", "before"]
+
+
 def test_a_mask_fill_that_raises_beside_the_forward_raises_from_the_step():
     """What the fill raised in the decoder's thread is raised by `step`, as a fill after the
     forward raises it (the actor then fails the step's rows)."""

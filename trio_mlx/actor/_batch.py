@@ -345,14 +345,10 @@ def _owned_step(decoder: Decoder, batch: Any, first: bool) -> tuple[list[int], l
     batch._current_tokens = inputs
     batch._current_logprobs = batch._next_logprobs
     unmask_unpadded(batch.prompt_cache)
-    early = decoder.masks_first(batch.samplers, inputs, first)  # None, or the masks filling meanwhile
-    try:
-        with adapter_rows(batch.model, batch.uids):
-            logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
-    except BaseException:
-        if early is not None:
-            early.wait()  # its thread holds the rows' matchers
-        raise
+    with adapter_rows(batch.model, batch.uids):
+        logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
+    # None, or the masks filling while `step` has MLX encode the forward just built
+    early = decoder.masks_first(batch.samplers, inputs, first)
     sampled, fed = decoder.step(logits, batch.samplers, inputs, first, early)
     batch._next_tokens = sampled
     batch._next_logprobs = [None] * len(fed)  # kept row-aligned: `filter` and `extend` index it

@@ -39,13 +39,17 @@ GIL and uses threads of its own), then builds and starts the sampling.
 That hides the masks behind the device's work, not the host's: where the step
 is bound by the host building and encoding the forward (a small model; the
 device waits for it), the masks follow that work. With `grammar_masks` 'before'
-(`masks_first`) the step reads last step's tokens before it builds the forward
-and fills the masks in a thread of the decoder's own meanwhile, so the two host
-jobs overlap; it costs the pipelining where the device is the slower side (the
-host waits for last step's tokens before it encodes this one's forward).
+(`masks_first`) the step builds the forward's graph, then reads last step's tokens
+and fills the masks in a thread of the decoder's own while MLX encodes and starts
+the forward (`mx.async_eval` releases the GIL), so the two host jobs overlap; it
+costs the pipelining where the device is the slower side (the host waits for last
+step's tokens before it starts this one's forward).
 'auto' takes 'before' while the tokens were ready when read after the forward
 was started (the device waiting for the host), checked again every
-`AUTO_RECHECK` constrained steps.
+`AUTO_RECHECK` constrained steps, and while the read that 'before' makes first
+waits less than the masks take (what it costs against what it hides: on a GPU
+'before' lost to 'after' at a few rows of a cheap grammar and won at many rows,
+BENCHMARKS.md).
 
 No mlx-lm here: `_batch.py` holds every use of its internals.
 """
@@ -78,7 +82,8 @@ PLAIN_TIMES = 16
 PLAIN_REFRESH = 128
 # `grammar_masks` 'auto': a read of last step's tokens, made after the forward was started,
 # that waited less than this (the median of the last AUTO_READS) says the device waits for the
-# host; constrained steps between two such reads.
+# host; constrained steps between two such reads, and between two 'before' steps that time
+# the read it makes first again while that read waited longer than the masks took.
 AUTO_WAIT = 0.0002
 AUTO_READS = 8
 AUTO_RECHECK = 32
@@ -272,6 +277,12 @@ class Decoder:
         self._masker: ThreadPoolExecutor | None = None  # 'before': the masks' thread
         self._late_reads: collections.deque[float] = collections.deque(maxlen=AUTO_READS)
         self._since_read = 0  # 'auto': constrained steps since the last read after the forward
+        # 'auto': the host's mask work of the last steps that filled after the forward, the waits
+        # of the last reads made before it was started, and the steps since 'before' was last
+        # turned down for waiting longer than the masks take
+        self._mask_times: collections.deque[float] = collections.deque(maxlen=AUTO_READS)
+        self._early_reads: collections.deque[float] = collections.deque(maxlen=AUTO_READS)
+        self._held_after = 0
         self.early_steps = 0  # constrained steps whose masks were filled beside their forward
         self._plan: _Plan | None = None
         self._executor: Any = None  # llguidance's thread pool, made at the first batch of masks
@@ -308,11 +319,11 @@ class Decoder:
         return width not in self.plain_steps or self.speculated[width] >= PLAIN_REFRESH
 
     def masks_first(self, rows: Sequence[DecodeRow], inputs: Any, first: bool) -> _Early | None:
-        """Before the forward of `inputs` is built: for a batch with grammar rows, when
-        `grammar_masks` says so, read `inputs` (last step's tokens) now and start filling the
-        rows' masks in the decoder's thread, which `step` then joins (the module docstring
-        says when this pays). None: the masks are left to `step`. A caller that fails before
-        `step` must `wait` for the fill."""
+        """Once the forward of `inputs` is built, before it is started: for a batch with
+        grammar rows, when `grammar_masks` says so, read `inputs` (last step's tokens) now and
+        start filling the rows' masks in the decoder's thread, which `step` joins after
+        starting the forward (the module docstring says when this pays). None: the masks are
+        left to `step`. A caller that fails before `step` must `wait` for the fill."""
         if self.grammar_masks == "after" or self._vocab is None:
             return None
         plan = self._plan_for(rows, self._vocab)
@@ -322,12 +333,32 @@ class Decoder:
             self._since_read += 1
             reads = self._late_reads
             if not reads or self._since_read > AUTO_RECHECK or statistics.median(reads) >= AUTO_WAIT:
-                return None  # `step` reads after the forward, and times the read
+                return None  # `step` reads after the forward, and times the read and the masks
+            if self._waits_past_masks():
+                return None
+        t0 = time.perf_counter()
         fed: list[int] = inputs.tolist()  # type: ignore[assignment]
+        if self.grammar_masks == "auto":
+            self._early_reads.append(time.perf_counter() - t0)
         if self._masker is None:
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="trio-mlx-masks")
         self.early_steps += 1
         return _Early(fed, self._masker.submit(self._fill_masks, plan, None if first else fed))
+
+    def _waits_past_masks(self) -> bool:
+        """'auto': whether reading last step's tokens before the forward is started waited
+        longer (the median of the last reads) than the masks take the host, so that 'before'
+        would lose more than it hides; every `AUTO_RECHECK` steps so turned down, one goes
+        'before' to time the read again."""
+        early, masks = self._early_reads, self._mask_times
+        if len(early) < AUTO_READS or not masks or statistics.median(early) < statistics.median(masks):
+            self._held_after = 0
+            return False
+        self._held_after += 1
+        if self._held_after > AUTO_RECHECK:
+            self._held_after = 0
+            return False
+        return True
 
     def step(self, logits: Any, rows: Sequence[DecodeRow], inputs: Any, first: bool,
              early: _Early | None = None) -> tuple[Any, list[int]]:
@@ -357,7 +388,10 @@ class Decoder:
             if self.grammar_masks == "auto":
                 self._late_reads.append(time.perf_counter() - t0)
                 self._since_read = 0
+                t0 = time.perf_counter()
             masks = self._masks(plan, None if first else fed)
+            if self.grammar_masks == "auto":
+                self._mask_times.append(time.perf_counter() - t0)
         sampled, outputs = self._sample(plan, logits, masks)
         mx.async_eval(sampled, *outputs)
         if fed is None:

@@ -97,9 +97,10 @@ class ActorTuning:
         "(mlx-lm's BatchGenerator step, a sampler and logits processors per row), to compare the two"))
     grammar_masks: str = field(default="after", metadata=doc(  # `_decode.py`
         "when a decode step fills its constrained sequences' grammar masks: 'after' the forward is "
-        "started (while the device runs it), 'before' (last step's tokens read first, the masks filled "
-        "in a thread while the host builds and starts the forward: for steps bound by the host), or "
-        "'auto' ('before' while the device is seen waiting for the host); with decode_step 'owned'"))
+        "started (while the device runs it), 'before' (the forward built, then last step's tokens read and "
+        "the masks filled in a thread while MLX encodes and starts it: for steps bound by the host), or "
+        "'auto' ('before' while the device is seen waiting for the host and reading first waits less "
+        "than the masks take); with decode_step 'owned'"))
     # `_speculate.py` (the rules), `_drafting.py` (the drafters), `_spec_step.py` (the step).
     speculative: str | None = field(default=None, metadata=doc(
         "speculative decoding, for the sequences of a batch of up to speculative_max_rows: 'ngram' (prompt "
