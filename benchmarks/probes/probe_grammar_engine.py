@@ -3,6 +3,8 @@
     python benchmarks/probes/probe_grammar_engine.py MODEL_DIR [BATCH] [TOKENS] [ROUNDS] [string|array]
     GRAMMAR_MASKS=before python benchmarks/probes/probe_grammar_engine.py ...  # or auto (default: after)
     SHARES=1 python benchmarks/probes/probe_grammar_engine.py ...  # 100% constrained alone (default: 0.5,1)
+    BUDGET=off python benchmarks/probes/probe_grammar_engine.py ...  # no row measures its budget
+    MODES=after,before python benchmarks/probes/probe_grammar_engine.py ...  # modes paired in one engine
 
 Asked through the runtime as a server runs it: an `Engine` (thread actor, warmed up) gets BATCH
 concurrent greedy `generate` requests of at most TOKENS tokens each, 0%, 50% and 100% of them
@@ -14,6 +16,17 @@ long string, where most tokens are allowed, every step; no budget can complete i
 run to max_tokens. `array`: an array of 60 strings of at most 12 characters, a schema whose
 completion is long, so the per-row budget checks run every step, and whose rows end before
 max_tokens (the budget closes the JSON), each at its own step.
+
+`MODES=after,before` (or any modes of `GRAMMAR_MASKS`): one engine runs every constrained batch
+once under each mode in every round (the order alternating), the matched free run shared, so the
+modes are compared inside one process and one round, where the host's drift between engines does
+not reach; prints each mode's figures and, per round, each mode's constrained rate over the
+first's (the same tokens under every mode). The mode is switched on the actor's `Decoder` between
+batches (a thread actor, in this process).
+
+`BUDGET=off`: no constrained row ever measures itself against its max_tokens (its first
+check is put past any step), so the figures leave out what the budget checks cost; an array's
+rows may then run to max_tokens with unfinished JSON (a timing experiment only).
 
 Free rows run with `ignore_eos`. Three figures per constrained share, each a ratio of tokens/s:
 
@@ -114,7 +127,76 @@ def describe(counts: list[int], tokens: int) -> str:
             f"{sum(counts) / (len(counts) * tokens):.0%} of the full batch's")
 
 
+def _no_budget_checks() -> None:
+    """`BUDGET=off`: every GrammarProcessor made from now on has its first check out of reach."""
+    from trio_mlx.actor import _constrain
+
+    init = _constrain.GrammarProcessor.__init__
+
+    def unchecked(self: _constrain.GrammarProcessor, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        self._check_at = 1 << 62
+
+    _constrain.GrammarProcessor.__init__ = unchecked  # type: ignore[method-assign]
+
+
+# The mode every decode step takes under `MODES` (`_switch_modes`), and the steps under each
+# whose masks were filled beside the forward's encoding (`masks_first` took them).
+MODE = ["after"]
+EARLY: dict[str, int] = {}
+
+
+def _switch_modes() -> None:
+    """`MODES`: every Decoder takes `MODE[0]` at each step (`masks_first` starts every grammar
+    step, and `step` follows what it chose)."""
+    from trio_mlx.actor import _decode
+
+    first = _decode.Decoder.masks_first
+
+    def switched(self: _decode.Decoder, *args: object, **kwargs: object) -> object:
+        self.grammar_masks = MODE[0]
+        early = first(self, *args, **kwargs)  # type: ignore[arg-type]
+        if early is not None:
+            EARLY[MODE[0]] = EARLY.get(MODE[0], 0) + 1
+        return early
+
+    _decode.Decoder.masks_first = switched  # type: ignore[method-assign,assignment]
+
+
+async def paired_modes(engine: trio_mlx.Engine, batch: int, tokens: int, rounds: int, modes: list[str]) -> None:
+    """`MODES`: 100% constrained under each mode against free rows with the same tokens."""
+    MODE[0] = modes[0]
+    counts = (await level(engine, batch, tokens, 1.0)).counts
+    print(f"warm-up: {describe(counts, tokens)}", flush=True)
+    fair: dict[str, list[float]] = {m: [] for m in modes}
+    full: dict[str, list[float]] = {m: [] for m in modes}
+    over: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        free = await level(engine, batch, tokens, 0.0)
+        same = await level(engine, batch, tokens, 1.0, limits=counts)
+        got: dict[str, Level] = {}
+        for m in modes if r % 2 == 0 else modes[::-1]:
+            MODE[0] = m
+            got[m] = await level(engine, batch, tokens, 1.0)
+        for m in modes:
+            fair[m].append(got[m].rate / same.rate)
+            full[m].append(got[m].full / free.full)
+            over[m].append(got[m].rate / got[modes[0]].rate)
+        print(f"round {r + 1}: free {free.rate:.0f} tok/s, same tokens free {same.rate:.0f}, "
+              + ", ".join(f"{m} {got[m].rate:.0f} ({got[m].rate / got[modes[0]].rate:.2f}x {modes[0]})"
+                          for m in modes), flush=True)
+    for m in modes:
+        print(f"{m}: {statistics.median(fair[m]):.2f}x of free rows with the same tokens (fair), "
+              f"{statistics.median(full[m]):.2f}x at full width, {statistics.median(over[m]):.2f}x {modes[0]} "
+              f"(medians over {rounds} rounds); {EARLY.get(m, 0)} steps filled their masks early")
+
+
 async def main() -> None:
+    if os.environ.get("BUDGET") == "off":
+        _no_budget_checks()
+    modes = [m for m in os.environ.get("MODES", "").split(",") if m]
+    if modes:
+        _switch_modes()
     path = sys.argv[1]
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 32
     tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 256
@@ -123,6 +205,10 @@ async def main() -> None:
     FORMAT = ARRAY if len(sys.argv) > 5 and sys.argv[5] == "array" else STRING
     shares = [s for s in SHARES if s]
     masks = os.environ.get("GRAMMAR_MASKS", "after")  # ActorTuning.grammar_masks
+    if modes:
+        async with trio_mlx.open_engine(path, max_batch=batch, prefill_batch=min(batch, 8)) as engine:
+            await paired_modes(engine, batch, tokens, rounds, modes)
+        return
     async with trio_mlx.open_engine(path, max_batch=batch, prefill_batch=min(batch, 8),
                                     grammar_masks=masks) as engine:
         # warm-up: the grammar path's kernels (an array needs room for its sure completion),

@@ -8,7 +8,7 @@
 #                  c=4,16,64, no speculation
 #   run.sh lookup  the same at c=4 with prompt lookup, two rounds
 #   run.sh long    the same with 3,072-token prompts at c=16,64, two rounds
-#   run.sh spread  c=64 with max_tokens drawn from 64-192 (rows that end apart), new then old
+#   run.sh spread R  c=64 with max_tokens drawn from 64-192 (rows that end apart), round R as bench
 # bench and lookup run only after a check that passed on this machine (/root/check-passed).
 # Needs OUT, NEW and OLD (trees' roots); builds the random bf16 1B shape at /root/m1b.
 set -u
@@ -38,7 +38,7 @@ probes)
 bench|lookup|long|spread)
   [ -f /root/check-passed ] || { P "no check passed here"; exit 1; }
   model_1b
-  if [ "$1" = bench ]; then rounds=$2; elif [ "$1" = spread ]; then rounds=1; else rounds="1 2"; fi
+  if [ "$1" = bench ]; then rounds=$2; elif [ "$1" = spread ]; then rounds=${2:-1}; else rounds="1 2"; fi
   for r in $rounds; do
     if [ $r = 1 ]; then order="new old"; else order="old new"; fi
     for code in $order; do
@@ -46,7 +46,7 @@ bench|lookup|long|spread)
       P "== $1 round $r $code $(date +%T)"
       ( if [ $code = old ]; then export PYTHONPATH=$OLD; else export PYTHONPATH=$NEW; fi
         if [ "$1" = spread ]; then
-          timeout 60 python3 -m trio_mlx.cli bench --engine --model /root/m1b --concurrency 64 --requests-multiple 4 \
+          timeout 150 python3 -m trio_mlx.cli bench --engine --model /root/m1b --concurrency 64 --requests-multiple 4 \
             --max-tokens 128 --max-tokens-spread 0.5 --prompt-tokens 128 --quiet --out "$f" > /dev/null 2>&1
         elif [ "$1" = long ]; then
           timeout 95 python3 -m trio_mlx.cli bench --engine --model /root/m1b --concurrency 16,64 \
