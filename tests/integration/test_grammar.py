@@ -398,6 +398,37 @@ def test_a_grammar_start_is_walked_once(tiny: tuple[Any, Any], monkeypatch: pyte
     assert procs[1]._tail == tails[1] and len(procs[1]._tail) == len(procs[0]._tail) + 1
 
 
+def test_rows_that_share_a_grammar_compile_it_once(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows of one grammar text start from copies of one matcher: llguidance compiles it
+    for the first row alone (milliseconds for an agent's tools, on the actor thread), and each
+    row's matcher is its own. A grammar that does not compile is refused every time, not kept."""
+    import types
+
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, FORMATS[2][1])
+    assert grammar is not None
+    tail = finish(llguidance.LLMatcher(vocab.tokenizer, grammar.source, log_level=0), vocab)
+    assert tail and len(tail) >= 3
+    built: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        built.append(1)
+        return llguidance.LLMatcher(*args, **kwargs)
+
+    monkeypatch.setattr(_constrain, "llguidance", types.SimpleNamespace(LLMatcher=counted))
+    _constrain._STARTS.pop(vocab, None)
+    procs = [GrammarProcessor(vocab, grammar.source, 40) for _ in range(3)]
+    assert len(built) == 1
+    fed = _masks_of(procs[0], tail[:3])
+    assert np.array_equal(_masks_of(procs[1], tail[:3]), fed)  # the second row starts where the first did
+    assert np.array_equal(_masks_of(procs[2], []), fed[:1])  # ... and the third, untouched by both
+    for _ in range(2):
+        with pytest.raises(ValueError, match="does not compile"):
+            GrammarProcessor(vocab, "start: nowhere", 40)
+    assert len(built) == 3 and "start: nowhere" not in _constrain._STARTS[vocab]
+
+
 def test_jump_walks_only_for_tokens_that_open_something(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside a JSON string every opener is text or the completion's own closing quote:
     `jump` finds that by validating, with no walk; after a key's colon, a value that

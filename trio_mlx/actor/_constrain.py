@@ -115,6 +115,33 @@ _START_TAILS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, list[int]
 _START_TAILS_KEPT = 64
 
 
+# A matcher at the start of each grammar text, whose copies start the rows that share it (a
+# tool set, a response format sent by many clients): building a matcher compiles its grammar,
+# milliseconds for an agent's tools (about 10 for fifteen tools), on the actor thread while
+# every row waits, where a copy takes about a microsecond. Bounded: a
+# grammar's lexer grows as rows use it. Arbitrary.
+_STARTS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, llguidance.LLMatcher]] = (
+    weakref.WeakKeyDictionary())
+_STARTS_KEPT = 16
+
+
+def _start_matcher(vocab: GrammarVocab, grammar: str) -> llguidance.LLMatcher:
+    """A matcher of `grammar` at its start, of the row's own (a copy of the kept one); one in
+    error (the grammar does not compile) is not kept. Call on the actor thread."""
+    kept = _STARTS.setdefault(vocab, OrderedDict())
+    start = kept.get(grammar)
+    if start is None:
+        start = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
+        if start.is_error():
+            return start
+        kept[grammar] = start
+        if len(kept) > _STARTS_KEPT:
+            kept.popitem(last=False)
+    else:
+        kept.move_to_end(grammar)
+    return start.deep_copy()
+
+
 class GrammarProcessor:
     """Masks one row's logits to what its grammar allows; construct it on the actor thread."""
 
@@ -122,7 +149,7 @@ class GrammarProcessor:
         self._vocab = vocab
         self._grammar = grammar
         try:
-            self._matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
+            self._matcher = _start_matcher(vocab, grammar)
         except BaseException as exc:  # a Rust panic is a BaseException: the row fails, not the actor
             if not is_panic(exc):
                 raise
