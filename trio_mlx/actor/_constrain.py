@@ -118,8 +118,8 @@ _START_TAILS_KEPT = 64
 # A matcher at the start of each grammar text, whose copies start the rows that share it (a
 # tool set, a response format sent by many clients): building a matcher compiles its grammar,
 # milliseconds for an agent's tools (about 10 for fifteen tools), on the actor thread while
-# every row waits, where a copy takes about a microsecond. Bounded: a
-# grammar's lexer grows as rows use it. Arbitrary.
+# every row waits, where a copy takes about a microsecond. Bounded, since a grammar's lexer
+# grows as rows use it; arbitrary.
 _STARTS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, llguidance.LLMatcher]] = (
     weakref.WeakKeyDictionary())
 _STARTS_KEPT = 16
