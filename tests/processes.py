@@ -40,12 +40,19 @@ class Proc:
         self.has_url = trio.Event()
 
     async def pump(self) -> None:
+        """Collect stderr until the process closes it. Cancelled first (its test's nursery
+        ended: the test failed, or was done with the server), it kills the process, so that
+        no server outlives its test and loads the tests that follow."""
         assert self.proc.stderr is not None
-        async for chunk in self.proc.stderr:
-            self.log += chunk
-            if self.url is None and (m := re.search(rb"Running on (http://\S+)", self.log)):
-                self.url = m.group(1).decode()
-                self.has_url.set()
+        try:
+            async for chunk in self.proc.stderr:
+                self.log += chunk
+                if self.url is None and (m := re.search(rb"Running on (http://\S+)", self.log)):
+                    self.url = m.group(1).decode()
+                    self.has_url.set()
+        except trio.Cancelled:
+            self.proc.kill()  # a no-op once it has exited (the signal is sent after a poll)
+            raise
 
     @property
     def text(self) -> str:
