@@ -88,8 +88,7 @@ async def test_connections_over_the_cap_get_503_at_once_and_slow_bodies_are_cut(
         finally:
             for s in held:
                 s.close()
-            p.proc.kill()
-            nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()  # kills the server (`processes.start`)
 
 
 def _probe_then_goaway(port: int) -> None:
@@ -125,8 +124,7 @@ async def _probed(model: Path, probe: Callable[[int], None], times: int) -> Proc
             assert p.proc.returncode is None, p.text[-3000:]
             return p
         finally:
-            p.proc.kill()
-            nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()  # kills the server (`processes.start`)
 
 
 async def test_http2_probes_that_hang_up_mid_answer_leave_the_server_serving(tiny_model_fp32) -> None:

@@ -174,6 +174,4 @@ async def test_conversations_stick_to_their_replica_and_survive_one_replica_kill
                 os.killpg(router.pid, signal.SIGKILL)
                 with trio.move_on_after(10):
                     await router.wait()
-            for p in replicas:
-                p.proc.kill()
-            nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()  # kills the replicas (`processes.start`)
