@@ -183,8 +183,7 @@ async def paired_modes(engine: trio_mlx.Engine, batch: int, tokens: int, rounds:
             full[m].append(got[m].full / free.full)
             over[m].append(got[m].rate / got[modes[0]].rate)
         print(f"round {r + 1}: free {free.rate:.0f} tok/s, same tokens free {same.rate:.0f}, "
-              + ", ".join(f"{m} {got[m].rate:.0f} ({got[m].rate / got[modes[0]].rate:.2f}x {modes[0]})"
-                          for m in modes), flush=True)
+              + ", ".join(f"{m} {got[m].rate:.0f} ({over[m][-1]:.2f}x {modes[0]})" for m in modes), flush=True)
     for m in modes:
         print(f"{m}: {statistics.median(fair[m]):.2f}x of free rows with the same tokens (fair), "
               f"{statistics.median(full[m]):.2f}x at full width, {statistics.median(over[m]):.2f}x {modes[0]} "
