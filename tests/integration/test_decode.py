@@ -197,6 +197,9 @@ class _OnlyToken4:
     def bind(self, row: np.ndarray) -> None:
         self.row = row
 
+    def consumes(self, token: int | None) -> bool:
+        return False  # `begin` takes the token: no batch consume
+
     def begin(self, token: int | None) -> bool:
         if self.fail is not None:
             raise self.fail
@@ -283,6 +286,7 @@ def test_grammar_masks_auto_goes_before_only_while_the_tokens_were_ready_when_re
     (the device behind the host) keeps them after."""
     monkeypatch.setattr(_decode, "AUTO_RECHECK", 3)
     monkeypatch.setattr(_decode, "AUTO_WAIT", 0.05)  # a read here takes microseconds, unless preempted
+    monkeypatch.setattr(_decode, "AUTO_ROWS", 1)  # the one grammar row here is enough
     events: list[str] = []
     rows, g = _constrained_rows(events)
     decoder = Decoder(grammar_masks="auto")
@@ -300,6 +304,31 @@ def test_grammar_masks_auto_goes_before_only_while_the_tokens_were_ready_when_re
         assert early is None
         slow.step(logits, rows, _Fed([1, 2, 3], events, delay=0.1), False, early)
     assert slow.early_steps == 0 and decoder.early_steps == 6
+
+
+def test_grammar_masks_auto_keeps_the_masks_of_few_grammar_rows_after_the_forward(monkeypatch):
+    """'auto': a batch with fewer than `AUTO_ROWS` grammar rows fills its masks after the
+    forward, however ready the tokens were; with as many, before it."""
+    monkeypatch.setattr(_decode, "AUTO_WAIT", 0.5)  # every read here counts as ready
+    monkeypatch.setattr(_decode, "AUTO_ROWS", 2)
+    events: list[str] = []
+    rows, g = _constrained_rows(events)
+    decoder = Decoder(grammar_masks="auto")
+    logits = mx.array(np.tile(LOGITS, (3, 1)))
+
+    def kinds(rows: list[DecodeRow], n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            early = decoder.masks_first(rows, _Fed([1, 2, 3], events), False)
+            out.append("before" if early else "after")
+            decoder.step(logits, rows, _Fed([1, 2, 3], events), False, early)
+        return out
+
+    decoder.step(logits, rows, _Fed([1, 2, 3], events), False)
+    assert kinds(rows, 4) == ["after"] * 4 and decoder.early_steps == 0
+    two = [rows[0], DecodeRow(SamplingParams(temperature=1.0), PROMPT, _OnlyToken4(events)), rows[2]]  # type: ignore[arg-type]
+    decoder.step(logits, two, _Fed([1, 2, 3], events), False)
+    assert kinds(two, 3) == ["before"] * 3 and decoder.early_steps == 3
 
 
 def test_an_owned_step_fills_masks_early_only_once_its_forward_is_built():
@@ -339,6 +368,7 @@ def test_grammar_masks_auto_turns_before_down_while_its_read_waits_longer_than_t
     monkeypatch.setattr(_decode, "AUTO_READS", 2)
     monkeypatch.setattr(_decode, "AUTO_RECHECK", 3)
     monkeypatch.setattr(_decode, "AUTO_WAIT", 0.5)  # every read here counts as ready
+    monkeypatch.setattr(_decode, "AUTO_ROWS", 1)
     events: list[str] = []
     rows, g = _constrained_rows(events)
     slow = {"mask": 0.0}
@@ -520,6 +550,7 @@ def test_masks_filled_beside_the_forward_give_the_tokens_of_masks_filled_after_i
     the forward or beside it, and beside it is what the steps did ('auto' switching between
     the two: every read counts as ready here, the CPU's being as slow as the box is busy)."""
     monkeypatch.setattr(_decode, "AUTO_WAIT", 60.0)
+    monkeypatch.setattr(_decode, "AUTO_ROWS", 1)  # the batch holds at most 4 grammar rows
     from trio_mlx.actor import Grammar
     from trio_mlx.actor._constrain import json_string_grammar, model_vocab
 

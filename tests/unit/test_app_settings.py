@@ -35,10 +35,12 @@ def test_environment_variables_are_parsed_strictly():
 
 def test_grammar_masks_before_the_forward_needs_the_owned_step():
     """mlx-lm's step fills each row's mask in its own processor: only the owned step can fill
-    them beside the forward."""
+    them beside the forward. 'auto', the default, is 'after' with mlx-lm's step."""
     assert Settings.from_env({"TRIO_MLX_GRAMMAR_MASKS": "before"}).tuning.grammar_masks == "before"
-    with pytest.raises(ValueError, match="grammar_masks 'before' and 'auto' need decode_step 'owned'"):
-        Settings.from_env({"TRIO_MLX_GRAMMAR_MASKS": "auto", "TRIO_MLX_DECODE_STEP": "mlx"})
+    with pytest.raises(ValueError, match="grammar_masks 'before' needs decode_step 'owned'"):
+        Settings.from_env({"TRIO_MLX_GRAMMAR_MASKS": "before", "TRIO_MLX_DECODE_STEP": "mlx"})
+    assert Settings.from_env({}).tuning.grammar_masks == "auto"
+    assert Settings.from_env({"TRIO_MLX_DECODE_STEP": "mlx"}).tuning.grammar_masks == "auto"
 
 
 def test_prompt_cache_isolation_by_key_needs_keys():
@@ -122,7 +124,7 @@ def test_the_prefill_budget_reaches_the_actor_with_one_default():
 
 # A text each str knob accepts (any text for the others); every other kind has one below.
 _SAMPLE_TEXT = {"decode_step": "mlx", "speculative": "ngram", "ngram_size": "2", "adapters": "x=/tmp/x",
-                "grammar_masks": "auto"}
+                "grammar_masks": "after"}
 _KIND_TEXT = {"int": "3", "float": "0.5", "bool": "off"}
 
 

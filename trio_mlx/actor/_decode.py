@@ -44,12 +44,12 @@ and fills the masks in a thread of the decoder's own while MLX encodes and start
 the forward (`mx.async_eval` releases the GIL), so the two host jobs overlap; it
 costs the pipelining where the device is the slower side (the host waits for last
 step's tokens before it starts this one's forward).
-'auto' takes 'before' while the tokens were ready when read after the forward
-was started (the device waiting for the host), checked again every
-`AUTO_RECHECK` constrained steps, and while the read that 'before' makes first
-waits less than the masks take (what it costs against what it hides: on a GPU
-'before' lost to 'after' at a few rows of a cheap grammar and won at many rows,
-BENCHMARKS.md).
+'auto' (`ActorTuning`'s default) takes 'before' while the tokens were ready when read after
+the forward was started (the device waiting for the host), checked again every
+`AUTO_RECHECK` constrained steps, while the batch holds `AUTO_ROWS` grammar rows
+or more, and while the read that 'before' makes first waits less than the masks
+take (what it costs against what it hides: on a GPU 'before' lost to 'after' at
+one row of a cheap grammar and won at eight and 64 rows, BENCHMARKS.md).
 
 No mlx-lm here: `_batch.py` holds every use of its internals.
 """
@@ -87,6 +87,12 @@ PLAIN_REFRESH = 128
 AUTO_WAIT = 0.0002
 AUTO_READS = 8
 AUTO_RECHECK = 32
+# `grammar_masks` 'auto': a batch with fewer grammar rows than this keeps its masks after the
+# forward. On an H200 (the 1B shape, a JSON string's grammar, paired in one engine) 'before'
+# made 0.74-0.96x of 'after' at one row, its masks handed to the decoder's thread for
+# little to hide, and 1.05-1.37x at eight rows and 1.07-1.18x at 64 (BENCHMARKS.md); between
+# one and eight nothing is measured, so those stay with 'after', which loses nothing.
+AUTO_ROWS = 8
 
 
 def _measure_all(grammars: list[GrammarProcessor], matchers: list[Any]) -> None:
@@ -330,6 +336,8 @@ class Decoder:
         if not plan.grammar:
             return None
         if self.grammar_masks == "auto":
+            if len(plan.grammar) < AUTO_ROWS:
+                return None
             self._since_read += 1
             reads = self._late_reads
             if not reads or self._since_read > AUTO_RECHECK or statistics.median(reads) >= AUTO_WAIT:

@@ -95,12 +95,13 @@ class ActorTuning:
         "the actor's decode step: 'owned' (one forward over the decoding batch, every row's sampling "
         "batched on the device, the next step started before this one's tokens are read) or 'mlx' "
         "(mlx-lm's BatchGenerator step, a sampler and logits processors per row), to compare the two"))
-    grammar_masks: str = field(default="after", metadata=doc(  # `_decode.py`
+    grammar_masks: str = field(default="auto", metadata=doc(  # `_decode.py`
         "when a decode step fills its constrained sequences' grammar masks: 'after' the forward is "
         "started (while the device runs it), 'before' (the forward built, then last step's tokens read and "
         "the masks filled in a thread while MLX encodes and starts it: for steps bound by the host), or "
-        "'auto' ('before' while the device is seen waiting for the host and reading first waits less "
-        "than the masks take); with decode_step 'owned'"))
+        "'auto' ('before' while the device is seen waiting for the host, the batch holds 8 constrained "
+        "sequences or more, and reading first waits less than the masks take); 'before' needs decode_step 'owned', "
+        "and with decode_step 'mlx' 'auto' is 'after'"))
     # `_speculate.py` (the rules), `_drafting.py` (the drafters), `_spec_step.py` (the step).
     speculative: str | None = field(default=None, metadata=doc(
         "speculative decoding, for the sequences of a batch of up to speculative_max_rows: 'ngram' (prompt "
@@ -203,9 +204,9 @@ class ActorTuning:
             raise ValueError(f"decode_step must be 'owned' or 'mlx', got {self.decode_step!r}")
         if self.grammar_masks not in ("after", "before", "auto"):
             raise ValueError(f"grammar_masks must be 'after', 'before' or 'auto', got {self.grammar_masks!r}")
-        if self.grammar_masks != "after" and self.decode_step != "owned":
-            raise ValueError("grammar_masks 'before' and 'auto' need decode_step 'owned' (mlx-lm's step "
-                             "fills each row's mask in its own processor)")
+        if self.grammar_masks == "before" and self.decode_step != "owned":
+            raise ValueError("grammar_masks 'before' needs decode_step 'owned' (mlx-lm's step fills each "
+                             "row's mask in its own processor)")
         for name in ("num_draft_tokens", "ngram_size"):
             value = getattr(self, name)
             if value is None:
