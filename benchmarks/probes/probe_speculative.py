@@ -1,9 +1,12 @@
 """Probe: speculative decoding through the engine, on a workload that repeats its context.
 
     PYTHONPATH=. python benchmarks/probes/probe_speculative.py [--model M] [--draft D]
-        [--rounds 3] [--configs off,ngram,draft] [--max-tokens 400] [--chars 3000] [--out F.json]
+        [--rounds 3] [--configs off,ngram,draft] [--max-tokens 400] [--chars 3000]
+        [--workload repeat|edit] [--out F.json]
 
-The passage is `repeat_passage.txt`, beside this file. For each
+The workload: `repeat` asks the model to repeat `repeat_passage.txt` (beside this file);
+`edit` hands it `edit_passage.txt` (2,000 characters of Python) and asks for the file
+rewritten with one identifier renamed, as an agent's edit asks. For each
 round and each configuration (off / `speculative="ngram"` / a draft model: `--draft`,
 default the model itself, which keeps every draft), one engine at a time, in
 alternating order: a greedy chat request at c=1 that asks the model (default: the
@@ -13,6 +16,12 @@ Prints per request decode tokens/s (completion tokens after the first over the t
 after the first token), TTFT (and the first request's after the engine is ready: a
 compile stall would show there), the acceptance rate from `usage`, and whether each
 configuration's text equals the first one's; then the median speed-up over "off".
+
+What there is to draft is what the model wrote, and a 135M model does not always copy:
+it may loop on a line of its own instead. So each answer is also split into 20-character
+pieces, counted as `copied` (found in the prompt), `looped` (not in the prompt, found
+earlier in the answer) or new: prompt lookup drafts the first two well, and only a
+`copied` answer is the workload the name promises.
 """
 
 from __future__ import annotations
@@ -35,6 +44,25 @@ def passage(chars: int) -> str:
     # depends on every character of it (a later version of the module drew a 36-token answer)
     text = (Path(__file__).parent / "repeat_passage.txt").read_text()
     return text[:chars]
+
+
+EDIT = ("Here is a Python file:\n\n```python\n{src}\n```\n\nRewrite this file with one change: rename "
+        "`WidthJudge` to `BatchWidthJudge`. Output the whole file.")
+
+
+def pieces(text: str, prompt: str, size: int = 20) -> dict[str, float]:
+    """The answer's `size`-character pieces: the fraction found in the prompt (`copied`), and
+    of the rest the fraction found earlier in the answer (`looped`)."""
+    starts = range(0, max(0, len(text) - size), size)
+    copied = looped = 0
+    for i in starts:
+        piece = text[i : i + size]
+        if piece in prompt:
+            copied += 1
+        elif piece in text[:i]:
+            looped += 1
+    n = max(1, len(starts))
+    return {"copied": copied / n, "looped": looped / n}
 
 
 async def one(engine, prompt: str, max_tokens: int) -> dict:
@@ -77,9 +105,13 @@ async def main() -> None:
     p.add_argument("--chars", type=int, default=3000)
     p.add_argument("--max-tokens", type=int, default=400)
     p.add_argument("--configs", default="off,ngram,draft")
+    p.add_argument("--workload", choices=("repeat", "edit"), default="repeat")
     p.add_argument("--out", default="spec.json")
     a = p.parse_args()
-    prompt = "Repeat the following text exactly, from its first line to its last:\n\n" + passage(a.chars)
+    if a.workload == "edit":
+        prompt = EDIT.format(src=(Path(__file__).parent / "edit_passage.txt").read_text())
+    else:
+        prompt = "Repeat the following text exactly, from its first line to its last:\n\n" + passage(a.chars)
     configs = {"off": {}, "ngram": {"speculative": "ngram"},
                "draft": {"draft_model": a.draft or a.model or "default"}}
     for name in a.configs.split(","):  # ngramK: prompt lookup drafting up to K tokens a step
@@ -108,6 +140,7 @@ async def main() -> None:
                     texts.setdefault(f"{c}", got[0]["text"])
                     row["same_text_as_first_config"] = got[0]["text"] == texts[f"{c}"]
                     row["text"] = got[0]["text"]
+                    row.update(pieces(got[0]["text"], prompt))
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "text"}), flush=True)
     Path(a.out).write_text(json.dumps(rows, indent=1))  # noqa: ASYNC240 - once, after every level
@@ -117,8 +150,10 @@ async def main() -> None:
         for name in a.configs.split(","):
             tps = statistics.median(r["decode_tps"] for r in rows if r["config"] == name and r["c"] == c)
             accs = [r["acceptance"] for r in rows if r["config"] == name and r["c"] == c and r["acceptance"] is not None]
+            first = next(r for r in rows if r["config"] == name and r["c"] == c)
             print(f"c={c} {name:6s} decode {tps:8.1f} tok/s" + (f"  x{tps / base:.2f} of off" if base else "")
-                  + (f"  acceptance {statistics.median(accs):.2f}" if accs else ""))
+                  + (f"  acceptance {statistics.median(accs):.2f}" if accs else "")
+                  + f"  answer: {first['copied']:.0%} copied, {first['looped']:.0%} looped")
 
 
 trio.run(main)
