@@ -7,7 +7,7 @@
 #                                (string, the default, or array)
 #   bash run.sh repeat R [WORKLOAD]
 #                                probe_speculative.py (repeat, the default, or edit), off and
-#                                ngram at c=1 and 4, R rounds
+#                                ngram at c=1 and 4, R rounds (CONFIGS=off,ngram,ngram16: others; LIMIT: seconds)
 # Results and progress.txt under $OUT.
 set -u
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
@@ -39,7 +39,7 @@ repeat)
   w=${3:-repeat}
   P "== $w workload SmolLM2, $2 rounds $(date +%T)"
   export PYTHONPATH=$PYTHONPATH:/root/emb
-  timeout 500 python3 benchmarks/probes/probe_speculative.py --rounds "$2" --configs off,ngram --max-tokens 300 \
+  timeout ${LIMIT:-500} python3 benchmarks/probes/probe_speculative.py --rounds "$2" --configs ${CONFIGS:-off,ngram} --max-tokens 300 \
     --workload "$w" --out "$OUT/$w.json" > "$OUT/$w.txt" 2>&1
   grep -v '^\[' "$OUT/$w.txt" | grep -v '^{' | tail -8 | tee -a "$OUT/progress.txt";;
 esac
