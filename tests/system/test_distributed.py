@@ -590,22 +590,25 @@ class _Script:
 
 
 def _leader_alone(config: Any, script: _Script, spies: Any) -> Any:
-    """Rank 0 alone: a `LeaderActor` in a group of one (its collectives are its own), joined
-    as rank 0 joins, on the thread that runs it; `spies(actor)` then wraps its channel."""
+    """Rank 0 alone: an actor holding a `Leader` in a group of one (its collectives are its
+    own), joined as rank 0 joins, on the thread that runs it; `spies(leader)` then wraps its
+    channel."""
     import mlx.core as mx
 
-    from trio_mlx.actor._distributed import Channel, LeaderActor
+    from trio_mlx.actor._actor import Actor
+    from trio_mlx.actor._distributed import Channel, Leader
     from trio_mlx.actor._group import GroupStatus
 
-    class Alone(LeaderActor):
+    class Alone(Leader):
         def _join(self) -> None:
             self._group = mx.distributed.init()
             assert self._group.size() == 1
             self._channel = Channel(self._group, self._watch, self._status)
             spies(self)
 
-    return Alone(config, script, backend="any", mode="tensor", status=GroupStatus(mode="tensor"), timeout=30,
-                 startup_timeout=60, on_failure=None)
+    leader = Alone(config, backend="any", mode="tensor", status=GroupStatus(mode="tensor"), timeout=30,
+                   startup_timeout=60, on_failure=None)
+    return Actor(config, script, leader)
 
 
 def test_rank_0_applies_each_steps_commands_a_step_after_it_sends_them(tiny_model_fp32: Path) -> None:
@@ -627,16 +630,17 @@ def test_rank_0_applies_each_steps_commands_a_step_after_it_sends_them(tiny_mode
     script = _Script([[dropped, kept], [Abort(1)]])
     sent: list[tuple[Any, ...]] = []
 
-    def spies(actor: Any) -> None:
-        post = actor._channel.post
+    def spies(leader: Any) -> None:
+        post = leader._channel.post
 
         def spy(message: Any, bound: float, what: str = "") -> bytes:
             sent.append(message)
             if message[1]:  # the abort of row 1, decided before its insert was applied
-                assert 1 not in actor.schedule.seqs and actor._ahead is not None and [s.rid for s in actor._ahead[1]] == [1, 2]
+                assert 1 not in leader.actor.schedule.seqs and leader._ahead is not None
+                assert [s.rid for s in leader._ahead[1]] == [1, 2]
             return post(message, bound)
 
-        actor._channel.post = spy
+        leader._channel.post = spy
 
     actor = _leader_alone(config, script, spies)
     actor.run()
@@ -660,8 +664,8 @@ def test_a_shutdown_with_a_group_on_its_way_runs_the_step_a_follower_runs_before
     script = _Script([[long], [Shutdown()]])
     calls: list[tuple[str, Any]] = []
 
-    def spies(actor: Any) -> None:
-        channel = actor._channel
+    def spies(leader: Any) -> None:
+        channel, actor = leader._channel, leader.actor
         post, post_tail, send = channel.post, channel.post_tail, channel.send
 
         def spy_post(message: Any, bound: float, what: str = "") -> bytes:

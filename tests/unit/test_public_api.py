@@ -245,3 +245,19 @@ def test_the_quantized_kv_knobs_are_tuning_fields():
     assert {k: defaults[k] for k in ("kv_bits", "kv_group_size", "quantized_kv_start")} == {
         "kv_bits": None, "kv_group_size": 64, "quantized_kv_start": 0}
     assert dataclasses.replace(trio_mlx.ActorTuning(), kv_bits=4).kv_bits == 4
+
+
+def test_a_distributed_rank_is_an_object_the_actor_holds_not_a_subclass_of_it():
+    """What an actor's place in a distributed group changes is its `Rank` (`actor/_rank.py`),
+    which it holds: no class subclasses `Actor` to override its private hooks."""
+    import ast
+
+    subclasses = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                         for b in node.bases}
+                if "Actor" in bases:
+                    subclasses.append(f"{path.name}: {node.name}")
+    assert subclasses == []

@@ -66,6 +66,7 @@ from ._protocol import (
     Submit,
     TokenOut,
 )
+from ._rank import Rank
 from ._reuse import Reuse
 from ._sampling import SamplerCache, make_processors
 from ._schedule import Schedule, Seq
@@ -100,11 +101,12 @@ _RATE_MIN_TOKENS = 64
 
 
 class Actor:
-    """Runs on the GPU thread. Construct on any thread; call `run()` on the GPU thread."""
+    """Runs on the GPU thread. Construct on any thread; call `run()` on the GPU thread. `rank`:
+    its place in a distributed group (`_rank.py`); by default a single device's."""
 
-    def __init__(self, config: ActorConfig, link: ActorLink):
+    def __init__(self, config: ActorConfig, link: ActorLink, rank: Rank | None = None):
         self.config = config
-        self._link = link
+        self.rank = rank if rank is not None else Rank()
         self.thread_id: int | None = None
         self._model: Any = None
         self._bg: BatchGenerator | None = None
@@ -135,17 +137,20 @@ class Actor:
         self._drafter: Drafter | None = None  # speculative decoding's drafts (`_drafting.py`); set in _load
         # Each row's named LoRA adapter (`ActorTuning.adapters`, `_batch.RowAdapters`); None without.
         self._adapters: RowAdapters | None = None
+        self._link = self.rank.bind(self, link)  # last: the rank may read the actor's admission
 
     # -- lifecycle -------------------------------------------------------------
 
     def run(self) -> None:
         """The actor's whole life. Raises if the model cannot be loaded."""
-        try:
-            self.start()
-            self._loop()
-            self._save_disk()  # a clean stop (Shutdown): keep the cache's newest entries
-        finally:
-            self._free()
+        with self.rank.life():
+            try:
+                self.start()
+                self.rank.loop()
+                self._save_disk()  # a clean stop (Shutdown): keep the cache's newest entries
+            finally:
+                with self.rank.stage("stopping"):
+                    self._free()
 
     def start(self) -> None:
         """Load, warm up, hand `ActorInfo` over (then a host calls `turn`s and `stop`: `_host.py`)."""
@@ -188,20 +193,20 @@ class Actor:
 
     def due(self, now: float) -> float | None:
         """For a host: 0 with work and no command, else seconds until held arrivals enter, or None."""
-        if self._busy():
+        if self.rank.busy():
             return 0.0
-        admission = self._arrivals()
+        admission = self.rank.arrivals()
         return admission.hold(now) if admission.pending else None
 
     def turn(self, commands: Sequence[Command]) -> StepReport | None:
         """One hosted turn: apply the commands the host took from the link, run the step; None at Shutdown."""
         self._hook("loop")
-        return self._turn(commands)
+        return self.rank.turn(commands)
 
     def _load(self) -> dict[str, Any]:
         """Load the model and make the generator; returns the model's config."""
         apply_cache_limit(self.config.tuning.cache_limit_gb)
-        self._model, config = self._load_weights()
+        self._model, config = self.rank.load_weights()
         selector = models.adapter_rows(self._model)
         self._adapters = None if selector is None else RowAdapters(selector)
         self._context = models.context_length(config)
@@ -218,14 +223,12 @@ class Actor:
         self._idle_release = (IDLE_RELEASE if gpu else 0.0) if release is None else release
         return config
 
-    def _load_weights(self) -> tuple[Any, dict[str, Any]]:
-        """(model, config); a distributed rank loads its shard instead (`_distributed.py`)."""
-        tuning = self.config.tuning
-        return models.load_model(self.config.model_path, tuning.adapter_path, tuning.adapter_map or None)
-
     def _open_cache(self) -> None:
-        """A fresh, empty prompt cache (`_prompt_cache.py`): once warm, and for the
-        warm-up's rehearsal (which drops its own after)."""
+        """A fresh, empty prompt cache (`_prompt_cache.py`, or the rank's): once warm, and for
+        the warm-up's rehearsal (which drops its own after)."""
+        if (reuse := self.rank.open_cache()) is not None:
+            self._reuse = reuse
+            return
         limit, pressure = budget(self.config.tuning.prompt_cache_gb, self.config.prompt_cache_share)
         if limit and not plain_kv(self._model):
             limit = 0  # its cache cannot be cut back to a prefix: no reuse (`_batch.plain_kv`)
@@ -234,7 +237,7 @@ class Actor:
     def _disk_folder(self) -> Path | None:
         """Where the prompt cache's disk tier keeps this model's entries; None when off."""
         c = self.config
-        if not c.prompt_cache_disk or not c.tuning.prompt_cache_disk_gb or not self._reuse.cache.enabled:
+        if not (self.rank.disk and c.prompt_cache_disk and c.tuning.prompt_cache_disk_gb and self._reuse.cache.enabled):
             return None
         adapter = c.tuning.adapter_path
         return disk_cache.folder(Path(c.prompt_cache_disk), Path(c.model_path), Path(adapter) if adapter else None,
@@ -283,6 +286,10 @@ class Actor:
     def _warmup(self) -> None:
         """Visit before ready what live traffic would make MLX compile (`_warmup.py`): every prefill
         group size; on CUDA the grid's prefills and padded decode steps; on a GPU a rehearsal."""
+        with self.rank.stage("warming up"):
+            self._warm()
+
+    def _warm(self) -> None:
         assert self._bg is not None
         gpu = self._gpu
         length = max(1, min(WARMUP_PROMPT if gpu else 4, self._context // 2 - 4))
@@ -338,7 +345,7 @@ class Actor:
                 t0 = clock()
                 commands = self._next_commands(report)
                 t1 = clock()
-                turn = self._turn(commands)
+                turn = self.rank.turn(commands)
                 if turn is None:
                     return  # Shutdown
                 report = turn
@@ -349,26 +356,13 @@ class Actor:
             if trace is not None:
                 trace.close()
 
-    def _turn(self, commands: Sequence[Command]) -> StepReport | None:
-        """One turn of the loop: apply the commands, run the step; None at Shutdown."""
-        failed = self._apply(commands)
-        return None if failed is None else self._step(failed)
-
-    def _busy(self) -> bool:
-        """Whether there is work without new commands."""
-        return bool(self.schedule.seqs)
-
-    def _arrivals(self) -> Admission:
-        """The admission that holds the arrivals waiting to enter."""
-        return self._admission
-
     def _next_commands(self, report: StepReport) -> list[Command]:
         """Hand the last step's report over and take the commands; with no work, wait
         for more: blocked while idle, or asleep while admission holds arrivals for
         company (sleep, not spin)."""
-        link, admission = self._link, self._arrivals()
+        link, admission = self._link, self.rank.arrivals()
         commands = link.exchange(report)
-        if not commands and not self._busy():
+        if not commands and not self.rank.busy():
             link.built()  # no step to build: the event loop need not wait for one
             if not admission.pending:
                 commands = self._idle()
@@ -525,7 +519,7 @@ class Actor:
             prompt_responses, generation_responses = self._bg.next()
             tokens = self._tokens(generation_responses)
         except Exception as exc:
-            return self._recover(exc, failed)
+            return self.rank.recover(exc, failed)
         narrow = schedule.decoding <= EARLY_FIRST_BESIDE  # live rows beside those that start now
         if self._failed_rows:
             failed = failed + self._failed_rows
@@ -551,7 +545,7 @@ class Actor:
             try:
                 tokens += self._first_tokens([uid for _, uid, _ in prefilled])
             except Exception as exc:
-                return self._recover(exc, failed)
+                return self.rank.recover(exc, failed)
         prompt_tokens = take_prompt_tokens(self._bg)
         self._measure_prefill(prompt_tokens, time.perf_counter() - t0)
         schedule.steps += 1
@@ -580,10 +574,6 @@ class Actor:
             speculated=speculated,
         )
 
-    # Whether an idle batch's long prefill is cut for progress (`PROGRESS_SECONDS`): not in a
-    # distributed group, whose ranks must cut every step alike (a rate measured per rank would not).
-    progress_cut = True
-
     def _cut_prefill(self) -> None:
         """Cut the next prefill step's chunk: so that its attention scratch fits the prompts
         in the batch (off the shape grid; on it the model does, for the steps that
@@ -605,7 +595,7 @@ class Actor:
         """Whether a prefill step in chunks of `step` would take longer than PROGRESS_SECONDS
         at the rate last measured. Before any measurement, a step past the budget is cut
         (its first chunk, within the budget, measures the rate for the rest)."""
-        if not self.progress_cut:
+        if not self.rank.progress_cut:
             return False
         assert self._bg is not None
         tokens = sum(min(n, step) for n in prompts_left(self._bg))
@@ -754,7 +744,10 @@ class Actor:
         return reason
 
     def _add_logprobs(self, out: list[TokenOut], rows: list[tuple[int, Any, Seq]]) -> None:
-        """Chosen-token logprob and top-k alternatives for the rows that asked, in one eval."""
+        """Chosen-token logprob and top-k alternatives for the rows that asked, in one eval
+        (on a rank that reports tokens)."""
+        if not self.rank.logprobs:
+            return
         stacked = mx.stack([r.logprobs for _, r, _ in rows])
         chosen = mx.take_along_axis(stacked, mx.array([[r.token] for _, r, _ in rows]), axis=-1)
         k = max(seq.sampling.top_logprobs for _, _, seq in rows)

@@ -1,12 +1,13 @@
-"""One model over several processes: the group, the command channel, the watchdog, rank 0's actor.
+"""One model over several processes: the group, the command channel, the watchdog, rank 0's part.
 
 Launched by `mlx.launch` (`trio-mlx serve MODEL --distributed tensor`), every
 rank joins one `mx.distributed` group and loads its shard with mlx-lm's
 `sharded_load` (the model's own `shard` method for tensor parallelism, its
 `pipeline` method for pipeline parallelism; nothing is sharded here by hand).
-Rank 0 runs the server, the engine and `LeaderActor`, the usual actor on its
-one thread (docs/design.md, rule 1); every other rank runs `FollowerActor`
-(`_follower.py`) on its main thread, with no HTTP and no trio. Each joins the
+Rank 0 runs the server, the engine and the usual actor on its one thread
+(docs/design.md, rule 1), holding a `Leader` as its rank (`_rank.py`); every
+other rank runs the same actor holding a `Follower` (`_follower.py`) on its
+main thread, with no HTTP and no trio. Each joins the
 group on that thread, the one that runs all of its collectives
 (`init_group`). The model's
 own collectives (an all-reduce after the attention and after the MLP of
@@ -17,7 +18,7 @@ batch, so the followers replay rank 0's steps:
   submits admission lets in, each with its sampling parameters and seed) and
   sends them through the group itself (`Channel`, one `all_sum` of a small
   byte buffer, as mlx_lm.server shares its requests), one step ahead of
-  applying them (`LeaderActor` says why). Admission's decision is made once,
+  applying them (`Leader` says why). Admission's decision is made once,
   on rank 0, from its clocks; a follower never decides anything. A step with
   no commands still sends its message: a follower cannot otherwise know that
   no commands are coming, and it must run the step's forward pass in step
@@ -80,6 +81,8 @@ from ._group_cache import GroupCache, GroupReuse, group_cache_budget, open_group
 from ._link import ActorLink
 from ._memory import prefill_budget
 from ._protocol import Abort, ActorConfig, ActorInfo, Command, Shutdown, StepReport, Submit
+from ._rank import Rank
+from ._reuse import Reuse
 from ._wake import WakeServer
 
 log = logging.getLogger("trio_mlx.distributed")
@@ -100,7 +103,7 @@ def init_group(backend: str = "any") -> tuple[Any, str]:
     when this process is not one of at least two ranks.
 
     Call it on the thread that will use the group, the one that holds all of the rank's
-    MLX state (rank 0's actor thread, `LeaderActor.run`; a follower's main thread): MLX
+    MLX state (rank 0's actor thread, `Leader.life`; a follower's main thread): MLX
     makes a backend's group once per process, and a second call returns the first's."""
     name = env_backend() if backend == "any" else backend
     try:
@@ -193,7 +196,7 @@ class Channel:
     tail) in a second. Collectives run on the model's stream, so every rank
     issues all of its collectives, the model's and these, in one order.
 
-    The step messages are pipelined (`LeaderActor`): rank 0 queues a step's
+    The step messages are pipelined (`Leader`): rank 0 queues a step's
     message (`post`) ahead of the step before it, and a follower queues its
     receive (`expect`) at the same point of its stream and reads it (`take`)
     once that step is built. A follower learns a tail's length only from the
@@ -405,7 +408,7 @@ class Replay:
 
     On a follower it is the only admission; rank 0 holds the queue, its own
     `Admission` (`real`), which decides, and the step that applies the decision
-    (one step later, `LeaderActor`) replays it like a follower's: what the actor's
+    (one step later, `Leader`) replays it like a follower's: what the actor's
     `_apply` and `_step` give back to admission (requests that waited for a prompt
     prefilled beside them, finished rows) goes to `real` there, and nowhere on a
     follower (rank 0 sends them again when they enter)."""
@@ -496,10 +499,10 @@ class _BeatingLink:
             self._beat()
 
 
-class LeaderActor(Actor):
-    """Rank 0's actor: the usual actor, loading its shard and deciding each step's commands
-    one step ahead of applying them, so that they reach the followers before they build
-    that step.
+class Leader(Rank):
+    """Rank 0's part in its actor (`_rank.py`): the usual actor, loading its shard and
+    deciding each step's commands one step ahead of applying them, so that they reach the
+    followers before they build that step.
 
     A follower must hold a step's commands before it builds the step's forward pass,
     and the message travels on the model's stream (`Channel`), behind whatever the
@@ -516,38 +519,45 @@ class LeaderActor(Actor):
     """
 
     progress_cut = False  # every rank cuts its steps alike: by no rate measured on one
+    disk = False  # every rank holds its own shard of the prompt cache, in lockstep: no disk tier
 
-    def __init__(self, config: ActorConfig, link: ActorLink, *, backend: str, mode: str, status: GroupStatus,
-                 timeout: float, startup_timeout: float, on_failure: Callable[[str], None] | None):
+    def __init__(self, config: ActorConfig, *, backend: str, mode: str, status: GroupStatus, timeout: float,
+                 startup_timeout: float, on_failure: Callable[[str], None] | None):
         if config.tuning.speculation is not None:  # its steps' shapes follow tokens each rank reads back
             raise ValueError("speculative decoding needs a single rank, not a distributed group")
         if config.tuning.kv_bits is not None:  # not built or tested across ranks
             raise ValueError("kv_bits needs a single rank, not a distributed group")
-        super().__init__(config, _BeatingLink(link, self._beat))
         self._backend, self._mode, self._status = backend, mode, status
         self._timeout, self._startup = timeout, startup_timeout
         self._watch = Watchdog(on_failure, grace=EXIT_GRACE, status=status)
-        self._group: Any = None  # joined in `run`, on this actor's thread (`_join`)
+        self._group: Any = None  # joined in `life`, on the actor's thread (`_join`)
         self._channel: Channel  # made there too
-        self._real = self._admission  # the queue and the decisions; `_loop` steps through a Replay
-        self._replay = Replay(self._real)
+        self._real: Admission  # the queue and the decisions (`bind`); the loop steps through `_replay`
+        self._replay: Replay
         self._stopped = False
         self._digest = 0
         self._cache_bytes, self._pressure = group_cache_budget(config, mode)
         self._ahead: Step | None = None  # sent, not yet applied (None: nothing to apply)
-        self._wake: WakeServer | None = None  # opened in `run`
+        self._wake: WakeServer | None = None  # opened in `life`
         self._asleep = False  # the last message was a heartbeat: wake the followers before the next
 
-    def run(self) -> None:
+    def bind(self, actor: Any, link: ActorLink) -> ActorLink:
+        super().bind(actor, link)
+        self._real = actor._admission
+        self._replay = Replay(self._real)
+        return _BeatingLink(link, self._beat)
+
+    @contextlib.contextmanager
+    def life(self) -> Iterator[None]:
         try:
             with self._watch.guard("starting the group", self._startup):
                 self._join()
                 self._status.set_all("loading", leader="loading")
                 self._wake = WakeServer.open()
                 wake = self._wake.address if self._wake is not None else None
-                self._channel.send(hello(self.config, self._mode, self._cache_bytes, wake), self._startup,
+                self._channel.send(hello(self.actor.config, self._mode, self._cache_bytes, wake), self._startup,
                                    "greeting the followers")
-            super().run()
+            yield
         except GroupError as exc:
             self._watch.fail(str(exc))
             raise
@@ -556,6 +566,17 @@ class LeaderActor(Actor):
                 self._watch.stop()
             if self._wake is not None:
                 self._wake.close()
+
+    @contextlib.contextmanager
+    def stage(self, what: str) -> Iterator[None]:
+        # Each bounded, as every other wait on the group; the warm-up's failure fails the group
+        # before the actor's cleanup (which may wait on the broken collective) runs.
+        if what == "warming up":
+            with self._failing(), self._watch.guard(what, self._startup):
+                yield
+        else:
+            with self._watch.guard(what, self._timeout):
+                yield
 
     def _join(self) -> None:
         """Join the group here, on the thread that runs every collective of this rank
@@ -569,31 +590,25 @@ class LeaderActor(Actor):
         log.info("rank 0 of %d joined the group over %s on the actor's thread (%s)", group.size(), name,
                  threading.current_thread().name)
 
-    def _load_weights(self) -> tuple[Any, dict[str, Any]]:
+    def load_weights(self) -> tuple[Any, dict[str, Any]]:
+        config = self.actor.config
         with self._failing(), self._watch.guard("loading the shards", self._startup):
             bad = self._channel.agree(True, self._startup)
             if bad:
                 raise ModelLoadError(f"{bad} follower rank(s) could not find the same model "
-                                     f"(config.json {fingerprint(self.config.model_path)}); see their logs")
+                                     f"(config.json {fingerprint(config.model_path)}); see their logs")
             woken = self._channel.count(False, self._startup, "counting the followers rank 0 can wake")
             if self._wake is not None:
                 self._wake.accept(woken, self._startup)
-            if self.config.tuning.adapter_path or self.config.tuning.adapters:  # load_shard has no adapter: refuse
+            if config.tuning.adapter_path or config.tuning.adapters:  # load_shard has no adapter: refuse
                 raise ModelLoadError("adapter_path and adapters need a single rank, not a distributed group")
-            model, config = load_shard(self.config.model_path, self._mode, self._group)
+            model, model_config = load_shard(config.model_path, self._mode, self._group)
             seed_all(self._channel, True, self._startup)
         self._status.set_all("following", leader="serving")
-        return model, config
+        return model, model_config
 
-    def _warmup(self) -> None:
-        with self._failing(), self._watch.guard("warming up", self._startup):
-            super()._warmup()
-
-    def _open_cache(self) -> None:
-        self._reuse = open_group_cache(self._model, self._cache_bytes, self._pressure, leader=True)
-
-    def _disk_folder(self) -> Path | None:
-        return None  # no disk tier: every rank holds its own shard of the prompt cache, in lockstep
+    def open_cache(self) -> Reuse:
+        return open_group_cache(self.actor._model, self._cache_bytes, self._pressure, leader=True)
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
@@ -605,12 +620,13 @@ class LeaderActor(Actor):
             self._watch.fail(str(exc))
             raise
 
-    def _loop(self) -> None:
-        self._admission = self._replay  # type: ignore[assignment]
+    def loop(self) -> None:
+        actor = self.actor
+        actor._admission = self._replay  # type: ignore[assignment]
         try:
             with self._failing():
                 self._digest = 0  # as a follower starts (the warm-up's rehearsal stepped here, not counted)
-                super()._loop()
+                actor._loop()
         except GroupError:
             raise
         except BaseException:
@@ -620,29 +636,30 @@ class LeaderActor(Actor):
                     self._stop_group()
             raise
         finally:
-            self._admission = self._real
+            actor._admission = self._real
 
-    def _busy(self) -> bool:
-        return bool(self.schedule.seqs) or self._ahead is not None
+    def busy(self) -> bool:
+        return bool(self.actor.schedule.seqs) or self._ahead is not None
 
-    def _arrivals(self) -> Admission:
+    def arrivals(self) -> Admission:
         return self._real
 
-    def _turn(self, commands: Sequence[Command]) -> StepReport | None:
-        """The actor's turn (`Actor._turn`), with each step's commands decided one step
-        ahead (the class docstring)."""
-        state = state_of(self, self._digest)  # before the step applies what it holds
+    def turn(self, commands: Sequence[Command]) -> StepReport | None:
+        """The actor's turn (`Rank.turn`), with each step's commands decided one step ahead
+        (the class docstring)."""
+        actor = self.actor
+        state = state_of(actor, self._digest)  # before the step applies what it holds
         step = self._decide(commands)
         if step is None:  # Shutdown
             self._stop_group()
             return None
-        if not (any(step[:2]) or self._ahead or self.schedule.seqs):
+        if not (any(step[:2]) or self._ahead or actor.schedule.seqs):
             return self._step([])  # nothing entered, left or steps: nothing to send
         self._rouse()
         tail = self._channel.post(("step", step[0], step[1], state, step[2], step[3]), self._timeout)
         ahead, self._ahead = self._ahead, (step if any(step) else None)
         with self._watch.guard("a batch change", self._timeout):
-            failed = apply_step(self, self._replay, ahead)
+            failed = apply_step(actor, self._replay, ahead)
         report = self._step(failed)
         if tail:  # after the step, as a follower receives it (`Channel`)
             self._channel.post_tail(tail, self._timeout)
@@ -655,7 +672,7 @@ class LeaderActor(Actor):
         (`GroupCache.pressure_count`); an arrival marks a prompt being prefilled to be
         stored (`GroupReuse`). Nothing of the batch changes here: `apply_step` does that,
         a step later, on every rank."""
-        real, reuse = self._real, self._reuse
+        real, reuse, schedule = self._real, self.actor._reuse, self.actor.schedule
         now = time.perf_counter()
         aborts: list[int] = []
         for cmd in commands:
@@ -670,8 +687,8 @@ class LeaderActor(Actor):
                     return None
         ahead = self._ahead
         # A group sent but not applied yet is as good as prefilling: one group at a time.
-        prefilling = self.schedule.prefilling or bool(ahead and ahead[1])
-        admitted = tuple(real.due(now, self.schedule.decoding, prefilling))
+        prefilling = schedule.prefilling or bool(ahead and ahead[1])
+        admitted = tuple(real.due(now, schedule.decoding, prefilling))
         cache = reuse.cache
         evicted = cache.pressure_count() if isinstance(cache, GroupCache) else 0
         marks: tuple[int, ...] = ()
@@ -686,7 +703,7 @@ class LeaderActor(Actor):
         self._send(("stop",))
         ahead, self._ahead = self._ahead, None
         with self._watch.guard("stopping the group", self._timeout):
-            failed = apply_step(self, self._replay, ahead)
+            failed = apply_step(self.actor, self._replay, ahead)
             self._step(failed)
 
     def _send(self, message: Any) -> None:
@@ -708,9 +725,10 @@ class LeaderActor(Actor):
                 self._wake.wake()
 
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
-        stepped = bool(self.schedule.seqs)  # else no next() (on any rank)
+        actor = self.actor
+        stepped = bool(actor.schedule.seqs)  # else no next() (on any rank)
         with self._watch.guard("a decode step", self._timeout):
-            report = super()._step(failed)
+            report = actor._step(failed)
         if stepped:
             self._digest = token_digest(report)
             self._status.contact()  # the step's collectives (and the message before it) completed
@@ -718,12 +736,12 @@ class LeaderActor(Actor):
             report = dataclasses.replace(report, live=report.live + len(self._ahead[1]))
         return report
 
-    def _free(self) -> None:
-        # It waits for the last step's collectives: bounded, as every other wait on the group.
-        with self._watch.guard("stopping", self._timeout):
-            super()._free()
-
-    def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
+    def recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
         # A single device starts a fresh generator and serves on; a group cannot
         # know that every rank failed the same step, so its batches may differ.
         raise GroupError(f"a generation step failed on rank 0: {type(exc).__name__}: {exc}") from exc
+
+
+def leader_actor(config: ActorConfig, link: ActorLink, **leader: Any) -> Actor:
+    """Rank 0's actor: the usual one, holding a `Leader` (its keywords) as its rank."""
+    return Actor(config, link, Leader(config, **leader))

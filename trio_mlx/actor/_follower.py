@@ -20,15 +20,16 @@ silent group ends it with status 1 (`_distributed.Watchdog`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
 
-from .. import _heap as heap
 from .. import models
 from ._actor import Actor
 from ._batch import batch_rows
@@ -48,6 +49,8 @@ from ._distributed import (
 from ._group import GroupError
 from ._group_cache import open_group_cache
 from ._protocol import ActorConfig, ActorInfo, Command, StepReport
+from ._rank import Rank
+from ._reuse import Reuse
 from ._trace import StepTrace
 from ._wake import WakeClient
 
@@ -73,49 +76,47 @@ class _NoLink:
         pass
 
 
-class FollowerActor(Actor):
-    """The actor on a rank other than 0 (module docstring)."""
+class Follower(Rank):
+    """A rank other than 0's part in its actor (`_rank.py`; the module docstring)."""
 
     progress_cut = False  # every rank cuts its steps alike: by no rate measured on one
+    disk = False  # every rank holds its own shard of the prompt cache, in lockstep: no disk tier
+    logprobs = False  # rank 0 reports them; a follower's tokens are nobody's
 
-    def __init__(self, config: ActorConfig, *, group: Any, mode: str, channel: Channel, watchdog: Watchdog,
-                 timeout: float, startup_timeout: float, cache_bytes: int = 0, wake: WakeClient | None = None):
-        super().__init__(config, _NoLink())
+    def __init__(self, *, group: Any, mode: str, channel: Channel, watchdog: Watchdog, timeout: float,
+                 startup_timeout: float, cache_bytes: int = 0, wake: WakeClient | None = None):
         self._wake = wake  # None: idle, this rank waits inside the collective
         self._group, self._mode, self._channel, self._watch = group, mode, channel, watchdog
         self._timeout, self._startup = timeout, startup_timeout
         self._cache_bytes = cache_bytes  # rank 0's prompt cache bound
         self.rank = group.rank()
 
-    def run(self) -> None:
+    @contextlib.contextmanager
+    def life(self) -> Iterator[None]:
         try:
-            with self._watch.guard("loading the shard", self._startup):
-                self._load()
-                if self.config.tuning.warmup:
-                    self._warmup()
-                self._open_cache()
-                heap.freeze()  # as rank 0's actor does: a collection here would stall the group
-            log.info("rank %d of %d (pid %d): following rank 0 (%s parallel, shard loaded)",
-                     self.rank, self._group.size(), os.getpid(), self._mode)
-            self._follow()
+            yield
         except GroupError as exc:
-            self._watch.fail(str(exc))  # exits now: the cleanup below may wait on the broken group
+            self._watch.fail(str(exc))  # exits now: the cleanup may wait on the broken group
             raise
-        finally:
-            with self._watch.guard("stopping", self._timeout):  # it waits for the last step's collectives
-                self._free()
 
-    def _load_weights(self) -> tuple[Any, dict[str, Any]]:
-        model, config = load_shard(self.config.model_path, self._mode, self._group)
-        seed_all(self._channel, False, self._startup)
+    def stage(self, what: str) -> contextlib.AbstractContextManager[None]:
+        # the warm-up as rank 0's; the stop waits for the last step's collectives
+        return self._watch.guard(what, self._startup if what == "warming up" else self._timeout)
+
+    def load_weights(self) -> tuple[Any, dict[str, Any]]:
+        with self._watch.guard("loading the shard", self._startup):
+            model, config = load_shard(self.actor.config.model_path, self._mode, self._group)
+            seed_all(self._channel, False, self._startup)
         return model, config
 
-    def _open_cache(self) -> None:
+    def open_cache(self) -> Reuse:
         # Rank 0's bound; no pressure relief of its own: rank 0 decides it (`GroupCache`).
-        self._reuse = open_group_cache(self._model, self._cache_bytes, None, leader=False)
+        return open_group_cache(self.actor._model, self._cache_bytes, None, leader=False)
 
-    def _follow(self) -> None:
-        path = self.config.tuning.step_trace  # rank 0's, with this rank's number: its own trace
+    def loop(self) -> None:
+        log.info("rank %d of %d (pid %d): following rank 0 (%s parallel, shard loaded)",
+                 self.rank, self._group.size(), os.getpid(), self._mode)
+        path = self.actor.config.tuning.step_trace  # rank 0's, with this rank's number: its own trace
         trace = None
         if path:
             try:
@@ -129,18 +130,19 @@ class FollowerActor(Actor):
                 trace.close()
 
     def _follow_steps(self, trace: StepTrace | None) -> None:
-        """Rank 0's steps, one message each, pipelined as rank 0 sends them (`LeaderActor`):
+        """Rank 0's steps, one message each, pipelined as rank 0 sends them (`Leader`):
         the receive of the next message is queued on the stream before this step, and
         read once this step is built (by then it has come: the stream has run the step
         before), so this rank builds each step while its device runs the previous one."""
-        replay = self._admission = Replay()  # type: ignore[assignment]
+        actor = self.actor
+        replay = actor._admission = Replay()  # type: ignore[assignment]
         channel, bound = self._channel, BEAT + self._timeout
         last_step = time.monotonic()
         digest = 0
         clock = time.perf_counter
         # This rank's state where rank 0 took the one the next message carries: before
         # applying the message held (none, at first).
-        mine = state_of(self, digest)
+        mine = state_of(actor, digest)
         t0 = clock()
         message = channel.recv(bound)
         while True:
@@ -156,9 +158,10 @@ class FollowerActor(Actor):
                                      f"rows, last tokens' digest, prompt cache counters) {mine} against {state}")
             elif kind != "beat":
                 raise GroupError(f"a follower got an unknown message {message!r}")
-            mine = state_of(self, digest)
+            mine = state_of(actor, digest)
             if kind == "beat":
-                if self._idle_release and not self.schedule.seqs and time.monotonic() - last_step > self._idle_release:
+                release = actor._idle_release
+                if release and not actor.schedule.seqs and time.monotonic() - last_step > release:
                     mx.clear_cache()  # idle as rank 0 is: hand the buffer cache back, once
                     last_step = float("inf")
                 if self._wake is not None:  # rank 0 wakes this rank before its next message
@@ -166,22 +169,19 @@ class FollowerActor(Actor):
             posted = channel.expect(bound)  # the next message, ahead of this step on the stream
             if kind == "step":
                 with self._watch.guard("a decode step", self._timeout):
-                    failed = apply_step(self, replay, (aborts, subs, evicted, marks))
-                    stepped = bool(self.schedule.seqs)  # as rank 0 counts it
-                    report = self._step(failed)
+                    failed = apply_step(actor, replay, (aborts, subs, evicted, marks))
+                    stepped = bool(actor.schedule.seqs)  # as rank 0 counts it
+                    report = actor._step(failed)
                     if stepped:
                         digest = token_digest(report)
                         last_step = time.monotonic()
                 if trace is not None:  # exchange_s: the wait for the message that led to this step
-                    trace.write(t1, t1 - t0, report, self._inserted, len(self.schedule.retired),
-                                batch_rows(self._bg))
+                    trace.write(t1, t1 - t0, report, actor._inserted, len(actor.schedule.retired),
+                                batch_rows(actor._bg))
             t0 = clock()
             message = channel.take(posted, bound)
 
-    def _add_logprobs(self, out: list[Any], rows: list[Any]) -> None:
-        pass  # rank 0 reports them; a follower's tokens are nobody's
-
-    def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
+    def recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
         raise GroupError(f"a generation step failed on rank {self.rank}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -221,8 +221,9 @@ def follower_main(model: str | None, *, cache_dir: str | None, backend: str, tim
         wake = WakeClient.connect(wake_address, startup_timeout)  # connected before it is counted
         channel.count(wake is not None, startup_timeout, "counting the followers rank 0 can wake")
         config = ActorConfig(model_path=path, tuning=tuning)
-        FollowerActor(config, group=group, mode=mode, channel=channel, watchdog=watchdog,
-                      timeout=timeout, startup_timeout=startup_timeout, cache_bytes=cache_bytes, wake=wake).run()
+        follower = Follower(group=group, mode=mode, channel=channel, watchdog=watchdog, timeout=timeout,
+                            startup_timeout=startup_timeout, cache_bytes=cache_bytes, wake=wake)
+        Actor(config, _NoLink(), follower).run()
     except GroupError as exc:
         log.error("rank %d: the group failed: %s", rank, exc)
         return 1

@@ -3,8 +3,8 @@
 Under `mlx.launch`, `trio-mlx serve MODEL --distributed tensor|pipeline`
 starts on every rank. `launched` reads the rank from the launcher's variables,
 without MLX: rank 0 builds its engine with `leader_engine` (an ordinary
-`Engine` whose thread actor is `actor._distributed.LeaderActor`, which joins
-the `mx.distributed` group on its own thread) and serves HTTP as always; every
+`Engine` whose thread actor holds `actor._distributed.Leader` as its rank,
+which joins the `mx.distributed` group on the actor's own thread) and serves HTTP as always; every
 other rank calls `run_follower` instead, which joins the group on the main
 thread it follows on, and never starts a server (`actor/_follower.py`).
 docs/distributed.md has the whole design.
@@ -43,7 +43,7 @@ def leader_engine(mode: str, *, backend: str = "any", timeout: float = 60.0, sta
     `timeout` bounds every collective once serving (a step, a command message),
     `startup_timeout` loading and warm-up; past either the group fails.
     """
-    from ..actor._distributed import LeaderActor
+    from ..actor._distributed import leader_actor
 
     rank, size, name = launched(backend)
     if rank != 0:
@@ -57,9 +57,9 @@ def leader_engine(mode: str, *, backend: str = "any", timeout: float = 60.0, sta
         if engine is not None:
             trio.from_thread.run_sync(engine.fail, f"the distributed group failed: {reason}", trio_token=token)
 
-    def actor(config: Any, link: Any) -> LeaderActor:
-        return LeaderActor(config, link, backend=name, mode=mode, status=status, timeout=timeout,
-                           startup_timeout=startup_timeout, on_failure=on_failure)
+    def actor(config: Any, link: Any) -> Any:
+        return leader_actor(config, link, backend=name, mode=mode, status=status, timeout=timeout,
+                            startup_timeout=startup_timeout, on_failure=on_failure)
 
     engine_options.pop("actor", None)  # always a thread actor: rule 1 holds its collectives
     # No restarts: the followers stop with a failed leader, and MLX keeps the group of the
