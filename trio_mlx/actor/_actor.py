@@ -286,7 +286,7 @@ class Actor:
     def _warmup(self) -> None:
         """Visit before ready what live traffic would make MLX compile (`_warmup.py`): every prefill
         group size; on CUDA the grid's prefills and padded decode steps; on a GPU a rehearsal."""
-        with self.rank.stage("warming up"):
+        with self.rank.stage("warming up", startup=True):
             self._warm()
 
     def _warm(self) -> None:

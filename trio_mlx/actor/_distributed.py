@@ -568,10 +568,10 @@ class Leader(Rank):
                 self._wake.close()
 
     @contextlib.contextmanager
-    def stage(self, what: str) -> Iterator[None]:
-        # Each bounded, as every other wait on the group; the warm-up's failure fails the group
-        # before the actor's cleanup (which may wait on the broken collective) runs.
-        if what == "warming up":
+    def stage(self, what: str, startup: bool = False) -> Iterator[None]:
+        # Each bounded, as every other wait on the group; a startup stage's failure fails the
+        # group before the actor's cleanup (which may wait on the broken collective) runs.
+        if startup:
             with self._failing(), self._watch.guard(what, self._startup):
                 yield
         else:

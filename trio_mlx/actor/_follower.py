@@ -99,9 +99,9 @@ class Follower(Rank):
             self._watch.fail(str(exc))  # exits now: the cleanup may wait on the broken group
             raise
 
-    def stage(self, what: str) -> contextlib.AbstractContextManager[None]:
+    def stage(self, what: str, startup: bool = False) -> contextlib.AbstractContextManager[None]:
         # the warm-up as rank 0's; the stop waits for the last step's collectives
-        return self._watch.guard(what, self._startup if what == "warming up" else self._timeout)
+        return self._watch.guard(what, self._startup if startup else self._timeout)
 
     def load_weights(self) -> tuple[Any, dict[str, Any]]:
         with self._watch.guard("loading the shard", self._startup):

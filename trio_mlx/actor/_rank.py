@@ -8,7 +8,8 @@ watchdog), where each step's commands come from (the engine's link through local
 admission; rank 0's decisions, sent a step ahead and replayed; a follower's replay of
 rank 0's messages) and what a failed step does. `Rank` is the single device's: every
 hook its plain behaviour. The actor calls the hooks; a rank calls back into the actor
-only for the operations every rank shares (`_apply`, `_step`, `_loop`, `_recover`).
+for the operations every rank shares (`_apply`, `_step`, `_loop`, `_recover`) and reads
+its state (the schedule, the batch, the prompt cache).
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class Rank:
         """Around the actor's whole `run` (a group joins and greets here, and reports its failure)."""
         yield
 
-    def stage(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """Around one stage (warming up, stopping): a group bounds each by its watchdog."""
+    def stage(self, what: str, startup: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Around one stage (warming up, a `startup` one; stopping): a group bounds each by its
+        watchdog, a startup stage by its longer bound."""
         return contextlib.nullcontext()
 
     def load_weights(self) -> tuple[Any, dict[str, Any]]:
