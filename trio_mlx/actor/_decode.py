@@ -88,10 +88,10 @@ AUTO_WAIT = 0.0002
 AUTO_READS = 8
 AUTO_RECHECK = 32
 # `grammar_masks` 'auto': a batch with fewer grammar rows than this keeps its masks after the
-# forward. On an H200 (the 1B shape, a JSON string's grammar, paired in one engine) 'before'
-# made 0.74-0.96x of 'after' at one row, its masks handed to the decoder's thread for
-# little to hide, and 1.05-1.37x at eight rows and 1.07-1.18x at 64 (BENCHMARKS.md); between
-# one and eight nothing is measured, so those stay with 'after', which loses nothing.
+# forward. On an H200 (the 1B shape, JSON grammars, paired in one engine) 'before' made
+# 0.65-1.03x of 'after' at one row (median 0.94 over 11 rounds), its masks handed to the
+# decoder's thread for little to hide, and 1.00-1.37x at eight rows and 1.07-1.18x at 64
+# (BENCHMARKS.md); between one and eight nothing is measured, so those stay with 'after'.
 AUTO_ROWS = 8
 
 
