@@ -499,7 +499,40 @@ class _BeatingLink:
             self._beat()
 
 
-class Leader(Rank):
+class GroupRank(Rank):
+    """What every rank of a group changes alike (`Leader`, `_follower.Follower`): steps cut
+    alike on every rank, no disk tier, each stage bounded by the group's watchdog, and a
+    failure of the group or of a step fails the group at once, before the actor's cleanup
+    (which may wait on the broken collective) runs."""
+
+    progress_cut = False  # every rank cuts its steps alike: by no rate measured on one
+    disk = False  # every rank holds its own shard of the prompt cache, in lockstep: no disk tier
+
+    _watch: Watchdog
+    _timeout: float  # the bound on each wait once serving ...
+    _startup: float  # ... and on each while starting
+    number = 0  # the rank's number in the group
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        try:
+            yield
+        except GroupError as exc:
+            self._watch.fail(str(exc))
+            raise
+
+    @contextlib.contextmanager
+    def stage(self, what: str, startup: bool = False) -> Iterator[None]:
+        with self._failing(), self._watch.guard(what, self._startup if startup else self._timeout):
+            yield
+
+    def recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
+        # A single device starts a fresh generator and serves on; a group cannot
+        # know that every rank failed the same step, so its batches may differ.
+        raise GroupError(f"a generation step failed on rank {self.number}: {type(exc).__name__}: {exc}") from exc
+
+
+class Leader(GroupRank):
     """Rank 0's part in its actor (`_rank.py`): the usual actor, loading its shard and
     deciding each step's commands one step ahead of applying them, so that they reach the
     followers before they build that step.
@@ -517,9 +550,6 @@ class Leader(Rank):
     between, by when it has arrived. The price is one step of latency (a decode step,
     milliseconds) on admissions and aborts.
     """
-
-    progress_cut = False  # every rank cuts its steps alike: by no rate measured on one
-    disk = False  # every rank holds its own shard of the prompt cache, in lockstep: no disk tier
 
     def __init__(self, config: ActorConfig, *, backend: str, mode: str, status: GroupStatus, timeout: float,
                  startup_timeout: float, on_failure: Callable[[str], None] | None):
@@ -567,17 +597,6 @@ class Leader(Rank):
             if self._wake is not None:
                 self._wake.close()
 
-    @contextlib.contextmanager
-    def stage(self, what: str, startup: bool = False) -> Iterator[None]:
-        # Each bounded, as every other wait on the group; a startup stage's failure fails the
-        # group before the actor's cleanup (which may wait on the broken collective) runs.
-        if startup:
-            with self._failing(), self._watch.guard(what, self._startup):
-                yield
-        else:
-            with self._watch.guard(what, self._timeout):
-                yield
-
     def _join(self) -> None:
         """Join the group here, on the thread that runs every collective of this rank
         (`init_group` says why), as rank 0 of the size the launcher announced."""
@@ -609,16 +628,6 @@ class Leader(Rank):
 
     def open_cache(self) -> Reuse:
         return open_group_cache(self.actor._model, self._cache_bytes, self._pressure, leader=True)
-
-    @contextlib.contextmanager
-    def _failing(self) -> Iterator[None]:
-        """A GroupError fails the group here, before the actor's cleanup (which may wait on
-        the broken collective) runs."""
-        try:
-            yield
-        except GroupError as exc:
-            self._watch.fail(str(exc))
-            raise
 
     def loop(self) -> None:
         actor = self.actor
@@ -735,11 +744,6 @@ class Leader(Rank):
         if self._ahead is not None and self._ahead[1]:  # admitted, entering with the next step
             report = dataclasses.replace(report, live=report.live + len(self._ahead[1]))
         return report
-
-    def recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
-        # A single device starts a fresh generator and serves on; a group cannot
-        # know that every rank failed the same step, so its batches may differ.
-        raise GroupError(f"a generation step failed on rank 0: {type(exc).__name__}: {exc}") from exc
 
 
 def leader_actor(config: ActorConfig, link: ActorLink, **leader: Any) -> Actor:

@@ -36,6 +36,7 @@ from ._batch import batch_rows
 from ._distributed import (
     BEAT,
     Channel,
+    GroupRank,
     Replay,
     Watchdog,
     apply_step,
@@ -49,7 +50,6 @@ from ._distributed import (
 from ._group import GroupError
 from ._group_cache import open_group_cache
 from ._protocol import ActorConfig, ActorInfo, Command, StepReport
-from ._rank import Rank
 from ._reuse import Reuse
 from ._trace import StepTrace
 from ._wake import WakeClient
@@ -76,11 +76,9 @@ class _NoLink:
         pass
 
 
-class Follower(Rank):
+class Follower(GroupRank):
     """A rank other than 0's part in its actor (`_rank.py`; the module docstring)."""
 
-    progress_cut = False  # every rank cuts its steps alike: by no rate measured on one
-    disk = False  # every rank holds its own shard of the prompt cache, in lockstep: no disk tier
     logprobs = False  # rank 0 reports them; a follower's tokens are nobody's
 
     def __init__(self, *, group: Any, mode: str, channel: Channel, watchdog: Watchdog, timeout: float,
@@ -89,22 +87,15 @@ class Follower(Rank):
         self._group, self._mode, self._channel, self._watch = group, mode, channel, watchdog
         self._timeout, self._startup = timeout, startup_timeout
         self._cache_bytes = cache_bytes  # rank 0's prompt cache bound
-        self.rank = group.rank()
+        self.number = group.rank()
 
     @contextlib.contextmanager
     def life(self) -> Iterator[None]:
-        try:
+        with self._failing():  # a failure before the loop (loading, warming up) fails the group too
             yield
-        except GroupError as exc:
-            self._watch.fail(str(exc))  # exits now: the cleanup may wait on the broken group
-            raise
-
-    def stage(self, what: str, startup: bool = False) -> contextlib.AbstractContextManager[None]:
-        # the warm-up as rank 0's; the stop waits for the last step's collectives
-        return self._watch.guard(what, self._startup if startup else self._timeout)
 
     def load_weights(self) -> tuple[Any, dict[str, Any]]:
-        with self._watch.guard("loading the shard", self._startup):
+        with self._failing(), self._watch.guard("loading the shard", self._startup):
             model, config = load_shard(self.actor.config.model_path, self._mode, self._group)
             seed_all(self._channel, False, self._startup)
         return model, config
@@ -115,16 +106,17 @@ class Follower(Rank):
 
     def loop(self) -> None:
         log.info("rank %d of %d (pid %d): following rank 0 (%s parallel, shard loaded)",
-                 self.rank, self._group.size(), os.getpid(), self._mode)
+                 self.number, self._group.size(), os.getpid(), self._mode)
         path = self.actor.config.tuning.step_trace  # rank 0's, with this rank's number: its own trace
         trace = None
         if path:
             try:
-                trace = StepTrace(f"{path}.rank{self.rank}")
+                trace = StepTrace(f"{path}.rank{self.number}")
             except OSError as exc:  # rank 0's path need not exist on this rank's host
-                log.warning("rank %d writes no step trace: %s", self.rank, exc)
+                log.warning("rank %d writes no step trace: %s", self.number, exc)
         try:
-            self._follow_steps(trace)
+            with self._failing():  # at once: the actor's cleanup after it may wait on the broken group
+                self._follow_steps(trace)
         finally:
             if trace is not None:
                 trace.close()
@@ -149,12 +141,12 @@ class Follower(Rank):
             t1 = clock()
             kind = message[0] if isinstance(message, tuple) and message else None
             if kind == "stop":
-                log.info("rank %d: rank 0 stopped the group", self.rank)
+                log.info("rank %d: rank 0 stopped the group", self.number)
                 return
             if kind == "step":
                 _, aborts, subs, state, evicted, marks = message
                 if mine != state:
-                    raise GroupError(f"rank {self.rank} is out of step with rank 0: (steps, sequences, retired "
+                    raise GroupError(f"rank {self.number} is out of step with rank 0: (steps, sequences, retired "
                                      f"rows, last tokens' digest, prompt cache counters) {mine} against {state}")
             elif kind != "beat":
                 raise GroupError(f"a follower got an unknown message {message!r}")
@@ -180,9 +172,6 @@ class Follower(Rank):
                                 batch_rows(actor._bg))
             t0 = clock()
             message = channel.take(posted, bound)
-
-    def recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
-        raise GroupError(f"a generation step failed on rank {self.rank}: {type(exc).__name__}: {exc}") from exc
 
 
 def follower_main(model: str | None, *, cache_dir: str | None, backend: str, timeout: float,
