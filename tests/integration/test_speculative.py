@@ -570,7 +570,7 @@ def _given(sdpa: Any, masks: list[Any], *args: Any, mask: Any = None, **kwargs: 
     return sdpa(*args, mask=mask, **kwargs)
 
 
-@pytest.mark.parametrize("scratch", ["ample", "none"])
+@pytest.mark.parametrize("scratch", ["ample", "runs", "none"])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
 @pytest.mark.parametrize("queries", [5, MAX_DRAFT + 1])
 def test_attention_with_few_queries_is_the_fused_attention(queries, heads, scratch, monkeypatch):
@@ -578,19 +578,21 @@ def test_attention_with_few_queries_is_the_fused_attention(queries, heads, scrat
     KV, causal or with an array mask (left padding, boolean or additive, per row or per
     head), attend as matmuls and give what the fused attention gives, without calling it;
     up to the widest step a tuning allows (the most drafts and the pending token), where
-    cuDNN would build a graph per key length. Where the scores would pass FEW_SCRATCH, one
-    query at a time through the fused attention of one query, the same. Unmasked calls go
-    through to it."""
+    cuDNN would build a graph per key length. Where the scores would pass FEW_SCRATCH, in
+    runs of queries whose scores fit, as matmuls; where not even two fit, one query at a
+    time through the fused attention of one query; the same. Unmasked calls go through to it."""
     from mlx_lm.models import base as mlx_lm_base
 
     from trio_mlx.actor import _shapes
     from trio_mlx.actor._shapes import few_queries
 
+    keys, (h, kv) = queries + 7, heads
     if scratch == "none":
         monkeypatch.setattr(_shapes, "FEW_SCRATCH", 0)
+    elif scratch == "runs":  # three queries' scores (two rows, h heads, every key) at a time
+        monkeypatch.setattr(_shapes, "FEW_SCRATCH", 3 * 2 * h * keys * 4)
 
     rng = np.random.default_rng(0)
-    keys, (h, kv) = queries + 7, heads
     q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))
                for s in ((2, h, queries, 8), (2, kv, keys, 8), (2, kv, keys, 8)))
     padded = np.broadcast_to(np.tril(np.ones((queries, keys), dtype=bool), k=7), (2, 1, queries, keys)).copy()
@@ -610,7 +612,7 @@ def test_attention_with_few_queries_is_the_fused_attention(queries, heads, scrat
             mx.fast.scaled_dot_product_attention = sdpa
         if mask is None:
             assert len(masks) == 1  # through to the fused attention, as it is
-        elif scratch == "ample":
+        elif scratch in ("ample", "runs"):
             assert not masks  # matmuls
         else:
             assert len(masks) == queries and all(m is None or m.shape[-2] == 1 for m in masks)  # one at a time

@@ -110,8 +110,9 @@ def grid_sizes(step: int) -> list[int]:
 # and its drafts, as many as a tuning allows.
 FEW_QUERIES = MAX_DRAFT + 1
 # The most bytes those matmuls' scores (float32) may take; past them (a long context, many
-# drafts, many rows) the queries attend one at a time, materializing nothing: 8 rows of 32
-# heads verifying 9 tokens each reach it at ~116k tokens of context.
+# drafts, many rows) the queries attend in runs that fit, and where not even two fit, one
+# at a time, materializing nothing: 8 rows of 32 heads verifying 33 tokens each reach it at
+# ~32k tokens of context, one query at ~1M.
 FEW_SCRATCH = 1 << 30
 
 
@@ -146,7 +147,8 @@ def few_queries(on: bool = True) -> contextlib.AbstractContextManager[None]:
     nearly every step. The matmuls take kernels built for any length. On an H200 the
     verify step of four padded rows (1B shape) took ~9 ms so, against ~19 ms with each
     query attending alone through the fused kernel of one query (BENCHMARKS.md), which is
-    what a step whose scores would pass FEW_SCRATCH does.
+    what a step does where not even two queries' scores fit in FEW_SCRATCH (where some do,
+    they attend as matmuls in runs of as many as fit).
 
     One query under an array mask (a decode step of left-padded rows) takes the kernel of
     `_cuda_attention.py` where it runs, in place of MLX's fallback, which materializes the
@@ -164,9 +166,18 @@ def _few(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scal
     causal = isinstance(mask, str) and mask == "causal"
     if not 1 < n <= FEW_QUERIES or sinks is not None or kwargs or not (causal or isinstance(mask, mx.array)):
         return sdpa(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
-    if b * h * n * total * 4 > FEW_SCRATCH:
+    fit = FEW_SCRATCH // (b * h * total * 4)  # the queries whose scores fit at once
+    if fit >= n:
+        return attention(queries, keys, values, scale, _causal(n, total) if causal else mask)
+    if fit < 2:
         return _by_query(sdpa, queries, keys, values, scale, mask, causal)
-    return attention(queries, keys, values, scale, _causal(n, total) if causal else mask)
+    outs = []  # in runs of `fit` queries, each over the keys its last query may see
+    for i in range(0, n, fit):
+        j = min(n, i + fit)
+        end = total - (n - j) if causal else total
+        m = _causal(j - i, end) if causal else mask[..., i:j, :]
+        outs.append(attention(queries[:, :, i:j], keys[:, :, :end], values[:, :, :end], scale, m))
+    return mx.concatenate(outs, axis=2)
 
 
 def _by_query(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, scale: float, mask: Any,
