@@ -177,6 +177,26 @@ def test_outputs_and_logprobs_are_unchanged_whatever_the_drafts_hold(tiny_model_
                 assert [t for t, _ in top_a] == [t for t, _ in top_b]
 
 
+def test_prompt_lookups_drafts_grow_while_a_copy_holds_and_start_over_after_a_miss(tiny_model_fp32, monkeypatch):
+    """With the default tuning a row drafts START_DRAFT tokens, twice as many after a step
+    that kept them all, up to the most (32), and START_DRAFT again after a step that did
+    not; the tokens are the same as without speculation."""
+    from trio_mlx.actor._speculate import START_DRAFT
+
+    base = _one(tiny_model_fp32, GREEDY, 160)
+    answer = base.tokens[1]
+    _oracle(monkeypatch, answer)
+    spec = _one(tiny_model_fp32, GREEDY, 160, speculative="ngram")
+    assert spec.tokens[1] == answer
+    drafted = [d for _, d, _ in spec.speculated]
+    assert drafted[:3] == [START_DRAFT, 2 * START_DRAFT, 32], drafted
+    assert max(drafted) == 32
+    _oracle(monkeypatch, answer, spoil=1.0)  # every proposal has a wrong draft somewhere
+    spoiled = _one(tiny_model_fp32, GREEDY, 160, speculative="ngram")
+    assert spoiled.tokens[1] == answer
+    assert {d for _, d, a in spoiled.speculated if a < d} and max(d for _, d, _ in spoiled.speculated) == START_DRAFT
+
+
 def test_prompt_lookup_on_a_repeating_prompt_keeps_greedy_tokens_and_its_drafts_pay(tiny_model_fp32):
     """The real drafter: a prompt that repeats a phrase, a greedy row; the tiny model's output
     falls into loops, which prompt lookup drafts. Same tokens as without speculation (and

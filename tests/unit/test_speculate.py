@@ -147,6 +147,24 @@ def test_a_row_whose_drafts_are_accepted_keeps_speculating():
     assert spec.accepted == 100
 
 
+def test_prompt_lookups_drafts_grow_while_they_are_all_kept_and_start_over_after_a_miss():
+    """A copy goes on for tens to hundreds of tokens, and a step costs about as much however
+    many it verifies where the host bounds it: a row drafts `START_DRAFT` tokens, twice as
+    many after a step that kept all, up to the most, and starts over after one that did not."""
+    spec, start = RowSpec(), _speculate.START_DRAFT
+    seen = []
+    for kept_all in (True, True, True, True, False, True):
+        k = spec.next_k(start, 64)
+        seen.append(k)
+        spec.record(k, k if kept_all else k - 1, 100)
+    assert seen == [start, 2 * start, 4 * start, 64, 64, start]
+    assert spec.next_k(start, 64) == 2 * start
+    assert RowSpec().next_k(4, 4) == 4  # a tuning's most below the start: that, every step
+    short = RowSpec()
+    short.record(3, 3, 100)  # all kept, fewer than asked (the row's max_tokens near): grows from those
+    assert short.next_k(start, 64) == 6
+
+
 def test_a_row_whose_speculative_steps_give_tokens_slower_than_plain_steps_stops_speculating():
     """Acceptance alone does not say a step pays: a speculative step is not pipelined, and on a
     GPU one that keeps a drafted token now and then took 2.7x a plain step. A window whose
@@ -264,7 +282,7 @@ def test_the_tuning_names_one_speculation_and_checks_it():
 
     assert ActorTuning().speculation is None
     assert ActorTuning(speculative="ngram").speculation == "ngram"
-    assert ActorTuning(speculative="ngram").draft_tokens == 8
+    assert ActorTuning(speculative="ngram").draft_tokens == 32
     assert ActorTuning(draft_model="/m").speculation == "draft"  # implied by the draft model
     assert ActorTuning(draft_model="/m", num_draft_tokens=2).draft_tokens == 2
     assert ActorTuning(speculative="draft", draft_model="/m").draft_tokens == 4

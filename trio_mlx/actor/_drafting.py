@@ -46,7 +46,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from ._decode import DecodeRow
 from ._shapes import few_queries, prefill_grid
-from ._speculate import MIN_MATCH, NgramIndex, RowSpec, WidthJudge, room
+from ._speculate import MIN_MATCH, START_DRAFT, NgramIndex, RowSpec, WidthJudge, room
 
 # The most of a row's tokens its prompt-lookup index takes in one step: a long prompt's index
 # is built over several steps, not in one that stalls every row of the batch (a 128k-token
@@ -84,7 +84,8 @@ class Proposal:
 
 class Drafter:
     """Drafts for decoding rows: prompt lookup (`ngram`: the longest suffix of up to `ngram`
-    tokens), or a draft `model` (its logits cut to the target's `width`); `k` drafted tokens
+    tokens; a row's drafts a step grow from `_speculate.START_DRAFT` while they are all
+    kept), or a draft `model` (its logits cut to the target's `width`); `k` drafted tokens
     a step at most; none in a batch of more than `max_rows` rows."""
 
     def __init__(self, k: int, ngram: int = 3, model: Any = None, width: int = 0, prefill_step: int = 2048,
@@ -163,7 +164,10 @@ class Drafter:
         position = len(held)
         if not spec.allowed(position):
             return 0
-        k = room(self.k, row.max_tokens, position - len(row.prompt))
+        # prompt lookup's length grows while a row's copy holds (`_speculate.START_DRAFT`); a
+        # draft model's costs a forward a token, so it drafts `k` each step
+        most = self.k if self.model is not None else spec.next_k(min(START_DRAFT, self.k), self.k)
+        k = room(most, row.max_tokens, position - len(row.prompt))
         if row.grammar is not None:  # a constrained row drafts only far from its budget's endgame
             k = min(k, row.grammar.draft_room())
         return max(0, k)

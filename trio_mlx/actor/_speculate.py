@@ -71,6 +71,14 @@ MIN_MATCH = 2
 # hitting with probability h, about 1 + h + h^2 + ... tokens, 2 at h = 1/2.
 GUESS_WINDOW = 8
 GUESS_HITS = 4
+# Prompt lookup's drafts a step for a row at first, and again after a step that did not keep
+# all its drafts; after one that kept all, twice the last, up to the tuning's most
+# (`RowSpec.next_k`). Copied text runs on for tens to hundreds of tokens, a speculative step
+# costs about as much whatever its length where the host bounds it, and a step's drafts
+# past a miss are all lost: so start short and grow while the copy holds. Replayed over a
+# file the embedded model rewrites, growing from 16 to 32 took as few speculative steps as
+# 32 throughout with two thirds of its drafts (BENCHMARKS.md, "The actor's decode step").
+START_DRAFT = 16
 # Speculative steps in a row's acceptance window; arbitrary, a few steps' evidence.
 WINDOW = 8
 # Drafted tokens a speculative step must accept on average over the window, or the row stops
@@ -223,7 +231,7 @@ class RowSpec:
     its tokens it may speculate again (the module's docstring, "The policy")."""
 
     __slots__ = ("index", "draft", "window", "seconds", "resume_at", "stops", "drafted", "accepted", "guesses",
-                 "guess", "_guess_at", "_copy_from")
+                 "guess", "_guess_at", "_copy_from", "k")
 
     def __init__(self) -> None:
         self.index: NgramIndex | None = None  # prompt lookup's index of the row's tokens
@@ -238,6 +246,7 @@ class RowSpec:
         self.stops = 0  # times low acceptance stopped it
         self.drafted = 0  # tokens drafted for the row, all told
         self.accepted = 0  # ... and accepted
+        self.k = 0  # prompt lookup's drafts for its next speculative step (0: none taken yet)
 
     def allowed(self, position: int) -> bool:
         """Whether the row, holding `position` tokens, may speculate now."""
@@ -266,6 +275,12 @@ class RowSpec:
             return []
         return index.copy(self._copy_from, k + 1)[1:]
 
+    def next_k(self, start: int, most: int) -> int:
+        """Prompt lookup's drafts for the row's next speculative step (`START_DRAFT`): `start`
+        at first and after a step that did not keep all its drafts, twice the last after one
+        that did, `most` at most."""
+        return min(most, self.k or start)
+
     def record(self, drafted: int, accepted: int, position: int, seconds: float | None = None,
                plain: float | None = None) -> None:
         """A speculative step's outcome, the row holding `position` tokens after it: it took
@@ -273,6 +288,7 @@ class RowSpec:
         (None: not known yet), giving each row one token."""
         self.drafted += drafted
         self.accepted += accepted
+        self.k = 2 * max(self.k, drafted) if drafted and accepted == drafted else 0
         w, t = self.window, self.seconds
         w.append(accepted)
         if seconds is not None:

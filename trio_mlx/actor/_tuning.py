@@ -110,8 +110,9 @@ class ActorTuning:
         "the drafts in one forward and keeps those the model agrees with, so outputs are unchanged; "
         "a sequence whose drafts are seldom accepted stops speculating for a while; unset: off"))
     num_draft_tokens: int | None = field(default=None, metadata=doc(
-        "the most tokens drafted and verified per speculative step; unset: 8 with ngram, 4 with "
-        "a draft model"))
+        "the most tokens drafted and verified per speculative step; unset: 32 with ngram (a sequence "
+        "starts at 16, or this if fewer, and doubles after a step whose drafts were all kept), 4 "
+        "with a draft model"))
     speculative_max_rows: int = field(default=8, metadata=doc(
         "the widest decoding batch that speculates: in a wider one every sequence takes plain steps "
         "(verifying drafts costs more than it gives once a forward is no longer bound by reading the "
@@ -248,7 +249,7 @@ class ActorTuning:
         """Tokens drafted per speculative step: `num_draft_tokens`, or its default for the mode."""
         if self.num_draft_tokens is not None:
             return self.num_draft_tokens
-        return 8 if self.speculation == "ngram" else 4
+        return 32 if self.speculation == "ngram" else 4
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ActorTuning:

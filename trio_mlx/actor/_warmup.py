@@ -22,6 +22,7 @@ from ._prompt_cache import PromptCache
 from ._protocol import Abort, ActorConfig, Command, Grammar, SamplingParams, StepReport, Submit
 from ._reuse import Reuse
 from ._schedule import Schedule
+from ._speculate import START_DRAFT
 
 WARMUP_PROMPT = 128  # tokens per warm-up prompt on a GPU (see warm_up)
 # The rehearsal's constrained row: any JSON string (llguidance's grammar text).
@@ -178,13 +179,15 @@ def rehearse(actor: Rehearsed, token: int, length: int) -> None:
         # every option (the other greedy); biased to repeat their prompts, so that prompt
         # lookup's guesses hit (it drafts after the first few: `_speculate.GUESS_HITS`) and
         # the target keeps the drafts. (Other prompts differ, so that H does not wait for G's
-        # prefill.)
+        # prefill.) G outlasts H by more than a step's drafts (prompt lookup's grow from
+        # `START_DRAFT`), so that it speculates alone after H has ended.
         g, h = -7, -8
         bias = ((token, 100.0),)
-        script.append(([Submit(g, prompt, 20, dataclasses.replace(every, seed=1, logit_bias=bias), frozenset()),
+        longer = 10 + 2 * START_DRAFT + 8
+        script.append(([Submit(g, prompt, longer, dataclasses.replace(every, seed=1, logit_bias=bias), frozenset()),
                         Submit(h, (token + 1,) + prompt[1:], 10, SamplingParams(temperature=0.0, logit_bias=bias),
                                frozenset())],
-                       lambda n: n[g] >= 20 and n[h] >= 10))
+                       lambda n: n[g] >= longer and n[h] >= 10))
     if mx.cuda.is_available() and (long := min(actor._context - 80, 2 * actor.config.tuning.prefill_step + 64)) > 2 * length:
         # A long prompt, in full chunks and beside a long context, stored as it is
         # prefilled, then a prompt that extends it (a hit): otherwise a chat's first long
