@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/probes/probe_speculative.py [--model M] [--draft D]
         [--rounds 3] [--configs off,ngram,draft] [--max-tokens 400] [--chars 3000]
-        [--workload repeat|edit] [--out F.json]
+        [--workload repeat|edit] [--levels 1,4] [--trace PREFIX] [--out F.json]
 
 The workload: `repeat` asks the model to repeat `repeat_passage.txt` (beside this file);
 `edit` hands it `edit_passage.txt` (2,000 characters of Python) and asks for the file
@@ -106,6 +106,8 @@ async def main() -> None:
     p.add_argument("--max-tokens", type=int, default=400)
     p.add_argument("--configs", default="off,ngram,draft")
     p.add_argument("--workload", choices=("repeat", "edit"), default="repeat")
+    p.add_argument("--levels", default="1,4", help="concurrencies, each after the last")
+    p.add_argument("--trace", default=None, help="step traces to PREFIX-CONFIG-rROUND.tsv")
     p.add_argument("--out", default="spec.json")
     a = p.parse_args()
     if a.workload == "edit":
@@ -117,6 +119,7 @@ async def main() -> None:
     for name in a.configs.split(","):  # ngramK: prompt lookup drafting up to K tokens a step
         if name.startswith("ngram") and name[5:].isdigit():
             configs[name] = {"speculative": "ngram", "num_draft_tokens": int(name[5:])}
+    levels = [int(c) for c in a.levels.split(",")]
     rows: list[dict] = []
     texts: dict[str, str] = {}
     for r in range(a.rounds):
@@ -125,10 +128,11 @@ async def main() -> None:
             order = order[::-1]  # paired rounds: A B C, C B A, ...
         for name in order:
             t0 = time.perf_counter()
-            async with trio_mlx.open_engine(a.model, **configs[name]) as engine:
+            trace = {"step_trace": f"{a.trace}-{name}-r{r}.tsv"} if a.trace else {}
+            async with trio_mlx.open_engine(a.model, **configs[name], **trace) as engine:
                 load = time.perf_counter() - t0
                 first = await one(engine, prompt, 16)  # the first request after ready (compile stalls?)
-                for c in (1, 4):
+                for c in levels:
                     got = await level(engine, prompt, a.max_tokens, c)
                     tps = statistics.median(g["decode_tps"] for g in got)
                     drafted = sum(g["drafted"] for g in got)
@@ -144,7 +148,7 @@ async def main() -> None:
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "text"}), flush=True)
     Path(a.out).write_text(json.dumps(rows, indent=1))  # noqa: ASYNC240 - once, after every level
-    for c in (1, 4):
+    for c in levels:
         base = statistics.median(r["decode_tps"] for r in rows if r["config"] == "off" and r["c"] == c) if any(
             r["config"] == "off" for r in rows) else None
         for name in a.configs.split(","):
@@ -156,4 +160,5 @@ async def main() -> None:
                   + f"  answer: {first['copied']:.0%} copied, {first['looped']:.0%} looped")
 
 
-trio.run(main)
+if __name__ == "__main__":
+    trio.run(main)

@@ -1,0 +1,175 @@
+"""Probe: where a speculative step's host time goes, phase by phase, on the edit workload.
+
+    PYTHONPATH=. python benchmarks/probes/probe_spec_phases.py [--model M] [--configs ngram,ngram8]
+        [--max-tokens 300] [--repeats 2]
+
+For each configuration (`ngram`: the tuning's defaults; `ngramK`: at most K drafts a step),
+one engine (the thread actor, in this process) serves `probe_speculative.py`'s edit request
+at c=1, `--repeats` times; the first is a warm-up. Every call the speculative step makes
+into the actor's helpers is timed by wrappers put on `_spec_step`'s names (the drafter's
+`propose` and `settle`, the model's `verify` forward, the decoder's `verify` and `settle`,
+`rollback`, and `mx.async_eval`, `mx.concatenate`, `mx.stack`), so that a step splits into:
+drafting, building the forward's graph, encoding and starting it (`async_eval`), reading
+the inputs back, the per-row sampling graphs, the wait for the device (reading the targets
+back: the time from the last sampling graph to the acceptance), the rollback, the rest.
+Printed per configuration: the median of each phase over the measured requests' steps,
+the steps' median wall time, and from the step trace the plain steps' median, so that
+"a speculative step costs N plain ones" can be read off in parts. Nothing is changed in
+what the step does; the wrappers cost a few microseconds a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import trio_mlx
+import trio_mlx.models  # noqa: F401 - first: on MLX's Linux CPU wheel it loads OpenBLAS before mlx.core
+from trio_mlx.actor import _drafting, _spec_step
+
+sys.path.insert(0, str(Path(__file__).parent))
+from probe_speculative import EDIT, one  # noqa: E402
+
+EVENTS: list[tuple[str, float, float]] = []  # (name, start, end) of every timed call, in order
+
+
+def timed(name: str, fn: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            EVENTS.append((name, t0, time.perf_counter()))
+    return wrapper
+
+
+class TimedMx:
+    """`mlx.core` as `_spec_step` sees it, with a few calls timed."""
+
+    def __init__(self, mx: Any):
+        self._mx = mx
+        for name in ("async_eval", "concatenate", "stack"):
+            setattr(self, name, timed(name, getattr(mx, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mx, name)
+
+
+def install() -> None:
+    m = _spec_step
+    m.mx = TimedMx(m.mx)
+    m.rollback = timed("rollback", m.rollback)
+    d = _drafting.Drafter
+    d.propose = timed("propose", d.propose)
+    d.settle = timed("drafter.settle", d.settle)
+    dec = m.Decoder
+    dec.verify = timed("sample", dec.verify)
+    dec.settle = timed("decoder.settle", dec.settle)
+    from trio_mlx.actor import _batch
+    _batch.CausalPrefill.verify = timed("forward", _batch.CausalPrefill.verify)  # the model's wrapper
+    step = m.speculative_step
+
+    def spec(decoder: Any, batch: Any) -> Any:
+        EVENTS.append(("step<", time.perf_counter(), 0.0))
+        out = step(decoder, batch)
+        EVENTS.append(("step>", time.perf_counter(), 1.0 if out is not None else 0.0))
+        return out
+
+    init = d.__init__
+
+    def patched(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.step = spec
+    d.__init__ = patched
+
+
+def phases(events: list[tuple[str, float, float]]) -> list[dict[str, float]]:
+    """Each speculative step's phases in ms, from the event stream."""
+    out: list[dict[str, float]] = []
+    cur: list[tuple[str, float, float]] | None = None
+    for ev in events:
+        if ev[0] == "step<":
+            cur = [ev]
+        elif ev[0] == "step>" and cur is not None:
+            if ev[2]:  # a step that speculated
+                out.append(split(cur, ev[1]))
+            cur = None
+        elif cur is not None:
+            cur.append(ev)
+    return out
+
+
+def split(evs: list[tuple[str, float, float]], end: float) -> dict[str, float]:
+    start = evs[0][1]
+    p: dict[str, float] = collections.defaultdict(float)
+    names = [e[0] for e in evs]
+    for name, t0, t1 in evs[1:]:
+        p[name] += (t1 - t0) * 1e3
+    # the step's one async_eval of the logits comes after the forward's graph; the sampling's
+    # own async_evals are inside `sample`; the read of the inputs is the gap after it
+    fwd = names.index("forward") if "forward" in names else None
+    if fwd is not None:
+        ae = next((i for i in range(fwd + 1, len(evs)) if evs[i][0] == "async_eval"), None)
+        if ae is not None:
+            p["encode"] = (evs[ae][2] - evs[ae][1]) * 1e3
+            nxt = evs[ae + 1][1] if ae + 1 < len(evs) else end
+            p["read inputs"] = (nxt - evs[ae][2]) * 1e3
+    samples = [e for e in evs if e[0] == "sample"]
+    after = [e for e in evs if e[0] in ("rollback",)]
+    if samples and after:
+        p["wait targets"] = (after[0][1] - samples[-1][2]) * 1e3 - p.get("stack", 0.0)
+    p["step"] = (end - start) * 1e3
+    p["async_eval"] -= p.get("encode", 0.0)
+    accounted = sum(v for k, v in p.items() if k not in ("step", "async_eval", "concatenate", "stack"))
+    p["other"] = p["step"] - accounted - p["async_eval"] - p.get("concatenate", 0.0) - p.get("stack", 0.0)
+    return p
+
+
+def plain_median(trace: str) -> float | None:
+    rows = [line.rstrip("\n").split("\t") for line in Path(trace).read_text().splitlines()]
+    head = rows[0]
+    steps = [dict(zip(head, r, strict=False)) for r in rows[1:] if r and r[0] != "t"]
+    plain = [float(s["next_s"]) * 1e3 for s in steps if s["drafted"] == "0" and s["generated"] == "1"
+             and s["prompt_tokens"] == "0"]
+    return statistics.median(plain) if plain else None
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--configs", default="ngram,ngram8")
+    p.add_argument("--max-tokens", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args()
+    install()
+    prompt = EDIT.format(src=(Path(__file__).parent / "edit_passage.txt").read_text())
+    tmp = tempfile.mkdtemp()
+    for name in a.configs.split(","):
+        config: dict[str, Any] = {"speculative": "ngram"}
+        if name[5:].isdigit():
+            config["num_draft_tokens"] = int(name[5:])
+        trace = f"{tmp}/{name}.tsv"
+        async with trio_mlx.open_engine(a.model, step_trace=trace, **config) as engine:
+            await one(engine, prompt, a.max_tokens)  # warm-up: kernels for the step's shapes
+            EVENTS.clear()
+            got = [await one(engine, prompt, a.max_tokens) for _ in range(max(1, a.repeats - 1))]
+        steps = phases(EVENTS)
+        keys = sorted({k for s in steps for k in s}, key=lambda k: -statistics.median(s.get(k, 0.0) for s in steps))
+        tps = statistics.median(g["decode_tps"] for g in got)
+        print(f"== {name}: {len(steps)} speculative steps, decode {tps:.1f} tok/s, drafted {got[-1]['drafted']}, "
+              f"kept {got[-1]['accepted']}; plain step median {plain_median(trace) or 0:.2f} ms")
+        for k in keys:
+            vals = [s.get(k, 0.0) for s in steps]
+            print(f"  {k:16s} median {statistics.median(vals):7.2f} ms  mean {statistics.fmean(vals):7.2f}")
+
+
+if __name__ == "__main__":
+    trio.run(main)
