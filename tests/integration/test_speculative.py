@@ -596,7 +596,7 @@ def _given(sdpa: Any, masks: list[Any], *args: Any, mask: Any = None, **kwargs: 
 def test_attention_with_few_queries_is_the_fused_attention(queries, heads, scratch, monkeypatch):
     """`_shapes.few_queries` (a speculative step's attention on CUDA): a few queries behind a
     KV, causal or with an array mask (left padding, boolean or additive, per row or per
-    head), attend as matmuls and give what the fused attention gives, without calling it;
+    head, or one row for every query), attend as matmuls and give what the fused attention gives, without calling it;
     up to the widest step a tuning allows (the most drafts and the pending token), where
     cuDNN would build a graph per key length. Where the scores would pass FEW_SCRATCH, in
     runs of queries whose scores fit, as matmuls; where not even two fit, one query at a
@@ -620,7 +620,8 @@ def test_attention_with_few_queries_is_the_fused_attention(queries, heads, scrat
     per_head = np.broadcast_to(padded, (2, h, queries, keys)).copy()
     per_head[1, 1, :, :2] = False
     additive = np.where(padded, 0.0, -1e9).astype(np.float32)
-    for mask in ("causal", None, mx.array(padded), mx.array(per_head), mx.array(additive)):
+    one_row = mx.array(padded[:, :, -1:, :])  # the same row of the mask for every query
+    for mask in ("causal", None, mx.array(padded), mx.array(per_head), mx.array(additive), one_row):
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
         sdpa = mx.fast.scaled_dot_product_attention
         masks: list[Any] = []

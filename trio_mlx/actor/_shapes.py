@@ -169,28 +169,21 @@ def _few(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, *, scal
     fit = FEW_SCRATCH // (b * h * total * 4)  # the queries whose scores fit at once
     if fit >= n:
         return attention(queries, keys, values, scale, _causal(n, total) if causal else mask)
-    if fit < 2:
-        return _by_query(sdpa, queries, keys, values, scale, mask, causal)
-    outs = []  # in runs of `fit` queries, each over the keys its last query may see
-    for i in range(0, n, fit):
-        j = min(n, i + fit)
-        end = total - (n - j) if causal else total
-        m = _causal(j - i, end) if causal else mask[..., i:j, :]
-        outs.append(attention(queries[:, :, i:j], keys[:, :, :end], values[:, :, :end], scale, m))
-    return mx.concatenate(outs, axis=2)
-
-
-def _by_query(sdpa: Callable[..., Any], queries: Any, keys: Any, values: Any, scale: float, mask: Any,
-              causal: bool) -> Any:
-    """One query at a time through the fused attention of one query (a kernel built for any
-    key length), each over the keys it may see: scores never materialized, ~3x the matmuls'
-    time on an H200."""
-    n, total = queries.shape[2], keys.shape[2]
+    # In runs of as many queries as fit, each over the keys its last query may see; a run of
+    # one through the fused attention of one query (a kernel built for any key length, the
+    # scores never materialized, ~3x the matmuls' time on an H200).
     outs = []
-    for i in range(n):
-        end = total - (n - 1 - i) if causal else total  # query i sees the keys up to its own
-        m = mask[..., i : i + 1, :end] if isinstance(mask, mx.array) else None
-        outs.append(sdpa(queries[:, :, i : i + 1], keys[:, :, :end], values[:, :, :end], scale=scale, mask=m))
+    step = max(1, fit)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        end = total - (n - j) if causal else total
+        q, k, v = queries[:, :, i:j], keys[:, :, :end], values[:, :, :end]
+        # the run's rows of an array mask (one row: the same for every query)
+        m = None if causal else mask if mask.shape[-2] == 1 else mask[..., i:j, :]
+        if j - i == 1:
+            outs.append(sdpa(q, k, v, scale=scale, mask=m))
+        else:
+            outs.append(attention(q, k, v, scale, _causal(j - i, end) if causal else m))
     return mx.concatenate(outs, axis=2)
 
 

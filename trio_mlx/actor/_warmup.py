@@ -180,7 +180,8 @@ def rehearse(actor: Rehearsed, token: int, length: int) -> None:
         # lookup's guesses hit (it drafts after the first few: `_speculate.GUESS_HITS`) and
         # the target keeps the drafts. (Other prompts differ, so that H does not wait for G's
         # prefill.) G outlasts H by more than a step's drafts (prompt lookup's grow from
-        # `START_DRAFT`), so that it speculates alone after H has ended.
+        # `START_DRAFT`), so that it speculates alone after H has ended; within the script's
+        # bound of steps with a draft model's few drafts a step.
         g, h = -7, -8
         bias = ((token, 100.0),)
         longer = 10 + 2 * START_DRAFT + 8
