@@ -166,7 +166,7 @@ class Drafter:
             return 0
         # prompt lookup's length grows while a row's copy holds (`_speculate.START_DRAFT`); a
         # draft model's costs a forward a token, so it drafts `k` each step
-        most = self.k if self.model is not None else spec.next_k(min(START_DRAFT, self.k), self.k)
+        most = self.k if self.model is not None else spec.next_k(START_DRAFT, self.k)
         k = room(most, row.max_tokens, position - len(row.prompt))
         if row.grammar is not None:  # a constrained row drafts only far from its budget's endgame
             k = min(k, row.grammar.draft_room())
