@@ -212,6 +212,25 @@ def test_prompt_lookup_on_a_repeating_prompt_keeps_greedy_tokens_and_its_drafts_
     assert sum(a for _, _, a in spec.speculated) > 0
 
 
+def test_after_a_speculative_step_prompt_lookup_knows_the_rows_pending_token(tiny_model_fp32, monkeypatch):
+    """A speculative step leaves each row's next pending token on the host (`RowSpec.known`,
+    at the position it takes in the row's tokens), so the next lookup drafts after it: it
+    is the token the device then feeds. Same tokens as without speculation."""
+    seen: list[tuple[int, int]] = []
+    lookup = _drafting.Drafter._lookup
+
+    def checked(self: Any, row: DecodeRow, spec: Any, held: list[int], pending: Any, k: int) -> Proposal | None:
+        if spec.known is not None and spec.known[0] == len(held):
+            seen.append((spec.known[1], int(pending.item())))
+        return lookup(self, row, spec, held, pending, k)
+
+    monkeypatch.setattr(_drafting.Drafter, "_lookup", checked)
+    base = _one(tiny_model_fp32, GREEDY, 60, LOOPING)
+    spec = _one(tiny_model_fp32, GREEDY, 60, LOOPING, speculative="ngram")
+    assert spec.tokens[1] == base.tokens[1]
+    assert len(seen) >= 2 and all(known == pending for known, pending in seen), seen
+
+
 def test_a_long_prompts_index_is_built_a_slice_a_step(tiny_model_fp32, monkeypatch):
     """Prompt lookup's index of a row takes at most INDEX_SLICE of its tokens a step (a long
     prompt's whole index at once stalled every row of the batch), and the row guesses and

@@ -64,6 +64,22 @@ def test_the_index_grown_in_pieces_drafts_as_one_built_at_once(n):
         assert len(grown) == len(tokens)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_index_drafts_after_a_token_it_does_not_hold_as_if_it_held_it(n):
+    """`match` and `copy` with `after`: the sequence followed by one more token (a row's
+    pending token, read back), with the index unchanged."""
+    rng = random.Random(11)
+    tokens = [rng.randrange(5) for _ in range(120)]
+    index = NgramIndex(n)
+    for i, t in enumerate(tokens):
+        for least in (1, 2):
+            at = index.match(least, after=t)
+            drafts = [] if at is None else index.copy(at, 6, after=t)
+            assert drafts == _index(tokens[: i + 1], n).draft(6, least=least), (i, least)
+        index.extend([t])
+    assert len(index) == len(tokens)
+
+
 def test_a_rows_drafts_continue_the_copy_its_guess_came_from():
     """`RowSpec.drafts` takes the tokens after the guess from the match `watch` found, with no
     second search: what a fresh lookup drafts after the guess; none once the index has grown
@@ -373,6 +389,37 @@ def test_prompt_lookup_never_reads_the_pending_token_back():
     proposals = _plain_steps(drafter, stopping, list(prompt), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     assert proposals[-2] is not None and proposals[-2].host == [10, 11, 12, 13]  # guessed 9
     assert proposals[-1] is None  # guessed 10, which ends the row
+
+
+def test_after_a_speculative_step_prompt_lookup_drafts_after_the_pending_token_it_read_back():
+    """A speculative step reads the row's next pending token back (`RowSpec.known`). Where
+    the target cut the drafts short, a guess from the row's tokens alone would be the draft
+    the target refused: the lookup drafts after the real token instead, and guesses nothing
+    where the text after it was never seen before."""
+    import mlx.core as mx
+
+    from trio_mlx.actor._drafting import Drafter
+
+    drafter = Drafter(k=4, ngram=3)
+    prompt = list(range(1, 21)) + [50, 9, 99, 30, 31, 32, 33, 34]
+    row, held = _lookup_row(prompt), list(prompt)
+    *_, proposal = _plain_steps(drafter, row, held, [1, 2, 3, 4, 5, 6, 7])
+    assert proposal is not None and proposal.host == [8, 9, 10, 11]
+    # the step keeps 8 and 9; the target's own token after 9 is 99, not 10
+    held += [8, 9]
+    drafter.settle(row, proposal, 2)
+    row.spec.known = (len(held), 99)
+    [after] = drafter.propose([row], [held], mx.array([99], dtype=mx.int32))
+    assert after is not None and after.first == 99 and after.host == [30, 31, 32, 33]
+    assert after.inputs.tolist() == [[99, 30, 31, 32, 33]]
+    # the next step keeps 30 and 31, then the target says 77: "31 77" never occurred
+    held += [99, 30, 31]
+    drafter.settle(row, after, 2)
+    row.spec.known = (len(held), 77)
+    assert drafter.propose([row], [held], mx.array([77], dtype=mx.int32)) == [None]
+    # a plain step feeds 77 and samples 78: the lookup guesses again from the row's tokens
+    held.append(77)
+    assert drafter.propose([row], [held], mx.array([78], dtype=mx.int32)) == [None]
 
 
 def test_prompt_lookup_on_random_text_never_drafts():

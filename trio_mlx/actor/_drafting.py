@@ -12,7 +12,8 @@ per-row policy) are `_speculate.py`'s, with no MLX.
   host has them: the row's KV's tokens, the pending one still on the device. It guesses
   the pending token from them (the token after the latest earlier occurrence of their
   longest suffix, of `MIN_MATCH` tokens at least) and checks the guess when the token
-  comes back (`RowSpec.watch`). Where its last guesses mostly missed, no speculation:
+  comes back (`RowSpec.watch`); after a speculative step, which reads it back, it drafts
+  after the pending token itself. Where its last guesses mostly missed, no speculation:
   the step stays a plain, pipelined one, and random text costs nothing. Otherwise the
   drafts are the K tokens that followed the guess, fed after the pending token as the
   device computes it: nothing is read back before the step (a read of the pending
@@ -69,7 +70,7 @@ class Proposal:
     """One speculative step's drafts for a row: the forward's `inputs` (1, K+1): the row's
     pending token and then `drafts` (K,), lazy for a draft model's; `first` and `host`, the
     pending token and the drafts where the drafter has them on the host (prompt lookup:
-    the drafts alone)."""
+    the drafts, and the pending token where a speculative step read it back)."""
 
     __slots__ = ("inputs", "drafts", "first", "host", "position")
 
@@ -214,14 +215,16 @@ class Drafter:
         index = self._index(spec, held)
         if index is None or not spec.watch(index, self.least):
             return None  # the lookup's last guesses missed: a plain step, pipelined
-        if spec.guess is None or spec.guess in row.stops:
-            return None  # no guess of the pending token, or one that ends the row: nothing to follow it
+        known = spec.known[1] if spec.known is not None and spec.known[0] == len(held) else None
+        if spec.guess is None or (spec.guess if known is None else known) in row.stops:
+            return None  # no guess, or a pending token that ends the row: nothing to follow it
         # The guess and the k tokens after it (the same longest suffix): the drafts follow the
         # guess, and the pending token itself goes in as the device computes it, never read back.
         # Where the guess missed, the verify keeps none of them; the acceptance is exact either way.
+        # Where a speculative step read the pending token back, the drafts follow it (`watch`).
         drafts = spec.drafts(index, k)
         inputs = mx.concatenate([pending, mx.array(drafts, dtype=pending.dtype)])[None]
-        return Proposal(inputs, inputs[0, 1:], None, drafts, len(held))
+        return Proposal(inputs, inputs[0, 1:], known, drafts, len(held))
 
     def _state(self, spec: RowSpec) -> DraftState:
         state = spec.draft

@@ -129,6 +129,8 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
         held.append(first)
         held.extend(drafts)
         firsts.append(first)
+        if row.spec is not None:  # the row's next pending token, on the host now (`RowSpec.known`)
+            row.spec.known = (len(held), targets[i][a])
         if p is None:
             specs.append(None)
             continue

@@ -34,6 +34,10 @@ four rows on random prompts decoded at 0.64x of no speculation, almost nothing
 drafted). A guess that hits says the drafts after it would be kept too: text being
 copied. The drafts themselves follow the guess (`_drafting.py`), so the pending token is
 never read back before a step; where this guess missed, the step keeps none of them.
+After a speculative step the host has the pending token (the step reads its tokens back:
+`RowSpec.known`), and the lookup drafts after it: after a step whose drafts the target
+cut short, the guess would be the draft it refused, and the next step would keep nothing
+(on the file the embedded model rewrites, a third of the speculative steps did that).
 
 **The policy.** Verifying pays only where one forward over K+1 tokens costs little more
 than one over a token, and where drafts are accepted: on an H200 a forward over 8 tokens
@@ -137,26 +141,37 @@ class NgramIndex:
         at = self.match(least) if k > 0 else None
         return [] if at is None else self.copy(at, k)
 
-    def match(self, least: int = 1) -> int | None:
+    def match(self, least: int = 1, after: int | None = None) -> int | None:
         """Where the sequence's copy starts: the index just after the latest earlier
-        occurrence of its longest suffix (n tokens at most, `least` at least), or None."""
+        occurrence of its longest suffix (n tokens at most, `least` at least), or None.
+        With `after`, of the sequence followed by that token (the index itself unchanged)."""
         toks = self.tokens
         size = len(toks)
-        for m in range(min(self.n, size - 1), max(1, least) - 1, -1):
-            at = self._last[m - 1].get(tuple(toks[size - m :]))
+        if after is None:
+            for m in range(min(self.n, size - 1), max(1, least) - 1, -1):
+                at = self._last[m - 1].get(tuple(toks[size - m :]))
+                if at is not None:
+                    return at
+            return None
+        for m in range(min(self.n, size), max(1, least) - 1, -1):
+            suffix = (*toks[size - m + 1 :], after)
+            if tuple(toks[size - m :]) == suffix:
+                return size  # its latest occurrence ends the index: followed by `after` itself
+            at = self._last[m - 1].get(suffix)
             if at is not None:
                 return at
         return None
 
-    def copy(self, at: int, k: int) -> list[int]:
-        """`k` tokens copied from index `at` on (a `match` of the sequence as it is now),
-        continuing the copy past the sequence's end."""
+    def copy(self, at: int, k: int, after: int | None = None) -> list[int]:
+        """`k` tokens copied from index `at` on (a `match` of the sequence as it is now, with
+        the same `after`), continuing the copy past the sequence's end."""
         toks = self.tokens
         size = len(toks)
+        known = size if after is None else size + 1
         out: list[int] = []
         for i in range(k):
             p = at + i
-            out.append(toks[p] if p < size else out[p - size])
+            out.append(toks[p] if p < size else after if p < known else out[p - known])  # type: ignore[arg-type]
         return out
 
 
@@ -231,14 +246,18 @@ class RowSpec:
     its tokens it may speculate again (the module's docstring, "The policy")."""
 
     __slots__ = ("index", "draft", "window", "seconds", "resume_at", "stops", "drafted", "accepted", "guesses",
-                 "guess", "_guess_at", "_copy_from", "k")
+                 "guess", "_guess_at", "_copy_from", "_after", "k", "known")
 
     def __init__(self) -> None:
         self.index: NgramIndex | None = None  # prompt lookup's index of the row's tokens
         self.guesses: collections.deque[bool] = collections.deque(maxlen=GUESS_WINDOW)  # each hit or not
         self.guess: int | None = None  # the outstanding guess (None: the lookup had none) ...
         self._guess_at = -1  # ... at this position of the index (-1: none outstanding) ...
-        self._copy_from = 0  # ... the index's `match` it was copied from
+        self._copy_from = 0  # ... the index's `match` it was copied from ...
+        self._after: int | None = None  # ... with the pending token after the index, where known
+        # (position, token): the row's pending token, which a speculative step reads back (it
+        # becomes the row's token at that position); `watch` drafts after it, not after a guess
+        self.known: tuple[int, int] | None = None
         self.draft: object = None  # the draft model's state for the row (`_draft.DraftState`)
         self.window: collections.deque[int] = collections.deque(maxlen=WINDOW)
         self.seconds: collections.deque[float] = collections.deque(maxlen=WINDOW)  # each step's wall time
@@ -257,23 +276,42 @@ class RowSpec:
         as far as they are known on the host. Checks the outstanding guess if its token is
         there now, guesses the next unknown one from a suffix of at least `least` tokens (no
         such suffix: a miss), and says whether enough of the last guesses hit for the row's
-        drafts to be worth a speculative step."""
+        drafts to be worth a speculative step.
+
+        Where the pending token is known (`known`, at the index's end: a speculative step
+        read it back), the guess of it is checked against it, and the guess is of the token
+        after it, from the suffix that ends with it: the drafts then follow the row's real
+        text. Guessed from the index alone, after a step whose drafts the target cut short
+        the guess would be the draft the target had just refused, and the next speculative
+        step would keep nothing."""
         at, size = self._guess_at, len(index)
+        known = self.known[1] if self.known is not None and self.known[0] == size else None
         if 0 <= at < size:
             self.guesses.append(self.guess is not None and index.tokens[at] == self.guess)
             at = self._guess_at = -1
+        elif at == size and known is not None:
+            self.guesses.append(self.guess == known)
+            at = self._guess_at = -1
         if at < 0:
-            start = index.match(least)
-            self._guess_at, self._copy_from = size, start or 0
-            self.guess = None if start is None else index.tokens[start]
+            start = index.match(least, known)
+            self._guess_at, self._copy_from, self._after = size + (known is not None), start or 0, known
+            self.guess = None if start is None else index.copy(start, 1, known)[0]
         return sum(self.guesses) >= GUESS_HITS
 
     def drafts(self, index: NgramIndex, k: int) -> list[int]:
-        """The `k` tokens that follow the outstanding guess in the copy it came from (none
-        without one): `watch`'s search, not a second one, while `index` is as it guessed."""
-        if self.guess is None or self._guess_at != len(index):
+        """The `k` tokens that follow the row's pending token in the copy the outstanding
+        guess came from (none without one): `watch`'s search, not a second one, while
+        `index` is as it guessed. The guess is the pending token's, or, where that token
+        is known, the first draft (and once the index holds that token too, the pending one's
+        again: the copy is the same)."""
+        size = len(index)
+        if self.guess is None:
             return []
-        return index.copy(self._copy_from, k + 1)[1:]
+        if self._guess_at == size:
+            return index.copy(self._copy_from, k + 1)[1:]
+        if self._guess_at == size + 1 and self._after is not None:
+            return index.copy(self._copy_from, k, self._after)
+        return []
 
     def next_k(self, start: int, most: int) -> int:
         """Prompt lookup's drafts for the row's next speculative step (`START_DRAFT`): `start`
