@@ -108,12 +108,19 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     # from the last draft until the verify is submitted; and where a constrained row fills
     # masks, the device runs the forward meanwhile.
     mx.async_eval(logits)
-    fed: list[list[int]] = inputs.tolist()  # type: ignore[assignment]
-    for i, r in enumerate(rows):
-        if r.grammar is not None:
-            masks[i], room[i] = decoder.spec_masks(r, width, fed[i], room[i])
+    constrained = any(r.grammar is not None for r in rows)
+    if constrained:  # the masks need the drafts on the host now: a read of its own
+        fed: list[list[int]] = inputs.tolist()  # type: ignore[assignment]
+        for i, r in enumerate(rows):
+            if r.grammar is not None:
+                masks[i], room[i] = decoder.spec_masks(r, width, fed[i], room[i])
     verified = [decoder.verify(logits[i], r, inputs[i, 1:], masks[i]) for i, r in enumerate(rows)]
-    targets: list[list[int]] = mx.stack([s for s, _ in verified]).tolist()  # type: ignore[assignment]
+    sampled = mx.stack([s for s, _ in verified])
+    if constrained:
+        targets: list[list[int]] = sampled.tolist()  # type: ignore[assignment]
+    else:  # one read for both, once the verify's graph is built: no wait before it
+        both: list[list[int]] = mx.concatenate([inputs, sampled.astype(inputs.dtype)], axis=1).tolist()  # type: ignore[assignment]
+        fed, targets = [b[: k + 1] for b in both], [b[k + 1 :] for b in both]
     kept = [accepted(fed[i][1 : 1 + room[i]], targets[i]) for i in range(n)]
     for r, a in zip(rows, kept, strict=True):
         if r.grammar is not None:
