@@ -71,15 +71,13 @@ from ._reuse import Reuse
 from ._sampling import SamplerCache, make_processors
 from ._schedule import Schedule, Seq
 from ._shapes import (
-    GRID_PREBUILD,
     GRID_PREFIX,
     budget_chunk,
-    grid_sizes,
     prefill_chunk,
     prefill_grid,
 )
 from ._trace import StepTrace
-from ._warmup import WARMUP_PROMPT, prebuild_masked_decode, prebuild_prefill, rehearse, warm_up
+from ._warmup import WARMUP_PROMPT, prebuild_cuda, rehearse, warm_up
 
 log = logging.getLogger("trio_mlx.actor")  # stages of startup; from any thread, through logging
 
@@ -299,11 +297,9 @@ class Actor:
         if self._grid:
             t0 = time.perf_counter()
             with mx.stream(self._bg.stream):
-                grid, layers = CausalPrefill(self._model, grid=True), len(self._model.layers)
-                ran = prebuild_prefill(grid, layers, token, min(self._context, GRID_PREBUILD),
-                                       grid_sizes(self.config.tuning.prefill_step), GRID_PREFIX)
-                prebuild_masked_decode(grid, layers, token)
-            log.info("ran %d prefill shapes of the grid, then padded decode steps, in %.2f s", ran, time.perf_counter() - t0)
+                ran = prebuild_cuda(self._model, token, self._context, self.config.tuning, self._drafter)
+            log.info("ran %d prefill shapes of the grid, padded decode steps and matmuls, in %.2f s", ran,
+                     time.perf_counter() - t0)
         if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens
             rehearse(self, token, length)
         self._reset_batch()

@@ -1,8 +1,8 @@
 """Warm-up: visit, before the server reports ready, every path live traffic will make MLX
 compile, so no request pays a kernel compile (seconds on CUDA): every prefill group size
 (`warm_up`), the shape grid's prefills (`prebuild_prefill`), the padded decode step's attention
-kernels (`prebuild_masked_decode`), and a rehearsal of the actor's
-own paths through its own steps (`rehearse`). `Actor._warmup` runs them."""
+kernels (`prebuild_masked_decode`), the matmuls of every row count (`prebuild_matmuls`), and a
+rehearsal of the actor's own paths through its own steps (`rehearse`). `Actor._warmup` runs them."""
 
 from __future__ import annotations
 
@@ -17,12 +17,15 @@ import mlx.core as mx
 
 from . import _cuda_attention
 from ._admission import Admission
+from ._batch import CausalPrefill
 from ._constrain import json_string_grammar, model_vocab
 from ._prompt_cache import PromptCache
 from ._protocol import Abort, ActorConfig, Command, Grammar, SamplingParams, StepReport, Submit
 from ._reuse import Reuse
 from ._schedule import Schedule
+from ._shapes import GRID_PREBUILD, GRID_PREFIX, grid_sizes
 from ._speculate import START_DRAFT
+from ._tuning import ActorTuning
 
 WARMUP_PROMPT = 128  # tokens per warm-up prompt on a GPU (see warm_up)
 # The rehearsal's constrained row: any JSON string (llguidance's grammar text).
@@ -64,6 +67,20 @@ def _step_until(bg: Any, done: Callable[[dict[int, int]], bool], uids: list[int]
         if done(generated):
             return
     raise RuntimeError(f"warm-up: no progress after 64 steps ({generated})")
+
+
+def prebuild_cuda(model: Any, token: int, context: int, tuning: ActorTuning, drafter: Any) -> int:
+    """CUDA's prebuilds, in turn: the shape grid's prefills, the padded decode steps and the
+    matmuls of every row count a step may take (a decode step's `max_batch` rows, or a
+    speculative step's `drafter.max_rows` rows of `drafter.k` drafts and a token); returns
+    how many prefill shapes ran."""
+    grid, layers = CausalPrefill(model, grid=True), len(model.layers)
+    ran = prebuild_prefill(grid, layers, token, min(context, GRID_PREBUILD), grid_sizes(tuning.prefill_step),
+                           GRID_PREFIX)
+    prebuild_masked_decode(grid, layers, token)
+    spec = drafter.max_rows * (drafter.k + 1) if drafter is not None else 0
+    prebuild_matmuls(grid, layers, token, max(tuning.max_batch, spec), context)
+    return ran
 
 
 def prebuild_prefill(forward: Any, layers: int, token: int, limit: int, sizes: list[int], stride: int) -> int:
@@ -113,6 +130,40 @@ def prebuild_masked_decode(forward: Any, layers: int, token: int) -> None:
         caches = [BatchKVCache([0, 1]) for _ in range(layers)]
         forward(mx.full((2, keys), token, dtype=mx.int32), cache=caches)
         mx.eval(forward(mx.full((2, 1), token, dtype=mx.int32), cache=caches))
+
+
+# Tokens of the one-row forwards `prebuild_matmuls` runs: one of each row-count class of
+# MLX 0.32.4's quantized matmul on CUDA (up to 16 rows, 32, 64; more, in case), up to the most
+# a step multiplies.
+MATMUL_ROWS = (2, 17, 33, 65, 129, 257)
+
+
+def prebuild_matmuls(forward: Any, layers: int, token: int, most: int, context: int) -> list[int]:
+    """Run forwards of one row of `MATMUL_ROWS` tokens, up to the first that reaches `most`
+    (the most rows a step's matmuls take: a decode step's rows, or a speculative step's rows
+    times its tokens) and within `context`, each position's logits evaluated; returns their
+    lengths. `forward` is the grid-prefilling model.
+
+    On CUDA, MLX 0.32.4's quantized matmul compiles a kernel (NVRTC, ~16 s each on an
+    H200's host) for each class of row counts it meets, per bit width. A prefill meets
+    them in the model's layers but not in its output head, whose logits it takes at the
+    last position alone (the others are never evaluated), and the warm-up's decode steps
+    go up to the prefill groups' rows: the head of an 8-bit-headed model first met 33 rows in
+    a live speculative step of 32 drafts, which stalled 15.3 s compiling it
+    (benchmarks/2026-11-30-h200/known-pending/), as a first decode step of 33 rows would.
+    """
+    from mlx_lm.models.cache import BatchKVCache
+
+    ran: list[int] = []
+    for n in MATMUL_ROWS:
+        if n > context:
+            break
+        caches = [BatchKVCache([0]) for _ in range(layers)]
+        mx.eval(forward.verify(mx.full((1, n), token, dtype=mx.int32), cache=caches))
+        ran.append(n)
+        if n >= most:
+            break
+    return ran
 
 
 class Rehearsed(Protocol):
