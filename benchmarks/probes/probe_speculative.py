@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/probes/probe_speculative.py [--model M] [--draft D]
         [--rounds 3] [--configs off,ngram,draft] [--max-tokens 400] [--chars 3000]
-        [--workload repeat|edit] [--levels 1,4] [--trace PREFIX] [--out F.json]
+        [--workload repeat|edit] [--levels 1,4] [--repeats 1] [--trace PREFIX] [--out F.json]
 
 The workload: `repeat` asks the model to repeat `repeat_passage.txt` (beside this file);
 `edit` hands it `edit_passage.txt` (2,000 characters of Python) and asks for the file
@@ -11,7 +11,8 @@ round and each configuration (off / `speculative="ngram"` / a draft model: `--dr
 default the model itself, which keeps every draft), one engine at a time, in
 alternating order: a greedy chat request at c=1 that asks the model (default: the
 embedded SmolLM2-135M-Instruct, real weights) to repeat a passage of its context,
-then the same at c=4 (four rows speculating in one batch, `speculative_max_rows`).
+then the same at c=4 (four rows speculating in one batch, `speculative_max_rows`); each
+level `--repeats` times in the engine, the median taken.
 Prints per request decode tokens/s (completion tokens after the first over the time
 after the first token), TTFT (and the first request's after the engine is ready: a
 compile stall would show there), the acceptance rate from `usage`, and whether each
@@ -107,6 +108,7 @@ async def main() -> None:
     p.add_argument("--configs", default="off,ngram,draft")
     p.add_argument("--workload", choices=("repeat", "edit"), default="repeat")
     p.add_argument("--levels", default="1,4", help="concurrencies, each after the last")
+    p.add_argument("--repeats", type=int, default=1, help="each level this many times in an engine")
     p.add_argument("--trace", default=None, help="step traces to PREFIX-CONFIG-rROUND.tsv")
     p.add_argument("--out", default="spec.json")
     a = p.parse_args()
@@ -133,7 +135,7 @@ async def main() -> None:
                 load = time.perf_counter() - t0
                 first = await one(engine, prompt, 16)  # the first request after ready (compile stalls?)
                 for c in levels:
-                    got = await level(engine, prompt, a.max_tokens, c)
+                    got = [g for _ in range(max(1, a.repeats)) for g in await level(engine, prompt, a.max_tokens, c)]
                     tps = statistics.median(g["decode_tps"] for g in got)
                     drafted = sum(g["drafted"] for g in got)
                     acc = sum(g["accepted"] for g in got)
