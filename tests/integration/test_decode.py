@@ -674,27 +674,36 @@ def test_warm_up_runs_the_padded_decode_steps_kernels_whole_and_split(model_hd64
     assert {_cuda_attention.key_splits(2, heads, kv, d, t) > 1 for t in keys} == {False, True}
 
 
-def test_warm_up_runs_matmuls_of_every_row_count_up_to_the_most_a_step_takes(tiny_model_fp32, monkeypatch):
-    """`_warmup.prebuild_matmuls` (CUDA's warm-up): one-row forwards of `MATMUL_ROWS` tokens,
-    up to the first that reaches the most rows a step multiplies and within the context,
-    each with every position's logits (the output head over that many rows, which no
-    prefill evaluates: a live step met it first, and MLX compiled its kernel then)."""
-    from trio_mlx.actor import _batch, _warmup
+def test_warm_up_runs_matmuls_of_every_row_count_up_to_the_most_a_step_takes(tiny_model_fp32):
+    """`_warmup.prebuild_matmuls` (CUDA's warm-up, for every model): one-row forwards of
+    `MATMUL_ROWS` tokens from empty caches, up to the first that reaches the most rows a step
+    multiplies and within the context, each with every position's logits (the output head
+    over that many rows, which no prefill evaluates: a live step met it first, and MLX
+    compiled its kernel then). `prebuild_cuda` takes the most from the tuning and the
+    drafter, off the shape grid too (a model with `--kv-bits` is not on it)."""
+    from trio_mlx.actor import _warmup
+    from trio_mlx.actor._drafting import Drafter
+    from trio_mlx.actor._tuning import ActorTuning
     from trio_mlx.models import load_model
 
     model, config = load_model(tiny_model_fp32)
     shapes: list[tuple[int, ...]] = []
-    verify = _batch.CausalPrefill.verify
 
-    def record(self: Any, inputs: Any, cache: Any) -> Any:
-        out = verify(self, inputs, cache)
+    def forward(inputs: Any, cache: Any) -> Any:
+        assert all(c.offset == 0 for c in cache)  # each from an empty cache of its own
+        out = model(inputs, cache=cache)
         shapes.append(tuple(out.shape))
         return out
 
-    monkeypatch.setattr(_batch.CausalPrefill, "verify", record)
-    forward, layers, vocab = _batch.CausalPrefill(model, grid=True), len(model.layers), config["vocab_size"]
-    assert _warmup.prebuild_matmuls(forward, layers, 1, 40, 4096) == [2, 17, 33, 65]
-    assert shapes == [(1, n, vocab) for n in (2, 17, 33, 65)]
-    assert _warmup.prebuild_matmuls(forward, layers, 1, 8 * 33, 4096) == list(_warmup.MATMUL_ROWS)
-    assert _warmup.prebuild_matmuls(forward, layers, 1, 64, 40) == [2, 17, 33]
-    assert _warmup.prebuild_matmuls(forward, layers, 1, 1, 4096) == [2]
+    forward.layers = model.layers  # type: ignore[attr-defined]  # what make_prompt_cache reads
+    assert _warmup.prebuild_matmuls(forward, 1, 40, 4096) == [2, 17, 33, 65]
+    assert shapes == [(1, n, config["vocab_size"]) for n in (2, 17, 33, 65)]
+    assert _warmup.prebuild_matmuls(forward, 1, 8 * 33, 4096) == list(_warmup.MATMUL_ROWS)
+    assert _warmup.prebuild_matmuls(forward, 1, 64, 40) == [2, 17, 33]
+    assert _warmup.prebuild_matmuls(forward, 1, 1, 4096) == [2]
+    shapes.clear()
+    assert _warmup.prebuild_cuda(forward, 1, 4096, ActorTuning(max_batch=8), Drafter(k=4, max_rows=4), False) == 0
+    assert [s[1] for s in shapes] == [2, 17, 33]  # 4 rows of 4 drafts and a token: 20
+    shapes.clear()
+    _warmup.prebuild_cuda(forward, 1, 4096, ActorTuning(max_batch=40), None, False)
+    assert [s[1] for s in shapes] == [2, 17, 33, 65]

@@ -294,10 +294,10 @@ class Actor:
         token = 1 if self._vocab > 1 else 0
         warm_up(self._bg, token, length, self._rows if gpu else 1,
                 (lambda: DecodeRow(SamplingParams(temperature=0.0))) if self._owned else None)
-        if self._grid:
+        if prefill_grid():  # on CUDA
             t0 = time.perf_counter()
             with mx.stream(self._bg.stream):
-                ran = prebuild_cuda(self._model, token, self._context, self.config.tuning, self._drafter)
+                ran = prebuild_cuda(self._model, token, self._context, self.config.tuning, self._drafter, self._grid)
             log.info("ran %d prefill shapes of the grid, padded decode steps and matmuls, in %.2f s", ran,
                      time.perf_counter() - t0)
         if gpu and self._context >= length + 16:  # room for the rehearsal's 12 tokens

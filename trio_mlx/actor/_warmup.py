@@ -69,17 +69,19 @@ def _step_until(bg: Any, done: Callable[[dict[int, int]], bool], uids: list[int]
     raise RuntimeError(f"warm-up: no progress after 64 steps ({generated})")
 
 
-def prebuild_cuda(model: Any, token: int, context: int, tuning: ActorTuning, drafter: Any) -> int:
-    """CUDA's prebuilds, in turn: the shape grid's prefills, the padded decode steps and the
-    matmuls of every row count a step may take (a decode step's `max_batch` rows, or a
-    speculative step's `drafter.max_rows` rows of `drafter.k` drafts and a token); returns
-    how many prefill shapes ran."""
-    grid, layers = CausalPrefill(model, grid=True), len(model.layers)
-    ran = prebuild_prefill(grid, layers, token, min(context, GRID_PREBUILD), grid_sizes(tuning.prefill_step),
-                           GRID_PREFIX)
-    prebuild_masked_decode(grid, layers, token)
+def prebuild_cuda(model: Any, token: int, context: int, tuning: ActorTuning, drafter: Any, grid: bool) -> int:
+    """CUDA's prebuilds, in turn: where prefills run on the shape `grid`, its prefills and the
+    padded decode steps; for every model, the matmuls of every row count a step may take (a
+    decode step's `max_batch` rows, or a speculative step's `drafter.max_rows` rows of
+    `drafter.k` drafts and a token). Returns how many prefill shapes ran."""
+    ran = 0
+    if grid:
+        forward, layers = CausalPrefill(model, grid=True), len(model.layers)
+        ran = prebuild_prefill(forward, layers, token, min(context, GRID_PREBUILD), grid_sizes(tuning.prefill_step),
+                               GRID_PREFIX)
+        prebuild_masked_decode(forward, layers, token)
     spec = drafter.max_rows * (drafter.k + 1) if drafter is not None else 0
-    prebuild_matmuls(grid, layers, token, max(tuning.max_batch, spec), context)
+    prebuild_matmuls(model, token, max(tuning.max_batch, spec), context)
     return ran
 
 
@@ -138,11 +140,11 @@ def prebuild_masked_decode(forward: Any, layers: int, token: int) -> None:
 MATMUL_ROWS = (2, 17, 33, 65, 129, 257)
 
 
-def prebuild_matmuls(forward: Any, layers: int, token: int, most: int, context: int) -> list[int]:
-    """Run forwards of one row of `MATMUL_ROWS` tokens, up to the first that reaches `most`
-    (the most rows a step's matmuls take: a decode step's rows, or a speculative step's rows
-    times its tokens) and within `context`, each position's logits evaluated; returns their
-    lengths. `forward` is the grid-prefilling model.
+def prebuild_matmuls(model: Any, token: int, most: int, context: int) -> list[int]:
+    """Run `model` over one row of `MATMUL_ROWS` tokens, each from an empty cache of its own
+    (a prefill of that many tokens), up to the first that reaches `most` (the most rows a
+    step's matmuls take: a decode step's rows, or a speculative step's rows times its
+    tokens) and within `context`, each position's logits evaluated; returns their lengths.
 
     On CUDA, MLX 0.32.4's quantized matmul compiles a kernel (NVRTC, ~16 s each on an
     H200's host) for each class of row counts it meets, per bit width. A prefill meets
@@ -152,14 +154,13 @@ def prebuild_matmuls(forward: Any, layers: int, token: int, most: int, context: 
     a live speculative step of 32 drafts, which stalled 15.3 s compiling it
     (benchmarks/2026-11-30-h200/known-pending/), as a first decode step of 33 rows would.
     """
-    from mlx_lm.models.cache import BatchKVCache
+    from mlx_lm.models.cache import make_prompt_cache
 
     ran: list[int] = []
     for n in MATMUL_ROWS:
         if n > context:
             break
-        caches = [BatchKVCache([0]) for _ in range(layers)]
-        mx.eval(forward.verify(mx.full((1, n), token, dtype=mx.int32), cache=caches))
+        mx.eval(model(mx.full((1, n), token, dtype=mx.int32), cache=make_prompt_cache(model)))
         ran.append(n)
         if n >= most:
             break
