@@ -220,8 +220,8 @@ def test_after_a_speculative_step_prompt_lookup_knows_the_rows_pending_token(tin
     lookup = _drafting.Drafter._lookup
 
     def checked(self: Any, row: DecodeRow, spec: Any, held: list[int], pending: Any, k: int) -> Proposal | None:
-        if spec.known is not None and spec.known[0] == len(held):
-            seen.append((spec.known[1], int(pending.item())))
+        if (known := spec.known_at(len(held))) is not None:
+            seen.append((known, int(pending.item())))
         return lookup(self, row, spec, held, pending, k)
 
     monkeypatch.setattr(_drafting.Drafter, "_lookup", checked)

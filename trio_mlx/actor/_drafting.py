@@ -215,7 +215,7 @@ class Drafter:
         index = self._index(spec, held)
         if index is None or not spec.watch(index, self.least):
             return None  # the lookup's last guesses missed: a plain step, pipelined
-        known = spec.known[1] if spec.known is not None and spec.known[0] == len(held) else None
+        known = spec.known_at(len(held))
         if spec.guess is None or (spec.guess if known is None else known) in row.stops:
             return None  # no guess, or a pending token that ends the row: nothing to follow it
         # The guess and the k tokens after it (the same longest suffix): the drafts follow the

@@ -285,7 +285,7 @@ class RowSpec:
         the guess would be the draft the target had just refused, and the next speculative
         step would keep nothing."""
         at, size = self._guess_at, len(index)
-        known = self.known[1] if self.known is not None and self.known[0] == size else None
+        known = self.known_at(size)
         if 0 <= at < size:
             self.guesses.append(self.guess is not None and index.tokens[at] == self.guess)
             at = self._guess_at = -1
@@ -297,6 +297,12 @@ class RowSpec:
             self._guess_at, self._copy_from, self._after = size + (known is not None), start or 0, known
             self.guess = None if start is None else index.copy(start, 1, known)[0]
         return sum(self.guesses) >= GUESS_HITS
+
+    def known_at(self, position: int) -> int | None:
+        """The row's pending token where a speculative step left it on the host and the row
+        holds `position` tokens (it is the token at that position), else None."""
+        known = self.known
+        return known[1] if known is not None and known[0] == position else None
 
     def drafts(self, index: NgramIndex, k: int) -> list[int]:
         """The `k` tokens that follow the row's pending token in the copy the outstanding
