@@ -114,35 +114,34 @@ _TILED = """
     }
 """
 
-_KERNEL = None
-_TILED_KERNEL = None
+_KERNELS: dict[str, object] = {}
+
+
+def _launch(name: str, source: str, x: mx.array, w: mx.array, template: list, grid: int) -> mx.array:
+    """`source` as a kernel of its own (built once) over x (rows, K) and w (N, K): out (rows,
+    N), in x's type (T) with `template`'s other arguments, `grid` threads of 256 a block."""
+    kernel = _KERNELS.get(name)
+    if kernel is None:
+        kernel = _KERNELS[name] = mx.fast.cuda_kernel(name=name, input_names=["x", "w"], output_names=["out"],
+                                                      source=source)
+    (out,) = kernel(inputs=[x, w], template=[("T", x.dtype), *template], grid=(grid, 1, 1),  # type: ignore[operator]
+                    threadgroup=(256, 1, 1), output_shapes=[(x.shape[0], w.shape[0])], output_dtypes=[x.dtype])
+    return out
+
+
+def _bucket(rows: int) -> int:
+    """The most rows a kernel's registers are laid out for (MAXR): the first of 8, 16, 32, 64."""
+    return next(m for m in (8, 16, 32, 64) if rows <= m)
 
 
 def tiled(x: mx.array, w: mx.array) -> mx.array:
-    global _TILED_KERNEL
-    if _TILED_KERNEL is None:
-        _TILED_KERNEL = mx.fast.cuda_kernel(name="probe_skinny_tiled", input_names=["x", "w"], output_names=["out"],
-                                            source=_TILED)
-    rows, n = x.shape[0], w.shape[0]
-    maxr = next(m for m in (8, 16, 32, 64) if rows <= m)
-    cpw = 64 // maxr
-    blocks = -(-n // (8 * cpw))
-    (out,) = _TILED_KERNEL(inputs=[x, w], template=[("T", x.dtype), ("MAXR", maxr), ("CPW", cpw)],
-                           grid=(256 * blocks, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(rows, n)],
-                           output_dtypes=[x.dtype])
-    return out
+    maxr = _bucket(x.shape[0])
+    cpw = 64 // maxr  # output columns a warp
+    return _launch("probe_skinny_tiled", _TILED, x, w, [("MAXR", maxr), ("CPW", cpw)], 256 * -(-w.shape[0] // (8 * cpw)))
 
 
 def skinny(x: mx.array, w: mx.array) -> mx.array:
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = mx.fast.cuda_kernel(name="probe_skinny_matmul", input_names=["x", "w"], output_names=["out"],
-                                      source=_SOURCE)
-    rows, n = x.shape[0], w.shape[0]
-    maxr = next(m for m in (8, 16, 32, 64) if rows <= m)
-    (out,) = _KERNEL(inputs=[x, w], template=[("T", x.dtype), ("MAXR", maxr)], grid=(32 * n, 1, 1),
-                     threadgroup=(256, 1, 1), output_shapes=[(rows, n)], output_dtypes=[x.dtype])
-    return out
+    return _launch("probe_skinny_matmul", _SOURCE, x, w, [("MAXR", _bucket(x.shape[0]))], 32 * w.shape[0])
 
 
 def weights(layers: int, dtype: mx.Dtype) -> list[list[mx.array]]:

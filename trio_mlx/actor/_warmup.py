@@ -151,8 +151,9 @@ def prebuild_matmuls(model: Any, token: int, most: int, context: int) -> list[in
     them in the model's layers but not in its output head, whose logits it takes at the
     last position alone (the others are never evaluated), and the warm-up's decode steps
     go up to the prefill groups' rows: the head of an 8-bit-headed model first met 33 rows in
-    a live speculative step of 32 drafts, which stalled 15.3 s compiling it
-    (benchmarks/2026-11-30-h200/known-pending/), as a first decode step of 33 rows would.
+    a live speculative step of 32 drafts, which stalled 15.3 s compiling it (BENCHMARKS.md,
+    "What the runtime does because of a measurement"), as a first decode step of 33 rows
+    would.
     """
     from mlx_lm.models.cache import make_prompt_cache
 
