@@ -97,3 +97,33 @@ async def test_commands_reach_the_actor_as_they_are_queued_without_an_exchange()
         port.on_command()
         port.on_command()
     assert got == [Abort(1), Abort(2)]  # ...reach the actor together, in order
+
+
+async def test_a_command_queued_before_the_loop_takes_a_report_in_goes_with_that_take_in():
+    """The actor's exchange waits for the loop to take its last report in, then takes its
+    commands. A command queued before that take-in ran is taken with it, though the flush it
+    scheduled for itself runs after (slow here): not a step later."""
+    port = _Port()
+    drain = port.drain_commands
+
+    def slow_drain() -> list:
+        time.sleep(0.1)
+        return drain()
+
+    port.drain_commands = slow_drain  # type: ignore[method-assign]
+    link = _link.ThreadLink(port)
+    scheduled = threading.Event()
+    takes: list = []
+
+    def actor() -> None:
+        takes.append(link.exchange(REPORT))  # schedules the loop's take-in of REPORT
+        scheduled.set()
+        takes.append(link.exchange(REPORT))  # waits for that take-in, then takes its commands
+
+    thread = threading.Thread(target=actor)
+    thread.start()
+    assert scheduled.wait(5)  # the loop held meanwhile (no checkpoint): the take-in waits for it
+    port.queued.append(Abort(3))  # queued in the same turn of the loop, after the take-in
+    port.on_command()
+    await trio.to_thread.run_sync(thread.join, 5)
+    assert takes == [[], [Abort(3)]]

@@ -136,11 +136,16 @@ class ThreadLink:
         return self._take()
 
     def _take_in(self, report: StepReport) -> None:
-        """On the trio thread, between its tasks: the report, then the wait for the build."""
+        """On the trio thread, between its tasks: the report, the commands queued so far, then
+        the wait for the build. The commands go before the actor may take its next ones: the
+        flush a command scheduled for itself may run after this take-in, and the actor,
+        woken by it, took its commands first and stepped once more without them (an abort
+        was applied two steps after it was queued)."""
         try:
             self._port.deliver(report)
         except BaseException as exc:  # the actor raises it at its next exchange
             self._failure = exc
+        self._flush()
         self._taken.set()
         if self._waits and report.tokens:
             self._built.wait(_BUILD_WAIT)
