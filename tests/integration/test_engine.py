@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import trio
+import trio.testing
 
 import trio_mlx
 from trio_mlx import Finished, TextDelta
@@ -150,7 +151,10 @@ async def test_abort_while_decoding_frees_the_slot_and_admits_a_waiter(tiny_mode
                     break  # decoding now
                 nursery.start_soon(waiter)
                 await until(lambda: engine.statistics().active == 2)  # one decoding, one queued
-            aborted_during = clock.loops  # the actor iteration under way as the abort was queued
+            # the link hands the abort over once the loop has run its current tasks: then the
+            # actor iteration under way is the one it reached the actor in
+            await trio.testing.wait_all_tasks_blocked()
+            aborted_during = clock.loops
             await until(lambda: bool(clock.removed_at))
             # removed before the step after the one in progress: the slot is free by the next step
             assert clock.removed_at[0] <= aborted_during + 1
@@ -168,6 +172,7 @@ async def test_abort_while_queued_never_runs_the_sequence(tiny_model_fp32):
             async with queued:
                 await until(lambda: engine.statistics().active == 2)
                 assert queued.stage == "queued"
+            await trio.testing.wait_all_tasks_blocked()  # the abort handed over (as above)
             aborted_during = clock.loops
             await until(lambda: bool(clock.removed_at))
             assert clock.removed_at[0] <= aborted_during + 1
