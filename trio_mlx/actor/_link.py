@@ -73,7 +73,8 @@ class ThreadLink:
     taken the one before, so the loop is never more than a step behind. Its commands
     come through `on_command`: when the engine queues one (on the trio thread), the
     link drains the engine's inbox into a deque the actor reads between steps, as the
-    process actor reads its pipe, once the loop has run its current tasks.
+    process actor reads its pipe, once the loop has run its current tasks (and as the
+    loop takes a report in, before the actor may take its next commands).
 
     Each part was measured against one synchronous crossing per step, paired with the
     process actor: the wait for the build and the report a step ahead together close
