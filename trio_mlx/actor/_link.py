@@ -105,8 +105,9 @@ class ThreadLink:
         self._token.run_sync_soon(self._flush, idempotent=True)  # one flush for the lot
 
     def _flush(self) -> None:
-        self._commands.extend(self._port.drain_commands())
-        self._arrived.set()
+        if commands := self._port.drain_commands():  # (every take-in flushes: most find none)
+            self._commands.extend(commands)
+            self._arrived.set()
 
     @property
     def pending(self) -> bool:
