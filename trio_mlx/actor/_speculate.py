@@ -147,15 +147,11 @@ class NgramIndex:
         With `after`, of the sequence followed by that token (the index itself unchanged)."""
         toks = self.tokens
         size = len(toks)
-        if after is None:
-            for m in range(min(self.n, size - 1), max(1, least) - 1, -1):
-                at = self._last[m - 1].get(tuple(toks[size - m :]))
-                if at is not None:
-                    return at
-            return None
-        for m in range(min(self.n, size), max(1, least) - 1, -1):
-            suffix = (*toks[size - m + 1 :], after)
-            if tuple(toks[size - m :]) == suffix:
+        extra = () if after is None else (after,)
+        end = size + len(extra)  # the sequence's length, `after` included
+        for m in range(min(self.n, end - 1), max(1, least) - 1, -1):
+            suffix = (*toks[end - m :], *extra)
+            if extra and tuple(toks[size - m :]) == suffix:
                 return size  # its latest occurrence ends the index: followed by `after` itself
             at = self._last[m - 1].get(suffix)
             if at is not None:
