@@ -696,14 +696,26 @@ def test_warm_up_runs_matmuls_of_every_row_count_up_to_the_most_a_step_takes(tin
         return out
 
     forward.layers = model.layers  # type: ignore[attr-defined]  # what make_prompt_cache reads
-    assert _warmup.prebuild_matmuls(forward, 1, 40, 4096) == [2, 17, 33, 65]
-    assert shapes == [(1, n, config["vocab_size"]) for n in (2, 17, 33, 65)]
+    assert _warmup.prebuild_matmuls(forward, 1, 40, 4096) == [2, 9, 17, 33, 65]
+    assert shapes == [(1, n, config["vocab_size"]) for n in (2, 9, 17, 33, 65)]
     assert _warmup.prebuild_matmuls(forward, 1, 8 * 33, 4096) == list(_warmup.MATMUL_ROWS)
-    assert _warmup.prebuild_matmuls(forward, 1, 64, 40) == [2, 17, 33]
+    assert _warmup.prebuild_matmuls(forward, 1, 64, 40) == [2, 9, 17, 33]
     assert _warmup.prebuild_matmuls(forward, 1, 1, 4096) == [2]
+    # Every class of MLX 0.32.4's quantized matmul on CUDA that a step of up to `most` rows
+    # may meet is met (a 4-bit model's 15-row speculative step compiled the 16-row tile live)
+    for most in (1, 7, 8, 12, 16, 17, 20, 32, 33, 64, 65, 300):
+        assert ({_qmm_class(n) for n in _warmup.prebuild_matmuls(forward, 1, most, 4096)}
+                >= {_qmm_class(n) for n in range(1, most + 1)}), most
     shapes.clear()
     assert _warmup.prebuild_cuda(forward, 1, 4096, ActorTuning(max_batch=8), Drafter(k=4, max_rows=4), False) == 0
-    assert [s[1] for s in shapes] == [2, 17, 33]  # 4 rows of 4 drafts and a token: 20
+    assert [s[1] for s in shapes] == [2, 9, 17, 33]  # 4 rows of 4 drafts and a token: 20
     shapes.clear()
     _warmup.prebuild_cuda(forward, 1, 4096, ActorTuning(max_batch=40), None, False)
-    assert [s[1] for s in shapes] == [2, 17, 33, 65]
+    assert [s[1] for s in shapes] == [2, 9, 17, 33, 65]
+
+
+def _qmm_class(rows: int) -> str:
+    """The kernel MLX 0.32.4's CUDA quantized matmul takes for `rows` rows (its
+    `QuantizedMatmul::eval_gpu`): the matrix-vector one below 8 rows, else a tiled one
+    compiled per tile height, the next power of two within 16-64."""
+    return "qmv" if rows < 8 else f"m{max(16, min(64, 1 << (rows - 1).bit_length()))}"

@@ -135,9 +135,10 @@ def prebuild_masked_decode(forward: Any, layers: int, token: int) -> None:
 
 
 # Tokens of the one-row forwards `prebuild_matmuls` runs: one of each row-count class of
-# MLX 0.32.4's quantized matmul on CUDA (up to 16 rows, 32, 64; more, in case), up to the most
-# a step multiplies.
-MATMUL_ROWS = (2, 17, 33, 65, 129, 257)
+# MLX 0.32.4's quantized matmul on CUDA, up to the most a step multiplies. Below 8 rows it
+# takes its matrix-vector kernel (`qmv`); from 8 a tiled one compiled per tile height: 16
+# rows (8-16), 32 (17-32), 64 (33 and more); more than 64, in case.
+MATMUL_ROWS = (2, 9, 17, 33, 65, 129, 257)
 
 
 def prebuild_matmuls(model: Any, token: int, most: int, context: int) -> list[int]:
@@ -153,7 +154,8 @@ def prebuild_matmuls(model: Any, token: int, most: int, context: int) -> list[in
     go up to the prefill groups' rows: the head of an 8-bit-headed model first met 33 rows in
     a live speculative step of 32 drafts, which stalled 15.3 s compiling it (BENCHMARKS.md,
     "What the runtime does because of a measurement"), as a first decode step of 33 rows
-    would.
+    would; and a 4-bit model's layers first met 8-16 rows in a speculative step of 14
+    drafts (31.7 s), as a decode step of 8-16 rows would.
     """
     from mlx_lm.models.cache import make_prompt_cache
 
