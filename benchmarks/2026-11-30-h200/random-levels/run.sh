@@ -2,7 +2,7 @@
 # its own process in alternating order, every run with its step trace; on one H200 with the
 # mlx wheel staged in /root/gpu-stage (part_aa, part_ab and .gpuC's files, as
 # ../auto-rule/README.md says).
-#   bash run.sh install      the wheels, and the random bf16 1B shape at /root/m1b
+#   bash run.sh install      the wheels, and the random bf16 1B shape at /root/m1b (../auto-rule/run.sh's)
 #   bash run.sh rounds R     R rounds of off and ngram (the order alternating by round):
 #                            `trio-mlx bench --engine`, c=1,4,16, 128-token random prompts,
 #                            128 tokens; JSON, trace and summary per run under $OUT
@@ -17,15 +17,8 @@
 # Results and progress.txt under $OUT; `python3 steps.py $OUT` reads the traces.
 set -u
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
-S=/root/gpu-stage
 case $1 in
-install)
-  W=$(cat $S/BIG_WHEEL)
-  python3 -c "import mlx.core as mx, sys; sys.exit(0 if mx.cuda.is_available() else 1)" 2>/dev/null || {
-    cat $S/part_aa $S/part_ab $S/part_ac > $S/$W
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir $S/$W $S/*.whl; }
-  [ -d /root/m1b ] || python3 -m trio_mlx.cli model build --shape llama-3.2-1b --dtype bfloat16 /root/m1b > /dev/null 2>&1
-  P "== installed $(date +%T)";;
+install) bash benchmarks/2026-11-30-h200/auto-rule/run.sh install ;;
 rounds)
   for r in $(seq 1 "$2"); do
     if [ $((r % 2)) = 1 ]; then order="off ngram"; else order="ngram off"; fi
