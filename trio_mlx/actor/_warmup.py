@@ -155,7 +155,8 @@ def prebuild_matmuls(model: Any, token: int, most: int, context: int) -> list[in
     a live speculative step of 32 drafts, which stalled 15.3 s compiling it (BENCHMARKS.md,
     "What the runtime does because of a measurement"), as a first decode step of 33 rows
     would; and a 4-bit model's layers first met 8-16 rows in a speculative step of 14
-    drafts (31.7 s), as a decode step of 8-16 rows would.
+    drafts (31.7 s, its warm-up's groups of at most 4 rows under a `max_batch` of 4), as a
+    decode step of 8-16 rows would where the groups stop under 8 (a `prefill_batch` under 8).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
