@@ -229,6 +229,40 @@ def test_spelled_padding_spells_a_bounded_range_and_greedy_decoding_stays_in_it(
     assert tokenizer.encode(tokenizer.decode(spelled), add_special_tokens=False) == spelled
 
 
+def test_a_random_model_can_take_a_real_models_tokenizer(
+    tmp_path: Path, embedded_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`trio-mlx model build --tokenizer MODEL_DIR`: that model's tokenizer and chat template,
+    a vocabulary its size and its bos and eos ids, so that the random model spells text (JSON
+    for grammar benchmarks) as the real one does; its special tokens' rows are silent, so
+    greedy decoding never stops on one."""
+    out = tmp_path / "m"
+    assert _models.main(["build", str(out), "--tokenizer", str(embedded_model)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    config = json.loads((out / "config.json").read_text())
+    real, tokenizer = _models.load_tokenizer(embedded_model), _models.load_tokenizer(out)
+    real_config = json.loads((embedded_model / "config.json").read_text())
+    assert config["vocab_size"] == len(real._tokenizer) == real_config["vocab_size"] == 49152
+    assert (config["bos_token_id"], config["eos_token_id"]) == (real_config["bos_token_id"], real_config["eos_token_id"])
+    text = '{"names": ["Ada", "Grace"], "n": 2}'
+    assert tokenizer.encode(text) == real.encode(text)
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert ids == real.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert tokenizer.eos_token_ids == real.eos_token_ids
+    specials = [t["id"] for t in json.loads((embedded_model / "tokenizer.json").read_text())["added_tokens"]
+                if t["special"]]
+    assert len(specials) > 2 and set(tokenizer.eos_token_ids) <= set(specials)
+    model, _ = _models.load_model(out)
+    logits = model(mx.array([ids]))[0, -1]
+    assert logits[mx.array(specials)].tolist() == [0.0] * len(specials) and logits.max().item() > 0
+    # taken as it is: not with the test tokenizer's options; a directory without one fails cleanly
+    assert _models.main(["build", str(tmp_path / "t"), "--tokenizer", str(embedded_model), "--tools"]) == 1
+    assert "not with tools" in capsys.readouterr().err
+    assert _models.main(["build", str(tmp_path / "x"), "--tokenizer", str(tmp_path)]) == 1
+    assert "no tokenizer to copy" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists() and not (tmp_path / "x").exists()
+
+
 def test_load_errors_become_model_load_errors(tmp_path: Path, tiny_model_fp32: Path) -> None:
     for f in tiny_model_fp32.iterdir():
         if f.suffix != ".safetensors":

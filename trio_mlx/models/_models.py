@@ -546,26 +546,73 @@ def _write_test_tokenizer(
 def build_test_model(
     out_dir: os.PathLike[str], *, shape: str = "tiny", dtype: str = "float32", seed: int = 0,
     quantize_bits: int | None = None, tools: bool = False, spelled_padding: bool = False,
+    tokenizer: os.PathLike[str] | None = None,
 ) -> pathlib.Path:
     """Write a deterministic random-weight llama (real BPE tokenizer, ChatML) to `out_dir`.
     With `tools`, its chat template renders tools and tool calls (`TOOLS_TEMPLATE`); with
     `spelled_padding`, the ids past the tokenizer's own (which a random model samples)
-    encode back from their text (`_write_tokenizer`)."""
+    encode back from their text (`_write_tokenizer`). With `tokenizer` (a model directory),
+    that model's tokenizer and chat template instead of the test tokenizer, and a vocabulary
+    its size (`_copy_tokenizer`)."""
     config = model_config_for_shape(shape, dtype=dtype)
     if quantize_bits not in (None, 4, 8):
         raise ValueError(f"quantize_bits must be None, 4 or 8, not {quantize_bits!r}")
+    if tokenizer is not None and (tools or spelled_padding):
+        raise ValueError("a copied tokenizer is taken as it is: not with tools or spelled_padding")
     final = pathlib.Path(out_dir)
     with _atomic_dir(final, exist_ok=False) as tmp:
         positions = config["max_position_embeddings"]
-        sampled = _write_test_tokenizer(tmp, vocab_size=config["vocab_size"], model_max_length=positions,
-                                        tools=tools, spelled_padding=spelled_padding)
-        config = _write_random_weights(tmp, config, seed=seed, bits=quantize_bits, sampled=sampled)
+        silent: list[int] = list(range(len(_SPECIALS)))
+        if tokenizer is None:
+            sampled = _write_test_tokenizer(tmp, vocab_size=config["vocab_size"], model_max_length=positions,
+                                            tools=tools, spelled_padding=spelled_padding)
+        else:
+            sampled, silent, ids = _copy_tokenizer(pathlib.Path(tokenizer), tmp)
+            config.update(vocab_size=sampled, **ids)
+        config = _write_random_weights(tmp, config, seed=seed, bits=quantize_bits, sampled=sampled, silent=silent)
         _write_json(tmp / "config.json", config)
     return final
 
 
+# What `_copy_tokenizer` takes from a model directory: the tokenizer and its chat template
+# (inside tokenizer_config.json, or a file of its own). Not generation_config.json: its
+# sampling defaults are the real model's, not a random one's.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "chat_template.json")
+
+
+def _copy_tokenizer(source: pathlib.Path, out: pathlib.Path) -> tuple[int, list[int], dict[str, int]]:
+    """Copy `source`'s tokenizer into `out`: a random model that tokenizes as a real one does
+    (the test tokenizer's 512 tokens spell JSON a byte a token, ~3x a real tokenizer's tokens,
+    which makes grammar benchmarks dearer than a real model's). Returns the vocabulary's size
+    (the model's), the special tokens' ids (their embedding rows are zeroed, so that greedy
+    decoding never stops on one, as with the test tokenizer) and the config's bos and eos ids.
+    Raises ModelLoadError for a directory without a fast tokenizer."""
+    from tokenizers import Tokenizer
+
+    path = source / "tokenizer.json"
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+        added = json.loads(path.read_text()).get("added_tokens", [])
+    except Exception as exc:
+        raise ModelLoadError(f"no tokenizer to copy at {str(source)!r} (a tokenizer.json): {exc}") from exc
+    for name in _TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    config = source / "tokenizer_config.json"
+    settings = json.loads(config.read_text()) if config.is_file() else {}
+    ids = {}
+    for key in ("bos_token", "eos_token"):
+        token = settings.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and (i := tokenizer.token_to_id(token)) is not None:
+            ids[f"{key}_id"] = i
+    return tokenizer.get_vocab_size(with_added_tokens=True), sorted(t["id"] for t in added if t.get("special")), ids
+
+
 def _write_random_weights(
     out: pathlib.Path, config: dict[str, Any], *, seed: int, bits: int | None, sampled: int,
+    silent: list[int],
 ) -> dict[str, Any]:
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.models import llama
@@ -584,10 +631,10 @@ def _write_random_weights(
             scale = 0.02 if "embed" in name else param.shape[-1] ** -0.5
             value = mx.random.normal(param.shape, dtype=dtype, scale=scale, key=key)
         if name == "model.embed_tokens.weight":
-            # Zero rows give the special tokens logit 0 against ~500 random ones, so
-            # greedy decoding never stops on EOS by chance: max_tokens is exact; so
-            # it never samples the ids from `sampled` on either (see _write_tokenizer).
-            value[: len(_SPECIALS)] = 0
+            # Zero rows give the special tokens (`silent`) logit 0 against ~500 random
+            # ones, so greedy decoding never stops on EOS by chance: max_tokens is exact;
+            # so it never samples the ids from `sampled` on either (see _write_tokenizer).
+            value[mx.array(silent)] = 0
             value[sampled:] = 0
         mx.eval(value)  # one tensor at a time keeps the peak low for the big shapes
         new.append((name, value))
@@ -738,6 +785,10 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--bits", type=int, choices=[4, 8], help="quantize (group size 64)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--tools", action="store_true", help="a chat template with tool calling")
+    build.add_argument("--tokenizer", type=pathlib.Path, metavar="MODEL_DIR",
+                       help="that model's tokenizer and chat template, and a vocabulary its size, in place "
+                            "of the test tokenizer: a random model that tokenizes as a real one (for "
+                            "grammar benchmarks, whose JSON the test tokenizer spells a byte a token)")
     build.add_argument("--spelled-padding", action="store_true",
                        help="make 16k ids past the tokenizer's own encode back from their text, and "
                             "greedy decoding sample only those and the tokenizer's own, so that a "
@@ -750,8 +801,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = build_test_model(args.out, shape=args.shape, dtype=args.dtype,
                                     seed=args.seed, quantize_bits=args.bits, tools=args.tools,
-                                    spelled_padding=args.spelled_padding)
-    except (ModelLoadError, OSError) as exc:
+                                    spelled_padding=args.spelled_padding, tokenizer=args.tokenizer)
+    except (ModelLoadError, OSError, ValueError) as exc:
         print(f"trio-mlx model: {exc}", file=sys.stderr)
         return 1
     print(path)
