@@ -261,6 +261,14 @@ def test_a_random_model_can_take_a_real_models_tokenizer(
     assert _models.main(["build", str(tmp_path / "x"), "--tokenizer", str(tmp_path)]) == 1
     assert "no tokenizer to copy" in capsys.readouterr().err
     assert not (tmp_path / "t").exists() and not (tmp_path / "x").exists()
+    # a tokenizer with no special token at all: nothing to silence
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    spec = json.loads((embedded_model / "tokenizer.json").read_text())
+    spec["added_tokens"] = [{**t, "special": False} for t in spec["added_tokens"]]
+    (plain / "tokenizer.json").write_text(json.dumps(spec))
+    built = _models.build_test_model(tmp_path / "p", tokenizer=plain)
+    assert json.loads((built / "config.json").read_text())["vocab_size"] == 49152
 
 
 def test_load_errors_become_model_load_errors(tmp_path: Path, tiny_model_fp32: Path) -> None:

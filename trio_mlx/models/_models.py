@@ -634,7 +634,7 @@ def _write_random_weights(
             # Zero rows give the special tokens (`silent`) logit 0 against ~500 random
             # ones, so greedy decoding never stops on EOS by chance: max_tokens is exact;
             # so it never samples the ids from `sampled` on either (see _write_tokenizer).
-            value[mx.array(silent)] = 0
+            value[mx.array(silent, dtype=mx.int32)] = 0  # typed: a tokenizer may have no special token
             value[sampled:] = 0
         mx.eval(value)  # one tensor at a time keeps the peak low for the big shapes
         new.append((name, value))
