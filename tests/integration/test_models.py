@@ -268,7 +268,9 @@ def test_a_random_model_can_take_a_real_models_tokenizer(
     spec["added_tokens"] = [{**t, "special": False} for t in spec["added_tokens"]]
     (plain / "tokenizer.json").write_text(json.dumps(spec))
     built = _models.build_test_model(tmp_path / "p", tokenizer=plain)
-    assert json.loads((built / "config.json").read_text())["vocab_size"] == 49152
+    config = json.loads((built / "config.json").read_text())
+    assert config["vocab_size"] == 49152
+    assert "eos_token_id" not in config and "bos_token_id" not in config  # no tokenizer_config.json names them
 
 
 def test_load_errors_become_model_load_errors(tmp_path: Path, tiny_model_fp32: Path) -> None:

@@ -568,6 +568,7 @@ def build_test_model(
                                             tools=tools, spelled_padding=spelled_padding)
         else:
             sampled, silent, ids = _copy_tokenizer(pathlib.Path(tokenizer), tmp)
+            del config["bos_token_id"], config["eos_token_id"]  # the test tokenizer's; the copy's where it names them
             config.update(vocab_size=sampled, **ids)
         config = _write_random_weights(tmp, config, seed=seed, bits=quantize_bits, sampled=sampled, silent=silent)
         _write_json(tmp / "config.json", config)
