@@ -48,7 +48,7 @@ sys.path.insert(0, str(_STARTUP))
 import import_cache  # noqa: E402, F401
 
 from trio_mlx import _heap  # noqa: E402
-from trio_mlx.models import _models  # noqa: E402
+from trio_mlx.models import _models, _test_models  # noqa: E402
 
 # The suite opens hundreds of engines in this one process: the actor leaves the collector alone
 # (`trio_mlx/_heap.py`); tests/integration/test_heap.py turns the freeze back on for what it checks.
@@ -127,12 +127,12 @@ def anthropic_sdk() -> object:
 
 @pytest.fixture(scope="session")
 def tiny_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _models.build_test_model(tmp_path_factory.mktemp("tiny-fp32") / "model", dtype="float32")
+    return _test_models.build_test_model(tmp_path_factory.mktemp("tiny-fp32") / "model", dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _models.build_test_model(tmp_path_factory.mktemp("tiny-bf16") / "model", dtype="bfloat16")
+    return _test_models.build_test_model(tmp_path_factory.mktemp("tiny-bf16") / "model", dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +142,7 @@ def embedded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tool_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _models.build_test_model(tmp_path_factory.mktemp("tiny-tools") / "model", tools=True)
+    return _test_models.build_test_model(tmp_path_factory.mktemp("tiny-tools") / "model", tools=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -893,10 +893,10 @@ async def run(opts: Options) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="trio-mlx-soak-") as tmp:
         model = opts.model
         if model is None:
-            from trio_mlx.models import _models
+            from trio_mlx.models import _test_models
 
             # with --hostile, one whose template renders tools: tool text meets the bound, not "no tools here"
-            model = str(_models.build_test_model(Path(tmp) / "tiny", dtype="float32", tools=opts.hostile))
+            model = str(_test_models.build_test_model(Path(tmp) / "tiny", dtype="float32", tools=opts.hostile))
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         report: dict[str, Any] = {"options": asdict(opts), "warmup_requests": warm_n}
         health = Health(opts.health_interval)

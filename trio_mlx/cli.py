@@ -13,7 +13,7 @@ import sys
 SUBCOMMANDS = {
     "serve": ("trio_mlx.server._serve", "run the OpenAI-compatible HTTP server (hypercorn, trio worker)"),
     "bench": ("trio_mlx.bench._cli", "load-test an OpenAI-compatible endpoint, or the raw BatchGenerator ceiling"),
-    "model": ("trio_mlx.models._models", "prepare models: convert the embedded default, build test models"),
+    "model": ("trio_mlx.models._cli", "prepare models: convert the embedded default, build test models"),
 }
 
 

@@ -4,7 +4,7 @@
         [--schemas array,string] [--rounds 3] [--pick any|low] [--seed 0] [--split]
         [--profile SCHEMA] [--top 25] [--tokenizer /tmp/tok128k]
 
-No model and no device: a 128k-vocabulary test tokenizer (`_models._write_test_tokenizer`,
+No model and no device: a 128k-vocabulary test tokenizer (`_test_models._write_test_tokenizer`,
 written once under `--tokenizer`) and, per schema, `rows` rows that each get a
 `GrammarProcessor` (max_tokens `--max-tokens`) and a `_decode.DecodeRow`. Each step
 times `Decoder._masks` (advance every row's matcher by the token it was fed, fill the
@@ -66,7 +66,7 @@ from trio_mlx.actor import _constrain, _decode
 from trio_mlx.actor._constrain import GrammarProcessor
 from trio_mlx.actor._matcher import grammar_vocab
 from trio_mlx.engine import _grammar
-from trio_mlx.models import _models
+from trio_mlx.models import _test_models
 
 VOCAB = 128256
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -94,7 +94,7 @@ _decode._measure_all = _timed_measure_all  # the string schema's grammar: its ro
 def tokenizer(path: pathlib.Path) -> Any:
     if not (path / "config.json").exists():
         path.mkdir(parents=True, exist_ok=True)
-        _models._write_test_tokenizer(path, vocab_size=VOCAB, model_max_length=4096)
+        _test_models._write_test_tokenizer(path, vocab_size=VOCAB, model_max_length=4096)
         (path / "config.json").write_text(json.dumps(
             {"model_type": "llama", "eos_token_id": 2, "bos_token_id": 1, "vocab_size": VOCAB}))
     return models.load_tokenizer(path)

@@ -603,9 +603,9 @@ def test_a_kernel_block_takes_the_query_heads_of_one_key_head_that_fit_its_regis
 
 @pytest.fixture(scope="module")
 def model_hd64(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trio_mlx.models import _models
+    from trio_mlx.models import _test_models
 
-    return _models.build_test_model(tmp_path_factory.mktemp("tiny-hd64") / "model", shape="tiny-hd64")
+    return _test_models.build_test_model(tmp_path_factory.mktemp("tiny-hd64") / "model", shape="tiny-hd64")
 
 
 @pytest.mark.parametrize("kernel", [False, True])

@@ -19,14 +19,14 @@ import trio_mlx
 from integration.test_engine import run, until
 from integration.test_speculative import _oracles
 from trio_mlx.actor._kv_quant import BatchQuantizedKVCache, RowQuantizedKVCache
-from trio_mlx.models import _models
+from trio_mlx.models import _models, _test_models
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def model_hd64(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _models.build_test_model(tmp_path_factory.mktemp("tiny-hd64") / "model", shape="tiny-hd64")
+    return _test_models.build_test_model(tmp_path_factory.mktemp("tiny-hd64") / "model", shape="tiny-hd64")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import trio.lowlevel
 
 import trio_mlx
 from trio_mlx.engine import ModelPool
-from trio_mlx.models import _models
+from trio_mlx.models import _test_models
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4"]
 
@@ -26,7 +26,7 @@ async def greedy(engine: trio_mlx.Engine, prompt: str, n: int = 12) -> list[int]
 
 
 async def test_models_served_together_answer_as_each_does_alone(tmp_path):
-    paths = {name: _models.build_test_model(tmp_path / name, seed=seed)
+    paths = {name: _test_models.build_test_model(tmp_path / name, seed=seed)
              for name, seed in (("one", 1), ("two", 2), ("three", 3))}
     alone: dict[tuple[str, str], list[int]] = {}
     for name, path in paths.items():
@@ -86,7 +86,7 @@ async def test_models_served_together_answer_as_each_does_alone(tmp_path):
 async def test_a_stream_goes_on_across_another_model_s_load(tmp_path):
     """The load runs on the GPU thread, so the stream's steps pause meanwhile; none of its
     tokens is lost or changed, and a request that comes during the load waits for it."""
-    paths = {name: _models.build_test_model(tmp_path / name, seed=seed) for name, seed in (("one", 1), ("two", 2))}
+    paths = {name: _test_models.build_test_model(tmp_path / name, seed=seed) for name, seed in (("one", 1), ("two", 2))}
     alone = {}
     for name, path in paths.items():
         async with trio_mlx.open_engine(path, max_batch=8) as engine:

@@ -18,7 +18,7 @@ import mlx_lm
 import pytest
 
 from trio_mlx._errors import ModelLoadError
-from trio_mlx.models import _models
+from trio_mlx.models import _cli, _models, _test_models
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -127,16 +127,16 @@ def test_resolve_local_directories(tiny_model_fp32: Path, tmp_path: Path) -> Non
 
 def test_tiny_builds_are_deterministic(tmp_path: Path) -> None:
     start = time.perf_counter()
-    a = _models.build_test_model(tmp_path / "a", seed=7)
+    a = _test_models.build_test_model(tmp_path / "a", seed=7)
     assert time.perf_counter() - start < 2
-    b = _models.build_test_model(tmp_path / "b", seed=7)
-    c = _models.build_test_model(tmp_path / "c", seed=8)
+    b = _test_models.build_test_model(tmp_path / "b", seed=7)
+    c = _test_models.build_test_model(tmp_path / "c", seed=8)
     assert digest(a) == digest(b)
     assert set(digest(a)) == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
     assert digest(a)["model.safetensors"] != digest(c)["model.safetensors"]
     assert digest(a)["tokenizer.json"] == digest(c)["tokenizer.json"]
     with pytest.raises(FileExistsError):
-        _models.build_test_model(a)
+        _test_models.build_test_model(a)
     assert list(tmp_path.glob(".*")) == []  # no partial dirs left behind
 
 
@@ -180,7 +180,7 @@ def test_mlx_lm_loads_and_generates_on_the_tiny_model(tiny_model_fp32: Path) -> 
 
 
 def test_quantized_tiny_model(tmp_path: Path) -> None:
-    path = _models.build_test_model(tmp_path / "q4", quantize_bits=4)
+    path = _test_models.build_test_model(tmp_path / "q4", quantize_bits=4)
     config = json.loads((path / "config.json").read_text())
     assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
     model, config = _models.load_model(path)
@@ -212,9 +212,9 @@ def test_spelled_padding_spells_a_bounded_range_and_greedy_decoding_stays_in_it(
     """Only SPELLED padding ids become added tokens (llguidance reads them in quadratic
     time), and the weights silence the rest, so that greedy decoding samples the
     tokenizer's own ids and spelled ones, never an id whose text would not encode back."""
-    monkeypatch.setitem(_models._SHAPES, "tiny", {**_models._SHAPES["tiny"], "vocab_size": 2048})
+    monkeypatch.setitem(_test_models.SHAPES, "tiny", {**_test_models.SHAPES["tiny"], "vocab_size": 2048})
     monkeypatch.setattr(_models, "SPELLED", 256)
-    path = _models.build_test_model(tmp_path / "m", spelled_padding=True)
+    path = _test_models.build_test_model(tmp_path / "m", spelled_padding=True)
     added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
     assert [t["id"] for t in added if t["content"].startswith("<|x")] == list(range(512, 768))
     model, tokenizer = mlx_lm.load(str(path))
@@ -237,7 +237,7 @@ def test_a_random_model_can_take_a_real_models_tokenizer(
     for grammar benchmarks) as the real one does; its special tokens' rows are silent, so
     greedy decoding never stops on one."""
     out = tmp_path / "m"
-    assert _models.main(["build", str(out), "--tokenizer", str(embedded_model)]) == 0
+    assert _cli.main(["build", str(out), "--tokenizer", str(embedded_model)]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     config = json.loads((out / "config.json").read_text())
     real, tokenizer = _models.load_tokenizer(embedded_model), _models.load_tokenizer(out)
@@ -256,9 +256,9 @@ def test_a_random_model_can_take_a_real_models_tokenizer(
     logits = model(mx.array([ids]))[0, -1]
     assert logits[mx.array(specials)].tolist() == [0.0] * len(specials) and logits.max().item() > 0
     # taken as it is: not with the test tokenizer's options; a directory without one fails cleanly
-    assert _models.main(["build", str(tmp_path / "t"), "--tokenizer", str(embedded_model), "--tools"]) == 1
+    assert _cli.main(["build", str(tmp_path / "t"), "--tokenizer", str(embedded_model), "--tools"]) == 1
     assert "not with tools" in capsys.readouterr().err
-    assert _models.main(["build", str(tmp_path / "x"), "--tokenizer", str(tmp_path)]) == 1
+    assert _cli.main(["build", str(tmp_path / "x"), "--tokenizer", str(tmp_path)]) == 1
     assert "no tokenizer to copy" in capsys.readouterr().err
     assert not (tmp_path / "t").exists() and not (tmp_path / "x").exists()
     # a tokenizer with no special token at all: nothing to silence
@@ -267,7 +267,7 @@ def test_a_random_model_can_take_a_real_models_tokenizer(
     spec = json.loads((embedded_model / "tokenizer.json").read_text())
     spec["added_tokens"] = [{**t, "special": False} for t in spec["added_tokens"]]
     (plain / "tokenizer.json").write_text(json.dumps(spec))
-    built = _models.build_test_model(tmp_path / "p", tokenizer=plain)
+    built = _test_models.build_test_model(tmp_path / "p", tokenizer=plain)
     config = json.loads((built / "config.json").read_text())
     assert config["vocab_size"] == 49152
     assert "eos_token_id" not in config and "bos_token_id" not in config  # no tokenizer_config.json names them
@@ -286,10 +286,10 @@ def test_load_errors_become_model_load_errors(tmp_path: Path, tiny_model_fp32: P
 
 def test_cli(tmp_path: Path, embedded_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "built"
-    assert _models.main(["build", str(out), "--shape", "tiny", "--dtype", "bfloat16", "--bits", "8", "--seed", "3"]) == 0
+    assert _cli.main(["build", str(out), "--shape", "tiny", "--dtype", "bfloat16", "--bits", "8", "--seed", "3"]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
-    assert _models.main(["build", str(out)]) == 1
+    assert _cli.main(["build", str(out)]) == 1
     assert "exists" in capsys.readouterr().err
-    assert _models.main(["default", "--cache-dir", str(embedded_model.parent)]) == 0
+    assert _cli.main(["default", "--cache-dir", str(embedded_model.parent)]) == 0
     assert capsys.readouterr().out.strip() == str(embedded_model)

@@ -424,9 +424,9 @@ def _fields(sp: SamplingParams) -> dict[str, Any]:
 def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random model of the same shape and tokenizer as the tiny one, other weights: it
     drafts what the target almost never makes."""
-    from trio_mlx.models import _models
+    from trio_mlx.models import _test_models
 
-    return _models.build_test_model(tmp_path_factory.mktemp("draft") / "model", dtype="float32", seed=1)
+    return _test_models.build_test_model(tmp_path_factory.mktemp("draft") / "model", dtype="float32", seed=1)
 
 
 @pytest.mark.parametrize("sp", [GREEDY, EVERYTHING], ids=["greedy", "penalties-logprobs"])

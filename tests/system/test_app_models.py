@@ -13,13 +13,13 @@ import httpx
 import trio
 from processes import SERVE, start
 
-from trio_mlx.models import _models
+from trio_mlx.models import _test_models
 
 
 async def test_a_folder_of_models_served_loaded_on_demand_and_drained(tmp_path):
     folder = tmp_path / "models"
     for name, seed in (("one", 1), ("two", 2)):
-        _models.build_test_model(folder / name, seed=seed)
+        _test_models.build_test_model(folder / name, seed=seed)
     msgs = [{"role": "user", "content": "hi"}]
     async with trio.open_nursery() as nursery:
         p = await start(nursery, [*SERVE, "--models", str(folder), "--max-loaded-models", "1", "--port", "0",

@@ -123,9 +123,9 @@ def main() -> None:
     if args.model:
         model = Path(args.model)
     else:
-        from trio_mlx.models import _models
+        from trio_mlx.models import _test_models
 
-        model = _models.build_test_model(Path(tempfile.mkdtemp()) / args.shape, shape=args.shape, dtype=args.dtype)
+        model = _test_models.build_test_model(Path(tempfile.mkdtemp()) / args.shape, shape=args.shape, dtype=args.dtype)
     print(f"model {model}, {args.tokens} tokens per request, {args.requests_per_stream} requests per stream, "
           f"stream interval {args.stream_interval} s, {os.cpu_count()} CPUs")
     print("concurrency | tok/s HTTP | loop CPU/token HTTP | CPU/event | tokens/event | loop busy | "

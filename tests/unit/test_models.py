@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from trio_mlx._errors import ModelLoadError
-from trio_mlx.models import _models
+from trio_mlx.models import _models, _test_models
 
 # -- the embedded default ------------------------------------------------------------
 
@@ -66,22 +66,22 @@ def test_default_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPat
 
 
 def test_big_shapes_write_the_right_config() -> None:
-    llama = _models.model_config_for_shape("llama-3.2-1b", dtype="bfloat16")
+    llama = _test_models.model_config_for_shape("llama-3.2-1b", dtype="bfloat16")
     assert (llama["hidden_size"], llama["num_hidden_layers"], llama["intermediate_size"]) == (2048, 16, 8192)
     assert (llama["num_attention_heads"], llama["num_key_value_heads"], llama["head_dim"]) == (32, 8, 64)
     assert (llama["vocab_size"], llama["rope_theta"], llama["torch_dtype"]) == (128256, 500000.0, "bfloat16")
     assert llama["tie_word_embeddings"] is True and _models.context_length(llama) == 8192
-    smol = _models.model_config_for_shape("smollm2-135m")
+    smol = _test_models.model_config_for_shape("smollm2-135m")
     assert (smol["hidden_size"], smol["num_hidden_layers"], smol["num_attention_heads"]) == (576, 30, 9)
     assert (smol["num_key_value_heads"], smol["intermediate_size"], smol["vocab_size"]) == (3, 1536, 49152)
     assert smol["rope_theta"] == 100000.0 and _models.context_length(smol) == 8192
-    assert _models.context_length(_models.model_config_for_shape("tiny")) == 1024
+    assert _models.context_length(_test_models.model_config_for_shape("tiny")) == 1024
     with pytest.raises(ValueError, match="unknown shape"):
-        _models.model_config_for_shape("gpt-5")
+        _test_models.model_config_for_shape("gpt-5")
 
 
 def test_padded_vocab_decodes_every_id(tmp_path: Path) -> None:
-    _models._write_test_tokenizer(tmp_path, vocab_size=700, model_max_length=64)
+    _test_models._write_test_tokenizer(tmp_path, vocab_size=700, model_max_length=64)
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
     tokenizer = _models.load_tokenizer(tmp_path)
     assert len(tokenizer._tokenizer) == 700
@@ -98,7 +98,7 @@ def test_padded_vocab_decodes_every_id(tmp_path: Path) -> None:
 def test_spelled_padding_encodes_a_random_models_answer_back_to_its_ids(tmp_path: Path) -> None:
     """The multi-turn bench's model: an answer of padding ids, resent inside the chat
     template, tokenizes back to exactly those ids (so a prompt cache can find it)."""
-    _models._write_test_tokenizer(tmp_path, vocab_size=2048, model_max_length=64, spelled_padding=True)
+    _test_models._write_test_tokenizer(tmp_path, vocab_size=2048, model_max_length=64, spelled_padding=True)
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
     tokenizer = _models.load_tokenizer(tmp_path)
     answer = [1500, 700, 2047, 512, 512, 1999]
