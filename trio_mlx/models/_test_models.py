@@ -133,10 +133,8 @@ def _copy_tokenizer(source: pathlib.Path, out: pathlib.Path) -> tuple[int, list[
     Raises ModelLoadError for a directory without a fast tokenizer."""
     from tokenizers import Tokenizer
 
-    path = source / "tokenizer.json"
     try:
-        tokenizer = Tokenizer.from_file(str(path))
-        added = json.loads(path.read_text()).get("added_tokens", [])
+        tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
     except Exception as exc:
         raise ModelLoadError(f"no tokenizer to copy at {str(source)!r} (a tokenizer.json): {exc}") from exc
     for name in _TOKENIZER_FILES:
@@ -150,7 +148,8 @@ def _copy_tokenizer(source: pathlib.Path, out: pathlib.Path) -> tuple[int, list[
         token = token.get("content") if isinstance(token, dict) else token
         if isinstance(token, str) and (i := tokenizer.token_to_id(token)) is not None:
             ids[f"{key}_id"] = i
-    return tokenizer.get_vocab_size(with_added_tokens=True), sorted(t["id"] for t in added if t.get("special")), ids
+    specials = sorted(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+    return tokenizer.get_vocab_size(with_added_tokens=True), specials, ids
 
 
 def _write_random_weights(
