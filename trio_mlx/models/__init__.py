@@ -6,9 +6,10 @@ With `actor/`, the only package that imports MLX; the engine imports it lazily
 """
 # ruff: noqa: E402
 
-from . import _cpu_blas
+from . import _cpu_blas, _mlx_env
 
 _cpu_blas.install()  # before anything imports mlx.core: it must bind to OpenBLAS first
+_mlx_env.install()  # MLX's settings read from the environment, before MLX reads them
 cpu_blas_status = _cpu_blas.status  # which BLAS runs MLX's CPU matmuls, in words
 
 from ._cpu_blas import BlasStatus as BlasStatus
