@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/probes/probe_grammar_host.py [--rows 64] [--max-tokens 256]
         [--schemas array,string] [--rounds 3] [--pick any|low] [--seed 0] [--split]
-        [--profile SCHEMA] [--top 25] [--tokenizer /tmp/tok128k]
+        [--profile SCHEMA] [--top 25] [--tokenizer /tmp/tok128k] [--pool-threads 1,4,12]
 
 No model and no device: a 128k-vocabulary test tokenizer (`_test_models._write_test_tokenizer`,
 written once under `--tokenizer`) and, per schema, `rows` rows that each get a
@@ -40,6 +40,12 @@ the budget checks that run beside it, `measure`), `complete`, and within the che
 openers' `growth`). `--profile SCHEMA`: one more episode under cProfile (the
 decoder's thread for the checks is not profiled), its `--top` costliest functions
 by own time.
+
+`--pool-threads N,...`: llguidance's pool at each of these sizes in turn, in every round
+(its default: 80% of the cores). On an H200's 16-core host the array's budget checks took
+215 us a row beside the fill, 47 on the 2-core box, with their thread's CPU ~2.5 ms a step
+of 9 ms (benchmarks/2026-11-30-h200/graph-cache/): this asks whether the fill's threads
+are what they wait on.
 
 Before and after a change, interleaved (a shared machine drifts): run it with
 PYTHONPATH at each tree in turn, e.g. the base exported by
@@ -89,6 +95,18 @@ def _timed_measure_all(*args: Any) -> None:
 
 
 _decode._measure_all = _timed_measure_all  # the string schema's grammar: its rows cannot finish within max_tokens
+POOL_THREADS: list[int | None] = [None]  # llguidance's pool size for the episodes to come (None: its default)
+
+
+def _sized_pool(self: _decode.Decoder) -> Any:
+    if self._executor is None:
+        import llguidance
+
+        self._executor = llguidance.LLExecutor(num_threads=POOL_THREADS[0])
+    return self._executor
+
+
+_decode.Decoder._pool = _sized_pool  # type: ignore[method-assign]
 
 
 def tokenizer(path: pathlib.Path) -> Any:
@@ -220,7 +238,9 @@ def main() -> None:
     ap.add_argument("--profile", default="")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tokenizer", default="/tmp/tok128k")
+    ap.add_argument("--pool-threads", default="")
     args = ap.parse_args()
+    sizes: list[int | None] = [int(x) for x in args.pool_threads.split(",") if x] or [None]
     tok = tokenizer(pathlib.Path(args.tokenizer))
     vocab = grammar_vocab(tok)
     sources = {}
@@ -235,17 +255,22 @@ def main() -> None:
         print(f"{name}: warm-up episode {time.perf_counter() - t0:.2f} s", flush=True)
     for rnd in range(args.rounds):
         for name, source in sources.items():
-            o = episode(vocab, source, args, args.seed)
-            print(f"round {rnd} {name:6s} host {o['ms']:6.2f} ms/step (thirds "
-                  + " / ".join(f"{x:.2f}" for x in o["thirds"])
-                  + f"), GIL-side CPU {o['cpu']:5.2f} ms/step (thirds "
-                  + " / ".join(f"{x:.2f}" for x in o["cpu_thirds"])
-                  + f"), {o['steps']} steps, {o['tokens']} tokens, {o['total']:.0f} ms in all, "
-                  f"{o['forced']} forced, masks {o['digest']}", flush=True)
+            for size in sizes:
+                POOL_THREADS[0] = size
+                o = episode(vocab, source, args, args.seed)
+                pool = "" if size is None else f" pool {size:2d}"
+                print(f"round {rnd} {name:6s}{pool} host {o['ms']:6.2f} ms/step (thirds "
+                      + " / ".join(f"{x:.2f}" for x in o["thirds"])
+                      + f"), GIL-side CPU {o['cpu']:5.2f} ms/step (thirds "
+                      + " / ".join(f"{x:.2f}" for x in o["cpu_thirds"])
+                      + f"), {o['steps']} steps, {o['tokens']} tokens, {o['total']:.0f} ms in all, "
+                      f"{o['forced']} forced, masks {o['digest']}", flush=True)
     if args.split:
         for name, source in sources.items():
-            print(name)
-            split(vocab, source, args)
+            for size in sizes:
+                POOL_THREADS[0] = size
+                print(name if size is None else f"{name}, pool {size}")
+                split(vocab, source, args)
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
