@@ -10,7 +10,8 @@
 #   bash run.sh graphs R [LEVELS]
 #                              `trio-mlx bench --engine` on /root/m1b with step traces, MLX's CUDA
 #                              graph cache at its default (100 graphs) against 1000
-#                              (MLX_CUDA_GRAPH_CACHE_SIZE), R rounds in alternating order
+#                              (MLX_CUDA_GRAPH_CACHE_SIZE), R rounds in alternating order (START=N:
+#                              from round N; call 7 had none, and ran rounds 1-4 into its limit)
 #   bash run.sh fewq R [LEVELS]
 #                              prompt lookup (ngram) on /root/m1b, the tree as it is against it with
 #                              ../adaptive-drafts/few-query-kernel.patch applied (in a copy of the
@@ -51,7 +52,7 @@ grammar)
     grep -E "^round|x of free|warm-up" "$f" | tee -a "$OUT/progress.txt"
   done;;
 graphs)
-  for r in $(seq 1 "$2"); do
+  for r in $(seq "${START:-1}" "$2"); do  # START: a later call's first round
     if [ $((r % 2)) = 1 ]; then order="100 1000"; else order="1000 100"; fi
     for n in $order; do
       bench "graphs-r$r-$n" "${M1B:-/root/m1b}" MLX_CUDA_GRAPH_CACHE_SIZE=$n
