@@ -1142,3 +1142,17 @@ def test_a_draft_models_step_starts_the_verify_before_reading_its_drafts_back(ti
     assert run.speculated
     assert len(started) == len(set(run.spec_steps))  # once a speculative step: its logits, (rows, K+1, vocab)
     assert all(len(s) == 1 and len(s[0]) == 3 and s[0][1] > 1 for s in started)
+
+
+def test_rows_in_lockstep_do_not_speculate_beside_each_other_and_a_row_left_alone_does(tiny_model_fp32):
+    """Two greedy rows on repeating prompts of one length, entering together: their batch has
+    no padding, and a kept draft would give it some for every later step, so neither
+    speculates while both decode; once the short one has ended and left, the other does.
+    Both outputs are what each makes alone."""
+    other = (LOOPING[0] + 1,) + LOOPING[1:]  # as long, not a prefix of it: no wait for its prefill
+    short, long = Submit(1, LOOPING, 12, GREEDY, frozenset()), Submit(2, other, 60, GREEDY, frozenset())
+    alone = {rid: _one(tiny_model_fp32, GREEDY, s.max_tokens, s.prompt).tokens[1] for rid, s in ((1, short), (2, long))}
+    run = _serve(_actor(tiny_model_fp32, speculative="ngram", retire_steps=0), {0: [short, long]})
+    assert run.tokens[1] == alone[1] and run.tokens[2] == alone[2]
+    assert run.speculated and all(rid == 2 for rid, _, _ in run.speculated)
+    assert min(run.spec_steps) > run.last[1]  # none while both decoded

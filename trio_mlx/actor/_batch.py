@@ -404,6 +404,12 @@ def unmask_unpadded(caches: list[Any]) -> None:
     vars(first)["_trio_padding_seen"] = padding
 
 
+def unpadded(caches: list[Any]) -> bool:
+    """Whether no row of the batch is padded, as `unmask_unpadded` (called first) last read
+    it: every row at one position, the rows in lockstep."""
+    return bool(caches) and "make_mask" in vars(caches[0])
+
+
 def first_token_waits(bg: Any, batch: Any) -> bool:
     """Whether a sequence of `bg` waits for its first token: a prompt inserted and not yet
     through its prefill (`bg._unprocessed_sequences`, `bg._prompt_batch`), or a row of

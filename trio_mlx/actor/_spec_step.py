@@ -44,7 +44,14 @@ and the batch's width, by what its speculative steps gave all its rows
 (`_speculate.WidthJudge`). And none while a sequence waits for its first token
 (`_batch.first_token_waits`, asked by `_batch._owned_next` before this step): the steps
 that prefill it, sample it and report it each add to its time to first token, and a
-speculative step takes longer than a plain one, and is not pipelined.
+speculative step takes longer than a plain one, and is not pipelined. And none beside other
+rows while no row is padded (`_batch.unpadded`: rows that entered together with prompts of
+one length, in lockstep): rows that keep different counts of drafts leave padding that
+every later step pays for, a cost no judge of the step itself sees. On an H200 (1B shape,
+four users on random prompts of one length) the first kept draft made each later plain
+step 4.21 ms against 3.71 and split the rows' ends, so their next prompts entered beside
+decoding rows, each entry a 13-19 ms step: 0.83x the tokens of no speculation
+(BENCHMARKS.md). Served rows seldom sit in lockstep; a row alone always may.
 On random text, where drafts are few and short, a speculative step that keeps a draft
 now and then costs more than the tokens it gives, and its rows stop speculating for a
 while (docs/server.md, "Speculative decoding").
@@ -68,7 +75,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._batch import Decoded, Speculated, _kv_caches, adapter_rows, roll_right, unmask_unpadded
+from ._batch import (
+    Decoded,
+    Speculated,
+    _kv_caches,
+    adapter_rows,
+    roll_right,
+    unmask_unpadded,
+    unpadded,
+)
 from ._decode import Decoder
 from ._drafting import Proposal
 from ._kv_quant import kv_map
@@ -87,6 +102,9 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     caches = batch.prompt_cache if n == 1 else _kv_caches(batch)
     if not caches:
         return None  # rows at different positions: no layout to roll back into
+    unmask_unpadded(caches)
+    if n > 1 and unpadded(caches):
+        return None  # rows in lockstep: a kept draft would pad every step after it (docstring)
     t0 = time.perf_counter()
     drafter.filled()  # from here, what the draft model's history fills take is this step's
     pending = batch._next_tokens
@@ -97,7 +115,6 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     inputs = mx.concatenate([_padded(p, pending[i : i + 1], k) for i, p in enumerate(proposals)])
     batch._current_tokens = pending
     batch._current_logprobs = batch._next_logprobs
-    unmask_unpadded(caches)
     with adapter_rows(batch.model, batch.uids):
         logits = batch.model.verify(inputs, cache=caches)
     width = logits.shape[-1]

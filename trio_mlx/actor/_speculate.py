@@ -56,7 +56,9 @@ a drafted token now and then cost 2.7x a pipelined plain step (BENCHMARKS.md). A
 speculative step costs every row of its batch, those without drafts too: so each
 width's speculative steps are also judged together (`WidthJudge`), by the tokens they
 gave the whole batch against plain steps of that width, and a width whose steps did not
-pay goes without speculating for a while.
+pay goes without speculating for a while. Rows in lockstep (no row padded) never speculate
+beside each other: what that costs comes after the step, where no judge sees it
+(`_spec_step.py`).
 """
 
 from __future__ import annotations

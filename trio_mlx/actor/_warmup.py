@@ -234,15 +234,16 @@ def rehearse(actor: Rehearsed, token: int, length: int) -> None:
         # Two rows' speculative steps side by side, then the longer one's alone, seeded, with
         # every option (the other greedy); biased to repeat their prompts, so that prompt
         # lookup's guesses hit (it drafts after the first few: `_speculate.GUESS_HITS`) and
-        # the target keeps the drafts. (Other prompts differ, so that H does not wait for G's
-        # prefill.) G outlasts H by more than a step's drafts (prompt lookup's grow from
+        # the target keeps the drafts. (H's prompt differs, so that H does not wait for G's
+        # prefill, and is a token shorter: rows in lockstep do not speculate side by side,
+        # `_spec_step.py`.) G outlasts H by more than a step's drafts (prompt lookup's grow from
         # `START_DRAFT`), so that it speculates alone after H has ended; within the script's
         # bound of steps with a draft model's few drafts a step.
         g, h = -7, -8
         bias = ((token, 100.0),)
         longer = 10 + 2 * START_DRAFT + 8
         script.append(([Submit(g, prompt, longer, dataclasses.replace(every, seed=1, logit_bias=bias), frozenset()),
-                        Submit(h, (token + 1,) + prompt[1:], 10, SamplingParams(temperature=0.0, logit_bias=bias),
+                        Submit(h, (token + 1,) + prompt[2:], 10, SamplingParams(temperature=0.0, logit_bias=bias),
                                frozenset())],
                        lambda n: n[g] >= longer and n[h] >= 10))
     if mx.cuda.is_available() and (long := min(actor._context - 80, 2 * actor.config.tuning.prefill_step + 64)) > 2 * length:
