@@ -32,7 +32,12 @@ settling does not. MLX's own memory in use once idle (weights, and anything
 a finished or aborted request left behind: a KV cache, a sampler's state),
 less what the prompt cache holds on purpose (`trio_mlx_prompt_cache_bytes`;
 both readings leave it out), is exact, so it must come back to its warm-up level within --mlx-tolerance
-(1 MiB: a tiny model's KV cache alone is 128 KB a sequence). `run()` returns the report (`report["failures"]` is empty
+(1 MiB: a tiny model's KV cache alone is 128 KB a sequence). Exact because the soak's server
+runs with MLX's buffer cache off (`--cache-limit-gb 0`): with it on, MLX hands a new array a
+freed block up to two pages larger than asked and counts the whole block in use, so each
+prompt-cache entry of the tiny model (arrays of 17-50 KB) held up to ~30% more than its bytes,
+~0.5-1.3 MB over ~300 entries: the check failed about one run in eight
+(benchmarks/2026-11-30-cpu/cache-memory/). `run()` returns the report (`report["failures"]` is empty
 when all held); `main()` prints it as JSON and exits 1 on any failure.
 
 `--hostile` mixes attacks into the same soak, against a process actor, each
@@ -877,6 +882,7 @@ def server_command(model: str, opts: Options) -> list[str]:
     return [sys.executable, "-m", "trio_mlx.cli", "serve", model, "--port", "0",
             "--stall-timeout", str(opts.stall_timeout), "--max-batch", str(opts.max_batch),
             "--prefill-batch", "2", "--prefill-step", "16", "--ping-interval", "1", "--drain-timeout", "5",
+            "--cache-limit-gb", "0",  # MLX's memory in use exactly the live arrays' bytes (the docstring)
             "--access-log" if opts.access_log else "--no-access-log", "--log-level", "info",
             *(["--actor", "process", "--body-timeout", str(opts.body_timeout), "--restart-limit",
                str(opts.kill_actor + 1), "--restart-backoff", "0.5",
