@@ -563,7 +563,8 @@ def _reports(generated) -> list[tuple[int, int]]:
 
 def test_a_one_token_step_of_an_unpadded_batch_has_no_attention_mask():
     """`unmask_unpadded`: no row padded, no mask at one token (a plain cache has none); a padded
-    batch keeps mlx_lm's; rows leaving (a new padding array) are looked at again."""
+    batch keeps mlx_lm's; rows leaving (a new padding array) are looked at again. It says
+    which it found, also when it answers from what it last read."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
@@ -577,16 +578,16 @@ def test_a_one_token_step_of_an_unpadded_batch_has_no_attention_mask():
         return caches
 
     plain = filled([0, 0])
-    unmask_unpadded(plain)
+    assert unmask_unpadded(plain) and unmask_unpadded(plain)
     assert all(c.make_mask(1) is None for c in plain)
     assert plain[0].make_mask(3) is not None  # a longer query still gets its causal mask
     padded = filled([0, 2])
-    unmask_unpadded(padded)
+    assert not unmask_unpadded(padded) and not unmask_unpadded(padded)
     mask = padded[1].make_mask(1)
     assert mask is not None and mask.tolist() == [[[[True] * 5]], [[[False, False, True, True, True]]]]
     for c in padded:
         c.filter([0])  # the padded row leaves: mlx_lm trims the padding all rows share
-    unmask_unpadded(padded)
+    assert unmask_unpadded(padded)
     assert all(c.make_mask(1) is None for c in padded)
 
 

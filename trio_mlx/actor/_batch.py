@@ -375,8 +375,9 @@ def _one_token_no_mask(cache: Any) -> Callable[..., Any]:
     return make_mask
 
 
-def unmask_unpadded(caches: list[Any]) -> None:
-    """Leave the attention mask out of a one-token step where no row of the batch is padded.
+def unmask_unpadded(caches: list[Any]) -> bool:
+    """Leave the attention mask out of a one-token step where no row of the batch is padded;
+    returns whether none is (every row at one position, the rows in lockstep).
 
     `BatchKVCache.make_mask` builds a causal mask with the rows' left padding at every step,
     and attention with an array mask takes a slower path than with none: a decode step at
@@ -389,10 +390,10 @@ def unmask_unpadded(caches: list[Any]) -> None:
     its `make_mask` overridden or restored. Caches of other kinds keep theirs."""
     first: Any = caches[0] if caches else None
     if type(first) not in BATCH_KV:
-        return
+        return False
     padding = first.left_padding
     if vars(first).get("_trio_padding_seen") is padding:
-        return
+        return "make_mask" in vars(first)  # as last read: overridden where unpadded
     unpadded = not bool(mx.any(padding > 0).item())
     for c in caches:
         if type(c) not in BATCH_KV:
@@ -402,12 +403,7 @@ def unmask_unpadded(caches: list[Any]) -> None:
         else:
             vars(c).pop("make_mask", None)
     vars(first)["_trio_padding_seen"] = padding
-
-
-def unpadded(caches: list[Any]) -> bool:
-    """Whether no row of the batch is padded, as `unmask_unpadded` (called first) last read
-    it: every row at one position, the rows in lockstep."""
-    return bool(caches) and "make_mask" in vars(caches[0])
+    return unpadded
 
 
 def first_token_waits(bg: Any, batch: Any) -> bool:

@@ -45,7 +45,7 @@ and the batch's width, by what its speculative steps gave all its rows
 (`_batch.first_token_waits`, asked by `_batch._owned_next` before this step): the steps
 that prefill it, sample it and report it each add to its time to first token, and a
 speculative step takes longer than a plain one, and is not pipelined. And none beside other
-rows while no row is padded (`_batch.unpadded`: rows that entered together with prompts of
+rows while no row is padded (`_batch.unmask_unpadded` says: rows that entered together with prompts of
 one length, in lockstep): rows that keep different counts of drafts leave padding that
 every later step pays for, a cost no judge of the step itself sees. On an H200 (1B shape,
 four users on random prompts of one length) the first kept draft made each later plain
@@ -75,15 +75,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._batch import (
-    Decoded,
-    Speculated,
-    _kv_caches,
-    adapter_rows,
-    roll_right,
-    unmask_unpadded,
-    unpadded,
-)
+from ._batch import Decoded, Speculated, _kv_caches, adapter_rows, roll_right, unmask_unpadded
 from ._decode import Decoder
 from ._drafting import Proposal
 from ._kv_quant import kv_map
@@ -102,8 +94,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     caches = batch.prompt_cache if n == 1 else _kv_caches(batch)
     if not caches:
         return None  # rows at different positions: no layout to roll back into
-    unmask_unpadded(caches)
-    if n > 1 and unpadded(caches):
+    if unmask_unpadded(caches) and n > 1:
         return None  # rows in lockstep: a kept draft would pad every step after it (docstring)
     t0 = time.perf_counter()
     drafter.filled()  # from here, what the draft model's history fills take is this step's
