@@ -202,6 +202,15 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Event:
+        return await self.next_event()
+
+    async def next_event(self, not_before: float = 0.0) -> Event:
+        """The next event, as `__anext__`. With `not_before` (trio's clock), a token that
+        arrives earlier waits until then, or until the request ends, so that the tokens
+        after it join its event: how a reader paces its events. A token that arrives
+        later goes out at once, with no timer set: each timer that expires costs the event
+        loop a cancellation, and the GIL it holds meanwhile is the thread actor's
+        (docs/design.md, rule 7). A stream's last token and its end are never held."""
         while True:
             if self._pending:
                 return self._pending.popleft()
@@ -212,6 +221,9 @@ class RequestStream:
             except trio.EndOfChannel:
                 self._end("error", error="the engine dropped this request")
                 continue
+            if not_before and self._req is not None and not _last(item) and trio.current_time() < not_before:
+                with trio.move_on_at(not_before):
+                    await self._req.ended.wait()
             batch = [item]
             while True:  # tokens already waiting go out together (adaptive coalescing)
                 try:
@@ -324,6 +336,11 @@ class RequestStream:
         self._done = True
         if self._recv is not None:
             self._recv.close()
+
+
+def _last(item: Any) -> bool:
+    """Whether a delivered item ends its request (its Terminal, or its last token)."""
+    return isinstance(item, Terminal) or item.finish_reason is not None
 
 
 # What `again` leaves out of its options: the sibling's structure comes compiled, its prompt as token ids.

@@ -383,8 +383,9 @@ class _Stream:
             except Exception:
                 pass
 
-    async def _pace(self) -> None:
-        """Wait before this stream's next event, so tokens arriving meanwhile coalesce.
+    def _gap(self) -> float:
+        """The least time between this stream's events, so that tokens arriving meanwhile
+        coalesce.
 
         The event loop shares the GIL with the actor thread (docs/design.md, rule 7):
         every SSE event costs it a wake-up, a chunk and a send, whatever the
@@ -401,7 +402,11 @@ class _Stream:
         gap = self.interval
         if self.event_rate:
             gap = max(gap, min(len(self.owner.streams) / self.event_rate, _MAX_GAP))
-        if gap:
+        return gap
+
+    async def _pace(self) -> None:
+        """Wait `_gap` after an event of several choices, or until they have all ended."""
+        if gap := self._gap():
             with trio.move_on_after(gap):
                 for stream in self.streams:
                     await stream.wait_ended()
@@ -439,13 +444,15 @@ class _Stream:
         ev = await self._first(stream)
         while type(ev) is not Finished:
             data = enc.event(ev)
+            not_before = 0.0  # paced by the stream itself: no timer while tokens come slower
             if data:
                 if self.rec.first_token is None:
                     self.rec.first_token = trio.current_time()
                 await self._send(data)
-                await self._pace()
+                if gap := self._gap():
+                    not_before = trio.current_time() + gap
             try:
-                ev = await stream.__anext__()
+                ev = await stream.next_event(not_before)
             except StopAsyncIteration:
                 raise _Gone from None
         if ev.finish_reason in ("abort", "error"):
