@@ -1,5 +1,6 @@
-"""ThreadLink (actor/_link.py): the event loop waits while the actor builds a step's graph,
-only for an actor that says when it has built, and commands reach the actor as they are queued."""
+"""ThreadLink (actor/_link.py): a decode step's report goes over once the actor has built its
+next graph (only for an actor that says when it has built), and commands reach the actor as
+they are queued."""
 
 from __future__ import annotations
 
@@ -8,23 +9,27 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from trio_mlx.actor import _link
 from trio_mlx.actor._protocol import Abort, StepReport, TokenOut
 
 REPORT = StepReport(tokens=(TokenOut(1, 5),))
+PREFILL = StepReport(tokens=(TokenOut(2, 6),), prompt_tokens=12)
 
 
 class _Port:
     def __init__(self) -> None:
         self.on_command = None
         self.delivered = threading.Event()
+        self.reports: list[StepReport] = []
         self.queued: list = []
 
     def ready(self, info) -> None:
         pass
 
     def deliver(self, report: StepReport) -> None:
+        self.reports.append(report)
         self.delivered.set()
 
     def drain_commands(self) -> list:
@@ -32,11 +37,13 @@ class _Port:
         return out
 
 
-async def _loop_runs_while(link: _link.ThreadLink, port: _Port, arm: bool) -> tuple[int, int]:
-    """Ticks of an event-loop task while the actor, after its exchange, holds off `built`
-    for 0.2 s, and after it calls `built`."""
+async def _while_building(link: _link.ThreadLink, port: _Port, arm: bool,
+                          report: StepReport = REPORT) -> tuple[int, bool, bool]:
+    """The event loop's ticks while the actor, after its exchange, builds its next graph for
+    0.2 s; whether the report was taken in by then; and whether it was 1 s after `built`."""
     ticks = 0
-    held = after = 0
+    held = 0
+    during = after = False
 
     async def ticker() -> None:
         nonlocal ticks
@@ -45,36 +52,63 @@ async def _loop_runs_while(link: _link.ThreadLink, port: _Port, arm: bool) -> tu
             await trio.lowlevel.checkpoint()
 
     def actor() -> None:
-        nonlocal held, after
+        nonlocal held, during, after
         if arm:
             link.built()  # this actor says when it has built
-        link.exchange(REPORT)
-        port.delivered.wait(5)
+        link.exchange(report)
         t0 = ticks
         time.sleep(0.2)  # building the next step's graph
         held = ticks - t0
+        during = port.delivered.is_set()
         link.built()
-        t1 = ticks
-        time.sleep(0.05)
-        after = ticks - t1
+        after = port.delivered.wait(1)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ticker)
         await trio.to_thread.run_sync(actor)
         nursery.cancel_scope.cancel()
-    return held, after
+    return held, during, after
 
 
 @pytest.mark.parametrize("arm", [True, False])
-async def test_the_loop_waits_for_the_build_only_for_an_actor_that_reports_it(monkeypatch, arm):
-    monkeypatch.setattr(_link, "_BUILD_WAIT", 5.0)
+async def test_a_decode_report_goes_over_once_the_next_graph_is_built(arm):
+    """The loop is not woken to take a decode step's report in while the actor builds (it
+    would take the GIL from the build), and never blocks meanwhile; the test stand-in, which
+    never says it has built, hands its reports over at once."""
     port = _Port()
-    held, after = await _loop_runs_while(_link.ThreadLink(port), port, arm)
-    assert after > 0
-    if arm:
-        assert held <= 1  # blocked: at most the tick that was under way
-    else:
-        assert held > 10  # the test stand-in never says it has built: never waited for
+    held, during, after = await _while_building(_link.ThreadLink(port), port, arm)
+    assert held > 10  # the loop ran its other tasks all along
+    assert during is not arm and after
+    assert port.reports == [REPORT]
+
+
+async def test_a_prefill_report_goes_over_at_once():
+    port = _Port()
+    _, during, _ = await _while_building(_link.ThreadLink(port), port, True, PREFILL)
+    assert during  # its first tokens are a request's time to first token: never held
+
+
+async def test_a_held_report_goes_over_when_no_graph_follows():
+    """A turn that builds nothing hands the held report over: with the next one, in order,
+    at its exchange; before blocking for commands; and, once the actor's thread has ended,
+    the engine takes it in (`release`)."""
+    port = _Port()
+    link = _link.ThreadLink(port)
+    second = StepReport(tokens=(TokenOut(1, 7),))
+
+    def actor() -> None:
+        link.built()
+        link.exchange(REPORT)  # held: a graph is expected
+        link.exchange(second)  # none came (a failed step): both go over, in order
+        link.exchange(REPORT)  # held again
+        link.wait_commands(0.01)  # idle: goes over before the wait
+        link.exchange(second)  # held, and the thread ends without a graph
+
+    await trio.to_thread.run_sync(actor)
+    await trio.testing.wait_all_tasks_blocked()
+    assert port.reports == [REPORT, second, REPORT]
+    link.release()
+    assert port.reports == [REPORT, second, REPORT, second]
 
 
 async def test_commands_reach_the_actor_as_they_are_queued_without_an_exchange():

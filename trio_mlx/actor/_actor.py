@@ -359,7 +359,7 @@ class Actor:
         link, admission = self._link, self.rank.arrivals()
         commands = link.exchange(report)
         if not commands and not self.rank.busy():
-            link.built()  # no step to build: the event loop need not wait for one
+            link.built()  # no step to build: a report held for one goes over now
             if not admission.pending:
                 commands = self._idle()
             elif hold := admission.hold(time.perf_counter()):

@@ -63,7 +63,6 @@ class ActorHost:
         self._make = make_actor
         self._share = prompt_cache_share
         self._arrived = threading.Event()  # a command for any actor, or a new actor
-        self._built = threading.Event()  # the host's next graph is built, whichever model's
         self._incoming: deque[_Hosted] = deque()  # filled on the trio thread, read on the host's
         self._hosted: list[_Hosted] = []  # the host thread's own
         self._next = 0  # where the next round-robin scan starts
@@ -93,7 +92,7 @@ class ActorHost:
         what it raised). Cancelled, the actor is freed on the host before this returns."""
         if not self._running:
             raise RuntimeError("the actor host is not running")
-        link = ThreadLink(port, arrived=self._arrived, built=self._built)
+        link = ThreadLink(port, arrived=self._arrived)
         config = dataclasses.replace(config, prompt_cache_share=self._share)
         if self._make is None:
             from ._actor import Actor
@@ -112,6 +111,7 @@ class ActorHost:
                 self._arrived.set()
                 with trio.CancelScope(shield=True):
                     await hosted.done.wait()
+            link.release()
         if hosted.error is not None:
             raise hosted.error
 
@@ -208,7 +208,7 @@ class ActorHost:
             if not commands:
                 due = actor.due(time.perf_counter())
                 if due is None or due > 0:
-                    link.built()  # no step to build: the event loop need not wait for one
+                    link.built()  # no step to build: a report held for one goes over now
                     return
             report = actor.turn(commands)
         except BaseException as exc:

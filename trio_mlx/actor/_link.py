@@ -46,54 +46,56 @@ class ActorLink(Protocol):
         ...
 
 
-# How long the event loop waits, at most, for the actor to build a step's graph.
-_BUILD_WAIT = 0.010
 # How often an idle actor checks, while it waits for commands, that it was not cancelled.
 _IDLE_CHECK = 0.5
 
 
 class ThreadLink:
     """The engine in this process, across a thread. Each step the actor hands its report
-    to the event loop, which takes it in between its tasks and then waits while the
-    actor builds the next step's graph; commands reach the actor as the engine queues
-    them, without a crossing of its own (docs/design.md, rules 2 and 7).
+    to the event loop, which takes it in between its tasks, once the actor has built its
+    next step's graph; commands reach the actor as the engine queues them, without a
+    crossing of its own (docs/design.md, rules 2 and 7).
 
     The actor holds the GIL while it builds a step's graph (about a quarter of a decode
-    step at 256 rows of a 1B model on a GPU) and releases it while MLX launches the kernels and waits for them. The tokens a
-    report hands over wake the event loop's handlers at that very moment; with both
-    threads runnable, CPython passes the GIL back and forth every switch interval, the
-    build on the step's critical path stretches, and the loop's work would have fitted
-    in the wait that follows. So after taking in a report with tokens (the actor steps
-    next) the loop blocks, GIL released, until the actor says its graph is built
-    (`built`, as the model's forward returns) or `_BUILD_WAIT` passes, and runs its
-    handlers while the device computes. An actor that never calls `built` (the test
-    stand-in) is never waited for.
+    step at 256 rows of a 1B model on a GPU) and releases it while MLX launches the
+    kernels and waits for them. A report handed over wakes the event loop, which takes
+    the GIL to take it in, and the tokens it delivers wake the loop's handlers; with
+    both threads runnable, CPython passes the GIL back and forth every switch interval,
+    and the build on the step's critical path stretches. So a decode step's report
+    (tokens, no prompt tokens) from an actor that says when it has built (`built`, as the
+    model's forward returns) is held at `exchange` and handed over by the next `built`:
+    the loop wakes, takes it in and runs its handlers while the device computes. A turn
+    that builds no graph (the actor idle, stopping or failing) hands it over at its next
+    `exchange` or `wait_commands`, or the engine takes it in once the actor's thread has
+    ended (`release`). A prefill step's report goes at once: its first tokens are a
+    request's time to first token. An actor that never calls `built` (the test
+    stand-in) hands every report over at once.
 
     Nor does the actor wait for the loop to take a report in: only for the loop to have
-    taken the one before, so the loop is never more than a step behind. Its commands
-    come through `on_command`: when the engine queues one (on the trio thread), the
-    link drains the engine's inbox into a deque the actor reads between steps, as the
-    process actor reads its pipe, once the loop has run its current tasks (and as the
-    loop takes a report in, before the actor may take its next commands).
+    taken the one before, so the loop is never more than a step (and a graph) behind.
+    Its commands come through `on_command`: when the engine queues one (on the trio
+    thread), the link drains the engine's inbox into a deque the actor reads between
+    steps, as the process actor reads its pipe, once the loop has run its current tasks
+    (and as the loop takes a report in, before the actor may take its next commands).
 
-    Each part was measured against one synchronous crossing per step, paired with the
-    process actor: the wait for the build and the report a step ahead together close
-    most of the thread actor's gap at high concurrency; the report a step ahead alone
-    served what the synchronous crossing did (BENCHMARKS.md, "What the runtime does
-    because of a measurement").
+    Measured against one synchronous crossing per step, paired with the process actor
+    (BENCHMARKS.md, "What the runtime does because of a measurement"): keeping the loop
+    out of the build and handing the report over a step ahead together closed most of
+    the thread actor's gap at high concurrency. The loop first took a report in at once
+    and then blocked until `built`; handing it over at `built` instead took the actor's
+    exchange from ~110 to ~10 us a step, with a stand-in actor that holds the GIL
+    0.95 ms a step (`benchmarks/probes/probe_gil_actor.py`).
     """
 
-    def __init__(self, port: ActorPort, *, arrived: threading.Event | None = None,
-                 built: threading.Event | None = None):
-        """`arrived` and `built`: events shared by the links of the actors one host thread runs
-        (`_host.py`): a command for any of them wakes the host, and the loop waits for the
-        host's next graph, whichever model's it is."""
+    def __init__(self, port: ActorPort, *, arrived: threading.Event | None = None):
+        """`arrived`: an event shared by the links of the actors one host thread runs
+        (`_host.py`): a command for any of them wakes the host."""
         self._port = port
         self._token = trio.lowlevel.current_trio_token()
-        self._built = built or threading.Event()
         self._waits = False  # set by the first `built`: this actor says when it has built
         self._taken = threading.Event()  # the loop has taken the last report in
         self._taken.set()
+        self._held: StepReport | None = None  # a decode step's report, for the next `built`
         self._failure: BaseException | None = None  # what the engine raised taking it in
         self._commands: deque[Command] = deque()  # filled on the trio thread, read on the actor's
         self._arrived = arrived or threading.Event()
@@ -132,31 +134,51 @@ class ThreadLink:
         self._taken.wait()
         if self._failure is not None:
             raise self._failure
-        self._taken.clear()
-        self._built.clear()
-        self._token.run_sync_soon(self._take_in, report)  # RunFinishedError once the loop is gone
+        held, self._held = self._held, None
+        if held is not None:  # the turn since built no graph: both go over now, in order
+            self._hand_over((held, report))
+        elif self._waits and report.tokens and not report.prompt_tokens:
+            self._held = report
+        else:
+            self._hand_over((report,))
         return self._take()
-
-    def _take_in(self, report: StepReport) -> None:
-        """On the trio thread, between its tasks: the report, the commands queued so far, then
-        the wait for the build. The commands go before the actor may take its next ones: the
-        flush a command scheduled for itself may run after this take-in, and the actor,
-        woken by it, took its commands first and stepped once more without them (an abort
-        was applied two steps after it was queued)."""
-        try:
-            self._port.deliver(report)
-        except BaseException as exc:  # the actor raises it at its next exchange
-            self._failure = exc
-        self._flush()
-        self._taken.set()
-        if self._waits and report.tokens:
-            self._built.wait(_BUILD_WAIT)
 
     def built(self) -> None:
         self._waits = True
-        self._built.set()
+        self._hand_over_held()
+
+    def _hand_over_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._hand_over((held,))
+
+    def _hand_over(self, reports: tuple[StepReport, ...]) -> None:
+        self._taken.clear()  # until this take-in: the next exchange waits for it
+        self._token.run_sync_soon(self._take_in, reports)  # RunFinishedError once the loop is gone
+
+    def _take_in(self, reports: tuple[StepReport, ...]) -> None:
+        """On the trio thread, between its tasks: the reports, then the commands queued so far.
+        The commands go before the actor may take its next ones: the flush a command
+        scheduled for itself may run after this take-in, and the actor, woken by it, took its
+        commands first and stepped once more without them (an abort was applied two steps
+        after it was queued)."""
+        for report in reports:
+            try:
+                self._port.deliver(report)
+            except BaseException as exc:  # the actor raises it at its next exchange
+                self._failure = exc
+        self._flush()
+        self._taken.set()
+
+    def release(self) -> None:
+        """On the trio thread, once the actor's thread has ended (it stopped, or died): take
+        in the report it held for a graph it never built, if any."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._take_in((held,))
 
     def wait_commands(self, timeout: float | None = None) -> list[Command]:
+        self._hand_over_held()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not (commands := self._take()):
             left = _IDLE_CHECK if deadline is None else min(_IDLE_CHECK, deadline - time.monotonic())

@@ -256,10 +256,12 @@ class Engine:
             from ..actor import Actor, ThreadLink
 
             factory: Any = Actor if self.actor_mode == "thread" else self.actor_mode
-            actor = factory(config, ThreadLink(self))
+            link = ThreadLink(self)
+            actor = factory(config, link)
             try:
                 await trio.to_thread.run_sync(actor.run, limiter=gpu_limiter(), abandon_on_cancel=False)
             finally:
+                link.release()  # its last report, if it held one for a graph it never built
                 self.on_command = None  # that link's actor is gone: a new one brings its own
 
     async def _run_actor(self, config: Any) -> None:
