@@ -474,6 +474,58 @@ def test_greedy_tokens_are_mlx_lm_generates_in_a_batch_of_16_with_rows_entering_
     assert not actor.schedule.seqs and not actor._bg._generation_batch.uids  # type: ignore[union-attr]
 
 
+def test_a_group_whose_prompts_end_joins_the_decoding_rows_step(tiny_model_fp32, monkeypatch):
+    """Rows whose prompts have only their last token left join the decoding batch before its
+    step, which feeds them that token beside the others' (`_batch._join`): one one-token
+    forward in that step, where mlx_lm's `_next` takes two (the decoding rows' step, then the
+    group's own first step). Their first tokens come in the same step as before, the greedy
+    rows' tokens are mlx_lm's own, and a JSON-constrained row that joins (its grammar fed
+    nothing at its first step) still writes JSON."""
+    import json
+
+    from trio_mlx import models
+    from trio_mlx.actor import Grammar
+    from trio_mlx.actor._batch import CausalPrefill
+    from trio_mlx.actor._constrain import json_string_grammar, model_vocab
+
+    one_token: list[int] = []
+    real = CausalPrefill.__call__
+
+    def counted(self: Any, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
+        if inputs.shape[1] == 1:
+            one_token.append(inputs.shape[0])
+        return real(self, inputs, cache, **kwargs)
+
+    monkeypatch.setattr(CausalPrefill, "__call__", counted)
+    actor = _actor(tiny_model_fp32, max_batch=8, prefill_batch=4)
+    stops = frozenset(model_vocab(tiny_model_fp32).eos)
+    grammar = Grammar(source=json_string_grammar(), min_tokens=2, kind="json_schema")
+    first = [Submit(rid, (5 + rid, 6, 7, 8), 20, SamplingParams(temperature=0.0), frozenset()) for rid in range(2)]
+    group = [Submit(2, (9, 10, 11, 12, 13), 12, SamplingParams(temperature=0.0), frozenset()),
+             Submit(3, (14, 15, 16), 12, SamplingParams(temperature=1.0, seed=3), stops, grammar)]
+    steps: list[list[int]] = []  # the widths of each step's one-token forwards
+    tokens: dict[int, list[int]] = collections.defaultdict(list)
+    came: dict[int, int] = {}
+    for k in range(30):
+        failed = actor._apply(first if k == 0 else group if k == 4 else [])
+        one_token.clear()
+        report = actor._step(failed or [])
+        assert not report.failed, report.failed
+        steps.append(list(one_token))
+        for t in report.tokens:
+            came.setdefault(t.rid, k)
+            tokens[t.rid].append(t.token)
+    # step 4 prefills the group beside the decoding rows; step 5 feeds its last prompt
+    # tokens in the decoding rows' own forward, four rows wide
+    assert steps[4] == [2] and steps[5] == [4], steps[3:7]
+    # read at once beside so few rows (`EARLY_FIRST_BESIDE`); a constrained row's, a step later
+    assert came[2] == 5 and came[3] == 6
+    for rid, sub in ((0, first[0]), (1, first[1]), (2, group[0])):
+        assert tokens[rid] == _reference_greedy(tiny_model_fp32, sub.prompt, sub.max_tokens), rid
+    text = models.load_tokenizer(tiny_model_fp32).decode([t for t in tokens[3] if t not in stops])
+    assert isinstance(json.loads(text), str), text
+
+
 def test_the_owned_step_and_mlx_lms_give_the_same_greedy_tokens_with_bias_and_penalties(tiny_model_fp32):
     """TRIO_MLX_DECODE_STEP switches between the two steps; greedy rows with logit bias and
     every penalty, beside plain ones, make the same tokens under either."""

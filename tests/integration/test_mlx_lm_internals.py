@@ -516,14 +516,16 @@ def test_an_owned_decode_step_keeps_the_batch_as_mlx_lm_keeps_it(tiny_model_fp32
     `GenerationBatch.__init__` and `_step` set (its `extend` and `filter` read them), keep
     `tokens` (what each row's KV holds: `copy_rows`) and `_next_tokens` as they do, and
     `BatchGenerator._next` must count its report by `len()`; the greedy tokens are the
-    stock generator's, with rows entering and leaving."""
+    stock generator's, with rows entering and leaving. A group that joins the decoding rows'
+    step (`_join`: `bg._currently_processing`'s segments and progress, the prompt batch's
+    `Response`) has the prompt responses `_next` would have given it (`next_step`)."""
     from trio_mlx.actor._decode import Decoder, DecodeRow
     from trio_mlx.actor._protocol import SamplingParams
 
     model, _ = _models.load_model(tiny_model_fp32)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
 
-    def run(owned: bool) -> tuple[dict[int, list[int]], set[str], list[list[int]], int]:
+    def run(owned: bool) -> tuple[dict[int, list[int]], set[str], list[list[int]], int, list[tuple]]:
         bg = BatchGenerator(model, max_tokens=10**6, completion_batch_size=8, prefill_batch_size=2)
         _batch.move_whole_groups(bg)
         rows = None
@@ -531,28 +533,33 @@ def test_an_owned_decode_step_keeps_the_batch_as_mlx_lm_keeps_it(tiny_model_fp32
             _batch.own_decode(bg, Decoder())
             rows = [DecodeRow(SamplingParams(temperature=0.0), p) for p in prompts[:2]]
         out: dict[int, list[int]] = {}
+        prompted: list[tuple] = []
         uids = bg.insert(prompts[:2], samplers=rows)
-        for _ in range(4):
-            _, generated = bg.next()
+
+        def step() -> None:
+            responses, generated = _batch.next_step(bg) if owned else bg.next()
+            prompted.extend((r.uid, r.progress, r.end_of_segment, r.end_of_prompt) for r in responses)
             for uid, token in _reports(generated):
                 out.setdefault(uid, []).append(token)
+
+        for _ in range(4):
+            step()
         _batch.remove_rows(bg, uids[:1])
         uids += bg.insert(prompts[2:], samplers=[DecodeRow(SamplingParams(temperature=0.0), prompts[2])] if owned
                           else None)
         for _ in range(6):
-            _, generated = bg.next()
-            for uid, token in _reports(generated):
-                out.setdefault(uid, []).append(token)
+            step()
         batch = bg._generation_batch
         held = [list(t) for t in batch.tokens]
         assert len(batch._next_tokens.tolist()) == len(batch.uids) == 2
-        return out, set(vars(batch)) - {"_step", "next"}, held, bg._counters.generation_tokens
+        return out, set(vars(batch)) - {"_step", "next"}, held, bg._counters.generation_tokens, prompted
 
     stock, owned = run(False), run(True)
     assert owned[0] == stock[0] and len(owned[0]) == 3
     assert owned[1] == stock[1]
     assert owned[2] == stock[2]
     assert owned[3] == stock[3] > 0
+    assert owned[4] == stock[4] and (2, (7, 7), True, True) in stock[4]  # the third prompt's end, joined
 
 
 def _reports(generated) -> list[tuple[int, int]]:

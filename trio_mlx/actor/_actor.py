@@ -35,10 +35,10 @@ from ._batch import (
     EARLY_FIRST_BESIDE,
     CausalPrefill,
     Decoded,
-    RowAdapters,
     batch_rows,
     first_tokens,
     move_whole_groups,
+    next_step,
     own_decode,
     plain_kv,
     prompts_left,
@@ -68,6 +68,7 @@ from ._protocol import (
 )
 from ._rank import Rank
 from ._reuse import Reuse
+from ._row_adapters import RowAdapters
 from ._sampling import SamplerCache, make_processors
 from ._schedule import Schedule, Seq
 from ._shapes import (
@@ -133,7 +134,7 @@ class Actor:
         self._cached: list[tuple[int, int]] = []  # (rid, prompt tokens from the cache) this step
         self._spec_counts: list[tuple[int, int, int]] = []  # (rid, drafted, kept) this step (`_speculated`)
         self._drafter: Drafter | None = None  # speculative decoding's drafts (`_drafting.py`); set in _load
-        # Each row's named LoRA adapter (`ActorTuning.adapters`, `_batch.RowAdapters`); None without.
+        # Each row's named LoRA adapter (`ActorTuning.adapters`, `_row_adapters.RowAdapters`); None without.
         self._adapters: RowAdapters | None = None
         self._link = self.rank.bind(self, link)  # last: the rank may read the actor's admission
 
@@ -512,7 +513,7 @@ class Actor:
             self._hook("step")
             if schedule.prefilling:
                 self._cut_prefill()
-            prompt_responses, generation_responses = self._bg.next()
+            prompt_responses, generation_responses = next_step(self._bg)
             tokens = self._tokens(generation_responses)
         except Exception as exc:
             return self.rank.recover(exc, failed)

@@ -11,10 +11,11 @@ just started decoding (`first_tokens`), or move KV at the device's copy rate
 where mlx-lm gathers it (a removal's kept rows, `take_rows`; a right-padded
 group's roll, `roll_right`; a finished group handed to decoding, `_split`), or
 take the decode step over (`own_decode`: one forward over the decoding batch,
-then the actor's own batched sampling, `_decode.Decoder`; a speculative step where
-rows have drafts is `_spec_step.py`'s, with the helpers here), or tell a model with
-named LoRA adapters which adapter each row of a forward runs with (`RowAdapters`, around every forward: the prompt
-batch's `prompt`, the owned step, the speculative verify).
+then the actor's own batched sampling, `_decode.Decoder`; a group whose prompts
+end joins that forward, `_join`; a speculative step where rows have drafts is
+`_spec_step.py`'s, with the helpers here), or tell a model with named LoRA
+adapters which adapter each row of a forward runs with (`adapter_rows`, around
+every forward: the prompt batch's `prompt`, the owned step, the speculative verify).
 Each helper names the private attribute it
 relies on; tests/integration/test_mlx_lm_internals.py pins each behaviour, so an mlx-lm
 upgrade that changes one fails there first.
@@ -36,6 +37,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt
 
 from ._decode import Decoder, DecodeRow
 from ._kv_quant import BatchQuantizedKVCache, RowQuantizedKVCache, kv_arrays, kv_map
+from ._row_adapters import RowAdapters, selected
 from ._shapes import (
     few_queries,
     grid_length,
@@ -431,21 +433,58 @@ def _owned_next(decoder: Decoder, batch: Any, bg: Any) -> Decoded:
         spec = drafter.step(decoder, batch)  # `_spec_step.speculative_step`
         if spec is not None:
             return spec
+    joined = _join(decoder, batch, bg) if len(bg._prompt_batch) else 0
     t0 = time.perf_counter()
     fed, _ = batch._step()
-    if timed and not decoder.speculated_last:
+    if timed and not decoder.speculated_last and not joined:
         # pipelined: a step's wall time here is the device's step time (the first plain step
         # after a speculative one found nothing in flight, so it is not counted)
         decoder.timed_plain(len(batch.uids), time.perf_counter() - t0)
     decoder.speculated_last = False
     # copies: a group joining in this same `BatchGenerator.next` extends the batch's lists
-    return Decoded(list(batch.uids), fed, list(batch.samplers))
+    n = len(fed) - joined  # the rows joined last: what they were fed is their prompt's
+    for row in batch.samplers[n:]:
+        row.fresh = False
+    return Decoded(batch.uids[:n], fed[:n], batch.samplers[:n])
 
 
-def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]]) -> Any:
+def _join(decoder: Decoder, batch: Any, bg: Any) -> int:
+    """Move the prompt batch's rows that have only their prompt's last token left into the
+    decoding `batch` before its step, which feeds them that token beside every other row's
+    (`DecodeRow.fresh`); returns how many joined, at the end of `batch`. mlx_lm's `_next`
+    steps the decoding rows and then gives such a group a first step of its own
+    (`generate`, `_owned_generate`): two forwards, where this is one, for the same first
+    tokens. Their prompt responses, as `_next` would have made them (`bg._currently_processing`,
+    the rows' segments and progress), wait in `bg` for `next_step`."""
+    processing = bg._currently_processing
+    split = [i for i, seq in enumerate(processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
+    if not split:
+        return 0
+    last = [processing[i][0][0] for i in split]
+    progress = [(processing[i][2],) * 2 for i in split]
+    bg._currently_processing = [seq for i, seq in enumerate(processing) if i not in split]
+    gen = _owned_generate(decoder, bg._prompt_batch.split(split), last, step=False)
+    response = type(bg._prompt_batch).Response
+    vars(bg)["_trio_joined"] = [response(uid, p, True, True) for uid, p in zip(gen.uids, progress, strict=True)]
+    batch.extend(gen)
+    return len(split)
+
+
+def next_step(bg: Any) -> tuple[list[Any], Any]:
+    """`bg.next()`: (prompt responses, generation responses), with those of the rows that
+    joined the decoding step (`_join`) first."""
+    vars(bg).pop("_trio_joined", None)  # left by a `bg.next()` of warm-up's: its rows are gone
+    prompt, generated = bg.next()
+    if joined := vars(bg).pop("_trio_joined", None):
+        prompt = joined + prompt
+    return prompt, generated
+
+
+def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]], step: bool = True) -> Any:
     """`PromptProcessingBatch.generate(tokens)` (what is left of each prompt; its last token
     starts decoding) with the first step taken by the decoder, not by mlx_lm's own
-    `GenerationBatch.__init__`: the batch is built empty and given its rows after."""
+    `GenerationBatch.__init__`: the batch is built empty and given its rows after. Without
+    `step`, the rows are left `fresh`, their last tokens pending, for a step to come."""
     if any(len(t) > 1 for t in tokens):
         with adapter_rows(batch.model, batch.uids):
             batch.prompt([t[:-1] for t in tokens])
@@ -462,53 +501,19 @@ def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]]) -> An
     gen._matchers = [ss.matcher() for ss in gen.stop_sequences]
     batch.uids, batch.prompt_cache, batch.tokens = [], [], []  # as the stock method leaves it
     batch.samplers, batch.logits_processors, batch.max_tokens = [], [], []
-    _owned_step(decoder, gen, True)
+    if step:
+        _owned_step(decoder, gen, True)
+    else:
+        for row in gen.samplers:
+            row.fresh = True
     return gen
-
-
-class RowAdapters:
-    """Which named LoRA adapter each row runs with, by uid, put on the model's shared
-    selector (`models.AdapterRows`) around each forward (`adapter_rows`).
-
-    The rows of a forward are its batch's `uids`, in order: mlx_lm's batches keep that
-    list aligned with their KV rows as rows enter (`extend`), leave (`filter`) and split
-    off, so the slots follow the rows wherever they go. A uid the actor never named (the
-    warm-up's rows, a retired row the actor forgot) runs with no adapter. The array of a mix
-    is built once per distinct order of slots, not per step."""
-
-    __slots__ = ("selector", "slots", "_last")
-
-    def __init__(self, selector: Any):
-        self.selector = selector
-        self.slots: dict[int, int] = {}  # uid -> slot (1..); absent: none
-        self._last: tuple[tuple[int, ...], Any] = ((), None)
-
-    def select(self, uids: list[int]) -> None:
-        slots = tuple(self.slots.get(u, 0) for u in uids)
-        last, index = self._last
-        self.selector.set(list(slots), index if slots == last else None)
-        if self.selector.index is not None:
-            self._last = (slots, self.selector.index)
-
-    def forget(self, uids: list[int]) -> None:
-        for u in uids:
-            self.slots.pop(u, None)
-
-
-@contextlib.contextmanager
-def _selected(adapters: RowAdapters, uids: list[int]) -> Any:
-    adapters.select(uids)
-    try:
-        yield
-    finally:  # the graph holds what it read: nothing stale reaches a later forward
-        adapters.selector.clear()
 
 
 def adapter_rows(model: Any, uids: list[int]) -> Any:
     """A context in which `model`'s forward runs each row of `uids` with its adapter; nothing
     to do for a model without named adapters (or one not wrapped in `CausalPrefill`)."""
     adapters = getattr(model, "adapters", None) if type(model) is CausalPrefill else None
-    return contextlib.nullcontext() if adapters is None else _selected(adapters, uids)
+    return contextlib.nullcontext() if adapters is None else selected(adapters, uids)
 
 
 def select_adapters(bg: Any) -> None:

@@ -109,7 +109,7 @@ class DecodeRow:
     that met it would fail at once rather than sample with the wrong rule."""
 
     __slots__ = ("serial", "sampling", "prompt", "grammar", "steps", "counts", "seen", "pending", "out",
-                 "max_tokens", "stops", "spec")
+                 "max_tokens", "stops", "spec", "fresh")
 
     def __init__(self, sampling: SamplingParams, prompt: Sequence[int] = (), grammar: GrammarProcessor | None = None,
                  max_tokens: int = 0, stops: frozenset[int] = frozenset()):
@@ -127,6 +127,9 @@ class DecodeRow:
         self.seen: Any = None  # (1, V) float32: 1 where the prompt or the output holds the token
         self.pending: tuple[_Logprobs, int] | None = None  # logprobs of the token sampled last, on the device
         self.out: tuple[float, tuple[tuple[int, float], ...] | None] | None = None  # ... read: (logprob, top)
+        # Fed its prompt's last token in a step of the decoding batch (`_batch._join`): that
+        # step is its first, and its grammar is fed nothing
+        self.fresh = False
 
     @property
     def penalized(self) -> bool:
@@ -541,7 +544,8 @@ class Decoder:
         No MLX (it may run in the decoder's masks thread)."""
         fill: list[tuple[Any, int]] = []
         grammars: list[Any] = [plan.rows[i].grammar for i in plan.grammar]
-        tokens = [None if fed is None else fed[i] for i in plan.grammar]
+        rows = plan.rows
+        tokens = [None if fed is None or rows[i].fresh else fed[i] for i in plan.grammar]
         consumed = self._consume_many(grammars, tokens)
         for j, (g, token) in enumerate(zip(grammars, tokens, strict=True)):
             if g.begin(token) if j not in consumed else g.begin(token, consumed[j]):

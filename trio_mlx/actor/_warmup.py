@@ -181,7 +181,7 @@ class Rehearsed(Protocol):
     _reuse: Reuse
     _context: int
     _drafter: Any  # speculative decoding's (`_drafting.Drafter`), or None
-    _adapters: Any  # each row's named LoRA adapter (`_batch.RowAdapters`), or None
+    _adapters: Any  # each row's named LoRA adapter (`_row_adapters.RowAdapters`), or None
 
     def _open_cache(self) -> None: ...
     def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None: ...
