@@ -25,8 +25,8 @@ pytestmark = pytest.mark.timeout(60)
 PACERS = ("trio_mlx.server._pump", "trio_mlx.engine._stream")
 
 
-async def test_tokens_slower_than_the_gap_go_out_one_event_each_with_no_timer(
-        tiny_model_fp32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _count_timers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """The timers the pump and the stream set from now on: (trio's function, the module)."""
     timers: list[tuple[str, str]] = []
 
     def counted(name: str) -> Any:
@@ -42,16 +42,46 @@ async def test_tokens_slower_than_the_gap_go_out_one_event_each_with_no_timer(
 
     for name in ("move_on_at", "move_on_after"):
         monkeypatch.setattr(trio, name, counted(name))
-    # a step every 20 ms; one stream at 500 events/s has a gap of 2 ms
-    factory = engine_factory(actor=partial(FakeActor, step_seconds=0.02))
-    async with serve(tiny_model_fp32, factory=factory, max_event_rate=500.0) as server, server.client() as client:
-        body = {"prompt": "a", "max_tokens": 12, "stream": True, "ignore_eos": True}
+    return timers
+
+
+async def _content_events(model: Path, step_seconds: float, max_event_rate: float, tokens: int) -> int:
+    factory = engine_factory(actor=partial(FakeActor, step_seconds=step_seconds))
+    async with serve(model, factory=factory, max_event_rate=max_event_rate) as server, server.client() as client:
+        body = {"prompt": "a", "max_tokens": tokens, "stream": True, "ignore_eos": True}
         async with client.stream("POST", COMPLETIONS, json=body) as resp:
             assert resp.status_code == 200
             raw = b"".join([chunk async for chunk in resp.aiter_raw()])
     events = [e[len(b"data: "):] for e in sse_events(raw) if e.startswith(b"data: ")]
     assert events[-1] == b"[DONE]"
-    content = [e for e in map(json.loads, events[:-1]) if e["choices"][0]["finish_reason"] is None]
-    assert len(content) >= 11  # one event per token (the last may go with the finish)
+    return len([e for e in map(json.loads, events[:-1]) if e["choices"][0]["finish_reason"] is None])
+
+
+async def test_tokens_slower_than_the_gap_go_out_one_event_each_with_no_timer(
+        tiny_model_fp32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    timers = _count_timers(monkeypatch)
+    # a step every 20 ms; one stream at 500 events/s has a gap of 2 ms
+    assert await _content_events(tiny_model_fp32, 0.02, 500.0, 12) >= 11  # one a token (the last may end it)
     # the first event's ping timer alone: none per token (before, one expired after every event)
     assert timers == [("move_on_after", "trio_mlx.server._pump")], timers
+
+
+async def test_the_gap_runs_from_an_events_start_not_from_the_end_of_its_send(
+        tiny_model_fp32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send that takes 25 ms (a slow socket) does not stretch a 10 ms gap (100 events/s) past
+    the next token, 30 ms after the last: that token goes out at once, with no timer. Counted
+    from the send's end, every token waited 5 ms more under a timer: at one stream, a gap
+    just under the step delayed the tokens whose step came in under gap + send."""
+    from trio_mlx.server import _pump
+
+    send = _pump._Stream._send
+
+    async def slow_send(self: Any, body: bytes) -> None:
+        await trio.sleep(0.025)
+        await send(self, body)
+
+    monkeypatch.setattr(_pump._Stream, "_send", slow_send)
+    timers = _count_timers(monkeypatch)
+    assert await _content_events(tiny_model_fp32, 0.03, 100.0, 12) >= 11
+    waits = [t for t in timers if t[1] == "trio_mlx.engine._stream"]
+    assert len(waits) <= 2, timers  # a loaded host's late step, at most (every token, before)

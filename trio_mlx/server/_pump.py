@@ -384,8 +384,8 @@ class _Stream:
                 pass
 
     def _gap(self) -> float:
-        """The least time between this stream's events, so that tokens arriving meanwhile
-        coalesce.
+        """The least time between the starts of this stream's events (a send's own time is
+        no part of it), so that tokens arriving meanwhile coalesce.
 
         The event loop shares the GIL with the actor thread (docs/design.md, rule 7):
         every SSE event costs it a wake-up, a chunk and a send, whatever the
@@ -446,11 +446,12 @@ class _Stream:
             data = enc.event(ev)
             not_before = 0.0  # paced by the stream itself: no timer while tokens come slower
             if data:
+                now = trio.current_time()
                 if self.rec.first_token is None:
-                    self.rec.first_token = trio.current_time()
-                await self._send(data)
+                    self.rec.first_token = now
                 if gap := self._gap():
-                    not_before = trio.current_time() + gap
+                    not_before = now + gap  # from this event's start: its send is not a gap
+                await self._send(data)
             try:
                 ev = await stream.next_event(not_before)
             except StopAsyncIteration:
