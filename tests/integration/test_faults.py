@@ -196,3 +196,44 @@ async def test_a_stalled_status_reports_more_seconds_than_the_watchdog(tiny_mode
                 assert r.json()["seconds_since_step"] > 0.3, r.text
         finally:
             del engine.statistics
+
+
+async def test_an_actor_that_dies_before_its_next_graph_still_hands_its_last_tokens_over(tiny_model_fp32,
+                                                                                        monkeypatch):
+    """The thread link holds a decode step's report until the actor has built its next graph
+    (`ThreadLink`, docs/design.md rule 2). An actor that dies in between (here as aborted rows
+    leave the batch, before the step) never builds it: the engine takes the held report in
+    once the actor's thread has ended, so a stream gets every token the actor reported."""
+    import trio_mlx
+    from trio_mlx.actor import _link
+
+    reported: dict[int, int] = {}  # rid -> tokens the actor handed its link
+    exchange = _link.ThreadLink.exchange
+
+    def counting(self: Any, report: Any) -> Any:
+        for t in report.tokens:
+            reported[t.rid] = reported.get(t.rid, 0) + 1
+        return exchange(self, report)
+
+    monkeypatch.setattr(_link.ThreadLink, "exchange", counting)
+    armed, hook = armed_hook("removed")
+    received = 0
+    ends: list[str] = []
+    async with trio_mlx.open_engine(tiny_model_fp32, fault_hook=hook, restart_limit=0, warmup=False,
+                                    max_batch=4) as engine:
+        with trio.fail_after(60):
+            async with engine.generate([5, 6, 7], temperature=0, ignore_eos=True, max_tokens=900) as kept:
+                rid = kept._req.rid  # type: ignore[union-attr]
+                async with engine.generate([8, 9], temperature=0, ignore_eos=True, max_tokens=900) as left:
+                    await left.__anext__()
+                    while received < 5:
+                        event = await kept.__anext__()
+                        received += len(event.token_ids)
+                    armed.set()  # `left` closes: its abort kills the actor as its row leaves
+                async for event in kept:
+                    if isinstance(event, trio_mlx.TextDelta):
+                        received += len(event.token_ids)
+                    else:
+                        ends.append(event.finish_reason)
+    assert ends == ["error"]
+    assert received == reported[rid] >= 5, (received, reported)
