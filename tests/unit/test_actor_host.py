@@ -123,3 +123,37 @@ async def test_a_cancelled_engine_s_actor_is_stopped_on_the_host(tiny_model_fp32
         assert made[0].stopped and engine.state == "closed"
         nursery.cancel_scope.cancel()
     assert not host._hosted  # the host thread holds nothing after its end
+
+
+class BuildsThenDies(FakeActor):
+    """Says its graph is built each step, as the real actor's forward does (so its link holds
+    each decode report until the next build), and dies on its seventh step's turn, before
+    building it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reported = 0  # tokens its reports held
+
+    def turn(self, commands):
+        if self.steps == 6:
+            raise RuntimeError("boom")
+        return super().turn(commands)
+
+    def _step(self, new):
+        self._link.built()
+        report = super()._step(new)
+        self.reported += len(report.tokens)
+        return report
+
+
+async def test_a_hosted_actor_that_dies_before_its_next_graph_hands_its_last_tokens_over(tiny_model_fp32):
+    made = Made(BuildsThenDies, step_seconds=0.002)
+    host = ActorHost(made)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run)
+        with trio.fail_after(20):
+            async with trio_mlx.open_engine(tiny_model_fp32, actor=host, restart_limit=0) as engine:
+                ids, fin = await answer(engine, 100)
+        assert fin.finish_reason == "error"
+        assert len(ids) == made[0].reported == 6  # the held sixth too: the host released its link
+        nursery.cancel_scope.cancel()
