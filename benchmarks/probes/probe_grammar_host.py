@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/probes/probe_grammar_host.py [--rows 64] [--max-tokens 256]
         [--schemas array,string] [--rounds 3] [--pick any|low] [--seed 0] [--split]
         [--profile SCHEMA] [--top 25] [--tokenizer /tmp/tok128k] [--pool-threads 1,4,12]
+        [--lexers pool,1]
 
 No model and no device: a 128k-vocabulary test tokenizer (`_test_models._write_test_tokenizer`,
 written once under `--tokenizer`) and, per schema, `rows` rows that each get a
@@ -42,10 +43,10 @@ decoder's thread for the checks is not profiled), its `--top` costliest function
 by own time.
 
 `--pool-threads N,...`: llguidance's pool at each of these sizes in turn, in every round
-(its default: 80% of the cores). On an H200's 16-core host the array's budget checks took
-215 us a row beside the fill, 47 on the 2-core box, with their thread's CPU ~2.5 ms a step
-of 9 ms (benchmarks/2026-11-30-h200/graph-cache/): this asks whether the fill's threads
-are what they wait on.
+(its default: 80% of the cores). `--lexers L,...`: for each pool size, an episode with each
+of these numbers of start matchers per grammar (`_constrain.POOL_THREADS`: the rows are
+dealt across that many lexers; `pool`: as many as the pool's threads, the runtime's rule;
+`1`: every row a copy of one start, so one lexer's lock for the whole batch).
 
 Before and after a change, interleaved (a shared machine drifts): run it with
 PYTHONPATH at each tree in turn, e.g. the base exported by
@@ -57,6 +58,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import hashlib
+import itertools
 import json
 import pathlib
 import pstats
@@ -96,6 +98,7 @@ def _timed_measure_all(*args: Any) -> None:
 
 _decode._measure_all = _timed_measure_all  # the string schema's grammar: its rows cannot finish within max_tokens
 POOL_THREADS: list[int | None] = [None]  # llguidance's pool size for the episodes to come (None: its default)
+DEFAULT_LEXERS = _constrain.POOL_THREADS  # the runtime's: one start per thread of the default pool
 
 
 def _sized_pool(self: _decode.Decoder) -> Any:
@@ -239,6 +242,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tokenizer", default="/tmp/tok128k")
     ap.add_argument("--pool-threads", default="")
+    ap.add_argument("--lexers", default="pool")
     args = ap.parse_args()
     sizes: list[int | None] = [int(x) for x in args.pool_threads.split(",") if x] or [None]
     tok = tokenizer(pathlib.Path(args.tokenizer))
@@ -255,10 +259,12 @@ def main() -> None:
         print(f"{name}: warm-up episode {time.perf_counter() - t0:.2f} s", flush=True)
     for rnd in range(args.rounds):
         for name, source in sources.items():
-            for size in sizes:
+            for size, lexers in itertools.product(sizes, args.lexers.split(",")):
                 POOL_THREADS[0] = size
+                _constrain.POOL_THREADS = (size or DEFAULT_LEXERS) if lexers == "pool" else int(lexers)
                 o = episode(vocab, source, args, args.seed)
                 pool = "" if size is None else f" pool {size:2d}"
+                pool += f" lexers {_constrain.POOL_THREADS:2d}"
                 print(f"round {rnd} {name:6s}{pool} host {o['ms']:6.2f} ms/step (thirds "
                       + " / ".join(f"{x:.2f}" for x in o["thirds"])
                       + f"), GIL-side CPU {o['cpu']:5.2f} ms/step (thirds "
@@ -269,6 +275,7 @@ def main() -> None:
         for name, source in sources.items():
             for size in sizes:
                 POOL_THREADS[0] = size
+                _constrain.POOL_THREADS = size or DEFAULT_LEXERS
                 print(name if size is None else f"{name}, pool {size}")
                 split(vocab, source, args)
     if args.profile:

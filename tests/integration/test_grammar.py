@@ -398,10 +398,13 @@ def test_a_grammar_start_is_walked_once(tiny: tuple[Any, Any], monkeypatch: pyte
     assert procs[1]._tail == tails[1] and len(procs[1]._tail) == len(procs[0]._tail) + 1
 
 
-def test_rows_that_share_a_grammar_compile_it_once(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rows of one grammar text start from copies of one matcher: llguidance compiles it
-    for the first row alone (milliseconds for an agent's tools, on the actor thread), and each
-    row's matcher is its own. A grammar that does not compile is refused every time, not kept."""
+def test_rows_that_share_a_grammar_compile_it_once_per_pool_thread(
+        tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows of one grammar text start from copies of its start matchers, dealt in turn:
+    llguidance compiles the grammar once per start (milliseconds for an agent's tools, on the
+    actor thread), up to one per thread of its pool, since copies of one matcher share its
+    lexer's lock; each row's matcher is its own. A grammar that does not compile is refused
+    every time, not kept."""
     import types
 
     _, tok = tiny
@@ -417,16 +420,19 @@ def test_rows_that_share_a_grammar_compile_it_once(tiny: tuple[Any, Any], monkey
         return llguidance.LLMatcher(*args, **kwargs)
 
     monkeypatch.setattr(_constrain, "llguidance", types.SimpleNamespace(LLMatcher=counted))
+    monkeypatch.setattr(_constrain, "POOL_THREADS", 2)
     _constrain._STARTS.pop(vocab, None)
-    procs = [GrammarProcessor(vocab, grammar.source, 40) for _ in range(3)]
-    assert len(built) == 1
+    procs = [GrammarProcessor(vocab, grammar.source, 40) for _ in range(4)]
+    assert len(built) == 2
+    assert [p.lexer for p in procs] == [0, 1, 0, 1]
     fed = _masks_of(procs[0], tail[:3])
-    assert np.array_equal(_masks_of(procs[1], tail[:3]), fed)  # the second row starts where the first did
-    assert np.array_equal(_masks_of(procs[2], []), fed[:1])  # ... and the third, untouched by both
+    assert np.array_equal(_masks_of(procs[2], tail[:3]), fed)  # a row starts where the one before it on its start did
+    assert np.array_equal(_masks_of(procs[1], tail[:3]), fed)  # ... and on the other start alike
+    assert np.array_equal(_masks_of(procs[3], []), fed[:1])  # ... and the last, untouched by all
     for _ in range(2):
         with pytest.raises(ValueError, match="does not compile"):
             GrammarProcessor(vocab, "start: nowhere", 40)
-    assert len(built) == 3 and "start: nowhere" not in _constrain._STARTS[vocab]
+    assert len(built) == 4 and "start: nowhere" not in _constrain._STARTS[vocab]
 
 
 def test_jump_walks_only_for_tokens_that_open_something(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -54,6 +54,7 @@ import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.numpy as llnp
@@ -115,31 +116,65 @@ _START_TAILS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, list[int]
 _START_TAILS_KEPT = 64
 
 
-# A matcher at the start of each grammar text, whose copies start the rows that share it (a
+def _pool_threads() -> int:
+    """llguidance's own default for its pool: 80% of the cores this process may run on, at
+    least one and at most 32."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        cores = os.cpu_count() or 1
+    return max(1, min(32, cores * 4 // 5))
+
+
+# The threads of llguidance's pool that fill a batch's masks and feed its tokens (`_decode`),
+# and the most lexers a grammar's rows are dealt across. A matcher's `deep_copy` shares its
+# lexer (the automaton llguidance builds lazily as rows meet new states) behind one lock that
+# each mask and each consume holds throughout: rows on one lexer take turns, however many
+# threads fill them (two threads over copies of one matcher do the work of one; over matchers
+# built apart, ~1.4x on two cores).
+POOL_THREADS = _pool_threads()
+
+
+@dataclass
+class _Starts:
+    """The start matchers of one grammar text, each built apart (a lexer of its own), and
+    the number of rows started from them so far."""
+
+    matchers: list[llguidance.LLMatcher]
+    rows: int = 0
+
+
+# The matchers at the start of each grammar text, whose copies start the rows that share it (a
 # tool set, a response format sent by many clients): building a matcher compiles its grammar,
 # milliseconds for an agent's tools (about 10 for fifteen tools), on the actor thread while
-# every row waits, where a copy takes about a microsecond. Bounded, since a grammar's lexer
-# grows as rows use it; arbitrary.
-_STARTS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, llguidance.LLMatcher]] = (
-    weakref.WeakKeyDictionary())
+# every row waits, where a copy takes microseconds. Rows are dealt across up to POOL_THREADS
+# starts in turn, the next built when the turn first reaches it, so that the pool's threads
+# fill rows of one grammar in parallel; a grammar one request uses builds one. Bounded, since a
+# grammar's lexers grow as rows use them; arbitrary.
+_STARTS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, _Starts]] = weakref.WeakKeyDictionary()
 _STARTS_KEPT = 16
 
 
-def _start_matcher(vocab: GrammarVocab, grammar: str) -> llguidance.LLMatcher:
-    """A matcher of `grammar` at its start, of the row's own (a copy of the kept one); one in
-    error (the grammar does not compile) is not kept. Call on the actor thread."""
+def _start_matcher(vocab: GrammarVocab, grammar: str) -> tuple[llguidance.LLMatcher, int]:
+    """A matcher of `grammar` at its start, of the row's own (a copy of a kept one), and the
+    index of the start it copies (its lexer, among the grammar's); one in error (the grammar
+    does not compile) is not kept. Call on the actor thread."""
     kept = _STARTS.setdefault(vocab, OrderedDict())
-    start = kept.get(grammar)
-    if start is None:
-        start = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
-        if start.is_error():
-            return start
-        kept[grammar] = start
+    starts = kept.get(grammar)
+    if starts is None:
+        first = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
+        if first.is_error():
+            return first, 0
+        kept[grammar] = starts = _Starts([first])
         if len(kept) > _STARTS_KEPT:
             kept.popitem(last=False)
     else:
         kept.move_to_end(grammar)
-    return start.deep_copy()
+    lexer = starts.rows % POOL_THREADS
+    starts.rows += 1
+    if lexer == len(starts.matchers):
+        starts.matchers.append(llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0))
+    return starts.matchers[lexer].deep_copy(), lexer
 
 
 class GrammarProcessor:
@@ -149,7 +184,7 @@ class GrammarProcessor:
         self._vocab = vocab
         self._grammar = grammar
         try:
-            self._matcher = _start_matcher(vocab, grammar)
+            self._matcher, self.lexer = _start_matcher(vocab, grammar)
         except BaseException as exc:  # a Rust panic is a BaseException: the row fails, not the actor
             if not is_panic(exc):
                 raise

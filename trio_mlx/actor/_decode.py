@@ -69,7 +69,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ._constrain import GrammarProcessor
+from ._constrain import POOL_THREADS, GrammarProcessor
 from ._matcher import is_panic
 from ._protocol import SamplingParams
 from ._sampling import _mix64
@@ -567,6 +567,7 @@ class Decoder:
         if len(grammars) < 2:
             return {}  # one row: its own consume, without a pool's round trip
         feed = [j for j, (g, t) in enumerate(zip(grammars, tokens, strict=True)) if g.consumes(t)]
+        feed.sort(key=lambda j: grammars[j].lexer)  # see `_fill_many`
         if len(feed) < 2:
             return {}
         try:
@@ -588,6 +589,9 @@ class Decoder:
         other instead of following it."""
         import llguidance.numpy as llnp
 
+        # The pool splits the list into runs: rows that share a lexer (copies of one start,
+        # `_constrain.POOL_THREADS`) wait on each other, so each run holds one lexer's rows.
+        fill.sort(key=lambda f: f[0].lexer)
         early = [g for g, _ in fill if g.measures()]
         copies = [g.matcher.deep_copy() for g in early]  # before the fill borrows the matchers
         if self._measurer is None and early:
@@ -604,7 +608,7 @@ class Decoder:
         if self._executor is None:
             import llguidance
 
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(num_threads=POOL_THREADS)
         return self._executor
 
     # -- the device side: one graph for the batch ---------------------------------
