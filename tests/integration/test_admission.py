@@ -2,7 +2,7 @@
 
 `_admission.Admission` holds sequences that arrive while others decode until
 a full group has gathered (`prefill_batch`, or beside a loaded batch up to 32
-short prompts) or the oldest has waited `admit_window`; an idle
+short prompts, as into an idle one) or the oldest has waited `admit_window`; an idle
 batch admits at once, unless sequences just finished whose clients may be on
 their way back. These tests drive it directly and through the engine on
 tiny CPU models, reading the actor's step trace (the `step_trace` option) to see
@@ -67,6 +67,29 @@ def test_group_bounds_follow_the_settings():
     assert group_bounds(8, 2048, 32) == (16, 8192)  # at most half of max_batch...
     assert group_bounds(8, 2048, 8) == (8, 8192)  # ...but never fewer than prefill_batch
     assert group_bounds(64, 512, 256) == (64, 16384)  # a larger prefill_batch is its own bound
+
+
+def test_an_idle_batch_takes_short_prompts_in_groups_of_rows_and_long_ones_by_batch():
+    """No decoding row waits on an idle batch's prefill: a wave of short prompts enters in
+    groups of `rows`, not `batch` (a step's cost hardly depends on its group's size); long
+    ones still go by `batch`; and a wave's first arrivals wait for their company as before."""
+    adm = _Admission(window=0.5, batch=2, rows=5, tokens=10)
+    for rid in range(1, 8):
+        adm.add(_sized(rid, 2), now=0.0)
+    assert adm.group(decoding=0) == (5, True)
+    assert adm.group(decoding=3) == (2, True)  # beside a few decoding rows: `batch`, as ever
+    assert _rids(adm.due(now=0.0, decoding=0, prefilling=False)) == [1, 2, 3, 4, 5]
+    assert _rids(adm.due(now=0.0, decoding=0, prefilling=False)) == [6, 7]  # idle: the rest at once
+    for rid in (8, 9, 10):
+        adm.add(_sized(rid, 6), now=1.0)
+    assert _rids(adm.due(now=1.0, decoding=0, prefilling=False)) == [8, 9]  # long: full at batch
+    adm.drop(10)
+    adm.finished(now=2.0, count=4)  # a wave of four ended: its clients come back
+    for rid in (11, 12, 13):
+        adm.add(_sized(rid, 2), now=2.01)
+    assert adm.due(now=2.01, decoding=0, prefilling=False) == []  # three wait for the fourth...
+    adm.add(_sized(14, 2), now=2.02)
+    assert _rids(adm.due(now=2.02, decoding=0, prefilling=False)) == [11, 12, 13, 14]  # ...and enter as one
 
 
 def test_idle_batch_admits_a_group_at_once():
@@ -266,7 +289,9 @@ async def test_short_prompts_arriving_beside_a_loaded_batch_enter_as_one_group_a
                         nursery.start_soon(_run_one, engine, p)
             assert engine.statistics().decoding == 8
     inserted = [int(r["inserted"]) for r in _trace(trace) if r["inserted"]]
-    assert inserted == [2, 2, 2, 2, 6, 2, 2], inserted
+    # The 8 long-running ones enter as they come (into the idle batch, as many as are there);
+    # then the 6 short ones as one group, the 4 long ones 2 at a time.
+    assert inserted[-3:] == [6, 2, 2] and sum(inserted[:-3]) == 8, inserted
 
 
 async def test_a_group_enters_only_after_the_last_one_prefilled(tiny_model_fp32, tmp_path, monkeypatch):

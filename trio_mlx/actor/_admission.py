@@ -66,11 +66,16 @@ class Admission:
     groups at high concurrency"). But a group of 32 long
     prompts would take 32 x prefill_step tokens through the model in one step.
     So while at least `rows` sequences decode (the load that measurement
-    was made under, where a batch change costs the most tokens), a group
+    was made under, where a batch change costs the most tokens), and into an
+    idle batch (where no decoding row waits on the group's prefill), a group
     whose first `batch` prompts hold at most `tokens` tokens together is full
     only at `rows` prompts, or at the first that would take it past `tokens`;
     any other group is full at `batch`, as it always was. The window, and its
-    shrinking below `batch` decoding sequences, stay as they are.
+    shrinking below `batch` decoding sequences, stay as they are. Into an idle
+    batch that is a wave of returning clients (64 users of equal answers end
+    together): on an H200 (1B) a step prefilling 8 prompts of 128 tokens took
+    23-27 ms, one of 27-32 such prompts 44-66 ms, so the wave entered in eight
+    groups of 8 where two of 32 take less than half as long.
 
     A group is also full once it fills the batch: beside `decoding` sequences a batch of
     `max_batch` rows takes `max_batch - decoding` more, and one that would take only the
@@ -127,7 +132,7 @@ class Admission:
         """How many of the oldest pending sequences enter together beside `decoding` ones, and
         whether they make a full group: `batch` of them, or, while `rows` or more decode, up
         to `rows` short ones, or as many as the batch has room for (the class's docstring)."""
-        rows = self.rows if decoding >= self.rows else self.batch
+        rows = self.rows if decoding >= self.rows or not decoding else self.batch
         take = tokens = 0
         for _, sub in self.pending.values():
             if take == rows or (take >= self.batch and tokens + len(sub.prompt) > self.tokens):
