@@ -45,16 +45,17 @@ def _count_timers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     return timers
 
 
-async def _content_events(model: Path, step_seconds: float, max_event_rate: float, tokens: int) -> int:
+async def _content_events(model: Path, step_seconds: float, max_event_rate: float, tokens: int, n: int = 1) -> int:
+    """The events that carry content, over the choices (`n`)."""
     factory = engine_factory(actor=partial(FakeActor, step_seconds=step_seconds))
     async with serve(model, factory=factory, max_event_rate=max_event_rate) as server, server.client() as client:
-        body = {"prompt": "a", "max_tokens": tokens, "stream": True, "ignore_eos": True}
+        body = {"prompt": "a", "max_tokens": tokens, "stream": True, "ignore_eos": True, "n": n}
         async with client.stream("POST", COMPLETIONS, json=body) as resp:
             assert resp.status_code == 200
             raw = b"".join([chunk async for chunk in resp.aiter_raw()])
     events = [e[len(b"data: "):] for e in sse_events(raw) if e.startswith(b"data: ")]
     assert events[-1] == b"[DONE]"
-    return len([e for e in map(json.loads, events[:-1]) if e["choices"][0]["finish_reason"] is None])
+    return len([c for e in map(json.loads, events[:-1]) for c in e["choices"] if c["finish_reason"] is None])
 
 
 async def test_tokens_slower_than_the_gap_go_out_one_event_each_with_no_timer(
@@ -85,3 +86,12 @@ async def test_the_gap_runs_from_an_events_start_not_from_the_end_of_its_send(
     assert await _content_events(tiny_model_fp32, 0.03, 100.0, 12) >= 11
     waits = [t for t in timers if t[1] == "trio_mlx.engine._stream"]
     assert len(waits) <= 2, timers  # a loaded host's late step, at most (every token, before)
+
+
+async def test_choices_slower_than_the_gap_go_out_with_no_timer_per_send(
+        tiny_model_fp32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n > 1 paces its sends as one choice does: the gap runs from a send's start, and only a
+    token that comes before it is up waits (before, a timer ran out after every send)."""
+    timers = _count_timers(monkeypatch)
+    assert await _content_events(tiny_model_fp32, 0.02, 500.0, 12, n=2) >= 20  # about a token a choice a send
+    assert len(timers) <= 3, timers  # the first event's ping timer, and a late step or two at most

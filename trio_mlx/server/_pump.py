@@ -404,10 +404,13 @@ class _Stream:
             gap = max(gap, min(len(self.owner.streams) / self.event_rate, _MAX_GAP))
         return gap
 
-    async def _pace(self) -> None:
-        """Wait `_gap` after an event of several choices, or until they have all ended."""
-        if gap := self._gap():
-            with trio.move_on_after(gap):
+    async def _pace(self, not_before: float, first: Any) -> None:
+        """n > 1: after `first` came in (a choice's event), wait until `not_before`, or until
+        the choices have all ended, so that what comes meanwhile joins its send. As
+        `RequestStream.next_event` paces one choice: no timer for an event that came after
+        `not_before`, nor for a choice's end."""
+        if type(first) is not Finished and trio.current_time() < not_before:
+            with trio.move_on_at(not_before):
                 for stream in self.streams:
                     await stream.wait_ended()
 
@@ -468,9 +471,11 @@ class _Stream:
         The readers hand their events over unbuffered: each holds at most the one it
         took, and what the client has not taken waits in the choices' own channels,
         where `RequestStream.unread` counts it and the watchdog's cap sees the sum
-        over the choices (an unbounded channel here held 32 MB for one client)."""
+        over the choices (an unbounded channel here held 32 MB for one client). The
+        gap between sends runs from a send's start (`_pace`)."""
         n = len(self.streams)
         fins: list[Finished] = []
+        not_before = 0.0
         send_ch, recv_ch = trio.open_memory_channel[tuple[int, Any]](0)
         async with trio.open_nursery() as nursery:
             for i, stream in enumerate(self.streams):
@@ -486,6 +491,7 @@ class _Stream:
                             continue
                     else:
                         batch = [await recv_ch.receive()]
+                        await self._pace(not_before, batch[0][1])
                 except trio.EndOfChannel:
                     raise _Gone from None
                 while True:
@@ -513,8 +519,8 @@ class _Stream:
                     parts.append(enc.close(fins))
                     await self._end(b"".join(parts))
                 elif parts:
+                    not_before = trio.current_time() + self._gap()  # from this send's start
                     await self._send(b"".join(parts))
-                    await self._pace()
 
 
 def close_all(streams: Sequence[RequestStream]) -> None:
