@@ -330,22 +330,28 @@ def test_the_budgets_skips_change_no_mask(tiny: tuple[Any, Any], schema: dict[st
     assert {"free", "calm", "forcing"} <= modes
 
 
+@pytest.mark.parametrize("lexers", [1, 3], ids=["one-lexer", "three-lexers"])
 @pytest.mark.parametrize("schema", [ITEMS, ARRAY], ids=["items", "array"])
-def test_a_batch_gets_the_masks_each_row_gets_alone(tiny: tuple[Any, Any], schema: dict[str, Any]) -> None:
+def test_a_batch_gets_the_masks_each_row_gets_alone(
+        tiny: tuple[Any, Any], schema: dict[str, Any], lexers: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode step's host side for many rows at once (llguidance's batch consume and
     fill, the budget checks) makes each row the masks it makes alone, step by step, rows
-    leaving as they end (EOS drawn, or max_tokens reached)."""
+    leaving as they end (EOS drawn, or max_tokens reached); with the grammar's rows dealt
+    across three starts (a pool of three threads) as with all on one."""
     from trio_mlx.actor._decode import Decoder, DecodeRow
     from trio_mlx.actor._protocol import SamplingParams
 
     _, tok = tiny
     vocab = grammar_vocab(tok)
+    monkeypatch.setattr(_constrain, "POOL_THREADS", lexers)
+    _constrain._STARTS.pop(vocab, None)
     grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
     assert grammar is not None
     rng = np.random.default_rng(3)
     budgets = [grammar.min_tokens + k for k in (0, 3, 9, 20, 40, 80)] * 2
     rows = [DecodeRow(SamplingParams(temperature=0.0), grammar=GrammarProcessor(vocab, grammar.source, n))
             for n in budgets]
+    assert {r.grammar.lexer for r in rows} == set(range(lexers))  # type: ignore[union-attr]
     budget = {id(r): n for r, n in zip(rows, budgets, strict=True)}
     tokens: dict[int, list[int]] = {id(r): [] for r in rows}
     masks: dict[int, list[np.ndarray]] = {id(r): [] for r in rows}

@@ -69,7 +69,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ._constrain import POOL_THREADS, GrammarProcessor
+from . import _constrain
+from ._constrain import GrammarProcessor
 from ._matcher import is_panic
 from ._protocol import SamplingParams
 from ._sampling import _mix64
@@ -608,7 +609,7 @@ class Decoder:
         if self._executor is None:
             import llguidance
 
-            self._executor = llguidance.LLExecutor(num_threads=POOL_THREADS)
+            self._executor = llguidance.LLExecutor(num_threads=_constrain.POOL_THREADS)
         return self._executor
 
     # -- the device side: one graph for the batch ---------------------------------
