@@ -406,11 +406,12 @@ def test_a_grammar_start_is_walked_once(tiny: tuple[Any, Any], monkeypatch: pyte
 
 def test_rows_that_share_a_grammar_compile_it_once_per_pool_thread(
         tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rows of one grammar text start from copies of its start matchers, dealt in turn:
-    llguidance compiles the grammar once per start (milliseconds for an agent's tools, on the
-    actor thread), up to one per thread of its pool, since copies of one matcher share its
-    lexer's lock; each row's matcher is its own. A grammar that does not compile is refused
-    every time, not kept."""
+    """The rows of one grammar text start from copies of its start matchers, each row on the
+    start with the fewest live rows: llguidance compiles the grammar again (milliseconds for an
+    agent's tools, on the actor thread) only while every start has rows, up to one start per
+    thread of its pool, since copies of one matcher share its lexer's lock. Rows one at a
+    time (an agent's turns) compile it once. Each row's matcher is its own. A grammar that
+    does not compile is refused every time, not kept."""
     import types
 
     _, tok = tiny
@@ -428,6 +429,9 @@ def test_rows_that_share_a_grammar_compile_it_once_per_pool_thread(
     monkeypatch.setattr(_constrain, "llguidance", types.SimpleNamespace(LLMatcher=counted))
     monkeypatch.setattr(_constrain, "POOL_THREADS", 2)
     _constrain._STARTS.pop(vocab, None)
+    for _ in range(3):  # one row at a time: each ends before the next comes
+        assert GrammarProcessor(vocab, grammar.source, 40).lexer == 0
+    assert len(built) == 1
     procs = [GrammarProcessor(vocab, grammar.source, 40) for _ in range(4)]
     assert len(built) == 2
     assert [p.lexer for p in procs] == [0, 1, 0, 1]
@@ -435,6 +439,8 @@ def test_rows_that_share_a_grammar_compile_it_once_per_pool_thread(
     assert np.array_equal(_masks_of(procs[2], tail[:3]), fed)  # a row starts where the one before it on its start did
     assert np.array_equal(_masks_of(procs[1], tail[:3]), fed)  # ... and on the other start alike
     assert np.array_equal(_masks_of(procs[3], []), fed[:1])  # ... and the last, untouched by all
+    del procs[3], procs[1]  # start 1's rows end: it takes the next row, with no new start
+    assert GrammarProcessor(vocab, grammar.source, 40).lexer == 1 and len(built) == 2
     for _ in range(2):
         with pytest.raises(ValueError, match="does not compile"):
             GrammarProcessor(vocab, "start: nowhere", 40)

@@ -138,42 +138,45 @@ POOL_THREADS = _pool_threads()
 @dataclass
 class _Starts:
     """The start matchers of one grammar text, each built apart (a lexer of its own), and
-    the number of rows started from them so far."""
+    the rows started from each that are still alive (their processors)."""
 
     matchers: list[llguidance.LLMatcher]
-    rows: int = 0
+    rows: list[weakref.WeakSet[GrammarProcessor]]
 
 
 # The matchers at the start of each grammar text, whose copies start the rows that share it (a
 # tool set, a response format sent by many clients): building a matcher compiles its grammar,
 # milliseconds for an agent's tools (about 10 for fifteen tools), on the actor thread while
-# every row waits, where a copy takes microseconds. Rows are dealt across up to POOL_THREADS
-# starts in turn, the next built when the turn first reaches it, so that the pool's threads
-# fill rows of one grammar in parallel; a grammar one request uses builds one. Bounded, since a
-# grammar's lexers grow as rows use them; arbitrary.
+# every row waits, where a copy takes microseconds. A new row goes to the start with the fewest
+# live rows; only when every start has some, and fewer than POOL_THREADS exist, is another
+# built, so that the pool's threads fill rows of one grammar in parallel while a grammar one
+# row at a time uses (one agent's turns) compiles once. Bounded, since a grammar's lexers grow
+# as rows use them; arbitrary.
 _STARTS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, _Starts]] = weakref.WeakKeyDictionary()
 _STARTS_KEPT = 16
 
 
-def _start_matcher(vocab: GrammarVocab, grammar: str) -> tuple[llguidance.LLMatcher, int]:
-    """A matcher of `grammar` at its start, of the row's own (a copy of a kept one), and the
-    index of the start it copies (its lexer, among the grammar's); one in error (the grammar
-    does not compile) is not kept. Call on the actor thread."""
+def _start_matcher(vocab: GrammarVocab, grammar: str, row: GrammarProcessor) -> tuple[llguidance.LLMatcher, int]:
+    """A matcher of `grammar` at its start for `row`, of its own (a copy of a kept one), and
+    the index of the start it copies (its lexer, among the grammar's); one in error (the
+    grammar does not compile) is not kept. Call on the actor thread."""
     kept = _STARTS.setdefault(vocab, OrderedDict())
     starts = kept.get(grammar)
     if starts is None:
         first = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0)
         if first.is_error():
             return first, 0
-        kept[grammar] = starts = _Starts([first])
+        kept[grammar] = starts = _Starts([first], [weakref.WeakSet()])
         if len(kept) > _STARTS_KEPT:
             kept.popitem(last=False)
     else:
         kept.move_to_end(grammar)
-    lexer = starts.rows % POOL_THREADS
-    starts.rows += 1
-    if lexer == len(starts.matchers):
+    lexer = min(range(min(len(starts.rows), POOL_THREADS)), key=lambda k: len(starts.rows[k]))
+    if len(starts.rows[lexer]) and len(starts.matchers) < POOL_THREADS:
+        lexer = len(starts.matchers)
         starts.matchers.append(llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0))
+        starts.rows.append(weakref.WeakSet())
+    starts.rows[lexer].add(row)
     return starts.matchers[lexer].deep_copy(), lexer
 
 
@@ -184,7 +187,7 @@ class GrammarProcessor:
         self._vocab = vocab
         self._grammar = grammar
         try:
-            self._matcher, self.lexer = _start_matcher(vocab, grammar)
+            self._matcher, self.lexer = _start_matcher(vocab, grammar, self)
         except BaseException as exc:  # a Rust panic is a BaseException: the row fails, not the actor
             if not is_panic(exc):
                 raise
