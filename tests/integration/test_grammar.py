@@ -297,6 +297,27 @@ def _masks_of(proc: GrammarProcessor, tokens: list[int]) -> np.ndarray:
 ARRAY = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 20, "maxItems": 20}
 
 
+def test_a_retired_row_masks_eos_alone_and_leaves_its_matcher(tiny: tuple[Any, Any]) -> None:
+    """A row whose sequence ended may decode on a few steps (retirement): from `retire` on, its
+    mask is EOS alone, with no consume and no fill, and its start counts it no more."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, FORMATS[2][1])
+    assert grammar is not None
+    proc = GrammarProcessor(vocab, grammar.source, 60)
+    tail = finish(llguidance.LLMatcher(vocab.tokenizer, grammar.source, log_level=0), vocab)
+    assert tail and len(tail) >= 3
+    _masks_of(proc, tail[:2])
+    assert not proc.ended
+    fed = proc.matcher.deep_copy()
+    proc.retire()
+    assert proc.ended and not proc.consumes(tail[2])
+    assert proc.begin(tail[2]) is False  # no fill asked
+    allowed = np.flatnonzero(np.unpackbits(proc._words.view(np.uint8), bitorder="little"))
+    assert set(allowed.tolist()) == set(vocab.eos)
+    assert proc.matcher.validate_tokens(tail[2:3]) == fed.validate_tokens(tail[2:3]) == 1  # not fed
+
+
 @pytest.mark.parametrize("schema", [PERSON, ITEMS, ARRAY], ids=["person", "items", "array"])
 def test_the_budgets_skips_change_no_mask(tiny: tuple[Any, Any], schema: dict[str, Any]) -> None:
     """The measurements the budget skips (the jump where the row is calm whatever it is,

@@ -57,6 +57,35 @@ def test_the_schedule_imports_no_mlx() -> None:
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
+@dataclass
+class _Grammar:
+    """A constrained row's grammar as the finish rule sees it, its retirement noted."""
+
+    error: str | None = None
+    forced_finish: bool = False
+    retired: bool = False
+
+    def retire(self) -> None:
+        self.retired = True
+
+
+def test_an_ended_or_aborted_sequence_retires_its_grammar() -> None:
+    """Its row may stay in the batch a few steps (retirement), but its grammar does no more
+    work for tokens that are nobody's."""
+    schedule = Schedule(retire_steps=16)
+    ended, aborted, going = _Grammar(), _Grammar(), _Grammar()
+    for rid, g in ((1, ended), (2, aborted), (3, going)):
+        seq = Seq.of(_sub(rid, 4, frozenset({9})), rid, g)
+        schedule.enter(seq)
+        schedule.started(seq)
+        schedule.decodes(seq)
+    assert schedule.finish(schedule.seqs[1], 9) == "stop"
+    assert schedule.abort(2) is not None
+    assert schedule.finish(schedule.seqs[3], 4) is None
+    assert (ended.retired, aborted.retired, going.retired) == (True, True, False)
+    assert schedule.retired == {1: 0}  # the ended row still in the batch
+
+
 def test_a_stop_token_ends_as_stop_even_at_max_tokens() -> None:
     assert finish_reason(9, 3, frozenset({9}), 3) == "stop"
     assert finish_reason(8, 3, frozenset({9}), 3) == "length"
@@ -82,20 +111,15 @@ def test_a_row_the_generator_ended_is_not_retired() -> None:
 
 
 def test_a_grammar_fails_its_row_or_closes_it_at_max_tokens() -> None:
-    @dataclass
-    class Grammar:
-        error: str | None = None
-        forced_finish: bool = False
-
     schedule = Schedule(retire_steps=4)
     failed = _entered(schedule, _sub(1, 9, frozenset({2})), uid=10)
-    failed.grammar = Grammar(error="refused")
+    failed.grammar = _Grammar(error="refused")
     assert schedule.finish(failed, 2) == "error"
     closed = _entered(schedule, _sub(2, 9, frozenset({2})), uid=11)
-    closed.grammar = Grammar(forced_finish=True)
+    closed.grammar = _Grammar(forced_finish=True)
     assert schedule.finish(closed, 2) == "length"
     ended = _entered(schedule, _sub(3, 9, frozenset({2})), uid=12)
-    ended.grammar = Grammar()
+    ended.grammar = _Grammar()
     assert schedule.finish(ended, 2) == "stop"
 
 

@@ -8,6 +8,7 @@ doing, inside the actor's shared batch.
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,46 @@ async def test_a_batch_of_16_mixed_rows_all_validate(tiny_model_fp32: Path, temp
         else:
             assert isinstance(value, dict)
         assert fin.finish_reason in ("stop", "length") and fin.usage.completion_tokens <= 60 + i
+
+
+async def test_turns_one_at_a_time_compile_their_grammar_once(tiny_model_fp32: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client whose requests come one at a time (an agent's turns) starts every row from one
+    compiled matcher of its grammar, however many threads llguidance's pool has: a row that
+    ended frees its start (the actor drops its processor), so no second one is built. Rows
+    alive together spread over starts of their own (`_constrain.POOL_THREADS` at most)."""
+    from trio_mlx.actor import _constrain
+
+    monkeypatch.setattr(_constrain, "POOL_THREADS", 4)
+    monkeypatch.setattr(_constrain, "_STARTS", weakref.WeakKeyDictionary())  # none kept by earlier tests
+    built: list[int] = []
+    real = _constrain.llguidance.LLMatcher
+
+    class Counted:  # llguidance.LLMatcher, its builds counted
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            built.append(1)
+            return real(*args, **kwargs)
+
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+
+    monkeypatch.setattr(_constrain.llguidance, "LLMatcher", Counted)
+    async with trio_mlx.open_engine(tiny_model_fp32, warmup=False, max_batch=8) as engine:
+        for turn in range(3):
+            async with engine.chat(ASK, response_format=SCHEMA_FORMAT, max_tokens=70, temperature=0,
+                                   seed=turn) as events:
+                text, _, _ = await collect(events)
+            jsonschema.validate(json.loads(text), PERSON)
+        assert len(built) == 1
+
+        async def one(i: int) -> None:
+            async with engine.chat(ASK, response_format=SCHEMA_FORMAT, max_tokens=70, temperature=1.0,
+                                   seed=i) as events:
+                jsonschema.validate(json.loads((await collect(events))[0]), PERSON)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(one, i)
+    assert 1 < len(built) <= 4
 
 
 async def test_response_format_through_the_process_actor(tiny_model_fp32: Path) -> None:

@@ -138,7 +138,8 @@ POOL_THREADS = _pool_threads()
 @dataclass
 class _Starts:
     """The start matchers of one grammar text, each built apart (a lexer of its own), and
-    the rows started from each that are still alive (their processors)."""
+    the rows started from each that are still alive (their processors; a start's load is
+    those of them not ended)."""
 
     matchers: list[llguidance.LLMatcher]
     rows: list[weakref.WeakSet[GrammarProcessor]]
@@ -148,7 +149,7 @@ class _Starts:
 # tool set, a response format sent by many clients): building a matcher compiles its grammar,
 # milliseconds for an agent's tools (about 10 for fifteen tools), on the actor thread while
 # every row waits, where a copy takes microseconds. A new row goes to the start with the fewest
-# live rows; only when every start has some, and fewer than POOL_THREADS exist, is another
+# live rows (not ended: a retired row may stay in the batch); only when every start has some, and fewer than POOL_THREADS exist, is another
 # built, so that the pool's threads fill rows of one grammar in parallel while a grammar one
 # row at a time uses (one agent's turns) compiles once. Bounded, since a grammar's lexers grow
 # as rows use them; arbitrary.
@@ -171,8 +172,9 @@ def _start_matcher(vocab: GrammarVocab, grammar: str, row: GrammarProcessor) -> 
             kept.popitem(last=False)
     else:
         kept.move_to_end(grammar)
-    lexer = min(range(min(len(starts.rows), POOL_THREADS)), key=lambda k: len(starts.rows[k]))
-    if len(starts.rows[lexer]) and len(starts.matchers) < POOL_THREADS:
+    loads = [sum(not r.ended for r in rows) for rows in starts.rows[:POOL_THREADS]]
+    lexer = min(range(len(loads)), key=loads.__getitem__)
+    if loads[lexer] and len(starts.matchers) < POOL_THREADS:
         lexer = len(starts.matchers)
         starts.matchers.append(llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0))
         starts.rows.append(weakref.WeakSet())
@@ -297,6 +299,18 @@ class GrammarProcessor:
             self._fail(exc)
         self._failure = None
         self._calls += 1
+
+    def retire(self) -> None:
+        """The row's sequence ended (the actor's finish rule, or an abort), though its row may
+        stay in the batch a few steps more (retirement): its tokens are nobody's, so its mask
+        is EOS alone from now on, with no matcher work, and its start counts it no more
+        (`_start_matcher`). A row whose grammar ended it was done already."""
+        self._mode = "done"
+
+    @property
+    def ended(self) -> bool:
+        """Whether the row's mask is EOS alone for good (ended, retired or failed)."""
+        return self._mode == "done"
 
     def fail(self, exc: BaseException) -> None:
         """End the row (EOS from now on), keeping why; a batch call that fed its matcher

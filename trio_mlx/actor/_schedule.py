@@ -23,6 +23,9 @@ class Constraint(Protocol):
     error: str | None  # the processor failed (and forced EOS): the row fails, no other
     forced_finish: bool  # max_tokens cut the text where the grammar could not end; it closed it
 
+    def retire(self) -> None:
+        """The sequence ended: the row's mask is cheap from now on (its tokens are nobody's)."""
+
 
 def finish_reason(token: int, generated: int, stops: frozenset[int], max_tokens: int) -> FinishReason | None:
     """Whether the `generated`-th token `token` ends its sequence: a stop token ends it as
@@ -165,6 +168,8 @@ class Schedule:
         del self.by_uid[seq.uid]
         if seq.stage == "decode":
             self.decoding -= 1
+        if seq.grammar is not None:  # its row may decode on, retired, for a few steps
+            seq.grammar.retire()
 
     def _take_retired(self) -> list[int]:
         uids = list(self.retired)
