@@ -66,7 +66,7 @@ class ActorTuning:
     max_batch: int = field(default=64, metadata=doc("most sequences decoded together"))
     prefill_batch: int = field(default=8, metadata=doc(
         "prompts a prefill group takes whatever their length (at most max_batch); while 32 or more "
-        "sequences decode (at most half of max_batch), short ones make groups of up to that many, "
+        "sequences decode (at most half of max_batch), or none, short ones make groups of up to that many, "
         "holding at most prefill_batch x prefill_step / 2 tokens"))
     prefill_step: int = field(default=2048, metadata=doc(
         "most tokens of a prompt processed per prefill step (fewer when many long prompts prefill "
