@@ -149,10 +149,10 @@ class _Starts:
 # tool set, a response format sent by many clients): building a matcher compiles its grammar,
 # milliseconds for an agent's tools (about 10 for fifteen tools), on the actor thread while
 # every row waits, where a copy takes microseconds. A new row goes to the start with the fewest
-# live rows (not ended: a retired row may stay in the batch); only when every start has some, and fewer than POOL_THREADS exist, is another
-# built, so that the pool's threads fill rows of one grammar in parallel while a grammar one
-# row at a time uses (one agent's turns) compiles once. Bounded, since a grammar's lexers grow
-# as rows use them; arbitrary.
+# live rows (not ended: a retired row may stay in the batch); only when every start has some,
+# and fewer than POOL_THREADS exist, is another built, so that the pool's threads fill rows of
+# one grammar in parallel while a grammar one row at a time uses (one agent's turns) compiles
+# once. Bounded, since a grammar's lexers grow as rows use them; arbitrary.
 _STARTS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, _Starts]] = weakref.WeakKeyDictionary()
 _STARTS_KEPT = 16
 
