@@ -61,6 +61,7 @@ import llguidance.numpy as llnp
 import mlx.core as mx
 import numpy as np
 
+from .._cpus import usable_cpus
 from ._matcher import (
     GrammarVocab,
     cached_vocab,
@@ -117,13 +118,9 @@ _START_TAILS_KEPT = 64
 
 
 def _pool_threads() -> int:
-    """llguidance's own default for its pool: 80% of the cores this process may run on, at
-    least one and at most 32."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no affinity call
-        cores = os.cpu_count() or 1
-    return max(1, min(32, cores * 4 // 5))
+    """llguidance's own default for its pool: 80% of the CPUs this process may use, at least
+    one and at most 32."""
+    return max(1, min(32, usable_cpus() * 4 // 5))
 
 
 # The threads of llguidance's pool that fill a batch's masks and feed its tokens (`_decode`),

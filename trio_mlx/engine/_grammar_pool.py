@@ -44,6 +44,7 @@ from typing import Any, NoReturn
 import trio
 from trio.lowlevel import RunVar
 
+from .._cpus import usable_cpus
 from .._errors import InvalidRequestError
 from ..actor import Grammar
 
@@ -70,7 +71,7 @@ _SLOTS: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_grammar_slots")
 
 def workers() -> int:
     """How many checks run at once (each in its own worker): half the cores, at least 2."""
-    return max(2, (os.cpu_count() or 2) // 2)
+    return max(2, usable_cpus() // 2)
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,16 @@ first use (a `RunVar`: a limiter belongs to the run whose tasks wait on it)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import trio
 from trio.lowlevel import RunVar
 
+from .._cpus import usable_cpus
+
 
 def half_the_cores() -> int:
-    return max(1, (os.cpu_count() or 2) // 2)
+    return max(1, usable_cpus() // 2)
 
 
 class RunLimiter:

@@ -1,0 +1,44 @@
+"""How many CPUs this process may use: the sizes of the runtime's thread pools and worker
+counts start from it (`engine/_limiters.py`, `engine/_grammar_pool.py`, `actor/_constrain.py`).
+
+`os.cpu_count()` is the host's: a container held to 4 CPUs (a cgroup quota, as Docker's
+`--cpus` and Kubernetes' CPU limits set) on a 128-core GPU host would size its pools for 128.
+This takes the fewest of the host's CPUs, the affinity mask (`taskset`) and the cgroup v2
+quota (`cpu.max`), as Rust's `std::thread::available_parallelism` does (Python 3.13's
+`os.process_cpu_count` reads the affinity alone)."""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import cache
+
+CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" in microseconds, or "max PERIOD"
+
+
+def quota_cpus(text: str) -> int | None:
+    """The CPUs a cgroup v2 `cpu.max` line allows (its quota over its period, rounded up);
+    None for no quota ("max") or a line this cannot read."""
+    parts = text.split()
+    if len(parts) != 2 or parts[0] == "max":
+        return None
+    try:
+        quota, period = int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    return max(1, math.ceil(quota / period)) if quota > 0 and period > 0 else None
+
+
+@cache
+def usable_cpus() -> int:
+    """The CPUs this process may use (at least 1), read once."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        cpus = os.cpu_count() or 1
+    try:
+        with open(CPU_MAX) as f:
+            quota = quota_cpus(f.read())
+    except OSError:  # no cgroup v2 (macOS, older Linux): no quota to read
+        quota = None
+    return max(1, min(cpus, quota) if quota else cpus)
