@@ -12,6 +12,7 @@ from trio_mlx import _cpus
 
 @pytest.mark.parametrize(("line", "cpus"), [
     ("max 100000\n", None),  # no quota
+    ("-1 100000", None),  # cgroup v1's "no quota"
     ("400000 100000\n", 4),  # docker --cpus 4
     ("150000 100000\n", 2),  # 1.5 CPUs: a second one partly
     ("50000 100000\n", 1),  # half a CPU: still one
@@ -35,6 +36,12 @@ def test_the_usable_cpus_are_the_fewest_of_affinity_and_quota(
         assert _cpus.usable_cpus() == 1
         _cpus.usable_cpus.cache_clear()
         monkeypatch.setattr(_cpus, "CPU_MAX", str(tmp_path / "absent"))
+        monkeypatch.setattr(_cpus, "CFS", str(tmp_path / "cfs_{}"))
+        (tmp_path / "cfs_quota").write_text("300000\n")  # cgroup v1: 3 CPUs
+        (tmp_path / "cfs_period").write_text("100000\n")
+        assert _cpus.usable_cpus() == 3
+        _cpus.usable_cpus.cache_clear()
+        (tmp_path / "cfs_quota").unlink()
         assert _cpus.usable_cpus() == 64
     finally:
         _cpus.usable_cpus.cache_clear()
