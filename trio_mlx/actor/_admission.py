@@ -75,7 +75,11 @@ class Admission:
     batch that is a wave of returning clients (64 users of equal answers end
     together): on an H200 (1B) a step prefilling 8 prompts of 128 tokens took
     23-27 ms, one of 27-32 such prompts 44-66 ms, so the wave entered in eight
-    groups of 8 where two of 32 take less than half as long.
+    groups of 8 where two of 32 take less than half as long. Where a prefill's
+    cost grows with its tokens instead (a large model on a CPU, or on Apple
+    silicon), a larger group saves no time, and its first arrivals wait for the
+    whole group's prefill: the trade the loaded batch's rule makes too, with its
+    step bounded by `tokens` all the same.
 
     A group is also full once it fills the batch: beside `decoding` sequences a batch of
     `max_batch` rows takes `max_batch - decoding` more, and one that would take only the
