@@ -358,8 +358,10 @@ async def test_a_held_request_can_be_aborted(tiny_model_fp32):
 async def test_after_a_wave_ends_an_arrival_waits_for_the_others_and_sleeps_meanwhile(
         tiny_model_fp32, tmp_path, monkeypatch, actor):
     opts = dict(temperature=0, ignore_eos=True)
+    # The wait runs from the wave's end, not from the arrival: a loaded host that takes its
+    # time to send the next request eats into it, so the window leaves a second of margin.
     async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, max_batch=8, prefill_batch=4,
-                              admit_window=0.8, actor=actor) as (engine, trace):
+                              admit_window=2.0, actor=actor) as (engine, trace):
 
         async def one(i: int) -> None:
             async with engine.generate(f"wave {i}", max_tokens=3, **opts) as stream:
@@ -368,13 +370,13 @@ async def test_after_a_wave_ends_an_arrival_waits_for_the_others_and_sleeps_mean
         async with trio.open_nursery() as nursery:
             for i in range(4):
                 nursery.start_soon(one, i)
-        # 4 just finished; 1 comes back: held for the other 3, up to 0.8 x 4/4 s
+        # 4 just finished; 1 comes back: held for the other 3, up to 2.0 x 4/4 s from their end
         t0 = trio.current_time()
         async with engine.generate("back", max_tokens=3, **opts) as back:
             await _first_token(back)
             waited = trio.current_time() - t0
             assert (await _drain(back)).usage.completion_tokens == 3
-    assert waited > 0.5, waited
+    assert waited > 1.0, waited
     rows = _trace(trace)
     # while it is held the actor sleeps: a handful of empty turns of its loop, not a spin
     empty = [r for r in rows if r["live"] and not (r["inserted"] or r["generated"] or r["prompt_tokens"] or r["rows"])]

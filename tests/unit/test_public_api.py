@@ -119,14 +119,15 @@ import ast  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 PACKAGE = Path(trio_mlx.__file__).parent
-# Each layer may import the ones listed (and itself); `_errors`, `_fields` (settings as text)
-# and `_heap` (imports only `gc`) are the leaves the layers share. The top-level modules (`__init__`, `app`, `cli`) are the
+# Each layer may import the ones listed (and itself); `_errors`, `_fields` (settings as text),
+# `_heap` (imports only `gc`) and `_cpus` (the CPUs the process may use: `os` alone) are the
+# leaves the layers share. The top-level modules (`__init__`, `app`, `cli`) are the
 # public face over all of them. `bench` is a client beside the runtime, through public names only
 # (`test_bench_imports_only_public_names`); no layer imports it.
 ALLOWED = {
     "server": {"engine", "_errors", "_fields"},
-    "engine": {"actor", "models", "_errors", "_fields", "_heap"},
-    "actor": {"models", "_errors", "_fields", "_heap"},
+    "engine": {"actor", "models", "_errors", "_fields", "_heap", "_cpus"},
+    "actor": {"models", "_errors", "_fields", "_heap", "_cpus"},
     "models": {"_errors"},
     "bench": {"engine", "actor", "models"},
 }
