@@ -3,6 +3,7 @@
     python benchmarks/probes/probe_grammar_engine.py MODEL_DIR [BATCH] [TOKENS] [ROUNDS] [string|array]
     GRAMMAR_MASKS=before python benchmarks/probes/probe_grammar_engine.py ...  # or auto (default: after)
     SHARES=1 python benchmarks/probes/probe_grammar_engine.py ...  # 100% constrained alone (default: 0.5,1)
+    TRIO_MLX_STEP_TRACE=FILE python benchmarks/probes/probe_grammar_engine.py ...  # with the actor's step trace
     BUDGET=off python benchmarks/probes/probe_grammar_engine.py ...  # no row measures its budget
     MODES=after,before python benchmarks/probes/probe_grammar_engine.py ...  # modes paired in one engine
 
@@ -204,12 +205,14 @@ async def main() -> None:
     FORMAT = ARRAY if len(sys.argv) > 5 and sys.argv[5] == "array" else STRING
     shares = [s for s in SHARES if s]
     masks = os.environ.get("GRAMMAR_MASKS", "after")  # ActorTuning.grammar_masks
+    trace = os.environ.get("TRIO_MLX_STEP_TRACE")  # the actor's step trace, as a server's
     if modes:
-        async with trio_mlx.open_engine(path, max_batch=batch, prefill_batch=min(batch, 8)) as engine:
+        async with trio_mlx.open_engine(path, max_batch=batch, prefill_batch=min(batch, 8),
+                                        step_trace=trace) as engine:
             await paired_modes(engine, batch, tokens, rounds, modes)
         return
     async with trio_mlx.open_engine(path, max_batch=batch, prefill_batch=min(batch, 8),
-                                    grammar_masks=masks) as engine:
+                                    grammar_masks=masks, step_trace=trace) as engine:
         # warm-up: the grammar path's kernels (an array needs room for its sure completion),
         # and each share's per-row counts for the first matched run
         last: dict[float, list[int]] = {}
