@@ -19,8 +19,9 @@ CFS = "/sys/fs/cgroup/cpu/cpu.cfs_{}_us"  # cgroup v1: quota (-1: none) and peri
 
 
 def quota_cpus(text: str) -> int | None:
-    """The CPUs a cgroup v2 `cpu.max` line allows (its quota over its period, rounded up);
-    None for no quota ("max") or a line this cannot read."""
+    """The CPUs a cgroup quota allows, from "QUOTA PERIOD" (v2's `cpu.max` line, or v1's two
+    files joined): the quota over the period, rounded up; None for no quota ("max", v1's
+    "-1") or a line this cannot read."""
     parts = text.split()
     if len(parts) != 2 or parts[0] in ("max", "-1"):
         return None

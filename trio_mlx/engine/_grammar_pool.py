@@ -44,9 +44,9 @@ from typing import Any, NoReturn
 import trio
 from trio.lowlevel import RunVar
 
-from .._cpus import usable_cpus
 from .._errors import InvalidRequestError
 from ..actor import Grammar
+from ._limiters import half_the_cores
 
 log = logging.getLogger("trio_mlx.grammar")
 
@@ -70,8 +70,9 @@ _SLOTS: RunVar[trio.CapacityLimiter] = RunVar("trio_mlx_grammar_slots")
 
 
 def workers() -> int:
-    """How many checks run at once (each in its own worker): half the cores, at least 2."""
-    return max(2, usable_cpus() // 2)
+    """How many checks run at once (each in its own worker): half the CPUs the process may
+    use, at least 2."""
+    return max(2, half_the_cores())
 
 
 @dataclass(frozen=True)

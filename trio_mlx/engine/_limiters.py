@@ -13,6 +13,8 @@ from .._cpus import usable_cpus
 
 
 def half_the_cores() -> int:
+    """Half the CPUs this process may use (`_cpus.usable_cpus`: a container's quota counts),
+    at least 1."""
     return max(1, usable_cpus() // 2)
 
 
