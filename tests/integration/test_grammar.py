@@ -397,6 +397,41 @@ def test_a_batch_gets_the_masks_each_row_gets_alone(
         assert np.array_equal(np.concatenate(masks[id(r)]), _masks_of(GrammarProcessor(vocab, grammar.source, n), got[:-1]))
 
 
+def test_a_steps_masks_reach_the_device_without_a_copy(tiny: tuple[Any, Any]) -> None:
+    """The decode step fills its grammar rows' masks in place into one of two MLX arrays its
+    plan keeps, by turns, and hands that array to the sampling as it is: no copy of the
+    batch's bitmask each step. The array a step got still holds that step's masks while the
+    next step fills the other one (its sampling may still be reading it)."""
+    from trio_mlx.actor._decode import Decoder, DecodeRow
+    from trio_mlx.actor._protocol import SamplingParams
+
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": ITEMS}})
+    assert grammar is not None
+    rows = [DecodeRow(SamplingParams(temperature=0.0), grammar=GrammarProcessor(vocab, grammar.source, 60))
+            for _ in range(3)]
+    decoder, fed, rng = Decoder(), None, np.random.default_rng(5)
+    handed: list[Any] = []
+    seen: list[np.ndarray] = []
+    for _ in range(6):
+        plan = decoder._plan_for(rows, vocab.size)
+        masks = decoder._masks(plan, fed)
+        assert plan.bitmask is not None
+        words = plan.bitmask.view(np.uint32)
+        assert np.array_equal(np.array(masks), words)  # what the host filled is what the device gets
+        if handed:  # the last step's array is untouched by this step's fill
+            assert np.array_equal(np.array(handed[-1]), seen[-1])
+        handed.append(masks)
+        seen.append(words.copy())
+        fed = []
+        for j in range(len(rows)):
+            allowed = np.flatnonzero(np.unpackbits(words[j].view(np.uint8), bitorder="little"))
+            fed.append(int(rng.choice(allowed[allowed != vocab.eos[0]] if len(allowed) > 1 else allowed)))
+    assert len({id(m) for m in handed}) == 2 and handed[0] is handed[2] is handed[4]
+    assert any(not np.array_equal(seen[k], seen[k + 1]) for k in range(len(seen) - 1))
+
+
 def test_a_grammar_start_is_walked_once(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows that share a grammar share its completion from the start: the walk that
     finds it (milliseconds for a long schema) runs for the first row alone, and each

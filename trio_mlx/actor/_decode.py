@@ -223,17 +223,47 @@ class _Plan:
         self.top = max((sps[i].top_logprobs for i in self.logprobs), default=0)
         self.lp_idx: Any = mx.array(self.logprobs) if self.logprobs else None
         self.grammar = [i for i, r in enumerate(rows) if r.grammar is not None]
-        self.bitmask: np.ndarray | None = None
+        # The grammar rows' masks, filled in place into one of two MLX arrays through numpy views
+        # of their buffers (MLX documents such views as writable), which the step hands to its
+        # sampling as they are: no copy of the batch's bitmask on the actor thread each step (on
+        # CUDA MLX's buffers are managed memory, and a copy a host write into pages the device
+        # read: BENCHMARKS.md). llguidance's batch fill writes the views on its own threads.
+        # Two, alternating (`turn`): the array a step's masks go to was last read by the step
+        # before the one before it, whose tokens the host has read back before any fill.
+        self.bitmask: np.ndarray | None = None  # the view the step's masks are filled into
         self.g_idx: Any = None
+        self._masks: list[Any] = []
+        self._whole: list[np.ndarray] = []  # per array: a numpy view of its buffer
+        self._views: list[list[np.ndarray]] = []  # ... and each grammar row's slice of it
+        self._turn = 0
         if self.grammar:
             first = rows[self.grammar[0]].grammar
             assert first is not None
-            self.bitmask = first.new_bitmask(len(self.grammar))
-            for j, i in enumerate(self.grammar):
-                g = rows[i].grammar
-                assert g is not None
-                g.bind(self.bitmask[j : j + 1])
+            words = first.new_bitmask(1).shape[1]
+            # from host memory: ready at once, where `mx.zeros` would wait for the device's queue
+            self._masks = [mx.array(np.zeros((len(self.grammar), words), dtype=np.uint32)) for _ in range(2)]
+            views = [np.asarray(memoryview(m)).view(np.int32) for m in self._masks]  # llguidance's dtype
+            self._whole = views
+            self._views = [[v[j : j + 1] for j in range(len(self.grammar))] for v in views]
+            self._bind(0)
             self.g_idx = mx.array(self.grammar)
+
+    def next_masks(self) -> None:
+        """Turn to the other mask array: call before filling a step's masks."""
+        self._bind(self._turn ^ 1)
+
+    @property
+    def masks(self) -> Any:
+        """The MLX array the rows' masks were last filled into (grammar rows, words) uint32."""
+        return self._masks[self._turn]
+
+    def _bind(self, turn: int) -> None:
+        self._turn = turn
+        self.bitmask = self._whole[turn]
+        for i, view in zip(self.grammar, self._views[turn], strict=True):
+            g = self.rows[i].grammar
+            assert g is not None
+            g.bind(view)
 
     def write_back(self) -> None:
         """Hand the penalty state back to its rows (lazy slices), before another plan takes over."""
@@ -537,12 +567,13 @@ class Decoder:
 
     @staticmethod
     def _mask_array(plan: _Plan) -> Any:
-        return mx.array(plan.bitmask.view(np.uint32))  # type: ignore[union-attr]  # copied now: the buffer is reused
+        return plan.masks  # filled in place (`_Plan`): the device reads the host's writes
 
     def _fill_masks(self, plan: _Plan, fed: list[int] | None) -> None:
         """Advance each grammar row's matcher by the token it was fed and fill its mask (a row
         of `plan.bitmask`); the matchers that need llguidance's full mask fill in one batch.
         No MLX (it may run in the decoder's masks thread)."""
+        plan.next_masks()
         fill: list[tuple[Any, int]] = []
         grammars: list[Any] = [plan.rows[i].grammar for i in plan.grammar]
         rows = plan.rows
