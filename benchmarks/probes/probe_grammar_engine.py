@@ -6,6 +6,8 @@
     TRIO_MLX_STEP_TRACE=FILE python benchmarks/probes/probe_grammar_engine.py ...  # with the actor's step trace
     BUDGET=off python benchmarks/probes/probe_grammar_engine.py ...  # no row measures its budget
     MODES=after,before python benchmarks/probes/probe_grammar_engine.py ...  # modes paired in one engine
+    POOL=4 python benchmarks/probes/probe_grammar_engine.py ...  # llguidance's pool at 4 threads
+    MASK_COPY=1 python benchmarks/probes/probe_grammar_engine.py ...  # masks handed over as a copy
 
 Asked through the runtime as a server runs it: an `Engine` (thread actor, warmed up) gets BATCH
 concurrent greedy `generate` requests of at most TOKENS tokens each, 0%, 50% and 100% of them
@@ -24,6 +26,13 @@ modes are compared inside one process and one round, where the host's drift betw
 not reach; prints each mode's figures and, per round, each mode's constrained rate over the
 first's (the same tokens under every mode). The mode is switched on the actor's `Decoder` between
 batches (a thread actor, in this process).
+
+`POOL=N`: llguidance's pool (and the most lexers a grammar's rows are dealt across) at N threads
+instead of `_constrain.POOL_THREADS`'s 80% of the usable CPUs (a thread actor, in this process).
+
+`MASK_COPY=1`: each step hands its masks to the device as a copy of the filled bitmask
+(`mx.array`), as the decoder did before it filled them in place into MLX arrays of its own
+(`_decode._Plan`), for an A/B of the two in separate engines.
 
 `BUDGET=off`: no constrained row ever measures itself against its max_tokens (its first
 check is put past any step), so the figures leave out what the budget checks cost; an array's
@@ -194,6 +203,18 @@ async def paired_modes(engine: trio_mlx.Engine, batch: int, tokens: int, rounds:
 async def main() -> None:
     if os.environ.get("BUDGET") == "off":
         _no_budget_checks()
+    if os.environ.get("MASK_COPY") == "1":
+        import mlx.core as mx
+        import numpy as np
+
+        from trio_mlx.actor import _decode
+
+        _decode.Decoder._mask_array = staticmethod(  # type: ignore[method-assign]
+            lambda plan: mx.array(plan.bitmask.view(np.uint32)))
+    if os.environ.get("POOL"):
+        from trio_mlx.actor import _constrain
+
+        _constrain.POOL_THREADS = int(os.environ["POOL"])
     modes = [m for m in os.environ.get("MODES", "").split(",") if m]
     if modes:
         _switch_modes()
