@@ -630,3 +630,28 @@ async def _run_tokens(engine: trio_mlx.Engine, prompt: str, **opts: Any) -> tupl
                 ids += ev.token_ids
                 lps += ev.logprobs or ()
         return ids, lps
+
+
+async def test_the_step_trace_gives_the_wait_for_the_device_once_the_batch_runs_dry(
+        tiny_model_fp32, tmp_path, monkeypatch):
+    """The step that empties the batch waits for the device's queued work (the finished rows'
+    KV copies, the removal) before it reads MLX's memory figures: its trace line gives that
+    wait as `settle_s`, part of its `next_s`; every other step's is 0."""
+    import time
+
+    import mlx.core as mx
+
+    sync = mx.synchronize
+
+    def slow(*args: Any) -> None:
+        sync(*args)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(mx, "synchronize", slow)
+    async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, max_batch=4, warmup=False) as (engine, trace):
+        async with engine.generate("one", max_tokens=6, temperature=0, ignore_eos=True) as stream:
+            assert (await _drain(stream)).finish_reason == "length"
+    rows = _trace(trace)  # written out as the actor ended
+    dry = [r for r in rows if r["settle_s"] > 0]
+    assert len(dry) == 1 and dry[0]["live"] == 0 and dry[0]["rows"] == 0, rows
+    assert 0.02 <= dry[0]["settle_s"] <= dry[0]["next_s"]

@@ -130,6 +130,7 @@ class Actor:
         self._admission = Admission(config.tuning.admit_window, config.tuning.prefill_batch, self._rows, tokens, config.tuning.max_batch)
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
         self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
+        self._settled = 0.0  # seconds the last step waited for the device after running dry (the trace)
         self._reuse = Reuse(PromptCache(0))  # the prompt cache, off until warm (`_open_cache`)
         self._cached: list[tuple[int, int]] = []  # (rid, prompt tokens from the cache) this step
         self._spec_counts: list[tuple[int, int, int]] = []  # (rid, drafted, kept) this step (`_speculated`)
@@ -348,7 +349,8 @@ class Actor:
                 report = turn
                 if trace is not None:
                     trace.write(t1, t1 - t0, report, self._inserted, len(self.schedule.retired),
-                                batch_rows(self._bg))
+                                batch_rows(self._bg), self._settled)
+                    self._settled = 0.0
         finally:
             if trace is not None:
                 trace.close()
@@ -551,7 +553,9 @@ class Actor:
             # The batch ran dry, and these figures stand while the server idles: let the KV
             # copies into the prompt cache (async_eval'd) and the removal run first, or the
             # read still counts the batch's buffers they free (the soak test saw 1.3 MB).
+            settle = time.perf_counter()
             mx.synchronize(self._bg.stream)
+            self._settled = time.perf_counter() - settle
             memory = memory_figures()
         elif schedule.steps % _MEMORY_EVERY == 1:
             memory = memory_figures()

@@ -169,7 +169,8 @@ class Follower(GroupRank):
                         last_step = time.monotonic()
                 if trace is not None:  # exchange_s: the wait for the message that led to this step
                     trace.write(t1, t1 - t0, report, actor._inserted, len(actor.schedule.retired),
-                                batch_rows(actor._bg))
+                                batch_rows(actor._bg), actor._settled)
+                    actor._settled = 0.0
             t0 = clock()
             message = channel.take(posted, bound)
 

@@ -14,11 +14,13 @@ class StepTrace:
     generated, prompt tokens prefilled, live sequences, finished sequences
     whose rows are still in the batch (retired), the decoding batch's rows, the
     stepping thread's CPU seconds since the last line (beside the wall time, it tells
-    a step that computed from one that waited: for the GPU, or for the GIL), and the
-    tokens drafted in the step (0: a plain step; `generated` counts the kept ones)."""
+    a step that computed from one that waited: for the GPU, or for the GIL), the
+    tokens drafted in the step (0: a plain step; `generated` counts the kept ones), and
+    the seconds of `next_s` the step waited for the device to finish its queued work
+    after the batch ran dry (before it reads MLX's memory figures; 0 in other steps)."""
 
     HEADER = ("t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\tretired\trows\tcpu_s"
-              "\tdrafted\n")
+              "\tdrafted\tsettle_s\n")
 
     def __init__(self, path: str):
         self._f = open(path, "a", buffering=1 << 16)  # closed in close()
@@ -26,17 +28,18 @@ class StepTrace:
         self._cpu: float | None = None  # the stepping thread's, from its first line on
 
     def write(self, t: float, exchange: float, report: StepReport, inserted: int, retired: int,
-              rows: int) -> None:
+              rows: int, settle: float = 0.0) -> None:
         self.row(t, exchange, report.step_seconds, inserted, len(report.tokens), report.prompt_tokens,
-                 report.live, retired, rows, sum(d for _, d, _ in report.speculated))
+                 report.live, retired, rows, sum(d for _, d, _ in report.speculated), settle)
 
     def row(self, t: float, exchange: float, next_s: float, inserted: int, generated: int,
-            prompt_tokens: int, live: int, retired: int, rows: int, drafted: int = 0) -> None:
+            prompt_tokens: int, live: int, retired: int, rows: int, drafted: int = 0,
+            settle: float = 0.0) -> None:
         """One line, whoever steps (the ceiling of `trio-mlx bench --limit` writes these too)."""
         now = time.thread_time()
         cpu, self._cpu = (now if self._cpu is None else self._cpu), now
         self._f.write(f"{t:.6f}\t{exchange:.6f}\t{next_s:.6f}\t{inserted}\t{generated}\t"
-                      f"{prompt_tokens}\t{live}\t{retired}\t{rows}\t{now - cpu:.6f}\t{drafted}\n")
+                      f"{prompt_tokens}\t{live}\t{retired}\t{rows}\t{now - cpu:.6f}\t{drafted}\t{settle:.6f}\n")
 
     def close(self) -> None:
         self._f.close()
