@@ -230,10 +230,9 @@ class _Plan:
         # read: BENCHMARKS.md). llguidance's batch fill writes the views on its own threads.
         # Two, alternating (`turn`): the array a step's masks go to was last read by the step
         # before the one before it, whose tokens the host has read back before any fill.
-        self.bitmask: np.ndarray | None = None  # the view the step's masks are filled into
         self.g_idx: Any = None
         self._masks: list[Any] = []
-        self._whole: list[np.ndarray] = []  # per array: a numpy view of its buffer
+        self._whole: list[np.ndarray] = []  # per array: a numpy view of its buffer (llguidance's int32)
         self._views: list[list[np.ndarray]] = []  # ... and each grammar row's slice of it
         self._turn = 0
         if self.grammar:
@@ -242,11 +241,15 @@ class _Plan:
             words = first.new_bitmask(1).shape[1]
             # from host memory: ready at once, where `mx.zeros` would wait for the device's queue
             self._masks = [mx.array(np.zeros((len(self.grammar), words), dtype=np.uint32)) for _ in range(2)]
-            views = [np.asarray(memoryview(m)).view(np.int32) for m in self._masks]  # llguidance's dtype
-            self._whole = views
-            self._views = [[v[j : j + 1] for j in range(len(self.grammar))] for v in views]
+            self._whole = [np.asarray(memoryview(m)).view(np.int32) for m in self._masks]
+            self._views = [[v[j : j + 1] for j in range(len(self.grammar))] for v in self._whole]
             self._bind(0)
             self.g_idx = mx.array(self.grammar)
+
+    @property
+    def bitmask(self) -> np.ndarray | None:
+        """The view the rows' masks are filled into this step; None without grammar rows."""
+        return self._whole[self._turn] if self._whole else None
 
     def next_masks(self) -> None:
         """Turn to the other mask array: call before filling a step's masks."""
@@ -259,7 +262,6 @@ class _Plan:
 
     def _bind(self, turn: int) -> None:
         self._turn = turn
-        self.bitmask = self._whole[turn]
         for i, view in zip(self.grammar, self._views[turn], strict=True):
             g = self.rows[i].grammar
             assert g is not None
