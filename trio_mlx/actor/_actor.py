@@ -30,6 +30,7 @@ from mlx_lm.generate import BatchGenerator
 from .. import _heap as heap
 from .. import models
 from . import _disk_cache as disk_cache
+from . import _streams as streams
 from ._admission import Admission, group_bounds
 from ._batch import (
     EARLY_FIRST_BESIDE,
@@ -144,13 +145,17 @@ class Actor:
     def run(self) -> None:
         """The actor's whole life. Raises if the model cannot be loaded."""
         with self.rank.life():
+            streams.begin()
             try:
                 self.start()
                 self.rank.loop()
                 self._save_disk()  # a clean stop (Shutdown): keep the cache's newest entries
             finally:
                 with self.rank.stage("stopping"):
-                    self._free()
+                    try:
+                        self._free()
+                    finally:
+                        streams.end()
 
     def start(self) -> None:
         """Load, warm up, hand `ActorInfo` over (then a host calls `turn`s and `stop`: `_host.py`)."""
@@ -273,6 +278,7 @@ class Actor:
             completion_batch_size=self.config.tuning.max_batch,
             prefill_batch_size=self._rows,  # a group of short prompts enters whole (`Admission`)
             prefill_step_size=self.config.tuning.prefill_step,
+            stream=streams.generation(),  # made on this thread (`_streams.py`)
         )
         move_whole_groups(bg)
         if self._adapters is not None:

@@ -71,9 +71,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generation_stream
 
 from .._errors import ModelLoadError
+from . import _streams as streams
 from ._actor import Actor
 from ._admission import Admission
 from ._group import GroupError, GroupStatus, env_backend
@@ -212,12 +212,11 @@ class Channel:
     def _sum(self, data: mx.array, what: str, bound: float, wait: bool = True) -> mx.array:
         with self._watch.guard(what, bound):
             try:
-                # On the stream the BatchGenerator runs the model on (mlx-lm's thread-local
-                # generation stream): on any other stream this collective could reach the
-                # group before or after the model's own, differently on each rank, and sum
-                # the wrong buffers. (The ring backend cannot split the group into a
-                # communicator of its own.)
-                with mx.stream(generation_stream):
+                # On the stream the BatchGenerator runs the model on (`_streams.generation`):
+                # on any other stream this collective could reach the group before or after
+                # the model's own, differently on each rank, and sum the wrong buffers. (The
+                # ring backend cannot split the group into a communicator of its own.)
+                with mx.stream(streams.generation()):
                     out = mx.distributed.all_sum(data, group=self._group)
                 if not wait:
                     # Queued behind the work on the stream; a failure surfaces where it is

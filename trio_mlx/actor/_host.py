@@ -118,8 +118,11 @@ class ActorHost:
     # -- the host thread -------------------------------------------------------
 
     def _main(self) -> None:
+        from . import _streams as streams  # MLX on the host thread only
+
         self.thread_id = threading.get_ident()
         worked, released = time.perf_counter(), True
+        streams.begin()
         try:
             while True:
                 trio.from_thread.check_cancelled()
@@ -140,10 +143,13 @@ class ActorHost:
                         wait = min(wait, release - (now - worked))
                 self._arrived.wait(wait)
         finally:
-            for hosted in [*self._hosted, *self._incoming]:
-                self._end(hosted, None, clean=False)
-            self._hosted.clear()
-            self._incoming.clear()
+            try:
+                for hosted in [*self._hosted, *self._incoming]:
+                    self._end(hosted, None, clean=False)
+                self._hosted.clear()
+                self._incoming.clear()
+            finally:
+                streams.end()
 
     def _release_seconds(self) -> float:
         """How long every actor idles before MLX's buffer cache is handed back, as one actor's
