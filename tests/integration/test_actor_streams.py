@@ -20,7 +20,8 @@ from trio_mlx.actor import _streams
 def test_a_thread_whose_streams_were_handed_back_serves_a_second_life() -> None:
     """trio's thread cache may give a later actor the thread an earlier one cleared: each
     life's streams are its own, so MLX works on that thread again (mlx-lm's thread-local
-    generation stream, which the first life used, would not)."""
+    generation stream, which the first life used, would not); and other MLX work on the
+    thread afterwards finds default streams, the CPU's among them."""
     results: list[Any] = []
 
     def life(x: int) -> int:
@@ -37,13 +38,16 @@ def test_a_thread_whose_streams_were_handed_back_serves_a_second_life() -> None:
         try:
             results.append(life(2))
             results.append(life(3))
+            with mx.stream(mx.cpu):  # other MLX work on the thread afterwards (a model's conversion)
+                results.append(int((mx.arange(4) + 1).sum().item()))
+            results.append(int((mx.arange(2) + 5).sum().item()))
         except Exception as exc:
             results.append(exc)
 
     t = threading.Thread(target=thread)
     t.start()
     t.join()
-    assert results == [100, 145]
+    assert results == [100, 145, 10, 11]
     assert int((mx.arange(3) + 1).sum().item()) == 6  # the main thread keeps its own streams
 
 

@@ -11,10 +11,11 @@ them. trio's cache may hand that thread to a later actor (an engine opened again
 restarted), so each life makes its own: a default stream and one for the BatchGenerator
 (the layout mlx-lm's `generation_stream` gives it).
 
-`begin` and `end` are called on the actor's thread: by `Actor.run`, or by `ActorHost` for
-the actors it runs in turns. The process's main thread (an actor in a child process) keeps
-its streams: MLX's own exit handlers clean up there, and clearing would leave the main
-thread no default stream.
+`end` leaves the thread fresh, empty default streams, so that other MLX work trio runs on
+it later (a model's conversion, a user's own) finds a stream. `begin` and `end` are called
+on the actor's thread: by `Actor.run`, or by `ActorHost` for the actors it runs in turns.
+The process's main thread (an actor in a child process) keeps its streams: MLX's own exit
+handlers clean up there.
 """
 
 from __future__ import annotations
@@ -55,3 +56,9 @@ def end() -> None:
         mx.synchronize(stream)
     mx.synchronize()
     mx.clear_streams()
+    # Leave the thread usable by whatever trio's cache gives it next (a model's conversion, a
+    # later actor, a user's own MLX work): fresh default streams, empty, hold nothing that a
+    # teardown would trip on.
+    for device in (mx.cpu, mx.gpu):
+        if mx.is_available(device):
+            mx.set_default_stream(mx.new_stream(device))
