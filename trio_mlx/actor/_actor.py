@@ -144,18 +144,18 @@ class Actor:
 
     def run(self) -> None:
         """The actor's whole life. Raises if the model cannot be loaded."""
-        with self.rank.life():
-            streams.begin()
-            try:
-                self.start()
-                self.rank.loop()
-                self._save_disk()  # a clean stop (Shutdown): keep the cache's newest entries
-            finally:
-                with self.rank.stage("stopping"):
-                    try:
+        streams.begin()  # first: a group's greeting in `life` runs on the generation stream too
+        try:
+            with self.rank.life():
+                try:
+                    self.start()
+                    self.rank.loop()
+                    self._save_disk()  # a clean stop (Shutdown): keep the cache's newest entries
+                finally:
+                    with self.rank.stage("stopping"):
                         self._free()
-                    finally:
-                        streams.end()
+        finally:
+            streams.end()
 
     def start(self) -> None:
         """Load, warm up, hand `ActorInfo` over (then a host calls `turn`s and `stop`: `_host.py`)."""
