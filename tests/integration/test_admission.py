@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import trio
+from app_server import slow_steps
 
 import trio_mlx
 from trio_mlx.actor import SamplingParams, Submit
@@ -274,10 +275,12 @@ async def test_short_prompts_arriving_beside_a_loaded_batch_enter_as_one_group_a
     """With 8 sequences decoding (`rows`: half of max_batch 16), 6 short prompts arriving together
     enter in one step, past prefill_batch (2): a prefill step costs about the same whatever its
     group's size. The 6 hold 12 tokens, within 2 x prefill_step / 2 = 16; 4 prompts of 16 tokens
-    pass that, so they enter 2 at a time, as long prompts always did."""
+    pass that, so they enter 2 at a time, as long prompts always did. Steps of at least 5 ms:
+    the 8 outlast the test (at full speed their 1000 tokens sometimes ended before it did)."""
     opts = dict(temperature=0, ignore_eos=True)
     async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, max_batch=16, prefill_batch=2,
-                              prefill_step=16, admit_window=0.5, prompt_cache_gb=0) as (engine, trace):
+                              prefill_step=16, admit_window=0.5, prompt_cache_gb=0,
+                              fault_hook=slow_steps(0.005)) as (engine, trace):
         async with contextlib.AsyncExitStack() as stack:
             for i in range(8):
                 await stack.enter_async_context(engine.generate(f"long {i}", max_tokens=1000, **opts))
