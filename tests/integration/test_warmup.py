@@ -77,7 +77,7 @@ def _spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     monkeypatch.setattr(_decode._Plan, "__init__", spy_plan)
     monkeypatch.setattr(_decode.Decoder, "_masks", spy_masks)
     remove, sampler, processors = _batch.remove_rows, _sampling.make_sampler, _actor.make_processors
-    add_logprobs = Actor._add_logprobs
+    add_logprobs = _actor.add_logprobs
 
     def spy_remove(bg: Any, uids: list[int]) -> None:
         caches = _batch._kv_caches(bg._generation_batch)
@@ -96,9 +96,9 @@ def _spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
         seen["processors"].append(len(procs))
         return procs
 
-    def spy_logprobs(self: Actor, out: Any, rows: Any) -> None:
+    def spy_logprobs(out: Any, rows: Any) -> None:
         seen["logprobs"].append(len(rows))
-        add_logprobs(self, out, rows)
+        add_logprobs(out, rows)
 
     class SpyGrammar(_actor.GrammarProcessor):
         def __call__(self, tokens: Any, logits: Any) -> Any:
@@ -124,7 +124,7 @@ def _spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     monkeypatch.setattr(_actor, "remove_rows", spy_remove)
     monkeypatch.setattr(_sampling, "make_sampler", spy_sampler)
     monkeypatch.setattr(_actor, "make_processors", spy_processors)
-    monkeypatch.setattr(Actor, "_add_logprobs", spy_logprobs)
+    monkeypatch.setattr(_actor, "add_logprobs", spy_logprobs)
     return seen
 
 

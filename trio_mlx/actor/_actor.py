@@ -70,7 +70,7 @@ from ._protocol import (
 from ._rank import Rank
 from ._reuse import Reuse
 from ._row_adapters import RowAdapters
-from ._sampling import SamplerCache, make_processors
+from ._sampling import SamplerCache, add_logprobs, make_processors
 from ._schedule import Schedule, Seq
 from ._shapes import (
     GRID_PREFIX,
@@ -250,21 +250,11 @@ class Actor:
 
     def _load_disk(self) -> None:
         if (where := self._disk_folder()) is not None:
-            t0 = time.perf_counter()
-            n = disk_cache.load(self._reuse.cache, where, len(self._model.layers), self._kv)
-            log.info("prompt cache: read %d entries (%.1f MB) from %s in %.2f s", n,
-                     self._reuse.cache.nbytes / 1e6, where, time.perf_counter() - t0)
+            disk_cache.read_in(self._reuse.cache, where, len(self._model.layers), self._kv)
 
     def _save_disk(self) -> None:
-        if (where := self._disk_folder()) is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            n = disk_cache.save(self._reuse.cache, where, int(self.config.tuning.prompt_cache_disk_gb * 1e9))
-        except Exception as exc:  # a full or read-only disk: the stop goes on
-            log.warning("prompt cache: could not write %s (%s)", where, exc)
-            return
-        log.info("prompt cache: wrote %d entries to %s in %.2f s", n, where, time.perf_counter() - t0)
+        if (where := self._disk_folder()) is not None:
+            disk_cache.write_out(self._reuse.cache, where, int(self.config.tuning.prompt_cache_disk_gb * 1e9))
 
     def _hook(self, stage: str) -> None:
         if self.config.fault_hook is not None:
@@ -665,8 +655,8 @@ class Actor:
             out.append(TokenOut(seq.rid, r.token, reason))
         if ended:
             self._admission.finished(time.perf_counter(), ended)
-        if want_logprobs:
-            self._add_logprobs(out, want_logprobs)
+        if want_logprobs and self.rank.logprobs:  # a rank that reports tokens
+            add_logprobs(out, want_logprobs)
         return tuple(out)
 
     def _decoded(self, step: Decoded) -> tuple[TokenOut, ...]:
@@ -749,32 +739,6 @@ class Actor:
         elif reason is not None:
             self._reuse.finished(seq.uid, seq.prompt_len + seq.generated, seq.partition)
         return reason
-
-    def _add_logprobs(self, out: list[TokenOut], rows: list[tuple[int, Any, Seq]]) -> None:
-        """Chosen-token logprob and top-k alternatives for the rows that asked, in one eval
-        (on a rank that reports tokens)."""
-        if not self.rank.logprobs:
-            return
-        stacked = mx.stack([r.logprobs for _, r, _ in rows])
-        chosen = mx.take_along_axis(stacked, mx.array([[r.token] for _, r, _ in rows]), axis=-1)
-        k = max(seq.sampling.top_logprobs for _, _, seq in rows)
-        idx_l: list[list[int]] = []
-        vals_l: list[list[float]] = []
-        if k > 0:
-            idx = mx.argpartition(-stacked, kth=k - 1, axis=-1)[:, :k]
-            vals = mx.take_along_axis(stacked, idx, axis=-1)
-            mx.eval(chosen, idx, vals)
-            idx_l, vals_l = idx.tolist(), vals.astype(mx.float32).tolist()  # type: ignore[assignment]
-        else:
-            mx.eval(chosen)
-        chosen_l: list[list[float]] = chosen.astype(mx.float32).tolist()  # type: ignore[assignment]
-        for row, (i, _, seq) in enumerate(rows):
-            top = None
-            if seq.sampling.top_logprobs:
-                pairs = sorted(zip(idx_l[row], vals_l[row], strict=True), key=lambda p: -p[1])
-                top = tuple(pairs[: seq.sampling.top_logprobs])
-            t = out[i]
-            out[i] = TokenOut(t.rid, t.token, t.finish_reason, chosen_l[row][0], top)
 
     def _recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
         """A step raised: fail every live sequence, start a fresh generator, keep serving."""

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +166,22 @@ def load(cache: PromptCache, where: Path, layers: int, kv: tuple[int, int] | Non
             continue
         taken += cache.store(tokens, found)
     return taken
+
+
+def read_in(cache: PromptCache, where: Path, layers: int, kv: tuple[int, int] | None) -> None:
+    """`load`, logged: once warm."""
+    t0 = time.perf_counter()
+    n = load(cache, where, layers, kv)
+    log.info("prompt cache: read %d entries (%.1f MB) from %s in %.2f s", n, cache.nbytes / 1e6, where,
+             time.perf_counter() - t0)
+
+
+def write_out(cache: PromptCache, where: Path, max_bytes: int) -> None:
+    """`save`, logged: at a clean stop, which a full or read-only disk does not stop."""
+    t0 = time.perf_counter()
+    try:
+        n = save(cache, where, max_bytes)
+    except Exception as exc:
+        log.warning("prompt cache: could not write %s (%s)", where, exc)
+        return
+    log.info("prompt cache: wrote %d entries to %s in %.2f s", n, where, time.perf_counter() - t0)

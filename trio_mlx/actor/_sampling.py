@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_repetition_penalty
 
-from ._protocol import SamplingParams
+from ._protocol import SamplingParams, TokenOut
 
 # Sampler objects are shared between requests with equal parameters so that a
 # batch whose rows sample alike makes ONE batched sampler call per step (the
@@ -120,3 +120,28 @@ def make_processors(sp: SamplingParams, prompt_len: int, context: int) -> list[A
     return procs
 
 
+
+
+def add_logprobs(out: list[TokenOut], rows: list[tuple[int, Any, Any]]) -> None:
+    """mlx-lm's step: the chosen token's logprob and the top-k alternatives for the rows that
+    asked (`(index in out, the generator's response, the Seq)`), in one eval."""
+    stacked = mx.stack([r.logprobs for _, r, _ in rows])
+    chosen = mx.take_along_axis(stacked, mx.array([[r.token] for _, r, _ in rows]), axis=-1)
+    k = max(seq.sampling.top_logprobs for _, _, seq in rows)
+    idx_l: list[list[int]] = []
+    vals_l: list[list[float]] = []
+    if k > 0:
+        idx = mx.argpartition(-stacked, kth=k - 1, axis=-1)[:, :k]
+        vals = mx.take_along_axis(stacked, idx, axis=-1)
+        mx.eval(chosen, idx, vals)
+        idx_l, vals_l = idx.tolist(), vals.astype(mx.float32).tolist()  # type: ignore[assignment]
+    else:
+        mx.eval(chosen)
+    chosen_l: list[list[float]] = chosen.astype(mx.float32).tolist()  # type: ignore[assignment]
+    for row, (i, _, seq) in enumerate(rows):
+        top = None
+        if seq.sampling.top_logprobs:
+            pairs = sorted(zip(idx_l[row], vals_l[row], strict=True), key=lambda p: -p[1])
+            top = tuple(pairs[: seq.sampling.top_logprobs])
+        t = out[i]
+        out[i] = TokenOut(t.rid, t.token, t.finish_reason, chosen_l[row][0], top)
