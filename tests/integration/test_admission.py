@@ -637,9 +637,10 @@ async def _run_tokens(engine: trio_mlx.Engine, prompt: str, **opts: Any) -> tupl
 
 async def test_the_step_trace_gives_the_wait_for_the_device_once_the_batch_runs_dry(
         tiny_model_fp32, tmp_path, monkeypatch):
-    """The step that empties the batch waits for the device's queued work (the finished rows'
-    KV copies, the removal) before it reads MLX's memory figures: its trace line gives that
-    wait as `settle_s`, part of its `next_s`; every other step's is 0."""
+    """Once the batch runs dry, its rows leave and the actor waits for the device's queued work
+    (their KV copies, the removal) before it reads MLX's memory figures, after the step's
+    report went over: a trace line of its own gives that wait as `settle_s`, part of its
+    `next_s`, with the batch empty; every other line's is 0."""
     import time
 
     import mlx.core as mx
@@ -658,3 +659,31 @@ async def test_the_step_trace_gives_the_wait_for_the_device_once_the_batch_runs_
     dry = [r for r in rows if r["settle_s"] > 0]
     assert len(dry) == 1 and dry[0]["live"] == 0 and dry[0]["rows"] == 0, rows
     assert 0.02 <= dry[0]["settle_s"] <= dry[0]["next_s"]
+
+
+async def test_a_batch_that_runs_dry_hands_its_last_tokens_over_before_its_rows_leave(tiny_model_fp32, monkeypatch):
+    """The step that empties the batch reports its tokens first; its rows' leaving and the wait
+    for the device (`Actor.settle`) come after, and then the idle figures: a client's last
+    token never waits for them. The wait is held here until the request has ended."""
+    import threading
+
+    import mlx.core as mx
+
+    sync, released, waits = mx.synchronize, threading.Event(), []
+
+    def held(*args: Any) -> None:
+        waits.append(released.wait(20))  # True: let go by the test, after the request ended
+        sync(*args)
+
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4, warmup=False) as engine:
+        with trio.fail_after(60):
+            monkeypatch.setattr(mx, "synchronize", held)
+            async with engine.generate("one", max_tokens=6, temperature=0, ignore_eos=True) as stream:
+                assert (await _drain(stream)).finish_reason == "length"
+            read_at = engine.statistics().memory_read_at  # the figures the steps read now and then
+            assert waits == []
+            released.set()
+            while engine.statistics().memory_read_at == read_at:  # noqa: ASYNC110
+                await trio.sleep(0.01)  # the idle figures, read once the device settled
+            monkeypatch.setattr(mx, "synchronize", sync)
+    assert waits == [True]

@@ -73,8 +73,11 @@ async def test_models_served_together_answer_as_each_does_alone(tmp_path):
                 await ask("three", prompt)
             states = {s.name: s.state for s in pool.status()}
             assert states == {"one": "loaded", "two": "unloaded", "three": "loaded"}
-            # two's arrays are gone, three's came: the same shape, so no more memory than before
-            assert mx.get_active_memory() <= before
+            # two's arrays are gone, three's came: the same shape, so no more memory than before,
+            # once three's last rows have left its batch (just after their last tokens went out)
+            with trio.fail_after(10):
+                while mx.get_active_memory() > before:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
             three = pool.engine("three")
             assert three is not None and three.info is not None and three.info.thread_id == thread
         await pool.aclose()

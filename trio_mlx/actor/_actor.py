@@ -131,7 +131,9 @@ class Actor:
         self._admission = Admission(config.tuning.admit_window, config.tuning.prefill_batch, self._rows, tokens, config.tuning.max_batch)
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
         self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
-        self._settled = 0.0  # seconds the last step waited for the device after running dry (the trace)
+        self._settled = 0.0  # seconds the last settle waited for the device (the trace)
+        self._dry: list[int] = []  # a dry batch's rows, to leave once its step's report is over (`settle`)
+        self._copies: list[Any] = []  # ... and their KV's copies into the prompt cache, started then
         self._reuse = Reuse(PromptCache(0))  # the prompt cache, off until warm (`_open_cache`)
         self._cached: list[tuple[int, int]] = []  # (rid, prompt tokens from the cache) this step
         self._spec_counts: list[tuple[int, int, int]] = []  # (rid, drafted, kept) this step (`_speculated`)
@@ -337,7 +339,7 @@ class Actor:
                 link.check()
                 self._hook("loop")  # outside the step's recovery: a fault here kills the actor
                 t0 = clock()
-                commands = self._next_commands(report)
+                commands = self._next_commands(report, trace)
                 t1 = clock()
                 turn = self.rank.turn(commands)
                 if turn is None:
@@ -351,12 +353,19 @@ class Actor:
             if trace is not None:
                 trace.close()
 
-    def _next_commands(self, report: StepReport) -> list[Command]:
-        """Hand the last step's report over and take the commands; with no work, wait
-        for more: blocked while idle, or asleep while admission holds arrivals for
-        company (sleep, not spin)."""
+    def _next_commands(self, report: StepReport, trace: StepTrace | None = None) -> list[Command]:
+        """Hand the last step's report over and take the commands (then `settle` what a
+        dry step left); with no work, wait for more: blocked while idle, or asleep while
+        admission holds arrivals for company (sleep, not spin)."""
         link, admission = self._link, self.rank.arrivals()
         commands = link.exchange(report)
+        t0 = time.perf_counter()
+        if (settled := self.settle(link)) is not None:
+            if trace is not None:
+                trace.settle_row(t0, time.perf_counter() - t0, settled.live, batch_rows(self._bg), self._settled)
+            self._settled = 0.0
+            if not commands:  # the idle figures, current
+                commands = link.exchange(settled)
         if not commands and not self.rank.busy():
             link.built()  # no step to build: a report held for one goes over now
             if not admission.pending:
@@ -387,6 +396,7 @@ class Actor:
 
     def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None:
         """Apply this step's commands; returns inserts that failed, or None on Shutdown."""
+        self.settle()  # rows a dry step left go before any other change (a no-op if settled)
         admission, schedule = self._admission, self.schedule
         now = time.perf_counter()
         removes: list[int] = []
@@ -520,9 +530,13 @@ class Actor:
             failed = failed + self._failed_rows
             self._failed_rows = []
         if dry := schedule.dry():  # the batch ran dry: nothing left to overlap
-            self._reuse.leaving(self._bg, dry)
-            remove_rows(self._bg, dry)
-            self._forget(dry)
+            if self.rank.settles_after_handover:  # their KV stored now, copied in `settle`
+                self._reuse.leaving(self._bg, dry, self._copies)
+                self._dry = dry
+            else:
+                self._reuse.leaving(self._bg, dry)
+                remove_rows(self._bg, dry)
+                self._forget(dry)
         prefilling, decoding, prompt_tokens = [], [], 0
         prefilled: list[tuple[int, int, int]] = []
         for pr in prompt_responses:
@@ -546,13 +560,8 @@ class Actor:
         schedule.steps += 1
         memory: tuple[int, int, int] | None = None
         if not schedule.seqs:
-            # The batch ran dry, and these figures stand while the server idles: let the KV
-            # copies into the prompt cache (async_eval'd) and the removal run first, or the
-            # read still counts the batch's buffers they free (the soak test saw 1.3 MB).
-            settle = time.perf_counter()
-            mx.synchronize(self._bg.stream)
-            self._settled = time.perf_counter() - settle
-            memory = memory_figures()
+            if not self._dry:  # else `settle` reads them, once the rows have left
+                memory = self._settled_figures()
         elif schedule.steps % _MEMORY_EVERY == 1:
             memory = memory_figures()
         cached, self._cached = tuple(self._cached), []
@@ -570,6 +579,32 @@ class Actor:
             prompt_cache=self._reuse.stats(),
             speculated=speculated,
         )
+
+    def _settled_figures(self) -> tuple[int, int, int]:
+        """MLX's memory figures, which stand while idle, once the device ran the batch's queued work
+        (KV copies, removal), or they count buffers it frees (the soak test saw 1.3 MB): `settle_s`."""
+        assert self._bg is not None
+        t0 = time.perf_counter()
+        mx.synchronize(self._bg.stream)
+        self._settled = time.perf_counter() - t0
+        return memory_figures()
+
+    def settle(self, link: ActorLink | None = None) -> StepReport | None:
+        """After the report of a step that emptied the batch (`Rank.settles_after_handover`): its rows'
+        KV copies (stored in it) start, the rows leave, the device settles: their last tokens wait for
+        none of it (docs/design.md, "Retirement"). Returns the idle figures' report, or None."""
+        dry, self._dry = self._dry, []
+        if not dry or self._bg is None:
+            return None
+        if link is not None:
+            link.built()  # the report it holds for the next graph goes over first
+        copies, self._copies = self._copies, []
+        with mx.stream(self._bg.stream):
+            mx.async_eval(copies)
+        remove_rows(self._bg, dry)
+        self._forget(dry)
+        return StepReport(memory=self._settled_figures(), prompt_cache=self._reuse.stats(),
+                          live=len(self._admission.pending) + self._reuse.parked)
 
     def _cut_prefill(self) -> None:
         """Cut the next prefill step's chunk: so that its attention scratch fits the prompts
@@ -756,6 +791,7 @@ class Actor:
         self._admission.readmit(self._reuse.reset(failed=failed), time.perf_counter())
         self.schedule.clear()
         self._failed_rows.clear()
+        self._dry, self._copies = [], []
         assert self._bg is not None
         try:
             self._bg.close()

@@ -506,6 +506,7 @@ class GroupRank(Rank):
 
     progress_cut = False  # every rank cuts its steps alike: by no rate measured on one
     disk = False  # every rank holds its own shard of the prompt cache, in lockstep: no disk tier
+    settles_after_handover = False  # a dry batch's rows leave in the step, on every rank alike
 
     _watch: Watchdog
     _timeout: float  # the bound on each wait once serving ...

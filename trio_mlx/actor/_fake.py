@@ -97,6 +97,10 @@ class FakeActor:
     def stop(self, clean: bool) -> None:
         self.stopped = True
 
+    def settle(self, link: Any = None) -> StepReport | None:
+        """What a dry step left for after its report (`Actor.settle`): a fake has no KV to copy."""
+        return None
+
     def turn(self, commands: Sequence[Any]) -> StepReport | None:
         """Apply the commands and run one step; None at Shutdown."""
         schedule = self.schedule

@@ -42,7 +42,7 @@ _IDLE_CHECK = 0.5
 class _Hosted:
     """One model's actor on the host, and what the host knows of it."""
 
-    actor: Any  # an `Actor` (or a stand-in with its hosted methods: start, due, turn, stop)
+    actor: Any  # an `Actor` (or a stand-in with its hosted methods: start, due, turn, settle, stop)
     link: ThreadLink
     done: trio.Event = field(default_factory=trio.Event)
     report: StepReport | None = None  # its last step's report, not handed over yet
@@ -209,6 +209,9 @@ class ActorHost:
             if hosted.report is not None:
                 report, hosted.report = hosted.report, None
                 commands = link.exchange(report)
+                if (settled := actor.settle(link)) is not None and not commands:
+                    hosted.report = settled  # a dry batch's rows left: the idle figures, next turn
+                    return
             else:
                 commands = link.take()
             if not commands:

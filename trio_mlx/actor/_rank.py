@@ -39,6 +39,10 @@ class Rank:
     disk = True
     # Whether this rank computes the logprobs a row asked for (a follower's tokens are nobody's).
     logprobs = True
+    # Whether a step that leaves the batch empty hands its report over before its rows leave
+    # (`Actor.settle`), so their last tokens do not wait for it: not in a group, whose ranks
+    # change their batches alike, in the step.
+    settles_after_handover = True
 
     actor: Any  # the `_actor.Actor` that holds it (typed loosely: that module imports this one)
 

@@ -17,7 +17,12 @@ class StepTrace:
     a step that computed from one that waited: for the GPU, or for the GIL), the
     tokens drafted in the step (0: a plain step; `generated` counts the kept ones), and
     the seconds of `next_s` the step waited for the device to finish its queued work
-    after the batch ran dry (before it reads MLX's memory figures; 0 in other steps)."""
+    after the batch ran dry (before it reads MLX's memory figures; 0 in other steps).
+
+    A single device's actor hands the report of a step that left the batch empty over
+    before those rows leave (`Actor.settle`): that is a line of its own, after the step's,
+    with no tokens, `next_s` the rows' leaving and the wait (`settle_s`) together, and
+    counted again in the next line's `exchange_s`."""
 
     HEADER = ("t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\tretired\trows\tcpu_s"
               "\tdrafted\tsettle_s\n")
@@ -40,6 +45,10 @@ class StepTrace:
         cpu, self._cpu = (now if self._cpu is None else self._cpu), now
         self._f.write(f"{t:.6f}\t{exchange:.6f}\t{next_s:.6f}\t{inserted}\t{generated}\t"
                       f"{prompt_tokens}\t{live}\t{retired}\t{rows}\t{now - cpu:.6f}\t{drafted}\t{settle:.6f}\n")
+
+    def settle_row(self, t: float, seconds: float, live: int, rows: int, settle: float) -> None:
+        """The line of a dry batch's rows leaving after its report went over (the class docstring)."""
+        self.row(t, 0.0, seconds, 0, 0, 0, live, 0, rows, 0, settle)
 
     def close(self) -> None:
         self._f.close()

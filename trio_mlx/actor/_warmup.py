@@ -186,6 +186,7 @@ class Rehearsed(Protocol):
     def _open_cache(self) -> None: ...
     def _apply(self, commands: Sequence[Command]) -> list[tuple[int, str]] | None: ...
     def _step(self, failed: list[tuple[int, str]]) -> StepReport: ...
+    def settle(self, link: Any = None) -> StepReport | None: ...
 
 
 def rehearse(actor: Rehearsed, token: int, length: int) -> None:
@@ -283,6 +284,7 @@ def _run_script(actor: Rehearsed, script: list[tuple[list[Command], Callable[[co
             failed = actor._apply([])
         else:
             raise RuntimeError(f"warm-up rehearsal made no progress: {dict(counts)}")
+    actor.settle()  # the dry batch's rows leave, as once a live step's report is over
 
 
 def _warm_grammar(model_path: os.PathLike[str]) -> Grammar | None:
