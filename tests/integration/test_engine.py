@@ -391,8 +391,8 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_fp32, mo
             return original(*args, **kwargs)
 
         monkeypatch.setattr(engine, "encode_prompt", spy)
-        monkeypatch.setattr(trio_mlx.engine._lanes, "_THREAD_TOKENIZE_CHARS", 100)
-        await run(engine, "word " * 40 + "end", max_tokens=2, ignore_eos=True)
+        # the default bound: a prompt of a few hundred tokens (1,100 characters) goes to a thread
+        await run(engine, "word " * 219 + "end", max_tokens=2, ignore_eos=True)
         await run(engine, "short", max_tokens=2, ignore_eos=True)
         main = threading.get_ident()
         assert threads[0] != main and threads[1] == main

@@ -1,10 +1,11 @@
 """Where a prompt is tokenized: on the event loop, in a worker thread, or in the long lane.
 
-Tokenizing holds the GIL (docs/design.md, rule 6). A short prompt costs less than the
-thread hop and is tokenized on the event loop; a long one in a worker thread (a limiter of
-half the cores, shared by every engine of the process); a very long one in a lane of its
-own, one at a time with a few waiting, so that it never holds up the others, and the heap
-it grew goes back to the system after.
+A fast tokenizer's encode releases the GIL for most of its work, but it occupies the
+thread that runs it: on the event loop, every stream's tokens wait for it (docs/design.md,
+rule 6). A short prompt costs about the thread hop and is tokenized on the event loop; a
+longer one in a worker thread (a limiter of half the cores, shared by every engine of the
+process); a very long one in a lane of its own, one at a time with a few waiting, so that
+it never holds up the others, and the heap it grew goes back to the system after.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from ._limiters import RunLimiter, half_the_cores
 # long ones, one at a time.
 tokenizer_limiter = RunLimiter("trio_mlx_tokenizer_limiter", half_the_cores)
 _big_tokenizer_limiter = RunLimiter("trio_mlx_big_tokenizer_limiter", lambda: 1)
-# Prompts longer than this many characters are tokenized in a worker thread so
-# the event loop keeps serving; shorter ones cost less than the thread hop.
-# The number is a judgement call, not a measurement.
-_THREAD_TOKENIZE_CHARS = 4096
+# Prompts longer than this many characters (~250 tokens) are tokenized in a worker thread so
+# the event loop keeps serving. On the 2-core CPU box the hop cost the loop ~70 us of CPU, and
+# ~400 tokens inline ~270 us; 64 users sending 512-token prompts with 4096 here, the streams
+# already running got their tokens 3x further apart (BENCHMARKS.md, "What the runtime does").
+_THREAD_TOKENIZE_CHARS = 1024
 # For those two choices a chat message counts this many characters besides its text: its
 # template costs about that much tokenizing (SmolLM2's template on the 2-core CPU box:
 # 1,000 empty messages took 18 ms, 4,096 characters of text in one message 1.9 ms), so a
