@@ -159,7 +159,9 @@ async def test_large_bodies_do_not_stall_the_event_loop(tiny_model_fp32: Path) -
                 worst = max(worst, trio.current_time() - t)
                 await trio.sleep(0.01)
         assert statuses == [400] * 8
-        assert worst < 1.0, worst  # before the count check: 2-4 s
+        # Before the count check: 2-4 s. Alone this measures 0.2-0.33 s; the clients share the
+        # server's event loop, and under CI's load (xdist neighbours) it reached 1.08 s once.
+        assert worst < 1.5, worst
 
 
 async def test_memory_taken_by_a_large_body_comes_back(tiny_model_fp32: Path) -> None:
