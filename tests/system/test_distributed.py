@@ -85,7 +85,10 @@ def _ring_ports() -> int:
 class Group:
     """`mlx.launch --backend ring -n 2 -- trio-mlx serve MODEL --distributed tensor` and its log."""
 
+    running: Group | None = None  # the last one started and not stopped: `complete` quotes its log
+
     def __init__(self, model: Path, log: Path, *extra: str, env: dict[str, str] | None = None):
+        Group.running = self
         self.log_path = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ring_ports()), "--",
@@ -129,6 +132,8 @@ class Group:
             assert not _alive(pid), f"rank process {pid} outlived the launcher"
 
     def stop(self) -> None:
+        if Group.running is self:
+            Group.running = None
         for pid in (self.leader, self.follower):
             if _alive(pid):
                 os.kill(pid, signal.SIGCONT)
@@ -156,7 +161,10 @@ def _alive(pid: int) -> bool:
 def complete(client: httpx.Client, url: str, prompt: str, **options: object) -> dict:
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **options}
     r = client.post(url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
+    # A failed request quotes the group's log: pytest removes it with its temporary folders, and
+    # a group failure seen once in CI could not be traced for want of it.
+    group = Group.running
+    assert r.status_code == 200, f"{r.text}\n--- the group's log, last lines:\n{group.text()[-4000:] if group else ''}"
     return r.json()
 
 
