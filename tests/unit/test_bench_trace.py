@@ -128,3 +128,39 @@ def test_the_step_trace_gives_each_steps_drafted_tokens(tmp_path):
     header, *lines = (tmp_path / "t.tsv").read_text().splitlines()
     rows = [dict(zip(header.split("\t"), line.split("\t"), strict=True)) for line in lines]
     assert [(r["generated"], r["drafted"]) for r in rows] == [("2", "0"), ("4", "7")]
+
+
+def test_trace_counts_a_dry_batch_s_settle_as_a_kind_of_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace with `settle_s`: the line of a dry batch's rows leaving after the report (no
+    tokens, a wait for the device) is a `settle`; an idle turn (no wait) is still no step."""
+    server = tmp_path / "server.tsv"
+    header = HEADER.rstrip("\n") + "\tdrafted\tsettle_s\n"
+    rows = [(*r, 0, 0.0) for r in SERVER if r is not None]
+    rows.insert(5, (0.140, 0.0, 0.015, 0, 0, 0, 0, 0, 0, 0.010, 0, 0.004))  # after r4: the settle
+    server.write_text(header + "".join("\t".join(map(str, r)) + "\n" for r in rows))
+    assert _bench.main(["trace", str(server)]) == 0
+    kinds = capsys.readouterr().out.splitlines()[2]
+    assert kinds.endswith("; settle 1 steps, 0.01 s (4%), mean 15.0 ms, cpu 0.01 s"), kinds
+
+
+def test_a_settle_line_is_left_out_of_the_next_lines_exchange(tmp_path):
+    """The settle runs after the step's report went over, inside the wait the next line calls
+    its exchange: that line's exchange leaves the settle out, once."""
+    from types import SimpleNamespace
+
+    from trio_mlx.actor._trace import StepTrace
+
+    trace = StepTrace(str(tmp_path / "t.tsv"))
+    step = SimpleNamespace(step_seconds=0.01, tokens=[1], prompt_tokens=0, live=0, speculated=())
+    trace.write(1.0, 0.001, step, 0, 0, 1)  # type: ignore[arg-type]
+    trace.settle_row(1.02, 0.25, 0, 0, 0.1)
+    trace.write(1.5, 0.7, step, 1, 0, 1)  # type: ignore[arg-type]
+    trace.write(1.6, 0.002, step, 0, 0, 1)  # type: ignore[arg-type]
+    trace.close()
+    header, *lines = (tmp_path / "t.tsv").read_text().splitlines()
+    rows = [dict(zip(header.split("\t"), line.split("\t"), strict=True)) for line in lines]
+    assert [(r["exchange_s"], r["next_s"], r["settle_s"]) for r in rows] == [
+        ("0.001000", "0.010000", "0.000000"), ("0.000000", "0.250000", "0.100000"),
+        ("0.450000", "0.010000", "0.000000"), ("0.002000", "0.010000", "0.000000")]

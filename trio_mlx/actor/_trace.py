@@ -21,8 +21,8 @@ class StepTrace:
 
     A single device's actor hands the report of a step that left the batch empty over
     before those rows leave (`Actor.settle`): that is a line of its own, after the step's,
-    with no tokens, `next_s` the rows' leaving and the wait (`settle_s`) together, and
-    counted again in the next line's `exchange_s`."""
+    with no tokens, `next_s` the rows' leaving and the wait (`settle_s`) together, and left
+    out of the next line's `exchange_s` (which it falls within)."""
 
     HEADER = ("t\texchange_s\tnext_s\tinserted\tgenerated\tprompt_tokens\tlive\tretired\trows\tcpu_s"
               "\tdrafted\tsettle_s\n")
@@ -31,9 +31,11 @@ class StepTrace:
         self._f = open(path, "a", buffering=1 << 16)  # closed in close()
         self._f.write(self.HEADER)
         self._cpu: float | None = None  # the stepping thread's, from its first line on
+        self._settling = 0.0  # the last settle line's seconds, out of the next line's exchange
 
     def write(self, t: float, exchange: float, report: StepReport, inserted: int, retired: int,
               rows: int, settle: float = 0.0) -> None:
+        exchange, self._settling = max(0.0, exchange - self._settling), 0.0
         self.row(t, exchange, report.step_seconds, inserted, len(report.tokens), report.prompt_tokens,
                  report.live, retired, rows, sum(d for _, d, _ in report.speculated), settle)
 
@@ -48,6 +50,7 @@ class StepTrace:
 
     def settle_row(self, t: float, seconds: float, live: int, rows: int, settle: float) -> None:
         """The line of a dry batch's rows leaving after its report went over (the class docstring)."""
+        self._settling = seconds
         self.row(t, 0.0, seconds, 0, 0, 0, live, 0, rows, 0, settle)
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ spent outside `next()` and the exchange (the actor's own work: inserting, removi
 rows), split into steps that removed rows and the rest; and, given the ceiling's trace,
 its median decode step at the same level. A server whose decode steps run slower than
 the ceiling's at the same level lost to the host, not to its scheduling. Then every
-step's time by kind (prefill, insert, removal, decode), whatever its level; and, where
+step's time by kind (prefill, insert, removal, decode, a dry batch's settle), whatever its level; and, where
 the server wrote its request trace beside (SERVER_TRACE.requests), its requests' intake
 and the gap from one request's end to the next arrival. Traces may be gzipped.
 """
@@ -28,6 +28,7 @@ LEVELS = (1, 8, 32, 64, 128, 256)
 # the columns read here, by the names of the trace's own header line (the actor's StepTrace)
 T, EXCHANGE, NEXT, INSERTED, GENERATED, PROMPT, LIVE, RETIRED, CPU = (
     "t", "exchange_s", "next_s", "inserted", "generated", "prompt_tokens", "live", "retired", "cpu_s")  # fmt: skip
+SETTLE = "settle_s"  # a column later traces have (read where present)
 
 
 def rows(path: str) -> list[dict[str, str]]:
@@ -102,14 +103,19 @@ def own_work(trace: list[dict[str, float]]) -> dict[int, dict[str, list[float]]]
 def step_kinds(trace: list[dict[str, float]]) -> dict[str, list[float]]:
     """Every step's time by kind, whatever its level: a step that took prompt tokens
     (`prefill`: mlx_lm runs the decoding rows' step in it too), inserted rows
-    (`insert`), removed retired ones (`removal`), or only decoded (`decode`).
+    (`insert`), removed retired ones (`removal`), or only decoded (`decode`); and the
+    line of a dry batch's rows leaving after the report of the step that emptied it
+    (`settle`: no tokens, a wait for the device in `settle_s`, traces that have it).
     Values: [steps, seconds in `next()`, seconds of the stepping thread's CPU]."""
     out: dict[str, list[float]] = {}
     for r in trace:
         if not (r[GENERATED] or r[PROMPT]):
-            continue  # an empty turn: an idle actor's
-        kind = ("prefill" if r[PROMPT] else "insert" if r[INSERTED] else
-                "removal" if r[RETIRED] else "decode")  # fmt: skip
+            if not r.get(SETTLE):
+                continue  # an empty turn: an idle actor's
+            kind = "settle"
+        else:
+            kind = ("prefill" if r[PROMPT] else "insert" if r[INSERTED] else
+                    "removal" if r[RETIRED] else "decode")  # fmt: skip
         k = out.setdefault(kind, [0, 0.0, 0.0])
         k[0] += 1
         k[1] += r[NEXT]
