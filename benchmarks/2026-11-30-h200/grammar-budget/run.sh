@@ -12,6 +12,9 @@
 #                         server's default), then on a server at c=1 (the bench at c=1 for 40 s)
 #   bash run.sh pool [SIZES]   probe_grammar_engine.py as `engine`, under `auto` alone, llguidance's pool
 #                         at each of SIZES threads in turn (POOL; default "12 4 12 4"), each with a trace
+#   bash run.sh blocking  `native`'s grammar engine, py-spy --native without --nonblocking, which
+#                         `native` took nothing with: it pauses the process for each sample (50 Hz),
+#                         so every sampled step runs longer by a pause
 #   bash run.sh handover [WAYS]   probe_grammar_engine.py as `pool`, the masks filled in place (view)
 #                         or handed over as a copy (MASK_COPY=1), in the order WAYS (default
 #                         "view copy view"), each with a trace
@@ -89,5 +92,20 @@ native)
     --requests-per-level 40 --max-tokens 256 --prompt-tokens 128 --quiet --out "$OUT/c1.json" > "$OUT/c1.log" 2>&1 & BP=$!
   sleep 8; spy $SP c1 4 direct; wait $BP; kill $SP; wait $SP 2>/dev/null
   tail -3 "$OUT/c1.log" | tee -a "$OUT/progress.txt";;
+blocking)
+  export PYTHONPATH=$PWD
+  P "== blocking grammar auto $(date +%T)"
+  GRAMMAR_MASKS=auto SHARES=1 TRIO_MLX_STEP_TRACE="$OUT/trace-blocking.tsv" timeout "${LIMIT:-150}" python3 \
+    benchmarks/probes/probe_grammar_engine.py /root/m1bs 64 512 1 array > >(stamp > "$OUT/blocking-grammar.txt") 2>&1 &
+  PID=$!
+  for w in $(seq 30); do
+    kill -0 $PID 2>/dev/null || break
+    CH=$(pgrep -P $PID python3 | head -1); [ -n "$CH" ] || { sleep 1; continue; }
+    P "spy window $w $(date +%T.%N | cut -c1-12)"
+    $SPY record -p $CH -d 5 -r 50 --threads --idle --native -f raw -o "$OUT/blocking-$(date +%H%M%S).txt" \
+      > /dev/null 2>> "$OUT/spy-errors.txt"
+  done
+  wait $PID
+  grep -E "round|x of free|warm-up" "$OUT/blocking-grammar.txt" | tee -a "$OUT/progress.txt";;
 esac
 P "== done $1 $(date +%T)"

@@ -3,7 +3,7 @@
 # says, plus SmolLM2's tokenizer files in /root/gpu-stage/smoltok):
 #   bash run.sh install   ../graph-cache/run.sh's install (/root/m1b, and /root/m1bs with SmolLM2's tokenizer)
 #   bash run.sh c1        one user, thread actor against process actor in the order thread, process,
-#                         process, thread; each server paired request by request with MLX's bare
+#                         process, thread (ORDER: another); each server paired request by request with MLX's bare
 #                         pipelined forward (../../2026-11-29-h200/actor-c1/run.sh's recipe, 256 tokens)
 #   bash run.sh levels    c=1 (bare), c=64 and c=256 (BatchGenerator) paired with one default server
 #                         (../../2026-11-29-h200/paired-levels/run.sh's recipe) with a step trace
@@ -18,7 +18,7 @@ case $1 in
 install) bash benchmarks/2026-11-30-h200/graph-cache/run.sh install;;
 c1)
   n=0
-  for a in thread process process thread; do
+  for a in ${ORDER:-thread process process thread}; do
     n=$((n+1))
     python3 -m trio_mlx.cli serve --model "$M" --port 8091 --actor $a > "$OUT/serve-$n-$a.log" 2>&1 & SP=$!
     up 8091
