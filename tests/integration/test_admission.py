@@ -687,3 +687,31 @@ async def test_a_batch_that_runs_dry_hands_its_last_tokens_over_before_its_rows_
                 await trio.sleep(0.01)  # the idle figures, read once the device settled
             monkeypatch.setattr(mx, "synchronize", sync)
     assert waits == [True]
+
+
+async def test_a_batch_that_runs_dry_hands_its_last_tokens_over_before_its_prompt_cache_copies(
+        tiny_model_fp32, monkeypatch):
+    """The step that empties the batch reports its tokens before it copies its finished rows' KV
+    into the prompt cache (building the copies takes the host time in every row and layer):
+    the copy is held here until the request has ended, and the entry is there after it."""
+    import threading
+
+    from trio_mlx.actor import _reuse
+
+    copy, released, waits = _reuse.copy_rows, threading.Event(), []
+
+    def held(*args: Any) -> Any:
+        waits.append(released.wait(20))  # True: let go by the test, after the request ended
+        return copy(*args)
+
+    monkeypatch.setattr(_reuse, "copy_rows", held)
+    async with trio_mlx.open_engine(tiny_model_fp32, max_batch=4, warmup=False) as engine:
+        with trio.fail_after(60):
+            async with engine.generate(" ".join(["word"] * 80), max_tokens=6, temperature=0,
+                                       ignore_eos=True) as stream:
+                assert (await _drain(stream)).finish_reason == "length"
+            assert waits == []
+            released.set()
+            while engine.statistics().prompt_cache_entries == 0:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+    assert waits == [True]

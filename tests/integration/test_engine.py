@@ -39,6 +39,14 @@ async def until(pred: Callable[[], bool], seconds: float = 10.0) -> None:
             await trio.sleep(0.001)
 
 
+async def settled(engine: trio_mlx.Engine) -> None:
+    """Until the statistics show what the last batch that ran dry left behind: the actor stores
+    such a batch's finished rows in the prompt cache after the report of their last tokens, and
+    before it applies any command, so the reports of one more request (too short to store)
+    carry the figures after it."""
+    await run(engine, "settle", max_tokens=1, temperature=0.0)
+
+
 PROMPTS = [
     "The quick brown fox",
     "Hello world, what is the capital of France?",

@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache
 
 import trio_mlx
-from integration.test_engine import run, until
+from integration.test_engine import run, settled, until
 from integration.test_speculative import _oracles
 from trio_mlx.actor._kv_quant import BatchQuantizedKVCache, RowQuantizedKVCache
 from trio_mlx.models import _models, _test_models
@@ -191,7 +191,7 @@ async def test_the_prompt_cache_holds_and_bounds_quantized_bytes(model_hd64):
     for bits in (None, 8):
         async with trio_mlx.open_engine(model_hd64, kv_bits=bits, prompt_cache_gb=bound / 1e9) as engine:
             await run(engine, prompt, max_tokens=n, **GREEDY)
-            await until(lambda e=engine: e.statistics().decoding == 0)
+            await settled(engine)
             s = engine.statistics()
             held[bits] = (s.prompt_cache_entries, s.prompt_cache_bytes)
     # the finished sequence: its prompt and its whole answer

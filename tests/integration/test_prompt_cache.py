@@ -12,7 +12,7 @@ import trio
 from app_server import CHAT, COMPLETIONS, serve
 
 import trio_mlx
-from integration.test_engine import collect, run, until
+from integration.test_engine import collect, run, settled, until
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -109,6 +109,7 @@ async def test_a_hit_whose_entry_is_evicted_meanwhile_keeps_its_tokens(tiny_mode
         async with trio.open_nursery() as nursery:
             for k in range(4):
                 nursery.start_soon(one, k)
+        await settled(engine)
         s = engine.statistics()
     assert s.prompt_cache_evictions >= 4 and s.prompt_cache_bytes <= 100e3
     assert any(n for _, n in got.values())  # the last stored conversation hit at least

@@ -102,7 +102,8 @@ class Run:
 
 
 def _serve(actor: Actor, script: dict[int, list[Any]], steps: int = 200) -> Run:
-    """The actor's own `_apply` and `_step` until it runs dry, `script[k]` applied before step k."""
+    """The actor's own `_apply`, `_step` and `settle` (as its loop runs them) until it runs dry,
+    `script[k]` applied before step k."""
     run = Run()
     for k in range(steps):
         failed = actor._apply(script.get(k, []))
@@ -120,6 +121,7 @@ def _serve(actor: Actor, script: dict[int, list[Any]], steps: int = 200) -> Run:
         run.spec_steps += [k] * len(report.speculated)
         run.rows.append(batch_rows(actor._bg))
         run.steps = k + 1
+        actor.settle()
         if k >= max(script, default=0) and not actor.schedule.seqs:
             break
     return run

@@ -132,8 +132,7 @@ class Actor:
         self._inserted = 0  # sequences inserted by the last _apply (for the step trace)
         self._failed_rows: list[tuple[int, str]] = []  # rows a grammar processor failed this step
         self._settled = 0.0  # seconds the last settle waited for the device (the trace)
-        self._dry: list[int] = []  # a dry batch's rows, to leave once its step's report is over (`settle`)
-        self._copies: list[Any] = []  # ... and their KV's copies into the prompt cache, started then
+        self._dry: list[int] = []  # a dry batch's rows, stored and gone once its step's report is over (`settle`)
         self._reuse = Reuse(PromptCache(0))  # the prompt cache, off until warm (`_open_cache`)
         self._cached: list[tuple[int, int]] = []  # (rid, prompt tokens from the cache) this step
         self._spec_counts: list[tuple[int, int, int]] = []  # (rid, drafted, kept) this step (`_speculated`)
@@ -530,8 +529,7 @@ class Actor:
             failed = failed + self._failed_rows
             self._failed_rows = []
         if dry := schedule.dry():  # the batch ran dry: nothing left to overlap
-            if self.rank.settles_after_handover:  # their KV stored now, copied in `settle`
-                self._reuse.leaving(self._bg, dry, self._copies)
+            if self.rank.settles_after_handover:  # their KV stored and copied in `settle`
                 self._dry = dry
             else:
                 self._reuse.leaving(self._bg, dry)
@@ -590,20 +588,21 @@ class Actor:
         return memory_figures()
 
     def settle(self, link: ActorLink | None = None) -> StepReport | None:
-        """After the report of a step that emptied the batch (`Rank.settles_after_handover`): its rows'
-        KV copies (stored in it) start, the rows leave, the device settles: their last tokens wait for
+        """After the report of a step that emptied the batch (`Rank.settles_after_handover`): the
+        finished rows' KV is copied into the prompt cache (building the copies takes the host time
+        in every row and layer), the rows leave, the device settles: their last tokens wait for
         none of it (docs/design.md, "Retirement"). Returns the idle figures' report, or None."""
         dry, self._dry = self._dry, []
         if not dry or self._bg is None:
             return None
         if link is not None:
             link.built()  # the report it holds for the next graph goes over first
-        copies, self._copies = self._copies, []
-        with mx.stream(self._bg.stream):
-            mx.async_eval(copies)
+        self._reuse.leaving(self._bg, dry)
         remove_rows(self._bg, dry)
         self._forget(dry)
-        return StepReport(memory=self._settled_figures(), prompt_cache=self._reuse.stats(),
+        # the figures whole, not `stats()`'s change: a report the loop drops (commands came) leaves
+        # the change to the next step's
+        return StepReport(memory=self._settled_figures(), prompt_cache=self._reuse.cache.stats(),
                           live=len(self._admission.pending) + self._reuse.parked)
 
     def _cut_prefill(self) -> None:
@@ -791,7 +790,7 @@ class Actor:
         self._admission.readmit(self._reuse.reset(failed=failed), time.perf_counter())
         self.schedule.clear()
         self._failed_rows.clear()
-        self._dry, self._copies = [], []
+        self._dry = []
         assert self._bg is not None
         try:
             self._bg.close()

@@ -553,12 +553,10 @@ def plain_kv(model: Any) -> bool:
     return all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
-def copy_rows(bg: Any, lengths: dict[int, int], unstarted: list[Any] | None = None
-              ) -> dict[int, tuple[list[Any], list[int]]]:
+def copy_rows(bg: Any, lengths: dict[int, int]) -> dict[int, tuple[list[Any], list[int]]]:
     """Copies of decoding rows' KV: for each uid in `lengths` found in the decoding batch,
     one `KVCache` per layer holding the row's first `n` tokens, and the token ids they
-    hold (`(caches, tokens)`). Started at once (`async_eval`), or, given `unstarted`, its
-    arrays go there for the caller to start before the batch changes.
+    hold (`(caches, tokens)`), started at once (`async_eval`).
 
     mlx_lm's `BatchGenerator.extract_cache` (and `BatchKVCache.extract`) reads the
     batch's left padding back to the host in every layer. It needs none: a
@@ -591,9 +589,7 @@ def copy_rows(bg: Any, lengths: dict[int, int], unstarted: list[Any] | None = No
                 layers.append(kv)
             arrays += [a for kv in layers for a in (*kv_arrays(kv.keys), *kv_arrays(kv.values))]
             out[uid] = (layers, list(held[:n]))
-        if unstarted is not None:
-            unstarted += arrays
-        elif arrays:
+        if arrays:
             mx.async_eval(arrays)  # now, so that the batch's buffers are not held past the next step
     return out
 

@@ -198,16 +198,15 @@ class Reuse:
         if self.cache.enabled:
             self._finishing[uid] = (tokens, salt)
 
-    def leaving(self, bg: Any, uids: list[int], unstarted: list[Any] | None = None) -> None:
-        """Rows about to be removed: store the finished ones' prompts and answers (their
-        copies' arrays to `unstarted`, if given: `_batch.copy_rows`)."""
+    def leaving(self, bg: Any, uids: list[int]) -> None:
+        """Rows about to be removed: store the finished ones' prompts and answers."""
         if not self._finishing:
             return
         found = {uid: f for uid in uids if (f := self._finishing.pop(uid, None)) is not None}
         if not found:
             return
         self.cache.relieve()
-        for uid, (layers, tokens) in copy_rows(bg, {uid: n for uid, (n, _) in found.items()}, unstarted).items():
+        for uid, (layers, tokens) in copy_rows(bg, {uid: n for uid, (n, _) in found.items()}).items():
             self.cache.store(tokens, layers, found[uid][1])
 
     def dropped(self, uid: int, layers: list[Any] | None, tokens: list[int] | None) -> None:
