@@ -1,7 +1,7 @@
 """Probe (GPU ceiling): MLX's own decode forward, pipelined, with nothing of a server around it.
 
     python benchmarks/probes/probe_bare_forward.py MODEL_DIR [--rows 1,64] [--steps 200] [--rounds 3]
-        [--cache plain,batch,batch-nomask]
+        [--cache plain,batch,batch-nomask,batch-shared,batch-int]
 
 For each width B: B rows of 128 random prompt tokens are prefilled into mlx-lm's
 plain KV caches, then `steps` greedy decode steps run as mlx-lm's single-stream
@@ -14,7 +14,10 @@ reports beside the BatchGenerator's; this probe keeps the variants. `--cache` al
 the caches a batch decodes with: `batch`, mlx-lm's BatchKVCache (no padding:
 its decode step then still builds an attention mask and rotates by per-row
 offsets), and `batch-nomask`, the same with the mask left out, as a plain
-cache has none at one token.
+cache has none at one token. Two more split what the batch cache costs beyond its mask:
+`batch-shared`, every layer taking the first layer's offset (one addition a step, not one a
+layer), and `batch-int`, the offset a Python int (no row is padded, so every row's offset is
+the cache's length: RoPE by a scalar offset, as a plain cache's, and no addition at all).
 """
 from __future__ import annotations
 
@@ -34,13 +37,40 @@ class _NoMask(BatchKVCache):
         return None if N == 1 else super().make_mask(N, return_array=return_array, **kwargs)
 
 
+class _Shared(_NoMask):
+    """Layers after the first take its offset: mlx-lm's models advance every layer's cache
+    alike, and the first layer's `update_and_fetch` runs before the others' in a forward."""
+
+    lead: BatchKVCache
+
+    def update_and_fetch(self, keys, values):
+        grows = self.keys is None or self._idx + keys.shape[2] > self.keys.shape[2]
+        if self.lead is self or grows:
+            return super().update_and_fetch(keys, values)
+        prev = self._idx
+        self.offset = self.lead.offset
+        self._idx += keys.shape[2]
+        self.keys[..., prev : self._idx, :] = keys
+        self.values[..., prev : self._idx, :] = values
+        return self.keys_and_values()
+
+
+def _caches(model, rows: int, kind: str) -> list:
+    cls = {"batch": BatchKVCache, "batch-nomask": _NoMask, "batch-shared": _Shared, "batch-int": _NoMask}[kind]
+    cache = [cls([0] * rows) for _ in model.layers]
+    for c in cache:
+        c.lead = cache[0]
+        if kind == "batch-int":
+            c.offset = 0  # no row padded: the offset is the cache's length, a Python int
+    return cache
+
+
 def run(model, vocab: int, rows: int, steps: int, kind: str = "plain") -> float:
     if kind == "plain":  # the bench's own bare ceiling: its decode steps' seconds
         prompts = mx.random.randint(0, vocab, (rows, 128)).tolist()
         return bare_level(model, prompts, steps + 1)["decode_s"]
     else:
-        cls = BatchKVCache if kind == "batch" else _NoMask
-        cache = [cls([0] * rows) for _ in model.layers]
+        cache = _caches(model, rows, kind)
     prompt = mx.random.randint(0, vocab, (rows, 128))
     logits = model(prompt, cache=cache)
     y = mx.argmax(logits[:, -1, :], axis=-1)
