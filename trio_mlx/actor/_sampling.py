@@ -120,8 +120,6 @@ def make_processors(sp: SamplingParams, prompt_len: int, context: int) -> list[A
     return procs
 
 
-
-
 def add_logprobs(out: list[TokenOut], rows: list[tuple[int, Any, Any]]) -> None:
     """mlx-lm's step: the chosen token's logprob and the top-k alternatives for the rows that
     asked (`(index in out, the generator's response, the Seq)`), in one eval."""

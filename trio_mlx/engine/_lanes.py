@@ -24,9 +24,9 @@ from ._limiters import RunLimiter, half_the_cores
 tokenizer_limiter = RunLimiter("trio_mlx_tokenizer_limiter", half_the_cores)
 _big_tokenizer_limiter = RunLimiter("trio_mlx_big_tokenizer_limiter", lambda: 1)
 # Prompts longer than this many characters (~250 tokens) are tokenized in a worker thread so
-# the event loop keeps serving. On the 2-core CPU box the hop cost the loop ~70 us of CPU, and
-# ~400 tokens inline ~270 us; 64 users sending 512-token prompts with 4096 here, the streams
-# already running got their tokens 3x further apart (BENCHMARKS.md, "What the runtime does").
+# the event loop keeps serving: past it, encoding inline costs the loop more than the hop, and
+# prompts arriving together push the running streams' tokens apart (BENCHMARKS.md, "What the
+# runtime does").
 _THREAD_TOKENIZE_CHARS = 1024
 # For those two choices a chat message counts this many characters besides its text: its
 # template costs about that much tokenizing (SmolLM2's template on the 2-core CPU box:
