@@ -1,7 +1,7 @@
 """Probe (GPU ceiling): MLX's own decode forward, pipelined, with nothing of a server around it.
 
     python benchmarks/probes/probe_bare_forward.py MODEL_DIR [--rows 1,64] [--steps 200] [--rounds 3]
-        [--cache plain,batch,batch-nomask,batch-shared,batch-int]
+        [--cache plain,batch,batch-nomask,batch-shared,batch-int,batch-after]
 
 For each width B: B rows of 128 random prompt tokens are prefilled into mlx-lm's
 plain KV caches, then `steps` greedy decode steps run as mlx-lm's single-stream
@@ -18,6 +18,9 @@ cache has none at one token. Two more split what the batch cache costs beyond it
 `batch-shared`, every layer taking the first layer's offset (one addition a step, not one a
 layer), and `batch-int`, the offset a Python int (no row is padded, so every row's offset is
 the cache's length: RoPE by a scalar offset, as a plain cache's, and no addition at all).
+`batch-after` is what the actor does (`_step_caches.share_offsets`): every layer builds its
+addition, and after the forward is built every layer is given the first layer's offset, so the
+others' additions are never evaluated.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from trio_mlx.actor._ceiling import bare_level
+from trio_mlx.actor._step_caches import share_offsets
 from trio_mlx.models import load_model
 
 
@@ -56,7 +60,8 @@ class _Shared(_NoMask):
 
 
 def _caches(model, rows: int, kind: str) -> list:
-    cls = {"batch": BatchKVCache, "batch-nomask": _NoMask, "batch-shared": _Shared, "batch-int": _NoMask}[kind]
+    cls = {"batch": BatchKVCache, "batch-nomask": _NoMask, "batch-shared": _Shared, "batch-int": _NoMask,
+           "batch-after": _NoMask}[kind]
     cache = [cls([0] * rows) for _ in model.layers]
     for c in cache:
         c.lead = cache[0]
@@ -78,6 +83,8 @@ def run(model, vocab: int, rows: int, steps: int, kind: str = "plain") -> float:
 
     def step(tok):
         out = model(tok[:, None], cache=cache)
+        if kind == "batch-after":
+            share_offsets(cache)
         return mx.argmax(out[:, -1, :], axis=-1)
 
     nxt = step(y)

@@ -516,7 +516,8 @@ def test_an_owned_decode_step_keeps_the_batch_as_mlx_lm_keeps_it(tiny_model_fp32
     `GenerationBatch.__init__` and `_step` set (its `extend` and `filter` read them), keep
     `tokens` (what each row's KV holds: `copy_rows`) and `_next_tokens` as they do, and
     `BatchGenerator._next` must count its report by `len()`; the greedy tokens are the
-    stock generator's, with rows entering and leaving. A group that joins the decoding rows'
+    stock generator's, with rows entering and leaving, and every layer's cache holds the
+    stock offsets in one array (`_step_caches.share_offsets`). A group that joins the decoding rows'
     step (`_join`: `bg._currently_processing`'s segments and progress, the prompt batch's
     `Response`) has the prompt responses `_next` would have given it (`next_step`)."""
     from trio_mlx.actor._decode import Decoder, DecodeRow
@@ -552,9 +553,14 @@ def test_an_owned_decode_step_keeps_the_batch_as_mlx_lm_keeps_it(tiny_model_fp32
         batch = bg._generation_batch
         held = [list(t) for t in batch.tokens]
         assert len(batch._next_tokens.tolist()) == len(batch.uids) == 2
-        return out, set(vars(batch)) - {"_step", "next"}, held, bg._counters.generation_tokens, prompted
+        offsets = {id(c.offset) for c in batch.prompt_cache}  # one array for every layer where owned
+        assert len(offsets) == (1 if owned else len(batch.prompt_cache))
+        offsets_held = [c.offset.tolist() for c in batch.prompt_cache]
+        return (out, set(vars(batch)) - {"_step", "next"}, held, bg._counters.generation_tokens, prompted,
+                offsets_held)
 
     stock, owned = run(False), run(True)
+    assert owned[5] == stock[5]
     assert owned[0] == stock[0] and len(owned[0]) == 3
     assert owned[1] == stock[1]
     assert owned[2] == stock[2]
@@ -575,7 +581,7 @@ def test_a_one_token_step_of_an_unpadded_batch_has_no_attention_mask():
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from trio_mlx.actor._batch import unmask_unpadded
+    from trio_mlx.actor._step_caches import unmask_unpadded
 
     def filled(padding: list[int]) -> list[BatchKVCache]:
         caches = [BatchKVCache(padding) for _ in range(2)]
@@ -596,6 +602,56 @@ def test_a_one_token_step_of_an_unpadded_batch_has_no_attention_mask():
         c.filter([0])  # the padded row leaves: mlx_lm trims the padding all rows share
     assert unmask_unpadded(padded)
     assert all(c.make_mask(1) is None for c in padded)
+
+
+def test_layers_sharing_one_offset_array_stay_as_layers_that_do_not():
+    """`share_offsets` leaves one offset array in every layer's cache: sound only while mlx_lm's
+    batch caches (and `_kv_quant`'s) assign a new offset array in each method, never change one
+    in place (`+=` on an MLX array changes it for every holder, so each layer's call would
+    land on all of them). Each method a decoding batch's caches go through, called layer by
+    layer, must leave shared and unshared caches with the same offsets; and caches at
+    different positions keep their own."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from trio_mlx.actor._kv_quant import BatchQuantizedKVCache
+    from trio_mlx.actor._step_caches import share_offsets
+
+    def layers(kind, shared: bool) -> list:
+        made = [kind([1, 0]) if kind is BatchKVCache else kind([1, 0], 32, 8) for _ in range(3)]
+        kv = mx.ones((2, 1, 3, 32))
+        for c in made:
+            c.update_and_fetch(kv, kv)
+        if shared:
+            share_offsets(made)
+            assert len({id(c.offset) for c in made}) == 1
+        return made
+
+    def other(kind) -> list:
+        made = [kind([2]) if kind is BatchKVCache else kind([2], 32, 8) for _ in range(3)]
+        for c in made:
+            c.update_and_fetch(mx.ones((1, 1, 4, 32)), mx.ones((1, 1, 4, 32)))
+        return made
+
+    for kind in (BatchKVCache, BatchQuantizedKVCache):
+        steps = [
+            lambda c, i: c.update_and_fetch(mx.ones((2, 1, 1, 32)), mx.ones((2, 1, 1, 32))),
+            lambda c, i: c.trim(1),
+            lambda c, i, kind=kind: c.extend(other(kind)[i]),
+            lambda c, i: c.filter([0, 2]),
+            lambda c, i: c.update_and_fetch(mx.ones((2, 1, 1, 32)), mx.ones((2, 1, 1, 32))),
+        ]
+        a, b = layers(kind, True), layers(kind, False)
+        for step in steps:
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                step(x, i)
+                step(y, i)
+            assert [c.offset.tolist() for c in a] == [c.offset.tolist() for c in b]
+        assert a[0].offset.tolist() == [3, 3]
+        apart = layers(kind, False)
+        apart[1].trim(1)
+        share_offsets(apart)  # layer 1 is behind the others: no sharing
+        assert [c.offset.tolist() for c in apart] == [[2, 3], [1, 2], [2, 3]]
 
 
 def test_prompts_left_counts_what_the_next_prefill_steps_take(tiny_model_fp32):

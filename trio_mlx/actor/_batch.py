@@ -36,7 +36,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt_cache
 
 from ._decode import Decoder, DecodeRow
-from ._kv_quant import BatchQuantizedKVCache, RowQuantizedKVCache, kv_arrays, kv_map
+from ._kv_quant import RowQuantizedKVCache, kv_arrays, kv_map
 from ._row_adapters import RowAdapters, selected
 from ._shapes import (
     few_queries,
@@ -44,6 +44,7 @@ from ._shapes import (
     prefill_chunk,
     row_by_row,
 )
+from ._step_caches import BATCH_KV, share_offsets, unmask_unpadded
 
 
 def batch_rows(bg: Any) -> int:
@@ -128,11 +129,6 @@ def _keeping(caches: list[Any], keep: _KeepRows, call: Callable[..., Any], *args
     finally:
         for c in caches:
             vars(c).pop("filter", None)
-
-
-# The batch caches the helpers here work on: plain KV, and quantized KV (`kv_bits`), whose
-# keys and values are (data, scales, biases) triples in the same layout (`_kv_quant.py`).
-BATCH_KV = (BatchKVCache, BatchQuantizedKVCache)
 
 
 def _kv_caches(batch: Any) -> list[Any] | None:
@@ -349,6 +345,7 @@ def _owned_step(decoder: Decoder, batch: Any, first: bool) -> tuple[list[int], l
     unmask_unpadded(batch.prompt_cache)
     with adapter_rows(batch.model, batch.uids):
         logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
+    share_offsets(batch.prompt_cache)
     # None, or the masks filling while `step` has MLX encode the forward just built
     early = decoder.masks_first(batch.samplers, inputs, first)
     sampled, fed = decoder.step(logits, batch.samplers, inputs, first, early)
@@ -357,55 +354,6 @@ def _owned_step(decoder: Decoder, batch: Any, first: bool) -> tuple[list[int], l
     for held, t in zip(batch.tokens, fed, strict=True):
         held.append(t)
     return fed, batch._current_logprobs
-
-
-def _one_token_no_mask(cache: Any) -> Callable[..., Any]:
-    """`cache.make_mask` without a mask at one token, and "causal" for several (what the
-    left padding's array says where there is none). It holds the cache weakly: a strong
-    reference from the cache's own attribute would make a cycle, which keeps the cache's KV
-    alive after the batch drops it, until the cyclic collector happens to run."""
-    ref: Callable[[], Any] = weakref.ref(cache)
-
-    def make_mask(N: int, return_array: bool = False, **kwargs: Any) -> Any:
-        if N == 1:
-            return None
-        if return_array or kwargs.get("window_size"):
-            c = ref()  # a `BatchKVCache` or a `BatchQuantizedKVCache`: one mask
-            return type(c).make_mask(c, N, return_array=return_array, **kwargs)
-        return "causal"  # no row padded: several tokens (a speculative step) need only causality
-
-    return make_mask
-
-
-def unmask_unpadded(caches: list[Any]) -> bool:
-    """Leave the attention mask out of a one-token step where no row of the batch is padded;
-    returns whether none is (every row at one position, the rows in lockstep).
-
-    `BatchKVCache.make_mask` builds a causal mask with the rows' left padding at every step,
-    and attention with an array mask takes a slower path than with none: a decode step at
-    one row cost 1.4 ms more with the mask (1B shape; BENCHMARKS.md, "The actor's decode
-    step"). With no
-    padding a one-token query may see every cached position, which is what no mask means,
-    as a plain `KVCache` has none at one token. The padding is read back (a device
-    round trip) only when its array is a new one, i.e. after rows entered or left (`extend`,
-    `filter`, `prepare`, `finalize` each assign a new array); each layer's cache then has
-    its `make_mask` overridden or restored. Caches of other kinds keep theirs."""
-    first: Any = caches[0] if caches else None
-    if type(first) not in BATCH_KV:
-        return False
-    padding = first.left_padding
-    if vars(first).get("_trio_padding_seen") is padding:
-        return "make_mask" in vars(first)  # as last read: overridden where unpadded
-    unpadded = not bool(mx.any(padding > 0).item())
-    for c in caches:
-        if type(c) not in BATCH_KV:
-            continue
-        if unpadded:
-            vars(c)["make_mask"] = _one_token_no_mask(c)
-        else:
-            vars(c).pop("make_mask", None)
-    vars(first)["_trio_padding_seen"] = padding
-    return unpadded
 
 
 def first_token_waits(bg: Any, batch: Any) -> bool:

@@ -75,11 +75,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._batch import Decoded, Speculated, _kv_caches, adapter_rows, roll_right, unmask_unpadded
+from ._batch import Decoded, Speculated, _kv_caches, adapter_rows, roll_right
 from ._decode import Decoder
 from ._drafting import Proposal
 from ._kv_quant import kv_map
 from ._speculate import accepted
+from ._step_caches import share_offsets, unmask_unpadded
 
 
 def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
@@ -108,6 +109,7 @@ def speculative_step(decoder: Decoder, batch: Any) -> Decoded | None:
     batch._current_logprobs = batch._next_logprobs
     with adapter_rows(batch.model, batch.uids):
         logits = batch.model.verify(inputs, cache=caches)
+    share_offsets(caches)
     width = logits.shape[-1]
     room = [0 if p is None else p.k for p in proposals]  # the drafts each row may keep
     masks: list[Any] = [None] * n
