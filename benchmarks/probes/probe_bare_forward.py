@@ -1,7 +1,7 @@
 """Probe (GPU ceiling): MLX's own decode forward, pipelined, with nothing of a server around it.
 
     python benchmarks/probes/probe_bare_forward.py MODEL_DIR [--rows 1,64] [--steps 200] [--rounds 3]
-        [--cache plain,batch,batch-nomask,batch-shared,batch-int,batch-after]
+        [--cache plain,batch,batch-nomask,batch-shared,batch-int,batch-after,batch-padded] [--phases]
 
 For each width B: B rows of 128 random prompt tokens are prefilled into mlx-lm's
 plain KV caches, then `steps` greedy decode steps run as mlx-lm's single-stream
@@ -20,7 +20,13 @@ layer), and `batch-int`, the offset a Python int (no row is padded, so every row
 the cache's length: RoPE by a scalar offset, as a plain cache's, and no addition at all).
 `batch-after` is what the actor does (`_step_caches.share_offsets`): every layer builds its
 addition, and after the forward is built every layer is given the first layer's offset, so the
-others' additions are never evaluated.
+others' additions are never evaluated. `batch-padded` is `batch-after` with the rows left-padded
+by 0, 2, 4, ... tokens (rows that entered apart): mlx-lm's array mask at every step, which on
+CUDA takes `_cuda_attention.py`'s kernel (`_shapes.few_queries`), as the actor's padded step does.
+
+`--phases` splits each step's wall time on the host: building the graph (the forward and the
+argmax), `mx.async_eval` (MLX encoding and launching it), and the read of the step before
+(waiting on the device). A step whose read takes nothing is bound by the host.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from trio_mlx.actor._ceiling import bare_level
+from trio_mlx.actor._shapes import few_queries
 from trio_mlx.actor._step_caches import share_offsets
 from trio_mlx.models import load_model
 
@@ -61,8 +68,9 @@ class _Shared(_NoMask):
 
 def _caches(model, rows: int, kind: str) -> list:
     cls = {"batch": BatchKVCache, "batch-nomask": _NoMask, "batch-shared": _Shared, "batch-int": _NoMask,
-           "batch-after": _NoMask}[kind]
-    cache = [cls([0] * rows) for _ in model.layers]
+           "batch-after": _NoMask, "batch-padded": BatchKVCache}[kind]
+    padding = [2 * i for i in range(rows)] if kind == "batch-padded" else [0] * rows
+    cache = [cls(padding) for _ in model.layers]
     for c in cache:
         c.lead = cache[0]
         if kind == "batch-int":
@@ -70,7 +78,9 @@ def _caches(model, rows: int, kind: str) -> list:
     return cache
 
 
-def run(model, vocab: int, rows: int, steps: int, kind: str = "plain") -> float:
+def run(model, vocab: int, rows: int, steps: int, kind: str = "plain", phases: list | None = None) -> float:
+    """The decode steps' seconds; with `phases` (and a batch cache), each step's host seconds
+    building, in `async_eval` and reading back are appended to it."""
     if kind == "plain":  # the bench's own bare ceiling: its decode steps' seconds
         prompts = mx.random.randint(0, vocab, (rows, 128)).tolist()
         return bare_level(model, prompts, steps + 1)["decode_s"]
@@ -82,19 +92,26 @@ def run(model, vocab: int, rows: int, steps: int, kind: str = "plain") -> float:
     mx.eval(y)
 
     def step(tok):
-        out = model(tok[:, None], cache=cache)
-        if kind == "batch-after":
+        with few_queries(kind == "batch-padded"):
+            out = model(tok[:, None], cache=cache)
+        if kind in ("batch-after", "batch-padded"):
             share_offsets(cache)
         return mx.argmax(out[:, -1, :], axis=-1)
 
+    clock = time.perf_counter
     nxt = step(y)
     mx.async_eval(nxt)
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(steps):
         cur = nxt
+        a = clock()
         nxt = step(cur)
+        b = clock()
         mx.async_eval(nxt)
+        c = clock()
         cur.tolist()  # the host reads step k while step k+1 computes
+        if phases is not None:
+            phases.append((b - a, c - b, clock() - c))
     mx.eval(nxt)
     return time.perf_counter() - t0
 
@@ -106,6 +123,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cache", default="plain")
+    ap.add_argument("--phases", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
     model, config = load_model(args.model)
@@ -117,12 +135,16 @@ def main() -> None:
             run(model, vocab, rows, 20, kind)  # compile this width's kernels
         for rnd in range(args.rounds):
             for kind in kinds if rnd % 2 == 0 else kinds[::-1]:  # the host drifts: alternate
-                secs = run(model, vocab, rows, args.steps, kind)
+                split: list | None = [] if args.phases and kind != "plain" else None
+                secs = run(model, vocab, rows, args.steps, kind, split)
                 r = {"rows": rows, "cache": kind, "round": rnd, "tok_s": rows * args.steps / secs,
                      "ms_step": 1e3 * secs / args.steps}
+                line = f"rows={rows:4d} {kind:12s} round {rnd}: {r['tok_s']:9.1f} tok/s {r['ms_step']:7.2f} ms/step"
+                if split:
+                    r["ms_build_eval_read"] = [1e3 * sum(p[i] for p in split) / len(split) for i in range(3)]
+                    line += "  build {:.2f} async_eval {:.2f} read {:.2f}".format(*r["ms_build_eval_read"])
                 results.append(r)
-                print(f"rows={rows:4d} {kind:12s} round {rnd}: {r['tok_s']:9.1f} tok/s {r['ms_step']:7.2f} ms/step",
-                      flush=True)
+                print(line, flush=True)
         mx.clear_cache()
     if args.out:
         with open(args.out, "w") as f:

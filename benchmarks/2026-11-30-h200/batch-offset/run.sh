@@ -7,6 +7,11 @@
 #                       205e701 trio_mlx`) against this one, in the order ORDER (default old new new
 #                       old), each paired request by request with MLX's bare pipelined forward
 #                       (../link-join/run.sh c1's recipe, 256 tokens)
+#   bash run.sh padded  probe_bare_forward.py --phases at 16 and 64 rows: the plain cache, the actor's
+#                       unpadded step (`batch-after`) and its padded one (`batch-padded`), 3 rounds
+#   bash run.sh grammar ../graph-cache/run.sh grammar 1 512 array: 64 rows held to the array schema
+#                       against free rows of the same tokens (on /root/m1bs); the old tree's from
+#                       .gpuold, with `ln -s ../benchmarks .gpuold/` and this run from there
 # Results and progress.txt under $OUT.
 set -u
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
@@ -19,6 +24,11 @@ probe)
   PYTHONPATH=$PWD python3 benchmarks/probes/probe_bare_forward.py "$M" --rows 1,64 --steps 300 --rounds 4 \
     --cache plain,batch-nomask,batch-shared,batch-after --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
   tee -a "$OUT/progress.txt" < "$OUT/probe.txt";;
+padded)
+  PYTHONPATH=$PWD python3 benchmarks/probes/probe_bare_forward.py "$M" --rows 16,64 --steps 200 --rounds 3 \
+    --cache plain,batch-after,batch-padded --phases --out "$OUT/padded.json" > "$OUT/padded.txt" 2>&1
+  tee -a "$OUT/progress.txt" < "$OUT/padded.txt";;
+grammar) PYTHONPATH=$PWD bash benchmarks/2026-11-30-h200/graph-cache/run.sh grammar 1 512 array;;
 c1)
   n=0
   for t in ${ORDER:-old new new old}; do
