@@ -586,10 +586,20 @@ async def test_a_request_into_a_narrow_batch_gets_its_first_token_with_the_step_
         tiny_model_fp32, tmp_path, monkeypatch, actor):
     """mlx_lm reports a row's first token at the step after the one that samples it; into a
     batch where at most `EARLY_FIRST_BESIDE` rows decode the actor reads it at once
-    (`Actor._first_tokens`), a step sooner, and the tokens are the same. A request entering
+    (`Actor._first_tokens`), a step sooner, and the tokens are the same; that step's report
+    says so (`first`), and the thread's link hands it over at once. A request entering
     beside more decoding rows waits for that step."""
+    from trio_mlx.actor import _link
     from trio_mlx.actor._batch import EARLY_FIRST_BESIDE
 
+    reports = []
+    exchange = _link.ThreadLink.exchange
+
+    def recording(self, report):
+        reports.append(report)
+        return exchange(self, report)
+
+    monkeypatch.setattr(_link.ThreadLink, "exchange", recording)
     opts = dict(temperature=0, ignore_eos=True)
     wide = EARLY_FIRST_BESIDE + 1
     async with _traced_engine(tiny_model_fp32, tmp_path, monkeypatch, actor=actor, max_batch=wide + 1,
@@ -616,6 +626,10 @@ async def test_a_request_into_a_narrow_batch_gets_its_first_token_with_the_step_
     assert rows[starts[3] + 2]["generated"] == 1
     # beside `wide` decoding rows: the decoding rows' tokens only, its own a step later
     assert rows[starts[-1] + 1]["generated"] == rows[starts[-1] + 1]["rows"] - 1 == wide
+    if actor == "thread":  # the lone request's first token: the first report with tokens
+        lone = next(r for r in reports if r.tokens)
+        assert lone.first and not lone.prompt_tokens and len(lone.tokens) == 1
+        assert any(r.tokens and not r.first for r in reports)  # decode steps' reports: held
     assert len(alone[0]) == 5 and alone[0] == beside[0] == crowded[0] and len(one[0]) == 1
     assert len(alone[1]) == 5
     for a, b in zip(alone[1], beside[1], strict=True):  # the first token's logprobs too

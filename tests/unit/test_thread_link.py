@@ -16,6 +16,7 @@ from trio_mlx.actor._protocol import Abort, StepReport, TokenOut
 
 REPORT = StepReport(tokens=(TokenOut(1, 5),))
 PREFILL = StepReport(tokens=(TokenOut(2, 6),), prompt_tokens=12)
+FIRST = StepReport(tokens=(TokenOut(3, 7),), first=True)  # first tokens read in the step that sampled them
 
 
 class _Port:
@@ -82,10 +83,14 @@ async def test_a_decode_report_goes_over_once_the_next_graph_is_built(arm):
     assert port.reports == [REPORT]
 
 
-async def test_a_prefill_report_goes_over_at_once():
+@pytest.mark.parametrize("report", [PREFILL, FIRST], ids=["prefill", "first-tokens"])
+async def test_a_report_with_first_tokens_goes_over_at_once(report):
+    """A prefill step's report, and a step's whose first tokens the actor read at once (the
+    step that ends a prompt processes no prompt tokens of mlx_lm's count): first tokens are a
+    request's time to first token, never held for the next graph."""
     port = _Port()
-    _, during, _ = await _while_building(_link.ThreadLink(port), port, True, PREFILL)
-    assert during  # its first tokens are a request's time to first token: never held
+    _, during, _ = await _while_building(_link.ThreadLink(port), port, True, report)
+    assert during
 
 
 async def test_a_held_report_goes_over_when_no_graph_follows():

@@ -548,9 +548,10 @@ class Actor:
                 prefilled.append((seq.rid, seq.uid, seq.prompt_len))
         if prefilled:
             self._admission.readmit(self._reuse.prefilled(self._bg, prefilled), time.perf_counter())
+        first: tuple[TokenOut, ...] = ()  # read now: a narrow batch's (`_first_tokens`)
         if prefilled and narrow:
             try:
-                tokens += self._first_tokens([uid for _, uid, _ in prefilled])
+                tokens += (first := self._first_tokens([uid for _, uid, _ in prefilled]))
             except Exception as exc:
                 return self.rank.recover(exc, failed)
         prompt_tokens = take_prompt_tokens(self._bg)
@@ -575,7 +576,7 @@ class Actor:
             live=len(schedule.seqs) + len(self._admission.pending) + self._reuse.parked,
             cached=cached,
             prompt_cache=self._reuse.stats(),
-            speculated=speculated,
+            speculated=speculated, first=bool(first),
         )
 
     def _settled_figures(self) -> tuple[int, int, int]:

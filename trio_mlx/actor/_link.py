@@ -67,9 +67,10 @@ class ThreadLink:
     the loop wakes, takes it in and runs its handlers while the device computes. A turn
     that builds no graph (the actor idle, stopping or failing) hands it over at its next
     `exchange` or `wait_commands`, or the engine takes it in once the actor's thread has
-    ended (`release`). A prefill step's report goes at once: its first tokens are a
-    request's time to first token. An actor that never calls `built` (the test
-    stand-in) hands every report over at once.
+    ended (`release`). A prefill step's report goes at once, as does one with first tokens
+    read in the step that sampled them (`StepReport.first`): they are a request's time to
+    first token, which would wait for the next step's graph. An actor that never calls
+    `built` (the test stand-in) hands every report over at once.
 
     Nor does the actor wait for the loop to take a report in: only for the loop to have
     taken the one before, so the loop is never more than a step (and a graph) behind.
@@ -137,7 +138,7 @@ class ThreadLink:
         held, self._held = self._held, None
         if held is not None:  # the turn since built no graph: both go over now, in order
             self._hand_over((held, report))
-        elif self._waits and report.tokens and not report.prompt_tokens:
+        elif self._waits and report.tokens and not report.prompt_tokens and not report.first:
             self._held = report
         else:
             self._hand_over((report,))

@@ -157,6 +157,10 @@ class StepReport:
     # Speculative decoding: (rid, tokens drafted, drafted tokens kept in its output) per
     # sequence that took a speculative step in this step.
     speculated: tuple[tuple[int, int, int], ...] = ()
+    # Whether `tokens` holds first tokens read in the step that sampled them (`Actor._first_tokens`):
+    # a request's time to first token, which a link hands over at once (`ThreadLink.exchange`).
+    # For the actor's side of a link alone: the process actor's pipe leaves it out.
+    first: bool = False
 
 
 @dataclass(frozen=True, slots=True)
