@@ -6,7 +6,8 @@
 #   bash run.sh c1      one user served: the tree without it (OLD, default .gpuold: `git archive
 #                       205e701 trio_mlx`) against this one, in the order ORDER (default old new new
 #                       old), each paired request by request with MLX's bare pipelined forward
-#                       (../link-join/run.sh c1's recipe, 256 tokens)
+#                       (../link-join/run.sh c1, the thread actor, 256 tokens; its files are named
+#                       thread-.gpuold for the old tree, thread for this one)
 #   bash run.sh padded  probe_bare_forward.py --phases at 16 and 64 rows: the plain cache, the actor's
 #                       unpadded step (`batch-after`) and its padded one (`batch-padded`), 3 rounds
 #   bash run.sh grammar ../graph-cache/run.sh grammar 1 512 array: 64 rows held to the array schema
@@ -15,10 +16,7 @@
 # Results and progress.txt under $OUT.
 set -u
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
-S() { python3 benchmarks/2026-11-29-h200/speculative/batched/summ.py "$@"; }
-up() { local t; for t in $(seq 240); do curl -sf "localhost:$1/v1/models" > /dev/null && return; sleep 1; done; P "port $1 never came up"; }
 M=${M1B:-/root/m1b}
-HERE=$PWD
 case $1 in
 probe)
   PYTHONPATH=$PWD python3 benchmarks/probes/probe_bare_forward.py "$M" --rows 1,64 --steps 300 --rounds 4 \
@@ -30,18 +28,10 @@ padded)
   tee -a "$OUT/progress.txt" < "$OUT/padded.txt";;
 grammar) PYTHONPATH=$PWD bash benchmarks/2026-11-30-h200/graph-cache/run.sh grammar 1 512 array;;
 c1)
-  n=0
+  order=""
   for t in ${ORDER:-old new new old}; do
-    n=$((n+1))
-    tree=$HERE; [ "$t" = old ] && tree=$HERE/${OLD:-.gpuold}
-    P "$n $t: $(cd "$tree" && python3 -c 'import trio_mlx.actor as a, os; print(os.path.dirname(a.__file__), os.path.exists(os.path.join(os.path.dirname(a.__file__), "_step_caches.py")))')"
-    ( cd "$tree" && exec python3 -m trio_mlx.cli serve --model "$M" --port 8091 ) > "$OUT/serve-$n-$t.log" 2>&1 & SP=$!
-    up 8091
-    timeout 150 python3 -m trio_mlx.cli bench --url http://127.0.0.1:8091 --model "$M" --paired "$OUT/c1-$n-$t-ceil.json" \
-      --ceiling bare --concurrency 1 --requests-per-level 12 --paired-rounds 6 --max-tokens 256 --prompt-tokens 128 \
-      --quiet --out "$OUT/c1-$n-$t.json" > "$OUT/c1-$n-$t.log" 2>&1
-    P "$n $t $(date +%T)"; P "$(S "$OUT/c1-$n-$t.json" "$OUT/c1-$n-$t-ceil.json")"
-    kill $SP; wait $SP 2>/dev/null
-  done;;
+    if [ "$t" = old ]; then order="$order thread@${OLD:-.gpuold}"; else order="$order thread"; fi
+  done
+  ORDER=$order bash benchmarks/2026-11-30-h200/link-join/run.sh c1;;
 esac
 P "== done $1 $(date +%T)"

@@ -3,7 +3,7 @@
 # says, plus SmolLM2's tokenizer files in /root/gpu-stage/smoltok):
 #   bash run.sh install   ../graph-cache/run.sh's install (/root/m1b, and /root/m1bs with SmolLM2's tokenizer)
 #   bash run.sh c1        one user, thread actor against process actor in the order thread, process,
-#                         process, thread (ORDER: another); each server paired request by request with MLX's bare
+#                         process, thread (ORDER: another; KIND@TREE serves from TREE, another tree); each server paired request by request with MLX's bare
 #                         pipelined forward (../../2026-11-29-h200/actor-c1/run.sh's recipe, 256 tokens)
 #   bash run.sh levels    c=1 (bare), c=64 and c=256 (BatchGenerator) paired with one default server
 #                         (../../2026-11-29-h200/paired-levels/run.sh's recipe) with a step trace
@@ -17,10 +17,13 @@ M=${M1B:-/root/m1b}
 case $1 in
 install) bash benchmarks/2026-11-30-h200/graph-cache/run.sh install;;
 c1)
-  n=0
-  for a in ${ORDER:-thread process process thread}; do
-    n=$((n+1))
-    python3 -m trio_mlx.cli serve --model "$M" --port 8091 --actor $a > "$OUT/serve-$n-$a.log" 2>&1 & SP=$!
+  n=0 root=$PWD
+  for item in ${ORDER:-thread process process thread}; do  # KIND, or KIND@TREE: the server from TREE
+    n=$((n+1)) a=${item%@*} tree=.; [ "$item" != "$a" ] && tree=${item#*@}
+    [ "$tree" != . ] && a=$a-$(basename "$tree")
+    P "$n $a: $(cd "$tree" && python3 -c 'import trio_mlx, os; print(os.path.realpath(trio_mlx.__file__))')"
+    ( cd "$tree" && exec python3 -m trio_mlx.cli serve --model "$M" --port 8091 --actor "${item%@*}" ) \
+      > "$OUT/serve-$n-$a.log" 2>&1 & SP=$!
     up 8091
     timeout 150 python3 -m trio_mlx.cli bench --url http://127.0.0.1:8091 --model "$M" --paired "$OUT/c1-$n-$a-ceil.json" \
       --ceiling bare --concurrency 1 --requests-per-level 12 --paired-rounds 6 --max-tokens 256 --prompt-tokens 128 \
