@@ -587,8 +587,10 @@ async def test_a_request_into_a_narrow_batch_gets_its_first_token_with_the_step_
     """mlx_lm reports a row's first token at the step after the one that samples it; into a
     batch where at most `EARLY_FIRST_BESIDE` rows decode the actor reads it at once
     (`Actor._first_tokens`), a step sooner, and the tokens are the same; that step's report
-    says so (`first`), and the thread's link hands it over at once. A request entering
-    beside more decoding rows waits for that step."""
+    says so (`first`), and the thread's link hands it over at once. Into an empty batch the
+    prompt's last token goes through its prefill's forward, which samples the first token
+    (`_batch._prompt_end`): one step, not two. A request entering beside more decoding rows
+    waits for the step after the one that samples it."""
     from trio_mlx.actor import _link
     from trio_mlx.actor._batch import EARLY_FIRST_BESIDE
 
@@ -616,19 +618,22 @@ async def test_a_request_into_a_narrow_batch_gets_its_first_token_with_the_step_
                         engine.generate(f"another long one {i}", max_tokens=400, **opts)))
                 crowded = await _run_tokens(engine, "The quick brown fox", max_tokens=5, **opts)
     rows = _trace(trace)
-    # Each request's steps from its insertion: the prefill, then the step that ends its prompt.
+    # Each request's steps from its insertion. Alone: the prefill, which ends its prompt.
     starts = [i for i, r in enumerate(rows) if r["inserted"]]
     assert len(starts) == 4 + wide
-    assert [int(rows[starts[0] + k]["generated"]) for k in range(4)] == [0, 1, 0, 1]  # the repeat is skipped
-    assert int(rows[starts[1] + 1]["generated"]) == 1  # max_tokens 1: it ends with that step
+    assert [int(rows[starts[0] + k]["generated"]) for k in range(3)] == [1, 0, 1]  # the repeat is skipped
+    assert int(rows[starts[1]]["generated"]) == 1  # max_tokens 1: it ends with its prefill
     # beside one decoding row: its first token with the decoding row's, then the repeat skipped
     assert rows[starts[3] + 1]["generated"] == rows[starts[3] + 1]["rows"] == 2
     assert rows[starts[3] + 2]["generated"] == 1
     # beside `wide` decoding rows: the decoding rows' tokens only, its own a step later
     assert rows[starts[-1] + 1]["generated"] == rows[starts[-1] + 1]["rows"] - 1 == wide
-    if actor == "thread":  # the lone request's first token: the first report with tokens
+    if actor == "thread":  # the lone request's first token: the first report with tokens, its prefill's
         lone = next(r for r in reports if r.tokens)
-        assert lone.first and not lone.prompt_tokens and len(lone.tokens) == 1
+        assert lone.first and lone.prompt_tokens and len(lone.tokens) == 1
+        # `beside`'s: the step that feeds its prompt's last token with the decoding row's, no prompt
+        # tokens of mlx_lm's count, yet handed over at once
+        assert any(r.first and not r.prompt_tokens for r in reports)
         assert any(r.tokens and not r.first for r in reports)  # decode steps' reports: held
     assert len(alone[0]) == 5 and alone[0] == beside[0] == crowded[0] and len(one[0]) == 1
     assert len(alone[1]) == 5

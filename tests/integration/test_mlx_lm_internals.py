@@ -733,3 +733,98 @@ def test_trimming_a_one_row_batch_cache_is_as_if_the_trimmed_tokens_never_went_i
         kx, _ = x.keys_and_values()
         ky, _ = y.keys_and_values()
         assert np.allclose(np.array(kx), np.array(ky), atol=1e-5)
+
+
+def test_a_group_into_an_empty_batch_ends_its_prompts_in_their_prefills_forward(tiny_model_fp32):
+    """`_batch._prompt_end` (`bg._currently_processing`'s segments, the prompt batch's
+    `prompt`, `split`, `Response`): prompts of one length into an empty decoding batch end in
+    the step that prefills them, their last tokens in the same forward, and decode the stock
+    generator's greedy tokens, a step sooner; the KV's tokens are the whole prompts. Prompts of
+    different lengths (right padding) take mlx_lm's two steps."""
+    from trio_mlx.actor._decode import Decoder, DecodeRow
+    from trio_mlx.actor._protocol import SamplingParams
+
+    model, _ = _models.load_model(tiny_model_fp32)
+
+    def run(prompts: list[list[int]], owned: bool) -> tuple[dict[int, list[int]], int, list, list]:
+        bg = BatchGenerator(_batch.CausalPrefill(model), max_tokens=10**6, completion_batch_size=8,
+                            prefill_batch_size=4)
+        _batch.move_whole_groups(bg)
+        rows = None
+        if owned:
+            _batch.own_decode(bg, Decoder())
+            rows = [DecodeRow(SamplingParams(temperature=0.0), p) for p in prompts]
+        bg.insert(prompts, samplers=rows)
+        out: dict[int, list[int]] = {}
+        ended: list = []
+        for step in range(6):
+            responses, generated = _batch.next_step(bg) if owned else bg.next()
+            ended += [(step, r.uid) for r in responses if r.end_of_prompt]
+            for uid, token in _reports(generated):
+                out.setdefault(uid, []).append(token)
+        held = [list(t) for t in bg._generation_batch.tokens]
+        return out, _batch.batch_rows(bg), ended, held
+
+    same = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    stock, owned = run(same, False), run(same, True)
+    assert [s for s, _ in owned[2]] == [0, 0]  # both prompts ended with their prefill
+    assert [s for s, _ in stock[2]] == [1, 1]  # mlx_lm: the step after
+    # a step sooner: the owned run reported the stock run's tokens and one more
+    assert all(owned[0][uid][: len(stock[0][uid])] == stock[0][uid] for uid in stock[0])
+    assert all(len(owned[0][uid]) == len(stock[0][uid]) + 1 for uid in stock[0])
+    assert all(held[: len(p)] == p for held, p in zip(owned[3], same, strict=True))
+    apart = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    stock, owned = run(apart, False), run(apart, True)
+    assert [s for s, _ in owned[2]] == [s for s, _ in stock[2]] == [1, 1]
+    assert owned[0] == stock[0]
+
+
+def test_the_output_head_taken_at_one_position_gives_that_positions_logits():
+    """`_shapes.one_position_head`: a model's `lm_head` (untied) and its embedding's `as_linear`
+    (tied) shadowed on the instance give the logits of one position; a head under another
+    name is left alone, and `CausalPrefill.last_logits` then returns the last position of
+    every position's logits and sets `one_head` False (`_prompt_end` leaves such a model's
+    last tokens to mlx_lm)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def tiny(tied: bool) -> llama.Model:
+        args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50,
+                               tie_word_embeddings=tied)
+        m = llama.Model(args)
+        mx.eval(m.parameters())
+        return m
+
+    x = mx.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    for tied in (True, False):
+        m = tiny(tied)
+        full = m(x)
+        with _shapes.one_position_head(m, 2):
+            one = m(x)
+        assert one.shape == (2, 1, 50) and mx.allclose(one[:, 0], full[:, 2], atol=1e-5).item()
+        assert "lm_head" not in vars(m) and "as_linear" not in vars(m.model.embed_tokens)  # restored
+        wrapped = _batch.CausalPrefill(m)
+        last = wrapped.last_logits(x, make_prompt_cache(m))
+        assert wrapped.one_head and mx.allclose(last, full[:, -1], atol=1e-5).item()
+
+    class OwnHead(nn.Module):  # a head by another name: `output`
+        def __init__(self, base: llama.Model):
+            super().__init__()
+            self.base = base
+            self.output = nn.Linear(32, 50, bias=False)
+
+        @property
+        def layers(self):
+            return self.base.layers
+
+        def __call__(self, inputs, cache=None):
+            return self.output(self.base.model(inputs, cache))
+
+    odd = OwnHead(tiny(False))
+    mx.eval(odd.parameters())
+    wrapped = _batch.CausalPrefill(odd)
+    last = wrapped.last_logits(x, make_prompt_cache(odd.base))
+    assert not wrapped.one_head and mx.allclose(last, odd(x)[:, -1], atol=1e-5).item()

@@ -13,7 +13,8 @@ group's roll, `roll_right`; a finished group handed to decoding, `_split`), or
 take the decode step over (`own_decode`: one forward over the decoding batch,
 then the actor's own batched sampling, `_decode.Decoder`; a group whose prompts
 end joins that forward, `_join`; a speculative step where rows have drafts is
-`_spec_step.py`'s, with the helpers here), or tell a model with named LoRA
+`_spec_step.py`'s, with the helpers here; a group's prompts end in their prefill's last
+forward into an empty batch, `_prompt_end`), or tell a model with named LoRA
 adapters which adapter each row of a forward runs with (`adapter_rows`, around
 every forward: the prompt batch's `prompt`, the owned step, the speculative verify).
 Each helper names the private attribute it
@@ -41,6 +42,7 @@ from ._row_adapters import RowAdapters, selected
 from ._shapes import (
     few_queries,
     grid_length,
+    one_position_head,
     prefill_chunk,
     row_by_row,
 )
@@ -314,7 +316,8 @@ def own_decode(bg: Any, decoder: Decoder) -> None:
     its `extend` and `filter`) steps through `_owned_step` and reports a `Decoded`
     (`_owned_next`), and never ends a row: the actor retires them. A group whose prompts
     end gets its first step from the decoder too (`_owned_generate`, set by `_split` on the
-    batch it hands over). Every row must be inserted with a `DecodeRow` as its sampler and
+    batch it hands over), into an empty batch from its prefill's last forward (`_prompt_end`).
+    Every row must be inserted with a `DecodeRow` as its sampler and
     no logits processors. Needs `move_whole_groups(bg)` first. mlx_lm's KV caches, its
     prefill, `remove`, `insert` and the helpers here work as they did: the batch keeps its
     per-row lists (`uids`, `tokens`, `samplers`, ...) and `_next_tokens` as mlx_lm would.
@@ -328,6 +331,7 @@ def own_decode(bg: Any, decoder: Decoder) -> None:
     ref = weakref.proxy(batch)
     vars(batch)["_step"] = functools.partial(_owned_step, decoder, ref, False)
     vars(batch)["next"] = functools.partial(_owned_next, decoder, ref, weakref.proxy(bg))
+    select_adapters(bg)  # its `prompt` also ends a lone group's prompts in their last chunk (`_prompt_end`)
 
 
 def owns_decode(bg: Any) -> bool:
@@ -335,23 +339,27 @@ def owns_decode(bg: Any) -> bool:
     return "_step" in vars(bg._generation_batch)
 
 
-def _owned_step(decoder: Decoder, batch: Any, first: bool) -> tuple[list[int], list[Any]]:
+def _owned_step(decoder: Decoder, batch: Any, first: bool, logits: Any = None) -> tuple[list[int], list[Any]]:
     """`GenerationBatch._step` with the actor's sampling: forward the tokens sampled last
     step (`_next_tokens`, still computing), sample the next ones, start them, then read the
-    fed tokens back and append them to `tokens` (the ids each row's KV holds)."""
+    fed tokens back and append them to `tokens` (the ids each row's KV holds). With
+    `logits`, the rows' prompts' last tokens went through their prefill's forward, into
+    their KV and `tokens` (`_prompt_end`): those logits are sampled, nothing is fed."""
     inputs = batch._next_tokens
     batch._current_tokens = inputs
     batch._current_logprobs = batch._next_logprobs
-    unmask_unpadded(batch.prompt_cache)
-    with adapter_rows(batch.model, batch.uids):
-        logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
-    share_offsets(batch.prompt_cache)
+    fed_before = logits is not None
+    if logits is None:
+        unmask_unpadded(batch.prompt_cache)
+        with adapter_rows(batch.model, batch.uids):
+            logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
+        share_offsets(batch.prompt_cache)
     # None, or the masks filling while `step` has MLX encode the forward just built
     early = decoder.masks_first(batch.samplers, inputs, first)
     sampled, fed = decoder.step(logits, batch.samplers, inputs, first, early)
     batch._next_tokens = sampled
     batch._next_logprobs = [None] * len(fed)  # kept row-aligned: `filter` and `extend` index it
-    for held, t in zip(batch.tokens, fed, strict=True):
+    for held, t in zip(batch.tokens, () if fed_before else fed, strict=not fed_before):
         held.append(t)
     return fed, batch._current_logprobs
 
@@ -428,11 +436,14 @@ def next_step(bg: Any) -> tuple[list[Any], Any]:
     return prompt, generated
 
 
-def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]], step: bool = True) -> Any:
+def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]], step: bool = True,
+                    logits: Any = None) -> Any:
     """`PromptProcessingBatch.generate(tokens)` (what is left of each prompt; its last token
     starts decoding) with the first step taken by the decoder, not by mlx_lm's own
     `GenerationBatch.__init__`: the batch is built empty and given its rows after. Without
-    `step`, the rows are left `fresh`, their last tokens pending, for a step to come."""
+    `step`, the rows are left `fresh`, their last tokens pending, for a step to come. With
+    `logits`, the last tokens are in the KV already and their logits are sampled
+    (`_prompt_end`)."""
     if any(len(t) > 1 for t in tokens):
         with adapter_rows(batch.model, batch.uids):
             batch.prompt([t[:-1] for t in tokens])
@@ -449,8 +460,8 @@ def _owned_generate(decoder: Decoder, batch: Any, tokens: list[list[int]], step:
     gen._matchers = [ss.matcher() for ss in gen.stop_sequences]
     batch.uids, batch.prompt_cache, batch.tokens = [], [], []  # as the stock method leaves it
     batch.samplers, batch.logits_processors, batch.max_tokens = [], [], []
-    if step:
-        _owned_step(decoder, gen, True)
+    if step or logits is not None:
+        _owned_step(decoder, gen, True, logits)
     else:
         for row in gen.samplers:
             row.fresh = True
@@ -466,16 +477,55 @@ def adapter_rows(model: Any, uids: list[int]) -> Any:
 
 def select_adapters(bg: Any) -> None:
     """Give `bg`'s prompt batch (one object for the generator's life) a `prompt` that runs
-    each row's prefill with its adapter (`adapter_rows`). Needs `move_whole_groups(bg)`
-    first: the batches it splits off drop this override and go through `_owned_generate`,
-    which selects for them."""
+    each row's prefill with its adapter (`adapter_rows`), and where the actor owns the
+    decode step ends a group's prompts in their last chunk when it can (`_prompt_end`).
+    Needs `move_whole_groups(bg)` first: the batches it splits off drop this override and
+    go through `_owned_generate`, which selects for them."""
     batch = bg._prompt_batch
-    vars(batch)["prompt"] = functools.partial(_prompt_with_adapters, type(batch), weakref.proxy(batch))
+    vars(batch)["prompt"] = functools.partial(_prompt, type(batch), weakref.proxy(batch), weakref.proxy(bg))
 
 
-def _prompt_with_adapters(cls: Any, batch: Any, tokens: list[list[int]]) -> None:
+def _prompt(cls: Any, batch: Any, bg: Any, tokens: list[list[int]]) -> None:
     with adapter_rows(batch.model, batch.uids):
-        cls.prompt(batch, tokens)
+        if not _prompt_end(cls, batch, bg, tokens):
+            cls.prompt(batch, tokens)
+
+
+def _prompt_end(cls: Any, batch: Any, bg: Any, tokens: list[list[int]]) -> bool:
+    """`PromptProcessingBatch.prompt(tokens)` for a prompt batch whose every row has only
+    its prompt's last token left after `tokens` (`bg._currently_processing`), into an empty
+    decoding batch: the last tokens go into the same forward, its logits at their position
+    are sampled for the rows' first tokens (`_owned_generate`), and the rows move to the
+    decoding batch now, their prompt responses waiting in `bg` for `next_step` (as
+    `_join`'s). mlx_lm keeps a prompt's last token for a forward of its own at the next
+    `next()` (`generate`), a whole forward more on the way to the first token (BENCHMARKS.md,
+    "What limits performance now"). Returns False, having done nothing, where it does not apply: the
+    actor's decode step not owned, rows decoding, a row with more than its last token
+    left, chunks of different lengths (right padding) or past `prefill_step_size` with the
+    last token, caches left-padded or of another kind, or a model whose head could not be
+    taken at one position (`CausalPrefill.one_head`)."""
+    decoder, model = vars(batch).get("_decoder"), batch.model
+    processing = bg._currently_processing
+    if (decoder is None or len(bg._generation_batch) or type(model) is not CausalPrefill or not model.one_head
+            or not tokens or len(processing) != len(tokens)):
+        return False
+    lasts: list[Any] = [seq[0][0] if len(seq[0]) == 1 and len(seq[0][0]) == 1 else None for seq in processing]
+    n, caches = len(tokens[0]), _kv_caches(batch)
+    if (None in lasts or any(len(t) != n for t in tokens) or n + 1 > batch.prefill_step_size or caches is None
+            or any(_host_list(caches[0].left_padding))):
+        return False
+    full = [t + last for t, last in zip(tokens, lasts, strict=True)]  # each `last` a segment of one token
+    for held, t in zip(batch.tokens, full, strict=True):
+        held += t
+    logits = model.last_logits(mx.array(full), batch.prompt_cache)
+    progress = [(seq[2],) * 2 for seq in processing]
+    bg._currently_processing = []
+    gen = _owned_generate(decoder, batch.split(list(range(len(full)))), lasts, logits=logits)
+    response = cls.Response
+    joined = vars(bg).setdefault("_trio_joined", [])
+    joined += [response(uid, p, True, True) for uid, p in zip(gen.uids, progress, strict=True)]
+    bg._generation_batch.extend(gen)
+    return True
 
 
 def _finalize(c: Any) -> None:
@@ -616,7 +666,7 @@ class CausalPrefill:
     fused kernel to take.
     """
 
-    __slots__ = ("_model", "grid", "_built", "_heads", "kv", "adapters")
+    __slots__ = ("_model", "grid", "_built", "_heads", "kv", "adapters", "one_head")
 
     def __init__(self, model: Any, grid: bool = False, built: Callable[[], None] | None = None,
                  heads: int = 0, kv: tuple[int, int] | None = None, adapters: RowAdapters | None = None):
@@ -626,6 +676,7 @@ class CausalPrefill:
         self._heads = heads
         self.kv = kv
         self.adapters = adapters  # a model with named LoRA adapters: each row's (`adapter_rows`)
+        self.one_head = True  # False once the output head could not be taken at one position
 
     def __getattr__(self, name: str) -> Any:  # the BatchGenerator reads `layers`
         return getattr(self._model, name)
@@ -648,6 +699,16 @@ class CausalPrefill:
         if self._built is not None:
             self._built()
         return out
+
+    def last_logits(self, inputs: Any, cache: Any) -> Any:
+        """The forward of `inputs` with the output head taken at their last position alone
+        (`_shapes.one_position_head`): its logits, (B, V). A model whose head goes by
+        another name computes every position's: the last one's are returned, and `one_head`
+        says so for the next time (`_prompt_end` then leaves the last token to mlx_lm)."""
+        with one_position_head(self._model, inputs.shape[1] - 1):
+            out = self(inputs, cache=cache)
+        self.one_head = out.shape[1] == 1
+        return out[:, -1, :]
 
     def verify(self, inputs: Any, cache: Any) -> Any:
         """The forward of a speculative step (`_spec_step.speculative_step`): each decoding

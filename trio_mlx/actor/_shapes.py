@@ -3,7 +3,8 @@ scores, the prefill budget's chunks, the shape grid prefills run on under CUDA, 
 swaps of MLX's fused attention that keep cuDNN from building a graph for every shape it
 meets (`few_queries` for a speculative step, `row_by_row` for a prefill of several
 rows), and the one that gives a left-padded decode step one kernel (`few_queries` at one
-query, `_cuda_attention.py`). No mlx-lm here: `_batch.py`'s `CausalPrefill` applies them
+query, `_cuda_attention.py`); and the output head taken at one position of a prompt's last
+chunk (`one_position_head`). No mlx-lm here: `_batch.py`'s `CausalPrefill` applies them
 to the model.
 """
 
@@ -225,3 +226,34 @@ def _row_attention(sdpa: Callable[..., Any], queries: Any, keys: Any, values: An
         return sdpa(queries, keys, values, scale=scale, mask=mask, **kwargs)
     return mx.concatenate([sdpa(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], scale=scale, mask=mask,
                                 **kwargs) for i in range(queries.shape[0])], axis=0)
+
+
+@contextlib.contextmanager
+def one_position_head(model: Any, index: int) -> Iterator[None]:
+    """While it is open, `model`'s output head takes the hidden state at position `index`
+    alone: the logits of that position, (B, 1, V), not of every position.
+
+    mlx-lm's causal LMs end with `lm_head(h)`, or with tied embeddings
+    `embed_tokens.as_linear(h)`, over every position, and MLX computes the whole matmul
+    before any slice of its result: over a prompt's chunk, a head as wide as the vocabulary
+    for each token, where only the last token's logits are wanted (`_batch._prompt_end`).
+    Each module's `lm_head` and each embedding's `as_linear` are shadowed on the instance
+    (its `__dict__`, which attribute lookup reads before the module's children); a model whose
+    head goes by another name keeps it, and the caller sees every position come back."""
+    shadowed: list[tuple[Any, str]] = []
+
+    def sliced(head: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        return lambda h: head(h[:, index : index + 1])
+
+    for m in model.modules():
+        if "lm_head" in m and "lm_head" not in vars(m):
+            vars(m)["lm_head"] = sliced(m["lm_head"])
+            shadowed.append((m, "lm_head"))
+        if callable(getattr(type(m), "as_linear", None)) and "as_linear" not in vars(m):
+            vars(m)["as_linear"] = sliced(functools.partial(type(m).as_linear, m))
+            shadowed.append((m, "as_linear"))
+    try:
+        yield
+    finally:
+        for m, name in shadowed:
+            vars(m).pop(name, None)
