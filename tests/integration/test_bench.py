@@ -164,6 +164,68 @@ def test_limit_mode_runs_one_ceiling_alone(tiny_model: Path, tmp_path: Path) -> 
         ("batchgenerator", 3, 15)]
 
 
+def test_the_bare_forward_prefills_in_one_forward_with_its_head_at_the_last_position(tiny_model_fp32: Path) -> None:
+    """`bare_level`: the prompt and its last token in one forward whose output head is taken at
+    the last position (`_shapes.one_position_head`), giving the greedy tokens of a plain
+    loop that feeds the last token alone; a model whose head goes by another name keeps
+    that way (its whole-prompt graph is dropped unevaluated)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from trio_mlx.actor._ceiling import bare_level
+    from trio_mlx.models import load_model
+
+    model, _ = load_model(tiny_model_fp32)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]
+
+    def reference(n: int) -> list[list[int]]:
+        cache = make_prompt_cache(model)
+        x = mx.array(prompts)
+        model(x[:, :-1], cache=cache)
+        y = mx.argmax(model(x[:, -1:], cache=cache)[:, -1], axis=-1)
+        out = [y.tolist()]
+        for _ in range(n - 1):
+            y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+            out.append(y.tolist())
+        return out
+
+    class Counted(nn.Module):  # the model, its forwards counted by query length
+        def __init__(self, inner: nn.Module, own_head: bool = False):
+            super().__init__()
+            self.inner = inner
+            self.lengths: list[int] = []
+            self.own_head = own_head
+
+        @property
+        def layers(self):
+            return self.inner.layers
+
+        def __call__(self, x, cache=None):
+            self.lengths.append(x.shape[1])
+            if self.own_head:  # the head by another name: every position's logits
+                return self.inner.model(x, cache) @ self.inner.model.embed_tokens.weight.T
+            return self.inner(x, cache=cache)
+
+    for own_head in (False, True):
+        counted = Counted(model, own_head)
+        tokens = []
+        real_step = mx.argmax
+
+        def argmax(a, axis=None, **kw):
+            out = real_step(a, axis=axis, **kw)
+            tokens.append(out)
+            return out
+
+        mx.argmax = argmax
+        try:
+            bare_level(counted, prompts, 4)
+        finally:
+            mx.argmax = real_step
+        assert [t.tolist() for t in tokens[:4]] == reference(4)
+        assert counted.lengths[:2] == ([6, 1] if not own_head else [6, 5])  # one prefill forward, or two
+
+
 def test_model_bytes_are_its_tensors_and_the_kv_formula(tiny_model: Path) -> None:
     import mlx.core as mx
 

@@ -10,7 +10,7 @@ from `insert()`; a token's time is when the `next()` that produced it returns,
 which is the earliest a server could hand it on.
 
 The bare forward (`bare_level`): B rows prefilled together into mlx-lm's plain
-KV caches, then greedy decode steps as mlx-lm's single-stream `generate_step`
+KV caches, in one forward whose output head is taken at the last position, then greedy decode steps as mlx-lm's single-stream `generate_step`
 runs them: step k+1's forward is built and `mx.async_eval`ed before step k's
 tokens are read back. No batching bookkeeping, no sampling beyond an argmax:
 what the model's forward alone costs a step, the bar a server's decode step is
@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._batch import batch_rows, peek_prompt_tokens
+from ._shapes import one_position_head
 from ._trace import StepTrace
 
 # Warm-up: one short batch so that kernels are compiled and buffers allocated
@@ -82,10 +83,18 @@ def bare_level(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int) ->
     cpu0 = time.process_time()
     t0 = clock()
     prompt = mx.array([list(p) for p in prompts])
-    if prompt.shape[1] > 1:  # all but the last token: only the cache is evaluated, never the
-        model(prompt[:, :-1], cache=cache)  # logits of every position (B x L x vocab)
-        mx.eval([c.state for c in cache])
-    logits = model(prompt[:, -1:], cache=cache)
+    # One forward over the whole prompt, its output head taken at the last position alone (as
+    # the actor's prefill does into an empty batch, `_batch._prompt_end`), not the logits of
+    # every position (B x L x vocab). A head by another name left every position's: that graph
+    # is dropped unevaluated, and the last token goes in a forward of its own.
+    with one_position_head(model, prompt.shape[1] - 1):
+        logits = model(prompt, cache=cache)
+    if logits.shape[1] != 1:
+        cache[:] = make_prompt_cache(model)
+        if prompt.shape[1] > 1:
+            model(prompt[:, :-1], cache=cache)
+            mx.eval([c.state for c in cache])
+        logits = model(prompt[:, -1:], cache=cache)
     y = mx.argmax(logits[:, -1, :], axis=-1)
     mx.async_eval(y)
     nxt = None
