@@ -782,8 +782,8 @@ def test_a_group_into_an_empty_batch_ends_its_prompts_in_their_prefills_forward(
 def test_the_output_head_taken_at_one_position_gives_that_positions_logits():
     """`_shapes.one_position_head`: a model's `lm_head` (untied) and its embedding's `as_linear`
     (tied) shadowed on the instance give the logits of one position; a head under another
-    name is left alone, and `CausalPrefill.last_logits` then returns the last position of
-    every position's logits and sets `one_head` False (`_prompt_end` leaves such a model's
+    name, or one given the positions flattened, is left alone, and `CausalPrefill.last_logits`
+    then returns the last position of every position's logits and sets `one_head` False (`_prompt_end` leaves such a model's
     last tokens to mlx_lm)."""
     import mlx.core as mx
     import mlx.nn as nn
@@ -828,3 +828,22 @@ def test_the_output_head_taken_at_one_position_gives_that_positions_logits():
     wrapped = _batch.CausalPrefill(odd)
     last = wrapped.last_logits(x, make_prompt_cache(odd.base))
     assert not wrapped.one_head and mx.allclose(last, odd(x)[:, -1], atol=1e-5).item()
+
+    class FlatHead(nn.Module):  # an `lm_head` given the positions flattened, (B x L, D): left alone
+        def __init__(self, base: llama.Model):
+            super().__init__()
+            self.base = base
+            self.lm_head = base.lm_head
+
+        @property
+        def layers(self):
+            return self.base.layers
+
+        def __call__(self, inputs, cache=None):
+            h = self.base.model(inputs, cache)
+            return self.lm_head(h.reshape(-1, h.shape[-1])).reshape(h.shape[0], h.shape[1], -1)
+
+    flat = FlatHead(tiny(False))
+    wrapped = _batch.CausalPrefill(flat)
+    last = wrapped.last_logits(x, make_prompt_cache(flat.base))
+    assert not wrapped.one_head and mx.allclose(last, flat(x)[:, -1], atol=1e-5).item()

@@ -242,8 +242,8 @@ def one_position_head(model: Any, index: int) -> Iterator[None]:
     head goes by another name keeps it, and the caller sees every position come back."""
     shadowed: list[tuple[Any, str]] = []
 
-    def sliced(head: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        return lambda h: head(h[:, index : index + 1])
+    def sliced(head: Callable[[Any], Any]) -> Callable[[Any], Any]:  # (B, L, D) hidden states only
+        return lambda h: head(h[:, index : index + 1] if h.ndim == 3 else h)
 
     for m in model.modules():
         if "lm_head" in m and "lm_head" not in vars(m):
