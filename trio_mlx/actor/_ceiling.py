@@ -10,8 +10,9 @@ from `insert()`; a token's time is when the `next()` that produced it returns,
 which is the earliest a server could hand it on.
 
 The bare forward (`bare_level`): B rows prefilled together into mlx-lm's plain
-KV caches, in one forward whose output head is taken at the last position, then greedy decode steps as mlx-lm's single-stream `generate_step`
-runs them: step k+1's forward is built and `mx.async_eval`ed before step k's
+KV caches, in one forward whose output head is taken at the last position, then
+greedy decode steps as mlx-lm's single-stream `generate_step` runs them: step
+k+1's forward is built and `mx.async_eval`ed before step k's
 tokens are read back. No batching bookkeeping, no sampling beyond an argmax:
 what the model's forward alone costs a step, the bar a server's decode step is
 measured against.
