@@ -207,21 +207,22 @@ def test_the_bare_forward_prefills_in_one_forward_with_its_head_at_the_last_posi
                 return self.inner.model(x, cache) @ self.inner.model.embed_tokens.weight.T
             return self.inner(x, cache=cache)
 
+    tokens: list = []  # each argmax the bare loop takes: its greedy tokens
+    real_argmax = mx.argmax
+
+    def argmax(a, axis=None, **kw):
+        out = real_argmax(a, axis=axis, **kw)
+        tokens.append(out)
+        return out
+
     for own_head in (False, True):
         counted = Counted(model, own_head)
-        tokens = []
-        real_step = mx.argmax
-
-        def argmax(a, axis=None, **kw):
-            out = real_step(a, axis=axis, **kw)
-            tokens.append(out)
-            return out
-
+        tokens.clear()
         mx.argmax = argmax
         try:
             bare_level(counted, prompts, 4)
         finally:
-            mx.argmax = real_step
+            mx.argmax = real_argmax
         assert [t.tolist() for t in tokens[:4]] == reference(4)
         assert counted.lengths[:2] == ([6, 1] if not own_head else [6, 5])  # one prefill forward, or two
 
