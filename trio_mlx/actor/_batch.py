@@ -46,7 +46,7 @@ from ._shapes import (
     prefill_chunk,
     row_by_row,
 )
-from ._step_caches import BATCH_KV, share_offsets, unmask_unpadded
+from ._step_caches import BATCH_KV, aligned, share_offsets, unmask_unpadded
 
 
 def batch_rows(bg: Any) -> int:
@@ -138,10 +138,7 @@ def _kv_caches(batch: Any) -> list[Any] | None:
     `BatchKVCache`s, or all `BatchQuantizedKVCache`s, at one position (so they share their
     padding), else None."""
     caches = list(getattr(batch, "prompt_cache", None) or ())
-    kind = type(caches[0]) if caches else None
-    if kind not in BATCH_KV or any(type(c) is not kind or c._idx != caches[0]._idx for c in caches):
-        return None
-    return caches
+    return caches if aligned(caches) else None
 
 
 class _KeepRows:
@@ -359,8 +356,9 @@ def _owned_step(decoder: Decoder, batch: Any, first: bool, logits: Any = None) -
     sampled, fed = decoder.step(logits, batch.samplers, inputs, first, early)
     batch._next_tokens = sampled
     batch._next_logprobs = [None] * len(fed)  # kept row-aligned: `filter` and `extend` index it
-    for held, t in zip(batch.tokens, () if fed_before else fed, strict=not fed_before):
-        held.append(t)
+    if not fed_before:
+        for held, t in zip(batch.tokens, fed, strict=True):
+            held.append(t)
     return fed, batch._current_logprobs
 
 
@@ -410,20 +408,28 @@ def _join(decoder: Decoder, batch: Any, bg: Any) -> int:
     (`DecodeRow.fresh`); returns how many joined, at the end of `batch`. mlx_lm's `_next`
     steps the decoding rows and then gives such a group a first step of its own
     (`generate`, `_owned_generate`): two forwards, where this is one, for the same first
-    tokens. Their prompt responses, as `_next` would have made them (`bg._currently_processing`,
-    the rows' segments and progress), wait in `bg` for `next_step`."""
-    processing = bg._currently_processing
-    split = [i for i, seq in enumerate(processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
-    if not split:
-        return 0
-    last = [processing[i][0][0] for i in split]
-    progress = [(processing[i][2],) * 2 for i in split]
-    bg._currently_processing = [seq for i, seq in enumerate(processing) if i not in split]
-    gen = _owned_generate(decoder, bg._prompt_batch.split(split), last, step=False)
-    response = type(bg._prompt_batch).Response
-    vars(bg)["_trio_joined"] = [response(uid, p, True, True) for uid, p in zip(gen.uids, progress, strict=True)]
-    batch.extend(gen)
+    tokens."""
+    split = [i for i, seq in enumerate(bg._currently_processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
+    if split:
+        _start_decoding(decoder, bg, split, batch, step=False)
     return len(split)
+
+
+def _start_decoding(decoder: Decoder, bg: Any, rows: list[int], into: Any, step: bool = True,
+                    logits: Any = None) -> None:
+    """Move the prompt batch's `rows` (indices into `bg._currently_processing`, each with only
+    its prompt's last token left) into the decoding batch `into`, through `_owned_generate`
+    (`step`, `logits`). Their prompt responses, as `_next` would have made them (the rows'
+    segments and progress), wait in `bg` for `next_step`."""
+    processing = bg._currently_processing
+    last = [processing[i][0][0] for i in rows]
+    progress = [(processing[i][2],) * 2 for i in rows]
+    bg._currently_processing = [seq for i, seq in enumerate(processing) if i not in rows]
+    gen = _owned_generate(decoder, bg._prompt_batch.split(rows), last, step=step, logits=logits)
+    response = type(bg._prompt_batch).Response
+    joined = vars(bg).setdefault("_trio_joined", [])
+    joined += [response(uid, p, True, True) for uid, p in zip(gen.uids, progress, strict=True)]
+    into.extend(gen)
 
 
 def next_step(bg: Any) -> tuple[list[Any], Any]:
@@ -487,23 +493,22 @@ def select_adapters(bg: Any) -> None:
 
 def _prompt(cls: Any, batch: Any, bg: Any, tokens: list[list[int]]) -> None:
     with adapter_rows(batch.model, batch.uids):
-        if not _prompt_end(cls, batch, bg, tokens):
+        if not _prompt_end(batch, bg, tokens):
             cls.prompt(batch, tokens)
 
 
-def _prompt_end(cls: Any, batch: Any, bg: Any, tokens: list[list[int]]) -> bool:
+def _prompt_end(batch: Any, bg: Any, tokens: list[list[int]]) -> bool:
     """`PromptProcessingBatch.prompt(tokens)` for a prompt batch whose every row has only
     its prompt's last token left after `tokens` (`bg._currently_processing`), into an empty
     decoding batch: the last tokens go into the same forward, its logits at their position
-    are sampled for the rows' first tokens (`_owned_generate`), and the rows move to the
-    decoding batch now, their prompt responses waiting in `bg` for `next_step` (as
-    `_join`'s). mlx_lm keeps a prompt's last token for a forward of its own at the next
-    `next()` (`generate`), a whole forward more on the way to the first token (BENCHMARKS.md,
-    "What limits performance now"). Returns False, having done nothing, where it does not apply: the
-    actor's decode step not owned, rows decoding, a row with more than its last token
-    left, chunks of different lengths (right padding) or past `prefill_step_size` with the
-    last token, caches left-padded or of another kind, or a model whose head could not be
-    taken at one position (`CausalPrefill.one_head`)."""
+    are sampled for the rows' first tokens, and the rows move to the decoding batch now
+    (`_start_decoding`, as `_join`'s do). mlx_lm keeps a prompt's last token for a forward
+    of its own at the next `next()` (`generate`), a whole forward more on the way to the
+    first token (BENCHMARKS.md, "What limits performance now"). Returns False, having done
+    nothing, where it does not apply: the actor's decode step not owned, rows decoding, a
+    row with more than its last token left, chunks of different lengths (right padding) or
+    past `prefill_step_size` with the last token, caches left-padded or of another kind, or
+    a model whose head could not be taken at one position (`CausalPrefill.one_head`)."""
     decoder, model = vars(batch).get("_decoder"), batch.model
     processing = bg._currently_processing
     if (decoder is None or len(bg._generation_batch) or type(model) is not CausalPrefill or not model.one_head
@@ -518,13 +523,7 @@ def _prompt_end(cls: Any, batch: Any, bg: Any, tokens: list[list[int]]) -> bool:
     for held, t in zip(batch.tokens, full, strict=True):
         held += t
     logits = model.last_logits(mx.array(full), batch.prompt_cache)
-    progress = [(seq[2],) * 2 for seq in processing]
-    bg._currently_processing = []
-    gen = _owned_generate(decoder, batch.split(list(range(len(full)))), lasts, logits=logits)
-    response = cls.Response
-    joined = vars(bg).setdefault("_trio_joined", [])
-    joined += [response(uid, p, True, True) for uid, p in zip(gen.uids, progress, strict=True)]
-    bg._generation_batch.extend(gen)
+    _start_decoding(decoder, bg, list(range(len(full))), bg._generation_batch, logits=logits)
     return True
 
 

@@ -46,6 +46,14 @@ def _one_token_no_mask(cache: Any) -> Callable[..., Any]:
     return make_mask
 
 
+def aligned(caches: list[Any]) -> bool:
+    """Whether `caches` (a batch's, one per layer) are all `BatchKVCache`s, or all
+    `BatchQuantizedKVCache`s, at one position (`_idx`, a host int): they then share their
+    padding and their offsets."""
+    kind = type(caches[0]) if caches else None
+    return kind in BATCH_KV and all(type(c) is kind and c._idx == caches[0]._idx for c in caches)
+
+
 def share_offsets(caches: list[Any]) -> None:
     """Give every layer's cache the first layer's offset array, after a forward has been
     built and before it is evaluated: the additions each later layer built in its
@@ -54,14 +62,12 @@ def share_offsets(caches: list[Any]) -> None:
     mlx-lm's models advance every layer's cache by the same tokens from the same left
     padding, so the layers' offsets are equal: one array serves them all, as one layer's
     `_idx` and padding would. Only where every cache is of one batch kind and at one
-    position (`_idx`, a host int): a model whose layers share or skip caches keeps its own.
+    position (`aligned`): a model whose layers share or skip caches keeps its own.
     Done after the forward rather than inside `update_and_fetch`, so no cache carries an
     override that a shallow copy would share."""
-    first: Any = caches[0] if caches else None
-    kind = type(first)
-    if kind not in BATCH_KV or any(type(c) is not kind or c._idx != first._idx for c in caches):
+    if not aligned(caches):
         return
-    offset = first.offset
+    offset = caches[0].offset
     for c in caches:
         c.offset = offset
 
