@@ -7,7 +7,9 @@
     BUDGET=off python benchmarks/probes/probe_grammar_engine.py ...  # no row measures its budget
     MODES=after,before python benchmarks/probes/probe_grammar_engine.py ...  # modes paired in one engine
     POOL=4 python benchmarks/probes/probe_grammar_engine.py ...  # llguidance's pool at 4 threads
+    LEXERS=64 python benchmarks/probes/probe_grammar_engine.py ...  # a grammar's rows over up to 64 lexers
     MASK_COPY=1 python benchmarks/probes/probe_grammar_engine.py ...  # masks handed over as a copy
+    PHASES=FILE python benchmarks/probes/probe_grammar_engine.py ...  # the decode step's parts, timed
 
 Asked through the runtime as a server runs it: an `Engine` (thread actor, warmed up) gets BATCH
 concurrent greedy `generate` requests of at most TOKENS tokens each, 0%, 50% and 100% of them
@@ -29,6 +31,8 @@ batches (a thread actor, in this process).
 
 `POOL=N`: llguidance's pool (and the most lexers a grammar's rows are dealt across) at N threads
 instead of `_constrain.POOL_THREADS`'s 80% of the usable CPUs (a thread actor, in this process).
+`LEXERS=N`: the most lexers a grammar's rows are dealt across (`_constrain.LEXERS`), the pool
+left as it is.
 
 `MASK_COPY=1`: each step hands its masks to the device as a copy of the filled bitmask
 (`mx.array`), as the decoder did before it filled them in place into MLX arrays of its own
@@ -37,6 +41,13 @@ instead of `_constrain.POOL_THREADS`'s 80% of the usable CPUs (a thread actor, i
 `BUDGET=off`: no constrained row ever measures itself against its max_tokens (its first
 check is put past any step), so the figures leave out what the budget checks cost; an array's
 rows may then run to max_tokens with unfinished JSON (a timing experiment only).
+
+`PHASES=FILE`: every call of the decode step's parts is timed, with the thread that made it,
+into FILE (tab-separated: thread, part, start, end; `phases.py` in
+benchmarks/2026-11-30-h200/grammar-steps reads it): the step (`_batch._owned_step`), the decoder's
+`masks_first`, `step`, the masks' fill (`_fill_masks`) and its consume, batch fill and budget
+checks, the wait for masks started early, the sampling's graph (`_sample`), and each
+`mx.async_eval` the decoder makes.
 
 Free rows run with `ignore_eos`. Three figures per constrained share, each a ratio of tokens/s:
 
@@ -65,6 +76,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -200,7 +212,43 @@ async def paired_modes(engine: trio_mlx.Engine, batch: int, tokens: int, rounds:
               f"(medians over {rounds} rounds); {EARLY.get(m, 0)} steps filled their masks early")
 
 
+PHASE_LOG: list[tuple[str, str, float, float]] = []
+
+
+def _time_phases() -> None:
+    """`PHASES`: wrap the decode step's parts so that each call's start and end are kept."""
+    import threading
+    import types
+
+    import mlx.core as mx
+
+    from trio_mlx.actor import _batch, _decode
+
+    clock = time.perf_counter
+
+    def timed(name: str, fn: Any, rows: bool = False) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                label = f"{name}:{len(args[1])}" if rows else name  # the step: its batch's rows
+                PHASE_LOG.append((threading.current_thread().name, label, t0, clock()))
+        return wrapper
+
+    _batch._owned_step = timed("owned_step", _batch._owned_step, rows=True)  # before `own_decode` binds it
+    _decode._measure_all = timed("measure", _decode._measure_all)
+    for name in ("masks_first", "step", "_fill_masks", "_consume_many", "_fill_many", "_sample"):
+        setattr(_decode.Decoder, name, timed(name.lstrip("_"), getattr(_decode.Decoder, name)))
+    _decode._Early.wait = timed("early_wait", _decode._Early.wait)  # type: ignore[method-assign]
+    proxy = types.SimpleNamespace(**{k: getattr(mx, k) for k in dir(mx) if not k.startswith("__")})
+    proxy.async_eval = timed("async_eval", mx.async_eval)
+    _decode.mx = proxy  # type: ignore[assignment]
+
+
 async def main() -> None:
+    if os.environ.get("PHASES"):
+        _time_phases()
     if os.environ.get("BUDGET") == "off":
         _no_budget_checks()
     if os.environ.get("MASK_COPY") == "1":
@@ -211,10 +259,13 @@ async def main() -> None:
 
         _decode.Decoder._mask_array = staticmethod(  # type: ignore[method-assign]
             lambda plan: mx.array(plan.bitmask.view(np.uint32)))
-    if os.environ.get("POOL"):
+    if os.environ.get("POOL") or os.environ.get("LEXERS"):
         from trio_mlx.actor import _constrain
 
-        _constrain.POOL_THREADS = int(os.environ["POOL"])
+        if os.environ.get("POOL"):
+            _constrain.POOL_THREADS = _constrain.LEXERS = int(os.environ["POOL"])
+        if os.environ.get("LEXERS"):
+            _constrain.LEXERS = int(os.environ["LEXERS"])
     modes = [m for m in os.environ.get("MODES", "").split(",") if m]
     if modes:
         _switch_modes()
@@ -281,3 +332,7 @@ async def main() -> None:
 
 if __name__ == "__main__":
     trio.run(main)
+    if os.environ.get("PHASES"):
+        with open(os.environ["PHASES"], "w") as f:
+            for thread, name, t0, t1 in PHASE_LOG:
+                f.write(f"{thread}\t{name}\t{t0:.6f}\t{t1:.6f}\n")

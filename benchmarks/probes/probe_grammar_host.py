@@ -44,7 +44,7 @@ by own time.
 
 `--pool-threads N,...`: llguidance's pool at each of these sizes in turn, in every round
 (its default: 80% of the cores). `--lexers L,...`: for each pool size, an episode with each
-of these numbers of start matchers per grammar (`_constrain.POOL_THREADS`: the rows are
+of these numbers of start matchers per grammar (`_constrain.LEXERS`: the rows are
 dealt across that many lexers; `pool`: as many as the pool's threads, the runtime's rule;
 `1`: every row a copy of one start, so one lexer's lock for the whole batch).
 
@@ -261,10 +261,10 @@ def main() -> None:
         for name, source in sources.items():
             for size, lexers in itertools.product(sizes, args.lexers.split(",")):
                 POOL_THREADS[0] = size
-                _constrain.POOL_THREADS = (size or DEFAULT_LEXERS) if lexers == "pool" else int(lexers)
+                _constrain.LEXERS = (size or DEFAULT_LEXERS) if lexers == "pool" else int(lexers)
                 o = episode(vocab, source, args, args.seed)
                 pool = "" if size is None else f" pool {size:2d}"
-                pool += f" lexers {_constrain.POOL_THREADS:2d}"
+                pool += f" lexers {_constrain.LEXERS:2d}"
                 print(f"round {rnd} {name:6s}{pool} host {o['ms']:6.2f} ms/step (thirds "
                       + " / ".join(f"{x:.2f}" for x in o["thirds"])
                       + f"), GIL-side CPU {o['cpu']:5.2f} ms/step (thirds "
@@ -275,7 +275,7 @@ def main() -> None:
         for name, source in sources.items():
             for size in sizes:
                 POOL_THREADS[0] = size
-                _constrain.POOL_THREADS = size or DEFAULT_LEXERS
+                _constrain.LEXERS = size or DEFAULT_LEXERS
                 print(name if size is None else f"{name}, pool {size}")
                 split(vocab, source, args)
     if args.profile:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -364,7 +365,7 @@ def test_a_batch_gets_the_masks_each_row_gets_alone(
 
     _, tok = tiny
     vocab = grammar_vocab(tok)
-    monkeypatch.setattr(_constrain, "POOL_THREADS", lexers)
+    monkeypatch.setattr(_constrain, "LEXERS", lexers)
     _constrain._STARTS.pop(vocab, None)
     grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
     assert grammar is not None
@@ -460,12 +461,32 @@ def test_a_grammar_start_is_walked_once(tiny: tuple[Any, Any], monkeypatch: pyte
     assert procs[1]._tail == tails[1] and len(procs[1]._tail) == len(procs[0]._tail) + 1
 
 
-def test_rows_that_share_a_grammar_compile_it_once_per_pool_thread(
+def test_rows_alive_together_get_more_lexers_than_the_pool_has_threads(
+        tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of one grammar alive together each get a start (a lexer) of their own past one per
+    thread of llguidance's pool: with one start per thread, a wide batch put several rows on
+    each lexer, and the pool's threads and the budget checks beside them waited on one
+    another's lexer lock. Their masks are those of one start."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, FORMATS[2][1])
+    assert grammar is not None
+    monkeypatch.setattr(_constrain, "_STARTS", weakref.WeakKeyDictionary())
+    n = _constrain.POOL_THREADS + 1
+    procs = [GrammarProcessor(vocab, grammar.source, 40) for _ in range(n)]
+    assert sorted(p.lexer for p in procs) == list(range(n))
+    tail = finish(llguidance.LLMatcher(vocab.tokenizer, grammar.source, log_level=0), vocab)
+    assert tail
+    fed = _masks_of(procs[0], tail[:3])
+    assert all(np.array_equal(_masks_of(p, tail[:3]), fed) for p in procs[1:])
+
+
+def test_rows_that_share_a_grammar_compile_it_once_per_lexer(
         tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The rows of one grammar text start from copies of its start matchers, each row on the
     start with the fewest live rows: llguidance compiles the grammar again (milliseconds for an
-    agent's tools, on the actor thread) only while every start has rows, up to one start per
-    thread of its pool, since copies of one matcher share its lexer's lock. Rows one at a
+    agent's tools, on the actor thread) only while every start has rows, up to
+    `_constrain.LEXERS` starts, since copies of one matcher share its lexer's lock. Rows one at a
     time (an agent's turns) compile it once. Each row's matcher is its own. A grammar that
     does not compile is refused every time, not kept."""
     import types
@@ -483,7 +504,7 @@ def test_rows_that_share_a_grammar_compile_it_once_per_pool_thread(
         return llguidance.LLMatcher(*args, **kwargs)
 
     monkeypatch.setattr(_constrain, "llguidance", types.SimpleNamespace(LLMatcher=counted))
-    monkeypatch.setattr(_constrain, "POOL_THREADS", 2)
+    monkeypatch.setattr(_constrain, "LEXERS", 2)
     _constrain._STARTS.pop(vocab, None)
     for _ in range(3):  # one row at a time: each ends before the next comes
         assert GrammarProcessor(vocab, grammar.source, 40).lexer == 0

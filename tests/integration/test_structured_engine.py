@@ -160,10 +160,10 @@ async def test_turns_one_at_a_time_compile_their_grammar_once(tiny_model_fp32: P
     """A client whose requests come one at a time (an agent's turns) starts every row from one
     compiled matcher of its grammar, however many threads llguidance's pool has: a row that
     ended frees its start (the actor drops its processor), so no second one is built. Rows
-    alive together spread over starts of their own (`_constrain.POOL_THREADS` at most)."""
+    alive together spread over starts of their own (`_constrain.LEXERS` at most)."""
     from trio_mlx.actor import _constrain
 
-    monkeypatch.setattr(_constrain, "POOL_THREADS", 4)
+    monkeypatch.setattr(_constrain, "LEXERS", 4)
     monkeypatch.setattr(_constrain, "_STARTS", weakref.WeakKeyDictionary())  # none kept by earlier tests
     built: list[int] = []
     real = _constrain.llguidance.LLMatcher

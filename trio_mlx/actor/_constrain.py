@@ -123,13 +123,19 @@ def _pool_threads() -> int:
     return max(1, min(32, usable_cpus() * 4 // 5))
 
 
-# The threads of llguidance's pool that fill a batch's masks and feed its tokens (`_decode`),
-# and the most lexers a grammar's rows are dealt across. A matcher's `deep_copy` shares its
-# lexer (the automaton llguidance builds lazily as rows meet new states) behind one lock that
-# each mask and each consume holds throughout: rows on one lexer take turns, however many
-# threads fill them (two threads over copies of one matcher do the work of one; over matchers
-# built apart, ~1.4x on two cores).
+# The threads of llguidance's pool that fill a batch's masks and feed its tokens (`_decode`).
 POOL_THREADS = _pool_threads()
+# The most start matchers (lexers) a grammar's rows are dealt across: four per pool thread, at
+# most 64. A matcher's `deep_copy` shares its lexer (the automaton llguidance builds lazily as
+# rows meet new states) behind one lock that each mask, consume and validation holds
+# throughout: rows on one lexer take turns, however many threads fill them (two threads over
+# copies of one matcher do the work of one; over matchers built apart, ~1.4x on two cores),
+# and the budget checks (`measure`, on copies, beside the batch fill) wait for the fill of
+# their row's lexer. With one lexer per pool thread a wide batch still put several rows on
+# each, and the pool's threads and the checks waited on one another (BENCHMARKS.md). Each
+# lexer builds its own states, a few MB for a JSON schema's; a grammar has as many as its
+# rows alive together needed, up to this.
+LEXERS = min(64, 4 * POOL_THREADS)
 
 
 @dataclass
@@ -147,7 +153,7 @@ class _Starts:
 # milliseconds for an agent's tools (about 10 for fifteen tools), on the actor thread while
 # every row waits, where a copy takes microseconds. A new row goes to the start with the fewest
 # live rows (not ended: a retired row may stay in the batch); only when every start has some,
-# and fewer than POOL_THREADS exist, is another built, so that the pool's threads fill rows of
+# and fewer than LEXERS exist, is another built, so that the pool's threads fill rows of
 # one grammar in parallel while a grammar one row at a time uses (one agent's turns) compiles
 # once. Bounded, since a grammar's lexers grow as rows use them; arbitrary.
 _STARTS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, _Starts]] = weakref.WeakKeyDictionary()
@@ -169,9 +175,9 @@ def _start_matcher(vocab: GrammarVocab, grammar: str, row: GrammarProcessor) -> 
             kept.popitem(last=False)
     else:
         kept.move_to_end(grammar)
-    loads = [sum(not r.ended for r in rows) for rows in starts.rows[:POOL_THREADS]]
+    loads = [sum(not r.ended for r in rows) for rows in starts.rows[:LEXERS]]
     lexer = min(range(len(loads)), key=loads.__getitem__)
-    if loads[lexer] and len(starts.matchers) < POOL_THREADS:
+    if loads[lexer] and len(starts.matchers) < LEXERS:
         lexer = len(starts.matchers)
         starts.matchers.append(llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0))
         starts.rows.append(weakref.WeakSet())

@@ -624,7 +624,7 @@ class Decoder:
         import llguidance.numpy as llnp
 
         # The pool splits the list into runs: rows that share a lexer (copies of one start,
-        # `_constrain.POOL_THREADS`) wait on each other, so each run holds one lexer's rows.
+        # `_constrain.LEXERS`) wait on each other, so each run holds one lexer's rows.
         fill.sort(key=lambda f: f[0].lexer)
         early = [g for g, _ in fill if g.measures()]
         copies = [g.matcher.deep_copy() for g in early]  # before the fill borrows the matchers
