@@ -22,7 +22,7 @@
 set -u
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
 stamp() { while IFS= read -r l; do echo "$(date +%T.%N | cut -c1-12) $l"; done; }
-SPY=/root/gpu-stage/py-spy
+SPY=${SPY:-/root/gpu-stage/py-spy}
 case $1 in
 install) bash benchmarks/2026-11-30-h200/graph-cache/run.sh install;;
 engine)

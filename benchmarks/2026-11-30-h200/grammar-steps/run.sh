@@ -2,8 +2,8 @@
 # /root/gpu-stage as ../auto-rule/README.md says, SmolLM2's tokenizer files in
 # /root/gpu-stage/smoltok, py-spy installed from its wheel):
 #   bash run.sh install   ../graph-cache/run.sh's install (/root/m1b, /root/m1bs)
-#   bash run.sh spy       probe_grammar_engine.py /root/m1bs 64 512 1 array under `auto` with a step
-#                         trace, py-spy --native (blocking, 50 Hz) on it in 5 s windows, raw files kept
+#   bash run.sh spy       ../grammar-budget/run.sh blocking (the grammar engine under `auto` with a step
+#                         trace, py-spy --native, blocking, 50 Hz, in 5 s windows, raw files kept)
 #   bash run.sh engine [R] [TREES]
 #                         probe_grammar_engine.py as `spy`, no py-spy, R rounds (default 2), once per
 #                         tree in TREES (default "."; another tree: a directory holding its trio_mlx),
@@ -25,7 +25,6 @@
 set -u
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
 stamp() { while IFS= read -r l; do echo "$(date +%T.%N | cut -c1-12) $l"; done; }
-SPY=$(command -v py-spy)
 HERE=$PWD
 run_phases() {  # run_phases MODE NAME [TOKENS SCHEMA]: one engine under GRAMMAR_MASKS=MODE, its parts timed
   local f="$OUT/phases-$2"
@@ -39,20 +38,7 @@ run_phases() {  # run_phases MODE NAME [TOKENS SCHEMA]: one engine under GRAMMAR
 }
 case $1 in
 install) bash benchmarks/2026-11-30-h200/graph-cache/run.sh install;;
-spy)
-  P "== spy grammar auto $(date +%T)"
-  PYTHONPATH=$PWD GRAMMAR_MASKS=auto SHARES=1 TRIO_MLX_STEP_TRACE="$OUT/trace-spy.tsv" timeout "${LIMIT:-150}" python3 \
-    benchmarks/probes/probe_grammar_engine.py /root/m1bs 64 512 1 array > >(stamp > "$OUT/spy-grammar.txt") 2>&1 &
-  PID=$!
-  for w in $(seq 30); do
-    kill -0 $PID 2>/dev/null || break
-    CH=$(pgrep -P $PID python3 | head -1); [ -n "$CH" ] || { sleep 1; continue; }
-    P "spy window $w $(date +%T.%N | cut -c1-12)"
-    $SPY record -p $CH -d 5 -r 50 --threads --idle --native -f raw -o "$OUT/spy-$(date +%H%M%S).txt" \
-      > /dev/null 2>> "$OUT/spy-errors.txt"
-  done
-  wait $PID
-  grep -E "round|x of free|warm-up" "$OUT/spy-grammar.txt" | tee -a "$OUT/progress.txt";;
+spy) SPY=$(command -v py-spy) bash benchmarks/2026-11-30-h200/grammar-budget/run.sh blocking;;
 engine)
   n=0
   for tree in ${3:-.}; do
