@@ -481,6 +481,45 @@ def test_rows_alive_together_get_more_lexers_than_the_pool_has_threads(
     assert all(np.array_equal(_masks_of(p, tail[:3]), fed) for p in procs[1:])
 
 
+def test_the_starts_kept_over_all_grammars_are_bounded(
+        tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each lexer a grammar's rows used stays with its start, a few MB: past `_STARTS_TOTAL`
+    starts over all the grammars kept, a new start drops the idle ones (no live row) of the
+    grammars used before it, each grammar's last first, down to its first; starts with live
+    rows stay, and the grammars keep working."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    texts = []
+    for fmt in (FORMATS[1][1], FORMATS[2][1], FORMATS[0][1]):
+        grammar = _grammar.compile_response_format(tok, fmt)
+        assert grammar is not None
+        texts.append(grammar.source)
+    monkeypatch.setattr(_constrain, "_STARTS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(_constrain, "LEXERS", 3)
+    monkeypatch.setattr(_constrain, "_STARTS_TOTAL", 4)
+
+    def counts() -> list[int]:
+        kept = _constrain._STARTS[vocab]
+        return [len(kept[t].matchers) for t in texts if t in kept]
+
+    idle = [GrammarProcessor(vocab, texts[0], 40) for _ in range(3)]
+    live = [GrammarProcessor(vocab, texts[1], 40) for _ in range(2)]
+    assert counts() == [3, 2]
+    for p in idle:
+        p.retire()  # ended: its start holds no live row
+    more = [GrammarProcessor(vocab, texts[1], 40)]
+    assert counts() == [1, 3]  # 6 kept: the first grammar's idle starts went, its last first
+    more += [GrammarProcessor(vocab, texts[2], 40) for _ in range(2)]
+    assert counts() == [1, 3, 2]  # its first start stays, and so do the live rows' starts
+    assert all(p.lexer < 3 for p in live + more)
+    fresh = GrammarProcessor(vocab, texts[0], 40)
+    assert fresh.lexer == 0 and counts()[0] == 1
+    tail = finish(llguidance.LLMatcher(vocab.tokenizer, texts[0], log_level=0), vocab)
+    monkeypatch.setattr(_constrain, "_STARTS", weakref.WeakKeyDictionary())
+    alone = GrammarProcessor(vocab, texts[0], 40)  # from a start of its own
+    assert tail and np.array_equal(_masks_of(fresh, tail[:2]), _masks_of(alone, tail[:2]))
+
+
 def test_rows_that_share_a_grammar_compile_it_once_per_lexer(
         tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The rows of one grammar text start from copies of its start matchers, each row on the

@@ -134,7 +134,7 @@ POOL_THREADS = _pool_threads()
 # their row's lexer. With one lexer per pool thread a wide batch still put several rows on
 # each, and the pool's threads and the checks waited on one another (BENCHMARKS.md). Each
 # lexer builds its own states, a few MB for a JSON schema's; a grammar has as many as its
-# rows alive together needed, up to this.
+# rows alive together needed, up to this, and `_STARTS_TOTAL` bounds those kept idle.
 LEXERS = min(64, 4 * POOL_THREADS)
 
 
@@ -155,9 +155,11 @@ class _Starts:
 # live rows (not ended: a retired row may stay in the batch); only when every start has some,
 # and fewer than LEXERS exist, is another built, so that the pool's threads fill rows of
 # one grammar in parallel while a grammar one row at a time uses (one agent's turns) compiles
-# once. Bounded, since a grammar's lexers grow as rows use them; arbitrary.
+# once. Bounded, since a grammar's lexers grow as rows use them: the grammars kept, and the
+# starts kept over all of them (`_trim_starts`); arbitrary.
 _STARTS: weakref.WeakKeyDictionary[GrammarVocab, OrderedDict[str, _Starts]] = weakref.WeakKeyDictionary()
 _STARTS_KEPT = 16
+_STARTS_TOTAL = 128
 
 
 def _start_matcher(vocab: GrammarVocab, grammar: str, row: GrammarProcessor) -> tuple[llguidance.LLMatcher, int]:
@@ -181,8 +183,22 @@ def _start_matcher(vocab: GrammarVocab, grammar: str, row: GrammarProcessor) -> 
         lexer = len(starts.matchers)
         starts.matchers.append(llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0))
         starts.rows.append(weakref.WeakSet())
+        _trim_starts(kept)
     starts.rows[lexer].add(row)
     return starts.matchers[lexer].deep_copy(), lexer
+
+
+def _trim_starts(kept: OrderedDict[str, _Starts]) -> None:
+    """While more than `_STARTS_TOTAL` starts are kept, drop idle ones (no live row on them),
+    the least recently used grammar's first and each grammar's last start first; a grammar's
+    first start stays (its copies start the next row without a compile), as do the starts of
+    the grammar used last. A dropped start's lexer goes once its rows' matchers are gone."""
+    total = sum(len(s.matchers) for s in kept.values())
+    for starts in list(kept.values())[:-1]:
+        while total > _STARTS_TOTAL and len(starts.matchers) > 1 and all(r.ended for r in starts.rows[-1]):
+            starts.matchers.pop()
+            starts.rows.pop()
+            total -= 1
 
 
 class GrammarProcessor:
