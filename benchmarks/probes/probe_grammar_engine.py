@@ -29,8 +29,9 @@ not reach; prints each mode's figures and, per round, each mode's constrained ra
 first's (the same tokens under every mode). The mode is switched on the actor's `Decoder` between
 batches (a thread actor, in this process).
 
-`POOL=N`: llguidance's pool (and the most lexers a grammar's rows are dealt across) at N threads
-instead of `_constrain.POOL_THREADS`'s 80% of the usable CPUs (a thread actor, in this process).
+`POOL=N`: llguidance's pool at N threads instead of `_constrain.POOL_THREADS`'s 80% of the usable
+CPUs, and the most lexers a grammar's rows are dealt across by the runtime's rule for it
+(`_constrain.lexers_for`; a thread actor, in this process).
 `LEXERS=N`: the most lexers a grammar's rows are dealt across (`_constrain.LEXERS`), the pool
 left as it is.
 
@@ -263,7 +264,8 @@ async def main() -> None:
         from trio_mlx.actor import _constrain
 
         if os.environ.get("POOL"):
-            _constrain.POOL_THREADS = _constrain.LEXERS = int(os.environ["POOL"])
+            _constrain.POOL_THREADS = int(os.environ["POOL"])
+            _constrain.LEXERS = _constrain.lexers_for(_constrain.POOL_THREADS)
         if os.environ.get("LEXERS"):
             _constrain.LEXERS = int(os.environ["LEXERS"])
     modes = [m for m in os.environ.get("MODES", "").split(",") if m]

@@ -45,8 +45,10 @@ by own time.
 `--pool-threads N,...`: llguidance's pool at each of these sizes in turn, in every round
 (its default: 80% of the cores). `--lexers L,...`: for each pool size, an episode with each
 of these numbers of start matchers per grammar (`_constrain.LEXERS`: the rows are
-dealt across that many lexers; `pool`: as many as the pool's threads, the runtime's rule;
-`1`: every row a copy of one start, so one lexer's lock for the whole batch).
+dealt across that many lexers; `rule`, the default: the runtime's rule for the pool's size,
+`_constrain.lexers_for`; `pool`: as many as the pool's threads, the rule before 2026-11-30;
+`1`: every row a copy of one start, so one lexer's lock for the whole batch). `--split`
+episodes take the runtime's rule.
 
 Before and after a change, interleaved (a shared machine drifts): run it with
 PYTHONPATH at each tree in turn, e.g. the base exported by
@@ -98,7 +100,7 @@ def _timed_measure_all(*args: Any) -> None:
 
 _decode._measure_all = _timed_measure_all  # the string schema's grammar: its rows cannot finish within max_tokens
 POOL_THREADS: list[int | None] = [None]  # llguidance's pool size for the episodes to come (None: its default)
-DEFAULT_LEXERS = _constrain.POOL_THREADS  # the runtime's: one start per thread of the default pool
+DEFAULT_POOL = _constrain.POOL_THREADS  # the runtime's pool, when --pool-threads gives none
 
 
 def _sized_pool(self: _decode.Decoder) -> Any:
@@ -110,6 +112,11 @@ def _sized_pool(self: _decode.Decoder) -> Any:
 
 
 _decode.Decoder._pool = _sized_pool  # type: ignore[method-assign]
+
+
+def lexer_count(lexers: str, pool: int) -> int:
+    """`--lexers`' word for a pool of `pool` threads as a number of lexers."""
+    return {"rule": _constrain.lexers_for(pool), "pool": pool}.get(lexers) or int(lexers)
 
 
 def tokenizer(path: pathlib.Path) -> Any:
@@ -242,7 +249,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tokenizer", default="/tmp/tok128k")
     ap.add_argument("--pool-threads", default="")
-    ap.add_argument("--lexers", default="pool")
+    ap.add_argument("--lexers", default="rule")
     args = ap.parse_args()
     sizes: list[int | None] = [int(x) for x in args.pool_threads.split(",") if x] or [None]
     tok = tokenizer(pathlib.Path(args.tokenizer))
@@ -261,7 +268,7 @@ def main() -> None:
         for name, source in sources.items():
             for size, lexers in itertools.product(sizes, args.lexers.split(",")):
                 POOL_THREADS[0] = size
-                _constrain.LEXERS = (size or DEFAULT_LEXERS) if lexers == "pool" else int(lexers)
+                _constrain.LEXERS = lexer_count(lexers, size or DEFAULT_POOL)
                 o = episode(vocab, source, args, args.seed)
                 pool = "" if size is None else f" pool {size:2d}"
                 pool += f" lexers {_constrain.LEXERS:2d}"
@@ -275,7 +282,7 @@ def main() -> None:
         for name, source in sources.items():
             for size in sizes:
                 POOL_THREADS[0] = size
-                _constrain.LEXERS = size or DEFAULT_LEXERS
+                _constrain.LEXERS = _constrain.lexers_for(size or DEFAULT_POOL)
                 print(name if size is None else f"{name}, pool {size}")
                 split(vocab, source, args)
     if args.profile:

@@ -135,7 +135,12 @@ POOL_THREADS = _pool_threads()
 # each, and the pool's threads and the checks waited on one another (BENCHMARKS.md). Each
 # lexer builds its own states, a few MB for a JSON schema's; a grammar has as many as its
 # rows alive together needed, up to this, and `_STARTS_TOTAL` bounds those kept idle.
-LEXERS = min(64, 4 * POOL_THREADS)
+def lexers_for(pool_threads: int) -> int:
+    """The most lexers a grammar's rows are dealt across with a pool of `pool_threads`."""
+    return min(64, 4 * pool_threads)
+
+
+LEXERS = lexers_for(POOL_THREADS)
 
 
 @dataclass
