@@ -209,14 +209,32 @@ class _OnlyToken4:
         return False
 
 
-class _Fed:
-    """A step's `inputs`: last step's tokens, each read noted in `events` (after `delay` s)."""
+class _Clock:
+    """`_decode`'s clock in tests of 'auto' (`monkeypatch.setattr(_decode, "time", clock)`): it moves
+    only by what the fakes say their work took, so the timings those tests compare do not hang on
+    how busy the machine running them is."""
 
-    def __init__(self, values: list[int], events: list[str], delay: float = 0.0):
-        self.values, self.events, self.delay = values, events, delay
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def take(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _Fed:
+    """A step's `inputs`: last step's tokens, each read noted in `events` (taking `delay` s, on
+    `clock` when given, else slept)."""
+
+    def __init__(self, values: list[int], events: list[str], delay: float = 0.0, clock: _Clock | None = None):
+        self.values, self.events, self.delay, self.clock = values, events, delay, clock
 
     def tolist(self) -> list[int]:
-        if self.delay:
+        if self.clock is not None:
+            self.clock.take(self.delay)
+        elif self.delay:
             import time
 
             time.sleep(self.delay)
@@ -285,24 +303,26 @@ def test_grammar_masks_auto_goes_before_only_while_the_tokens_were_ready_when_re
     every `AUTO_RECHECK` such steps one reads after the forward again, and a read that waited
     (the device behind the host) keeps them after."""
     monkeypatch.setattr(_decode, "AUTO_RECHECK", 3)
-    monkeypatch.setattr(_decode, "AUTO_WAIT", 0.05)  # a read here takes microseconds, unless preempted
+    monkeypatch.setattr(_decode, "AUTO_WAIT", 0.05)
     monkeypatch.setattr(_decode, "AUTO_ROWS", 1)  # the one grammar row here is enough
+    clock = _Clock()
+    monkeypatch.setattr(_decode, "time", clock)
     events: list[str] = []
     rows, g = _constrained_rows(events)
     decoder = Decoder(grammar_masks="auto")
     logits = mx.array(np.tile(LOGITS, (3, 1)))
-    decoder.step(logits, rows, _Fed([1, 2, 3], events), False)  # timed: ready at once
+    decoder.step(logits, rows, _Fed([1, 2, 3], events, clock=clock), False)  # timed: ready at once
     kinds = []
     for _ in range(8):
-        early = decoder.masks_first(rows, _Fed([1, 2, 3], events), False)
+        early = decoder.masks_first(rows, _Fed([1, 2, 3], events, clock=clock), False)
         kinds.append("before" if early else "after")
-        decoder.step(logits, rows, _Fed([1, 2, 3], events), False, early)
+        decoder.step(logits, rows, _Fed([1, 2, 3], events, clock=clock), False, early)
     assert kinds == ["before", "before", "before", "after", "before", "before", "before", "after"]
     slow = Decoder(grammar_masks="auto")
     for _ in range(3):
-        early = slow.masks_first(rows, _Fed([1, 2, 3], events, delay=0.1), False)
+        early = slow.masks_first(rows, _Fed([1, 2, 3], events, delay=0.1, clock=clock), False)
         assert early is None
-        slow.step(logits, rows, _Fed([1, 2, 3], events, delay=0.1), False, early)
+        slow.step(logits, rows, _Fed([1, 2, 3], events, delay=0.1, clock=clock), False, early)
     assert slow.early_steps == 0 and decoder.early_steps == 6
 
 
@@ -363,19 +383,19 @@ def test_grammar_masks_auto_turns_before_down_while_its_read_waits_longer_than_t
     """'auto': once `AUTO_READS` reads made before the forward waited longer than the masks take
     after it, the steps go 'after' (one goes 'before' every `AUTO_RECHECK` to time the read
     again); masks that grow slower than that read bring 'before' back."""
-    import time
-
     monkeypatch.setattr(_decode, "AUTO_READS", 2)
     monkeypatch.setattr(_decode, "AUTO_RECHECK", 3)
     monkeypatch.setattr(_decode, "AUTO_WAIT", 0.5)  # every read here counts as ready
     monkeypatch.setattr(_decode, "AUTO_ROWS", 1)
+    clock = _Clock()
+    monkeypatch.setattr(_decode, "time", clock)
     events: list[str] = []
     rows, g = _constrained_rows(events)
     slow = {"mask": 0.0}
     begin = g.begin
 
     def timed_begin(token: int | None) -> bool:
-        time.sleep(slow["mask"])
+        clock.take(slow["mask"])
         return begin(token)
 
     g.begin = timed_begin  # type: ignore[method-assign]
@@ -385,12 +405,12 @@ def test_grammar_masks_auto_turns_before_down_while_its_read_waits_longer_than_t
     def kinds(n: int) -> list[str]:
         out = []
         for _ in range(n):
-            early = decoder.masks_first(rows, _Fed([1, 2, 3], events, delay=0.02), False)
+            early = decoder.masks_first(rows, _Fed([1, 2, 3], events, delay=0.02, clock=clock), False)
             out.append("before" if early else "after")
-            decoder.step(logits, rows, _Fed([1, 2, 3], events, delay=0.02), False, early)
+            decoder.step(logits, rows, _Fed([1, 2, 3], events, delay=0.02, clock=clock), False, early)
         return out
 
-    decoder.step(logits, rows, _Fed([1, 2, 3], events), False)  # the first read after, timed
+    decoder.step(logits, rows, _Fed([1, 2, 3], events, clock=clock), False)  # the first read after, timed
     assert kinds(10) == ["before", "before", "after", "after", "after", "before", "after", "after", "after",
                          "before"]
     slow["mask"] = 0.1  # masks slower than the read: once one is timed (the median of two), 'before'
