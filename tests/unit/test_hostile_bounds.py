@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+import types
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -164,3 +165,42 @@ async def test_a_refused_token_id_prompt_is_freed_at_once(tiny_model_fp32):
             assert big_lists() == before
         finally:
             gc.enable()
+
+
+async def test_a_refused_request_leaves_no_reference_cycle_behind(tiny_model_fp32):
+    """A refusal's traceback runs through the frames that held the request (its messages: a prompt
+    of megabytes, once). Kept in a reference cycle, they would stay in memory until a full garbage
+    collection, which an idle server may not run for minutes; freed by reference counting, they go
+    with the response. Refusals from the engine's checks, through each API."""
+    long_text = "word " * 20_000  # past the tiny model's context
+    asks = [
+        (CHAT, {"messages": [USER], "max_tokens": 8, "logit_bias": {"not-a-token": 1}}),
+        (CHAT, {"messages": [{"role": "user", "content": long_text}], "max_tokens": 8}),
+        (COMPLETIONS, {"prompt": long_text, "max_tokens": 4}),
+        # refused by validation, in the intake's worker thread (a body over `_intake.LARGE_BODY`)
+        (CHAT, {"messages": [{"role": "wizard", "content": long_text * 3}], "max_tokens": 8}),
+        (MESSAGES, {"model": "model", "max_tokens": 4, "messages": [{"role": "user", "content": long_text}]}),
+        (RESPONSES, {"model": "model", "max_output_tokens": 16, "input": long_text}),
+    ]
+
+    def ours(o: object) -> bool:
+        if isinstance(o, types.FrameType):
+            return "/trio_mlx/" in o.f_code.co_filename
+        return isinstance(o, BaseException) and type(o).__module__.startswith(("trio_mlx", "pydantic"))
+
+    async with serve(tiny_model_fp32, factory=fake_factory()) as server, server.client() as client:
+        for path, body in asks:  # once before: what the first request of each kind builds for good
+            assert (await client.post(path, json=body)).status_code == 400
+        gc.collect()
+        gc.disable()
+        try:
+            for path, body in asks:
+                assert (await client.post(path, json=body)).status_code == 400
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            left = [o for o in gc.garbage if ours(o)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert left == [], [f"{o.f_code.co_name}" if isinstance(o, types.FrameType) else repr(o) for o in left]

@@ -243,6 +243,25 @@ class Pump:
                     pump.abort("stall")
 
 
+def forget_frames(exc: BaseException) -> None:
+    """Drop the tracebacks of `exc` and of the exceptions it was raised from. A refusal's
+    traceback holds the frames that held the request (its body, its messages: megabytes, for
+    some), and a frame on the way that kept the exception itself makes a reference cycle
+    (trio and its thread hops make several): the whole request would then stay in memory
+    until a full garbage collection, which an idle server may not run for minutes. Without
+    the tracebacks the frames go by reference counting, with the response."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+
+
 async def refuse(app: ServerHost, scope: Scope, send: Send, exc: Exception, rec: RequestRecord,
                  extra: Sequence[tuple[bytes, bytes]], render: Callable[[HTTPError], bytes] | None = None) -> None:
     """A request that failed before it started: its error (in its API's shape: `render`),
@@ -250,6 +269,7 @@ async def refuse(app: ServerHost, scope: Scope, send: Send, exc: Exception, rec:
     error = error_from_exception(exc)
     if not isinstance(exc, (HTTPError, TrioMLXError)) and error.status >= 500:
         log.exception("request %s failed before it started", rec.request_id)
+    forget_frames(exc)
     rec.status, rec.outcome = error.status, "error"
     app.observe(rec)
     told = any(k.lower() == "connection" for k, _ in error.headers)
