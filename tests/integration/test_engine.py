@@ -682,3 +682,42 @@ async def test_the_tools_module_loads_at_startup_not_with_the_first_request(tiny
         assert name in sys.modules  # before any request
         got, _, fin = await run(engine, [5, 6, 7], max_tokens=2, temperature=0)
         assert len(got) == 2 and fin.finish_reason == "length"
+
+
+
+async def test_a_failed_step_is_logged_with_its_traceback_and_what_it_held_goes_first(tiny_model_fp32, caplog,
+                                                                                        monkeypatch):
+    """A step that raised: its traceback goes to the server's log once (its requests get the
+    message alone), and the arrays its frames held are freed before `Actor._recover` resets the
+    batch and hands MLX's buffer cache back (a step that ran out of memory held the most)."""
+    import mlx.core as mx
+
+    from trio_mlx.actor._actor import Actor
+
+    armed = threading.Event()
+    held_bytes = 64 * 1024 * 1024
+    active: dict[str, int] = {}
+
+    def hook(stage: str) -> None:
+        if stage == "step" and armed.is_set():
+            armed.clear()
+            active["before"] = mx.get_active_memory()
+            held = mx.zeros((held_bytes // 4,), dtype=mx.float32)  # what the failing step computed
+            mx.eval(held)
+            raise RuntimeError("injected step fault")
+
+    recover = Actor._recover
+
+    def timed_recover(self: Actor, exc: BaseException, failed: list[tuple[int, str]]) -> object:
+        active["at_recover"] = mx.get_active_memory()
+        return recover(self, exc, failed)
+
+    monkeypatch.setattr(Actor, "_recover", timed_recover)
+    with caplog.at_level("ERROR", logger="trio_mlx.actor"):
+        async with trio_mlx.open_engine(tiny_model_fp32, fault_hook=hook) as engine:
+            finishes = await fault_during_decode(engine, 3, armed)
+            assert all(f.finish_reason == "error" for f in finishes)
+    assert active["at_recover"] - active["before"] < held_bytes // 2, active
+    logged = [r for r in caplog.records if "generation step failed" in r.getMessage()]
+    assert len(logged) == 1
+    assert "RuntimeError: injected step fault" in logged[0].getMessage() and "in hook" in logged[0].getMessage()

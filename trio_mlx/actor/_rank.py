@@ -15,6 +15,8 @@ its state (the schedule, the batch, the prompt cache).
 from __future__ import annotations
 
 import contextlib
+import logging
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from ._admission import Admission
     from ._link import ActorLink
     from ._reuse import Reuse
+
+log = logging.getLogger("trio_mlx.actor")
 
 
 class Rank:
@@ -89,5 +93,12 @@ class Rank:
         return self.actor._admission
 
     def recover(self, exc: BaseException, failed: list[tuple[int, str]]) -> StepReport:
-        """A step raised: a single device fails its rows and serves on (`Actor._recover`)."""
+        """A step raised: a single device fails its rows and serves on (`Actor._recover`). The
+        traceback goes to the log once (each request gets the message alone), then goes: its
+        frames hold what the step was computing (the batch, its logits), which must be freed
+        before `_recover` hands MLX's buffer cache back."""
+        # as text: a record holding the traceback itself would keep its frames (a handler may keep records)
+        log.error("generation step failed; failing its %d sequences\n%s", len(self.actor.schedule.seqs),
+                  "".join(traceback.format_exception(exc)).rstrip())
+        exc.__traceback__ = None
         return self.actor._recover(exc, failed)
