@@ -684,7 +684,6 @@ async def test_the_tools_module_loads_at_startup_not_with_the_first_request(tiny
         assert len(got) == 2 and fin.finish_reason == "length"
 
 
-
 async def test_a_failed_step_is_logged_with_its_traceback_and_what_it_held_goes_first(tiny_model_fp32, caplog,
                                                                                         monkeypatch):
     """A step that raised: its traceback goes to the server's log once (its requests get the
