@@ -96,6 +96,52 @@ async def test_a_sigterm_once_the_drain_is_over_keeps_the_exit_status(tiny_model
         nursery.cancel_scope.cancel()
 
 
+# The same, with an engine that failed for good while its actor thread went on (a distributed
+# group that lost a rank: `Engine.fail`), as a rank whose launcher sends SIGTERM after SIGTERM:
+# the actor returns once the drain began (the other rank's end broke its collective), and the
+# app's watch for a broken engine, cancelled with the drain, never sees it.
+FAILED_LINGERING = ("import atexit, sys, time\n"
+                    "import trio\n"
+                    "from trio_mlx.actor import Shutdown\n"
+                    "from trio_mlx.engine import _engine\n"
+                    "from trio_mlx.server import _app\n"
+                    "from trio_mlx.server._serve import main\n"
+                    "_start, _close = _app.TrioMLXApp.start_engine, _engine.Engine.aclose\n"
+                    "async def start_engine(self):\n"
+                    "    await _start(self)\n"
+                    "    self.engine.fail('the distributed group failed: a test')\n"
+                    "async def aclose(self, **kw):\n"
+                    "    try:\n"
+                    "        self._registry.to_actor(Shutdown())\n"
+                    "    except trio.ClosedResourceError:\n"
+                    "        pass\n"
+                    "    await _close(self, **kw)\n"
+                    "async def unwatched(app, engine):\n"
+                    "    await trio.sleep_forever()\n"
+                    "_app.TrioMLXApp.start_engine, _engine.Engine.aclose = start_engine, aclose\n"
+                    "_app._exit_when_broken = unwatched\n"
+                    + LINGERING.split("\n", 2)[2])
+
+
+async def test_a_failed_engine_exits_1_through_a_launchers_sigterms(tiny_model_fp32):
+    """A server whose engine failed exits 1 though a SIGTERM stopped it and another came while
+    it exited (mlx.launch terminates a rank again and again once another rank is gone)."""
+    async with trio.open_nursery() as nursery:
+        p = await start(nursery, [sys.executable, "-c", FAILED_LINGERING, str(tiny_model_fp32), "--port", "0",
+                                  "--no-warmup", "--no-access-log"])
+        with trio.fail_after(30):
+            await p.has_url.wait()
+        p.proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(20):
+            while "lingering at exit" not in p.text:  # noqa: ASYNC110 - a log line
+                await trio.sleep(0.02)
+        p.proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            rc = await p.proc.wait()
+        assert rc == 1, p.text[-3000:]
+        nursery.cancel_scope.cancel()
+
+
 def test_a_model_that_cannot_load_exits_nonzero_with_the_reason(tmp_path):
     missing = tmp_path / "no-such-model"
     proc = subprocess.run([*SERVE, str(missing), "--port", "0"], capture_output=True, text=True,

@@ -168,6 +168,12 @@ async def serve(app: Any, config: Any) -> bool:
                              url, url)
             finally:
                 logging.getLogger("hypercorn.error").removeFilter(hide)
+    engine = getattr(app, "engine", None)
+    if engine is not None and engine.state == "broken":
+        # It failed for good without its actor returning (a distributed group that lost a
+        # rank: `Engine.fail`): the process ends 1 whatever stopped the server, a launcher's
+        # SIGTERM included, and whatever signal comes while it exits.
+        forced = True
     _exit_on_sigterm(1 if forced else 0)
     return not forced
 
