@@ -17,6 +17,10 @@
 #                         rule until now) against 64: probe_grammar_host.py --split (one round), then
 #                         `phases`'s engine under `auto` with LEXERS=N for each N in ORDER (default
 #                         "12 64 64 12")
+#   bash run.sh budget [ORDER]
+#                         `phases`'s engine under `auto`, the array schema, with the rows' budget checks
+#                         on and off (BUDGET=off: no row measures itself against max_tokens) in ORDER
+#                         (default "on off off on")
 #   bash run.sh default  the rule now (four lexers per pool thread: 48 on this host) against 12:
 #                         probe_grammar_host.py (array and string schemas, two rounds, lexers 48,12),
 #                         then `phases`'s engine under `auto` with the string schema (256 tokens)
@@ -72,6 +76,12 @@ default)
   LEXERS=12 run_phases auto string-lexers12 256 string
   LEXERS=12 run_phases auto array-lexers12
   run_phases auto array-default
+  tar czf "$OUT/phases.tgz" -C "$OUT" $(cd "$OUT" && ls phases-*.tsv) && rm -f "$OUT"/phases-*.tsv;;
+budget)
+  n=0
+  for b in ${2:-on off off on}; do
+    n=$((n+1)); BUDGET=$b run_phases auto "array-budget-$b-$n"
+  done
   tar czf "$OUT/phases.tgz" -C "$OUT" $(cd "$OUT" && ls phases-*.tsv) && rm -f "$OUT"/phases-*.tsv;;
 phases)
   for mode in ${2:-auto after}; do
