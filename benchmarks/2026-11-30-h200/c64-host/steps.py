@@ -46,7 +46,7 @@ for name, (a, b) in spans(sys.argv[2] if len(sys.argv) > 2 else None).items():
           f"{len(prompts)} steps with prompts, median {statistics.median(prompts) if prompts else 0:.1f} ms, "
           f"{sum(prompts) / 1e3:.2f} s in all")
     chunks = [[full[0]]]
-    for prev, cur in zip(full, full[1:]):
+    for prev, cur in zip(full, full[1:], strict=False):
         if cur[0] - prev[0] > 0.3:
             chunks.append([])
         chunks[-1].append(cur)
