@@ -8,6 +8,7 @@ Here the lock alone; a server process refusing to start: tests/system/test_servi
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import tempfile
 from pathlib import Path
@@ -61,3 +62,31 @@ def test_the_directory_must_be_this_users_and_is_made_private(tmpdir_env: Path, 
     path.parent.symlink_to(tmpdir_env / "elsewhere")
     with pytest.raises(_workers.UnsafeLockError, match="not a directory"):
         _workers.acquire(settings)
+
+
+class _Exited(Exception):
+    pass
+
+
+def test_a_refused_worker_kills_its_supervisor_before_it_stops_the_lock_holder(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under hypercorn's supervisor (server/_exit.py): a worker stopped while its supervisor still
+    ran (the refused worker preempted between its two signals, on a loaded machine) let the
+    supervisor see that worker's exit and return 0, the refusal's status lost."""
+    from trio_mlx.server import _exit
+
+    supervisor, holder = os.getppid(), 2**22 + 17
+    sent: list[tuple[int, int]] = []
+
+    def gone(status: int) -> None:
+        raise _Exited(status)
+
+    monkeypatch.setattr(_exit.multiprocessing, "parent_process", lambda: type("P", (), {"pid": supervisor})())
+    monkeypatch.setattr(_exit.os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    monkeypatch.setattr(_exit.os, "_exit", gone)
+    with pytest.raises(_Exited) as exited:
+        _exit.exit_if_unseen(_exit.ServerInfo("hypercorn.trio.lifespan"), "refused",
+                             lock_holder=(holder, supervisor))
+    assert exited.value.args == (_exit.STARTUP_FAILURE,)
+    assert sent == [(supervisor, signal.SIGKILL), (holder, signal.SIGTERM)]
+    assert capsys.readouterr().err == "error: refused\n"

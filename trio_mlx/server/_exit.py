@@ -18,10 +18,10 @@ it would go on serving an app without a model.
 
 So a supervised worker that cannot start, or an unsupervised hypercorn
 asyncio worker, writes its one line and ends the server itself. Under a
-hypercorn or uvicorn supervisor: the sibling worker that holds the model's
-lock, if any, gets SIGTERM (what the supervisor would send it), the supervisor
-gets SIGKILL (the one signal it neither handles nor turns into a clean exit:
-the shell sees 137), and the worker leaves with `os._exit(3)`, the status
+hypercorn or uvicorn supervisor: the supervisor gets SIGKILL (the one signal
+it neither handles nor turns into a clean exit: the shell sees 137), then the
+sibling worker that holds the model's lock, if any, gets SIGTERM (what the
+supervisor would send it), and the worker leaves with `os._exit(3)`, the status
 uvicorn and gunicorn read as "worker failed to boot". `os._exit`, not an
 exception: the failure happened inside the lifespan, half-way through starting
 the trio run and the GPU actor, and an exception there only becomes a
@@ -82,9 +82,11 @@ def exit_if_unseen(server: ServerInfo, message: str, *, lock_holder: tuple[int, 
     sys.stderr.flush()
     if supervised and server.name in _SWALLOWING and not others_may_serve:
         supervisor = os.getppid()
+        # The supervisor first: a worker that ended while it still ran (this one preempted
+        # between the two signals) would let it see an exit and return 0.
+        _signal(supervisor, signal.SIGKILL)
         if lock_holder is not None and lock_holder[1] == supervisor and lock_holder[0] != os.getpid():
             _signal(lock_holder[0], signal.SIGTERM)
-        _signal(supervisor, signal.SIGKILL)
     os._exit(STARTUP_FAILURE)
 
 
