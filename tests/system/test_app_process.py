@@ -77,11 +77,11 @@ LINGERING = ("import atexit, sys, time\n"
              "sys.exit(main(sys.argv[1:]))\n")
 
 
-async def test_a_sigterm_once_the_drain_is_over_keeps_the_exit_status(tiny_model_fp32):
-    """A second SIGTERM while the process exits (mlx.launch sends one to every rank left once
-    one failed) must not turn its status into death by the signal: it exits with it at once."""
+async def sigterm_twice(script: str, model) -> tuple[int, str]:
+    """Start `script` serving `model`; SIGTERM it once ready, again once it lingers at exit; its
+    exit status (within 10 s of the second, not the atexit handler's 20) and its log."""
     async with trio.open_nursery() as nursery:
-        p = await start(nursery, [sys.executable, "-c", LINGERING, str(tiny_model_fp32), "--port", "0",
+        p = await start(nursery, [sys.executable, "-c", script, str(model), "--port", "0",
                                   "--no-warmup", "--no-access-log"])
         with trio.fail_after(30):
             await p.has_url.wait()
@@ -90,10 +90,17 @@ async def test_a_sigterm_once_the_drain_is_over_keeps_the_exit_status(tiny_model
             while "lingering at exit" not in p.text:  # noqa: ASYNC110 - a log line
                 await trio.sleep(0.02)
         p.proc.send_signal(signal.SIGTERM)
-        with trio.fail_after(10):  # not the atexit handler's 20 s
+        with trio.fail_after(10):
             rc = await p.proc.wait()
-        assert rc == 0, p.text[-3000:]
         nursery.cancel_scope.cancel()
+    return rc, p.text
+
+
+async def test_a_sigterm_once_the_drain_is_over_keeps_the_exit_status(tiny_model_fp32):
+    """A second SIGTERM while the process exits (mlx.launch sends one to every rank left once
+    one failed) must not turn its status into death by the signal: it exits with it at once."""
+    rc, text = await sigterm_twice(LINGERING, tiny_model_fp32)
+    assert rc == 0, text[-3000:]
 
 
 # The same, with an engine that failed for good while its actor thread went on (a distributed
@@ -126,20 +133,8 @@ FAILED_LINGERING = ("import atexit, sys, time\n"
 async def test_a_failed_engine_exits_1_through_a_launchers_sigterms(tiny_model_fp32):
     """A server whose engine failed exits 1 though a SIGTERM stopped it and another came while
     it exited (mlx.launch terminates a rank again and again once another rank is gone)."""
-    async with trio.open_nursery() as nursery:
-        p = await start(nursery, [sys.executable, "-c", FAILED_LINGERING, str(tiny_model_fp32), "--port", "0",
-                                  "--no-warmup", "--no-access-log"])
-        with trio.fail_after(30):
-            await p.has_url.wait()
-        p.proc.send_signal(signal.SIGTERM)
-        with trio.fail_after(20):
-            while "lingering at exit" not in p.text:  # noqa: ASYNC110 - a log line
-                await trio.sleep(0.02)
-        p.proc.send_signal(signal.SIGTERM)
-        with trio.fail_after(10):
-            rc = await p.proc.wait()
-        assert rc == 1, p.text[-3000:]
-        nursery.cancel_scope.cancel()
+    rc, text = await sigterm_twice(FAILED_LINGERING, tiny_model_fp32)
+    assert rc == 1, text[-3000:]
 
 
 def test_a_model_that_cannot_load_exits_nonzero_with_the_reason(tmp_path):
