@@ -843,29 +843,12 @@ class ServerProcess:
             "in_engine": m.get("trio_mlx_requests_in_engine"), "state": m.get("trio_mlx_engine_state")}
         raise AssertionError(f"the server was not idle {within} s after the clients finished: {left}")
 
-    async def settled(self, m: dict[str, list[tuple[dict[str, str], float]]]
-                      ) -> dict[str, list[tuple[dict[str, str], float]]]:
-        """Scrapes of an idle server until two in a row, 0.25 s apart, give the same MLX memory
-        and prompt cache (3 s at most): the engine goes idle with its last request, a moment
-        before the actor's report of the batch it left (its rows stored in the prompt cache,
-        the memory read again), and a scrape between the two reads the memory of a busy step
-        beside the prompt cache of before."""
-        names = ("trio_mlx_mlx_active_memory_bytes", "trio_mlx_prompt_cache_bytes")
-        with trio.move_on_after(3):
-            while True:
-                await trio.sleep(0.25)
-                later = await self.metrics()
-                if all(value(later, n) == value(m, n) for n in names):
-                    return later
-                m = later
-        return m
-
     async def steady_rss(self) -> int:
         """Resident memory once idle, less MLX's buffer cache (freed buffers it keeps for reuse,
         6-13 MB after a soak step with the tiny model, depending on the shapes last used: noise
         as large as the leaks looked for); the median of five reads over half a second. Against
         a process actor, read again while it still comes down by over 1 MB (a late trim)."""
-        m = await self.settled(await self.idle())
+        m = await self.idle()
         if not self.thread_actor:  # --hostile: large bodies' memory goes back a second after the last
             await trio.sleep(1.5)
         cache = int(value(m, "trio_mlx_mlx_cache_memory_bytes"))

@@ -471,6 +471,24 @@ def _serve(actor: Actor, script: dict[int, list[Any]], steps: int) -> tuple[dict
     return tokens, last
 
 
+def test_a_step_with_no_rows_left_reports_the_prompt_cache_beside_its_memory(tiny_model_fp32):
+    """A batch that runs dry stores its rows in the prompt cache as it settles. Where the settled
+    report is not sent (a command came: `_next_commands`), the step that follows, with no rows,
+    reads MLX's memory again; without the cache's figures beside it, the engine counted the
+    stored rows in MLX's memory and not in the cache until the cache next changed (the soak's
+    idle memory 1.1 MB over its warm-up level)."""
+    actor = _actor(tiny_model_fp32, retire_steps=1000)
+    actor._open_cache()  # as once warm
+    figures = None
+    for k in range(8):
+        sub = [Submit(1, tuple(range(5, 205)), 3, SamplingParams(temperature=0.0), frozenset())] if k == 0 else []
+        report = actor._step(actor._apply(sub) or [])
+        if report.prompt_cache is not None:
+            figures = report.prompt_cache
+    assert actor._reuse.cache.stats()[5] == 1  # the row's prompt and answer, stored as the batch ran dry
+    assert figures == actor._reuse.cache.stats()
+
+
 def test_greedy_tokens_are_mlx_lm_generates_in_a_batch_of_16_with_rows_entering_and_leaving(tiny_model_fp32):
     """16 prompts of 2-40 tokens enter in four groups while others decode, finish at
     different lengths and retire; one is aborted mid-stream and makes no token after the

@@ -9,8 +9,7 @@ batch is empty it blocks in `link.wait_commands()` and burns no CPU. The same
 actor runs on the main thread of a child process with a pipe for its link
 (`_process.py`, `Engine(actor="process")`).
 
-Only `actor/` and `models/` import MLX. Token ids and floats leave the actor;
-arrays never do.
+Only `actor/` and `models/` import MLX. Token ids and floats leave the actor; arrays never do.
 """
 
 from __future__ import annotations
@@ -512,8 +511,9 @@ class Actor:
     def _step(self, failed: list[tuple[int, str]]) -> StepReport:
         schedule = self.schedule
         if not schedule.seqs:
-            self._link.built()  # likewise
-            return StepReport(failed=tuple(failed), live=len(self._admission.pending), memory=memory_figures())
+            self._link.built()  # likewise; the cache's figures beside the memory that counts them
+            return StepReport(failed=tuple(failed), live=len(self._admission.pending), memory=memory_figures(),
+                              prompt_cache=self._reuse.stats())  # (`settle`'s report may have stayed)
         assert self._bg is not None
         t0 = time.perf_counter()
         try:
