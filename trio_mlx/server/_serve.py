@@ -168,8 +168,7 @@ async def serve(app: Any, config: Any) -> bool:
                              url, url)
             finally:
                 logging.getLogger("hypercorn.error").removeFilter(hide)
-    engine = getattr(app, "engine", None)
-    if engine is not None and engine.state == "broken":
+    if app.engine is not None and app.engine.state == "broken":
         # It failed for good without its actor returning (a distributed group that lost a
         # rank: `Engine.fail`): the process ends 1 whatever stopped the server, a launcher's
         # SIGTERM included, and whatever signal comes while it exits.
