@@ -223,7 +223,7 @@ def _time_phases() -> None:
 
     import mlx.core as mx
 
-    from trio_mlx.actor import _batch, _decode
+    from trio_mlx.actor import _batch, _constrain, _decode
 
     clock = time.perf_counter
 
@@ -238,7 +238,10 @@ def _time_phases() -> None:
         return wrapper
 
     _batch._owned_step = timed("owned_step", _batch._owned_step, rows=True)  # before `own_decode` binds it
-    _decode._measure_all = timed("measure", _decode._measure_all)
+    if hasattr(_decode, "_measure_all"):  # a tree whose budget checks ran in a thread, beside the fill
+        _decode._measure_all = timed("measure", _decode._measure_all)
+    else:  # later ones: each row's, after the fill
+        _constrain.GrammarProcessor._measure = timed("measure", _constrain.GrammarProcessor._measure)
     for name in ("masks_first", "step", "_fill_masks", "_consume_many", "_fill_many", "_sample"):
         setattr(_decode.Decoder, name, timed(name.lstrip("_"), getattr(_decode.Decoder, name)))
     _decode._Early.wait = timed("early_wait", _decode._Early.wait)  # type: ignore[method-assign]

@@ -25,8 +25,9 @@ looks for, so the budget checks give up early). One warm-up episode per schema
 first (a grammar's start completion is walked once per process, as in a server).
 Rounds alternate the schemas. Prints, per round and schema: host ms per step (mean
 over the episode's steps, and its first, middle and last thirds), the CPU per step of
-the two threads that hold the GIL (the decode step's and its budget checks': work no
-number of cores spreads, and steadier than wall time on a shared machine), the steps, the
+the threads that hold the GIL (the decode step's, and the budget checks' where a tree ran
+them in a thread of their own: work no number of cores spreads, and steadier than wall time
+on a shared machine), the steps, the
 tokens, and a digest of every mask of the episode (the same digest before and
 after a change that must not change what rows may output, same `--seed`).
 llguidance's batch calls run on its own pool: 80% of the cores (one thread on a
@@ -85,20 +86,23 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-STRING_SOURCE = [""]
-MEASURE_CPU = [0.0]  # CPU seconds the decoder's thread for the budget checks has spent in them
-_measure_all = _decode._measure_all
+STRING_SOURCE = [""]  # the string schema's grammar: its rows cannot finish within max_tokens
+MEASURE_CPU = [0.0]  # CPU seconds a thread of the decoder's own for the budget checks spent in them
+# A tree whose budget checks ran in such a thread, beside the fill, has this; later ones check
+# after the fill, on the thread this probe times.
+_measure_all = getattr(_decode, "_measure_all", None)
 
 
 def _timed_measure_all(*args: Any) -> None:
     t = time.thread_time()
     try:
-        _measure_all(*args)
+        _measure_all(*args)  # type: ignore[misc]
     finally:
         MEASURE_CPU[0] += time.thread_time() - t
 
 
-_decode._measure_all = _timed_measure_all  # the string schema's grammar: its rows cannot finish within max_tokens
+if _measure_all is not None:
+    _decode._measure_all = _timed_measure_all
 POOL_THREADS: list[int | None] = [None]  # llguidance's pool size for the episodes to come (None: its default)
 DEFAULT_POOL = _constrain.POOL_THREADS  # the runtime's pool, when --pool-threads gives none
 
@@ -144,7 +148,7 @@ def episode(vocab: Any, source: str, args: argparse.Namespace, seed: int) -> dic
     live = list(rows)
     fed: list[int] | None = None
     times: list[float] = []
-    cpus: list[float] = []  # CPU seconds of the two threads that hold the GIL: this one and the budget checks'
+    cpus: list[float] = []  # CPU seconds of the threads that hold the GIL: this one (and the budget checks')
     digest = hashlib.sha256()
     low = -(-512 // 32)
     while live:

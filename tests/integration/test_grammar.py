@@ -352,6 +352,126 @@ def test_the_budgets_skips_change_no_mask(tiny: tuple[Any, Any], schema: dict[st
     assert {"free", "calm", "forcing"} <= modes
 
 
+ENUMS = {"type": "array", "items": {"enum": ["a", "b" * 30, "cd"]}, "minItems": 3, "maxItems": 9}
+
+
+def _random_row(proc: GrammarProcessor, rng: np.random.Generator, vocab: Any) -> tuple[list[int], int]:
+    """Feed `proc` random tokens from its masks to EOS: (the tokens, how many steps measured)."""
+    measured, tokens = 0, []
+    measure = proc._measure
+
+    def counted(*a: Any) -> None:
+        nonlocal measured
+        measured += 1
+        measure(*a)
+
+    proc._measure = counted  # type: ignore[method-assign]
+    while True:
+        if proc.begin(tokens[-1] if tokens else None):
+            proc.fill()
+            proc.complete()
+        allowed = np.flatnonzero(np.unpackbits(proc._words.view(np.uint8), bitorder="little"))
+        tokens.append(int(rng.choice(allowed)))
+        if tokens[-1] in vocab.eos:
+            return tokens, measured
+
+
+@pytest.mark.parametrize("schema", [ARRAY, ENUMS], ids=["array", "enums"])
+def test_a_row_far_from_its_end_measures_by_what_its_tokens_may_add(tiny: tuple[Any, Any], schema: dict[str, Any]) -> None:
+    """Between measurements, a free row far from its end counts what each token may have added
+    to its completion: nothing for the completion's own next token, a margin's worth for a
+    calm token after which the completion's next token is still allowed (text in a string),
+    the most one token may add for any other (an enum's value picked by a letter, an opener).
+    It measures itself far less often than when every token counted as the most, with the
+    same masks, and its text parses within max_tokens."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    rng = np.random.default_rng(11)
+    ours = theirs = 0
+    for max_tokens in (grammar.min_tokens + 150, grammar.min_tokens + 300):
+        for _ in range(3):
+            proc = GrammarProcessor(vocab, grammar.source, max_tokens)
+            tokens, measured = _random_row(proc, rng, vocab)
+            assert len(tokens) <= max_tokens and proc.error is None
+            check(tok.decode(tokens[:-1]), schema)
+            reference = _EveryStep(vocab, grammar.source, max_tokens)
+            masks = _masks_of(GrammarProcessor(vocab, grammar.source, max_tokens), tokens[:-1])
+            assert np.array_equal(masks, _masks_of(reference, tokens[:-1]))
+            ours += measured
+            theirs += _measurements(_EveryStep(vocab, grammar.source, max_tokens), tokens[:-1])
+    assert ours * 2 < theirs, (ours, theirs)
+
+
+def _measurements(proc: GrammarProcessor, tokens: list[int]) -> int:
+    """How many of the steps of `tokens` measure `proc` against its budget."""
+    count = 0
+    for i in range(len(tokens) + 1):
+        if proc.begin(tokens[i - 1] if i else None):
+            count += proc.measures()
+            proc.fill()
+            proc.complete()
+    return count
+
+
+def test_a_batch_measures_its_rows_after_the_fill(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row's budget measurement validates tokens with its lexer's lock held, and llguidance
+    validates with the GIL held: beside the batch fill, which holds each lexer while it fills
+    its rows, a measurement waited for that fill with the GIL that the forward's encoding
+    needs. The decode step measures its rows after the fill, on the thread that filled."""
+    import threading
+
+    from trio_mlx.actor._decode import Decoder, DecodeRow
+    from trio_mlx.actor._protocol import SamplingParams
+
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": ARRAY}})
+    assert grammar is not None
+    events: list[tuple[str, Any]] = []
+    fill_par = llnp.fill_next_token_bitmask_par
+
+    def fill(*args: Any) -> None:
+        events.append(("fill", threading.current_thread()))
+        fill_par(*args)
+        events.append(("filled", threading.current_thread()))
+
+    measure = GrammarProcessor._measure
+
+    def measured(self: GrammarProcessor, *args: Any) -> None:
+        events.append(("measure", threading.current_thread()))
+        measure(self, *args)
+
+    monkeypatch.setattr(llnp, "fill_next_token_bitmask_par", fill)
+    monkeypatch.setattr(GrammarProcessor, "_measure", measured)
+    rows = [DecodeRow(SamplingParams(temperature=0.0), grammar=GrammarProcessor(vocab, grammar.source, n))
+            for n in (grammar.min_tokens + 10, grammar.min_tokens + 20, grammar.min_tokens + 30)]
+    decoder, fed, rng = Decoder(), None, np.random.default_rng(5)
+    for _ in range(6):
+        plan = decoder._plan_for(rows, vocab.size)
+        decoder._masks(plan, fed)
+        assert plan.bitmask is not None
+        fed = [int(rng.choice(np.flatnonzero(np.unpackbits(plan.bitmask[j : j + 1].view(np.uint8), bitorder="little"))))
+               for j in range(len(rows))]
+    assert sum(e == "measure" for e, _ in events) >= 6 and sum(e == "fill" for e, _ in events) >= 4
+    filling = False
+    for what, thread in events:
+        assert thread is threading.current_thread()
+        assert not (filling and what == "measure")
+        filling = what == "fill" or (filling and what != "filled")
+
+
+def test_ragged_tokens_are_the_ones_ending_inside_a_character() -> None:
+    assert not _matcher._ends_inside_a_character(b"abc")
+    assert not _matcher._ends_inside_a_character("é".encode())
+    assert _matcher._ends_inside_a_character("é".encode()[:1])
+    assert _matcher._ends_inside_a_character(b"x" + "€".encode()[:2])
+    assert not _matcher._ends_inside_a_character("€".encode()[1:])  # continuation bytes end one
+    assert _matcher._ends_inside_a_character("𝄞".encode()[:3])
+    assert not _matcher._ends_inside_a_character(b"")
+
+
 @pytest.mark.parametrize("lexers", [1, 3], ids=["one-lexer", "three-lexers"])
 @pytest.mark.parametrize("schema", [ITEMS, ARRAY], ids=["items", "array"])
 def test_a_batch_gets_the_masks_each_row_gets_alone(

@@ -15,8 +15,8 @@ fill the next-token bitmask (numpy, one bit per tokenizer token) and set the
 logits of every token it forbids to -inf; tokens past the tokenizer's vocabulary
 (logits are often wider) are forbidden too. The actor's own decode step
 (`_decode.Decoder`) does the host side for every constrained row of the batch
-at once (llguidance's batch consume, `begin`, llguidance's batch fill with the
-budget's `measure` beside it, `complete`) while the device runs the step's
+at once (llguidance's batch consume, `begin`, llguidance's batch fill, `complete`,
+which measures the row against its budget where one is due) while the device runs the step's
 forward, and applies the masks as one batched op; under mlx-lm's
 step (`decode_step="mlx"`) the generator calls the processor per row
 (`__call__`), and reading the sampled token from the context waits for the
@@ -26,6 +26,14 @@ The processor also keeps its row inside `max_tokens`. Every so often it
 measures the completion `_matcher.finish` would write from here; in the
 endgame (every step once the tokens left come within reach of it) also how
 much one token that opens something could lengthen it (`_matcher.jump`).
+Between measurements it counts what each token may have added to the
+completion (`_grow`, `_settle`): nothing for the completion's own next token,
+a margin's worth for a calm token after which the completion's next token is
+still allowed (text inside a string), and the most one token is taken to add
+(`_far`) for any other; the next measurement is due only once that count
+could bring the row within reach of its endgame (`_due_in`). A measurement the
+count shows could only find the row free is not made: the masks are those of
+a row that counted every token as the most, measured far more often.
 When one such token could leave too little room, the row turns "calm": only
 tokens that open nothing, the completion's next token, and EOS where the
 grammar may end. When the room is down to the completion, it forces the
@@ -230,14 +238,18 @@ class GrammarProcessor:
         self._jump = 0  # the largest jump measured so far
         self._jumps: dict[int, int] | None = None  # this step's growth by opener, in the endgame
         self._room = 0  # ... and how far the completion may grow before the row must go calm
-        self._measured = -1  # the call whose budget `measure` measured
-        self._failure: BaseException | None = None  # what failed in `measure`, for `complete`
         self._mode = "free"  # -> "calm" -> "forcing" -> "done" (only EOS)
         self._endgame = False  # the last measurement found the row within reach of its budget's end
         self._spacing = 1  # ... else the calls it set until the next one
-        # The tentative drafts `draft` fed the matcher: before each, the completion as it was
-        # and whether it was checked (`keep` puts back what the drafts it undoes changed).
-        self._undo: list[tuple[list[int], bool]] = []
+        # Between measurements of a free row far from its end: what the tokens since that left
+        # the completion (`_tail`, which the ones that follow it shorten) may have added to it
+        # (`_grow`); -1 where measurements are not spaced by it.
+        self._extra = -1
+        self._loose = False  # the completion once came out longer than `_extra` allowed
+        self._pending: int | None = None  # a calm token `_extra` took as adding `_far`, until the mask says
+        # The tentative drafts `draft` fed the matcher: before each, the completion as it was,
+        # whether it was checked, and `_extra` (`keep` puts back what the drafts it undoes changed).
+        self._undo: list[tuple[list[int], bool, int]] = []
         self.forced_finish = False
         self.error: str | None = None
 
@@ -257,10 +269,8 @@ class GrammarProcessor:
     # (`fill()`, or llguidance's batch fill into the bitmask `bind` gave it), and then
     # `complete()`. The actor's decode step (`_decode.Decoder`) does that for every
     # constrained row of the batch at once; `__call__` for one. Where `measures()`, the
-    # step also measures the row against its budget; the part of it that needs no mask,
-    # `measure(copy)`, may run on a copy of the matcher while llguidance fills the masks
-    # (else `complete()` runs it). A failure in any part ends the row (EOS) and is kept
-    # in `error`: it never raises.
+    # step also measures the row against its budget, in `complete()`. A failure in any
+    # part ends the row (EOS) and is kept in `error`: it never raises.
 
     @property
     def matcher(self) -> llguidance.LLMatcher:
@@ -297,31 +307,16 @@ class GrammarProcessor:
         """Whether this step (`begin` returned True) measures the row against its budget."""
         return self._calls >= self._check_at
 
-    def measure(self, matcher: llguidance.LLMatcher) -> None:
-        """The budget's measurement that needs no mask, on `matcher`: a copy of this row's
-        matcher as `begin` left it, so that it may run while llguidance fills the mask from
-        the row's own (in another thread: it writes nothing to the mask)."""
-        self._measured = self._calls
-        try:
-            self._measure(matcher, self._max_tokens - self._calls)
-        except BaseException as exc:
-            if not (isinstance(exc, Exception) or is_panic(exc)):
-                raise
-            self._failure = exc  # `complete` ends the row: the mask may be filling now
-
     def fill(self) -> None:
         llnp.fill_next_token_bitmask(self._matcher, self._bitmask)
 
     def complete(self) -> None:
         try:
-            if self._failure is not None:
-                raise self._failure
             self._after_fill()
         except BaseException as exc:
             if not (isinstance(exc, Exception) or is_panic(exc)):
                 raise
             self._fail(exc)
-        self._failure = None
         self._calls += 1
 
     def retire(self) -> None:
@@ -372,11 +367,12 @@ class GrammarProcessor:
                 if m.is_stopped():
                     m.rollback(1)  # the plain step would end the row here: left to it
                     break
-                self._undo.append((self._tail, self._tail_checked))
+                self._undo.append((self._tail, self._tail_checked, self._extra))
                 if self._tail and t == self._tail[0]:
                     self._tail = self._tail[1:]  # a new list: `_undo` holds the old one
                 else:
                     self._tail_checked = False
+                    self._grow(t, settled=False)
                 llnp.fill_next_token_bitmask(m, out, len(self._undo))
                 self._calls += 1
         except BaseException as exc:  # as `begin`: the row ends (EOS), the batch goes on
@@ -403,7 +399,7 @@ class GrammarProcessor:
             self._fail(exc)
             return
         self._calls -= extra
-        self._tail, self._tail_checked = undo[n]
+        self._tail, self._tail_checked, self._extra = undo[n]
 
     def _fail(self, exc: BaseException) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
@@ -416,7 +412,8 @@ class GrammarProcessor:
         the mask needs the matcher's fill, then `_after_fill`."""
         m = self._matcher
         if token is not None and self._mode != "done":
-            if self._tail and token == self._tail[0]:
+            follows = bool(self._tail) and token == self._tail[0]
+            if follows:
                 self._tail.pop(0)  # the rest still completes the grammar
             else:  # the model went its own way (never while forcing: the mask holds)
                 self._tail_checked = False
@@ -426,6 +423,8 @@ class GrammarProcessor:
                 self.error = f"the grammar refused token {token}: {m.get_error()}"
                 self._end()
                 return False
+            if not follows:
+                self._grow(token)
         left = self._max_tokens - self._calls  # tokens this row may still emit, this one included
         if self._mode == "done" or left <= 1 or m.is_stopped():
             if self._mode != "done" and left <= 1 and not m.is_stopped() and not m.is_accepting():
@@ -438,13 +437,57 @@ class GrammarProcessor:
             else:
                 self._end()
             return False
+        if self._calls >= self._check_at and self._extra >= 0:
+            self._check_at = self._calls + self._due_in()  # the tokens since may have added less
         return True
+
+    def _grow(self, token: int, settled: bool = True) -> None:
+        """`_extra` after `token` (just fed), which left the completion: as much as `_far` says,
+        or a margin's worth for a calm one (it opens nothing), which the step's mask must
+        then confirm (`_settle`; `settled`: it will, before the matcher moves on)."""
+        if self._extra < 0:
+            return
+        if settled and not self._loose and self._vocab.is_calm(token):
+            self._extra += BUDGET_MARGIN
+            self._pending = token
+        else:
+            self._extra += self._far()
+
+    def _settle(self) -> None:
+        """With the step's mask filled, the calm token `_grow` took as adding a margin's worth:
+        right where the completion's next token is still allowed after it, as text inside a
+        string leaves it, or where it ends inside a character (the next bytes end it). One
+        that leaves it (a choice among an enum's values, a key that picks one of several
+        objects) may lengthen the completion by more: `_far`, and the measurement that this
+        step may then need after all runs now (`_after_fill`)."""
+        token, self._pending = self._pending, None
+        if token is None or self._extra < 0:
+            return
+        t = self._tail[0] if self._tail else None
+        if (t is not None and int(self._words[0, t >> 5]) >> (t & 31) & 1) or self._vocab.is_ragged(token):
+            return
+        self._extra += self._far() - BUDGET_MARGIN
+        self._check_at = min(self._check_at, self._calls + self._due_in())
+
+    def _far(self) -> int:
+        """The most one token is taken to lengthen the completion by."""
+        return JUMP_FACTOR * max(JUMP_GUESS, self._jump) + BUDGET_MARGIN
+
+    def _due_in(self) -> int:
+        """How many calls from this one the next measurement may wait (0: this one measures): a
+        call whose measurement would find the row free even with the completion as long as it
+        may be now needs none, and each call after it may add `_far` to it."""
+        far = self._far()
+        need = len(self._tail) + self._extra + 1 + BUDGET_MARGIN
+        room = self._max_tokens - self._calls - need - far  # `_measure`: free where it is positive
+        return 0 if room < 1 else (room - 1) // (far + 1) + 1
 
     def _after_fill(self) -> None:
         """The rest of a step whose mask the matcher filled: the budget's measurement, calm."""
+        if self._pending is not None:
+            self._settle()
         if self._calls >= self._check_at:
-            if self._measured != self._calls:
-                self._measure(self._matcher, self._max_tokens - self._calls)
+            self._measure(self._matcher, self._max_tokens - self._calls)
             if self._jumps is not None:
                 self._decide_calm()
             if self._mode == "forcing":
@@ -471,6 +514,8 @@ class GrammarProcessor:
         measurement."""
         self._jumps = None
         self._endgame = True  # until found far from the end
+        allowed = len(self._tail) + self._extra if self._extra >= 0 else -1
+        self._extra, self._pending = -1, None  # followed only while the row is free and far from its end
         # The last completion, if it still completes the grammar from here, saves a
         # walk (inside a string or a number it does); it is the longer one at worst.
         found: list[int] | None = self._tail
@@ -483,6 +528,8 @@ class GrammarProcessor:
             return
         tail = found
         self._tail, self._tail_checked = tail, True
+        if 0 <= allowed < len(tail):  # `_extra` fell short: from now on every token may add `_far`
+            self._loose = True
         need = len(tail) + 1 + BUDGET_MARGIN  # + 1: the EOS
         if left <= need:
             self._mode = "forcing"
@@ -492,7 +539,7 @@ class GrammarProcessor:
         if left <= need + BUDGET_MARGIN:
             self._mode, self._check_at = "calm", self._calls + 1
             return
-        far = JUMP_FACTOR * max(JUMP_GUESS, self._jump) + BUDGET_MARGIN  # the most one token may add
+        far = self._far()
         if left <= need + far:
             # The jump: the openers the grammar allows here (validated: the mask may be
             # filling), each one's growth; `_decide_calm` adds what else the mask allows.
@@ -500,9 +547,9 @@ class GrammarProcessor:
             self._jumps = {t: growth(m, self._vocab, tail, t)
                            for t in self._vocab.openers if m.validate_tokens([t])}
         else:
-            self._mode, self._endgame = "free", False
+            self._mode, self._endgame, self._extra = "free", False, 0
             # `draft_room`'s guess at the next spacing (`draft` holds to the real one)
-            self._spacing = max(1, (left - need - far) // (far + 1))
+            self._spacing = self._due_in()  # at least 1: the row is free
             self._check_at = self._calls + self._spacing
 
     def _decide_calm(self) -> None:

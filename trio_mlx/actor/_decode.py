@@ -96,11 +96,6 @@ AUTO_RECHECK = 32
 AUTO_ROWS = 8
 
 
-def _measure_all(grammars: list[GrammarProcessor], matchers: list[Any]) -> None:
-    for g, m in zip(grammars, matchers, strict=True):
-        g.measure(m)
-
-
 class DecodeRow:
     """One decoding sequence as the decode step sees it: its sampling, its grammar, its state.
 
@@ -336,7 +331,6 @@ class Decoder:
         # speculative steps of each width since its last plain step was timed (`wants_plain`)
         self.speculated: collections.Counter[int] = collections.Counter()
         self.speculated_last = False  # the last step was a speculative one (`_spec_step.py`)
-        self._measurer: ThreadPoolExecutor | None = None  # the budget checks' thread (`_fill_many`)
 
     def plain_step(self, width: int) -> float | None:
         """A plain step of a batch of `width` rows, in seconds (the median of the last ones),
@@ -615,27 +609,17 @@ class Decoder:
         return dict(zip(feed, ok, strict=True))
 
     def _fill_many(self, fill: list[tuple[Any, int]], bitmask: np.ndarray) -> None:
-        """llguidance's batch fill of the rows' masks (its threads, the GIL released). The
-        rows that measure their budget this step do the part that needs no mask meanwhile,
-        in a thread of the decoder's own, each on a copy of its matcher (the fill holds the
-        matchers): a budget check validates the row's completion (tens of microseconds for
-        a long one) and the fill of a 128k vocabulary takes hundreds, so each hides the
-        other instead of following it."""
+        """llguidance's batch fill of the rows' masks (its threads, the GIL released). The rows
+        that measure their budget this step do so after it (`complete`): a measurement's
+        validations take its row's lexer lock, which the fill holds while it fills that
+        lexer's rows, and llguidance validates with the GIL held, so a measurement beside
+        the fill waited for it with the GIL that the forward's encoding needs."""
         import llguidance.numpy as llnp
 
         # The pool splits the list into runs: rows that share a lexer (copies of one start,
         # `_constrain.LEXERS`) wait on each other, so each run holds one lexer's rows.
         fill.sort(key=lambda f: f[0].lexer)
-        early = [g for g, _ in fill if g.measures()]
-        copies = [g.matcher.deep_copy() for g in early]  # before the fill borrows the matchers
-        if self._measurer is None and early:
-            self._measurer = ThreadPoolExecutor(1, thread_name_prefix="trio-mlx-grammar")
-        done = self._measurer.submit(_measure_all, early, copies) if early else None  # type: ignore[union-attr]
-        try:
-            llnp.fill_next_token_bitmask_par(self._pool(), [(g.matcher, j) for g, j in fill], bitmask)
-        finally:
-            if done is not None:
-                done.result()
+        llnp.fill_next_token_bitmask_par(self._pool(), [(g.matcher, j) for g, j in fill], bitmask)
 
     def _pool(self) -> Any:
         """llguidance's thread pool for the batch's masks and consumes, made at first use."""

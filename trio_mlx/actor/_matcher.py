@@ -44,6 +44,7 @@ FINISH_LIMIT = 512
 # Up to how many special tokens `jumpers` tests one by one (Python ints) rather than as one
 # numpy gather. Arbitrary: about where the two cost the same.
 _FEW_SPECIALS = 16
+_CALM, _RAGGED = 1, 2  # `GrammarVocab.kinds`' bits
 _REPEATS = 4  # arbitrary: numbers and padded strings need a few repeats, never many
 # How many of its first tokens `finish` tries its hint after (a UTF-8 character's
 # continuation bytes, an escape's next byte). Arbitrary: each try validates the hint,
@@ -64,10 +65,21 @@ class GrammarVocab:
     openers: tuple[int, ...]  # the single-byte tokens of `_OPENERS`
     specials: np.ndarray  # ids of the special tokens, EOS aside
     calm: np.ndarray  # token bitmask (uint32 words, llguidance's layout): the tokens that open nothing
+    # A byte per token (read per token, where a bitmask's word costs numpy's scalar access):
+    # `_CALM` where it opens nothing, `_RAGGED` where its bytes end inside a UTF-8 character.
+    kinds: bytes
 
     @property
     def size(self) -> int:
         return self.tokenizer.vocab_size
+
+    def is_calm(self, token: int) -> bool:
+        """Whether `token` opens nothing."""
+        return bool(self.kinds[token] & _CALM)
+
+    def is_ragged(self, token: int) -> bool:
+        """Whether `token` ends inside a UTF-8 character."""
+        return bool(self.kinds[token] & _RAGGED)
 
 
 _vocabs: weakref.WeakKeyDictionary[Any, GrammarVocab] = weakref.WeakKeyDictionary()
@@ -144,9 +156,12 @@ def _from_lltokenizer(lltok: llguidance.LLTokenizer) -> GrammarVocab:
             singles[b] = ids[0]
     size = lltok.vocab_size
     special = np.array([lltok.is_special_token(i) for i in range(size)], dtype=bool)
-    opens = np.array([any(c in _OPENERS for c in lltok.decode_bytes([i])) for i in range(size)])
+    texts = [lltok.decode_bytes([i]) for i in range(size)]
+    opens = np.array([any(c in _OPENERS for c in b) for b in texts])
     calm = np.zeros(-(-size // 32) * 32, dtype=bool)
     calm[:size] = ~(special | opens)
+    kinds = bytes(_CALM * c | _RAGGED * _ends_inside_a_character(b)
+                  for c, b in zip(calm[:size].tolist(), texts, strict=True))
     eos = tuple(lltok.eos_tokens)
     special[list(eos)] = False
     return GrammarVocab(
@@ -158,7 +173,18 @@ def _from_lltokenizer(lltok: llguidance.LLTokenizer) -> GrammarVocab:
         openers=tuple(singles[b] for b in _OPENERS if b in singles),
         specials=np.flatnonzero(special),
         calm=np.packbits(calm, bitorder="little").view(np.uint32).reshape(1, -1),
+        kinds=kinds,
     )
+
+
+def _ends_inside_a_character(text: bytes) -> bool:
+    """Whether `text` ends with the first bytes of a UTF-8 character and not all of them."""
+    for back in range(1, min(4, len(text)) + 1):
+        b = text[-back]
+        if b & 0xC0 != 0x80:  # not a continuation byte: the character's lead (or ASCII)
+            size = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+            return size > back
+    return False
 
 
 def finish(matcher: llguidance.LLMatcher, vocab: GrammarVocab, limit: int = FINISH_LIMIT,
