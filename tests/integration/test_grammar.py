@@ -462,6 +462,70 @@ def test_a_batch_measures_its_rows_after_the_fill(tiny: tuple[Any, Any], monkeyp
         filling = what == "fill" or (filling and what != "filled")
 
 
+def test_what_a_token_may_add_depends_on_where_it_falls(tiny: tuple[Any, Any]) -> None:
+    """Between measurements a comma inside a string is text (it leaves the completion's first
+    tokens valid: a margin's worth), a comma between items opens another one (the most one
+    token may add), and the completion's own next token adds nothing."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    schema = {"type": "array", "items": {"type": "string"}, "minItems": 1}  # completion from the start: ["" ]
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    proc = GrammarProcessor(vocab, grammar.source, 400)
+    added = []
+    for t in [None, *tok.encode('["ab,c"'), *tok.encode(",")]:
+        before = proc._extra
+        if proc.begin(t):
+            proc.fill()
+            proc.complete()
+        added.append((tok.decode([t]) if t is not None else "", proc._extra - before))
+    margin, far = _constrain.BUDGET_MARGIN, proc._far()
+    assert added[1:] == [("[", 0), ('"', 0), ("a", margin), ("b", margin), (",", margin), ("c", margin), ('"', 0),
+                         (",", far)]
+
+
+def test_the_completion_stays_in_step_with_tokens_that_spell_it_their_own_way(tiny: tuple[Any, Any]) -> None:
+    """A token that writes several of the completion's tokens at once (` "` where the
+    completion walked ` ` and `"`, a byte a token) follows it, adding nothing; one that takes
+    the place of the completion's first (another last character of a string at its
+    maxLength) leaves it, a margin's worth added, and the completion drops that first."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": ARRAY}})
+    assert grammar is not None
+    (space_quote,), (quote,), (space,) = tok.encode(' "'), tok.encode('"'), tok.encode(" ")
+
+    def fed(text: str) -> GrammarProcessor:
+        proc = GrammarProcessor(vocab, grammar.source, grammar.min_tokens + 300)
+        for t in [None, *tok.encode(text)]:
+            if proc.begin(t):
+                proc.fill()
+                proc.complete()
+        return proc
+
+    def step(proc: GrammarProcessor, token: int) -> None:
+        assert proc.begin(token)
+        proc.fill()
+        proc.complete()
+
+    proc = fed('["a",')
+    tail, extra = list(proc._tail), proc._extra
+    assert tail[0] == space_quote and extra >= 0
+    proc._tail = [space, quote, *tail[1:]]  # the same bytes, a byte a token
+    assert completes(proc.matcher, vocab, proc._tail)
+    step(proc, space_quote)
+    assert proc._tail == tail[1:] and proc._extra == extra
+
+    proc = fed('["' + "a" * 11)  # a string one character short of its 12
+    (b,), (comma,) = tok.encode("b"), tok.encode(",")
+    proc._tail = [b, *proc._tail]  # a completion that writes the twelfth itself
+    assert completes(proc.matcher, vocab, proc._tail)
+    tail, extra = list(proc._tail), proc._extra
+    step(proc, comma)  # the twelfth, text: the completion's `b` no longer fits, its rest does
+    assert proc._tail == tail[1:] and proc._extra == extra + _constrain.BUDGET_MARGIN
+    assert completes(proc.matcher, vocab, proc._tail)
+
+
 def test_ragged_tokens_are_the_ones_ending_inside_a_character() -> None:
     assert not _matcher._ends_inside_a_character(b"abc")
     assert not _matcher._ends_inside_a_character("é".encode())

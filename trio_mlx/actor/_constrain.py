@@ -93,6 +93,11 @@ JUMP_FACTOR = 2
 # measurement every step) begins. Arbitrary; a JSON item with a few required
 # keys, or another tool call, jumps 10-40 tokens.
 JUMP_GUESS = 32
+# How many of the completion's first tokens a token that may open something must leave valid for
+# the budget to count it as adding a margin's worth (`_grow`). Arbitrary: a validation of a few
+# tokens costs microseconds, the completion's whole tens of them.
+_PROBE = 6
+_DROPS = 3  # ... or the tokens after its first `_DROPS` at most. Arbitrary: what one token may write of it.
 
 
 def json_string_grammar() -> str:
@@ -368,8 +373,8 @@ class GrammarProcessor:
                     m.rollback(1)  # the plain step would end the row here: left to it
                     break
                 self._undo.append((self._tail, self._tail_checked, self._extra))
-                if self._tail and t == self._tail[0]:
-                    self._tail = self._tail[1:]  # a new list: `_undo` holds the old one
+                if follows := self._spelled(t):
+                    self._tail = self._tail[follows:]  # a new list: `_undo` holds the old one
                 else:
                     self._tail_checked = False
                     self._grow(t, settled=False)
@@ -412,9 +417,9 @@ class GrammarProcessor:
         the mask needs the matcher's fill, then `_after_fill`."""
         m = self._matcher
         if token is not None and self._mode != "done":
-            follows = bool(self._tail) and token == self._tail[0]
+            follows = self._spelled(token)
             if follows:
-                self._tail.pop(0)  # the rest still completes the grammar
+                del self._tail[:follows]  # the rest still completes the grammar
             else:  # the model went its own way (never while forcing: the mask holds)
                 self._tail_checked = False
                 if self._mode == "forcing":
@@ -441,22 +446,69 @@ class GrammarProcessor:
             self._check_at = self._calls + self._due_in()  # the tokens since may have added less
         return True
 
+    def _spelled(self, token: int) -> int:
+        """How many of the completion's first tokens `token` spells, byte for byte (0: it
+        leaves the completion): its own next token, or one token for several of them (`["`
+        for `[` and `"`; the completion is walked a byte a token), after which the rest
+        completes the grammar as it did (llguidance reads bytes, not tokens)."""
+        tail = self._tail
+        if not tail:
+            return 0
+        if token == tail[0]:
+            return 1
+        decode = self._vocab.tokenizer.decode_bytes
+        text, spelled = decode([token]), b""
+        for i, t in enumerate(tail):
+            spelled += decode([t])
+            if len(spelled) >= len(text) or not text.startswith(spelled):
+                return i + 1 if spelled == text else 0
+        return 0
+
     def _grow(self, token: int, settled: bool = True) -> None:
         """`_extra` after `token` (just fed), which left the completion: as much as `_far` says,
         or a margin's worth for a calm one (it opens nothing), which the step's mask must
-        then confirm (`_settle`; `settled`: it will, before the matcher moves on)."""
+        then confirm (`_settle`; `settled`: it will, before the matcher moves on), and for
+        one that may open something but leaves the completion's first tokens (or all but
+        its first) valid: a comma or a brace inside a string, where it is text, or a
+        newline between values."""
         if self._extra < 0:
             return
-        if settled and not self._loose and self._vocab.is_calm(token):
-            self._extra += BUDGET_MARGIN
-            self._pending = token
-        else:
+        if self._loose:
             self._extra += self._far()
+        elif self._vocab.is_calm(token):
+            if settled:
+                self._extra += BUDGET_MARGIN
+                self._pending = token
+            else:
+                self._extra += self._far()
+        else:
+            self._extra += BUDGET_MARGIN if self._leaves_completion() else self._far()
+
+    def _leaves_completion(self) -> bool:
+        """Whether the completion's first `_PROBE` tokens, or those after its first few, are
+        valid from here (the whole of what is left of it, and then its end, where it is no
+        longer: a string or a key just opened takes any closing bracket as text). Where only
+        those after its first few are (the token wrote them in its own way: `"` for ` "`,
+        `":"` for `""`), the completion drops them, so that it stays in step with the text:
+        a measurement then finds what is left of it still completing, without a walk."""
+        m, tail = self._matcher, self._tail
+        for start in range(_DROPS + 1):
+            rest = tail[start:start + _PROBE]
+            if start + _PROBE >= len(tail):
+                ok = completes(m, self._vocab, tail[start:])
+            else:
+                ok = m.validate_tokens(rest) == len(rest)
+            if ok:
+                if start:
+                    self._tail = tail[start:]  # a new list: `draft`'s undo may hold the old one
+                return True
+        return False
 
     def _settle(self) -> None:
         """With the step's mask filled, the calm token `_grow` took as adding a margin's worth:
         right where the completion's next token is still allowed after it, as text inside a
-        string leaves it, or where it ends inside a character (the next bytes end it). One
+        string leaves it, where it ends inside a character (the next bytes end it), or where
+        the completion's first tokens (or those after its first few) are still valid. One
         that leaves it (a choice among an enum's values, a key that picks one of several
         objects) may lengthen the completion by more: `_far`, and the measurement that this
         step may then need after all runs now (`_after_fill`)."""
@@ -464,7 +516,8 @@ class GrammarProcessor:
         if token is None or self._extra < 0:
             return
         t = self._tail[0] if self._tail else None
-        if (t is not None and int(self._words[0, t >> 5]) >> (t & 31) & 1) or self._vocab.is_ragged(token):
+        if ((t is not None and int(self._words[0, t >> 5]) >> (t & 31) & 1) or self._vocab.is_ragged(token)
+                or self._leaves_completion()):
             return
         self._extra += self._far() - BUDGET_MARGIN
         self._check_at = min(self._check_at, self._calls + self._due_in())
