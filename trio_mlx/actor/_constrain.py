@@ -143,9 +143,9 @@ POOL_THREADS = _pool_threads()
 # rows meet new states) behind one lock that each mask, consume and validation holds
 # throughout: rows on one lexer take turns, however many threads fill them (two threads over
 # copies of one matcher do the work of one; over matchers built apart, ~1.4x on two cores),
-# and the budget checks (`measure`, on copies, beside the batch fill) wait for the fill of
-# their row's lexer. With one lexer per pool thread a wide batch still put several rows on
-# each, and the pool's threads and the checks waited on one another (BENCHMARKS.md). Each
+# which is also why the budget checks wait for the batch fill's end (`_decode._fill_many`).
+# With one lexer per pool thread a wide batch still put several rows on each, and the pool's
+# threads waited on one another (BENCHMARKS.md). Each
 # lexer builds its own states, a few MB for a JSON schema's; a grammar has as many as its
 # rows alive together needed, up to this, and `_STARTS_TOTAL` bounds those kept idle.
 def lexers_for(pool_threads: int) -> int:
