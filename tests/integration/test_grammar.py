@@ -526,6 +526,28 @@ def test_the_completion_stays_in_step_with_tokens_that_spell_it_their_own_way(ti
     assert completes(proc.matcher, vocab, proc._tail)
 
 
+def test_a_row_whose_count_fell_short_counts_every_token_as_the_most(tiny: tuple[Any, Any]) -> None:
+    """Where a measurement finds the completion longer than the count allowed (a token added
+    more than it was taken to), the row stops trusting the count: from then on every token
+    that leaves the completion adds the most one token may, as before the count."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": ARRAY}})
+    assert grammar is not None
+    proc = GrammarProcessor(vocab, grammar.source, grammar.min_tokens + 300)
+    for t in [None, *tok.encode('["ab')]:
+        if proc.begin(t):
+            proc.fill()
+            proc.complete()
+    assert not proc._loose and proc._extra >= 0
+    proc._tail, proc._tail_checked = proc._tail[:1], False  # a count that fell short of the truth
+    proc._measure(proc.matcher, proc._max_tokens - proc._calls)
+    assert proc._loose and proc._extra == 0 and len(proc._tail) > 1
+    (d,) = tok.encode("d")
+    assert proc.begin(d)  # calm, inside the string: a margin's worth, but for a loose row the most
+    assert proc._extra == proc._far()
+
+
 def test_ragged_tokens_are_the_ones_ending_inside_a_character() -> None:
     assert not _matcher._ends_inside_a_character(b"abc")
     assert not _matcher._ends_inside_a_character("é".encode())
