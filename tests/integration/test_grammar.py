@@ -526,6 +526,27 @@ def test_the_completion_stays_in_step_with_tokens_that_spell_it_their_own_way(ti
     assert completes(proc.matcher, vocab, proc._tail)
 
 
+def test_a_special_token_never_spells_the_completion(tiny: tuple[Any, Any]) -> None:
+    """A token follows the completion where its bytes spell the completion's first tokens; a
+    special token never does (the grammar reads it as itself, whatever its text)."""
+    _, tok = tiny
+    vocab = grammar_vocab(tok)
+    grammar = _grammar.compile_response_format(tok, FORMATS[2][1])
+    assert grammar is not None
+    proc = GrammarProcessor(vocab, grammar.source, 200)
+    lltok = vocab.tokenizer
+
+    def bytewise(text: bytes) -> list[int]:
+        return [lltok.tokenize_bytes(bytes([b]))[0] for b in text]
+
+    (space_quote,) = tok.encode(' "')
+    proc._tail = bytewise(b' "x')
+    assert proc._spelled(space_quote) == 2
+    special = int(vocab.specials[1])
+    proc._tail = bytewise(lltok.decode_bytes([special]))
+    assert len(proc._tail) > 1 and proc._spelled(special) == 0
+
+
 def test_a_row_whose_count_fell_short_counts_every_token_as_the_most(tiny: tuple[Any, Any]) -> None:
     """Where a measurement finds the completion longer than the count allowed (a token added
     more than it was taken to), the row stops trusting the count: from then on every token

@@ -457,7 +457,11 @@ class GrammarProcessor:
         if token == tail[0]:
             return 1
         decode = self._vocab.tokenizer.decode_bytes
+        if self._vocab.is_special(token):
+            return 0  # the grammar reads it as itself, whatever its text
         text, spelled = decode([token]), b""
+        if not text:
+            return 0
         for i, t in enumerate(tail):
             spelled += decode([t])
             if len(spelled) >= len(text) or not text.startswith(spelled):
@@ -481,6 +485,8 @@ class GrammarProcessor:
                 self._pending = token
             else:
                 self._extra += self._far()
+        elif self._vocab.is_special(token):
+            self._extra += self._far()  # another tool call, a turn's end: measured as a jump is
         else:
             self._extra += BUDGET_MARGIN if self._leaves_completion() else self._far()
 

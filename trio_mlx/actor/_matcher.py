@@ -44,7 +44,7 @@ FINISH_LIMIT = 512
 # Up to how many special tokens `jumpers` tests one by one (Python ints) rather than as one
 # numpy gather. Arbitrary: about where the two cost the same.
 _FEW_SPECIALS = 16
-_CALM, _RAGGED = 1, 2  # `GrammarVocab.kinds`' bits
+_CALM, _RAGGED, _SPECIAL = 1, 2, 4  # `GrammarVocab.kinds`' bits
 _REPEATS = 4  # arbitrary: numbers and padded strings need a few repeats, never many
 # How many of its first tokens `finish` tries its hint after (a UTF-8 character's
 # continuation bytes, an escape's next byte). Arbitrary: each try validates the hint,
@@ -66,7 +66,8 @@ class GrammarVocab:
     specials: np.ndarray  # ids of the special tokens, EOS aside
     calm: np.ndarray  # token bitmask (uint32 words, llguidance's layout): the tokens that open nothing
     # A byte per token (read per token, where a bitmask's word costs numpy's scalar access):
-    # `_CALM` where it opens nothing, `_RAGGED` where its bytes end inside a UTF-8 character.
+    # `_CALM` where it opens nothing, `_RAGGED` where its bytes end inside a UTF-8 character,
+    # `_SPECIAL` for a special token (EOS too: the grammar reads it as itself, not its text).
     kinds: bytes
 
     @property
@@ -80,6 +81,10 @@ class GrammarVocab:
     def is_ragged(self, token: int) -> bool:
         """Whether `token` ends inside a UTF-8 character."""
         return bool(self.kinds[token] & _RAGGED)
+
+    def is_special(self, token: int) -> bool:
+        """Whether `token` is a special token (EOS included)."""
+        return bool(self.kinds[token] & _SPECIAL)
 
 
 _vocabs: weakref.WeakKeyDictionary[Any, GrammarVocab] = weakref.WeakKeyDictionary()
@@ -160,8 +165,8 @@ def _from_lltokenizer(lltok: llguidance.LLTokenizer) -> GrammarVocab:
     opens = np.array([any(c in _OPENERS for c in b) for b in texts])
     calm = np.zeros(-(-size // 32) * 32, dtype=bool)
     calm[:size] = ~(special | opens)
-    kinds = bytes(_CALM * c | _RAGGED * _ends_inside_a_character(b)
-                  for c, b in zip(calm[:size].tolist(), texts, strict=True))
+    kinds = bytes(_CALM * c | _RAGGED * _ends_inside_a_character(b) | _SPECIAL * sp
+                  for c, b, sp in zip(calm[:size].tolist(), texts, special.tolist(), strict=True))
     eos = tuple(lltok.eos_tokens)
     special[list(eos)] = False
     return GrammarVocab(
