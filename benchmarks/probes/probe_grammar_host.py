@@ -124,6 +124,12 @@ def lexer_count(lexers: str, pool: int) -> int:
 
 
 def tokenizer(path: pathlib.Path) -> Any:
+    """The tokenizer in `path`; an empty or missing `path` gets the 128k test tokenizer written
+    into it. A tokenizer without its config.json (EOS) is refused, never overwritten: this
+    probe once wrote its test tokenizer over SmolLM2's staged that way, and its figures were
+    then the test tokenizer's."""
+    if (path / "tokenizer.json").exists() and not (path / "config.json").exists():
+        raise SystemExit(f"{path} holds a tokenizer but no config.json: add one (its eos_token_id)")
     if not (path / "config.json").exists():
         path.mkdir(parents=True, exist_ok=True)
         _test_models._write_test_tokenizer(path, vocab_size=VOCAB, model_max_length=4096)
