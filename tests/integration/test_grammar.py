@@ -355,17 +355,22 @@ def test_the_budgets_skips_change_no_mask(tiny: tuple[Any, Any], schema: dict[st
 ENUMS = {"type": "array", "items": {"enum": ["a", "b" * 30, "cd"]}, "minItems": 3, "maxItems": 9}
 
 
-def _random_row(proc: GrammarProcessor, rng: np.random.Generator, vocab: Any) -> tuple[list[int], int]:
-    """Feed `proc` random tokens from its masks to EOS: (the tokens, how many steps measured)."""
-    measured, tokens = 0, []
+def _counted(proc: GrammarProcessor) -> list[int]:
+    """A one-item list counting `proc`'s measurements against its budget from now on."""
+    count = [0]
     measure = proc._measure
 
     def counted(*a: Any) -> None:
-        nonlocal measured
-        measured += 1
+        count[0] += 1
         measure(*a)
 
     proc._measure = counted  # type: ignore[method-assign]
+    return count
+
+
+def _random_row(proc: GrammarProcessor, rng: np.random.Generator, vocab: Any) -> tuple[list[int], int]:
+    """Feed `proc` random tokens from its masks to EOS: (the tokens, how many steps measured)."""
+    count, tokens = _counted(proc), []
     while True:
         if proc.begin(tokens[-1] if tokens else None):
             proc.fill()
@@ -373,7 +378,7 @@ def _random_row(proc: GrammarProcessor, rng: np.random.Generator, vocab: Any) ->
         allowed = np.flatnonzero(np.unpackbits(proc._words.view(np.uint8), bitorder="little"))
         tokens.append(int(rng.choice(allowed)))
         if tokens[-1] in vocab.eos:
-            return tokens, measured
+            return tokens, count[0]
 
 
 @pytest.mark.parametrize("schema", [ARRAY, ENUMS], ids=["array", "enums"])
@@ -397,22 +402,11 @@ def test_a_row_far_from_its_end_measures_by_what_its_tokens_may_add(tiny: tuple[
             assert len(tokens) <= max_tokens and proc.error is None
             check(tok.decode(tokens[:-1]), schema)
             reference = _EveryStep(vocab, grammar.source, max_tokens)
+            count = _counted(reference)
             masks = _masks_of(GrammarProcessor(vocab, grammar.source, max_tokens), tokens[:-1])
             assert np.array_equal(masks, _masks_of(reference, tokens[:-1]))
-            ours += measured
-            theirs += _measurements(_EveryStep(vocab, grammar.source, max_tokens), tokens[:-1])
+            ours, theirs = ours + measured, theirs + count[0]
     assert ours * 2 < theirs, (ours, theirs)
-
-
-def _measurements(proc: GrammarProcessor, tokens: list[int]) -> int:
-    """How many of the steps of `tokens` measure `proc` against its budget."""
-    count = 0
-    for i in range(len(tokens) + 1):
-        if proc.begin(tokens[i - 1] if i else None):
-            count += proc.measures()
-            proc.fill()
-            proc.complete()
-    return count
 
 
 def test_a_batch_measures_its_rows_after_the_fill(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:

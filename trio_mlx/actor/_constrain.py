@@ -456,9 +456,9 @@ class GrammarProcessor:
             return 0
         if token == tail[0]:
             return 1
-        decode = self._vocab.tokenizer.decode_bytes
         if self._vocab.is_special(token):
             return 0  # the grammar reads it as itself, whatever its text
+        decode = self._vocab.tokenizer.decode_bytes
         text, spelled = decode([token]), b""
         if not text:
             return 0
