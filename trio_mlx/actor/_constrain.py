@@ -76,9 +76,8 @@ from ._matcher import (
     completes,
     finish,
     grammar_vocab,
-    growth,
     is_panic,
-    jumpers,
+    jump,
     resumes,
 )
 
@@ -241,7 +240,7 @@ class GrammarProcessor:
         self._tail: list[int] = []  # the completion, as last measured
         self._tail_checked = False  # whether it is known to complete the grammar from here
         self._jump = 0  # the largest jump measured so far
-        self._jumps: dict[int, int] | None = None  # this step's growth by opener, in the endgame
+        self._jump_due = False  # this endgame step measures the jump, once the mask is filled
         self._room = 0  # ... and how far the completion may grow before the row must go calm
         self._mode = "free"  # -> "calm" -> "forcing" -> "done" (only EOS)
         self._endgame = False  # the last measurement found the row within reach of its budget's end
@@ -547,7 +546,7 @@ class GrammarProcessor:
             self._settle()
         if self._calls >= self._check_at:
             self._measure(self._matcher, self._max_tokens - self._calls)
-            if self._jumps is not None:
+            if self._jump_due:
                 self._decide_calm()
             if self._mode == "forcing":
                 return self._advance_forced()
@@ -566,12 +565,12 @@ class GrammarProcessor:
             self._end()
 
     def _measure(self, m: llguidance.LLMatcher, left: int) -> None:
-        """Where the row stands against its budget (`m`: its matcher, or a copy of it):
+        """Where the row stands against its budget (`m`: its matcher, its mask filled):
         force the completion now; in the endgame, measure every step and go calm when
         one opening token could leave too little room (`_decide_calm`, once the mask
         says which tokens it allows); far from the end, stay free until a later
         measurement."""
-        self._jumps = None
+        self._jump_due = False
         self._endgame = True  # until found far from the end
         allowed = len(self._tail) + self._extra if self._extra >= 0 else -1
         self._extra, self._pending = -1, None  # followed only while the row is free and far from its end
@@ -600,11 +599,7 @@ class GrammarProcessor:
             return
         far = self._far()
         if left <= need + far:
-            # The jump: the openers the grammar allows here (validated: the mask may be
-            # filling), each one's growth; `_decide_calm` adds what else the mask allows.
-            self._room = left - need - BUDGET_MARGIN
-            self._jumps = {t: growth(m, self._vocab, tail, t)
-                           for t in self._vocab.openers if m.validate_tokens([t])}
+            self._room, self._jump_due = left - need - BUDGET_MARGIN, True  # `_decide_calm`
         else:
             self._mode, self._endgame, self._extra = "free", False, 0
             # `draft_room`'s guess at the next spacing (`draft` holds to the real one)
@@ -614,13 +609,8 @@ class GrammarProcessor:
     def _decide_calm(self) -> None:
         """The endgame's step, with the mask filled: calm when one of the openers or special
         tokens it allows could lengthen the completion past the room left (their `jump`)."""
-        jumps, self._jumps = self._jumps, None
-        assert jumps is not None
-        here = 0
-        for t in jumpers(self._vocab, self._words):
-            if t not in jumps:  # a special token (too many to validate each), or an opener
-                jumps[t] = growth(self._matcher, self._vocab, self._tail, t)  # the mask alone allows
-            here = max(here, jumps[t])
+        self._jump_due = False
+        here = jump(self._matcher, self._vocab, self._tail, self._words)
         self._jump = max(self._jump, here)
         calm = self._room <= JUMP_FACTOR * here
         self._mode, self._check_at = ("calm" if calm else "free"), self._calls + 1
