@@ -491,10 +491,7 @@ def test_the_completion_stays_in_step_with_tokens_that_spell_it_their_own_way(ti
 
     def fed(text: str) -> GrammarProcessor:
         proc = GrammarProcessor(vocab, grammar.source, grammar.min_tokens + 300)
-        for t in [None, *tok.encode(text)]:
-            if proc.begin(t):
-                proc.fill()
-                proc.complete()
+        _masks_of(proc, tok.encode(text))
         return proc
 
     def step(proc: GrammarProcessor, token: int) -> None:
@@ -550,10 +547,7 @@ def test_a_row_whose_count_fell_short_counts_every_token_as_the_most(tiny: tuple
     grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": ARRAY}})
     assert grammar is not None
     proc = GrammarProcessor(vocab, grammar.source, grammar.min_tokens + 300)
-    for t in [None, *tok.encode('["ab')]:
-        if proc.begin(t):
-            proc.fill()
-            proc.complete()
+    _masks_of(proc, tok.encode('["ab'))
     assert not proc._loose and proc._extra >= 0
     proc._tail, proc._tail_checked = proc._tail[:1], False  # a count that fell short of the truth
     proc._measure(proc.matcher, proc._max_tokens - proc._calls)
