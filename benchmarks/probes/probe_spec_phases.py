@@ -1,9 +1,12 @@
 """Probe: where a speculative step's host time goes, phase by phase, on the edit workload.
 
     PYTHONPATH=. python benchmarks/probes/probe_spec_phases.py [--model M] [--configs ngram,ngram8]
-        [--max-tokens 300] [--repeats 2]
+        [--max-tokens 300] [--repeats 2] [--draft D]
 
-For each configuration (`ngram`: the tuning's defaults; `ngramK`: at most K drafts a step),
+For each configuration (`ngram`: the tuning's defaults; `ngramK`: at most K drafts a step;
+`draftK`: the draft model `--draft`, K drafts a step; its drafting split further into the
+draft model's forwards' graphs (`draft graph`), their `async_eval`s (`draft async_eval`) and
+the fills of a row's history (`draft fill`), all within `propose`),
 one engine (the thread actor, in this process) serves `probe_speculative.py`'s edit request
 at c=1, `--repeats` times; the first is a warm-up. Every call the speculative step makes
 into the actor's helpers is timed by wrappers put on `_spec_step`'s names (the drafter's
@@ -54,13 +57,27 @@ def timed(name: str, fn: Any) -> Any:
 class TimedMx:
     """`mlx.core` as `_spec_step` sees it, with a few calls timed."""
 
-    def __init__(self, mx: Any):
+    def __init__(self, mx: Any, prefix: str = ""):
         self._mx = mx
         for name in ("async_eval", "concatenate", "stack"):
-            setattr(self, name, timed(name, getattr(mx, name)))
+            setattr(self, name, timed(prefix + name, getattr(mx, name)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._mx, name)
+
+
+class TimedModel:
+    """A draft model whose calls (its forwards' graphs) are timed; the rest is the model's."""
+
+    def __init__(self, model: Any):
+        self._model = model
+        self._call = timed("draft graph", model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
 
 
 def install() -> None:
@@ -69,6 +86,8 @@ def install() -> None:
     m.rollback = timed("rollback", m.rollback)
     d = _drafting.Drafter
     d.propose = timed("propose", d.propose)
+    d._fill = timed("draft fill", d._fill)
+    _drafting.mx = TimedMx(_drafting.mx, "draft ")
     d.settle = timed("drafter.settle", d.settle)
     dec = m.Decoder
     dec.verify = timed("sample", dec.verify)
@@ -88,6 +107,8 @@ def install() -> None:
     def patched(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self.step = spec
+        if self.model is not None:  # the draft model's forwards: their graphs' building
+            self.model = TimedModel(self.model)
     d.__init__ = patched
 
 
@@ -128,6 +149,8 @@ def split(evs: list[tuple[str, float, float]], end: float) -> dict[str, float]:
         p["wait targets"] = (after[0][1] - samples[-1][2]) * 1e3 - p.get("stack", 0.0)
     p["step"] = (end - start) * 1e3
     p["async_eval"] -= p.get("encode", 0.0)
+    inner = ("draft graph", "draft async_eval", "draft concatenate", "draft stack", "draft fill")
+    p["propose"] -= sum(p.get(k, 0.0) for k in inner)  # what is left of it: the drafter's own
     accounted = sum(v for k, v in p.items() if k not in ("step", "async_eval", "concatenate", "stack"))
     p["other"] = p["step"] - accounted - p["async_eval"] - p.get("concatenate", 0.0) - p.get("stack", 0.0)
     return p
@@ -148,14 +171,18 @@ async def main() -> None:
     p.add_argument("--configs", default="ngram,ngram8")
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--draft", default=None, help="the draft model of the draftK configurations")
     a = p.parse_args()
     install()
     prompt = EDIT.format(src=(Path(__file__).parent / "edit_passage.txt").read_text())
     tmp = tempfile.mkdtemp()
     for name in a.configs.split(","):
         config: dict[str, Any] = {"speculative": "ngram"}
-        if name[5:].isdigit():
-            config["num_draft_tokens"] = int(name[5:])
+        if name.startswith("draft"):
+            config = {"draft_model": a.draft}
+        count = name.removeprefix("draft").removeprefix("ngram")  # K of ngramK, draftK
+        if count.isdigit():
+            config["num_draft_tokens"] = int(count)
         trace = f"{tmp}/{name}.tsv"
         async with trio_mlx.open_engine(a.model, step_trace=trace, **config) as engine:
             await one(engine, prompt, a.max_tokens)  # warm-up: kernels for the step's shapes
