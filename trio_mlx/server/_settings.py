@@ -74,7 +74,8 @@ class Settings:
     actor: str = field(default=_LIBRARY["actor"], metadata=_doc(
         "where the GPU actor runs: 'thread' (a dedicated thread of the server's process) or "
         "'process' (a child process with its own GIL, so HTTP work does not slow decoding: "
-        "the highest throughput at the top of concurrency, and a draft model's fastest drafts; "
+        "the highest throughput at the top of concurrency, and for host-bound work such as a "
+        "draft model's; "
         "~1-2 s more to start)"))
     generation_config: str = field(default="auto", metadata=_doc(
         "sampling defaults for requests that leave temperature, top_p, top_k, min_p or "
