@@ -26,7 +26,15 @@ from trio_mlx import models
 from trio_mlx._errors import InvalidRequestError
 from trio_mlx.actor import _constrain, _matcher
 from trio_mlx.actor._constrain import GrammarProcessor
-from trio_mlx.actor._matcher import cached_vocab, completes, finish, grammar_vocab, jump, resumes
+from trio_mlx.actor._matcher import (
+    cached_vocab,
+    completes,
+    finish,
+    grammar_vocab,
+    jump,
+    respelled,
+    resumes,
+)
 from trio_mlx.engine import _grammar
 
 pytestmark = pytest.mark.timeout(120)
@@ -256,7 +264,7 @@ class _EveryStep(GrammarProcessor):
         self._tail, self._tail_checked = found, True
         need = len(found) + 1 + _constrain.BUDGET_MARGIN
         if left <= need:
-            self._mode = "forcing"
+            self._mode, self._tail = "forcing", respelled(m, self._vocab, found)  # the close, as the tokenizer spells it
             return
         far = _constrain.JUMP_FACTOR * max(_constrain.JUMP_GUESS, self._jump) + _constrain.BUDGET_MARGIN
         if left <= need + far:
@@ -923,6 +931,35 @@ def test_embedded_model_answers_in_the_schema(embedded_model: Path) -> None:
     answer = json.loads(row.text(tok))
     jsonschema.validate(answer, schema)
     assert "Paris" in answer["city"] and row.processor is not None and not row.processor.forced_finish
+
+
+@pytest.mark.slow
+def test_what_must_fit_a_budget_is_the_completion_as_the_tokenizer_spells_it(embedded_model: Path) -> None:
+    """Where nothing is forced, `finish` walks a byte a token: an array of 60 strings closes
+    in 240 of SmolLM2's tokens (`"`, `"`, `,`, ` ` an item), which the tokenizer spells in 62.
+    The engine took the walk's length for the least max_tokens (refusing 160), and a row
+    forced to close wrote the walk, cut at its max_tokens into text that does not parse.
+    Both now take the tokenizer's spelling (validated: the grammar reads bytes), and rows
+    held to a budget under the walk's length end in the schema."""
+    tok = models.load_tokenizer(embedded_model)
+    vocab = grammar_vocab(tok)
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 60, "maxItems": 60}
+    grammar = _grammar.compile_response_format(tok, {"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    matcher = llguidance.LLMatcher(vocab.tokenizer, grammar.source)
+    walked = finish(matcher, vocab)
+    assert walked is not None
+    short = respelled(matcher, vocab, walked)
+    assert len(short) <= 70 < len(walked) and completes(matcher, vocab, short)
+    assert vocab.tokenizer.decode_bytes(short) == vocab.tokenizer.decode_bytes(walked)
+    assert grammar.min_tokens == len(short) + 1
+    _grammar.check_max_tokens(grammar, 160)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        proc = GrammarProcessor(vocab, grammar.source, 160)
+        tokens, _ = _random_row(proc, rng, vocab)
+        assert len(tokens) <= 160 and proc.error is None and proc.forced_finish
+        jsonschema.validate(json.loads(vocab.tokenizer.decode_bytes(tokens[:-1])), schema)
 
 
 def test_bf16_logits(tiny_model_bf16: Path) -> None:

@@ -78,6 +78,7 @@ from ._matcher import (
     grammar_vocab,
     is_panic,
     jump,
+    respelled,
     resumes,
 )
 
@@ -590,7 +591,10 @@ class GrammarProcessor:
             self._loose = True
         need = len(tail) + 1 + BUDGET_MARGIN  # + 1: the EOS
         if left <= need:
-            self._mode = "forcing"
+            # The close, in the tokenizer's spelling of its bytes: as few tokens as a model
+            # writes them, where the walk's (a byte a token, which the bookkeeping follows)
+            # may not fit in what is left (`_matcher.respelled`)
+            self._mode, self._tail = "forcing", respelled(m, self._vocab, tail)
             return
         # Calm whatever the jump: it is not measured (nor kept in `_jump`, which only
         # says when the endgame starts, and the row is well inside it).

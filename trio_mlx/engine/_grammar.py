@@ -32,7 +32,7 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from .._errors import InvalidRequestError
-from ..actor._matcher import GrammarVocab, finish, grammar_vocab, is_panic
+from ..actor._matcher import GrammarVocab, finish, grammar_vocab, is_panic, respelled
 from ..actor._protocol import Grammar, GrammarKind
 
 __all__ = [
@@ -233,7 +233,10 @@ def _check(vocab: GrammarVocab, source: str, kind: GrammarKind, param: str | Non
     if errors:
         reason = _reason(errors[0])[:300] or "it admits no output"
         raise InvalidRequestError(f"{param or 'grammar'}: {what} cannot be enforced: {reason}", param=param)
-    return Grammar(source=source, min_tokens=1 if tail is None else len(tail) + 1, kind=kind)
+    # The least max_tokens: the completion as the tokenizer spells it, and EOS (a row forced to
+    # close writes that spelling, `_constrain.py`)
+    return Grammar(source=source, min_tokens=1 if tail is None else len(respelled(matcher, vocab, tail)) + 1,
+                   kind=kind)
 
 
 # How many masks `_first_masks` computes: a few, as the actor will at the answer's start.
