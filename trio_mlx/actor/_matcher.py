@@ -277,8 +277,7 @@ def respelled(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tokens: list[i
     grammar takes (`engine/_grammar.py`) and a row's forced close (`_constrain.py`) take this
     spelling; the grammar reads bytes, not tokens, so it is valid where the walk's is. Its
     tokens span the walk's, so a model that writes the bytes its own way leaves no suffix
-    of it that still completes: the row's bookkeeping follows the walk's. ~150 us for 240
-    bytes of SmolLM2's (llguidance's `tokenize_bytes`)."""
+    of it that still completes: the row's bookkeeping follows the walk's."""
     if len(tokens) < 2 or any(vocab.is_special(t) for t in tokens):
         return tokens
     tok = vocab.tokenizer
