@@ -273,7 +273,7 @@ def respelled(matcher: llguidance.LLMatcher, vocab: GrammarVocab, tokens: list[i
 
     `finish` walks a byte a token where nothing is forced: its completion of an array of 60
     empty strings took 4 of SmolLM2's tokens an item (`"`, `"`, `,`, ` `), 240 in all, where
-    the tokenizer spells the same bytes in 62 (`""`, `, ""`). So the least `max_tokens` a
+    the tokenizer spells the same bytes in 62 (`["`, `",`, then ` "",` an item). So the least `max_tokens` a
     grammar takes (`engine/_grammar.py`) and a row's forced close (`_constrain.py`) take this
     spelling; the grammar reads bytes, not tokens, so it is valid where the walk's is. Its
     tokens span the walk's, so a model that writes the bytes its own way leaves no suffix
