@@ -135,6 +135,9 @@ class Pump:
     def __init__(self, app: ServerHost):
         self.app = app
         self.streams: set[_Stream] = set()
+        # Seconds the event loop was held up past the stall watchdog's ticks, summed
+        # (`watch_stalls`): time in which no client could have been sent anything.
+        self.paused = 0.0
 
     # -- whole responses -------------------------------------------------------
 
@@ -222,18 +225,27 @@ class Pump:
             pump.abort("cancelled")  # a no-op unless the server cut this request
 
     async def watch_stalls(self) -> None:
-        """Abort every stream whose client has not taken a chunk for stall_timeout seconds."""
+        """Abort every stream whose client has not taken a chunk for stall_timeout seconds.
+
+        A send counts as waiting on its client only while the event loop ran: where the
+        loop itself was held up (a tick of this watchdog came late), no send could go out
+        whatever the client did, and that time is the server's. Without that, one pause of
+        the loop longer than the timeout (a loaded host) cut every stream whose send was
+        under way as it began, however promptly its client read."""
         stall = self.app.settings.stall_timeout
         most = self.app.settings.max_unread_tokens
         period = min(1.0, stall / 4)  # the check's resolution; arbitrary
+        last = trio.current_time()
         while True:
             await trio.sleep(period)
             t = trio.current_time()
+            self.paused += max(0.0, t - last - period)
+            last = t
             for pump in list(self.streams):
                 since = pump.sending_since
-                if since is not None and t - since > stall:
+                if since is not None and (waited := t - since - (self.paused - pump.paused_at)) > stall:
                     log.warning("request %s: the client took no data for %.1f s; aborting it",
-                                pump.rec.request_id, t - since)
+                                pump.rec.request_id, waited)
                     pump.abort("stall")
                 elif since is not None and most and (unread := sum(s.unread for s in pump.streams)) > most:
                     # Its socket is full and its tokens pile up in memory: bound them (stall_timeout
@@ -347,6 +359,7 @@ class _Stream:
         self.event_rate = owner.app.settings.max_event_rate
         self.cancel_scope = trio.CancelScope()
         self.sending_since: float | None = None
+        self.paused_at = 0.0  # the owner's `paused` as the send under way began
         self.aborted: str | None = None
         self.finishing = False  # the final send has begun
         self.done = False
@@ -437,7 +450,7 @@ class _Stream:
     async def _send_raw(self, message: dict[str, Any]) -> None:
         if self.aborted:
             raise _Gone
-        self.sending_since = trio.current_time()
+        self.sending_since, self.paused_at = trio.current_time(), self.owner.paused
         await self._asgi_send(message)
         self.sending_since = None
 
