@@ -6,7 +6,8 @@
 For each configuration (`ngram`: the tuning's defaults; `ngramK`: at most K drafts a step;
 `draftK`: the draft model `--draft`, K drafts a step; its drafting split further into the
 draft model's forwards' graphs (`draft graph`), their `async_eval`s (`draft async_eval`) and
-the fills of a row's history (`draft fill`), all within `propose`),
+the fills of a row's history (`draft fill`), all within `propose`; and the same drafts
+chained outside the engine, on this thread, a plain thread and `trio.to_thread`),
 one engine (the thread actor, in this process) serves `probe_speculative.py`'s edit request
 at c=1, `--repeats` times; the first is a warm-up. Every call the speculative step makes
 into the actor's helpers is timed by wrappers put on `_spec_step`'s names (the drafter's
@@ -18,7 +19,8 @@ back: the time from the last sampling graph to the acceptance), the rollback, th
 Printed per configuration: the median of each phase over the measured requests' steps,
 the steps' median wall time, and from the step trace the plain steps' median, so that
 "a speculative step costs N plain ones" can be read off in parts. Nothing is changed in
-what the step does; the wrappers cost a few microseconds a call.
+what the step does; the wrappers cost a few microseconds a call. `NAME cpu`: the actor
+thread's CPU time in those calls (`time.thread_time`): short of their wall time, it waited.
 """
 
 from __future__ import annotations
@@ -42,15 +44,24 @@ sys.path.insert(0, str(Path(__file__).parent))
 from probe_speculative import EDIT, one  # noqa: E402
 
 EVENTS: list[tuple[str, float, float]] = []  # (name, start, end) of every timed call, in order
+# Calls whose thread CPU time is taken too (`NAME cpu`, `time.thread_time`): where it falls short
+# of the wall time, the thread waited (for the GIL, or in a blocking call), not worked
+CPU = ("draft graph", "draft async_eval", "forward", "async_eval")
 
 
 def timed(name: str, fn: Any) -> Any:
+    cpu = name in CPU
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        c0 = time.thread_time() if cpu else 0.0
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            EVENTS.append((name, t0, time.perf_counter()))
+            t1 = time.perf_counter()
+            if cpu:
+                EVENTS.append((name + " cpu", 0.0, time.thread_time() - c0))
+            EVENTS.append((name, t0, t1))
     return wrapper
 
 
@@ -98,7 +109,9 @@ def install() -> None:
 
     def spec(decoder: Any, batch: Any) -> Any:
         EVENTS.append(("step<", time.perf_counter(), 0.0))
+        c0 = time.thread_time()
         out = step(decoder, batch)
+        EVENTS.append(("step cpu", 0.0, time.thread_time() - c0))
         EVENTS.append(("step>", time.perf_counter(), 1.0 if out is not None else 0.0))
         return out
 
@@ -131,6 +144,9 @@ def phases(events: list[tuple[str, float, float]]) -> list[dict[str, float]]:
 def split(evs: list[tuple[str, float, float]], end: float) -> dict[str, float]:
     start = evs[0][1]
     p: dict[str, float] = collections.defaultdict(float)
+    for name, _, seconds in (e for e in evs if e[0].endswith(" cpu")):  # thread CPU, beside the walls
+        p[name] += seconds * 1e3
+    evs = [e for e in evs if not e[0].endswith(" cpu")]
     names = [e[0] for e in evs]
     for name, t0, t1 in evs[1:]:
         p[name] += (t1 - t0) * 1e3
@@ -151,9 +167,54 @@ def split(evs: list[tuple[str, float, float]], end: float) -> dict[str, float]:
     p["async_eval"] -= p.get("encode", 0.0)
     inner = ("draft graph", "draft async_eval", "draft concatenate", "draft stack", "draft fill")
     p["propose"] -= sum(p.get(k, 0.0) for k in inner)  # what is left of it: the drafter's own
-    accounted = sum(v for k, v in p.items() if k not in ("step", "async_eval", "concatenate", "stack"))
+    accounted = sum(v for k, v in p.items()
+                    if k not in ("step", "async_eval", "concatenate", "stack") and not k.endswith(" cpu"))
     p["other"] = p["step"] - accounted - p["async_eval"] - p.get("concatenate", 0.0) - p.get("stack", 0.0)
     return p
+
+
+def chain(model: Any, k: int, reps: int = 30) -> tuple[float, float]:
+    """K greedy drafts chained on the device from one prompt, as `_drafting._draft` makes
+    them (each `async_eval`ed as its graph is built, one read at the end), outside the
+    engine: medians of (wall, this thread's CPU) ms."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from trio_mlx.actor._shapes import few_queries, prefill_grid
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([list(range(1, 129))]), cache=cache))
+    walls, cpus = [], []
+    with few_queries(prefill_grid()):
+        for _ in range(reps):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            x = mx.array([7, 9])
+            for _ in range(k):
+                x = mx.argmax(model(x[None], cache=cache)[:, -1], axis=-1)
+                mx.async_eval(x)
+            mx.eval(x)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.thread_time() - c0)
+            for c in cache:
+                c.trim(k + 1)
+    return 1e3 * statistics.median(walls[3:]), 1e3 * statistics.median(cpus[3:])
+
+
+async def chains(path: str, k: int) -> None:
+    """The same drafts outside the engine, on this thread, a plain thread and `trio.to_thread`
+    (the loop idle), alternated: what drafting costs with no engine beside it."""
+    import threading
+
+    from mlx_lm import load
+    model, _ = load(path)
+    got: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for _ in range(3):
+        got["main thread"].append(chain(model, k))
+        t = threading.Thread(target=lambda: got["a thread"].append(chain(model, k)))
+        t.start()
+        t.join()
+        got["trio.to_thread"].append(await trio.to_thread.run_sync(chain, model, k))
+    for where, runs in got.items():
+        print(f"  {k} drafts outside the engine, {where:15s}: " + ", ".join(f"{w:.2f} ms ({c:.2f} CPU)" for w, c in runs))
 
 
 def plain_median(trace: str) -> float | None:
@@ -195,7 +256,9 @@ async def main() -> None:
               f"kept {got[-1]['accepted']}; plain step median {plain_median(trace) or 0:.2f} ms")
         for k in keys:
             vals = [s.get(k, 0.0) for s in steps]
-            print(f"  {k:16s} median {statistics.median(vals):7.2f} ms  mean {statistics.fmean(vals):7.2f}")
+            print(f"  {k:20s} median {statistics.median(vals):7.2f} ms  mean {statistics.fmean(vals):7.2f}")
+        if name.startswith("draft"):
+            await chains(a.draft, int(count) if count.isdigit() else 3)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,12 @@
 #                              tokens, 16 requests), once per word of ORDER (default "off draft
 #                              draft off"; draft: TRIO_MLX_DRAFT_MODEL, K=${K:-3}), step traces
 #                              read by ../../2026-11-30-h200/random-levels/steps.py; ACTOR=process:
-#                              the actor in a child process
+#                              the actor in a child process (for every run; a word
+#                              WHAT@ACTOR, e.g. draft@process, for that run)
 #   bash run.sh phases [CONFIGS] probe_spec_phases.py on the pair: the edit workload at c=1, each
 #                              speculative step's phases (CONFIGS: draft4,draft3)
+#   bash run.sh profile        the draft model's chained drafts (probe_draft_host.py), timed, and
+#                              under `py-spy record --native` (native.txt; profile_summary.py reads it)
 # W=WIDTH picks the target (default 153600, 16 GB); `install` builds every width of WIDTHS.
 # Results and progress.txt under $OUT.
 set -u
@@ -34,11 +37,12 @@ pair)
 engine)
   n=${START:-0}
   for w in ${2:-off draft draft off}; do
-    n=$((n+1)); f=$OUT/engine-$n-$w-$W-${ACTOR:-thread}
-    P "== engine $n $w $(date +%T)"
+    a=${w#*@}; [ "$a" = "$w" ] && a=${ACTOR:-thread}; w=${w%@*}  # WHAT@ACTOR: this run's actor
+    n=$((n+1)); f=$OUT/engine-$n-$w-$W-$a
+    P "== engine $n $w $a $(date +%T)"
     extra=(); [ "$w" = draft ] && extra=(TRIO_MLX_DRAFT_MODEL=$SMOL TRIO_MLX_NUM_DRAFT_TOKENS=${K:-3})
     env "${extra[@]}" TRIO_MLX_STEP_TRACE="$f.tsv" timeout "${LIMIT:-150}" python3 -m trio_mlx.cli bench --engine \
-      --actor "${ACTOR:-thread}" --model $G --concurrency 1 --requests-multiple 16 --min-requests 16 --max-tokens 128 \
+      --actor "$a" --model $G --concurrency 1 --requests-multiple 16 --min-requests 16 --max-tokens 128 \
       --prompt-tokens 128 --quiet --out "$f.json" > "$f.log" 2>&1
     [ -f "$f.json" ] && python3 -c "
 import json, sys
@@ -51,5 +55,11 @@ phases)
   P "== phases $(date +%T)"
   timeout "${LIMIT:-300}" python3 benchmarks/probes/probe_spec_phases.py --model $G --draft $SMOL \
     --configs "${2:-draft4,draft3}" --max-tokens 300 --repeats 3 2>&1 | grep -v Warning | tee -a "$OUT/progress.txt";;
+profile)
+  P "== profile $(date +%T)"
+  timeout 90 python3 benchmarks/probes/probe_draft_host.py $SMOL --reps 300 2>&1 | grep -v Warning | tee -a "$OUT/progress.txt"
+  timeout 150 py-spy record --native --format raw -r 97 -o "$OUT/native.txt" -- \
+    python3 benchmarks/probes/probe_draft_host.py $SMOL --reps 200 > /dev/null 2>&1
+  python3 benchmarks/2026-12-01-h200/draft-pair/profile_summary.py "$OUT/native.txt" 45 > "$OUT/draft-host-profile.txt";;
 esac
 P "== done $1 $(date +%T)"
