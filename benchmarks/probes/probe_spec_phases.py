@@ -16,6 +16,8 @@ into the actor's helpers is timed by wrappers put on `_spec_step`'s names (the d
 drafting, building the forward's graph, encoding and starting it (`async_eval`), reading
 the inputs back, the per-row sampling graphs, the wait for the device (reading the targets
 back: the time from the last sampling graph to the acceptance), the rollback, the rest.
+`--draft D --chain-only REPS` runs no engine, only the chained drafts, REPS times: for a
+sampling profiler (`py-spy record --native`) to say where their host time goes.
 Printed per configuration: the median of each phase over the measured requests' steps,
 the steps' median wall time, and from the step trace the plain steps' median, so that
 "a speculative step costs N plain ones" can be read off in parts. Nothing is changed in
@@ -233,7 +235,14 @@ async def main() -> None:
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--draft", default=None, help="the draft model of the draftK configurations")
+    p.add_argument("--chain-only", type=int, default=0, metavar="REPS",
+                   help="no engine: only `chain` of the draft model's 4 drafts, REPS times (for a profiler)")
     a = p.parse_args()
+    if a.chain_only:
+        from mlx_lm import load
+        wall, cpu = chain(load(a.draft)[0], 4, a.chain_only)
+        print(f"4 drafts: {wall:.2f} ms ({cpu:.2f} CPU), median of {a.chain_only}")
+        return
     install()
     prompt = EDIT.format(src=(Path(__file__).parent / "edit_passage.txt").read_text())
     tmp = tempfile.mkdtemp()

@@ -1,5 +1,5 @@
 """Where a profile's samples of the drafts went: `py-spy record --native --format raw` output
-of `probes/probe_draft_host.py`, read for the samples inside its `chain` (the drafts, not the
+of `probes/probe_spec_phases.py --chain-only`, read for the samples inside its `chain` (the drafts, not the
 imports and the load), each frame's share inclusive and exclusive.
 
     python3 profile_summary.py RAW [TOP]

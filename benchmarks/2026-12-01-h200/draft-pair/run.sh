@@ -14,7 +14,7 @@
 #                              WHAT@ACTOR, e.g. draft@process, for that run)
 #   bash run.sh phases [CONFIGS] probe_spec_phases.py on the pair: the edit workload at c=1, each
 #                              speculative step's phases (CONFIGS: draft4,draft3)
-#   bash run.sh profile        the draft model's chained drafts (probe_draft_host.py), timed, and
+#   bash run.sh profile        the draft model's chained drafts (probe_spec_phases.py --chain-only), timed, and
 #                              under `py-spy record --native` (native.txt; profile_summary.py reads it)
 # W=WIDTH picks the target (default 153600, 16 GB); `install` builds every width of WIDTHS.
 # Results and progress.txt under $OUT.
@@ -57,9 +57,9 @@ phases)
     --configs "${2:-draft4,draft3}" --max-tokens 300 --repeats 3 2>&1 | grep -v Warning | tee -a "$OUT/progress.txt";;
 profile)
   P "== profile $(date +%T)"
-  timeout 90 python3 benchmarks/probes/probe_draft_host.py $SMOL --reps 300 2>&1 | grep -v Warning | tee -a "$OUT/progress.txt"
+  timeout 90 python3 benchmarks/probes/probe_spec_phases.py --draft $SMOL --chain-only 300 2>&1 | grep -v Warning | tee -a "$OUT/progress.txt"
   timeout 150 py-spy record --native --format raw -r 97 -o "$OUT/native.txt" -- \
-    python3 benchmarks/probes/probe_draft_host.py $SMOL --reps 200 > /dev/null 2>&1
+    python3 benchmarks/probes/probe_spec_phases.py --draft $SMOL --chain-only 200 > /dev/null 2>&1
   python3 benchmarks/2026-12-01-h200/draft-pair/profile_summary.py "$OUT/native.txt" 45 > "$OUT/draft-host-profile.txt";;
 esac
 P "== done $1 $(date +%T)"
