@@ -176,9 +176,11 @@ def split(evs: list[tuple[str, float, float]], end: float) -> dict[str, float]:
 
 
 def chain(model: Any, k: int, reps: int = 30) -> tuple[float, float]:
-    """K greedy drafts chained on the device from one prompt, as `_drafting._draft` makes
-    them (each `async_eval`ed as its graph is built, one read at the end), outside the
-    engine: medians of (wall, this thread's CPU) ms."""
+    """K greedy drafts chained on the device after a 128-token prompt, as the drafter makes
+    them (`_drafting.py`: the first forward of two tokens, as `_draft_batch` feeds a row's
+    last held token and its pending one, and `_draft` where every draft was kept; each
+    draft `async_eval`ed as its graph is built, one read at the end), outside the engine:
+    medians of (wall, this thread's CPU) ms."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
