@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import types
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -107,8 +108,12 @@ async def run_agent(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[in
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_"))}
     full_env.update(env, NO_COLOR="1", DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1",
                     DISABLE_ERROR_REPORTING="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
-    proc = await trio.run_process(argv, env=full_env, cwd=str(cwd), capture_stdout=True, capture_stderr=True,
-                                  check=False, stdin=b"")
+    # opencode's Bun binary unpacks a 5 MB native module into $TMPDIR on every run and never
+    # removes it: a private TMPDIR, removed here, keeps the suite from filling the machine's /tmp.
+    with tempfile.TemporaryDirectory(prefix="agent-tmp-") as tmp:
+        full_env["TMPDIR"] = tmp
+        proc = await trio.run_process(argv, env=full_env, cwd=str(cwd), capture_stdout=True,
+                                      capture_stderr=True, check=False, stdin=b"")
     return proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
 
 
