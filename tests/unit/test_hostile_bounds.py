@@ -204,3 +204,46 @@ async def test_a_refused_request_leaves_no_reference_cycle_behind(tiny_model_fp3
             gc.garbage.clear()
             gc.enable()
     assert left == [], [f"{o.f_code.co_name}" if isinstance(o, types.FrameType) else repr(o) for o in left]
+
+
+def _nest(depth: int) -> Any:
+    value: Any = "x"
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+DEEP = {
+    "anthropic tool_use": (MESSAGES, lambda v: {"model": "model", "max_tokens": 2, "messages": [
+        USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": v}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]}),
+    "responses tools": (RESPONSES, lambda v: {"input": "Hello", "max_output_tokens": 2, "tools": [
+        {"type": "function", "name": "f", "parameters": {"type": "object", "x": v}}]}),
+    "responses tools streamed": (RESPONSES, lambda v: {"input": "Hello", "max_output_tokens": 2, "stream": True,
+                                                       "tools": [{"type": "function", "name": "f",
+                                                                  "parameters": {"type": "object", "x": v}}]}),
+    "chat tools": (CHAT, lambda v: {"messages": [USER], "max_tokens": 2, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x": v}}}]}),
+}
+
+
+@pytest.mark.parametrize("case", list(DEEP))
+async def test_json_nested_past_what_the_server_writes_back_is_refused_up_front(tool_model_fp32, case):
+    """orjson parses 1,024 levels and writes 254: a tool_use input 255 levels deep failed the
+    Anthropic request with a 500, and a tool's parameters 300 deep failed a response after the
+    model had run (a 500; streamed, a cut-off stream with no events). Every body nested past
+    `MAX_JSON_DEPTH` is refused as invalid JSON, in the API's shape; one within it is served."""
+    from trio_mlx.server._http import MAX_JSON_DEPTH
+
+    path, body = DEEP[case]
+    async with serve(tool_model_fp32, factory=fake_factory()) as server, server.client(timeout=30) as client:
+        r = await client.post(path, json=body(_nest(300)))
+        assert r.status_code == 400, r.text
+        text = r.json()["error"]["message"]
+        assert f"more than {MAX_JSON_DEPTH} levels" in text, text
+        if path == MESSAGES:
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+        else:
+            assert_error(r, 400, code="invalid_json")
+        r = await client.post(path, json=body(_nest(MAX_JSON_DEPTH - 8)))
+        assert r.status_code == 200, r.text

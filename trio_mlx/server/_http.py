@@ -136,13 +136,39 @@ def _validation_error(exc: ValidationError) -> HTTPError:
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 
+# The deepest nesting of arrays and objects a request body may have. orjson parses up to 1024
+# levels but writes at most 254, and the server writes parts of a request back (a tool call's
+# input into the prompt, a tool's parameters into a response): a body it parses must be one
+# it can write, or a request fails with a 500 after it was taken (or a stream is cut short).
+# No real request comes near: the deepest JSON schemas agents send nest a few dozen levels.
+MAX_JSON_DEPTH = 128
+
+
 def parse_json(body: bytes) -> Any:
     try:
-        return loads(body)
+        obj = loads(body)
     except UnicodeDecodeError:
         raise HTTPError(400, "the request body is not valid UTF-8", code="invalid_json") from None
     except _JSONDecodeError as exc:
         raise HTTPError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if too_deep(obj, MAX_JSON_DEPTH):
+        raise HTTPError(400, f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+                        code="invalid_json")
+    return obj
+
+
+def too_deep(obj: Any, most: int) -> bool:
+    """Whether `obj` (parsed JSON) nests lists and dicts more than `most` levels deep: a walk
+    over its containers alone, with a stack, not recursion."""
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > most:
+            return True
+        for v in node.values() if isinstance(node, dict) else node:
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1))
+    return False
 
 
 def new_id(prefix: str) -> str:
