@@ -22,5 +22,12 @@ async def test_usage_counts_prompt_cache_reads_as_anthropic_does(tiny_model_fp32
     assert first["cache_read_input_tokens"] == 0 and first["cache_creation_input_tokens"] == 0
     assert second["cache_read_input_tokens"] > 0
     assert second["input_tokens"] + second["cache_read_input_tokens"] == first["input_tokens"]
-    delta = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: ")][-2]
+    events = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: ")]
+    delta = events[-2]
     assert delta["type"] == "message_delta" and delta["usage"]["cache_read_input_tokens"] > 0
+    # message_start says what message_delta ends with (it said 0 cached, the whole prompt as input)
+    start = events[0]
+    assert start["type"] == "message_start", start
+    usage = start["message"]["usage"]
+    assert usage["cache_read_input_tokens"] == delta["usage"]["cache_read_input_tokens"], (usage, delta)
+    assert usage["input_tokens"] == delta["usage"]["input_tokens"] == second["input_tokens"], (usage, delta)

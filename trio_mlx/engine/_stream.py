@@ -188,6 +188,12 @@ class RequestStream:
         return req.stage if req is not None and not req.ended.is_set() else "done"
 
     @property
+    def cached_tokens(self) -> int:
+        """The prompt's tokens the prompt cache gave, once the actor admitted the request (0
+        before, and for a miss): known by the request's first token."""
+        return self._req.cached if self._req is not None else 0
+
+    @property
     def unread(self) -> int:
         """Tokens the engine has delivered that this stream's reader has not taken yet."""
         return self._recv.statistics().current_buffer_used if self._recv is not None and not self._done else 0

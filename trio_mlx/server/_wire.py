@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol, cast
 
@@ -55,7 +55,9 @@ class ApiCall(Protocol):
     async def start(self, engine: Engine) -> RequestStream:
         """The engine request, entered (submitted); raises what entering raises."""
 
-    def encoder(self, rid: str, model: str, prompt_tokens: int) -> StreamEncoder: ...
+    def encoder(self, rid: str, model: str, prompt_tokens: int, cached: Callable[[], int] | None = None) -> StreamEncoder:
+        """The stream's encoder; `cached()`: the prompt's tokens the prompt cache gave, known
+        by the first event."""
 
     def whole(self, rid: str, model: str, result: ChoiceResult) -> bytes:
         """The body of a whole (not streamed) answer."""
@@ -159,7 +161,7 @@ async def serve_api(pump: Pump, api: WireAPI, scope: Scope, receive: Receive, se
     rec.prompt_tokens = len(stream.prompt_tokens)
     model = answered_as(settings, adapter, call.model)
     if gen.stream:
-        enc = gen.encoder(rid, model, rec.prompt_tokens)
+        enc = gen.encoder(rid, model, rec.prompt_tokens, lambda: stream.cached_tokens)
         await pump.serve_stream(receive, send, [stream], enc, rec, extra)
         return
     whole = gen.whole

@@ -12,7 +12,7 @@ carries its type twice, as `event:` and in its data, as Anthropic's do.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._errors import ContextLengthExceededError, InvalidRequestError
@@ -90,8 +90,8 @@ class MessagesCall:
         self.clamped = stream.clamped
         return stream
 
-    def encoder(self, rid: str, model: str, prompt_tokens: int) -> MessageEncoder:
-        return MessageEncoder(rid, model, prompt_tokens, self.req.stop_sequences or (), self.clamped)
+    def encoder(self, rid: str, model: str, prompt_tokens: int, cached: Callable[[], int] | None = None) -> MessageEncoder:
+        return MessageEncoder(rid, model, prompt_tokens, self.req.stop_sequences or (), self.clamped, cached)
 
     def whole(self, rid: str, model: str, result: ChoiceResult) -> bytes:
         fin = result.finished
@@ -140,13 +140,15 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
 class MessageEncoder:
     """The SSE events of one streamed message (`_wire.StreamEncoder`)."""
 
-    __slots__ = ("rid", "model", "prompt_tokens", "stop_sequences", "clamped", "index", "open_kind", "had_text",
-                 "called", "streamed", "_head")
+    __slots__ = ("rid", "model", "prompt_tokens", "stop_sequences", "clamped", "cached", "started", "index",
+                 "open_kind", "had_text", "called", "streamed", "_head")
 
     def __init__(self, rid: str, model: str, prompt_tokens: int, stop_sequences: Sequence[str],
-                 clamped: bool = False):
+                 clamped: bool = False, cached: Callable[[], int] | None = None):
         self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
         self.stop_sequences, self.clamped = stop_sequences, clamped
+        self.cached = cached  # the prompt's tokens the prompt cache gave: known by the first event
+        self.started = False  # whether message_start went out
         self.index = 0  # the index of the next content block
         self.open_kind: str | None = None  # "text", "thinking" or "tool_use": the block being written
         self.had_text = self.called = False
@@ -154,11 +156,19 @@ class MessageEncoder:
         self._head = b""
 
     def start(self) -> bytes:
+        """Nothing yet: message_start goes out with the first event (`_begin`), once the prompt
+        cache has said how much of the prompt it gave, so that its usage is the one
+        message_delta ends with (the pump sends `: ping` comments until then)."""
+        return b""
+
+    def _begin(self) -> bytes:
+        self.started = True
+        cached = self.cached() if self.cached is not None else 0
         return _event("message_start", {"message": {
             "id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
-                      "cache_creation_input_tokens": 0}}})
+            "usage": {"input_tokens": self.prompt_tokens - cached, "output_tokens": 0,
+                      "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}}})
 
     def _open(self, kind: str) -> bytes:
         if self.open_kind == kind:
@@ -180,6 +190,8 @@ class MessageEncoder:
         return _event("content_block_stop", {"index": self.index - 1})
 
     def event(self, ev: Any) -> bytes:
+        if not self.started:
+            return self._begin() + self.event(ev)
         if type(ev) is TextDelta:
             out = b""
             if ev.reasoning:
@@ -225,7 +237,7 @@ class MessageEncoder:
         return out
 
     def finish(self, fin: Finished) -> bytes:
-        parts = []
+        parts = [] if self.started else [self._begin()]
         if not self.had_text and not self.called:
             parts.append(self._open("text"))  # an answer without a call has its text block, empty or not
         if self.open_kind is not None:

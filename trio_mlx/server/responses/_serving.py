@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..._errors import InvalidRequestError
@@ -122,7 +123,7 @@ class ResponsesCall:
         return self.names.item(call.id.removeprefix("call_"), call.id, call.name,
                                call.arguments if arguments is None else arguments, status)
 
-    def encoder(self, rid: str, model: str, prompt_tokens: int) -> ResponseEncoder:
+    def encoder(self, rid: str, model: str, prompt_tokens: int, cached: Callable[[], int] | None = None) -> ResponseEncoder:
         return ResponseEncoder(self, rid, model)
 
     def whole(self, rid: str, model: str, result: ChoiceResult) -> bytes:
