@@ -331,6 +331,29 @@ def test_arguments_that_are_not_an_object_come_in_one_fragment_at_the_close(tool
     assert [c.arguments for c in items] == ["", '{"query": "x"}', '{"query": "x"}']
 
 
+@pytest.mark.parametrize("args", ["[1, 2]", '"rain"', "3", '"[1, 2]"'])
+def test_a_call_whose_arguments_are_no_object_is_content_streamed_or_whole(tool_model: tuple[Any, Any],
+                                                                          args: str) -> None:
+    """Every API gives a call's input as an object: arguments of `[1, 2]` came back as
+    Anthropic `input: {}` whole and `[1, 2]` streamed. Now the call is refused either way (its
+    text is content) and the next call is still read; so in a family that does not stream."""
+    _, tok = tool_model
+    text = (f'<tool_call>\n{{"name": "search", "arguments": {args}}}\n</tool_call>'
+            '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>')
+
+    class Whole:  # the same parser, from a module `_tools` does not stream
+        tool_parser = staticmethod(lambda text, tools: tok.tool_parser(text, tools))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tok, name)
+
+    for t in (tok, Whole()):
+        deltas = feed_pieces(_tools.ToolCallStream(t, TOOLS), text, random.Random(5))
+        items = items_of(deltas)
+        assert [(c.name, c.arguments) for c in items if type(c) is _tools.ToolCall] == [("noop", "{}")]
+        assert [f.strip() for d in deltas for f in d.failed] == [f'{{"name": "search", "arguments": {args}}}']
+
+
 def test_a_family_that_does_not_stream_reports_its_calls_whole(tool_model: tuple[Any, Any]) -> None:
     """qwen3_coder's XML-ish parameters have no JSON text to stream: no deltas, the call
     comes whole once closed (as before streaming existed)."""

@@ -383,6 +383,20 @@ class ToolDelta:
         return tuple(i.text for i in self.items if type(i) is Refused)
 
 
+def _object_arguments(args: Any) -> str | None:
+    """A parsed call's arguments as JSON text, where they are an object (or a string holding
+    one's JSON, as some models write them); None otherwise. Every API gives a call's input as
+    an object (Anthropic's `input`; OpenAI's `arguments`, which clients parse and index), so a
+    call with other arguments (`[1, 2]`, a bare string) is no call: its text is content, in
+    streamed and whole answers alike."""
+    if isinstance(args, str):
+        try:
+            return args if isinstance(json.loads(args), dict) else None
+        except ValueError:
+            return None
+    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+
+
 class ToolCallStream:
     """Splits generated text into content, reasoning and tool calls, one delta at a time.
 
@@ -504,14 +518,17 @@ class ToolCallStream:
             calls.append(call)
             self._completed += 1
             return
+        if not all(isinstance(one, Mapping) and _object_arguments(one.get("arguments", {})) for one in found):
+            log.warning("a tool call's arguments are not a JSON object: %r", text[:200])
+            calls.append(Refused(text))
+            return
         for one in found:
-            args = one.get("arguments", {})
             calls.append(
                 ToolCall(
                     index=self._count,
                     id=str(one.get("id") or f"call_{uuid.uuid4().hex[:24]}"),
                     name=str(one.get("name")),
-                    arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                    arguments=_object_arguments(one.get("arguments", {})) or "{}",
                 )
             )
             self._count += 1
@@ -525,6 +542,8 @@ class ToolCallStream:
         if len(found) != 1 or not isinstance(found[0], Mapping) or found[0].get("name") != head.name:
             return None
         args = found[0].get("arguments", {})
+        if _object_arguments(args) is None:
+            return None
         raw = scan.arguments_text()  # an object's text only: a string's text is not its value
         arguments = None
         if raw is not None:
