@@ -46,14 +46,7 @@ TEXT_ONLY: list[Any] = [TextDelta("Hello", (1,)), TextDelta(" there", (2,)), Fin
 def result_of(events: Sequence[Any]) -> ChoiceResult:
     r = ChoiceResult()
     for ev in events:
-        if isinstance(ev, TextDelta):
-            r.text.append(ev.text)
-            if ev.reasoning:
-                r.reasoning.append(ev.reasoning)
-        elif isinstance(ev, ToolCalls):
-            r.tool_calls.extend(ev.calls)
-        elif isinstance(ev, Finished):  # a whole answer ignores ToolCallDeltas
-            r.finished = ev
+        r.take(ev)  # as the pump collects a whole answer
     return r
 
 
@@ -129,6 +122,42 @@ def responses_call(**kw: Any) -> ResponsesCall:
     return ResponsesCall(ResponsesRequest.model_validate({"input": "hi", **kw}))
 
 
+def strip(r: Response) -> Any:
+    """A response without its ids (item ids are minted per answer) and what the SDK's stream
+    helper adds (`parsed`, `parsed_arguments`)."""
+    out = r.model_dump(exclude={"id"}, exclude_none=True)
+    for item in out["output"]:
+        item.pop("id", None)
+        item.pop("parsed_arguments", None)
+        for part in item.get("content") or ():
+            part.pop("parsed", None)
+    return out
+
+
+def responses_stream(body: bytes) -> Response:
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=mock(body, True))
+    with client.responses.stream(model="m", input="hi") as s:
+        list(s)
+        return s.get_final_response()
+
+
+def test_text_after_a_call_keeps_its_place_whole_as_streamed():
+    """A call, then text: the stream sends them in that order, and the whole answer (which put
+    all text first) now does too, on both APIs."""
+    events = [TextDelta("Checking", (3,)), ToolCalls((CALL,)), TextDelta(" done", (4,)), TextDelta(".", (5,)),
+              Finished("tool_calls", Usage(11, 9))]
+    call = anthropic_call(tools=TOOLS)
+    whole = anthropic_message(call.whole("msg_1", "m", result_of(events)))
+    assert [(b.type, getattr(b, "text", None)) for b in whole.content] == [
+        ("text", "Checking"), ("tool_use", None), ("text", " done.")]
+    _, final = anthropic_stream(stream_body(call.encoder("msg_1", "m", 11), events))
+    assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+    call2 = responses_call(tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}])
+    whole2 = Response.model_validate(json.loads(call2.whole("resp_1", "m", result_of(events))))
+    assert [o.type for o in whole2.output] == ["message", "function_call", "message"]
+    assert strip(responses_stream(stream_body(call2.encoder("resp_1", "m", 11), events))) == strip(whole2)
+
+
 def test_responses_whole_and_streamed_with_reasoning_text_and_a_call():
     call = responses_call(tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}])
     whole = Response.model_validate(json.loads(call.whole("resp_1", "m", result_of(SCRIPT))))
@@ -144,15 +173,6 @@ def test_responses_whole_and_streamed_with_reasoning_text_and_a_call():
         events = list(s)
         final = s.get_final_response()
     assert [e.sequence_number for e in events] == list(range(len(events)))
-
-    def strip(r: Response) -> Any:  # item ids are minted per answer; the helper adds `parsed`
-        out = r.model_dump(exclude={"id"}, exclude_none=True)
-        for item in out["output"]:
-            item.pop("id", None)
-            for part in item.get("content") or ():
-                part.pop("parsed", None)
-        return out
-
     assert strip(final) == strip(whole)
     kinds = [e.type for e in events]
     assert kinds.count("response.reasoning_text.delta") == 2 and kinds.count("response.output_text.delta") == 2

@@ -114,7 +114,7 @@ class ChoicesEncoder(Protocol):
 class ChoiceResult:
     """What one choice of a non-streamed request accumulated."""
 
-    __slots__ = ("text", "reasoning", "logprobs", "tool_calls", "finished")
+    __slots__ = ("text", "reasoning", "logprobs", "tool_calls", "finished", "_parts")
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -122,6 +122,31 @@ class ChoiceResult:
         self.logprobs: list[TokenLogprob] = []
         self.tool_calls: list[ToolCall] = []
         self.finished: Finished | None = None
+        self._parts: list[list[str] | ToolCall] = []  # runs of text and calls, as generated
+
+    def take(self, ev: Any) -> None:
+        """Add one of the choice's events; a whole answer takes calls whole, not their deltas."""
+        if isinstance(ev, TextDelta):
+            self.text.append(ev.text)
+            if self._parts and type(self._parts[-1]) is list:
+                self._parts[-1].append(ev.text)
+            else:
+                self._parts.append([ev.text])
+            if ev.reasoning:
+                self.reasoning.append(ev.reasoning)
+            if ev.logprobs:
+                self.logprobs.extend(ev.logprobs)
+        elif isinstance(ev, ToolCalls):
+            self.tool_calls.extend(ev.calls)
+            self._parts.extend(ev.calls)
+        elif isinstance(ev, Finished):
+            self.finished = ev
+
+    def in_order(self) -> list[str | ToolCall]:
+        """The answer's text runs (non-empty) and calls in the order the model wrote them: the
+        blocks (Anthropic) or items (Responses) of a whole answer, in its stream's order."""
+        runs = ("".join(p) if isinstance(p, list) else p for p in self._parts)
+        return [r for r in runs if r != ""]
 
 
 
@@ -151,18 +176,9 @@ class Pump:
         async def collect(stream: RequestStream, result: ChoiceResult) -> None:
             try:
                 async for ev in stream:
-                    if isinstance(ev, TextDelta):
-                        if rec.first_token is None:
-                            rec.first_token = trio.current_time()
-                        result.text.append(ev.text)
-                        if ev.reasoning:
-                            result.reasoning.append(ev.reasoning)
-                        if ev.logprobs:
-                            result.logprobs.extend(ev.logprobs)
-                    elif isinstance(ev, ToolCalls):
-                        result.tool_calls.extend(ev.calls)
-                    elif isinstance(ev, Finished):  # a whole answer takes calls whole, not their deltas
-                        result.finished = ev
+                    if rec.first_token is None and isinstance(ev, TextDelta):
+                        rec.first_token = trio.current_time()
+                    result.take(ev)
             finally:
                 stream.close()
 

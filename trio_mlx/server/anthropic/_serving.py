@@ -99,13 +99,15 @@ class MessagesCall:
         content: list[dict[str, Any]] = []
         if result.reasoning:
             content.append({"type": "thinking", "thinking": "".join(result.reasoning), "signature": ""})
-        text = "".join(result.text)
-        calls = result.tool_calls
-        if text or not calls:
-            content.append({"type": "text", "text": text})
-        for call in calls:
-            content.append({"type": "tool_use", "id": call.id, "name": call.name,
-                            "input": _tool_input(call.arguments)})
+        parts = result.in_order()  # as the stream's blocks come
+        if not parts:
+            content.append({"type": "text", "text": ""})  # an answer has its text block, empty or not
+        for part in parts:
+            if isinstance(part, str):
+                content.append({"type": "text", "text": part})
+            else:
+                content.append({"type": "tool_use", "id": part.id, "name": part.name,
+                                "input": _tool_input(part.arguments)})
         reason, sequence = stop_reason(fin, self.req.stop_sequences or (), self.clamped)
         return dumps({
             "id": rid, "type": "message", "role": "assistant", "model": model, "content": content,

@@ -130,13 +130,15 @@ class ResponsesCall:
         fin = result.finished
         assert fin is not None
         status = "incomplete" if fin.finish_reason == "length" else "completed"
-        text = "".join(result.text)
         output = []
         if result.reasoning:
             output.append(reasoning_item(new_id("rs_"), "".join(result.reasoning), status))
-        if text or not result.tool_calls:
-            output.append(message_item(new_id("msg_"), text, status))
-        output.extend(self.call_item(c) for c in result.tool_calls)
+        parts = result.in_order()  # as the stream's items come
+        if not parts:
+            output.append(message_item(new_id("msg_"), "", status))
+        for part in parts:
+            output.append(message_item(new_id("msg_"), part, status) if isinstance(part, str)
+                          else self.call_item(part))
         return dumps(self.response(rid, model, status, output, fin.usage))
 
 
