@@ -197,6 +197,7 @@ def test_a_call_left_open_or_broken_is_reported_not_leaked(tool_model: tuple[Any
         ([{"type": "retrieval"}], "tools[0].type"),
         ([{"type": "function"}], "tools[0].function must be"),
         ([{"type": "function", "function": {"name": "has space"}}], "tools[0].function.name"),
+        ([{"type": "function", "function": {"name": "x" * 129}}], "tools[0].function.name must be 1-128"),
         ([NOOP, NOOP], "two tools are named 'noop'"),
         ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "type 'object'"),
     ],
@@ -205,6 +206,19 @@ def test_a_tool_list_that_is_not_valid_is_a_400(tools: Any, needle: str) -> None
     with pytest.raises(InvalidRequestError) as info:
         _tools.check_tools(tools)
     assert needle in info.value.message and (info.value.param or "").startswith("tools")
+
+
+def test_a_tool_name_as_long_as_anthropic_allows_is_taken_and_its_call_streams(tool_model: tuple[Any, Any]) -> None:
+    """Anthropic's names run to 128 characters (MCP's `mcp__server__tool` run long); the
+    engine refused past OpenAI's 64, failing the whole request."""
+    name = "mcp__server__" + "t" * 100
+    tools = _tools.check_tools([{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}])
+    _, tok = tool_model
+    deltas = feed_pieces(_tools.ToolCallStream(tok, tools),
+                         f'<tool_call>\n{{"name": "{name}", "arguments": {{"q": 1}}}}\n</tool_call>', random.Random(6))
+    items = items_of(deltas)
+    assert [(c.name, c.arguments) for c in items if type(c) is _tools.ToolCall] == [(name, '{"q": 1}')]
+    assert type(items[0]) is _tools.ToolCallDelta and items[0].name == name  # streamed as written
 
 
 def test_tool_choice(tool_model: tuple[Any, Any]) -> None:
