@@ -109,8 +109,10 @@ async def test_errors_have_anthropics_shape(tiny_model_fp32):
         img = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
         msg = await error({**base, "messages": [{"role": "user", "content": [img]}]}, 400)
         assert msg.startswith("invalid_request_error") and "reads text only" in msg and "messages.0.content.0" in msg
-        server_tool = {"type": "web_search_20250305", "name": "web_search", "input_schema": {}}
-        assert "server tools" in await error({**base, "tools": [server_tool]}, 400)
+        # as clients send them: no input_schema (its absence was the 400's whole message), fields of their own
+        server_tool = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+        assert "server tools ('web_search_20250305')" in await error({**base, "tools": [server_tool]}, 400)
+        assert "server tools" in await error({**base, "tools": [{**server_tool, "input_schema": {}}]}, 400)
         assert "needs tools" in await error({**base, "tool_choice": {"type": "any"}}, 400)
         assert "temperature" in await error({**base, "temperature": 1.5}, 400)
         long = [{"role": "user", "content": "word " * 3000}]  # past the tiny model's 1024 tokens

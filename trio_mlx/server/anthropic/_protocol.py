@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ...engine import GenerationOptions
 from ...engine._text import media_refusal
@@ -83,6 +83,16 @@ class Tool(_Strict):
     description: str | None = None
     input_schema: dict[str, Any]
     type: str | None = Field(None, description="absent or 'custom'; Anthropic's server tools are not served")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _client_tool(cls, data: Any) -> Any:
+        """A server tool (`web_search_20250305`, `bash_20250124`, ...) has no input_schema:
+        said before the fields are checked, or its 400 would be that field's absence."""
+        if isinstance(data, dict) and data.get("type") not in (None, "custom"):
+            raise ValueError(f"Anthropic's server tools ({data.get('type')!r}) are not served here; "
+                             "define client tools with name, description and input_schema")
+        return data
 
 
 class ToolChoice(_Strict):
@@ -350,10 +360,7 @@ def chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
     out = []
-    for i, t in enumerate(tools):
-        if t.type not in (None, "custom"):
-            raise _bad(f"tools.{i}.type", f"Anthropic's server tools ({t.type!r}) are not served here; "
-                                          "define client tools with name, description and input_schema")
+    for t in tools:  # client tools only (`Tool._client_tool`)
         function: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
         if t.description is not None:
             function["description"] = t.description
