@@ -114,6 +114,9 @@ async def test_errors_have_anthropics_shape(tiny_model_fp32):
         assert "server tools ('web_search_20250305')" in await error({**base, "tools": [server_tool]}, 400)
         assert "server tools" in await error({**base, "tools": [{**server_tool, "input_schema": {}}]}, 400)
         assert "needs tools" in await error({**base, "tool_choice": {"type": "any"}}, 400)
+        # the engine's check of a tool's schema, in this API's name for it (it said `parameters`)
+        said = await error({**base, "tools": [{"name": "f", "input_schema": {"type": "array"}}]}, 400)
+        assert "tools[0].input_schema must be a JSON schema of type 'object'" in said, said
         assert "temperature" in await error({**base, "temperature": 1.5}, 400)
         long = [{"role": "user", "content": "word " * 3000}]  # past the tiny model's 1024 tokens
         # An overflow in Anthropic's wording, the one Claude Code recognizes (it compacts on it).
@@ -300,8 +303,12 @@ async def test_a_final_assistant_turn_is_a_prefill_the_answer_continues(tiny_mod
         call_block = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
         assert "text only" in await refused([*USER, {"role": "assistant", "content": [call_block]}])
         schema = {"type": "object"}
-        assert "mid-message" in await refused(
-            prefilled, output_config={"format": {"type": "json_schema", "schema": schema}})
+        # in this API's names (it said `continue_final_message` and `response_format`)
+        for extra in ({"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+                      {"tools": [{"name": "f", "input_schema": schema}], "tool_choice": {"type": "any"}}):
+            said = await refused(prefilled, **extra)
+            assert "mid-message" in said and "output_config.format" in said, said
+            assert "continue_final_message" not in said and "response_format" not in said, said
     text = engine.tokenizer.decode(prompt)
     assert text.endswith("assistant\nSure, the answer is") and len(prompt) < len(closed)
     assert msg.usage.input_tokens == len(prompt) == counted

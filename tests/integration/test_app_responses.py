@@ -137,6 +137,10 @@ async def test_errors_are_clear_400s_in_openais_shape(tiny_model_fp32, tool_mode
         await bad({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0")
         await bad({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema")
         await bad({"max_output_tokens": 0}, "max_output_tokens")
+        # a call's arguments that are not JSON, at the item's own place (it said input.tool_calls[0])
+        call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{not json"}
+        msg = (await bad({"input": [{"role": "user", "content": "hi"}, call]}, "input.1.arguments"))["message"]
+        assert msg.startswith("input.1.arguments: not JSON"), msg
         await bad({"model": "gpt-5"}, "model", 404)
         assert (await client.post(RESPONSES, json={"input": "hi", "store": False, "max_output_tokens": 2})
                 ).status_code == 200

@@ -87,14 +87,16 @@ class WireAPI(Protocol):
 _PLACE = re.compile(r"[\w.\[\]]+")
 
 
-def api_error(exc: InvalidRequestError, params: Mapping[str, str]) -> InvalidRequestError:
+def api_error(exc: InvalidRequestError, params: Mapping[str, str],
+              inner: Mapping[str, str] | None = None) -> InvalidRequestError:
     """The engine's error for a translated request, in that API's names.
 
     `params` is the API's table: the name of its parameter for each `GenerationOptions`
     field (and `messages`) it builds. The error's `field` picks the name; the place inside
     the field is kept, except an index into `messages`, which points into the translated
-    chat and not the client's list, and the `.function.` level of OpenAI's tool shape. A
-    message that starts with that field's place starts with the API's.
+    chat and not the client's list, and the `.function.` level of OpenAI's tool shape;
+    `inner` renames the place's parts the API names otherwise (Anthropic's `input_schema`
+    for `parameters`). A message that starts with that field's place starts with the API's.
     """
     field = exc.field
     name = params.get(field) if field else None
@@ -105,7 +107,10 @@ def api_error(exc: InvalidRequestError, params: Mapping[str, str]) -> InvalidReq
         rest = where[len(field):]
         if field == "messages" and rest.startswith("["):
             rest = rest[rest.find("]") + 1:]
-        return name + rest.replace(".function.", ".")
+        rest = rest.replace(".function.", ".")
+        for theirs, ours in (inner or {}).items():
+            rest = rest.replace(theirs, ours)
+        return name + rest
 
     message = exc.message
     lead = _PLACE.match(message)

@@ -171,10 +171,15 @@ class MessagesRequest(_Conversation):
         # for tens of thousands whatever the conversation's length): where the prompt fits but
         # the ceiling does not, the answer runs to the context's end, as Anthropic's newer
         # models do (stop_reason "model_context_window_exceeded").
+        structure, prefill = self.structure(), self.prefill()
+        if prefill and ("response_format" in structure or structure.get("tool_choice") not in (None, "auto", "none")):
+            # the engine refuses it too, in chat's names (`continue_final_message`, `response_format`)
+            raise _bad("messages", "a final assistant turn (a prefill) cannot go with output_config.format or a "
+                                   "tool_choice of 'any' or 'tool': the grammar would start mid-message")
         return GenerationOptions(
             max_tokens=self.max_tokens, fit_max_tokens=True, stop=self.stop_sequences or None,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, ignore_eos=self.ignore_eos,
-            **self.structure(), continue_final_message=self.prefill(),
+            **structure, continue_final_message=prefill,
         )
 
     def structure(self) -> dict[str, Any]:

@@ -32,6 +32,7 @@ PARAMS = {
     "tools": "tools", "tool_choice": "tool_choice", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
     "response_format": "output_config.format", "continue_final_message": "messages", "messages": "messages",
 }
+INNER = {".parameters": ".input_schema"}  # a tool's schema, in a place inside `tools`
 
 
 def stop_reason(fin: Finished, stop_sequences: Sequence[str], clamped: bool = False) -> tuple[str, str | None]:
@@ -49,7 +50,7 @@ def too_long(exc: ContextLengthExceededError) -> InvalidRequestError:
     """A prompt that does not fit, in Anthropic's wording (`prompt is too long: N tokens > M
     maximum`): the one Claude Code recognizes as an overflow, and compacts its conversation on."""
     if exc.prompt_tokens is None or exc.context_length is None:
-        return api_error(exc, PARAMS)
+        return api_error(exc, PARAMS, INNER)
     return InvalidRequestError(f"prompt is too long: {exc.prompt_tokens} tokens > {exc.context_length} maximum",
                                param="messages", code=exc.code)
 
@@ -86,7 +87,7 @@ class MessagesCall:
         except ContextLengthExceededError as exc:
             raise too_long(exc) from None
         except InvalidRequestError as exc:
-            raise api_error(exc, PARAMS) from None
+            raise api_error(exc, PARAMS, INNER) from None
         self.clamped = stream.clamped
         return stream
 
@@ -131,7 +132,7 @@ class CountTokensCall:
         except ContextLengthExceededError as exc:
             raise too_long(exc) from None
         except InvalidRequestError as exc:
-            raise api_error(exc, PARAMS) from None
+            raise api_error(exc, PARAMS, INNER) from None
         return dumps({"input_tokens": n})
 
 

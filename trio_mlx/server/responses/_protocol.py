@@ -214,6 +214,11 @@ def chat_messages(instructions: str | None, items: str | list[InputItem]) -> lis
             if not item.call_id or not item.name or (item.input if custom else item.arguments) is None:
                 raise _bad(param, f"a {kind} item needs call_id, name and {'input' if custom else 'arguments'}")
             arguments = dumps({"input": item.input}).decode() if custom else item.arguments
+            if not custom:  # the engine checks it too, where the item's place is lost
+                try:
+                    json.loads(arguments or "")
+                except ValueError as exc:
+                    raise _bad(f"{param}.arguments", f"not JSON: {exc}") from None
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": flat_name(item.namespace, item.name), "arguments": arguments}}
             if out and out[-1]["role"] == "assistant":
