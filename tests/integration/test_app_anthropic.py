@@ -114,6 +114,8 @@ async def test_errors_have_anthropics_shape(tiny_model_fp32):
         assert "server tools ('web_search_20250305')" in await error({**base, "tools": [server_tool]}, 400)
         assert "server tools" in await error({**base, "tools": [{**server_tool, "input_schema": {}}]}, 400)
         assert "needs tools" in await error({**base, "tool_choice": {"type": "any"}}, 400)
+        said = await error({**base, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400)
+        assert "messages.0.content.0.text: a text block needs text" in said, said  # not "got type 'text'"
         # the engine's check of a tool's schema, in this API's name for it (it said `parameters`)
         said = await error({**base, "tools": [{"name": "f", "input_schema": {"type": "array"}}]}, 400)
         assert "tools[0].input_schema must be a JSON schema of type 'object'" in said, said

@@ -166,6 +166,9 @@ def test_responses_whole_and_streamed_with_reasoning_text_and_a_call():
     fc = whole.output[2]
     assert (fc.call_id, fc.name, fc.arguments, fc.status) == ("call_1", "get_weather", '{"city":"Paris"}', "completed")
     assert whole.status == "completed" and whole.usage.total_tokens == 20 and whole.store is False
+    # left to the model's defaults: null, not OpenAI's 1.0 (the model's generation_config rules)
+    assert whole.temperature is None and whole.top_p is None
+    assert responses_call(temperature=0.3).response("resp_1", "m", "completed", [])["temperature"] == 0.3
 
     body = stream_body(call.encoder("resp_1", "m", 11), SCRIPT)
     client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=mock(body, True))

@@ -268,7 +268,9 @@ def _content(pieces: list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
 
 def _readable(b: Block, param: str) -> str | dict[str, Any] | None:
     """A user-side block as text, a media part, or None when it is not one of those."""
-    if b.type == "text" and b.text is not None:
+    if b.type == "text":
+        if b.text is None:
+            raise _bad(f"{param}.text", "a text block needs text")
         return b.text
     if b.type == "image":
         return _media("image")

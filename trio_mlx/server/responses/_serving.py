@@ -108,11 +108,12 @@ class ResponsesCall:
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": None, "store": False,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
+            # null where the request left them to the model's defaults (its generation_config)
+            "temperature": req.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "top_p": req.top_p, "truncation": "disabled",
             "usage": None if usage is None else usage_dict(usage), "metadata": req.metadata or {},
             "user": None,
         }
