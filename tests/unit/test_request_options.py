@@ -127,10 +127,14 @@ def test_each_translated_api_names_every_field_it_builds() -> None:
         "ignore_eos": True, "tools": [tool],
         "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
-        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
+        "messages": [{"role": "user", "content": "hi"}],
     }).to_options()
-    assert _set_fields(messages) <= set(anthropic.PARAMS), _set_fields(messages) - set(anthropic.PARAMS)
-    assert messages.fit_max_tokens and messages.continue_final_message and messages.stop == ["x"]
+    # a prefill goes with neither a format nor a forced tool (a 400 of the API's own)
+    prefill = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "tools": [tool], "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]}).to_options()
+    fields = _set_fields(messages) | _set_fields(prefill)
+    assert fields <= set(anthropic.PARAMS), fields - set(anthropic.PARAMS)
+    assert messages.fit_max_tokens and prefill.continue_final_message and messages.stop == ["x"]
     request = ResponsesRequest.model_validate({
         "input": "hi", "max_output_tokens": 5, "temperature": 0.5, "top_p": 0.5, "ignore_eos": True,
         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}], "tool_choice": "required",
@@ -202,3 +206,27 @@ def test_the_answer_limit_is_one_policy() -> None:
     with pytest.raises(InvalidRequestError) as info:
         check_options(GenerationOptions(temperature=101), {}, 0)
     assert info.value.field == "temperature"
+
+
+def test_null_is_the_default_where_openai_allows_it() -> None:
+    """The openai SDK sends null for a parameter given as None: `logprobs`, `n`, `stream`,
+    `parallel_tool_calls` and completions' `echo` were 400s, and completions' `max_tokens: null`
+    ran to the server's default length (4096) instead of OpenAI's 16."""
+    chat = ChatCompletionRequest.model_validate({"messages": HELLO, "logprobs": None, "n": None, "stream": None,
+                                                 "parallel_tool_calls": None, "ignore_eos": None,
+                                                 "continue_final_message": None})
+    assert (chat.logprobs, chat.n, chat.stream, chat.parallel_tool_calls) == (False, 1, False, True)
+    options = chat.to_options()
+    assert options.parallel_tool_calls is True and not options.logprobs and not options.ignore_eos
+    completion = CompletionRequest.model_validate({"prompt": "x", "max_tokens": None, "echo": None})
+    assert completion.max_tokens == 16 and completion.to_options().max_tokens == 16 and completion.echo is False
+
+
+def test_an_assistant_refusal_part_is_what_it_said_and_belongs_to_the_assistant() -> None:
+    """A conversation in which OpenAI refused replays: the assistant's refusal part was a 400."""
+    said = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]}
+    req = ChatCompletionRequest.model_validate({"messages": [*HELLO, said, *HELLO]})
+    assert req.messages[1].template_dict() == {"role": "assistant", "content": "I can't help with that."}
+    with pytest.raises(ValueError, match="belongs to an assistant message"):
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]})

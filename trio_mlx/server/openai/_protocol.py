@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ...engine import GenerationOptions
 from .._http import HTTPError
@@ -26,17 +34,27 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+def _nulls_mean_defaults(*names: str) -> Any:
+    """A validator: an explicit null for these fields is their default, as OpenAI takes it
+    (the SDKs send null for a parameter given as None)."""
+    def null(cls: Any, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+    return field_validator(*names, mode="before")(classmethod(null))  # type: ignore[arg-type]
+
+
 class ContentPart(_Strict):
     type: str
     text: str | None = None
+    refusal: str | None = Field(None, description="a refusal part's text (an assistant message's)")
 
     @field_validator("type")
     @classmethod
     def _known(cls, value: str) -> str:
         # Media parts pass to the engine, which refuses them in the user's last turn and notes
         # them elsewhere (the models served read text only: engine/_text.py).
-        if value not in ("text", "image_url", "input_audio", "file"):
-            raise ValueError(f"content parts may be text, image_url, input_audio or file, got type {value!r}")
+        if value not in ("text", "image_url", "input_audio", "file", "refusal"):
+            raise ValueError(f"content parts may be text, image_url, input_audio, file or (an assistant's) "
+                             f"refusal, got type {value!r}")
         return value
 
 
@@ -58,6 +76,16 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = Field(None, description="an assistant message's calls")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+
+    @model_validator(mode="after")
+    def _refusals_are_the_assistants(self) -> ChatMessage:
+        if isinstance(self.content, list) and any(p.type == "refusal" for p in self.content):
+            if self.role != "assistant":
+                raise ValueError("a refusal content part belongs to an assistant message")
+            # the model reads a refusal it made as what it said
+            self.content = [ContentPart(type="text", text=p.refusal or "", refusal=None) if p.type == "refusal" else p
+                            for p in self.content]
+        return self
 
     def template_dict(self) -> dict[str, Any]:
         content: Any = self.content
@@ -100,6 +128,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     cache_salt: str | None = Field(None, description="vLLM's: the prompt cache is shared only among "
                                    "requests of the same salt, so cached_tokens reveal no other user's prompt")
+    _sampling_nulls = _nulls_mean_defaults("n", "stream", "ignore_eos")
 
     def _shared_options(self) -> dict[str, Any]:
         """The `GenerationOptions` fields both endpoints take alike, by the record's names."""
@@ -146,6 +175,7 @@ class ChatCompletionRequest(_Sampling):
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
+    _chat_nulls = _nulls_mean_defaults("logprobs", "parallel_tool_calls", "continue_final_message")
 
     def check(self, max_n: int) -> None:
         self._check_common(max_n)
@@ -182,6 +212,8 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(None, ge=1)
     response_format: dict[str, Any] | None = Field(
         None, description='as on chat completions: {"type": "json_object"} or {"type": "json_schema", ...}')
+    # max_tokens null is OpenAI's 16 too, not the server's default length
+    _completion_nulls = _nulls_mean_defaults("max_tokens", "echo")
 
     @field_validator("prompt", mode="wrap")
     @classmethod
