@@ -191,6 +191,18 @@ async def test_idle_server_is_healthy_and_cors(tiny_model_fp32):
         r = await client.options(CHAT, headers=pre)
         assert r.status_code == 204 and "POST" in r.headers["access-control-allow-methods"]
         assert "authorization" in r.headers["access-control-allow-headers"]
+        # the SDKs' own headers pass the preflight (a fixed list refused openai-node's x-stainless-*
+        # and the anthropic SDK's browser header), on every API; only header names are echoed
+        asked = "content-type, x-stainless-os, x-stainless-timeout, anthropic-dangerous-direct-browser-access, a b"
+        for path in (CHAT, "/v1/messages", "/v1/models"):
+            r = await client.options(path, headers={**pre, "Access-Control-Request-Headers": asked})
+            allowed = {h.strip() for h in r.headers["access-control-allow-headers"].split(",")}
+            assert {"x-stainless-os", "x-stainless-timeout", "anthropic-dangerous-direct-browser-access"} <= allowed
+            assert "a b" not in allowed and "access-control-expose-headers" not in r.headers
+        # and a page's script may read the retry advice and the request id
+        r = await client.post(CHAT, json=chat_body(max_tokens=2), headers=origin)
+        assert {"retry-after", "x-should-retry", "x-request-id"} <= {
+            h.strip() for h in r.headers["access-control-expose-headers"].split(",")}
         r = await client.post(CHAT, json=chat_body(max_tokens=2), headers={"Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in r.headers
         assert_error(await client.post(CHAT, json={"messages": HELLO, "model": "nope"}, headers=origin), 404)

@@ -382,7 +382,8 @@ async def authenticate(app: TrioMLXApp) -> None:
 async def add_headers(app: TrioMLXApp, response: Response) -> Response:
     """CORS and X-Request-Id on every Quart answer; its refusal logged; its route counted."""
     origin = request.headers.get("Origin")
-    for key, value in cors_headers(origin, app.settings.cors_origins, preflight=request.method == "OPTIONS"):
+    for key, value in cors_headers(origin, app.settings.cors_origins, preflight=request.method == "OPTIONS",
+                                   requested=request.headers.get("Access-Control-Request-Headers")):
         response.headers[key.decode()] = value.decode()
     scope: dict[str, Any] = request.scope  # type: ignore[assignment]
     rid = scope[REQUEST_ID] = request_id(scope, new_id("req-"))

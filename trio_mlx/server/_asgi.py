@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -33,6 +34,9 @@ JSON_HEADERS: RawHeaders = [(b"content-type", b"application/json")]
 CORS_ALLOW_HEADERS = (b"authorization, content-type, x-request-id, openai-organization, openai-project, "
                       b"x-api-key, anthropic-version, anthropic-beta")
 CORS_MAX_AGE = b"600"
+# What a page's script may read of an answer: the retry advice the SDKs follow, the request's id.
+CORS_EXPOSE_HEADERS = b"retry-after, x-should-retry, x-request-id"
+_HEADER_NAME = re.compile(rb"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 
 
 # Where a request's id (the X-Request-Id response header) is kept in the ASGI scope, so that
@@ -108,8 +112,13 @@ def check_api_key(authorization: str | bytes | None, api_key: str | None, *,
     )
 
 
-def cors_headers(origin: str | bytes | None, allowed: Sequence[str], *, preflight: bool = False) -> RawHeaders:
-    """CORS response headers for `origin`, or none when it is not allowed."""
+def cors_headers(origin: str | bytes | None, allowed: Sequence[str], *, preflight: bool = False,
+                 requested: str | bytes | None = None) -> RawHeaders:
+    """CORS response headers for `origin`, or none when it is not allowed. A preflight of an
+    allowed origin allows the headers it asks for (`requested`: its
+    Access-Control-Request-Headers), as Starlette's `allow_headers=["*"]` does: the SDKs send
+    headers of their own on every request (openai-node's `x-stainless-*`, the anthropic SDK's
+    `anthropic-dangerous-direct-browser-access`), and a fixed list failed their preflights."""
     if not origin or not allowed:
         return []
     if isinstance(origin, bytes):
@@ -121,12 +130,24 @@ def cors_headers(origin: str | bytes | None, allowed: Sequence[str], *, prefligh
     else:
         return []
     if preflight:
+        if isinstance(requested, str):
+            requested = requested.encode("latin-1", "replace")
+        asked = [h.strip() for h in (requested or b"").split(b",")]
+        names = b", ".join(h for h in asked if _HEADER_NAME.fullmatch(h))  # header names only, echoed
         out += [
             (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
-            (b"access-control-allow-headers", CORS_ALLOW_HEADERS),
+            (b"access-control-allow-headers", CORS_ALLOW_HEADERS + (b", " + names if names else b"")),
             (b"access-control-max-age", CORS_MAX_AGE),
         ]
+    else:
+        out.append((b"access-control-expose-headers", CORS_EXPOSE_HEADERS))
     return out
+
+
+def scope_cors(scope: Scope, allowed: Sequence[str]) -> RawHeaders:
+    """`cors_headers` for an ASGI request (an OPTIONS request is a preflight)."""
+    return cors_headers(header(scope, b"origin"), allowed, preflight=scope["method"] == "OPTIONS",
+                        requested=header(scope, b"access-control-request-headers"))
 
 
 def encode_headers(headers: Iterable[tuple[str, str]]) -> RawHeaders:

@@ -32,9 +32,8 @@ from ._asgi import (
     Receive,
     Scope,
     Send,
-    cors_headers,
-    header,
     request_id,
+    scope_cors,
     send_error,
     send_response,
     unless_disconnected,
@@ -124,8 +123,7 @@ async def serve_api(pump: Pump, api: WireAPI, scope: Scope, receive: Receive, se
     """The ASGI handler of one of `api`'s endpoints (its entry in the route table, `_routes.wire`)."""
     app = pump.app
     settings = app.settings
-    cors = cors_headers(header(scope, b"origin"), settings.cors_origins,
-                        preflight=scope["method"] == "OPTIONS")
+    cors = scope_cors(scope, settings.cors_origins)
     if scope["method"] == "OPTIONS":
         await send_response(send, 204, b"", [(b"allow", b"POST, OPTIONS"), *cors])
         return

@@ -37,9 +37,8 @@ from .._asgi import (
     Receive,
     Scope,
     Send,
-    cors_headers,
-    header,
     request_id,
+    scope_cors,
     send_error,
     send_response,
     unless_disconnected,
@@ -313,8 +312,7 @@ class Completions:
         app = self.app
         settings = app.settings
         chat = scope["path"] == CHAT_PATH
-        cors = cors_headers(header(scope, b"origin"), settings.cors_origins,
-                            preflight=scope["method"] == "OPTIONS")
+        cors = scope_cors(scope, settings.cors_origins)
         if scope["method"] == "OPTIONS":
             await send_response(send, 204, b"", [(b"allow", b"POST, OPTIONS"), *cors])
             return
