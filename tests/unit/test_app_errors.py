@@ -206,3 +206,14 @@ async def test_idle_server_is_healthy_and_cors(tiny_model_fp32):
         r = await client.post(CHAT, json=chat_body(max_tokens=2), headers={"Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in r.headers
         assert_error(await client.post(CHAT, json={"messages": HELLO, "model": "nope"}, headers=origin), 404)
+
+
+async def test_n_past_the_batch_and_queue_is_a_400_not_a_429_forever(tiny_model_fp32):
+    """A request's n choices are submitted one by one: past --max-batch plus --max-queue they can
+    never all be taken, and an idle server answered 429 queue_full (retryable) every time."""
+    async with serve(tiny_model_fp32, factory=fake_factory(), max_batch=2, max_queue=2) as server, \
+            server.client() as client:
+        err = assert_error(await client.post(CHAT, json=chat_body(max_tokens=2, n=5)), 400, param="n")
+        assert "at most 4" in err["message"] and "--max-queue" in err["message"], err
+        r = await client.post(CHAT, json=chat_body(max_tokens=2, n=4))
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text

@@ -360,6 +360,11 @@ class Completions:
         req: ChatCompletionRequest | CompletionRequest = await read_json_request(
             scope, receive, app, (ChatCompletionRequest if chat else CompletionRequest).model_validate)
         req.check(settings.max_n)
+        batch, queue = settings.tuning.max_batch, settings.max_queue
+        if req.n > batch + queue:  # its choices go in one by one: past this, a 429 however long it waits
+            raise HTTPError(400, f"n must be at most {batch + queue} on this server: it decodes {batch} "
+                            f"requests at once and queues {queue} more (--max-batch, --max-queue)",
+                            param="n", code="invalid_value")
         adapter = pick_adapter(settings, req.model)
         rec.stream, rec.n = req.stream, req.n
         options = req.to_options()
