@@ -307,6 +307,10 @@ async def test_logprobs_and_top_logprobs(tiny_model_fp32):
             assert values == sorted(values, reverse=True)
             assert lp.top[0][0] == tid  # greedy picks the most likely token
             assert lp.top[0][2] == pytest.approx(lp.logprob, abs=1e-5)
+            # each alternative's own bytes, in top's order; its text is them decoded, or `bytes:`
+            assert len(lp.top_raw) == 3 and lp.top_raw[0] == lp.raw
+            for (_, text, _), raw in zip(lp.top, lp.top_raw, strict=True):
+                assert text.startswith("bytes:") or text.encode() == raw
         plain, _, _ = await run(engine, "Hello", max_tokens=6, temperature=0, ignore_eos=True)
         assert plain == [t for t, _ in lps]
 

@@ -115,3 +115,37 @@ async def test_logprobs_match_the_content_when_a_stop_string_ends_it(tiny_model_
     assert tokens_of(whole) == texts[:k]  # the stop string's token is not among them
     assert "".join(text_of(c) for c in chunks) == text_of(whole)
     assert [t for c in chunks for t in tokens_of(c)] == texts[:k]
+
+
+async def test_logprob_bytes_rebuild_the_text_where_tokens_split_a_character(tiny_model_fp32: Path) -> None:
+    """A token holding part of an emoji came back as token "�" with the bytes of U+FFFD, so the
+    bytes never rebuilt the content, and completions' top_logprobs (keyed by token text) lost
+    alternatives that all read "�". Now each token has its own bytes and OpenAI's `bytes:\\x..`
+    text, and text_offset counts the characters the bytes complete."""
+    tok = load_tokenizer(tiny_model_fp32)
+    answer = "café 👩 hi"
+    ids = tok.encode(answer, add_special_tokens=False)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # the tokenizer splits these characters
+    factory = engine_factory(actor=lambda *a, **k: FakeActor(*a, reply=lambda prompt: [*ids, tok.eos_token_id], **k))
+    async with serve(tiny_model_fp32, factory=factory) as server, server.client() as client:
+        r = await client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
+                                          "logprobs": True, "top_logprobs": 5})
+        choice = r.json()["choices"][0]
+        content = choice["logprobs"]["content"]
+        assert choice["message"]["content"] == answer
+        assert bytes(b for e in content for b in e["bytes"]).decode() == answer
+        assert all("\ufffd" not in e["token"] for e in content), [e["token"] for e in content]
+        assert any(e["token"].startswith("bytes:\\x") for e in content)
+        for e in content:
+            assert all(bytes(t["bytes"]).decode("utf-8", "replace") == t["token"] or t["token"].startswith("bytes:")
+                       for t in e["top_logprobs"])
+        r = await client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 20, "logprobs": 5})
+        lp = r.json()["choices"][0]["logprobs"]
+        text = r.json()["choices"][0]["text"]
+        assert text == answer
+        # keyed by each token's own text (split characters' pieces all read "�", and collided)
+        assert all(t in top for t, top in zip(lp["tokens"], lp["top_logprobs"], strict=True)), lp
+        assert len({t for t in lp["tokens"] if t.startswith("bytes:")}) >= 4, lp["tokens"]
+        # each offset is where its token's first whole character starts in the text
+        starts = [text.index(w) for w in ("c", "a", "f", "é", " ", "👩", " hi")]
+        assert sorted(set(lp["text_offset"])) == starts, lp["text_offset"]

@@ -11,12 +11,17 @@ from ..actor import FinishReason
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """The log-probability of one emitted token, with the most likely alternatives."""
+    """The log-probability of one emitted token, with the most likely alternatives: `top`,
+    (id, text, logprob) each. A token's text is its bytes decoded, or `bytes:\\xNN...` where
+    they are part of a character (OpenAI's form); `raw` and `top_raw` (in `top`'s order) are
+    the bytes themselves, which joined rebuild the text."""
 
     token_id: int
     token: str
     logprob: float
     top: tuple[tuple[int, str, float], ...] = ()
+    raw: bytes = b""
+    top_raw: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

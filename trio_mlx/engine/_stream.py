@@ -288,9 +288,17 @@ class RequestStream:
         self._emit(text, ids, lps)
 
     def _logprob(self, item: TokenOut) -> TokenLogprob:
-        dec = self._port.tokenizer.decode
-        top = tuple((i, dec([i]), lp) for i, lp in (item.top_logprobs or ()))
-        return TokenLogprob(item.token, dec([item.token]), float(item.logprob or 0.0), top)
+        from ..models._token_bytes import (  # imported where used, as models is
+            token_bytes,
+            token_text,
+        )
+
+        raw = token_bytes(self._port.tokenizer)
+        pairs = item.top_logprobs or ()
+        top_raw = tuple(raw(i) for i, _ in pairs)
+        top = tuple((i, token_text(r), lp) for (i, lp), r in zip(pairs, top_raw, strict=True))
+        mine = raw(item.token)
+        return TokenLogprob(item.token, token_text(mine), float(item.logprob or 0.0), top, mine, top_raw)
 
     def _emit(self, text: list[str], ids: list[int], lps: list[TokenLogprob] | None) -> None:
         joined = "".join(text)

@@ -12,6 +12,7 @@ once per SSE event on the event loop, which shares the GIL with the GPU actor
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
@@ -81,12 +82,15 @@ def _lp(value: float) -> float:
 
 
 def chat_logprobs(items: Sequence[TokenLogprob]) -> dict[str, Any]:
-    def entry(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
+    def entry(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
+        # the token's own bytes: part of a character where the token holds only part of one
+        return {"token": token, "logprob": _lp(logprob), "bytes": list(raw or token.encode("utf-8"))}
 
     return {
         "content": [
-            {**entry(t.token, t.logprob), "top_logprobs": [entry(s, lp) for _, s, lp in t.top]}
+            {**entry(t.token, t.logprob, t.raw),
+             "top_logprobs": [entry(s, lp, r) for (_, s, lp), r in zip(t.top, t.top_raw or (b"",) * len(t.top),
+                                                                       strict=True)]}
             for t in items
         ],
         "refusal": None,
@@ -94,14 +98,17 @@ def chat_logprobs(items: Sequence[TokenLogprob]) -> dict[str, Any]:
 
 
 def completion_logprobs(items: Sequence[TokenLogprob], offset: int = 0) -> tuple[dict[str, Any], int]:
-    """The legacy format; returns it with the text offset after the last token."""
+    """The legacy format; returns it with the text offset after the last token. A token
+    that holds part of a character starts where that character does, and the text's
+    offsets advance by the characters its bytes complete."""
     tokens, token_lps, tops, offsets = [], [], [], []
+    chars = codecs.getincrementaldecoder("utf-8")("replace")
     for t in items:
         tokens.append(t.token)
         token_lps.append(_lp(t.logprob))
         tops.append({s: _lp(lp) for _, s, lp in t.top})
         offsets.append(offset)
-        offset += len(t.token)
+        offset += len(chars.decode(t.raw)) if t.raw else len(t.token)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
