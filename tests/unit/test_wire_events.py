@@ -199,6 +199,11 @@ def test_responses_incomplete_and_failed():
     events = list(client.responses.create(model="m", input="hi", stream=True))
     assert [e.type for e in events][-2:] == ["error", "response.failed"]
     assert events[-2].code == "aborted" and events[-1].response.error.message == "aborted"
+    # the message being written was closed, incomplete, and the failed response holds its text
+    # (it was left open, and response.failed said output [] after text deltas went out)
+    assert [e.type for e in events].count("response.output_item.done") == 1
+    failed = events[-1].response.output
+    assert [(o.type, o.status, o.content[0].text) for o in failed] == [("message", "incomplete", "Hello")]
 
 
 def test_anthropic_streams_a_call_in_input_json_fragments():

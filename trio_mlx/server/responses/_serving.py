@@ -293,8 +293,10 @@ class ResponseEncoder:
         return b"".join(parts)
 
     def error(self, err: HTTPError) -> bytes:
+        # the item being written ends, incomplete, and the failed response holds what was sent
+        closing = self._close("incomplete") if self.open_kind is not None else b""
         r = self.call.response(self.rid, self.model, "failed", self.output, error=err)
-        return (self._event("error", {"code": err.code, "message": err.message, "param": err.param})
+        return (closing + self._event("error", {"code": err.code, "message": err.message, "param": err.param})
                 + self._event("response.failed", {"response": r}))
 
 
