@@ -7,7 +7,7 @@ record in one method, `to_options()`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -15,6 +15,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -32,6 +33,13 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+# The fields an explicit null sets to their default (`_nulls_mean_defaults`): so the API's
+# document says, where their Python type stays plain.
+_NullableBool = Annotated[bool, WithJsonSchema({"anyOf": [{"type": "boolean"}, {"type": "null"}]})]
+_NullableCount = Annotated[int, Field(ge=1), WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1},
+                                                                      {"type": "null"}]})]
 
 
 def _nulls_mean_defaults(*names: str) -> Any:
@@ -121,11 +129,11 @@ class _Sampling(_Strict):
     seed: int | None = Field(None, description="with n > 1, choice i uses seed + i")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    n: _NullableCount = 1
+    stream: _NullableBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: _NullableBool = False
     cache_salt: str | None = Field(None, description="vLLM's: the prompt cache is shared only among "
                                    "requests of the same salt, so cached_tokens reveal no other user's prompt")
     _sampling_nulls = _nulls_mean_defaults("n", "stream", "ignore_eos")
@@ -154,7 +162,7 @@ class _Sampling(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="an alias of max_tokens")
-    logprobs: bool = False
+    logprobs: _NullableBool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = Field(
         None, description='functions the model may call: [{"type": "function", "function": {"name", '
@@ -162,11 +170,11 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = Field(
         None, description='"auto" (the default with tools), "none", "required", or {"type": "function", '
         '"function": {"name": ...}}; "required" and a named function are enforced by constrained decoding')
-    parallel_tool_calls: bool = Field(True, description="false: at most one call, where a call is enforced")
+    parallel_tool_calls: _NullableBool = Field(True, description="false: at most one call, where a call is enforced")
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
         '"json_schema": {"name", "schema", "strict"}}: enforced token by token')
-    continue_final_message: bool = Field(
+    continue_final_message: _NullableBool = Field(
         False, description="an extension (vLLM's): continue the last message, the assistant's, rather than "
         "answer it (a prefill); the reply holds only the continuation")
     # Accepted only in their no-op forms; anything else changes semantics -> 400.
@@ -207,7 +215,7 @@ class CompletionRequest(_Sampling):
         description="a string, a list of one string, or token ids (a list of ints, or a list of one)")
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: _NullableBool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     response_format: dict[str, Any] | None = Field(
