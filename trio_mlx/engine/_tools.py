@@ -520,17 +520,19 @@ class ToolCallStream:
             calls.append(call)
             self._completed += 1
             return
-        if not all(isinstance(one, Mapping) and _object_arguments(one.get("arguments", {})) for one in found):
+        arguments = [_object_arguments(one.get("arguments", {})) if isinstance(one, Mapping) else None
+                     for one in found]
+        if None in arguments:
             log.warning("a tool call's arguments are not a JSON object: %r", text[:200])
             calls.append(Refused(text))
             return
-        for one in found:
+        for one, args in zip(found, arguments, strict=True):
             calls.append(
                 ToolCall(
                     index=self._count,
                     id=str(one.get("id") or f"call_{uuid.uuid4().hex[:24]}"),
                     name=str(one.get("name")),
-                    arguments=_object_arguments(one.get("arguments", {})) or "{}",
+                    arguments=args or "{}",
                 )
             )
             self._count += 1

@@ -114,10 +114,9 @@ class ChoicesEncoder(Protocol):
 class ChoiceResult:
     """What one choice of a non-streamed request accumulated."""
 
-    __slots__ = ("text", "reasoning", "logprobs", "tool_calls", "finished", "_parts")
+    __slots__ = ("reasoning", "logprobs", "tool_calls", "finished", "_parts")
 
     def __init__(self) -> None:
-        self.text: list[str] = []
         self.reasoning: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.tool_calls: list[ToolCall] = []
@@ -127,7 +126,6 @@ class ChoiceResult:
     def take(self, ev: Any) -> None:
         """Add one of the choice's events; a whole answer takes calls whole, not their deltas."""
         if isinstance(ev, TextDelta):
-            self.text.append(ev.text)
             if self._parts and type(self._parts[-1]) is list:
                 self._parts[-1].append(ev.text)
             else:
@@ -141,6 +139,11 @@ class ChoiceResult:
             self._parts.extend(ev.calls)
         elif isinstance(ev, Finished):
             self.finished = ev
+
+    @property
+    def text(self) -> list[str]:
+        """The answer's text, in pieces (its calls left out)."""
+        return [piece for p in self._parts if isinstance(p, list) for piece in p]
 
     def in_order(self) -> list[str | ToolCall]:
         """The answer's text runs (non-empty) and calls in the order the model wrote them: the
