@@ -11,10 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -35,19 +35,19 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-# The fields an explicit null sets to their default (`_nulls_mean_defaults`): so the API's
-# document says, where their Python type stays plain.
-_NullableBool = Annotated[bool, WithJsonSchema({"anyOf": [{"type": "boolean"}, {"type": "null"}]})]
-_NullableCount = Annotated[int, Field(ge=1), WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1},
-                                                                      {"type": "null"}]})]
+def _null_is(default: Any, schema: dict[str, Any]) -> tuple[Any, ...]:
+    """A field's metadata for an explicit null meaning `default`, as OpenAI takes it (the SDKs
+    send null for a parameter given as None), and the API's document saying it takes null;
+    its Python type stays plain."""
+    return (BeforeValidator(lambda value: default if value is None else value),
+            WithJsonSchema({"anyOf": [schema, {"type": "null"}]}))
 
 
-def _nulls_mean_defaults(*names: str) -> Any:
-    """A validator: an explicit null for these fields is their default, as OpenAI takes it
-    (the SDKs send null for a parameter given as None)."""
-    def null(cls: Any, value: Any, info: ValidationInfo) -> Any:
-        return cls.model_fields[info.field_name].default if value is None else value
-    return field_validator(*names, mode="before")(classmethod(null))  # type: ignore[arg-type]
+_FalseIfNull = Annotated[bool, *_null_is(False, {"type": "boolean"})]
+_TrueIfNull = Annotated[bool, *_null_is(True, {"type": "boolean"})]
+_OneIfNull = Annotated[int, Field(ge=1), *_null_is(1, {"type": "integer", "minimum": 1})]
+# completions' max_tokens: OpenAI's 16 for null too, not the server's default length
+_SixteenIfNull = Annotated[int, Field(ge=1), *_null_is(16, {"type": "integer", "minimum": 1})]
 
 
 class ContentPart(_Strict):
@@ -129,14 +129,13 @@ class _Sampling(_Strict):
     seed: int | None = Field(None, description="with n > 1, choice i uses seed + i")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: _NullableCount = 1
-    stream: _NullableBool = False
+    n: _OneIfNull = 1
+    stream: _FalseIfNull = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: _NullableBool = False
+    ignore_eos: _FalseIfNull = False
     cache_salt: str | None = Field(None, description="vLLM's: the prompt cache is shared only among "
                                    "requests of the same salt, so cached_tokens reveal no other user's prompt")
-    _sampling_nulls = _nulls_mean_defaults("n", "stream", "ignore_eos")
 
     def _shared_options(self) -> dict[str, Any]:
         """The `GenerationOptions` fields both endpoints take alike, by the record's names."""
@@ -162,7 +161,7 @@ class _Sampling(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="an alias of max_tokens")
-    logprobs: _NullableBool = False
+    logprobs: _FalseIfNull = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = Field(
         None, description='functions the model may call: [{"type": "function", "function": {"name", '
@@ -170,11 +169,11 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = Field(
         None, description='"auto" (the default with tools), "none", "required", or {"type": "function", '
         '"function": {"name": ...}}; "required" and a named function are enforced by constrained decoding')
-    parallel_tool_calls: _NullableBool = Field(True, description="false: at most one call, where a call is enforced")
+    parallel_tool_calls: _TrueIfNull = Field(True, description="false: at most one call, where a call is enforced")
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
         '"json_schema": {"name", "schema", "strict"}}: enforced token by token')
-    continue_final_message: _NullableBool = Field(
+    continue_final_message: _FalseIfNull = Field(
         False, description="an extension (vLLM's): continue the last message, the assistant's, rather than "
         "answer it (a prefill); the reply holds only the continuation")
     # Accepted only in their no-op forms; anything else changes semantics -> 400.
@@ -183,7 +182,6 @@ class ChatCompletionRequest(_Sampling):
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
-    _chat_nulls = _nulls_mean_defaults("logprobs", "parallel_tool_calls", "continue_final_message")
 
     def check(self, max_n: int) -> None:
         self._check_common(max_n)
@@ -213,15 +211,13 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of one string, or token ids (a list of ints, or a list of one)")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: _SixteenIfNull = 16
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: _NullableBool = False
+    echo: _FalseIfNull = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     response_format: dict[str, Any] | None = Field(
         None, description='as on chat completions: {"type": "json_object"} or {"type": "json_schema", ...}')
-    # max_tokens null is OpenAI's 16 too, not the server's default length
-    _completion_nulls = _nulls_mean_defaults("max_tokens", "echo")
 
     @field_validator("prompt", mode="wrap")
     @classmethod
